@@ -1,0 +1,454 @@
+"""A synchronous, thread-safe client for the kvdepot daemon (no vLLM needed).
+
+    client = DepotClient("unix:///run/kvdepot/kvdepot.sock", client_name="my-engine")
+    client.start()                       # never raises: reconnects in the background
+    client.wait_connected(5.0)
+    reg = client.register_kv(layout, rank=0, shm=buf, tensors=[...], groups=[...])
+    stream = client.transfer_stream()
+    stream.submit(TransferJob(job_id=1, direction=STORE, registration_id=reg.registration_id, ...))
+    stream.wait({1}, timeout=5.0); results = stream.poll()
+
+Failure contract (what an engine relies on): calls made while the daemon is
+unreachable fail fast with `DepotUnavailable` or a gRPC error within their
+deadline; a Transfer stream that breaks answers every job in flight with a
+failed result (`error_code="UNAVAILABLE"`); watchers get a reset (forget every
+key) when the daemon goes away and a fresh snapshot when it is back. The session
+reconnects by itself with backoff; listeners hear about every new session so
+they can re-register (registrations die with the daemon).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import random
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+
+import grpc
+
+from kvdepot.client.fdpass import send_fd
+from kvdepot.client.shm import SharedKVBuffer
+from kvdepot.v1 import admin_pb2_grpc, depot_pb2, depot_pb2_grpc
+
+log = logging.getLogger("kvdepot.client")
+
+DEFAULT_TIMEOUT = 5.0
+_MAX_MESSAGE = 512 << 20
+
+
+class DepotUnavailable(RuntimeError):
+    """The daemon is not reachable right now (the client keeps reconnecting)."""
+
+
+def normalize_target(target: str) -> str:
+    """'/run/x.sock' or 'unix:///run/x.sock' -> a gRPC target."""
+    if target.startswith("/"):
+        return f"unix://{target}"
+    return target
+
+
+class DepotClient:
+    """One session with the daemon, kept open (and re-opened) by a background thread."""
+
+    def __init__(
+        self,
+        target: str,
+        client_name: str = "",
+        engine_id: str = "",
+        *,
+        backoff_initial: float = 0.05,
+        backoff_max: float = 2.0,
+    ) -> None:
+        self.target = normalize_target(target)
+        self.client_name = client_name or f"pid {os.getpid()}"
+        self.engine_id = engine_id
+        self._backoff = (backoff_initial, backoff_max)
+        self._channel = grpc.insecure_channel(
+            self.target,
+            options=[
+                ("grpc.max_receive_message_length", _MAX_MESSAGE),
+                ("grpc.max_send_message_length", _MAX_MESSAGE),
+                # Reconnect quickly after a daemon restart.
+                ("grpc.initial_reconnect_backoff_ms", 50),
+                ("grpc.max_reconnect_backoff_ms", 1000),
+            ],
+        )
+        self.stub = depot_pb2_grpc.DepotStub(self._channel)
+        self.admin = admin_pb2_grpc.AdminStub(self._channel)
+        self._lock = threading.Lock()
+        self._connected = threading.Event()
+        self._closed = threading.Event()
+        self.hello: depot_pb2.SessionHello | None = None
+        self._listeners: list[Callable[[str], None]] = []
+        self._disconnect_listeners: list[Callable[[], None]] = []
+        self._session_call: grpc.Future | None = None
+        self._thread: threading.Thread | None = None
+        self.sessions_opened = 0
+
+    # -- session ---------------------------------------------------------------------
+
+    def start(self) -> DepotClient:
+        if self._thread is None:
+            self._thread = threading.Thread(
+                target=self._session_loop, name="kvdepot-session", daemon=True
+            )
+            self._thread.start()
+        return self
+
+    @property
+    def connected(self) -> bool:
+        return self._connected.is_set()
+
+    @property
+    def session_id(self) -> str:
+        hello = self.hello
+        if hello is None or not self.connected:
+            raise DepotUnavailable(f"not connected to the kvdepot daemon at {self.target}")
+        return hello.session_id
+
+    @property
+    def boot_id(self) -> str | None:
+        return self.hello.boot_id if self.hello else None
+
+    def wait_connected(self, timeout: float | None = None) -> bool:
+        return self._connected.wait(timeout)
+
+    def add_session_listener(self, fn: Callable[[str], None]) -> None:
+        """fn(boot_id) after every (re)connect, on the session thread. Keep it short."""
+        with self._lock:
+            self._listeners.append(fn)
+        if self.connected and self.hello is not None:
+            fn(self.hello.boot_id)
+
+    def add_disconnect_listener(self, fn: Callable[[], None]) -> None:
+        with self._lock:
+            self._disconnect_listeners.append(fn)
+
+    def _session_loop(self) -> None:
+        delay = self._backoff[0]
+        while not self._closed.is_set():
+            call = None
+            try:
+                call = self.stub.Session(
+                    depot_pb2.SessionRequest(
+                        client_name=self.client_name, pid=os.getpid(), engine_id=self.engine_id
+                    )
+                )
+                self._session_call = call
+                for event in call:
+                    if event.HasField("hello"):
+                        previous = self.hello.boot_id if self.hello else None
+                        self.hello = event.hello
+                        self.sessions_opened += 1
+                        self._connected.set()
+                        delay = self._backoff[0]
+                        if previous is not None and previous != event.hello.boot_id:
+                            log.warning("kvdepot daemon restarted (boot id %s -> %s)",
+                                        previous, event.hello.boot_id)
+                        log.info("kvdepot session %s open", event.hello.session_id)
+                        for fn in list(self._listeners):
+                            self._call_listener(fn, event.hello.boot_id)
+            except grpc.RpcError as exc:
+                if not self._closed.is_set():
+                    code = exc.code() if hasattr(exc, "code") else None
+                    log.debug("kvdepot session ended: %s", code)
+            finally:
+                was_connected = self._connected.is_set()
+                self._connected.clear()
+                if call is not None:
+                    call.cancel()
+                if was_connected and not self._closed.is_set():
+                    log.warning("lost the kvdepot daemon at %s; reconnecting", self.target)
+                    for fn in list(self._disconnect_listeners):
+                        self._call_listener(fn)
+            if self._closed.wait(delay * (0.5 + random.random())):
+                return
+            delay = min(delay * 2, self._backoff[1])
+
+    @staticmethod
+    def _call_listener(fn: Callable[..., None], *args: object) -> None:
+        try:
+            fn(*args)
+        except Exception:
+            log.exception("kvdepot session listener failed")
+
+    def close(self) -> None:
+        """Ends the session: the daemon releases everything this client held."""
+        self._closed.set()
+        call = self._session_call
+        if call is not None:
+            call.cancel()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        self._channel.close()
+        self._connected.clear()
+
+    # -- unary calls -----------------------------------------------------------------
+
+    def register_kv(
+        self,
+        layout: depot_pb2.NamespaceLayout,
+        rank: int,
+        shm: SharedKVBuffer | None,
+        tensors: Sequence[depot_pb2.KVTensor],
+        groups: Sequence[depot_pb2.GroupRefs],
+        timeout: float = 30.0,
+    ) -> depot_pb2.RegisterKVResponse:
+        """Declares `layout` and registers this rank's KV memory (memfd over SCM_RIGHTS)."""
+        session_id = self.session_id
+        regions = []
+        if shm is not None:
+            assert self.hello is not None
+            if not self.hello.fd_socket:
+                raise DepotUnavailable("the daemon takes no fds (no fd socket)")
+            token = send_fd(self.hello.fd_socket, session_id, shm.fd, timeout=timeout)
+            regions.append(
+                depot_pb2.MemoryRegion(
+                    shm=depot_pb2.SharedMemoryHandle(fd_token=token, size=shm.size)
+                )
+            )
+        return self.stub.RegisterKV(
+            depot_pb2.RegisterKVRequest(
+                session_id=session_id, namespace=layout, rank=rank, regions=regions,
+                tensors=tensors, groups=groups,
+            ),
+            timeout=timeout,
+        )
+
+    def unregister_kv(self, registration_id: int, timeout: float = DEFAULT_TIMEOUT) -> None:
+        self.stub.UnregisterKV(
+            depot_pb2.UnregisterKVRequest(
+                session_id=self.session_id, registration_id=registration_id
+            ),
+            timeout=timeout,
+        )
+
+    def lookup(
+        self, namespace_id: str, keys: Sequence[bytes], timeout: float = DEFAULT_TIMEOUT
+    ) -> list[bool]:
+        resp = self.stub.Lookup(
+            depot_pb2.LookupRequest(session_id=self.session_id, namespace_id=namespace_id,
+                                    keys=keys),
+            timeout=timeout,
+        )
+        return list(resp.ready)
+
+    def pin(
+        self, namespace_id: str, keys: Sequence[bytes], timeout: float = DEFAULT_TIMEOUT
+    ) -> list[bool]:
+        resp = self.stub.Pin(
+            depot_pb2.PinRequest(session_id=self.session_id, namespace_id=namespace_id, keys=keys),
+            timeout=timeout,
+        )
+        return list(resp.pinned)
+
+    def unpin(
+        self, namespace_id: str, keys: Sequence[bytes], timeout: float = DEFAULT_TIMEOUT,
+        wait: bool = False,
+    ) -> None:
+        """Drops one pin per key. With wait=False it does not block (fire and forget);
+        pins of a session that ends are dropped by the daemon anyway."""
+        try:
+            req = depot_pb2.UnpinRequest(
+                session_id=self.session_id, namespace_id=namespace_id, keys=keys
+            )
+        except DepotUnavailable:
+            return  # the daemon dropped our pins with our session
+        if wait:
+            self.stub.Unpin(req, timeout=timeout)
+        else:
+            self.stub.Unpin.future(req, timeout=timeout)
+
+    def put(
+        self, namespace_id: str, key: bytes, rank: int, data: bytes,
+        timeout: float = DEFAULT_TIMEOUT,
+    ) -> depot_pb2.PutResponse:
+        return self.stub.Put(
+            depot_pb2.PutRequest(session_id=self.session_id, namespace_id=namespace_id, key=key,
+                                 rank=rank, data=data),
+            timeout=timeout,
+        )
+
+    def get(
+        self, namespace_id: str, key: bytes, rank: int, timeout: float = DEFAULT_TIMEOUT
+    ) -> bytes:
+        resp = self.stub.Get(
+            depot_pb2.GetRequest(session_id=self.session_id, namespace_id=namespace_id, key=key,
+                                 rank=rank),
+            timeout=timeout,
+        )
+        return resp.data
+
+    # -- streams ---------------------------------------------------------------------
+
+    def watch(
+        self, namespace_id: str, on_event: Callable[[depot_pb2.WatchEvent], None]
+    ) -> Watch:
+        """Follows the namespace's ready keys; see `Watch`."""
+        return Watch(self, namespace_id, on_event).start()
+
+    def transfer_stream(self) -> TransferStream:
+        return TransferStream(self)
+
+
+class Watch:
+    """A background subscription to a namespace's ready keys.
+
+    `on_event` gets the daemon's WatchEvents (a SNAPSHOT with reset=True, more
+    SNAPSHOT parts, SNAPSHOT_END, then STORED/REMOVED deltas). When the daemon
+    goes away it gets a synthetic SNAPSHOT with reset=True and no keys (forget
+    everything), and after a reconnect a fresh snapshot.
+    """
+
+    def __init__(
+        self, client: DepotClient, namespace_id: str,
+        on_event: Callable[[depot_pb2.WatchEvent], None],
+    ) -> None:
+        self.client = client
+        self.namespace_id = namespace_id
+        self.on_event = on_event
+        self._stop = threading.Event()
+        self._call: grpc.Future | None = None
+        self._thread = threading.Thread(target=self._run, name="kvdepot-watch", daemon=True)
+
+    def start(self) -> Watch:
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            if not self.client.wait_connected(0.5):
+                continue
+            try:
+                call = self._call = self.client.stub.Watch(
+                    depot_pb2.WatchRequest(
+                        session_id=self.client.session_id, namespace_id=self.namespace_id
+                    )
+                )
+                for event in call:
+                    self.on_event(event)
+            except (grpc.RpcError, DepotUnavailable):
+                pass
+            except Exception:
+                log.exception("kvdepot watch handler failed; resubscribing")
+            if self._stop.is_set():
+                return
+            self.on_event(depot_pb2.WatchEvent(kind=depot_pb2.WatchEvent.SNAPSHOT, reset=True))
+            self._stop.wait(0.1)
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._call is not None:
+            self._call.cancel()
+        self._thread.join(timeout=5)
+
+
+_STREAM_END = object()
+
+
+class TransferStream:
+    """One bidirectional Transfer stream: submit jobs, collect results.
+
+    `submit` never blocks. Results are kept until `poll` takes them; `wait`
+    blocks until the named jobs have results (or the timeout passes). When the
+    stream breaks, every job in flight gets a failed result; the next `submit`
+    opens a new stream.
+    """
+
+    def __init__(self, client: DepotClient) -> None:
+        self.client = client
+        self._lock = threading.Condition()
+        self._inflight: dict[int, float] = {}  # job id -> submit time
+        self._done: dict[int, depot_pb2.TransferResult] = {}
+        self._requests: queue.SimpleQueue[object] | None = None
+        self._generation = 0
+
+    def _requests_iter(self, q: queue.SimpleQueue[object]) -> Iterator[depot_pb2.TransferJob]:
+        while True:
+            item = q.get()
+            if item is _STREAM_END:
+                return
+            yield item  # type: ignore[misc]
+
+    def _open(self) -> queue.SimpleQueue[object]:
+        q: queue.SimpleQueue[object] = queue.SimpleQueue()
+        self._generation += 1
+        generation = self._generation
+        call = self.client.stub.Transfer(self._requests_iter(q))
+        threading.Thread(
+            target=self._read, args=(call, q, generation), name="kvdepot-transfer", daemon=True
+        ).start()
+        return q
+
+    def _read(self, call: Iterable[depot_pb2.TransferResult], q: object, generation: int) -> None:
+        error = "the Transfer stream ended"
+        try:
+            for result in call:
+                with self._lock:
+                    self._inflight.pop(result.job_id, None)
+                    self._done[result.job_id] = result
+                    self._lock.notify_all()
+        except grpc.RpcError as exc:
+            error = f"the Transfer stream broke: {exc.code() if hasattr(exc, 'code') else exc}"
+        with self._lock:
+            if self._requests is q:
+                self._requests = None
+            # Only this generation's jobs were on the broken stream.
+            for job_id in list(self._inflight):
+                self._fail(job_id, error)
+            self._lock.notify_all()
+
+    def _fail(self, job_id: int, error: str) -> None:
+        self._inflight.pop(job_id, None)
+        self._done[job_id] = depot_pb2.TransferResult(
+            job_id=job_id, success=False, error=error, error_code="UNAVAILABLE"
+        )
+
+    def submit(self, job: depot_pb2.TransferJob) -> None:
+        with self._lock:
+            if job.job_id in self._inflight or job.job_id in self._done:
+                raise ValueError(f"job id {job.job_id} is already in use on this stream")
+            try:
+                if not job.session_id:
+                    job.session_id = self.client.session_id
+                if self._requests is None:
+                    self._requests = self._open()
+            except (DepotUnavailable, grpc.RpcError, ValueError) as exc:
+                self._fail(job.job_id, f"kvdepot daemon unavailable: {exc}")
+                self._lock.notify_all()
+                return
+            self._inflight[job.job_id] = time.monotonic()
+            self._requests.put(job)
+
+    def poll(self) -> list[depot_pb2.TransferResult]:
+        with self._lock:
+            done, self._done = list(self._done.values()), {}
+        return done
+
+    def wait(self, job_ids: Iterable[int], timeout: float | None = None) -> bool:
+        """Blocks until every job in `job_ids` has a result; False on timeout."""
+        ids = set(job_ids)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._lock:
+            while True:
+                missing = {j for j in ids if j not in self._done}
+                if not missing:
+                    return True
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    return False
+                self._lock.wait(remaining)
+
+    @property
+    def inflight(self) -> int:
+        with self._lock:
+            return len(self._inflight)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._requests is not None:
+                self._requests.put(_STREAM_END)
+                self._requests = None

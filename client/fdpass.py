@@ -1,0 +1,88 @@
+"""Passing memory file descriptors to the daemon (SCM_RIGHTS on a Unix socket).
+
+gRPC cannot carry file descriptors, so the daemon listens on a second Unix
+socket (its path is in SessionHello.fd_socket). Protocol, one exchange per
+connection:
+
+    client -> daemon: 4-byte big-endian length + JSON {"session_id": ...},
+                      with exactly one fd attached (SCM_RIGHTS)
+    daemon -> client: 4-byte big-endian length + JSON {"fd_token": ...}
+                      or {"error": "what was wrong and what to do"}
+
+The client then names `fd_token` in RegisterKV (SharedMemoryHandle). The daemon
+keeps an unclaimed fd for a short while only. Works between unrelated processes.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import struct
+
+MAX_MESSAGE = 4096
+_LEN = struct.Struct(">I")
+
+
+class FdPassError(RuntimeError):
+    """The daemon refused the fd, or the exchange broke."""
+
+
+def encode(obj: dict) -> bytes:
+    body = json.dumps(obj).encode()
+    return _LEN.pack(len(body)) + body
+
+
+def read_message(sock: socket.socket, max_fds: int = 0) -> tuple[dict, list[int]]:
+    """Reads one framed message (and up to `max_fds` attached fds)."""
+    fds: list[int] = []
+    head = b""
+    anc_space = socket.CMSG_SPACE(max_fds * 4) if max_fds else 0
+    while len(head) < _LEN.size:
+        if anc_space:
+            data, anc, _flags, _addr = sock.recvmsg(_LEN.size - len(head), anc_space)
+            for level, kind, payload in anc:
+                if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                    usable = len(payload) - len(payload) % 4
+                    fds.extend(struct.unpack(f"{usable // 4}i", payload[:usable]))
+        else:
+            data = sock.recv(_LEN.size - len(head))
+        if not data:
+            raise FdPassError("connection closed before a message arrived")
+        head += data
+    (length,) = _LEN.unpack(head)
+    if length > MAX_MESSAGE:
+        raise FdPassError(f"message of {length} bytes is larger than {MAX_MESSAGE}")
+    body = b""
+    while len(body) < length:
+        data = sock.recv(length - len(body))
+        if not data:
+            raise FdPassError("connection closed in the middle of a message")
+        body += data
+    try:
+        obj = json.loads(body)
+    except ValueError as exc:
+        raise FdPassError(f"message is not JSON: {exc}") from None
+    if not isinstance(obj, dict):
+        raise FdPassError("message must be a JSON object")
+    return obj, fds
+
+
+def send_fd(fd_socket_path: str, session_id: str, fd: int, timeout: float = 5.0) -> str:
+    """Sends `fd` to the daemon and returns the fd_token for RegisterKV."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(timeout)
+        try:
+            sock.connect(fd_socket_path)
+            sock.sendmsg(
+                [encode({"session_id": session_id})],
+                [(socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack("i", fd))],
+            )
+            reply, _ = read_message(sock)
+        except OSError as exc:
+            raise FdPassError(f"fd socket {fd_socket_path}: {exc}") from exc
+    if "error" in reply:
+        raise FdPassError(str(reply["error"]))
+    token = reply.get("fd_token")
+    if not isinstance(token, str):
+        raise FdPassError(f"unexpected reply from the daemon: {reply}")
+    return token

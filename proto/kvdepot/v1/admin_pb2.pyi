@@ -1,0 +1,213 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class GetStatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetStatsResponse(_message.Message):
+    __slots__ = ("version", "boot_id", "uptime_seconds", "capacity_bytes", "used_bytes", "pinned_bytes", "largest_free_extent_bytes", "warmup_done_bytes", "warmup_complete", "ready_blocks", "writing_blocks", "pinned_blocks", "sessions", "registrations", "namespaces", "lookups", "hits", "misses", "evictions", "stores", "loads", "stored_bytes", "loaded_bytes", "dropped_stores", "inflight_jobs", "pool_backing", "warm_restarted")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    BOOT_ID_FIELD_NUMBER: _ClassVar[int]
+    UPTIME_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PINNED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LARGEST_FREE_EXTENT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    WARMUP_DONE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    WARMUP_COMPLETE_FIELD_NUMBER: _ClassVar[int]
+    READY_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    WRITING_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PINNED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    REGISTRATIONS_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACES_FIELD_NUMBER: _ClassVar[int]
+    LOOKUPS_FIELD_NUMBER: _ClassVar[int]
+    HITS_FIELD_NUMBER: _ClassVar[int]
+    MISSES_FIELD_NUMBER: _ClassVar[int]
+    EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    STORES_FIELD_NUMBER: _ClassVar[int]
+    LOADS_FIELD_NUMBER: _ClassVar[int]
+    STORED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LOADED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_STORES_FIELD_NUMBER: _ClassVar[int]
+    INFLIGHT_JOBS_FIELD_NUMBER: _ClassVar[int]
+    POOL_BACKING_FIELD_NUMBER: _ClassVar[int]
+    WARM_RESTARTED_FIELD_NUMBER: _ClassVar[int]
+    version: str
+    boot_id: str
+    uptime_seconds: float
+    capacity_bytes: int
+    used_bytes: int
+    pinned_bytes: int
+    largest_free_extent_bytes: int
+    warmup_done_bytes: int
+    warmup_complete: bool
+    ready_blocks: int
+    writing_blocks: int
+    pinned_blocks: int
+    sessions: int
+    registrations: int
+    namespaces: int
+    lookups: int
+    hits: int
+    misses: int
+    evictions: int
+    stores: int
+    loads: int
+    stored_bytes: int
+    loaded_bytes: int
+    dropped_stores: int
+    inflight_jobs: int
+    pool_backing: str
+    warm_restarted: bool
+    def __init__(self, version: _Optional[str] = ..., boot_id: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., pinned_bytes: _Optional[int] = ..., largest_free_extent_bytes: _Optional[int] = ..., warmup_done_bytes: _Optional[int] = ..., warmup_complete: _Optional[bool] = ..., ready_blocks: _Optional[int] = ..., writing_blocks: _Optional[int] = ..., pinned_blocks: _Optional[int] = ..., sessions: _Optional[int] = ..., registrations: _Optional[int] = ..., namespaces: _Optional[int] = ..., lookups: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ..., stores: _Optional[int] = ..., loads: _Optional[int] = ..., stored_bytes: _Optional[int] = ..., loaded_bytes: _Optional[int] = ..., dropped_stores: _Optional[int] = ..., inflight_jobs: _Optional[int] = ..., pool_backing: _Optional[str] = ..., warm_restarted: _Optional[bool] = ...) -> None: ...
+
+class ListNamespacesRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class NamespaceInfo(_message.Message):
+    __slots__ = ("id", "world_size", "blocks_per_chunk", "slot_bytes", "ready_blocks", "writing_blocks", "used_bytes", "description")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_PER_CHUNK_FIELD_NUMBER: _ClassVar[int]
+    SLOT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    READY_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    WRITING_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    world_size: int
+    blocks_per_chunk: int
+    slot_bytes: _containers.RepeatedScalarFieldContainer[int]
+    ready_blocks: int
+    writing_blocks: int
+    used_bytes: int
+    description: str
+    def __init__(self, id: _Optional[str] = ..., world_size: _Optional[int] = ..., blocks_per_chunk: _Optional[int] = ..., slot_bytes: _Optional[_Iterable[int]] = ..., ready_blocks: _Optional[int] = ..., writing_blocks: _Optional[int] = ..., used_bytes: _Optional[int] = ..., description: _Optional[str] = ...) -> None: ...
+
+class ListNamespacesResponse(_message.Message):
+    __slots__ = ("namespaces",)
+    NAMESPACES_FIELD_NUMBER: _ClassVar[int]
+    namespaces: _containers.RepeatedCompositeFieldContainer[NamespaceInfo]
+    def __init__(self, namespaces: _Optional[_Iterable[_Union[NamespaceInfo, _Mapping]]] = ...) -> None: ...
+
+class ListEnginesRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class RegistrationInfo(_message.Message):
+    __slots__ = ("registration_id", "namespace_id", "rank", "memory_path", "registered_bytes")
+    REGISTRATION_ID_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_PATH_FIELD_NUMBER: _ClassVar[int]
+    REGISTERED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    registration_id: int
+    namespace_id: str
+    rank: int
+    memory_path: str
+    registered_bytes: int
+    def __init__(self, registration_id: _Optional[int] = ..., namespace_id: _Optional[str] = ..., rank: _Optional[int] = ..., memory_path: _Optional[str] = ..., registered_bytes: _Optional[int] = ...) -> None: ...
+
+class EngineInfo(_message.Message):
+    __slots__ = ("session_id", "client_name", "pid", "engine_id", "connected_seconds", "registrations", "pinned_blocks")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_NAME_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    CONNECTED_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    REGISTRATIONS_FIELD_NUMBER: _ClassVar[int]
+    PINNED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    client_name: str
+    pid: int
+    engine_id: str
+    connected_seconds: float
+    registrations: _containers.RepeatedCompositeFieldContainer[RegistrationInfo]
+    pinned_blocks: int
+    def __init__(self, session_id: _Optional[str] = ..., client_name: _Optional[str] = ..., pid: _Optional[int] = ..., engine_id: _Optional[str] = ..., connected_seconds: _Optional[float] = ..., registrations: _Optional[_Iterable[_Union[RegistrationInfo, _Mapping]]] = ..., pinned_blocks: _Optional[int] = ...) -> None: ...
+
+class ListEnginesResponse(_message.Message):
+    __slots__ = ("engines",)
+    ENGINES_FIELD_NUMBER: _ClassVar[int]
+    engines: _containers.RepeatedCompositeFieldContainer[EngineInfo]
+    def __init__(self, engines: _Optional[_Iterable[_Union[EngineInfo, _Mapping]]] = ...) -> None: ...
+
+class ListBlocksRequest(_message.Message):
+    __slots__ = ("namespace_id", "has_group", "group", "page_size", "page_token")
+    NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
+    HAS_GROUP_FIELD_NUMBER: _ClassVar[int]
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    namespace_id: str
+    has_group: bool
+    group: int
+    page_size: int
+    page_token: str
+    def __init__(self, namespace_id: _Optional[str] = ..., has_group: _Optional[bool] = ..., group: _Optional[int] = ..., page_size: _Optional[int] = ..., page_token: _Optional[str] = ...) -> None: ...
+
+class BlockInfo(_message.Message):
+    __slots__ = ("namespace_id", "key_hex", "group", "state", "pins", "bytes", "pool_offset", "written_ranks_mask")
+    NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
+    KEY_HEX_FIELD_NUMBER: _ClassVar[int]
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    PINS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    POOL_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    WRITTEN_RANKS_MASK_FIELD_NUMBER: _ClassVar[int]
+    namespace_id: str
+    key_hex: str
+    group: int
+    state: str
+    pins: int
+    bytes: int
+    pool_offset: int
+    written_ranks_mask: int
+    def __init__(self, namespace_id: _Optional[str] = ..., key_hex: _Optional[str] = ..., group: _Optional[int] = ..., state: _Optional[str] = ..., pins: _Optional[int] = ..., bytes: _Optional[int] = ..., pool_offset: _Optional[int] = ..., written_ranks_mask: _Optional[int] = ...) -> None: ...
+
+class ListBlocksResponse(_message.Message):
+    __slots__ = ("blocks", "next_page_token", "total_blocks")
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    blocks: _containers.RepeatedCompositeFieldContainer[BlockInfo]
+    next_page_token: str
+    total_blocks: int
+    def __init__(self, blocks: _Optional[_Iterable[_Union[BlockInfo, _Mapping]]] = ..., next_page_token: _Optional[str] = ..., total_blocks: _Optional[int] = ...) -> None: ...
+
+class EvictRequest(_message.Message):
+    __slots__ = ("namespace_id", "keys")
+    NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    namespace_id: str
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, namespace_id: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class EvictResponse(_message.Message):
+    __slots__ = ("evicted_blocks", "skipped_blocks")
+    EVICTED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    SKIPPED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    evicted_blocks: int
+    skipped_blocks: int
+    def __init__(self, evicted_blocks: _Optional[int] = ..., skipped_blocks: _Optional[int] = ...) -> None: ...
+
+class ClearRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ClearResponse(_message.Message):
+    __slots__ = ("evicted_blocks", "skipped_blocks")
+    EVICTED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    SKIPPED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    evicted_blocks: int
+    skipped_blocks: int
+    def __init__(self, evicted_blocks: _Optional[int] = ..., skipped_blocks: _Optional[int] = ...) -> None: ...

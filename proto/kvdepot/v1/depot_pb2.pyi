@@ -1,0 +1,347 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Direction(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DIRECTION_UNSPECIFIED: _ClassVar[Direction]
+    STORE: _ClassVar[Direction]
+    LOAD: _ClassVar[Direction]
+DIRECTION_UNSPECIFIED: Direction
+STORE: Direction
+LOAD: Direction
+
+class SessionRequest(_message.Message):
+    __slots__ = ("client_name", "pid", "engine_id")
+    CLIENT_NAME_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    client_name: str
+    pid: int
+    engine_id: str
+    def __init__(self, client_name: _Optional[str] = ..., pid: _Optional[int] = ..., engine_id: _Optional[str] = ...) -> None: ...
+
+class SessionEvent(_message.Message):
+    __slots__ = ("hello", "keepalive")
+    HELLO_FIELD_NUMBER: _ClassVar[int]
+    KEEPALIVE_FIELD_NUMBER: _ClassVar[int]
+    hello: SessionHello
+    keepalive: SessionKeepalive
+    def __init__(self, hello: _Optional[_Union[SessionHello, _Mapping]] = ..., keepalive: _Optional[_Union[SessionKeepalive, _Mapping]] = ...) -> None: ...
+
+class SessionHello(_message.Message):
+    __slots__ = ("session_id", "boot_id", "version", "pool_capacity_bytes", "max_job_keys", "fd_socket")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    BOOT_ID_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    POOL_CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_JOB_KEYS_FIELD_NUMBER: _ClassVar[int]
+    FD_SOCKET_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    boot_id: str
+    version: str
+    pool_capacity_bytes: int
+    max_job_keys: int
+    fd_socket: str
+    def __init__(self, session_id: _Optional[str] = ..., boot_id: _Optional[str] = ..., version: _Optional[str] = ..., pool_capacity_bytes: _Optional[int] = ..., max_job_keys: _Optional[int] = ..., fd_socket: _Optional[str] = ...) -> None: ...
+
+class SessionKeepalive(_message.Message):
+    __slots__ = ("uptime_seconds",)
+    UPTIME_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    uptime_seconds: float
+    def __init__(self, uptime_seconds: _Optional[float] = ...) -> None: ...
+
+class NamespaceLayout(_message.Message):
+    __slots__ = ("id", "world_size", "blocks_per_chunk", "groups", "description")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_PER_CHUNK_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
+    DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    world_size: int
+    blocks_per_chunk: int
+    groups: _containers.RepeatedCompositeFieldContainer[GroupLayout]
+    description: str
+    def __init__(self, id: _Optional[str] = ..., world_size: _Optional[int] = ..., blocks_per_chunk: _Optional[int] = ..., groups: _Optional[_Iterable[_Union[GroupLayout, _Mapping]]] = ..., description: _Optional[str] = ...) -> None: ...
+
+class GroupLayout(_message.Message):
+    __slots__ = ("layer_page_bytes",)
+    LAYER_PAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    layer_page_bytes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, layer_page_bytes: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class MemoryRegion(_message.Message):
+    __slots__ = ("shm", "cuda_ipc")
+    SHM_FIELD_NUMBER: _ClassVar[int]
+    CUDA_IPC_FIELD_NUMBER: _ClassVar[int]
+    shm: SharedMemoryHandle
+    cuda_ipc: CudaIpcHandle
+    def __init__(self, shm: _Optional[_Union[SharedMemoryHandle, _Mapping]] = ..., cuda_ipc: _Optional[_Union[CudaIpcHandle, _Mapping]] = ...) -> None: ...
+
+class SharedMemoryHandle(_message.Message):
+    __slots__ = ("fd_token", "size")
+    FD_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    fd_token: str
+    size: int
+    def __init__(self, fd_token: _Optional[str] = ..., size: _Optional[int] = ...) -> None: ...
+
+class CudaIpcHandle(_message.Message):
+    __slots__ = ("ipc_handle", "device_uuid", "offset", "size", "event_handle")
+    IPC_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    EVENT_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    ipc_handle: bytes
+    device_uuid: str
+    offset: int
+    size: int
+    event_handle: bytes
+    def __init__(self, ipc_handle: _Optional[bytes] = ..., device_uuid: _Optional[str] = ..., offset: _Optional[int] = ..., size: _Optional[int] = ..., event_handle: _Optional[bytes] = ...) -> None: ...
+
+class KVTensor(_message.Message):
+    __slots__ = ("region_index", "region_offset", "num_blocks", "block_stride_bytes", "page_bytes")
+    REGION_INDEX_FIELD_NUMBER: _ClassVar[int]
+    REGION_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_STRIDE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    region_index: int
+    region_offset: int
+    num_blocks: int
+    block_stride_bytes: int
+    page_bytes: int
+    def __init__(self, region_index: _Optional[int] = ..., region_offset: _Optional[int] = ..., num_blocks: _Optional[int] = ..., block_stride_bytes: _Optional[int] = ..., page_bytes: _Optional[int] = ...) -> None: ...
+
+class LayerRef(_message.Message):
+    __slots__ = ("tensor_index", "page_offset", "page_bytes")
+    TENSOR_INDEX_FIELD_NUMBER: _ClassVar[int]
+    PAGE_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    PAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    tensor_index: int
+    page_offset: int
+    page_bytes: int
+    def __init__(self, tensor_index: _Optional[int] = ..., page_offset: _Optional[int] = ..., page_bytes: _Optional[int] = ...) -> None: ...
+
+class GroupRefs(_message.Message):
+    __slots__ = ("layers",)
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    layers: _containers.RepeatedCompositeFieldContainer[LayerRef]
+    def __init__(self, layers: _Optional[_Iterable[_Union[LayerRef, _Mapping]]] = ...) -> None: ...
+
+class RegisterKVRequest(_message.Message):
+    __slots__ = ("session_id", "namespace", "rank", "regions", "tensors", "groups")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    REGIONS_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    namespace: NamespaceLayout
+    rank: int
+    regions: _containers.RepeatedCompositeFieldContainer[MemoryRegion]
+    tensors: _containers.RepeatedCompositeFieldContainer[KVTensor]
+    groups: _containers.RepeatedCompositeFieldContainer[GroupRefs]
+    def __init__(self, session_id: _Optional[str] = ..., namespace: _Optional[_Union[NamespaceLayout, _Mapping]] = ..., rank: _Optional[int] = ..., regions: _Optional[_Iterable[_Union[MemoryRegion, _Mapping]]] = ..., tensors: _Optional[_Iterable[_Union[KVTensor, _Mapping]]] = ..., groups: _Optional[_Iterable[_Union[GroupRefs, _Mapping]]] = ...) -> None: ...
+
+class RegisterKVResponse(_message.Message):
+    __slots__ = ("registration_id", "memory_path", "slot_bytes")
+    REGISTRATION_ID_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_PATH_FIELD_NUMBER: _ClassVar[int]
+    SLOT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    registration_id: int
+    memory_path: str
+    slot_bytes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, registration_id: _Optional[int] = ..., memory_path: _Optional[str] = ..., slot_bytes: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class UnregisterKVRequest(_message.Message):
+    __slots__ = ("session_id", "registration_id")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    REGISTRATION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    registration_id: int
+    def __init__(self, session_id: _Optional[str] = ..., registration_id: _Optional[int] = ...) -> None: ...
+
+class UnregisterKVResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class WatchRequest(_message.Message):
+    __slots__ = ("session_id", "namespace_id")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    namespace_id: str
+    def __init__(self, session_id: _Optional[str] = ..., namespace_id: _Optional[str] = ...) -> None: ...
+
+class WatchEvent(_message.Message):
+    __slots__ = ("kind", "keys", "reset", "reason", "boot_id")
+    class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        KIND_UNSPECIFIED: _ClassVar[WatchEvent.Kind]
+        SNAPSHOT: _ClassVar[WatchEvent.Kind]
+        SNAPSHOT_END: _ClassVar[WatchEvent.Kind]
+        STORED: _ClassVar[WatchEvent.Kind]
+        REMOVED: _ClassVar[WatchEvent.Kind]
+    KIND_UNSPECIFIED: WatchEvent.Kind
+    SNAPSHOT: WatchEvent.Kind
+    SNAPSHOT_END: WatchEvent.Kind
+    STORED: WatchEvent.Kind
+    REMOVED: WatchEvent.Kind
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    RESET_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    BOOT_ID_FIELD_NUMBER: _ClassVar[int]
+    kind: WatchEvent.Kind
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    reset: bool
+    reason: str
+    boot_id: str
+    def __init__(self, kind: _Optional[_Union[WatchEvent.Kind, str]] = ..., keys: _Optional[_Iterable[bytes]] = ..., reset: _Optional[bool] = ..., reason: _Optional[str] = ..., boot_id: _Optional[str] = ...) -> None: ...
+
+class LookupRequest(_message.Message):
+    __slots__ = ("session_id", "namespace_id", "keys")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    namespace_id: str
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, session_id: _Optional[str] = ..., namespace_id: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class LookupResponse(_message.Message):
+    __slots__ = ("ready",)
+    READY_FIELD_NUMBER: _ClassVar[int]
+    ready: _containers.RepeatedScalarFieldContainer[bool]
+    def __init__(self, ready: _Optional[_Iterable[bool]] = ...) -> None: ...
+
+class PinRequest(_message.Message):
+    __slots__ = ("session_id", "namespace_id", "keys")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    namespace_id: str
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, session_id: _Optional[str] = ..., namespace_id: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class PinResponse(_message.Message):
+    __slots__ = ("pinned",)
+    PINNED_FIELD_NUMBER: _ClassVar[int]
+    pinned: _containers.RepeatedScalarFieldContainer[bool]
+    def __init__(self, pinned: _Optional[_Iterable[bool]] = ...) -> None: ...
+
+class UnpinRequest(_message.Message):
+    __slots__ = ("session_id", "namespace_id", "keys")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    namespace_id: str
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, session_id: _Optional[str] = ..., namespace_id: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class UnpinResponse(_message.Message):
+    __slots__ = ("not_pinned",)
+    NOT_PINNED_FIELD_NUMBER: _ClassVar[int]
+    not_pinned: int
+    def __init__(self, not_pinned: _Optional[int] = ...) -> None: ...
+
+class TransferJob(_message.Message):
+    __slots__ = ("job_id", "direction", "registration_id", "keys", "block_ids", "group_sizes", "block_indices", "expedited", "session_id")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    DIRECTION_FIELD_NUMBER: _ClassVar[int]
+    REGISTRATION_ID_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    GROUP_SIZES_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_INDICES_FIELD_NUMBER: _ClassVar[int]
+    EXPEDITED_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    job_id: int
+    direction: Direction
+    registration_id: int
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    group_sizes: _containers.RepeatedScalarFieldContainer[int]
+    block_indices: _containers.RepeatedScalarFieldContainer[int]
+    expedited: bool
+    session_id: str
+    def __init__(self, job_id: _Optional[int] = ..., direction: _Optional[_Union[Direction, str]] = ..., registration_id: _Optional[int] = ..., keys: _Optional[_Iterable[bytes]] = ..., block_ids: _Optional[_Iterable[int]] = ..., group_sizes: _Optional[_Iterable[int]] = ..., block_indices: _Optional[_Iterable[int]] = ..., expedited: _Optional[bool] = ..., session_id: _Optional[str] = ...) -> None: ...
+
+class TransferResult(_message.Message):
+    __slots__ = ("job_id", "success", "bytes", "copy_seconds", "total_seconds", "error", "stored_keys", "present_keys", "dropped_keys", "drop_reason", "error_code")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    SUCCESS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    COPY_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    STORED_KEYS_FIELD_NUMBER: _ClassVar[int]
+    PRESENT_KEYS_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_KEYS_FIELD_NUMBER: _ClassVar[int]
+    DROP_REASON_FIELD_NUMBER: _ClassVar[int]
+    ERROR_CODE_FIELD_NUMBER: _ClassVar[int]
+    job_id: int
+    success: bool
+    bytes: int
+    copy_seconds: float
+    total_seconds: float
+    error: str
+    stored_keys: int
+    present_keys: int
+    dropped_keys: int
+    drop_reason: str
+    error_code: str
+    def __init__(self, job_id: _Optional[int] = ..., success: _Optional[bool] = ..., bytes: _Optional[int] = ..., copy_seconds: _Optional[float] = ..., total_seconds: _Optional[float] = ..., error: _Optional[str] = ..., stored_keys: _Optional[int] = ..., present_keys: _Optional[int] = ..., dropped_keys: _Optional[int] = ..., drop_reason: _Optional[str] = ..., error_code: _Optional[str] = ...) -> None: ...
+
+class PutRequest(_message.Message):
+    __slots__ = ("session_id", "namespace_id", "key", "rank", "data")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    namespace_id: str
+    key: bytes
+    rank: int
+    data: bytes
+    def __init__(self, session_id: _Optional[str] = ..., namespace_id: _Optional[str] = ..., key: _Optional[bytes] = ..., rank: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class PutResponse(_message.Message):
+    __slots__ = ("outcome", "ready", "drop_reason")
+    OUTCOME_FIELD_NUMBER: _ClassVar[int]
+    READY_FIELD_NUMBER: _ClassVar[int]
+    DROP_REASON_FIELD_NUMBER: _ClassVar[int]
+    outcome: str
+    ready: bool
+    drop_reason: str
+    def __init__(self, outcome: _Optional[str] = ..., ready: _Optional[bool] = ..., drop_reason: _Optional[str] = ...) -> None: ...
+
+class GetRequest(_message.Message):
+    __slots__ = ("session_id", "namespace_id", "key", "rank")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    namespace_id: str
+    key: bytes
+    rank: int
+    def __init__(self, session_id: _Optional[str] = ..., namespace_id: _Optional[str] = ..., key: _Optional[bytes] = ..., rank: _Optional[int] = ...) -> None: ...
+
+class GetResponse(_message.Message):
+    __slots__ = ("data",)
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    data: bytes
+    def __init__(self, data: _Optional[bytes] = ...) -> None: ...

@@ -1,0 +1,42 @@
+"""The `kvdepot` command: `serve` runs the daemon, `bench` measures it."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import kvdepot
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="kvdepot", description="Node-local KV-cache offload daemon for vLLM."
+    )
+    parser.add_argument("--version", action="version", version=f"kvdepot {kvdepot.__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    from kvdepot.server.config import add_serve_arguments, config_from_args
+
+    serve_p = sub.add_parser("serve", help="run the daemon")
+    add_serve_arguments(serve_p)
+
+    bench_p = sub.add_parser("bench", help="measure throughput and latency")
+    try:
+        from kvdepot.bench.cli import add_bench_arguments, run_bench
+    except ImportError:  # the bench module is optional
+        add_bench_arguments = run_bench = None  # type: ignore[assignment]
+    if add_bench_arguments is not None:
+        add_bench_arguments(bench_p)
+
+    args = parser.parse_args(argv)
+    if args.command == "serve":
+        from kvdepot.server.daemon import serve
+
+        return serve(config_from_args(args))
+    if run_bench is None:
+        parser.error("kvdepot bench is not available in this installation")
+    return run_bench(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,66 @@
+"""Copy worker threads fed by a priority queue (expedited jobs first).
+
+Copies never run on the event loop: a job's copy is queued here and its
+coroutine awaits an asyncio future that the worker thread resolves.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any
+
+
+class CopyQueue:
+    def __init__(self, threads: int) -> None:
+        self._queue: queue.PriorityQueue[tuple[int, int, Any]] = queue.PriorityQueue()
+        self._seq = itertools.count()
+        self._threads = [
+            threading.Thread(target=self._work, name=f"kvdepot-copy-{i}", daemon=True)
+            for i in range(threads)
+        ]
+        for t in self._threads:
+            t.start()
+
+    async def run(self, fn: Callable[[], Any], expedited: bool = False) -> Any:
+        """Runs `fn` on a copy thread; expedited work jumps the queue."""
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[Any] = loop.create_future()
+        self._queue.put((0 if expedited else 1, next(self._seq), (loop, fut, fn)))
+        return await fut
+
+    def close(self) -> None:
+        for _ in self._threads:
+            self._queue.put((2, next(self._seq), None))
+        for t in self._threads:
+            t.join(timeout=10)
+
+    def _work(self) -> None:
+        while True:
+            _, _, item = self._queue.get()
+            if item is None:
+                return
+            loop, fut, fn = item
+            try:
+                result = fn()
+            except BaseException as exc:  # reported to the awaiting job
+                done, value = _set_exception, exc
+            else:
+                done, value = _set_result, result
+            try:
+                loop.call_soon_threadsafe(done, fut, value)
+            except RuntimeError:  # the loop closed during shutdown: nobody waits
+                pass
+
+
+def _set_result(fut: asyncio.Future[Any], value: Any) -> None:
+    if not fut.done():
+        fut.set_result(value)
+
+
+def _set_exception(fut: asyncio.Future[Any], exc: BaseException) -> None:
+    if not fut.done():
+        fut.set_exception(exc)

@@ -1,0 +1,442 @@
+"""The block index: (namespace, key) -> slot, with states, pins and LRU eviction.
+
+Sans-I/O: no sockets, threads or clocks of its own (the clock is injected). The
+daemon calls it from its event loop only; copies run elsewhere, bracketed by
+`begin_store`/`finish_store` and `begin_read`/`end_read`, which keep a slot's
+extent allocated for as long as any copy touches it.
+
+Slot life:
+    (none) --begin_store--> WRITING --all ranks finished--> READY --evict--> (none)
+A WRITING slot is invisible to lookups. It is dropped ("doomed") when a rank's
+copy fails, when a writer's session ends before the row is complete, or when the
+reservation outlives `reservation_timeout`; its extent is freed only once no copy
+is in flight on it, so a late copy can never land in someone else's slot.
+READY slots with no pins and no readers sit in the LRU list; they are the only
+ones eviction may take.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Hashable, Iterable
+from dataclasses import dataclass, field
+
+from kvdepot.server.core.allocator import Extent, ExtentAllocator, OutOfSpace
+from kvdepot.server.core.layout import LayoutError, NamespaceLayout, check_key
+
+Owner = Hashable  # a session id
+
+
+class UnknownNamespace(LookupError):
+    """No engine has declared this namespace (maps to NOT_FOUND)."""
+
+
+class LayoutMismatch(Exception):
+    """A namespace id was declared again with other bytes (FAILED_PRECONDITION)."""
+
+
+class SlotState(enum.Enum):
+    WRITING = "writing"
+    READY = "ready"
+
+
+@dataclass(eq=False)
+class Slot:
+    namespace: str
+    key: bytes
+    group: int
+    extent: Extent
+    created: float
+    state: SlotState = SlotState.WRITING
+    written_mask: int = 0  # ranks whose section is complete
+    copying_mask: int = 0  # ranks whose store copy is in flight
+    writers: dict[int, Owner] = field(default_factory=dict)  # rank -> session
+    pins: Counter = field(default_factory=Counter)  # session -> pin count
+    readers: int = 0  # load copies in flight
+    doomed: bool = False  # detached from its namespace; freed when no copy is in flight
+
+    @property
+    def pin_count(self) -> int:
+        return sum(self.pins.values())
+
+    @property
+    def held(self) -> bool:
+        """Pinned or being read: not evictable."""
+        return self.readers > 0 or bool(self.pins)
+
+
+@dataclass
+class Namespace:
+    layout: NamespaceLayout
+    slots: dict[bytes, Slot] = field(default_factory=dict)
+    used_bytes: int = 0
+
+    @property
+    def full_mask(self) -> int:
+        return (1 << self.layout.world_size) - 1
+
+
+class StoreOutcome(enum.Enum):
+    WRITE = "write"  # copy this rank's section into the slot, then finish_store
+    PRESENT = "present"  # nothing to do: ready, or this rank's section done or in flight
+    DROPPED = "dropped"  # no space (pool full of pinned / in-flight blocks)
+
+
+@dataclass(frozen=True)
+class StoreDecision:
+    outcome: StoreOutcome
+    slot: Slot | None = None
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class IndexEvent:
+    namespace: str
+    kind: str  # "stored" or "removed"
+    keys: tuple[bytes, ...]
+    reason: str = ""
+
+
+@dataclass
+class IndexStats:
+    """Counters since start, for Admin/GetStats and Prometheus."""
+
+    lookups: int = 0
+    hits: int = 0
+    misses: int = 0
+    evictions: Counter = field(default_factory=Counter)  # reason -> blocks
+    dropped_stores: Counter = field(default_factory=Counter)  # reason -> keys
+    aborted_writes: Counter = field(default_factory=Counter)  # reason -> slots
+
+
+class BlockIndex:
+    """Owns the allocator and every slot; emits stored/removed events."""
+
+    def __init__(
+        self,
+        allocator: ExtentAllocator,
+        *,
+        reservation_timeout: float = 60.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.allocator = allocator
+        self.reservation_timeout = reservation_timeout
+        self._clock = clock
+        self.namespaces: dict[str, Namespace] = {}
+        self._lru: OrderedDict[Slot, None] = OrderedDict()  # evictable, oldest first
+        self._doomed: set[Slot] = set()  # detached, waiting for copies to end
+        self._pins_by_owner: dict[Owner, Counter] = {}  # owner -> Counter[Slot]
+        self._writing: set[Slot] = set()
+        self._events: list[IndexEvent] = []
+        self.stats = IndexStats()
+        self.pinned_bytes = 0
+
+    # -- namespaces ------------------------------------------------------------------
+
+    def declare_namespace(self, layout: NamespaceLayout) -> Namespace:
+        """Creates the namespace, or checks that `layout` matches the existing one."""
+        ns = self.namespaces.get(layout.id)
+        if ns is None:
+            for g in range(layout.num_groups):
+                if self.allocator.round_up(layout.slot_bytes(g)) > self.allocator.capacity:
+                    raise LayoutError(
+                        f"group {g}'s block row is {layout.slot_bytes(g)} bytes, more than the "
+                        f"whole pool ({self.allocator.capacity} bytes): raise --pool-size"
+                    )
+            ns = self.namespaces[layout.id] = Namespace(layout)
+        elif not ns.layout.same_bytes_as(layout):
+            raise LayoutMismatch(
+                f"namespace {layout.id} exists with another layout (world_size "
+                f"{ns.layout.world_size}, blocks_per_chunk {ns.layout.blocks_per_chunk}, "
+                f"{ns.layout.num_groups} group(s)); a namespace id must pin down one byte "
+                f"layout: derive it from every layout parameter"
+            )
+        return ns
+
+    def namespace(self, namespace_id: str) -> Namespace:
+        ns = self.namespaces.get(namespace_id)
+        if ns is None:
+            raise UnknownNamespace(
+                f"unknown namespace {namespace_id!r}: no engine has registered it (RegisterKV "
+                f"declares a namespace)"
+            )
+        return ns
+
+    # -- lookups and pins --------------------------------------------------------------
+
+    def lookup(self, namespace_id: str, keys: Iterable[bytes]) -> list[bool]:
+        ns = self.namespace(namespace_id)
+        out = []
+        for key in keys:
+            slot = ns.slots.get(key)
+            ready = slot is not None and slot.state is SlotState.READY
+            out.append(ready)
+        hits = sum(out)
+        self.stats.lookups += len(out)
+        self.stats.hits += hits
+        self.stats.misses += len(out) - hits
+        return out
+
+    def pin(self, namespace_id: str, keys: Iterable[bytes], owner: Owner) -> list[bool]:
+        ns = self.namespace(namespace_id)
+        out = []
+        for key in keys:
+            slot = ns.slots.get(key)
+            if slot is None or slot.state is not SlotState.READY:
+                out.append(False)
+                continue
+            self._add_pin(slot, owner)
+            out.append(True)
+        return out
+
+    def unpin(self, namespace_id: str, keys: Iterable[bytes], owner: Owner) -> int:
+        """Drops one pin per key; returns how many keys `owner` had not pinned."""
+        ns = self.namespace(namespace_id)
+        owned = self._pins_by_owner.get(owner)
+        missing = 0
+        for key in keys:
+            slot = ns.slots.get(key)
+            if slot is None or owned is None or owned[slot] <= 0:
+                missing += 1
+                continue
+            self._drop_pin(slot, owner)
+        return missing
+
+    def _add_pin(self, slot: Slot, owner: Owner) -> None:
+        if not slot.held:
+            self._lru.pop(slot, None)
+        if not slot.pins:
+            self.pinned_bytes += slot.extent.size
+        slot.pins[owner] += 1
+        self._pins_by_owner.setdefault(owner, Counter())[slot] += 1
+
+    def _drop_pin(self, slot: Slot, owner: Owner) -> None:
+        slot.pins[owner] -= 1
+        if slot.pins[owner] <= 0:
+            del slot.pins[owner]
+        owned = self._pins_by_owner[owner]
+        owned[slot] -= 1
+        if owned[slot] <= 0:
+            del owned[slot]
+            if not owned:
+                del self._pins_by_owner[owner]
+        if not slot.pins:
+            self.pinned_bytes -= slot.extent.size
+        self._maybe_evictable(slot)
+
+    def _maybe_evictable(self, slot: Slot) -> None:
+        if slot.state is SlotState.READY and not slot.held and not slot.doomed:
+            self._lru[slot] = None
+            self._lru.move_to_end(slot)
+
+    # -- stores ----------------------------------------------------------------------
+
+    def begin_store(self, namespace_id: str, key: bytes, rank: int, owner: Owner) -> StoreDecision:
+        """Claims `rank`'s section of `key` for writing, reserving a slot if needed."""
+        ns = self.namespace(namespace_id)
+        group = check_key(key, ns.layout.num_groups)
+        if not 0 <= rank < ns.layout.world_size:
+            raise LayoutError(f"rank {rank} out of range [0, {ns.layout.world_size})")
+        bit = 1 << rank
+        slot = ns.slots.get(key)
+        if slot is not None:
+            if slot.state is SlotState.READY or (slot.written_mask | slot.copying_mask) & bit:
+                return StoreDecision(StoreOutcome.PRESENT, slot)
+        else:
+            size = ns.layout.slot_bytes(group)
+            extent = self._allocate(size)
+            if extent is None:
+                reason = (
+                    "pool full: every block is pinned or in flight"
+                    if self.allocator.capacity >= size
+                    else "block row larger than the pool"
+                )
+                self.stats.dropped_stores[reason] += 1
+                return StoreDecision(StoreOutcome.DROPPED, None, reason)
+            slot = Slot(namespace_id, key, group, extent, self._clock())
+            ns.slots[key] = slot
+            ns.used_bytes += extent.size
+            self._writing.add(slot)
+        slot.copying_mask |= bit
+        slot.writers[rank] = owner
+        return StoreDecision(StoreOutcome.WRITE, slot)
+
+    def finish_store(self, slot: Slot, rank: int, ok: bool) -> bool:
+        """Ends `rank`'s copy into `slot`. Returns True if the slot became READY."""
+        bit = 1 << rank
+        slot.copying_mask &= ~bit
+        if slot.doomed:
+            self._maybe_free_doomed(slot)
+            return False
+        if not ok:
+            self._doom(slot, "copy failed")
+            return False
+        slot.written_mask |= bit
+        ns = self.namespaces[slot.namespace]
+        if slot.written_mask == ns.full_mask:
+            slot.state = SlotState.READY
+            slot.writers.clear()
+            self._writing.discard(slot)
+            self._lru[slot] = None
+            self._events.append(IndexEvent(slot.namespace, "stored", (slot.key,)))
+            return True
+        return False
+
+    # -- loads -----------------------------------------------------------------------
+
+    def begin_read(self, namespace_id: str, key: bytes) -> Slot | None:
+        """A READY slot held against eviction until end_read; None if not ready."""
+        ns = self.namespace(namespace_id)
+        slot = ns.slots.get(key)
+        if slot is None or slot.state is not SlotState.READY:
+            return None
+        self._lru.pop(slot, None)
+        slot.readers += 1
+        return slot
+
+    def end_read(self, slot: Slot) -> None:
+        slot.readers -= 1
+        self._maybe_evictable(slot)  # a read counts as a use: to the LRU's young end
+
+    # -- sessions and expiry ------------------------------------------------------------
+
+    def release_owner(self, owner: Owner) -> tuple[int, int]:
+        """Drops every pin of `owner` and every unfinished row it was writing.
+
+        Returns (pins dropped, reservations dropped).
+        """
+        pins = 0
+        for slot, count in list(self._pins_by_owner.get(owner, Counter()).items()):
+            for _ in range(count):
+                self._drop_pin(slot, owner)
+                pins += 1
+        dropped = 0
+        for slot in [s for s in self._writing if owner in s.writers.values()]:
+            self._doom(slot, "writer went away")
+            dropped += 1
+        return pins, dropped
+
+    def expire_reservations(self) -> int:
+        """Drops rows that stayed WRITING longer than reservation_timeout."""
+        deadline = self._clock() - self.reservation_timeout
+        stale = [s for s in self._writing if s.created < deadline]
+        for slot in stale:
+            self._doom(slot, "reservation timed out (a rank never stored its section)")
+        return len(stale)
+
+    def _doom(self, slot: Slot, reason: str) -> None:
+        ns = self.namespaces[slot.namespace]
+        if ns.slots.get(slot.key) is slot:
+            del ns.slots[slot.key]
+        self._writing.discard(slot)
+        slot.doomed = True
+        self.stats.aborted_writes[reason] += 1
+        self._doomed.add(slot)
+        self._maybe_free_doomed(slot)
+
+    def _maybe_free_doomed(self, slot: Slot) -> None:
+        if slot.copying_mask == 0 and slot.readers == 0 and slot in self._doomed:
+            self._doomed.discard(slot)
+            self._release_extent(slot)
+
+    # -- eviction --------------------------------------------------------------------
+
+    def _allocate(self, size: int) -> Extent | None:
+        while True:
+            try:
+                return self.allocator.allocate(size)
+            except OutOfSpace:
+                if not self._lru:
+                    return None
+                victim = next(iter(self._lru))
+                self._remove_ready(victim, "lru")
+
+    def _remove_ready(self, slot: Slot, reason: str) -> None:
+        self._lru.pop(slot, None)
+        ns = self.namespaces[slot.namespace]
+        del ns.slots[slot.key]
+        self._release_extent(slot)
+        self.stats.evictions[reason] += 1
+        self._events.append(IndexEvent(slot.namespace, "removed", (slot.key,), reason))
+
+    def _release_extent(self, slot: Slot) -> None:
+        self.namespaces[slot.namespace].used_bytes -= slot.extent.size
+        self.allocator.free(slot.extent)
+
+    def evict(
+        self, namespace_id: str, keys: Iterable[bytes] | None = None, reason: str = "admin"
+    ) -> tuple[int, int]:
+        """Evicts READY, unheld blocks (all of the namespace, or `keys`).
+
+        Returns (evicted, skipped): skipped blocks are pinned, being read, or
+        still being written.
+        """
+        ns = self.namespace(namespace_id)
+        candidates = list(ns.slots.values()) if keys is None else [
+            s for k in keys if (s := ns.slots.get(k)) is not None
+        ]
+        evicted = skipped = 0
+        for slot in candidates:
+            if slot.state is SlotState.READY and not slot.held:
+                self._remove_ready(slot, reason)
+                evicted += 1
+            else:
+                skipped += 1
+        return evicted, skipped
+
+    def clear(self) -> tuple[int, int]:
+        evicted = skipped = 0
+        for ns_id in list(self.namespaces):
+            e, s = self.evict(ns_id, reason="clear")
+            evicted += e
+            skipped += s
+        return evicted, skipped
+
+    # -- events and introspection --------------------------------------------------------
+
+    def take_events(self) -> list[IndexEvent]:
+        events, self._events = self._events, []
+        return events
+
+    def counts(self) -> dict[str, int]:
+        ready = writing = pinned = 0
+        for ns in self.namespaces.values():
+            for slot in ns.slots.values():
+                if slot.state is SlotState.READY:
+                    ready += 1
+                    pinned += bool(slot.pins)
+                else:
+                    writing += 1
+        return {"ready": ready, "writing": writing, "pinned": pinned, "doomed": len(self._doomed)}
+
+    def ready_slots(self) -> list[Slot]:
+        return [
+            s for ns in self.namespaces.values() for s in ns.slots.values()
+            if s.state is SlotState.READY
+        ]
+
+    def check_invariants(self) -> None:
+        """Raises AssertionError when index and allocator disagree."""
+        self.allocator.check_invariants()
+        live = [s for ns in self.namespaces.values() for s in ns.slots.values()]
+        extents = {s.extent.offset: s.extent.size for s in live}
+        extents.update({s.extent.offset: s.extent.size for s in self._doomed})
+        assert len(extents) == len(live) + len(self._doomed), "a slot offset is used twice"
+        assert extents == self.allocator.allocated_extents(), "allocator and index disagree"
+        for ns in self.namespaces.values():
+            assert ns.used_bytes == sum(s.extent.size for s in ns.slots.values()) + sum(
+                s.extent.size for s in self._doomed if s.namespace == ns.layout.id
+            )
+        for slot in live:
+            evictable = slot.state is SlotState.READY and not slot.held
+            assert (slot in self._lru) == evictable, f"LRU membership wrong for {slot.key.hex()}"
+            assert (slot in self._writing) == (slot.state is SlotState.WRITING)
+        assert not any(s.doomed for s in live)
+        owner_pins = Counter()
+        for owned in self._pins_by_owner.values():
+            owner_pins.update(owned)
+        for slot in live:
+            assert owner_pins[slot] == slot.pin_count, "pin counts unbalanced"
+        assert self.pinned_bytes == sum(s.extent.size for s in live if s.pins)

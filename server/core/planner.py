@@ -1,0 +1,184 @@
+"""Copy planning: a job (keys + vLLM's GPULoadStoreSpec) becomes a list of byte runs.
+
+The planner knows nothing of sockets, CUDA or mmap: it turns block ids, group
+sizes, block indices, slot offsets and a rank's memory map into
+`(region, region_offset, pool_offset, nbytes)` runs, merging runs that are
+contiguous on both sides. The CPU and CUDA copy engines execute the same plans.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from kvdepot.server.core.layout import LayoutError, NamespaceLayout
+
+
+@dataclass(frozen=True, slots=True)
+class TensorView:
+    """One canonical KV tensor inside a registered region."""
+
+    region_index: int
+    region_offset: int
+    num_blocks: int
+    block_stride: int
+    page_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class LayerRef:
+    """Where one layer of a group lives: a tensor and an offset in its page."""
+
+    tensor_index: int
+    page_offset: int
+    page_bytes: int
+
+
+@dataclass(frozen=True)
+class MemoryMap:
+    """A rank's registered KV memory, validated against its namespace layout."""
+
+    region_sizes: tuple[int, ...]
+    tensors: tuple[TensorView, ...]
+    groups: tuple[tuple[LayerRef, ...], ...]
+
+    @classmethod
+    def build(
+        cls,
+        layout: NamespaceLayout,
+        region_sizes: Sequence[int],
+        tensors: Sequence[TensorView],
+        groups: Sequence[Sequence[LayerRef]],
+    ) -> MemoryMap:
+        """Checks every tensor fits its region and every layer matches the layout."""
+        for t_idx, t in enumerate(tensors):
+            if not 0 <= t.region_index < len(region_sizes):
+                raise LayoutError(
+                    f"tensor {t_idx} names region {t.region_index}; "
+                    f"{len(region_sizes)} region(s) registered"
+                )
+            if t.num_blocks <= 0 or t.page_bytes <= 0 or t.block_stride < t.page_bytes:
+                raise LayoutError(
+                    f"tensor {t_idx}: need num_blocks > 0 and block_stride >= page_bytes > 0 "
+                    f"(got {t.num_blocks} blocks, stride {t.block_stride}, page {t.page_bytes})"
+                )
+            end = t.region_offset + (t.num_blocks - 1) * t.block_stride + t.page_bytes
+            if t.region_offset < 0 or end > region_sizes[t.region_index]:
+                raise LayoutError(
+                    f"tensor {t_idx} spans bytes [{t.region_offset}, {end}) but region "
+                    f"{t.region_index} has {region_sizes[t.region_index]} bytes"
+                )
+        if len(groups) != layout.num_groups:
+            raise LayoutError(
+                f"{len(groups)} group(s) of layer refs for a namespace of "
+                f"{layout.num_groups} group(s)"
+            )
+        for g, (refs, pages) in enumerate(zip(groups, layout.groups, strict=True)):
+            if len(refs) != len(pages):
+                raise LayoutError(
+                    f"group {g}: {len(refs)} layer(s) registered, the namespace layout has "
+                    f"{len(pages)}"
+                )
+            for layer, (ref, page) in enumerate(zip(refs, pages, strict=True)):
+                if not 0 <= ref.tensor_index < len(tensors):
+                    raise LayoutError(
+                        f"group {g} layer {layer} names tensor {ref.tensor_index}; "
+                        f"{len(tensors)} tensor(s) registered"
+                    )
+                if ref.page_bytes != page:
+                    raise LayoutError(
+                        f"group {g} layer {layer}: page of {ref.page_bytes} bytes registered, "
+                        f"the namespace layout says {page}: every engine of a namespace "
+                        f"must share its layout"
+                    )
+                t = tensors[ref.tensor_index]
+                if ref.page_offset < 0 or ref.page_offset + ref.page_bytes > t.page_bytes:
+                    raise LayoutError(
+                        f"group {g} layer {layer}: bytes [{ref.page_offset}, "
+                        f"{ref.page_offset + ref.page_bytes}) exceed tensor "
+                        f"{ref.tensor_index}'s page of {t.page_bytes} bytes"
+                    )
+        return cls(tuple(region_sizes), tuple(tensors), tuple(tuple(r) for r in groups))
+
+    @property
+    def num_blocks(self) -> tuple[int, ...]:
+        return tuple(t.num_blocks for t in self.tensors)
+
+
+@dataclass(slots=True)
+class CopyPlan:
+    """Runs of (region, region_offset, pool_offset, nbytes); direction-free."""
+
+    runs: list[tuple[int, int, int, int]] = field(default_factory=list)
+    nbytes: int = 0
+
+    def add(self, region: int, region_off: int, pool_off: int, n: int) -> None:
+        runs = self.runs
+        if runs:
+            r, ro, po, pn = runs[-1]
+            if r == region and ro + pn == region_off and po + pn == pool_off:
+                runs[-1] = (r, ro, po, pn + n)
+                self.nbytes += n
+                return
+        runs.append((region, region_off, pool_off, n))
+        self.nbytes += n
+
+
+def plan_job(
+    layout: NamespaceLayout,
+    rank: int,
+    memory: MemoryMap,
+    block_ids: Sequence[int],
+    group_sizes: Sequence[int],
+    block_indices: Sequence[int],
+    slot_offsets: Sequence[int | None],
+) -> CopyPlan:
+    """Plans the copy of one job for one rank.
+
+    `slot_offsets` holds the pool offset of each key's slot, in the job's key
+    order (group-major, chunks ascending); None skips that key's pages (a store
+    of a key that is already present, or dropped). Every block id is validated
+    against its tensor's block count, skipped or not; raises LayoutError with
+    what to fix.
+    """
+    chunks = layout.chunks_per_group(group_sizes, block_indices)
+    if sum(chunks) != len(slot_offsets):
+        raise LayoutError(
+            f"job carries {len(slot_offsets)} key(s) but group_sizes/block_indices describe "
+            f"{sum(chunks)} chunk(s) ({chunks} per group)"
+        )
+    if sum(group_sizes) != len(block_ids):
+        raise LayoutError(
+            f"sum(group_sizes) = {sum(group_sizes)} but {len(block_ids)} block id(s) given"
+        )
+    bpc = layout.blocks_per_chunk
+    plan = CopyPlan()
+    tensors = memory.tensors
+    block_pos = 0
+    key_pos = 0
+    for g, n in enumerate(group_sizes):
+        ids = block_ids[block_pos : block_pos + n]
+        block_pos += n
+        if n == 0:
+            continue
+        skip = block_indices[g] % bpc
+        pages = layout.groups[g]
+        for layer, ref in enumerate(memory.groups[g]):
+            t = tensors[ref.tensor_index]
+            page = pages[layer]
+            base = t.region_offset + ref.page_offset
+            layer_base = layout.page_offset(g, rank, layer, 0)
+            for i, block_id in enumerate(ids):
+                if not 0 <= block_id < t.num_blocks:
+                    raise LayoutError(
+                        f"block id {block_id} of group {g} is out of range: tensor "
+                        f"{ref.tensor_index} has {t.num_blocks} blocks"
+                    )
+                c, j = divmod(skip + i, bpc)
+                slot_off = slot_offsets[key_pos + c]
+                if slot_off is None:
+                    continue
+                pool_off = slot_off + layer_base + j * page
+                plan.add(t.region_index, base + block_id * t.block_stride, pool_off, page)
+        key_pos += chunks[g]
+    return plan

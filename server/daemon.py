@@ -1,0 +1,205 @@
+"""`kvdepot serve`: assembles the state, the gRPC server and the sockets, and runs
+until SIGTERM/SIGINT."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import grp
+import logging
+import os
+import signal
+import socket
+import stat
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+import kvdepot
+from kvdepot.server.config import ServeConfig, format_size
+from kvdepot.server.fd_receiver import FdReceiver
+from kvdepot.server.sdnotify import SystemdNotifier, run_watchdog
+from kvdepot.server.service.admin import AdminServicer
+from kvdepot.server.service.depot import DepotServicer
+from kvdepot.server.state import DepotState
+from kvdepot.v1 import admin_pb2, admin_pb2_grpc, depot_pb2, depot_pb2_grpc
+
+log = logging.getLogger("kvdepot")
+
+MAX_MESSAGE_BYTES = 512 << 20  # Put/Get carry a whole section inline
+SHUTDOWN_GRACE_SECONDS = 5.0
+SERVICES = ("kvdepot.v1.Depot", "kvdepot.v1.Admin")
+
+
+class SocketPathError(RuntimeError):
+    """The socket path is unusable (not a socket, someone else's, or in use)."""
+
+
+def prepare_socket_path(path: str) -> None:
+    """Creates the directory; removes a stale socket of ours; refuses anything else."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        st = p.lstat()
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(st.st_mode):
+        raise SocketPathError(f"{path} exists and is not a socket: refusing to replace it")
+    if st.st_uid != os.geteuid():
+        raise SocketPathError(
+            f"{path} belongs to uid {st.st_uid}, not to us (uid {os.geteuid()}): refusing it"
+        )
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.settimeout(1.0)
+        try:
+            probe.connect(path)
+        except OSError:
+            p.unlink()  # stale: left by a daemon that died
+            return
+    raise SocketPathError(f"another process is listening on {path}: is a daemon running?")
+
+
+def apply_socket_access(path: str, mode: int, group: str | None) -> None:
+    if group:
+        os.chown(path, -1, grp.getgrnam(group).gr_gid)
+    os.chmod(path, mode)
+
+
+class Daemon:
+    def __init__(self, config: ServeConfig) -> None:
+        self.config = config
+        self.state: DepotState | None = None
+        self.server: grpc.aio.Server | None = None
+        self.health = health.aio.HealthServicer()
+        self.notifier = SystemdNotifier()
+        self._stop = asyncio.Event()
+
+    async def run(self) -> None:
+        cfg = self.config
+        prepare_socket_path(cfg.socket)
+        prepare_socket_path(cfg.fd_socket)
+        self.state = st = DepotState.create(cfg)
+        log.info(
+            "kvdepot %s starting: pool %s in %s, boot id %s",
+            kvdepot.__version__, format_size(st.arena.size), st.arena.backing, st.boot_id,
+        )
+        self._start_warmup(st)
+
+        server = self.server = grpc.aio.server(
+            options=[
+                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.so_reuseport", 0),
+            ]
+        )
+        depot_pb2_grpc.add_DepotServicer_to_server(DepotServicer(st), server)
+        admin_pb2_grpc.add_AdminServicer_to_server(AdminServicer(st), server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        reflection.enable_server_reflection(
+            (
+                depot_pb2.DESCRIPTOR.services_by_name["Depot"].full_name,
+                admin_pb2.DESCRIPTOR.services_by_name["Admin"].full_name,
+                health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+                reflection.SERVICE_NAME,
+            ),
+            server,
+        )
+        old_umask = os.umask(0o177)  # no window where the socket is world-accessible
+        try:
+            server.add_insecure_port(f"unix:{cfg.socket}")
+            st.fd_receiver = FdReceiver(cfg.fd_socket, lambda sid: sid in st.sessions)
+        finally:
+            os.umask(old_umask)
+        if cfg.listen:
+            server.add_insecure_port(cfg.listen)
+            log.warning("also listening on TCP %s: anyone who reaches it can use the pool",
+                        cfg.listen)
+        await server.start()
+        for path in (cfg.socket, cfg.fd_socket):
+            apply_socket_access(path, cfg.socket_mode, cfg.socket_group)
+        st.fd_receiver.start()
+        for name in ("", *SERVICES):
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        if cfg.metrics_port is not None:
+            from kvdepot.server.metrics import Metrics
+
+            Metrics(st).serve(cfg.metrics_port)
+            log.info("Prometheus metrics on port %d", cfg.metrics_port)
+        log.info("serving on unix:%s (fd socket %s, mode %o)", cfg.socket, cfg.fd_socket,
+                 cfg.socket_mode)
+        self.notifier.ready()
+        self.notifier.status(f"serving; pool warm-up {self._warmup_percent(st)}%")
+
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._stop.set)
+        tasks = [
+            asyncio.create_task(self._housekeeping(st)),
+            asyncio.create_task(run_watchdog(self.notifier, self._stop)),
+        ]
+        await self._stop.wait()
+        await self._shutdown(st, tasks)
+
+    def request_stop(self) -> None:
+        self._stop.set()
+
+    @staticmethod
+    def _warmup_percent(st: DepotState) -> int:
+        return int(100 * st.arena.warmup_done_bytes / st.arena.size)
+
+    def _start_warmup(self, st: DepotState) -> None:
+        last = [-1]
+
+        def progress(done: int, total: int) -> None:
+            pct = int(100 * done / total)
+            if pct // 10 != last[0] // 10 or done == total:
+                last[0] = pct
+                log.info("pool warm-up: %s of %s (%d%%)", format_size(done), format_size(total),
+                         pct)
+                self.notifier.status(f"serving; pool warm-up {pct}%")
+
+        st.arena.start_warmup(on_progress=progress)
+
+    async def _housekeeping(self, st: DepotState) -> None:
+        while not self._stop.is_set():
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._stop.wait(), timeout=1.0)
+            st.housekeeping()
+
+    async def _shutdown(self, st: DepotState, tasks: list[asyncio.Task[None]]) -> None:
+        log.info("shutting down")
+        self.notifier.stopping()
+        st.begin_shutdown()
+        await self.health.enter_graceful_shutdown()
+        assert self.server is not None
+        await self.server.stop(SHUTDOWN_GRACE_SECONDS)
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        st.close()
+        for path in (self.config.socket, self.config.fd_socket):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+        log.info("stopped; sockets removed")
+
+
+def serve(config: ServeConfig) -> int:
+    logging.basicConfig(
+        level=config.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    logging.getLogger("grpc").setLevel(max(logging.INFO, logging.getLogger().level))
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:
+        log.warning("uvloop is not installed; using asyncio's default loop")
+    try:
+        asyncio.run(Daemon(config).run())
+    except SocketPathError as exc:
+        log.error("%s", exc)
+        return 2
+    return 0

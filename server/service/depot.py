@@ -1,0 +1,271 @@
+"""kvdepot.v1.Depot over grpc.aio: a thin translation onto DepotState."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+
+import grpc
+
+import kvdepot
+from kvdepot.server import errors
+from kvdepot.server.core.layout import LayoutError, NamespaceLayout
+from kvdepot.server.core.planner import LayerRef, TensorView
+from kvdepot.server.state import DepotState, JobOutcome, JobSpec
+from kvdepot.v1 import depot_pb2 as pb
+from kvdepot.v1 import depot_pb2_grpc
+
+log = logging.getLogger("kvdepot.depot")
+
+SNAPSHOT_BATCH = 4096
+
+
+def layout_from_proto(msg: pb.NamespaceLayout) -> NamespaceLayout:
+    try:
+        return NamespaceLayout(
+            id=msg.id,
+            world_size=msg.world_size,
+            blocks_per_chunk=msg.blocks_per_chunk,
+            groups=tuple(tuple(g.layer_page_bytes) for g in msg.groups),
+            description=msg.description,
+        )
+    except LayoutError as exc:
+        raise errors.invalid(f"namespace layout: {exc}") from None
+
+
+def outcome_to_proto(o: JobOutcome) -> pb.TransferResult:
+    return pb.TransferResult(
+        job_id=o.job_id, success=o.success, bytes=o.bytes, copy_seconds=o.copy_seconds,
+        total_seconds=o.total_seconds, error=o.error, error_code=o.error_code,
+        stored_keys=o.stored_keys, present_keys=o.present_keys, dropped_keys=o.dropped_keys,
+        drop_reason=o.drop_reason,
+    )
+
+
+async def abort_with(context: grpc.aio.ServicerContext, exc: errors.DepotError) -> None:
+    await context.abort(exc.code, exc.message)
+
+
+class DepotServicer(depot_pb2_grpc.DepotServicer):
+    def __init__(self, state: DepotState) -> None:
+        self.state = state
+
+    async def Session(
+        self, request: pb.SessionRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.SessionEvent]:
+        st = self.state
+        try:
+            session = st.open_session(request.client_name, request.pid, request.engine_id)
+        except errors.DepotError as exc:
+            await abort_with(context, exc)
+            return
+        try:
+            yield pb.SessionEvent(
+                hello=pb.SessionHello(
+                    session_id=session.id,
+                    boot_id=st.boot_id,
+                    version=kvdepot.__version__,
+                    pool_capacity_bytes=st.index.allocator.capacity,
+                    max_job_keys=st.config.max_job_keys,
+                    fd_socket=st.config.fd_socket if st.fd_receiver else "",
+                )
+            )
+            while not st.shutting_down:
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(
+                        st.shutdown_event.wait(), st.config.keepalive_seconds
+                    )
+                if st.shutting_down:
+                    break
+                yield pb.SessionEvent(keepalive=pb.SessionKeepalive(uptime_seconds=st.uptime))
+        finally:
+            # Runs when the client goes away (stream cancelled) or we shut down.
+            st.close_session(session.id)
+
+    async def RegisterKV(
+        self, request: pb.RegisterKVRequest, context: grpc.aio.ServicerContext
+    ) -> pb.RegisterKVResponse:
+        try:
+            layout = layout_from_proto(request.namespace)
+            regions: list[tuple[str, object]] = []
+            for r in request.regions:
+                kind = r.WhichOneof("handle")
+                if kind == "shm":
+                    regions.append(("shm", (r.shm.fd_token, r.shm.size)))
+                elif kind == "cuda_ipc":
+                    regions.append(("cuda_ipc", r.cuda_ipc))
+                else:
+                    raise errors.invalid("a memory region needs a handle (shm or cuda_ipc)")
+            tensors = [
+                TensorView(t.region_index, t.region_offset, t.num_blocks, t.block_stride_bytes,
+                           t.page_bytes)
+                for t in request.tensors
+            ]
+            groups = [
+                [LayerRef(ref.tensor_index, ref.page_offset, ref.page_bytes) for ref in g.layers]
+                for g in request.groups
+            ]
+            reg = self.state.register(
+                request.session_id, layout, request.rank, regions, tensors, groups
+            )
+        except errors.DepotError as exc:
+            await abort_with(context, exc)
+            raise AssertionError("unreachable") from None
+        return pb.RegisterKVResponse(
+            registration_id=reg.id,
+            memory_path=reg.memory_path,
+            slot_bytes=[layout.slot_bytes(g) for g in range(layout.num_groups)],
+        )
+
+    async def UnregisterKV(
+        self, request: pb.UnregisterKVRequest, context: grpc.aio.ServicerContext
+    ) -> pb.UnregisterKVResponse:
+        try:
+            self.state.unregister(request.session_id, request.registration_id)
+        except errors.DepotError as exc:
+            await abort_with(context, exc)
+        return pb.UnregisterKVResponse()
+
+    async def Watch(
+        self, request: pb.WatchRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.WatchEvent]:
+        st = self.state
+        if not request.namespace_id:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, "namespace_id is empty: name the namespace"
+            )
+        watcher, keys = st.add_watcher(request.namespace_id)
+        try:
+            while True:
+                watcher.lagged = False
+                first = True
+                for i in range(0, max(len(keys), 1), SNAPSHOT_BATCH):
+                    yield pb.WatchEvent(
+                        kind=pb.WatchEvent.SNAPSHOT, keys=keys[i : i + SNAPSHOT_BATCH],
+                        reset=first, boot_id=st.boot_id,
+                    )
+                    first = False
+                yield pb.WatchEvent(kind=pb.WatchEvent.SNAPSHOT_END, boot_id=st.boot_id)
+                while not watcher.lagged:
+                    if st.shutting_down:
+                        return
+                    if watcher.queue.empty():
+                        watcher.wakeup.clear()
+                        await watcher.wakeup.wait()
+                        continue
+                    # Coalesce runs of the same kind into one message.
+                    event = watcher.queue.get_nowait()
+                    kind, reason, batch = event.kind, event.reason, list(event.keys)
+                    while not watcher.queue.empty() and len(batch) < SNAPSHOT_BATCH:
+                        nxt = watcher.queue._queue[0]  # type: ignore[attr-defined]
+                        if nxt.kind != kind or nxt.reason != reason:
+                            break
+                        batch.extend(watcher.queue.get_nowait().keys)
+                    yield pb.WatchEvent(
+                        kind=pb.WatchEvent.STORED if kind == "stored" else pb.WatchEvent.REMOVED,
+                        keys=batch, reason=reason, boot_id=st.boot_id,
+                    )
+                keys = st.snapshot(request.namespace_id)  # lagged: resync
+                log.warning("a watcher of %s fell behind; resending a snapshot",
+                            request.namespace_id)
+        finally:
+            st.remove_watcher(watcher)
+
+    async def Lookup(
+        self, request: pb.LookupRequest, context: grpc.aio.ServicerContext
+    ) -> pb.LookupResponse:
+        try:
+            ready = self.state.lookup(request.namespace_id, list(request.keys))
+        except errors.DepotError as exc:
+            await abort_with(context, exc)
+            raise AssertionError("unreachable") from None
+        return pb.LookupResponse(ready=ready)
+
+    async def Pin(self, request: pb.PinRequest, context: grpc.aio.ServicerContext) -> pb.PinResponse:
+        try:
+            pinned = self.state.pin(request.session_id, request.namespace_id, list(request.keys))
+        except errors.DepotError as exc:
+            await abort_with(context, exc)
+            raise AssertionError("unreachable") from None
+        return pb.PinResponse(pinned=pinned)
+
+    async def Unpin(
+        self, request: pb.UnpinRequest, context: grpc.aio.ServicerContext
+    ) -> pb.UnpinResponse:
+        try:
+            missing = self.state.unpin(request.session_id, request.namespace_id, list(request.keys))
+        except errors.DepotError as exc:
+            await abort_with(context, exc)
+            raise AssertionError("unreachable") from None
+        return pb.UnpinResponse(not_pinned=missing)
+
+    async def Transfer(
+        self, request_iterator: AsyncIterator[pb.TransferJob], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.TransferResult]:
+        results: asyncio.Queue[pb.TransferResult | None] = asyncio.Queue()
+        pending: set[asyncio.Task[None]] = set()
+        st = self.state
+
+        async def run(job: pb.TransferJob) -> None:
+            outcome = await st.run_job(
+                JobSpec(
+                    job_id=job.job_id, direction=job.direction,
+                    registration_id=job.registration_id, keys=list(job.keys),
+                    block_ids=list(job.block_ids), group_sizes=list(job.group_sizes),
+                    block_indices=list(job.block_indices), expedited=job.expedited,
+                    session_id=job.session_id,
+                )
+            )
+            results.put_nowait(outcome_to_proto(outcome))
+
+        async def read() -> None:
+            try:
+                async for job in request_iterator:
+                    task = asyncio.create_task(run(job))
+                    pending.add(task)
+                    task.add_done_callback(pending.discard)
+            finally:
+                # Jobs already started finish (their slots and pins are
+                # bookkept); only then is the reply stream closed.
+                if pending:
+                    await asyncio.wait(set(pending))
+                results.put_nowait(None)
+
+        reader = asyncio.create_task(read())
+        st.transfer_streams.add(results)
+        try:
+            while True:
+                item = await results.get()
+                if item is None:
+                    break
+                yield item
+            if pending:  # shutting down: answer the jobs already running
+                await asyncio.wait(set(pending))
+                while not results.empty():
+                    item = results.get_nowait()
+                    if item is not None:
+                        yield item
+        finally:
+            st.transfer_streams.discard(results)
+            if not reader.done():
+                reader.cancel()
+
+    async def Put(self, request: pb.PutRequest, context: grpc.aio.ServicerContext) -> pb.PutResponse:
+        try:
+            outcome, ready, reason = await self.state.put(
+                request.session_id, request.namespace_id, request.key, request.rank, request.data
+            )
+        except errors.DepotError as exc:
+            await abort_with(context, exc)
+            raise AssertionError("unreachable") from None
+        return pb.PutResponse(outcome=outcome, ready=ready, drop_reason=reason)
+
+    async def Get(self, request: pb.GetRequest, context: grpc.aio.ServicerContext) -> pb.GetResponse:
+        try:
+            data = await self.state.get(request.namespace_id, request.key, request.rank)
+        except errors.DepotError as exc:
+            await abort_with(context, exc)
+            raise AssertionError("unreachable") from None
+        return pb.GetResponse(data=data)

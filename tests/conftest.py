@@ -1,0 +1,39 @@
+"""Shared fixtures: a real daemon process on a temporary Unix socket."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tests.support.daemon import DaemonProcess  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def daemon_factory(tmp_path_factory: pytest.TempPathFactory) -> Iterator:
+    """daemon_factory(*serve_args) -> a started DaemonProcess (stopped afterwards)."""
+    started: list[DaemonProcess] = []
+
+    def make(*args: str, env: dict[str, str] | None = None, start: bool = True) -> DaemonProcess:
+        # Short paths: a Unix socket path must fit in 108 bytes.
+        workdir = Path(tmp_path_factory.mktemp("kvd"))
+        d = DaemonProcess(workdir, *args, env=env)
+        started.append(d)
+        return d.start() if start else d
+
+    yield make
+    for d in started:
+        if d.proc is not None and d.proc.poll() is None:
+            d.kill()
+
+
+@pytest.fixture
+def daemon(daemon_factory) -> DaemonProcess:  # noqa: ANN001
+    """A daemon with a 64 MiB pool."""
+    return daemon_factory("--pool-size", "64MiB")

@@ -1,0 +1,486 @@
+"""The deployment files: systemd unit, its environment file, Kubernetes manifests.
+
+Checked with the tools that will read them (systemd-analyze, the Kubernetes JSON schemas via
+kubernetes-validate, yamllint), and for agreement with each other and with the daemon's
+settings: the socket path, the settings' names, sizes. A missing tool fails the test with
+what to install; it never skips, so a green run means the files were checked.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+DEPLOY = REPO / "deploy"
+UNIT = DEPLOY / "systemd" / "kvdepot.service"
+ENV_FILE = DEPLOY / "systemd" / "kvdepot.env"
+K8S = DEPLOY / "k8s"
+YAMLLINT_CONFIG = REPO / ".yamllint"
+
+# The settings `kvdepot serve` reads from the environment, one per flag: those of DESIGN §7
+# and the daemon's tuning knobs. test_known_settings_match_the_daemon keeps this list honest.
+KNOWN_SETTINGS = frozenset(
+    {
+        "KVDEPOT_SOCKET",
+        "KVDEPOT_LISTEN",
+        "KVDEPOT_POOL_SIZE",
+        "KVDEPOT_POOL_FILE",
+        "KVDEPOT_METRICS_PORT",
+        "KVDEPOT_LOG_LEVEL",
+        "KVDEPOT_SOCKET_MODE",
+        "KVDEPOT_SOCKET_GROUP",
+        "KVDEPOT_NO_DESTRUCTIVE_ADMIN",
+        "KVDEPOT_COPY_THREADS",
+        "KVDEPOT_MAX_JOB_KEYS",
+        "KVDEPOT_RESERVATION_TIMEOUT",
+    }
+)
+
+SOCKET_PATH = "/run/kvdepot/kvdepot.sock"
+SOCKET_URI = "unix://" + SOCKET_PATH
+# Native sidecars (init containers with restartPolicy: Always) are GA from 1.33; the schema
+# of 1.27 and older rejects the field, which the manifests rely on.
+K8S_VERSION = "1.33.0"
+
+EXPECTED_KV_TRANSFER_CONFIG = {
+    "kv_connector": "KVDepotConnector",
+    "kv_connector_module_path": "kvdepot.client.vllm",
+    "kv_role": "kv_both",
+    "kv_load_failure_policy": "recompute",
+    "kv_connector_extra_config": {"kvdepot_socket": SOCKET_URI},
+}
+
+
+# --- helpers ------------------------------------------------------------------------------
+
+
+def _systemd_analyze() -> str:
+    tool = shutil.which("systemd-analyze")
+    if tool is None:
+        pytest.fail(
+            "systemd-analyze not found on PATH: install Debian's `systemd` package "
+            "(apt-get install systemd); the unit file cannot be checked without it"
+        )
+    return tool
+
+
+def _unit_entries(text: str) -> list[tuple[str, str, str]]:
+    """(section, key, value) for every assignment, in order; systemd allows repeated keys."""
+    entries = []
+    section = ""
+    for raw in text.splitlines():
+        line = raw.strip()
+        if not line or line.startswith(("#", ";")):
+            continue
+        if line.startswith("[") and line.endswith("]"):
+            section = line[1:-1]
+            continue
+        assert not line.endswith("\\"), f"continuation lines make the unit hard to read: {raw}"
+        key, sep, value = line.partition("=")
+        assert sep, f"not an assignment: {raw!r}"
+        entries.append((section, key.strip(), value.strip()))
+    return entries
+
+
+def _unit_values(key: str, section: str = "Service") -> list[str]:
+    entries = _unit_entries(UNIT.read_text())
+    return [v for s, k, v in entries if s == section and k == key]
+
+
+def _unit_value(key: str, section: str = "Service") -> str:
+    values = _unit_values(key, section)
+    assert len(values) == 1, f"{key}= in [{section}]: expected once, found {values}"
+    return values[0]
+
+
+def _verifiable_copy(directory: Path, unit_text: str | None = None) -> Path:
+    """A copy of the unit whose ExecStart binary exists on this machine.
+
+    systemd-analyze verify rejects an ExecStart= whose executable is missing, and
+    /usr/local/bin/kvdepot only exists where the daemon is installed. The kvdepot console
+    script of this environment, or the running Python, stands in; nothing else changes.
+    """
+    text = UNIT.read_text() if unit_text is None else unit_text
+    stand_in = shutil.which("kvdepot") or sys.executable
+    new, count = re.subn(
+        r"^ExecStart=/usr/local/bin/kvdepot\b", f"ExecStart={stand_in}", text, flags=re.M
+    )
+    assert count == 1, "ExecStart=/usr/local/bin/kvdepot ... not found in the unit"
+    copy = directory / "kvdepot.service"
+    copy.write_text(new)
+    return copy
+
+
+def _run_verify(unit: Path) -> tuple[int, list[str]]:
+    """systemd-analyze verify on `unit`; returns (exit status, diagnostics about our unit).
+
+    verify exits 0 after many problems it merely logs (an unknown key, a value it cannot
+    parse, which systemd then ignores), so the diagnostics count as failures too. Lines about
+    other units (dependencies installed on this machine) are not ours to fix.
+    """
+    proc = subprocess.run(
+        [_systemd_analyze(), "verify", "--man=no", "--recursive-errors=no", str(unit)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    lines = (proc.stdout + proc.stderr).splitlines()
+    ours = [line for line in lines if unit.name in line or str(unit) in line]
+    return proc.returncode, ours
+
+
+def _load_yaml_documents(path: Path) -> list[dict[str, Any]]:
+    yaml = _require("yaml", "PyYAML")
+    docs = [doc for doc in yaml.safe_load_all(path.read_text()) if doc is not None]
+    assert docs, f"{path} holds no YAML document"
+    return docs
+
+
+def _require(module: str, package: str) -> Any:
+    """Import a test tool, failing (not skipping) with what to install when it is missing."""
+    try:
+        return __import__(module)
+    except ImportError:
+        pytest.fail(
+            f"{package} is not installed: pip install -e '.[test]' (or pip install {package})"
+        )
+
+
+def _manifests() -> list[Path]:
+    files = sorted(K8S.glob("*.yaml")) + sorted(K8S.glob("*.yml"))
+    assert files, f"no manifests under {K8S}"
+    return files
+
+
+def _objects() -> Iterator[tuple[Path, dict[str, Any]]]:
+    for path in _manifests():
+        for doc in _load_yaml_documents(path):
+            yield path, doc
+
+
+def _object(kind: str, name: str) -> dict[str, Any]:
+    found = [d for _, d in _objects() if d["kind"] == kind and d["metadata"]["name"] == name]
+    assert len(found) == 1, f"expected one {kind}/{name}, found {len(found)}"
+    return found[0]
+
+
+def _pod_spec(obj: dict[str, Any]) -> dict[str, Any]:
+    return obj["spec"] if obj["kind"] == "Pod" else obj["spec"]["template"]["spec"]
+
+
+def _container(spec: dict[str, Any], name: str) -> dict[str, Any]:
+    for c in spec.get("initContainers", []) + spec.get("containers", []):
+        if c["name"] == name:
+            return c
+    raise AssertionError(f"no container {name!r}")
+
+
+def _env(container: dict[str, Any]) -> dict[str, str]:
+    return {e["name"]: e.get("value", "") for e in container.get("env", [])}
+
+
+def _mount_volume(spec: dict[str, Any], container: dict[str, Any], path: str) -> dict[str, Any]:
+    """The volume that `container` mounts at `path`."""
+    names = [m["name"] for m in container.get("volumeMounts", []) if m["mountPath"] == path]
+    assert len(names) == 1, f"{container['name']} mounts nothing (or twice) at {path}"
+    (volume,) = [v for v in spec["volumes"] if v["name"] == names[0]]
+    return volume
+
+
+_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+_UNITS.update({"ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40})
+
+
+def _bytes(quantity: str) -> int:
+    """512MiB, 64GiB (kvdepot) or 36Gi, 1G (Kubernetes) in bytes."""
+    m = re.fullmatch(r"(\d+)\s*([kmgt]i?)?b?", quantity.strip(), flags=re.I)
+    assert m, f"cannot read size {quantity!r}"
+    return int(m.group(1)) * _UNITS[(m.group(2) or "").lower()]
+
+
+def _assert_health_probes(container: dict[str, Any]) -> None:
+    socket_path = _env(container)["KVDEPOT_SOCKET"]
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        command = container[probe]["exec"]["command"]
+        assert command[0] == "grpc_health_probe", (probe, command)
+        assert f"-addr=unix://{socket_path}" in command, (probe, command)
+
+
+def _kv_transfer_config(container: dict[str, Any]) -> dict[str, Any]:
+    args = container["args"]
+    i = args.index("--kv-transfer-config")
+    return json.loads(args[i + 1])
+
+
+# --- systemd unit -------------------------------------------------------------------------
+
+
+def test_unit_passes_systemd_analyze_verify(tmp_path: Path) -> None:
+    copy = _verifiable_copy(tmp_path)
+    status, diagnostics = _run_verify(copy)
+    if any(re.search(r"\b(user|group)\b", d, flags=re.I) for d in diagnostics):
+        # Some systemd versions may resolve User=/Group= during verify, and the kvdepot
+        # account only exists where the unit is installed (deploy/README.md creates it).
+        # Only then, and only for that, retry with this machine's own user and group: every
+        # other diagnostic still fails the test.
+        import grp
+        import pwd
+
+        user = pwd.getpwuid(os.getuid()).pw_name
+        group = grp.getgrgid(os.getgid()).gr_name
+        text = copy.read_text()
+        text = re.sub(r"^User=kvdepot$", f"User={user}", text, flags=re.M)
+        text = re.sub(r"^Group=kvdepot$", f"Group={group}", text, flags=re.M)
+        copy.write_text(text)
+        status, diagnostics = _run_verify(copy)
+    assert status == 0 and not diagnostics, "\n".join(diagnostics) or f"exit status {status}"
+
+
+def test_verify_would_catch_a_broken_unit(tmp_path: Path) -> None:
+    # The check above is only worth something if verify's logged complaints are caught.
+    broken = UNIT.read_text().replace("Type=notify", "Type=notify-typo\nWatchdgSec=30", 1)
+    status, diagnostics = _run_verify(_verifiable_copy(tmp_path, broken))
+    assert status != 0 or diagnostics
+
+
+def test_unit_hardening_exposure(tmp_path: Path) -> None:
+    # systemd's own review of the sandboxing (0 = locked down, 10 = none). The unit scores
+    # 3.5 ("OK") on systemd 252; this fails if hardening options get lost.
+    copy = _verifiable_copy(tmp_path)
+    proc = subprocess.run(
+        [_systemd_analyze(), "security", "--offline=yes", "--threshold=40", str(copy)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr
+
+
+def test_unit_settings() -> None:
+    assert _unit_value("Type") == "notify"
+    assert _unit_value("NotifyAccess") == "main"
+    assert _unit_value("ExecStart") == "/usr/local/bin/kvdepot serve"
+    assert _unit_value("EnvironmentFile") == "-/etc/kvdepot/kvdepot.env"
+    assert _unit_value("RuntimeDirectory") == "kvdepot"
+    # The socket directory goes away on stop; nothing may keep it.
+    assert _unit_values("RuntimeDirectoryPreserve") == []
+    assert _unit_value("WatchdogSec") == "30"
+    assert _unit_value("LimitMEMLOCK") == "infinity"
+    assert _unit_value("Restart") == "on-failure"
+    assert _unit_value("User") == "kvdepot"
+    assert _unit_value("Group") == "kvdepot"
+    assert _unit_value("RemoveIPC") == "no"  # the pool file in /dev/shm outlives a restart
+    assert "/dev/shm" in _unit_value("ReadWritePaths").split()
+    assert _unit_value("MemoryDenyWriteExecute") == "no"  # the CUDA driver's JIT needs W+X
+    assert any(v.startswith("char-nvidia") for v in _unit_values("DeviceAllow"))
+    assert set(_unit_value("RestrictAddressFamilies").split()) == {
+        "AF_UNIX",
+        "AF_INET",
+        "AF_INET6",
+    }
+    for key in (
+        "NoNewPrivileges",
+        "ProtectHome",
+        "PrivateTmp",
+        "ProtectKernelTunables",
+        "ProtectKernelModules",
+        "ProtectControlGroups",
+        "RestrictNamespaces",
+        "LockPersonality",
+    ):
+        assert _unit_value(key) == "yes", key
+    assert _unit_value("ProtectSystem") == "strict"
+    assert _unit_value("SystemCallArchitectures") == "native"
+    start_timeout = _unit_value("TimeoutStartSec")
+    assert int(start_timeout) >= 60, "a cold start imports torch and initialises CUDA"
+
+
+def test_unit_socket_is_in_runtime_directory() -> None:
+    env = dict(v.split("=", 1) for v in _unit_values("Environment"))
+    assert env["KVDEPOT_SOCKET"] == SOCKET_PATH
+    assert Path(SOCKET_PATH).parent == Path("/run") / _unit_value("RuntimeDirectory")
+    assert {k for k in env if k.startswith("KVDEPOT_")} <= KNOWN_SETTINGS
+
+
+# --- environment file ---------------------------------------------------------------------
+
+
+def test_env_file_names_exactly_the_known_settings() -> None:
+    documented: list[str] = []
+    for number, raw in enumerate(ENV_FILE.read_text().splitlines(), 1):
+        line = raw.strip()
+        if not line:
+            continue
+        # Everything is commented out: the file documents, the daemon's defaults decide.
+        assert line.startswith("#"), f"{ENV_FILE.name}:{number}: not commented out: {raw}"
+        m = re.fullmatch(r"#\s*([A-Z][A-Z0-9_]*)=(.*)", line)
+        if m:
+            assert not m.group(2).startswith((" ", "'", '"')), f"line {number}: {raw}"
+            documented.append(m.group(1))
+    assert len(documented) == len(set(documented)), f"listed twice: {documented}"
+    unknown = set(documented) - KNOWN_SETTINGS
+    assert not unknown, f"the daemon does not read {sorted(unknown)}"
+    missing = KNOWN_SETTINGS - set(documented)
+    assert not missing, f"not documented in {ENV_FILE.name}: {sorted(missing)}"
+
+
+def test_known_settings_match_the_daemon() -> None:
+    # `kvdepot serve --help` names the variable behind each flag; the list above, and so
+    # the env file, must name the same ones: a new flag gets documented, a removed one goes.
+    import argparse
+
+    try:
+        from kvdepot.server.config import add_serve_arguments
+    except ImportError as exc:
+        pytest.fail(f"cannot import kvdepot.server.config ({exc}): pip install -e '.[test]'")
+    parser = argparse.ArgumentParser(prog="kvdepot serve")
+    add_serve_arguments(parser)
+    in_help = set(re.findall(r"\bKVDEPOT_[A-Z0-9_]+", parser.format_help()))
+    assert in_help == KNOWN_SETTINGS, (
+        f"daemon only: {sorted(in_help - KNOWN_SETTINGS)}; "
+        f"listed here only: {sorted(KNOWN_SETTINGS - in_help)}"
+    )
+
+
+def test_env_file_parses_when_uncommented(tmp_path: Path) -> None:
+    # Uncommenting every line must give a valid EnvironmentFile: KEY=value, nothing more.
+    text = "\n".join(
+        line[1:] if re.match(r"#KVDEPOT_", line) else line
+        for line in ENV_FILE.read_text().splitlines()
+    )
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            assert re.fullmatch(r"KVDEPOT_[A-Z_]+=\S*", line), line
+
+
+def test_manifests_name_only_known_settings() -> None:
+    for path, obj in _objects():
+        if obj["kind"] not in {"Pod", "Deployment", "DaemonSet", "StatefulSet"}:
+            continue
+        spec = _pod_spec(obj)
+        for c in spec.get("initContainers", []) + spec.get("containers", []):
+            names = {n for n in _env(c) if n.startswith("KVDEPOT_")}
+            assert names <= KNOWN_SETTINGS, (path.name, c["name"], names - KNOWN_SETTINGS)
+
+
+# --- Kubernetes manifests -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path", _manifests(), ids=lambda p: p.name)
+def test_manifest_validates_against_kubernetes_schema(path: Path) -> None:
+    kubernetes_validate = _require("kubernetes_validate", "kubernetes-validate")
+    errors = []
+    for doc in _load_yaml_documents(path):
+        try:
+            kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+        except kubernetes_validate.ValidationError as exc:
+            where = ".".join(str(p) for p in exc.path)
+            errors.append(f"{doc['kind']}/{doc['metadata']['name']}: {where}: {exc.message}")
+    assert not errors, f"{path.name} against Kubernetes {K8S_VERSION}:\n" + "\n".join(errors)
+
+
+def test_native_sidecar_needs_the_schema_that_knows_it() -> None:
+    # Guards the choice of K8S_VERSION: with an older schema the sidecar must be rejected,
+    # showing that strict validation does look at initContainers[].restartPolicy.
+    kubernetes_validate = _require("kubernetes_validate", "kubernetes-validate")
+    doc = _object("Deployment", "vllm-kvdepot")
+    with pytest.raises(kubernetes_validate.ValidationError, match="restartPolicy"):
+        kubernetes_validate.validate(doc, "1.27.0", strict=True)
+
+
+def test_yaml_passes_yamllint() -> None:
+    _require("yamllint", "yamllint")
+    from yamllint import linter
+    from yamllint.config import YamlLintConfig
+
+    assert YAMLLINT_CONFIG.is_file(), "the repository's .yamllint is missing"
+    config = YamlLintConfig(file=str(YAMLLINT_CONFIG))
+    problems = []
+    for path in [*_manifests(), YAMLLINT_CONFIG]:
+        # Strict, like `yamllint --strict`: warnings fail too.
+        for p in linter.run(path.read_text(), config, str(path)):
+            problems.append(f"{path.relative_to(REPO)}:{p.line}:{p.column}: {p.level}: {p.message}")
+    assert not problems, "\n".join(problems)
+
+
+def test_sidecar_pod_wiring() -> None:
+    obj = _object("Deployment", "vllm-kvdepot")
+    spec = _pod_spec(obj)
+    assert spec["shareProcessNamespace"] is True
+
+    (sidecar,) = spec["initContainers"]
+    assert sidecar["name"] == "kvdepot"
+    assert sidecar["restartPolicy"] == "Always"  # native sidecar
+    assert sidecar["image"].startswith("ghcr.io/example/kvdepot:")
+    env = _env(sidecar)
+    assert env["KVDEPOT_SOCKET"] == SOCKET_PATH
+    _assert_health_probes(sidecar)
+
+    vllm = _container(spec, "vllm")
+    assert vllm["image"].startswith("vllm/vllm-openai")
+    assert vllm["command"] == ["vllm", "serve"]
+    assert _kv_transfer_config(vllm) == EXPECTED_KV_TRANSFER_CONFIG
+
+    # One socket directory, an emptyDir, in both containers.
+    run_daemon = _mount_volume(spec, sidecar, "/run/kvdepot")
+    run_vllm = _mount_volume(spec, vllm, "/run/kvdepot")
+    assert run_daemon is run_vllm
+    assert "emptyDir" in run_daemon
+
+    # The pool lives in a sized, memory-backed /dev/shm that holds it, and the daemon's
+    # memory limit covers it (the tmpfs pages are charged to the daemon's container).
+    shm = _mount_volume(spec, sidecar, "/dev/shm")
+    assert shm["emptyDir"]["medium"] == "Memory"
+    pool = _bytes(env["KVDEPOT_POOL_SIZE"])
+    assert env["KVDEPOT_POOL_FILE"].startswith("/dev/shm/")
+    assert pool < _bytes(shm["emptyDir"]["sizeLimit"])
+    assert pool < _bytes(sidecar["resources"]["limits"]["memory"])
+    assert _mount_volume(spec, vllm, "/dev/shm") is shm
+
+
+def test_daemonset_wiring() -> None:
+    obj = _object("DaemonSet", "kvdepot")
+    spec = _pod_spec(obj)
+    assert spec["hostIPC"] is True
+    daemon = _container(spec, "kvdepot")
+    env = _env(daemon)
+    assert env["KVDEPOT_SOCKET"] == SOCKET_PATH
+    _assert_health_probes(daemon)
+    run = _mount_volume(spec, daemon, "/run/kvdepot")
+    assert run["hostPath"] == {"path": "/run/kvdepot", "type": "DirectoryOrCreate"}
+
+    pool_dir = str(Path(env["KVDEPOT_POOL_FILE"]).parent)
+    pool_volume = _mount_volume(spec, daemon, pool_dir)
+    assert pool_volume.get("hostPath", {}).get("path", "").startswith("/dev/shm") or (
+        pool_volume.get("emptyDir", {}).get("medium") == "Memory"
+    )
+    assert _bytes(env["KVDEPOT_POOL_SIZE"]) < _bytes(daemon["resources"]["limits"]["memory"])
+
+
+def test_node_daemon_client_pod_wiring() -> None:
+    obj = _object("Pod", "vllm-node-kvdepot")
+    spec = _pod_spec(obj)
+    # Same IPC (and PID) namespace as the daemon: the host's.
+    assert spec["hostIPC"] is True
+    assert spec["hostPID"] is True
+    daemonset = _pod_spec(_object("DaemonSet", "kvdepot"))
+    assert daemonset["hostPID"] is True
+    vllm = _container(spec, "vllm")
+    assert _kv_transfer_config(vllm) == EXPECTED_KV_TRANSFER_CONFIG
+    run = _mount_volume(spec, vllm, "/run/kvdepot")
+    assert run["hostPath"]["path"] == "/run/kvdepot"
+    # The client pod is in the daemon's group, which owns the socket.
+    daemon = _container(daemonset, "kvdepot")
+    assert daemon["securityContext"]["runAsGroup"] in spec["securityContext"]["supplementalGroups"]

@@ -1,0 +1,400 @@
+"""The systemd notify protocol, against real AF_UNIX datagram sockets bound by the test."""
+
+from __future__ import annotations
+
+import array
+import asyncio
+import itertools
+import logging
+import os
+import shutil
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import pytest
+from kvdepot.server.sdnotify import SystemdNotifier, run_watchdog
+
+RECV_TIMEOUT_S = 5.0
+
+
+@dataclass
+class Listener:
+    """A datagram socket standing in for systemd's notify socket."""
+
+    sock: socket.socket
+    env_value: str  # what NOTIFY_SOCKET holds: a path or "@name"
+
+    def recv(self, timeout: float = RECV_TIMEOUT_S) -> str:
+        self.sock.settimeout(timeout)
+        return self.sock.recv(4096).decode()
+
+    def recv_with_pid(self, timeout: float = RECV_TIMEOUT_S) -> tuple[str, int]:
+        """One datagram and the sender's pid, as systemd sees it (SCM_CREDENTIALS)."""
+        self.sock.settimeout(timeout)
+        creds_size = struct.calcsize("3i")
+        data, ancdata, _, _ = self.sock.recvmsg(4096, socket.CMSG_SPACE(creds_size))
+        for level, kind, payload in ancdata:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS:
+                pid, _uid, _gid = struct.unpack("3i", payload[:creds_size])
+                return data.decode(), pid
+        raise AssertionError("no SCM_CREDENTIALS on the datagram")
+
+    def drain(self) -> list[str]:
+        """Everything queued right now, without waiting."""
+        out = []
+        self.sock.setblocking(False)
+        try:
+            while True:
+                out.append(self.sock.recv(4096).decode())
+        except BlockingIOError:
+            return out
+        finally:
+            self.sock.setblocking(True)
+
+
+def _bind(address: str | bytes) -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    # Like systemd: have the kernel attach the sender's credentials to each datagram.
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
+    sock.bind(address)
+    return sock
+
+
+@pytest.fixture
+def path_listener() -> Iterator[Listener]:
+    # A short directory of our own: sun_path holds only 108 bytes, and pytest's tmp_path
+    # can be longer than that.
+    tmpdir = tempfile.mkdtemp(prefix="kvd-notify-")
+    path = os.path.join(tmpdir, "notify.sock")
+    sock = _bind(path)
+    try:
+        yield Listener(sock, path)
+    finally:
+        sock.close()
+        shutil.rmtree(tmpdir, ignore_errors=True)
+
+
+@pytest.fixture
+def abstract_listener() -> Iterator[Listener]:
+    name = f"kvdepot-test-notify-{uuid.uuid4().hex}"
+    sock = _bind(b"\0" + name.encode())
+    try:
+        yield Listener(sock, "@" + name)
+    finally:
+        sock.close()
+
+
+@pytest.fixture(params=["path", "abstract"])
+def listener(request: pytest.FixtureRequest) -> Listener:
+    return request.getfixturevalue(f"{request.param}_listener")
+
+
+def test_messages_arrive(listener: Listener) -> None:
+    with SystemdNotifier({"NOTIFY_SOCKET": listener.env_value}) as notifier:
+        assert notifier.enabled
+        assert notifier.ready()
+        assert listener.recv() == "READY=1"
+        assert notifier.status("pool warming: 12/64 GiB")
+        assert listener.recv() == "STATUS=pool warming: 12/64 GiB"
+        assert notifier.watchdog()
+        assert listener.recv() == "WATCHDOG=1"
+        assert notifier.stopping()
+        assert listener.recv() == "STOPPING=1"
+        assert notifier.extend_timeout(1.5)
+        assert listener.recv() == "EXTEND_TIMEOUT_USEC=1500000"
+        assert listener.drain() == []
+
+
+def test_reads_process_environment(
+    path_listener: Listener, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("NOTIFY_SOCKET", path_listener.env_value)
+    with SystemdNotifier() as notifier:
+        assert notifier.ready()
+    assert path_listener.recv() == "READY=1"
+
+
+def test_one_datagram_per_message(listener: Listener) -> None:
+    with SystemdNotifier({"NOTIFY_SOCKET": listener.env_value}) as notifier:
+        assert notifier.notify(READY=1, STATUS="serving", MAINPID=os.getpid())
+        assert notifier.notify("READY=1\nSTATUS=raw")
+        assert notifier.notify("WATCHDOG=1", STATUS="both")
+    assert listener.recv() == f"READY=1\nSTATUS=serving\nMAINPID={os.getpid()}"
+    assert listener.recv() == "READY=1\nSTATUS=raw"
+    assert listener.recv() == "WATCHDOG=1\nSTATUS=both"
+    assert listener.drain() == []
+
+
+def test_status_newline_cannot_inject_a_field(path_listener: Listener) -> None:
+    with SystemdNotifier({"NOTIFY_SOCKET": path_listener.env_value}) as notifier:
+        assert notifier.status("line one\nREADY=1\r\nline three")
+    assert path_listener.recv() == "STATUS=line one READY=1  line three"
+
+
+def test_nothing_to_send_sends_nothing(path_listener: Listener) -> None:
+    with SystemdNotifier({"NOTIFY_SOCKET": path_listener.env_value}) as notifier:
+        assert not notifier.notify()
+        assert not notifier.notify("")
+    assert path_listener.drain() == []
+
+
+def test_sender_is_the_calling_process(path_listener: Listener) -> None:
+    # NotifyAccess=main: systemd takes the sender's pid from the socket and drops messages
+    # from any other process, so the datagram must come from us, not a helper.
+    with SystemdNotifier({"NOTIFY_SOCKET": path_listener.env_value}) as notifier:
+        notifier.ready()
+    assert path_listener.recv_with_pid() == ("READY=1", os.getpid())
+
+
+def test_child_process_reads_notify_socket(path_listener: Listener) -> None:
+    # The daemon as systemd starts it: a fresh process with NOTIFY_SOCKET in its environment.
+    code = (
+        "from kvdepot.server.sdnotify import SystemdNotifier\n"
+        "n = SystemdNotifier()\n"
+        "assert n.ready() and n.status('up') and n.stopping()\n"
+    )
+    env = {**os.environ, "NOTIFY_SOCKET": path_listener.env_value}
+    proc = subprocess.Popen([sys.executable, "-c", code], env=env)
+    try:
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    msgs = [path_listener.recv_with_pid() for _ in range(3)]
+    assert msgs == [("READY=1", proc.pid), ("STATUS=up", proc.pid), ("STOPPING=1", proc.pid)]
+
+
+def test_watchdog_keeps_coming(listener: Listener) -> None:
+    usec = 100_000  # WatchdogSec=0.1 -> a keep-alive every 50 ms
+    env = {
+        "NOTIFY_SOCKET": listener.env_value,
+        "WATCHDOG_USEC": str(usec),
+        "WATCHDOG_PID": str(os.getpid()),
+    }
+    notifier = SystemdNotifier(env)
+    assert notifier.watchdog_interval() == pytest.approx(0.05)
+
+    arrivals: list[float] = []
+
+    async def scenario() -> None:
+        stop = asyncio.Event()
+        task = asyncio.create_task(run_watchdog(notifier, stop))
+        loop = asyncio.get_running_loop()
+        listener.sock.setblocking(False)
+        deadline = time.monotonic() + 10
+        while len(arrivals) < 8 and time.monotonic() < deadline:
+            msg = await asyncio.wait_for(loop.sock_recv(listener.sock, 4096), 5)
+            assert msg == b"WATCHDOG=1"
+            arrivals.append(time.monotonic())
+        stop.set()
+        await asyncio.wait_for(task, 5)  # returns promptly once stopped
+        listener.sock.setblocking(True)
+
+    asyncio.run(scenario())
+    notifier.close()
+    assert len(arrivals) == 8
+    gaps = [b - a for a, b in itertools.pairwise(arrivals)]
+    # At the interval: not a burst (which would starve nothing but waste wake-ups), and not
+    # so slow that systemd's timer (twice the interval) would fire. Bounds leave room for
+    # timer slack and a loaded CI machine; the mean is what systemd effectively sees.
+    mean = sum(gaps) / len(gaps)
+    assert 0.045 <= mean < 0.1, gaps
+    assert min(gaps) >= 0.02, gaps
+    # Nothing after stop.
+    time.sleep(0.15)
+    assert listener.drain() == []
+
+
+def test_watchdog_first_keepalive_is_immediate(path_listener: Listener) -> None:
+    # WatchdogSec=60: the first keep-alive must not wait 30 s.
+    env = {"NOTIFY_SOCKET": path_listener.env_value, "WATCHDOG_USEC": "60000000"}
+    notifier = SystemdNotifier(env)
+    assert notifier.watchdog_interval() == 30.0
+
+    async def scenario() -> None:
+        stop = asyncio.Event()
+        task = asyncio.create_task(run_watchdog(notifier, stop))
+        await asyncio.sleep(0.05)
+        stop.set()
+        await asyncio.wait_for(task, 5)
+
+    asyncio.run(scenario())
+    assert path_listener.recv(timeout=1) == "WATCHDOG=1"
+    assert path_listener.drain() == []
+
+
+def test_unset_notify_socket_is_a_noop(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("NOTIFY_SOCKET", raising=False)
+    monkeypatch.setenv("WATCHDOG_USEC", "100000")
+    notifier = SystemdNotifier()
+    assert not notifier.enabled
+    assert notifier.watchdog_interval() is None
+    for send in (notifier.ready, notifier.stopping, notifier.watchdog):
+        assert send() is False
+    assert notifier.status("x") is False
+    assert notifier.notify("READY=1") is False
+    assert notifier._sock is None  # no socket was even opened
+
+    async def scenario() -> None:
+        await asyncio.wait_for(run_watchdog(notifier, asyncio.Event()), 1)
+
+    asyncio.run(scenario())  # returns at once although the event is never set
+
+
+def test_watchdog_pid_of_another_process_disables_watchdog(path_listener: Listener) -> None:
+    other_pid = os.getppid()
+    env = {
+        "NOTIFY_SOCKET": path_listener.env_value,
+        "WATCHDOG_USEC": "100000",
+        "WATCHDOG_PID": str(other_pid),
+    }
+    notifier = SystemdNotifier(env)
+    assert notifier.enabled  # other notifications still go out
+    assert notifier.watchdog_interval() is None
+
+    async def scenario() -> None:
+        await asyncio.wait_for(run_watchdog(notifier, asyncio.Event()), 1)
+
+    asyncio.run(scenario())
+    time.sleep(0.1)
+    assert path_listener.drain() == []
+
+
+@pytest.mark.parametrize(
+    ("usec", "pid", "expected"),
+    [
+        (None, None, None),
+        ("", None, None),
+        ("0", None, None),
+        ("-5", None, None),
+        ("soon", None, None),
+        ("30000000", None, 15.0),
+        ("30000000", "self", 15.0),
+        ("30000000", "garbage", None),
+    ],
+)
+def test_watchdog_interval_from_environment(
+    usec: str | None, pid: str | None, expected: float | None
+) -> None:
+    env = {"NOTIFY_SOCKET": "/run/systemd/notify"}
+    if usec is not None:
+        env["WATCHDOG_USEC"] = usec
+    if pid is not None:
+        env["WATCHDOG_PID"] = str(os.getpid()) if pid == "self" else pid
+    assert SystemdNotifier(env).watchdog_interval() == expected
+
+
+@pytest.mark.parametrize("value", ["", "relative/notify.sock", "vsock:2:1234"])
+def test_unusable_address_disables(value: str) -> None:
+    notifier = SystemdNotifier({"NOTIFY_SOCKET": value, "WATCHDOG_USEC": "100000"})
+    assert not notifier.enabled
+    assert notifier.watchdog_interval() is None
+    assert notifier.ready() is False
+
+
+def test_failures_never_raise_and_warn_once(caplog: pytest.LogCaptureFixture) -> None:
+    tmpdir = tempfile.mkdtemp(prefix="kvd-notify-")
+    try:
+        gone = os.path.join(tmpdir, "nobody-listens.sock")
+        notifier = SystemdNotifier({"NOTIFY_SOCKET": gone})
+        with caplog.at_level(logging.DEBUG, logger="kvdepot.sdnotify"):
+            assert notifier.ready() is False
+            assert notifier.status("x") is False
+            assert notifier.watchdog() is False
+        warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+        assert len(warnings) == 1, caplog.text
+        assert warnings[0].name == "kvdepot.sdnotify"
+        assert gone in warnings[0].getMessage()
+        notifier.close()
+    finally:
+        shutil.rmtree(tmpdir, ignore_errors=True)
+
+
+def test_recovers_when_listener_appears(caplog: pytest.LogCaptureFixture) -> None:
+    # systemd re-creates its socket on daemon-reexec: sends must follow the path again.
+    tmpdir = tempfile.mkdtemp(prefix="kvd-notify-")
+    path = os.path.join(tmpdir, "notify.sock")
+    try:
+        with SystemdNotifier({"NOTIFY_SOCKET": path}) as notifier:
+            with caplog.at_level(logging.WARNING, logger="kvdepot.sdnotify"):
+                assert notifier.ready() is False
+            sock = _bind(path)
+            try:
+                assert notifier.watchdog() is True
+                assert Listener(sock, path).recv() == "WATCHDOG=1"
+            finally:
+                sock.close()
+    finally:
+        shutil.rmtree(tmpdir, ignore_errors=True)
+
+
+def test_full_receive_queue_does_not_block(path_listener: Listener) -> None:
+    # A systemd that stops reading must not stall the daemon's event loop: sends are
+    # non-blocking and report failure once the queue is full.
+    path_listener.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    with SystemdNotifier({"NOTIFY_SOCKET": path_listener.env_value}) as notifier:
+        start = time.monotonic()
+        results = [notifier.watchdog() for _ in range(5000)]
+        elapsed = time.monotonic() - start
+    assert elapsed < 5, elapsed
+    assert results[0] is True
+    assert False in results  # the queue did fill up, and that did not raise or block
+
+
+def test_sends_from_threads_stay_whole(path_listener: Listener) -> None:
+    # Status updates may come from a warm-up thread while the loop sends keep-alives. Every
+    # datagram must arrive whole, and True must mean it arrived. The kernel's datagram queue
+    # can be short (net.unix.max_dgram_qlen is 10 in some containers), so a reader drains it
+    # concurrently and the senders may still see a full queue now and then.
+    received: list[str] = []
+    done = threading.Event()
+
+    def reader() -> None:
+        path_listener.sock.settimeout(0.05)
+        while True:
+            try:
+                received.append(path_listener.sock.recv(4096).decode())
+            except TimeoutError:
+                if done.is_set():
+                    return
+
+    notifier = SystemdNotifier({"NOTIFY_SOCKET": path_listener.env_value})
+    accepted: list[str] = []
+
+    def sender(n: int) -> None:
+        for i in range(50):
+            text = f"thread {n} step {i}"
+            if notifier.status(text):
+                accepted.append(f"STATUS={text}")
+
+    reader_thread = threading.Thread(target=reader)
+    reader_thread.start()
+    senders = [threading.Thread(target=sender, args=(n,)) for n in range(4)]
+    for t in senders:
+        t.start()
+    for t in senders:
+        t.join()
+    done.set()
+    reader_thread.join(timeout=10)
+    notifier.close()
+    assert accepted, "no send succeeded"
+    assert sorted(received) == sorted(accepted)
+
+
+def test_datagrams_carry_no_file_descriptors(path_listener: Listener) -> None:
+    # systemd treats FDSTORE=1 specially; a plain notification must carry no SCM_RIGHTS.
+    with SystemdNotifier({"NOTIFY_SOCKET": path_listener.env_value}) as notifier:
+        notifier.ready()
+    fds = array.array("i")
+    path_listener.sock.settimeout(RECV_TIMEOUT_S)
+    _, ancdata, _, _ = path_listener.sock.recvmsg(4096, socket.CMSG_SPACE(16 * fds.itemsize))
+    assert all(kind != socket.SCM_RIGHTS for _, kind, _ in ancdata)
