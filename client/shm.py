@@ -13,6 +13,7 @@ connector handed plain tensors can tell whether they live in shareable memory.
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import threading
@@ -84,7 +85,5 @@ class SharedKVBuffer:
             self.fd = -1
 
     def __del__(self) -> None:
-        try:
+        with contextlib.suppress(Exception):
             self.close()
-        except Exception:
-            pass

@@ -7,6 +7,7 @@ coroutine awaits an asyncio future that the worker thread resolves.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import queue
 import threading
@@ -50,10 +51,9 @@ class CopyQueue:
                 done, value = _set_exception, exc
             else:
                 done, value = _set_result, result
-            try:
+            # RuntimeError: the loop closed during shutdown, nobody waits.
+            with contextlib.suppress(RuntimeError):
                 loop.call_soon_threadsafe(done, fut, value)
-            except RuntimeError:  # the loop closed during shutdown: nobody waits
-                pass
 
 
 def _set_result(fut: asyncio.Future[Any], value: Any) -> None:

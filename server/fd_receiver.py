@@ -9,6 +9,7 @@ See kvdepot.client.fdpass for the protocol.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import secrets
@@ -121,10 +122,8 @@ class FdReceiver:
         finally:
             for fd in fds:
                 os.close(fd)
-        try:
+        with contextlib.suppress(OSError):  # the client gave up: nothing to tell it
             conn.sendall(encode(reply))
-        except OSError:
-            pass
 
     def _accept(self, msg: dict, fds: list[int], peer_pid: int) -> dict:
         if len(fds) != 1:

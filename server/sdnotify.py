@@ -13,9 +13,15 @@ Contract of this module:
 
 - With ``NOTIFY_SOCKET`` unset (not under systemd, tests, containers) every send is a no-op
   that returns ``False``.
-- A send never raises into the caller and never blocks: a failure (systemd gone, queue full,
-  bad address) is logged as a warning once per notifier, later ones at debug level, and the
-  send returns ``False``. Notifications are advisory; the daemon must not die for them.
+- A send never raises into the caller: a failure (systemd gone, queue full, bad address) is
+  logged as a warning once per notifier, later ones at debug level, and the send returns
+  ``False``. Notifications are advisory; the daemon must not die for them.
+- A send never blocks for long. When systemd's receive queue is full (PID 1 busy, e.g. at
+  boot; the kernel's default net.unix.max_dgram_qlen is 10 datagrams shared by all senders,
+  which systemd's sysctl defaults raise to 512), a message waits at most ``SEND_TIMEOUT_S``
+  for room, since losing ``READY=1`` would have systemd kill a healthy daemon at its start
+  timeout. ``WATCHDOG=1`` never waits: a lost keep-alive costs nothing, the next one
+  follows within half the watchdog timeout.
 - Each message is exactly one datagram, sent from the calling process, so that systemd's
   ``NotifyAccess=main`` accepts it (systemd checks the sender's pid from the socket).
 """
@@ -27,13 +33,17 @@ import contextlib
 import logging
 import os
 import socket
+import struct
 import threading
 from collections.abc import Mapping
 from types import TracebackType
 
-__all__ = ["SystemdNotifier", "run_watchdog"]
+__all__ = ["SEND_TIMEOUT_S", "SystemdNotifier", "run_watchdog"]
 
 log = logging.getLogger("kvdepot.sdnotify")
+
+#: Longest time one message waits for room in systemd's receive queue.
+SEND_TIMEOUT_S = 1.0
 
 
 class SystemdNotifier:
@@ -45,7 +55,8 @@ class SystemdNotifier:
     ignores their messages, and ``WATCHDOG_PID`` keeps them from running a watchdog.
 
     Safe to use from several threads (each send is one ``sendto`` on a shared socket) and
-    from the event loop (sends are non-blocking).
+    from the event loop (a message waits at most ``SEND_TIMEOUT_S``, a keep-alive not at
+    all, and only when systemd is not reading).
     """
 
     def __init__(self, environ: Mapping[str, str] | None = None) -> None:
@@ -127,9 +138,12 @@ class SystemdNotifier:
         keyword fields (``notify(READY=1, STATUS="warming")``), sent as ``KEY=value`` lines
         in the given order; both may be combined (raw part first). Newlines inside field
         values are replaced by spaces, since a newline would start a new assignment.
-        Returns False, without raising, when disabled, when there is nothing to send, or when
-        the send failed.
+        Waits at most ``SEND_TIMEOUT_S`` for room in a full queue. Returns False, without
+        raising, when disabled, when there is nothing to send, or when the send failed.
         """
+        return self._notify(state, fields, wait=True)
+
+    def _notify(self, state: str | None, fields: Mapping[str, object], *, wait: bool) -> bool:
         if self._address is None:
             return False
         lines: list[str] = []
@@ -140,7 +154,7 @@ class SystemdNotifier:
             lines.append(f"{key}={text}")
         if not lines:
             return False
-        return self._send("\n".join(lines).encode("utf-8", "replace"))
+        return self._send("\n".join(lines).encode("utf-8", "replace"), wait=wait)
 
     def ready(self) -> bool:
         """Send ``READY=1``: start-up is complete and the service accepts requests."""
@@ -155,27 +169,36 @@ class SystemdNotifier:
         return self.notify(STOPPING=1)
 
     def watchdog(self) -> bool:
-        """Send ``WATCHDOG=1``: a keep-alive that resets systemd's watchdog timer."""
-        return self.notify(WATCHDOG=1)
+        """Send ``WATCHDOG=1``: a keep-alive that resets systemd's watchdog timer.
+
+        Never waits: with the queue full, this keep-alive is dropped (returns False).
+        """
+        return self._notify(None, {"WATCHDOG": 1}, wait=False)
 
     def extend_timeout(self, seconds: float) -> bool:
         """Send ``EXTEND_TIMEOUT_USEC``: ask systemd for ``seconds`` more before it times out
         the current start-up or shut-down phase (for slow phases that make progress)."""
         return self.notify(EXTEND_TIMEOUT_USEC=max(0, int(seconds * 1_000_000)))
 
-    def _send(self, payload: bytes) -> bool:
+    def _send(self, payload: bytes, *, wait: bool) -> bool:
         assert self._address is not None
         try:
             with self._lock:
                 if self._sock is None:
-                    self._sock = socket.socket(
-                        socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC
+                    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
+                    # A blocking socket whose sends give up after SEND_TIMEOUT_S: the kernel
+                    # then waits on the receiver's queue itself (Python's own timeouts would
+                    # poll, and poll reports an unconnected datagram socket always writable).
+                    sec = int(SEND_TIMEOUT_S)
+                    usec = int((SEND_TIMEOUT_S - sec) * 1_000_000)
+                    sock.setsockopt(
+                        socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", sec, usec)
                     )
+                    self._sock = sock
                 sock = self._sock
             # sendto per message rather than connect(): systemd may re-create its socket
             # (daemon-reexec), and an unconnected socket simply follows the path.
-            # MSG_DONTWAIT: a full receive queue must not stall the event loop.
-            sock.sendto(payload, socket.MSG_DONTWAIT, self._address)
+            sock.sendto(payload, 0 if wait else socket.MSG_DONTWAIT, self._address)
         except OSError as exc:
             self._report_failure(exc)
             return False

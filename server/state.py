@@ -201,7 +201,9 @@ class DepotState:
     def open_session(self, client_name: str, pid: int, engine_id: str) -> Session:
         if self.shutting_down:
             raise errors.unavailable("the daemon is shutting down: reconnect in a moment")
-        s = Session(secrets.token_hex(12), client_name[:200], pid, engine_id[:200], time.monotonic())
+        s = Session(
+            secrets.token_hex(12), client_name[:200], pid, engine_id[:200], time.monotonic()
+        )
         self.sessions[s.id] = s
         log.info("session %s opened by %r (pid %d)", s.id, s.client_name, pid)
         return s
@@ -220,7 +222,13 @@ class DepotState:
         log.info(
             "session %s (%r, pid %d) closed: released %d registration(s), %d pin(s), "
             "%d unfinished block row(s), %d pending fd(s)",
-            session_id, s.client_name, s.pid, registrations, pins, rows, fds,
+            session_id,
+            s.client_name,
+            s.pid,
+            registrations,
+            pins,
+            rows,
+            fds,
         )
 
     def session(self, session_id: str) -> Session:
@@ -293,7 +301,11 @@ class DepotState:
         session.registrations.add(reg.id)
         log.info(
             "registration %d: session %s rank %d of namespace %s over %s (%s)",
-            reg.id, session_id, rank, layout.id, reg.memory_path,
+            reg.id,
+            session_id,
+            rank,
+            layout.id,
+            reg.memory_path,
             format_size(reg.registered_bytes),
         )
         return reg
@@ -452,7 +464,9 @@ class DepotState:
             out = JobOutcome(job.job_id, False, error=exc.message, error_code=exc.code.name)
         except Exception as exc:  # a bug must not take the stream down
             log.exception("job %d failed unexpectedly", job.job_id)
-            out = JobOutcome(job.job_id, False, error=f"internal error: {exc}", error_code="INTERNAL")
+            out = JobOutcome(
+                job.job_id, False, error=f"internal error: {exc}", error_code="INTERNAL"
+            )
         finally:
             self.traffic.inflight_jobs -= 1
         out.total_seconds = time.perf_counter() - t0
@@ -507,8 +521,13 @@ class DepotState:
         assert reg.memory is not None
         try:
             return plan_job(
-                reg.layout, reg.rank, reg.memory, job.block_ids, job.group_sizes,
-                job.block_indices, offsets,
+                reg.layout,
+                reg.rank,
+                reg.memory,
+                job.block_ids,
+                job.group_sizes,
+                job.block_indices,
+                offsets,
             )
         except LayoutError as exc:
             raise errors.invalid(str(exc)) from None

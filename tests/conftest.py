@@ -10,7 +10,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests.support.daemon import DaemonProcess  # noqa: E402
+from tests.support.daemon import DaemonProcess
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -34,6 +34,6 @@ def daemon_factory(tmp_path_factory: pytest.TempPathFactory) -> Iterator:
 
 
 @pytest.fixture
-def daemon(daemon_factory) -> DaemonProcess:  # noqa: ANN001
+def daemon(daemon_factory) -> DaemonProcess:
     """A daemon with a 64 MiB pool."""
     return daemon_factory("--pool-size", "64MiB")

@@ -37,9 +37,16 @@ def layout_from_proto(msg: pb.NamespaceLayout) -> NamespaceLayout:
 
 def outcome_to_proto(o: JobOutcome) -> pb.TransferResult:
     return pb.TransferResult(
-        job_id=o.job_id, success=o.success, bytes=o.bytes, copy_seconds=o.copy_seconds,
-        total_seconds=o.total_seconds, error=o.error, error_code=o.error_code,
-        stored_keys=o.stored_keys, present_keys=o.present_keys, dropped_keys=o.dropped_keys,
+        job_id=o.job_id,
+        success=o.success,
+        bytes=o.bytes,
+        copy_seconds=o.copy_seconds,
+        total_seconds=o.total_seconds,
+        error=o.error,
+        error_code=o.error_code,
+        stored_keys=o.stored_keys,
+        present_keys=o.present_keys,
+        dropped_keys=o.dropped_keys,
         drop_reason=o.drop_reason,
     )
 
@@ -74,9 +81,7 @@ class DepotServicer(depot_pb2_grpc.DepotServicer):
             )
             while not st.shutting_down:
                 with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(
-                        st.shutdown_event.wait(), st.config.keepalive_seconds
-                    )
+                    await asyncio.wait_for(st.shutdown_event.wait(), st.config.keepalive_seconds)
                 if st.shutting_down:
                     break
                 yield pb.SessionEvent(keepalive=pb.SessionKeepalive(uptime_seconds=st.uptime))
@@ -99,8 +104,13 @@ class DepotServicer(depot_pb2_grpc.DepotServicer):
                 else:
                     raise errors.invalid("a memory region needs a handle (shm or cuda_ipc)")
             tensors = [
-                TensorView(t.region_index, t.region_offset, t.num_blocks, t.block_stride_bytes,
-                           t.page_bytes)
+                TensorView(
+                    t.region_index,
+                    t.region_offset,
+                    t.num_blocks,
+                    t.block_stride_bytes,
+                    t.page_bytes,
+                )
                 for t in request.tensors
             ]
             groups = [
@@ -143,8 +153,10 @@ class DepotServicer(depot_pb2_grpc.DepotServicer):
                 first = True
                 for i in range(0, max(len(keys), 1), SNAPSHOT_BATCH):
                     yield pb.WatchEvent(
-                        kind=pb.WatchEvent.SNAPSHOT, keys=keys[i : i + SNAPSHOT_BATCH],
-                        reset=first, boot_id=st.boot_id,
+                        kind=pb.WatchEvent.SNAPSHOT,
+                        keys=keys[i : i + SNAPSHOT_BATCH],
+                        reset=first,
+                        boot_id=st.boot_id,
                     )
                     first = False
                 yield pb.WatchEvent(kind=pb.WatchEvent.SNAPSHOT_END, boot_id=st.boot_id)
@@ -165,11 +177,14 @@ class DepotServicer(depot_pb2_grpc.DepotServicer):
                         batch.extend(watcher.queue.get_nowait().keys)
                     yield pb.WatchEvent(
                         kind=pb.WatchEvent.STORED if kind == "stored" else pb.WatchEvent.REMOVED,
-                        keys=batch, reason=reason, boot_id=st.boot_id,
+                        keys=batch,
+                        reason=reason,
+                        boot_id=st.boot_id,
                     )
                 keys = st.snapshot(request.namespace_id)  # lagged: resync
-                log.warning("a watcher of %s fell behind; resending a snapshot",
-                            request.namespace_id)
+                log.warning(
+                    "a watcher of %s fell behind; resending a snapshot", request.namespace_id
+                )
         finally:
             st.remove_watcher(watcher)
 
@@ -183,7 +198,9 @@ class DepotServicer(depot_pb2_grpc.DepotServicer):
             raise AssertionError("unreachable") from None
         return pb.LookupResponse(ready=ready)
 
-    async def Pin(self, request: pb.PinRequest, context: grpc.aio.ServicerContext) -> pb.PinResponse:
+    async def Pin(
+        self, request: pb.PinRequest, context: grpc.aio.ServicerContext
+    ) -> pb.PinResponse:
         try:
             pinned = self.state.pin(request.session_id, request.namespace_id, list(request.keys))
         except errors.DepotError as exc:
@@ -211,10 +228,14 @@ class DepotServicer(depot_pb2_grpc.DepotServicer):
         async def run(job: pb.TransferJob) -> None:
             outcome = await st.run_job(
                 JobSpec(
-                    job_id=job.job_id, direction=job.direction,
-                    registration_id=job.registration_id, keys=list(job.keys),
-                    block_ids=list(job.block_ids), group_sizes=list(job.group_sizes),
-                    block_indices=list(job.block_indices), expedited=job.expedited,
+                    job_id=job.job_id,
+                    direction=job.direction,
+                    registration_id=job.registration_id,
+                    keys=list(job.keys),
+                    block_ids=list(job.block_ids),
+                    group_sizes=list(job.group_sizes),
+                    block_indices=list(job.block_indices),
+                    expedited=job.expedited,
                     session_id=job.session_id,
                 )
             )
@@ -252,7 +273,9 @@ class DepotServicer(depot_pb2_grpc.DepotServicer):
             if not reader.done():
                 reader.cancel()
 
-    async def Put(self, request: pb.PutRequest, context: grpc.aio.ServicerContext) -> pb.PutResponse:
+    async def Put(
+        self, request: pb.PutRequest, context: grpc.aio.ServicerContext
+    ) -> pb.PutResponse:
         try:
             outcome, ready, reason = await self.state.put(
                 request.session_id, request.namespace_id, request.key, request.rank, request.data
@@ -262,7 +285,9 @@ class DepotServicer(depot_pb2_grpc.DepotServicer):
             raise AssertionError("unreachable") from None
         return pb.PutResponse(outcome=outcome, ready=ready, drop_reason=reason)
 
-    async def Get(self, request: pb.GetRequest, context: grpc.aio.ServicerContext) -> pb.GetResponse:
+    async def Get(
+        self, request: pb.GetRequest, context: grpc.aio.ServicerContext
+    ) -> pb.GetResponse:
         try:
             data = await self.state.get(request.namespace_id, request.key, request.rank)
         except errors.DepotError as exc:

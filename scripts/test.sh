@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Sets up everything the test suite needs on a fresh machine, then runs it:
+#   bash scripts/test.sh [pytest args...]
+# A virtual environment in .venv with kvdepot (editable), its test extras and
+# vLLM 0.33.0; Debian's systemd package for `systemd-analyze verify`.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+    echo "== creating .venv"
+    "$PY" -m venv .venv
+fi
+echo "== installing kvdepot[test,vllm] (vLLM pulls torch: the first run takes minutes)"
+.venv/bin/pip install --disable-pip-version-check -q -e '.[test,vllm]' 2>&1 \
+    | grep -v "^WARNING: Location" || true
+.venv/bin/python -c "import kvdepot.server, kvdepot.client, vllm, grpc_tools" \
+    || { echo "installation incomplete"; exit 1; }
+
+if ! command -v systemd-analyze >/dev/null 2>&1; then
+    echo "== installing Debian's systemd (for systemd-analyze verify)"
+    if [ "$(id -u)" = 0 ]; then
+        apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq systemd >/dev/null
+    else
+        sudo apt-get update -qq && sudo DEBIAN_FRONTEND=noninteractive apt-get install -y -qq systemd >/dev/null
+    fi
+fi
+
+echo "== ruff"
+.venv/bin/ruff check .
+echo "== pytest"
+exec .venv/bin/python -m pytest "$@"
