@@ -361,7 +361,7 @@ class TransferStream:
     def __init__(self, client: DepotClient) -> None:
         self.client = client
         self._lock = threading.Condition()
-        self._inflight: dict[int, float] = {}  # job id -> submit time
+        self._inflight: dict[int, int] = {}  # job id -> stream generation
         self._done: dict[int, depot_pb2.TransferResult] = {}
         self._requests: queue.SimpleQueue[object] | None = None
         self._generation = 0
@@ -383,7 +383,10 @@ class TransferStream:
         ).start()
         return q
 
-    def _read(self, call: Iterable[depot_pb2.TransferResult], q: object, generation: int) -> None:
+    def _read(
+        self, call: Iterable[depot_pb2.TransferResult], q: queue.SimpleQueue[object],
+        generation: int,
+    ) -> None:
         error = "the Transfer stream ended"
         try:
             for result in call:
@@ -397,9 +400,11 @@ class TransferStream:
             if self._requests is q:
                 self._requests = None
             # Only this generation's jobs were on the broken stream.
-            for job_id in list(self._inflight):
-                self._fail(job_id, error)
+            for job_id, gen in list(self._inflight.items()):
+                if gen == generation:
+                    self._fail(job_id, error)
             self._lock.notify_all()
+        q.put(_STREAM_END)  # ends the request-iterator thread gRPC runs
 
     def _fail(self, job_id: int, error: str) -> None:
         self._inflight.pop(job_id, None)
@@ -420,7 +425,7 @@ class TransferStream:
                 self._fail(job.job_id, f"kvdepot daemon unavailable: {exc}")
                 self._lock.notify_all()
                 return
-            self._inflight[job.job_id] = time.monotonic()
+            self._inflight[job.job_id] = self._generation
             self._requests.put(job)
 
     def poll(self) -> list[depot_pb2.TransferResult]:

@@ -30,6 +30,14 @@ def parse_size(text: str) -> int:
     return int(value)
 
 
+def size_argument(text: str) -> int:
+    """parse_size for argparse: its message reaches the user."""
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def format_size(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
@@ -87,7 +95,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "by default: TCP has no file-mode access control)",
     )
     parser.add_argument(
-        "--pool-size", type=parse_size, default=parse_size(_env("POOL_SIZE", "1GiB") or "1GiB"),
+        "--pool-size", type=size_argument, default=_env("POOL_SIZE", "1GiB"),
         help="pool bytes, e.g. 512MiB or 64GiB (KVDEPOT_POOL_SIZE; default 1GiB)",
     )
     parser.add_argument(

@@ -374,8 +374,9 @@ class BlockIndex:
         still being written.
         """
         ns = self.namespace(namespace_id)
+        # dict.fromkeys: a key named twice must not be removed (and freed) twice.
         candidates = list(ns.slots.values()) if keys is None else [
-            s for k in keys if (s := ns.slots.get(k)) is not None
+            s for k in dict.fromkeys(keys) if (s := ns.slots.get(k)) is not None
         ]
         evicted = skipped = 0
         for slot in candidates:
@@ -411,11 +412,47 @@ class BlockIndex:
                     writing += 1
         return {"ready": ready, "writing": writing, "pinned": pinned, "doomed": len(self._doomed)}
 
+    def pinned_slot_count(self, owner: Owner) -> int:
+        """How many distinct slots `owner` holds at least one pin on (for reporting)."""
+        return len(self._pins_by_owner.get(owner, ()))
+
     def ready_slots(self) -> list[Slot]:
         return [
             s for ns in self.namespaces.values() for s in ns.slots.values()
             if s.state is SlotState.READY
         ]
+
+    def ready_slots_by_age(self) -> list[Slot]:
+        """READY slots, least recently used first; held (pinned, read) ones last."""
+        held = [s for s in self.ready_slots() if s.held]
+        return [*self._lru, *held]
+
+    # -- warm restart ----------------------------------------------------------------
+
+    def adopt_ready(self, namespace_id: str, key: bytes, extent: Extent) -> Slot:
+        """Inserts a READY slot over `extent`, which the caller has just claimed from
+        this index's allocator (`allocate_at`): a warm restart re-creating its slots.
+
+        The slot joins the young end of the LRU list and emits no event. Raises
+        LayoutError (the caller frees nothing: it discards the whole index) when
+        the key does not fit the namespace, is present already, or the extent is
+        not the namespace's slot size for the key's group.
+        """
+        ns = self.namespace(namespace_id)
+        group = check_key(key, ns.layout.num_groups)
+        if key in ns.slots:
+            raise LayoutError(f"key {key.hex()[:16]}… appears twice in namespace {namespace_id}")
+        want = self.allocator.round_up(ns.layout.slot_bytes(group))
+        if extent.size != want:
+            raise LayoutError(
+                f"slot of {extent.size} bytes for a group-{group} row of {want} bytes"
+            )
+        slot = Slot(namespace_id, key, group, extent, self._clock(), state=SlotState.READY,
+                    written_mask=ns.full_mask)
+        ns.slots[key] = slot
+        ns.used_bytes += extent.size
+        self._lru[slot] = None
+        return slot
 
     def check_invariants(self) -> None:
         """Raises AssertionError when index and allocator disagree."""

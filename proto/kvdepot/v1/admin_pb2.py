@@ -24,45 +24,49 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvdepot/v1/admin.proto\x12\nkvdepot.v1\"\x11\n\x0fGetStatsRequest\"\xd1\x04\n\x10GetStatsResponse\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x0f\n\x07\x62oot_id\x18\x02 \x01(\t\x12\x16\n\x0euptime_seconds\x18\x03 \x01(\x01\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x04 \x01(\x04\x12\x12\n\nused_bytes\x18\x05 \x01(\x04\x12\x14\n\x0cpinned_bytes\x18\x06 \x01(\x04\x12!\n\x19largest_free_extent_bytes\x18\x07 \x01(\x04\x12\x19\n\x11warmup_done_bytes\x18\x08 \x01(\x04\x12\x17\n\x0fwarmup_complete\x18\t \x01(\x08\x12\x14\n\x0cready_blocks\x18\n \x01(\x04\x12\x16\n\x0ewriting_blocks\x18\x0b \x01(\x04\x12\x15\n\rpinned_blocks\x18\x0c \x01(\x04\x12\x10\n\x08sessions\x18\r \x01(\x04\x12\x15\n\rregistrations\x18\x0e \x01(\x04\x12\x12\n\nnamespaces\x18\x0f \x01(\x04\x12\x0f\n\x07lookups\x18\x10 \x01(\x04\x12\x0c\n\x04hits\x18\x11 \x01(\x04\x12\x0e\n\x06misses\x18\x12 \x01(\x04\x12\x11\n\tevictions\x18\x13 \x01(\x04\x12\x0e\n\x06stores\x18\x14 \x01(\x04\x12\r\n\x05loads\x18\x15 \x01(\x04\x12\x14\n\x0cstored_bytes\x18\x16 \x01(\x04\x12\x14\n\x0cloaded_bytes\x18\x17 \x01(\x04\x12\x16\n\x0e\x64ropped_stores\x18\x18 \x01(\x04\x12\x15\n\rinflight_jobs\x18\x19 \x01(\x04\x12\x14\n\x0cpool_backing\x18\x1a \x01(\t\x12\x16\n\x0ewarm_restarted\x18\x1b \x01(\x08\"\x17\n\x15ListNamespacesRequest\"\xb4\x01\n\rNamespaceInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x12\n\nworld_size\x18\x02 \x01(\r\x12\x18\n\x10\x62locks_per_chunk\x18\x03 \x01(\r\x12\x12\n\nslot_bytes\x18\x04 \x03(\x04\x12\x14\n\x0cready_blocks\x18\x05 \x01(\x04\x12\x16\n\x0ewriting_blocks\x18\x06 \x01(\x04\x12\x12\n\nused_bytes\x18\x07 \x01(\x04\x12\x13\n\x0b\x64\x65scription\x18\x08 \x01(\t\"G\n\x16ListNamespacesResponse\x12-\n\nnamespaces\x18\x01 \x03(\x0b\x32\x19.kvdepot.v1.NamespaceInfo\"\x14\n\x12ListEnginesRequest\"~\n\x10RegistrationInfo\x12\x17\n\x0fregistration_id\x18\x01 \x01(\x04\x12\x14\n\x0cnamespace_id\x18\x02 \x01(\t\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x13\n\x0bmemory_path\x18\x04 \x01(\t\x12\x18\n\x10registered_bytes\x18\x05 \x01(\x04\"\xbc\x01\n\nEngineInfo\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x13\n\x0b\x63lient_name\x18\x02 \x01(\t\x12\x0b\n\x03pid\x18\x03 \x01(\x03\x12\x11\n\tengine_id\x18\x04 \x01(\t\x12\x19\n\x11\x63onnected_seconds\x18\x05 \x01(\x01\x12\x33\n\rregistrations\x18\x06 \x03(\x0b\x32\x1c.kvdepot.v1.RegistrationInfo\x12\x15\n\rpinned_blocks\x18\x07 \x01(\x04\">\n\x13ListEnginesResponse\x12\'\n\x07\x65ngines\x18\x01 \x03(\x0b\x32\x16.kvdepot.v1.EngineInfo\"r\n\x11ListBlocksRequest\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\t\x12\x11\n\thas_group\x18\x02 \x01(\x08\x12\r\n\x05group\x18\x03 \x01(\r\x12\x11\n\tpage_size\x18\x04 \x01(\r\x12\x12\n\npage_token\x18\x05 \x01(\t\"\x9e\x01\n\tBlockInfo\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\t\x12\x0f\n\x07key_hex\x18\x02 \x01(\t\x12\r\n\x05group\x18\x03 \x01(\r\x12\r\n\x05state\x18\x04 \x01(\t\x12\x0c\n\x04pins\x18\x05 \x01(\r\x12\r\n\x05\x62ytes\x18\x06 \x01(\x04\x12\x13\n\x0bpool_offset\x18\x07 \x01(\x04\x12\x1a\n\x12written_ranks_mask\x18\x08 \x01(\x04\"j\n\x12ListBlocksResponse\x12%\n\x06\x62locks\x18\x01 \x03(\x0b\x32\x15.kvdepot.v1.BlockInfo\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\x12\x14\n\x0ctotal_blocks\x18\x03 \x01(\x04\"2\n\x0c\x45victRequest\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\t\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\"?\n\rEvictResponse\x12\x16\n\x0e\x65victed_blocks\x18\x01 \x01(\x04\x12\x16\n\x0eskipped_blocks\x18\x02 \x01(\x04\"\x0e\n\x0c\x43learRequest\"?\n\rClearResponse\x12\x16\n\x0e\x65victed_blocks\x18\x01 \x01(\x04\x12\x16\n\x0eskipped_blocks\x18\x02 \x01(\x04\x32\xc0\x03\n\x05\x41\x64min\x12\x45\n\x08GetStats\x12\x1b.kvdepot.v1.GetStatsRequest\x1a\x1c.kvdepot.v1.GetStatsResponse\x12W\n\x0eListNamespaces\x12!.kvdepot.v1.ListNamespacesRequest\x1a\".kvdepot.v1.ListNamespacesResponse\x12N\n\x0bListEngines\x12\x1e.kvdepot.v1.ListEnginesRequest\x1a\x1f.kvdepot.v1.ListEnginesResponse\x12K\n\nListBlocks\x12\x1d.kvdepot.v1.ListBlocksRequest\x1a\x1e.kvdepot.v1.ListBlocksResponse\x12<\n\x05\x45vict\x12\x18.kvdepot.v1.EvictRequest\x1a\x19.kvdepot.v1.EvictResponse\x12<\n\x05\x43lear\x12\x18.kvdepot.v1.ClearRequest\x1a\x19.kvdepot.v1.ClearResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvdepot/v1/admin.proto\x12\nkvdepot.v1\"\x11\n\x0fGetStatsRequest\"\xdd\x05\n\x10GetStatsResponse\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x0f\n\x07\x62oot_id\x18\x02 \x01(\t\x12\x16\n\x0euptime_seconds\x18\x03 \x01(\x01\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x04 \x01(\x04\x12\x12\n\nused_bytes\x18\x05 \x01(\x04\x12\x14\n\x0cpinned_bytes\x18\x06 \x01(\x04\x12!\n\x19largest_free_extent_bytes\x18\x07 \x01(\x04\x12\x19\n\x11warmup_done_bytes\x18\x08 \x01(\x04\x12\x17\n\x0fwarmup_complete\x18\t \x01(\x08\x12\x14\n\x0cready_blocks\x18\n \x01(\x04\x12\x16\n\x0ewriting_blocks\x18\x0b \x01(\x04\x12\x15\n\rpinned_blocks\x18\x0c \x01(\x04\x12\x10\n\x08sessions\x18\r \x01(\x04\x12\x15\n\rregistrations\x18\x0e \x01(\x04\x12\x12\n\nnamespaces\x18\x0f \x01(\x04\x12\x0f\n\x07lookups\x18\x10 \x01(\x04\x12\x0c\n\x04hits\x18\x11 \x01(\x04\x12\x0e\n\x06misses\x18\x12 \x01(\x04\x12\x11\n\tevictions\x18\x13 \x01(\x04\x12\x0e\n\x06stores\x18\x14 \x01(\x04\x12\r\n\x05loads\x18\x15 \x01(\x04\x12\x14\n\x0cstored_bytes\x18\x16 \x01(\x04\x12\x14\n\x0cloaded_bytes\x18\x17 \x01(\x04\x12\x16\n\x0e\x64ropped_stores\x18\x18 \x01(\x04\x12\x15\n\rinflight_jobs\x18\x19 \x01(\x04\x12\x14\n\x0cpool_backing\x18\x1a \x01(\t\x12\x16\n\x0ewarm_restarted\x18\x1b \x01(\x08\x12P\n\x13\x65victions_by_reason\x18\x1c \x03(\x0b\x32\x33.kvdepot.v1.GetStatsResponse.EvictionsByReasonEntry\x1a\x38\n\x16\x45victionsByReasonEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"\x17\n\x15ListNamespacesRequest\"\xb4\x01\n\rNamespaceInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x12\n\nworld_size\x18\x02 \x01(\r\x12\x18\n\x10\x62locks_per_chunk\x18\x03 \x01(\r\x12\x12\n\nslot_bytes\x18\x04 \x03(\x04\x12\x14\n\x0cready_blocks\x18\x05 \x01(\x04\x12\x16\n\x0ewriting_blocks\x18\x06 \x01(\x04\x12\x12\n\nused_bytes\x18\x07 \x01(\x04\x12\x13\n\x0b\x64\x65scription\x18\x08 \x01(\t\"G\n\x16ListNamespacesResponse\x12-\n\nnamespaces\x18\x01 \x03(\x0b\x32\x19.kvdepot.v1.NamespaceInfo\"\x14\n\x12ListEnginesRequest\"~\n\x10RegistrationInfo\x12\x17\n\x0fregistration_id\x18\x01 \x01(\x04\x12\x14\n\x0cnamespace_id\x18\x02 \x01(\t\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x13\n\x0bmemory_path\x18\x04 \x01(\t\x12\x18\n\x10registered_bytes\x18\x05 \x01(\x04\"\xbc\x01\n\nEngineInfo\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x13\n\x0b\x63lient_name\x18\x02 \x01(\t\x12\x0b\n\x03pid\x18\x03 \x01(\x03\x12\x11\n\tengine_id\x18\x04 \x01(\t\x12\x19\n\x11\x63onnected_seconds\x18\x05 \x01(\x01\x12\x33\n\rregistrations\x18\x06 \x03(\x0b\x32\x1c.kvdepot.v1.RegistrationInfo\x12\x15\n\rpinned_blocks\x18\x07 \x01(\x04\">\n\x13ListEnginesResponse\x12\'\n\x07\x65ngines\x18\x01 \x03(\x0b\x32\x16.kvdepot.v1.EngineInfo\"r\n\x11ListBlocksRequest\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\t\x12\x11\n\thas_group\x18\x02 \x01(\x08\x12\r\n\x05group\x18\x03 \x01(\r\x12\x11\n\tpage_size\x18\x04 \x01(\r\x12\x12\n\npage_token\x18\x05 \x01(\t\"\xab\x01\n\tBlockInfo\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\t\x12\x0f\n\x07key_hex\x18\x02 \x01(\t\x12\r\n\x05group\x18\x03 \x01(\r\x12\r\n\x05state\x18\x04 \x01(\t\x12\x0c\n\x04pins\x18\x05 \x01(\r\x12\r\n\x05\x62ytes\x18\x06 \x01(\x04\x12\x13\n\x0bpool_offset\x18\x07 \x01(\x04\x12\x1a\n\x12written_ranks_mask\x18\x08 \x01(\x04\x12\x0b\n\x03key\x18\t \x01(\x0c\"j\n\x12ListBlocksResponse\x12%\n\x06\x62locks\x18\x01 \x03(\x0b\x32\x15.kvdepot.v1.BlockInfo\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\x12\x14\n\x0ctotal_blocks\x18\x03 \x01(\x04\"2\n\x0c\x45victRequest\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\t\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\"Y\n\rEvictResponse\x12\x16\n\x0e\x65victed_blocks\x18\x01 \x01(\x04\x12\x16\n\x0eskipped_blocks\x18\x02 \x01(\x04\x12\x18\n\x10not_found_blocks\x18\x03 \x01(\x04\"\x0e\n\x0c\x43learRequest\"?\n\rClearResponse\x12\x16\n\x0e\x65victed_blocks\x18\x01 \x01(\x04\x12\x16\n\x0eskipped_blocks\x18\x02 \x01(\x04\x32\xc0\x03\n\x05\x41\x64min\x12\x45\n\x08GetStats\x12\x1b.kvdepot.v1.GetStatsRequest\x1a\x1c.kvdepot.v1.GetStatsResponse\x12W\n\x0eListNamespaces\x12!.kvdepot.v1.ListNamespacesRequest\x1a\".kvdepot.v1.ListNamespacesResponse\x12N\n\x0bListEngines\x12\x1e.kvdepot.v1.ListEnginesRequest\x1a\x1f.kvdepot.v1.ListEnginesResponse\x12K\n\nListBlocks\x12\x1d.kvdepot.v1.ListBlocksRequest\x1a\x1e.kvdepot.v1.ListBlocksResponse\x12<\n\x05\x45vict\x12\x18.kvdepot.v1.EvictRequest\x1a\x19.kvdepot.v1.EvictResponse\x12<\n\x05\x43lear\x12\x18.kvdepot.v1.ClearRequest\x1a\x19.kvdepot.v1.ClearResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvdepot.v1.admin_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_GETSTATSRESPONSE_EVICTIONSBYREASONENTRY']._loaded_options = None
+  _globals['_GETSTATSRESPONSE_EVICTIONSBYREASONENTRY']._serialized_options = b'8\001'
   _globals['_GETSTATSREQUEST']._serialized_start=38
   _globals['_GETSTATSREQUEST']._serialized_end=55
   _globals['_GETSTATSRESPONSE']._serialized_start=58
-  _globals['_GETSTATSRESPONSE']._serialized_end=651
-  _globals['_LISTNAMESPACESREQUEST']._serialized_start=653
-  _globals['_LISTNAMESPACESREQUEST']._serialized_end=676
-  _globals['_NAMESPACEINFO']._serialized_start=679
-  _globals['_NAMESPACEINFO']._serialized_end=859
-  _globals['_LISTNAMESPACESRESPONSE']._serialized_start=861
-  _globals['_LISTNAMESPACESRESPONSE']._serialized_end=932
-  _globals['_LISTENGINESREQUEST']._serialized_start=934
-  _globals['_LISTENGINESREQUEST']._serialized_end=954
-  _globals['_REGISTRATIONINFO']._serialized_start=956
-  _globals['_REGISTRATIONINFO']._serialized_end=1082
-  _globals['_ENGINEINFO']._serialized_start=1085
-  _globals['_ENGINEINFO']._serialized_end=1273
-  _globals['_LISTENGINESRESPONSE']._serialized_start=1275
-  _globals['_LISTENGINESRESPONSE']._serialized_end=1337
-  _globals['_LISTBLOCKSREQUEST']._serialized_start=1339
-  _globals['_LISTBLOCKSREQUEST']._serialized_end=1453
-  _globals['_BLOCKINFO']._serialized_start=1456
-  _globals['_BLOCKINFO']._serialized_end=1614
-  _globals['_LISTBLOCKSRESPONSE']._serialized_start=1616
-  _globals['_LISTBLOCKSRESPONSE']._serialized_end=1722
-  _globals['_EVICTREQUEST']._serialized_start=1724
-  _globals['_EVICTREQUEST']._serialized_end=1774
-  _globals['_EVICTRESPONSE']._serialized_start=1776
-  _globals['_EVICTRESPONSE']._serialized_end=1839
-  _globals['_CLEARREQUEST']._serialized_start=1841
-  _globals['_CLEARREQUEST']._serialized_end=1855
-  _globals['_CLEARRESPONSE']._serialized_start=1857
-  _globals['_CLEARRESPONSE']._serialized_end=1920
-  _globals['_ADMIN']._serialized_start=1923
-  _globals['_ADMIN']._serialized_end=2371
+  _globals['_GETSTATSRESPONSE']._serialized_end=791
+  _globals['_GETSTATSRESPONSE_EVICTIONSBYREASONENTRY']._serialized_start=735
+  _globals['_GETSTATSRESPONSE_EVICTIONSBYREASONENTRY']._serialized_end=791
+  _globals['_LISTNAMESPACESREQUEST']._serialized_start=793
+  _globals['_LISTNAMESPACESREQUEST']._serialized_end=816
+  _globals['_NAMESPACEINFO']._serialized_start=819
+  _globals['_NAMESPACEINFO']._serialized_end=999
+  _globals['_LISTNAMESPACESRESPONSE']._serialized_start=1001
+  _globals['_LISTNAMESPACESRESPONSE']._serialized_end=1072
+  _globals['_LISTENGINESREQUEST']._serialized_start=1074
+  _globals['_LISTENGINESREQUEST']._serialized_end=1094
+  _globals['_REGISTRATIONINFO']._serialized_start=1096
+  _globals['_REGISTRATIONINFO']._serialized_end=1222
+  _globals['_ENGINEINFO']._serialized_start=1225
+  _globals['_ENGINEINFO']._serialized_end=1413
+  _globals['_LISTENGINESRESPONSE']._serialized_start=1415
+  _globals['_LISTENGINESRESPONSE']._serialized_end=1477
+  _globals['_LISTBLOCKSREQUEST']._serialized_start=1479
+  _globals['_LISTBLOCKSREQUEST']._serialized_end=1593
+  _globals['_BLOCKINFO']._serialized_start=1596
+  _globals['_BLOCKINFO']._serialized_end=1767
+  _globals['_LISTBLOCKSRESPONSE']._serialized_start=1769
+  _globals['_LISTBLOCKSRESPONSE']._serialized_end=1875
+  _globals['_EVICTREQUEST']._serialized_start=1877
+  _globals['_EVICTREQUEST']._serialized_end=1927
+  _globals['_EVICTRESPONSE']._serialized_start=1929
+  _globals['_EVICTRESPONSE']._serialized_end=2018
+  _globals['_CLEARREQUEST']._serialized_start=2020
+  _globals['_CLEARREQUEST']._serialized_end=2034
+  _globals['_CLEARRESPONSE']._serialized_start=2036
+  _globals['_CLEARRESPONSE']._serialized_end=2099
+  _globals['_ADMIN']._serialized_start=2102
+  _globals['_ADMIN']._serialized_end=2550
 # @@protoc_insertion_point(module_scope)

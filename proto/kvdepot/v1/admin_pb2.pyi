@@ -11,7 +11,14 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetStatsResponse(_message.Message):
-    __slots__ = ("version", "boot_id", "uptime_seconds", "capacity_bytes", "used_bytes", "pinned_bytes", "largest_free_extent_bytes", "warmup_done_bytes", "warmup_complete", "ready_blocks", "writing_blocks", "pinned_blocks", "sessions", "registrations", "namespaces", "lookups", "hits", "misses", "evictions", "stores", "loads", "stored_bytes", "loaded_bytes", "dropped_stores", "inflight_jobs", "pool_backing", "warm_restarted")
+    __slots__ = ("version", "boot_id", "uptime_seconds", "capacity_bytes", "used_bytes", "pinned_bytes", "largest_free_extent_bytes", "warmup_done_bytes", "warmup_complete", "ready_blocks", "writing_blocks", "pinned_blocks", "sessions", "registrations", "namespaces", "lookups", "hits", "misses", "evictions", "stores", "loads", "stored_bytes", "loaded_bytes", "dropped_stores", "inflight_jobs", "pool_backing", "warm_restarted", "evictions_by_reason")
+    class EvictionsByReasonEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     VERSION_FIELD_NUMBER: _ClassVar[int]
     BOOT_ID_FIELD_NUMBER: _ClassVar[int]
     UPTIME_SECONDS_FIELD_NUMBER: _ClassVar[int]
@@ -39,6 +46,7 @@ class GetStatsResponse(_message.Message):
     INFLIGHT_JOBS_FIELD_NUMBER: _ClassVar[int]
     POOL_BACKING_FIELD_NUMBER: _ClassVar[int]
     WARM_RESTARTED_FIELD_NUMBER: _ClassVar[int]
+    EVICTIONS_BY_REASON_FIELD_NUMBER: _ClassVar[int]
     version: str
     boot_id: str
     uptime_seconds: float
@@ -66,7 +74,8 @@ class GetStatsResponse(_message.Message):
     inflight_jobs: int
     pool_backing: str
     warm_restarted: bool
-    def __init__(self, version: _Optional[str] = ..., boot_id: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., pinned_bytes: _Optional[int] = ..., largest_free_extent_bytes: _Optional[int] = ..., warmup_done_bytes: _Optional[int] = ..., warmup_complete: _Optional[bool] = ..., ready_blocks: _Optional[int] = ..., writing_blocks: _Optional[int] = ..., pinned_blocks: _Optional[int] = ..., sessions: _Optional[int] = ..., registrations: _Optional[int] = ..., namespaces: _Optional[int] = ..., lookups: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ..., stores: _Optional[int] = ..., loads: _Optional[int] = ..., stored_bytes: _Optional[int] = ..., loaded_bytes: _Optional[int] = ..., dropped_stores: _Optional[int] = ..., inflight_jobs: _Optional[int] = ..., pool_backing: _Optional[str] = ..., warm_restarted: _Optional[bool] = ...) -> None: ...
+    evictions_by_reason: _containers.ScalarMap[str, int]
+    def __init__(self, version: _Optional[str] = ..., boot_id: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., pinned_bytes: _Optional[int] = ..., largest_free_extent_bytes: _Optional[int] = ..., warmup_done_bytes: _Optional[int] = ..., warmup_complete: _Optional[bool] = ..., ready_blocks: _Optional[int] = ..., writing_blocks: _Optional[int] = ..., pinned_blocks: _Optional[int] = ..., sessions: _Optional[int] = ..., registrations: _Optional[int] = ..., namespaces: _Optional[int] = ..., lookups: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ..., stores: _Optional[int] = ..., loads: _Optional[int] = ..., stored_bytes: _Optional[int] = ..., loaded_bytes: _Optional[int] = ..., dropped_stores: _Optional[int] = ..., inflight_jobs: _Optional[int] = ..., pool_backing: _Optional[str] = ..., warm_restarted: _Optional[bool] = ..., evictions_by_reason: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class ListNamespacesRequest(_message.Message):
     __slots__ = ()
@@ -155,7 +164,7 @@ class ListBlocksRequest(_message.Message):
     def __init__(self, namespace_id: _Optional[str] = ..., has_group: _Optional[bool] = ..., group: _Optional[int] = ..., page_size: _Optional[int] = ..., page_token: _Optional[str] = ...) -> None: ...
 
 class BlockInfo(_message.Message):
-    __slots__ = ("namespace_id", "key_hex", "group", "state", "pins", "bytes", "pool_offset", "written_ranks_mask")
+    __slots__ = ("namespace_id", "key_hex", "group", "state", "pins", "bytes", "pool_offset", "written_ranks_mask", "key")
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
     KEY_HEX_FIELD_NUMBER: _ClassVar[int]
     GROUP_FIELD_NUMBER: _ClassVar[int]
@@ -164,6 +173,7 @@ class BlockInfo(_message.Message):
     BYTES_FIELD_NUMBER: _ClassVar[int]
     POOL_OFFSET_FIELD_NUMBER: _ClassVar[int]
     WRITTEN_RANKS_MASK_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
     namespace_id: str
     key_hex: str
     group: int
@@ -172,7 +182,8 @@ class BlockInfo(_message.Message):
     bytes: int
     pool_offset: int
     written_ranks_mask: int
-    def __init__(self, namespace_id: _Optional[str] = ..., key_hex: _Optional[str] = ..., group: _Optional[int] = ..., state: _Optional[str] = ..., pins: _Optional[int] = ..., bytes: _Optional[int] = ..., pool_offset: _Optional[int] = ..., written_ranks_mask: _Optional[int] = ...) -> None: ...
+    key: bytes
+    def __init__(self, namespace_id: _Optional[str] = ..., key_hex: _Optional[str] = ..., group: _Optional[int] = ..., state: _Optional[str] = ..., pins: _Optional[int] = ..., bytes: _Optional[int] = ..., pool_offset: _Optional[int] = ..., written_ranks_mask: _Optional[int] = ..., key: _Optional[bytes] = ...) -> None: ...
 
 class ListBlocksResponse(_message.Message):
     __slots__ = ("blocks", "next_page_token", "total_blocks")
@@ -193,12 +204,14 @@ class EvictRequest(_message.Message):
     def __init__(self, namespace_id: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class EvictResponse(_message.Message):
-    __slots__ = ("evicted_blocks", "skipped_blocks")
+    __slots__ = ("evicted_blocks", "skipped_blocks", "not_found_blocks")
     EVICTED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     SKIPPED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NOT_FOUND_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     evicted_blocks: int
     skipped_blocks: int
-    def __init__(self, evicted_blocks: _Optional[int] = ..., skipped_blocks: _Optional[int] = ...) -> None: ...
+    not_found_blocks: int
+    def __init__(self, evicted_blocks: _Optional[int] = ..., skipped_blocks: _Optional[int] = ..., not_found_blocks: _Optional[int] = ...) -> None: ...
 
 class ClearRequest(_message.Message):
     __slots__ = ()
