@@ -65,6 +65,16 @@ def overlap_rate(per_worker: Sequence[Sequence[Job]]) -> tuple[float, float]:
     return counted / (end - start), end - start
 
 
+def busy_rate(jobs: Sequence[Job]) -> float:
+    """Bytes per second of busy time: one worker's jobs, gaps between them left out.
+
+    For jobs run one at a time and interleaved with other work (the paired
+    series), this is the rate of the path itself.
+    """
+    busy = sum(t1 - t0 for t0, t1, _ in jobs)
+    return sum(n for _, _, n in jobs) / busy if busy > 0 else 0.0
+
+
 def ratio(numerator: float, denominator: float) -> float:
     """numerator / denominator, 0.0 when the denominator is not positive."""
     return numerator / denominator if denominator > 0 else 0.0

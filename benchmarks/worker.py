@@ -114,15 +114,42 @@ class Worker:
             delay = float(start_at) - time.monotonic()
             if delay > 0:
                 time.sleep(delay)
+        warmup = int(cmd["warmup"])
+        chunks = int(cmd["chunks"])
+        if cmd["mode"] == "paired":
+            return self._run_paired(direction, shapes, chunks, warmup)
         if cmd["mode"] == "inproc":
-            jobs = self._run_inproc(direction, shapes, int(cmd["chunks"]))
+            jobs = self._run_inproc(direction, shapes, chunks)
             failed, dropped, error = 0, 0, ""
         else:
             jobs, failed, dropped, error = self._run_daemon(
                 direction, shapes, max(1, int(cmd.get("depth", 1)))
             )
-        return {"jobs": jobs[int(cmd["warmup"]):], "failed": failed, "dropped": dropped,
-                "error": error}
+        return {"jobs": jobs[warmup:], "failed": failed, "dropped": dropped, "error": error}
+
+    def _run_paired(
+        self, direction: int, shapes: list[tuple[JobShape, int]], chunks: int, warmup: int
+    ) -> dict[str, Any]:
+        """Each job twice, in-process and through the daemon, back to back.
+
+        Pairing job by job puts both modes in the same few milliseconds of a
+        noisy machine. The order flips every job, so neither mode always finds
+        the source pages still in the cache from the other's copy.
+        """
+        inproc: list[list[float]] = []
+        daemon: list[list[float]] = []
+        failed = dropped = 0
+        error = ""
+        for j, item in enumerate(shapes):
+            for mode in ("inproc", "daemon") if j % 2 == 0 else ("daemon", "inproc"):
+                if mode == "inproc":
+                    inproc += self._run_inproc(direction, [item], chunks)
+                else:
+                    jobs, f, d, e = self._run_daemon(direction, [item], 1)
+                    daemon += jobs
+                    failed, dropped, error = failed + f, dropped + d, error or e
+        return {"jobs": daemon[warmup:], "inproc_jobs": inproc[warmup:], "failed": failed,
+                "dropped": dropped, "error": error}
 
     def _run_inproc(
         self, direction: int, shapes: list[tuple[JobShape, int]], chunks: int

@@ -16,6 +16,7 @@ keeps an unclaimed fd for a short while only. Works between unrelated processes.
 from __future__ import annotations
 
 import json
+import os
 import socket
 import struct
 
@@ -33,8 +34,23 @@ def encode(obj: dict) -> bytes:
 
 
 def read_message(sock: socket.socket, max_fds: int = 0) -> tuple[dict, list[int]]:
-    """Reads one framed message (and up to `max_fds` attached fds)."""
+    """Reads one framed message (and up to `max_fds` attached fds).
+
+    The caller owns the returned fds. When the message is malformed or the peer
+    goes away, the fds received so far are closed before the error propagates:
+    a peer must not be able to leak fds into the daemon with bad messages.
+    """
     fds: list[int] = []
+    try:
+        return _read_framed(sock, max_fds, fds), fds
+    except BaseException:
+        for fd in fds:
+            os.close(fd)
+        raise
+
+
+def _read_framed(sock: socket.socket, max_fds: int, fds: list[int]) -> dict:
+    """read_message's body: appends received fds to `fds` as they arrive."""
     head = b""
     anc_space = socket.CMSG_SPACE(max_fds * 4) if max_fds else 0
     while len(head) < _LEN.size:
@@ -64,7 +80,7 @@ def read_message(sock: socket.socket, max_fds: int = 0) -> tuple[dict, list[int]
         raise FdPassError(f"message is not JSON: {exc}") from None
     if not isinstance(obj, dict):
         raise FdPassError("message must be a JSON object")
-    return obj, fds
+    return obj
 
 
 def send_fd(fd_socket_path: str, session_id: str, fd: int, timeout: float = 5.0) -> str:

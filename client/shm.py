@@ -14,6 +14,7 @@ connector handed plain tensors can tell whether they live in shareable memory.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import mmap
 import os
 import threading
@@ -51,9 +52,12 @@ class SharedKVBuffer:
         """A zero-filled memfd of `size` bytes (not inherited by child processes)."""
         if size <= 0:
             raise ValueError(f"size must be positive, got {size}")
-        fd = os.memfd_create(name, os.MFD_CLOEXEC)
+        # Sealable, and sealed against shrinking: the daemon maps this file and
+        # refuses one that could shrink under it (its copies would fault).
+        fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             os.ftruncate(fd, size)
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)
             return cls(fd, size, name)
         except BaseException:
             os.close(fd)

@@ -27,11 +27,29 @@ class CopyQueue:
             t.start()
 
     async def run(self, fn: Callable[[], Any], expedited: bool = False) -> Any:
-        """Runs `fn` on a copy thread; expedited work jumps the queue."""
+        """Runs `fn` on a copy thread; expedited work jumps the queue.
+
+        Cancellation-safe for the caller's cleanup: when the awaiting task is
+        cancelled, a copy that has not started is skipped (never runs), and one
+        that is running is waited for before CancelledError propagates. Callers
+        release the slot a copy writes in their `finally`; releasing it while the
+        thread still writes would let a late copy land in another key's slot.
+        """
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[Any] = loop.create_future()
-        self._queue.put((0 if expedited else 1, next(self._seq), (loop, fut, fn)))
-        return await fut
+        ticket = _Ticket()
+        self._queue.put((0 if expedited else 1, next(self._seq), (loop, fut, fn, ticket)))
+        try:
+            return await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            with ticket.lock:
+                if not ticket.started:
+                    ticket.skipped = True
+                    raise
+            while not fut.done():  # already copying: hold the caller until it ends
+                with contextlib.suppress(BaseException):
+                    await asyncio.shield(fut)
+            raise  # the copy ended; the caller was cancelled all the same
 
     def close(self) -> None:
         for _ in self._threads:
@@ -44,7 +62,11 @@ class CopyQueue:
             _, _, item = self._queue.get()
             if item is None:
                 return
-            loop, fut, fn = item
+            loop, fut, fn, ticket = item
+            with ticket.lock:
+                if ticket.skipped:  # its caller was cancelled before it started
+                    continue
+                ticket.started = True
             try:
                 result = fn()
             except BaseException as exc:  # reported to the awaiting job
@@ -54,6 +76,17 @@ class CopyQueue:
             # RuntimeError: the loop closed during shutdown, nobody waits.
             with contextlib.suppress(RuntimeError):
                 loop.call_soon_threadsafe(done, fut, value)
+
+
+class _Ticket:
+    """Whether a queued copy started, or was skipped because its caller went away."""
+
+    __slots__ = ("lock", "skipped", "started")
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.started = False
+        self.skipped = False
 
 
 def _set_result(fut: asyncio.Future[Any], value: Any) -> None:

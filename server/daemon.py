@@ -14,13 +14,15 @@ import stat
 from pathlib import Path
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 import kvdepot
 from kvdepot.server.config import ServeConfig, format_size
 from kvdepot.server.fd_receiver import FdReceiver
+from kvdepot.server.health import HealthServicer
 from kvdepot.server.sdnotify import SystemdNotifier, run_watchdog
+from kvdepot.server.service import wire
 from kvdepot.server.service.admin import AdminServicer
 from kvdepot.server.service.depot import DepotServicer
 from kvdepot.server.state import DepotState
@@ -72,9 +74,10 @@ class Daemon:
         self.config = config
         self.state: DepotState | None = None
         self.server: grpc.aio.Server | None = None
-        self.health = health.aio.HealthServicer()
+        self.health = HealthServicer()  # its Watch streams end at shutdown
         self.notifier = SystemdNotifier()
         self._stop = asyncio.Event()
+        self._ready = False  # READY=1 sent (read by the warm-up thread's STATUS lines)
 
     async def run(self) -> None:
         cfg = self.config
@@ -94,8 +97,9 @@ class Daemon:
                 ("grpc.so_reuseport", 0),
             ]
         )
-        depot_pb2_grpc.add_DepotServicer_to_server(DepotServicer(st), server)
-        admin_pb2_grpc.add_AdminServicer_to_server(AdminServicer(st), server)
+        # Undecodable requests get INVALID_ARGUMENT, not grpcio's UNKNOWN (see wire.py).
+        wire.add_servicer(depot_pb2_grpc.add_DepotServicer_to_server, DepotServicer(st), server)
+        wire.add_servicer(admin_pb2_grpc.add_AdminServicer_to_server, AdminServicer(st), server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
             (
@@ -116,20 +120,24 @@ class Daemon:
             server.add_insecure_port(cfg.listen)
             log.warning("also listening on TCP %s: anyone who reaches it can use the pool",
                         cfg.listen)
+        # grpcio's health servicer starts with "" SERVING: not before we are.
+        await self.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
         await server.start()
         for path in (cfg.socket, cfg.fd_socket):
             apply_socket_access(path, cfg.socket_mode, cfg.socket_group)
         st.fd_receiver.start()
-        for name in ("", *SERVICES):
-            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         if cfg.metrics_port is not None:
             from kvdepot.server.metrics import Metrics
 
             Metrics(st).serve(cfg.metrics_port)
             log.info("Prometheus metrics on port %d", cfg.metrics_port)
+        # SERVING only once everything (fd socket, metrics) is up.
+        for name in ("", *SERVICES):
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         log.info("serving on unix:%s (fd socket %s, mode %o)", cfg.socket, cfg.fd_socket,
                  cfg.socket_mode)
         self.notifier.ready()
+        self._ready = True
         self.notifier.status(f"serving; pool warm-up {self._warmup_percent(st)}%")
 
         loop = asyncio.get_running_loop()
@@ -158,7 +166,8 @@ class Daemon:
                 last[0] = pct
                 log.info("pool warm-up: %s of %s (%d%%)", format_size(done), format_size(total),
                          pct)
-                self.notifier.status(f"serving; pool warm-up {pct}%")
+                phase = "serving" if self._ready else "starting"
+                self.notifier.status(f"{phase}; pool warm-up {pct}%")
 
         st.arena.start_warmup(on_progress=progress)
 

@@ -146,4 +146,13 @@ class FdReceiver:
                 }
             token = secrets.token_hex(16)
             self._pending[token] = PendingFd(fd, session_id, time.monotonic(), peer_pid)
+        # The session may have ended (on the event loop) since the check above; its
+        # drop_session then ran before this fd was filed. The loop removes a session
+        # before dropping its fds, so checking again after filing closes the gap.
+        if not self._session_exists(session_id):
+            with self._lock:
+                late = self._pending.pop(token, None)
+            if late is not None:
+                os.close(late.fd)
+            return {"error": "unknown session_id: the session ended; open a new one"}
         return {"fd_token": token}

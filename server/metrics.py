@@ -1,108 +1,258 @@
 """Prometheus metrics (prometheus_client), served on --metrics-port.
 
-Gauges and counters are read from the daemon's state at scrape time (one source
-of truth, nothing to keep in sync); per-job sizes and durations are observed
-into histograms as jobs finish.
+Gauges and counters are read from the daemon's state at scrape time (one source of
+truth, nothing to keep in sync); per-transfer sizes and copy durations are observed
+into histograms as transfers finish (transfer jobs and inline Put/Get alike).
+
+The state belongs to the event loop, and the HTTP server answers on its own thread,
+so a scrape reads the state *on the loop* (a callback scheduled there) instead of
+walking dicts another thread may be changing. A loop that is stuck makes the scrape
+fail after SCRAPE_TIMEOUT_S, which is itself worth alerting on.
+
+Metric names (all prefixed kvdepot_) are listed in docs/operations.md; the test
+suite checks that list against a live scrape.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import asyncio
+import concurrent.futures
+import re
+import threading
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Histogram, start_http_server
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client import (
+    CollectorRegistry,
+    Histogram,
+    ProcessCollector,
+    disable_created_metrics,
+    start_http_server,
+)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
 from prometheus_client.registry import Collector
 
 from kvdepot.server.state import DepotState
 
-_SIZE_BUCKETS = tuple(float(1 << p) for p in range(12, 34, 2))  # 4 KiB .. 8 GiB
-_TIME_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+SCRAPE_TIMEOUT_S = 5.0
+DIRECTIONS = ("store", "load")
+SIZE_BUCKETS = tuple(float(1 << p) for p in range(12, 34, 2))  # 4 KiB .. 8 GiB
+SECONDS_BUCKETS = (
+    1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+)  # fmt: skip
+
+# Label values for the index's free-text reasons: short, stable, and present (at 0)
+# from the first scrape, so rate() and alerts work before the first event.
+EVICTION_REASONS = ("lru", "admin", "clear")
+DROP_REASONS = {"pool full": "pool_full", "block row larger than the pool": "row_too_large"}
+ABORT_REASONS = {
+    "copy failed": "copy_failed",
+    "writer went away": "writer_gone",
+    "reservation timed out": "reservation_timeout",
+}
+
+
+def reason_label(text: str, known: Mapping[str, str]) -> str:
+    """Maps an index reason (e.g. 'pool full: every block is pinned…') to a label value."""
+    for prefix, label in known.items():
+        if text.startswith(prefix):
+            return label
+    return re.sub(r"[^a-z0-9]+", "_", text.lower()).strip("_")[:40] or "other"
+
+
+@dataclass(frozen=True)
+class _Snapshot:
+    """Everything a scrape reports from the state, copied on the event loop."""
+
+    stats: dict[str, object]
+    doomed_blocks: int
+    evictions: dict[str, int]
+    dropped_stores: dict[str, int]
+    aborted_writes: dict[str, int]
+    failed_jobs: dict[str, int]
+
+
+def _read(state: DepotState) -> _Snapshot:
+    ix = state.index.stats
+    return _Snapshot(
+        stats=state.stats(),
+        doomed_blocks=state.index.counts()["doomed"],
+        evictions=dict(ix.evictions),
+        dropped_stores=dict(ix.dropped_stores),
+        aborted_writes=dict(ix.aborted_writes),
+        failed_jobs=dict(state.traffic.failed_jobs),
+    )
 
 
 class _StateCollector(Collector):
-    def __init__(self, state: DepotState) -> None:
+    def __init__(self, state: DepotState, loop: asyncio.AbstractEventLoop | None) -> None:
         self.state = state
+        self.loop = loop
 
-    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
-        st = self.state
-        s = st.stats()
-        ix = st.index.stats
+    def snapshot(self) -> _Snapshot:
+        loop = self.loop
+        if loop is None or _on_loop_thread(loop):
+            return _read(self.state)
+        fut: concurrent.futures.Future[_Snapshot] = concurrent.futures.Future()
 
-        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
-            return GaugeMetricFamily(f"kvdepot_{name}", doc, value=value)
+        def on_loop() -> None:
+            if fut.set_running_or_notify_cancel():
+                try:
+                    fut.set_result(_read(self.state))
+                except BaseException as exc:  # reported to the scrape, not the loop
+                    fut.set_exception(exc)
 
+        loop.call_soon_threadsafe(on_loop)
+        try:
+            return fut.result(timeout=SCRAPE_TIMEOUT_S)
+        except concurrent.futures.TimeoutError:
+            fut.cancel()
+            raise TimeoutError(
+                f"the daemon's event loop did not answer within {SCRAPE_TIMEOUT_S}s"
+            ) from None
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily | InfoMetricFamily]:
+        snap = self.snapshot()
+        s = snap.stats
+
+        def gauge(name: str, doc: str, value: object) -> GaugeMetricFamily:
+            return GaugeMetricFamily(f"kvdepot_{name}", doc, value=_number(value))
+
+        def counter(name: str, doc: str, value: object) -> CounterMetricFamily:
+            return CounterMetricFamily(f"kvdepot_{name}", doc, value=_number(value))
+
+        def by_label(
+            kind: type[CounterMetricFamily] | type[GaugeMetricFamily], name: str, doc: str,
+            label: str, values: Mapping[str, object],
+        ) -> CounterMetricFamily | GaugeMetricFamily:
+            family = kind(f"kvdepot_{name}", doc, labels=[label])
+            for value_label, value in values.items():
+                family.add_metric([value_label], _number(value))
+            return family
+
+        yield InfoMetricFamily(
+            "kvdepot_build", "The daemon's version, boot id and pool backing.",
+            value={
+                "version": str(s["version"]), "boot_id": str(s["boot_id"]),
+                "pool_backing": str(s["pool_backing"]),
+            },
+        )
+        yield gauge("uptime_seconds", "Seconds since the daemon started.", s["uptime_seconds"])
         yield gauge("pool_capacity_bytes", "Pool size in bytes.", s["capacity_bytes"])
-        yield gauge("pool_used_bytes", "Pool bytes held by blocks.", s["used_bytes"])
+        yield gauge("pool_used_bytes", "Pool bytes held by blocks (any state).", s["used_bytes"])
         yield gauge("pool_pinned_bytes", "Pool bytes of pinned blocks.", s["pinned_bytes"])
         yield gauge(
-            "pool_largest_free_extent_bytes", "Largest free extent (fragmentation).",
+            "pool_largest_free_extent_bytes",
+            "Largest free extent: the biggest block row a store can get without evicting.",
             s["largest_free_extent_bytes"],
         )
-        yield gauge("pool_warmup_done_bytes", "Pool bytes pre-faulted so far.",
-                    s["warmup_done_bytes"])
-        blocks = GaugeMetricFamily("kvdepot_blocks", "Blocks by state.", labels=["state"])
-        blocks.add_metric(["ready"], s["ready_blocks"])
-        blocks.add_metric(["writing"], s["writing_blocks"])
-        blocks.add_metric(["pinned"], s["pinned_blocks"])
-        yield blocks
-        yield gauge("sessions", "Open client sessions.", s["sessions"])
-        yield gauge("registrations", "KV memory registrations.", s["registrations"])
-        yield gauge("namespaces", "Namespaces.", s["namespaces"])
-        yield gauge("inflight_jobs", "Transfer jobs in flight.", s["inflight_jobs"])
+        yield gauge(
+            "pool_warmup_done_bytes", "Pool bytes pre-faulted (and page-locked) so far.",
+            s["warmup_done_bytes"],
+        )
+        yield gauge(
+            "pool_warmup_complete", "1 once the whole pool is pre-faulted.",
+            bool(s["warmup_complete"]),
+        )
+        yield by_label(
+            GaugeMetricFamily, "blocks",
+            "Blocks by state: ready (readable), writing (reserved, not all ranks written), "
+            "freeing (dropped, waiting for a copy in flight).",
+            "state",
+            {"ready": s["ready_blocks"], "writing": s["writing_blocks"],
+             "freeing": snap.doomed_blocks},
+        )
+        yield gauge("pinned_blocks", "Ready blocks pinned by an engine (a subset of ready).",
+                    s["pinned_blocks"])
+        yield gauge("engines", "Open engine sessions.", s["sessions"])
+        yield gauge("registrations", "KV memory registrations (one per engine rank).",
+                    s["registrations"])
+        yield gauge("namespaces", "Namespaces (model and layout).", s["namespaces"])
+        yield gauge("inflight_jobs", "Transfer jobs being validated or copied.",
+                    s["inflight_jobs"])
 
-        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
-            return CounterMetricFamily(f"kvdepot_{name}", doc, value=value)
+        yield counter("lookups", "Keys looked up (Lookup RPC).", s["lookups"])
+        yield counter("lookup_hits", "Keys looked up and found ready.", s["hits"])
+        yield counter("lookup_misses", "Keys looked up and not ready.", s["misses"])
+        evictions = dict.fromkeys(EVICTION_REASONS, 0) | snap.evictions
+        yield by_label(CounterMetricFamily, "evictions",
+                       "Blocks evicted: lru (room for a store), admin (Evict), clear (Clear).",
+                       "reason", evictions)
+        dropped = dict.fromkeys(DROP_REASONS.values(), 0)
+        for text, n in snap.dropped_stores.items():
+            label = reason_label(text, DROP_REASONS)
+            dropped[label] = dropped.get(label, 0) + n
+        yield by_label(CounterMetricFamily, "dropped_stores",
+                       "Key stores dropped: pool_full (every block pinned or in flight), "
+                       "row_too_large (a block row larger than the pool).",
+                       "reason", dropped)
+        aborted = dict.fromkeys(ABORT_REASONS.values(), 0)
+        for text, n in snap.aborted_writes.items():
+            label = reason_label(text, ABORT_REASONS)
+            aborted[label] = aborted.get(label, 0) + n
+        yield by_label(CounterMetricFamily, "aborted_writes",
+                       "Block rows dropped before they became ready.", "reason", aborted)
+        failed = {d: snap.failed_jobs.get(d, 0) for d in DIRECTIONS}
+        yield by_label(CounterMetricFamily, "failed_transfers",
+                       "Transfer jobs that failed (the engine recomputes).", "direction", failed)
 
-        yield counter("lookups", "Keys looked up (Lookup RPC).", ix.lookups)
-        yield counter("lookup_hits", "Keys found ready.", ix.hits)
-        yield counter("lookup_misses", "Keys not ready.", ix.misses)
-        ev = CounterMetricFamily("kvdepot_evictions", "Blocks evicted, by reason.",
-                                 labels=["reason"])
-        for reason in ("lru", "admin", "clear"):
-            ev.add_metric([reason], ix.evictions.get(reason, 0))
-        yield ev
-        dropped = CounterMetricFamily("kvdepot_dropped_stores", "Keys whose store was dropped.",
-                                      labels=["reason"])
-        for reason, n in ix.dropped_stores.items():
-            dropped.add_metric([reason], n)
-        yield dropped
-        jobs = CounterMetricFamily("kvdepot_transfers", "Successful transfer jobs and Put/Get.",
-                                   labels=["direction"])
-        jobs.add_metric(["store"], st.traffic.stores)
-        jobs.add_metric(["load"], st.traffic.loads)
-        yield jobs
-        moved = CounterMetricFamily("kvdepot_transfer_bytes", "Bytes copied.",
-                                    labels=["direction"])
-        moved.add_metric(["store"], st.traffic.stored_bytes)
-        moved.add_metric(["load"], st.traffic.loaded_bytes)
-        yield moved
-        failed = CounterMetricFamily("kvdepot_failed_transfers", "Failed transfer jobs.",
-                                     labels=["direction"])
-        for direction in ("store", "load"):
-            failed.add_metric([direction], st.traffic.failed_jobs.get(direction, 0))
-        yield failed
+
+def _number(value: object) -> float:
+    """A stats value (int, float or bool) as a sample value."""
+    if not isinstance(value, int | float):
+        raise TypeError(f"not a number: {value!r}")
+    return float(value)
+
+
+def _on_loop_thread(loop: asyncio.AbstractEventLoop) -> bool:
+    try:
+        return asyncio.get_running_loop() is loop
+    except RuntimeError:
+        return False
 
 
 class Metrics:
-    """Registers the collector and the histograms; `serve(port)` starts HTTP."""
+    """The daemon's metrics registry: state collector, transfer histograms, process.
 
-    def __init__(self, state: DepotState) -> None:
+    Build it on the event loop (it remembers the running loop and reads the state
+    there); `serve(port)` starts the HTTP endpoint on a background thread.
+    """
+
+    def __init__(self, state: DepotState, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        if loop is None:
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:
+                loop = None  # no loop (unit use): read the state directly
+        # No *_created series: Prometheus reads them as separate gauges, and counter resets
+        # already show in kvdepot_build_info's boot_id. (Process-wide, and this is the
+        # daemon's only registry.)
+        disable_created_metrics()
         self.registry = CollectorRegistry()
-        self.registry.register(_StateCollector(state))
-        self.job_bytes = Histogram(
-            "kvdepot_job_bytes", "Bytes per successful transfer job.", ["direction"],
-            buckets=_SIZE_BUCKETS, registry=self.registry,
+        self.registry.register(_StateCollector(state, loop))
+        ProcessCollector(registry=self.registry)  # memory, CPU, open fds of the daemon
+        self.transfer_bytes = Histogram(
+            "kvdepot_transfer_size_bytes",
+            "Bytes per successful transfer (a job, or one inline Put/Get), by direction.",
+            ["direction"], buckets=SIZE_BUCKETS, registry=self.registry,
         )
-        self.job_seconds = Histogram(
-            "kvdepot_job_copy_seconds", "Copy seconds per successful transfer job.",
-            ["direction"], buckets=_TIME_BUCKETS, registry=self.registry,
+        self.transfer_seconds = Histogram(
+            "kvdepot_transfer_copy_seconds",
+            "Copy seconds per successful transfer (a job, or one inline Put/Get), by direction.",
+            ["direction"], buckets=SECONDS_BUCKETS, registry=self.registry,
         )
+        for direction in DIRECTIONS:  # series exist (at 0) before the first transfer
+            self.transfer_bytes.labels(direction)
+            self.transfer_seconds.labels(direction)
+        self._http: tuple[object, threading.Thread] | None = None
         state.transfer_observers.append(self.observe)
 
     def observe(self, direction: str, ok: bool, nbytes: int, seconds: float) -> None:
+        """A transfer finished (called on the event loop)."""
         if ok:
-            self.job_bytes.labels(direction).observe(nbytes)
-            self.job_seconds.labels(direction).observe(seconds)
+            self.transfer_bytes.labels(direction).observe(nbytes)
+            self.transfer_seconds.labels(direction).observe(seconds)
 
     def serve(self, port: int, addr: str = "0.0.0.0") -> None:
-        start_http_server(port, addr=addr, registry=self.registry)
+        """Serves http://addr:port/metrics until the process exits."""
+        self._http = start_http_server(port, addr=addr, registry=self.registry)

@@ -9,6 +9,7 @@ the byte copies, which go to the copy threads.
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import logging
 import os
 import secrets
@@ -21,6 +22,7 @@ import kvdepot
 from kvdepot.server import errors
 from kvdepot.server.config import ServeConfig, format_size
 from kvdepot.server.copy_queue import CopyQueue
+from kvdepot.server.core import snapshot
 from kvdepot.server.core.allocator import ExtentAllocator
 from kvdepot.server.core.arena import Arena
 from kvdepot.server.core.copy_engine import (
@@ -44,6 +46,24 @@ from kvdepot.server.core.planner import CopyPlan, LayerRef, MemoryMap, TensorVie
 from kvdepot.server.fd_receiver import FdReceiver
 
 log = logging.getLogger("kvdepot.state")
+
+def seal_against_shrinking(fd: int) -> None:
+    """Makes sure the client cannot shrink the file while the daemon maps it.
+
+    A copy that touches a page past the end of a shrunk file gets SIGBUS, which
+    kills the whole daemon, so a file that cannot be sealed is refused (ValueError).
+    """
+    try:
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+        if not seals & fcntl.F_SEAL_SHRINK:
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)
+    except OSError as exc:
+        raise ValueError(
+            f"the file cannot be sealed against shrinking ({exc.strerror}): pass a memfd "
+            f"created with MFD_ALLOW_SEALING (kvdepot.client.SharedKVBuffer does), so that "
+            f"truncating it cannot crash the daemon"
+        ) from None
+
 
 WATCH_QUEUE_LIMIT = 65536  # events a watcher may lag behind before it is resynced
 
@@ -151,7 +171,10 @@ class DepotState:
         self.started = time.monotonic()
         self.sessions: dict[str, Session] = {}
         self.registrations: dict[int, Registration] = {}
-        self._next_registration = 1
+        # Registration ids start at a random point per boot: a client still holding an
+        # id from before a restart must get FAILED_PRECONDITION, never another
+        # registration's memory (wrong KV). Below 2**53 so JSON tools show them exactly.
+        self._next_registration = (secrets.randbits(32) << 20) + 1
         self.watchers: dict[str, set[Watcher]] = {}
         self.traffic = TrafficStats()
         self.copy_queue = CopyQueue(config.copy_threads)
@@ -166,13 +189,33 @@ class DepotState:
         # Engines for other memory paths (the CUDA issue adds "cuda_ipc").
         self.region_openers: dict[str, Callable[[object, Session], tuple[MappedRegion, CopyEngine]]]
         self.region_openers = {}
+        # Debug only (the fuzz and fault tests): check the invariants after every
+        # mutation; a failure is logged and sticks (Admin/GetStats answers INTERNAL).
+        self.debug_invariants = os.environ.get("KVDEPOT_CHECK_INVARIANTS") == "1"
+        self.invariant_failure: str | None = None
 
     @classmethod
     def create(cls, config: ServeConfig) -> DepotState:
+        # Warm restart (DESIGN §3): the snapshot beside the pool file is consumed
+        # before the arena maps the file, since mapping it may change the file
+        # times that the snapshot vouches for.
+        plan = None
+        if config.pool_file:
+            plan = snapshot.prepare_start(config.pool_file, config.pool_size,
+                                          config.slot_granularity)
         arena = Arena(config.pool_size, config.pool_file)
-        allocator = ExtentAllocator(arena.size, config.slot_granularity)
-        index = BlockIndex(allocator, reservation_timeout=config.reservation_timeout)
-        return cls(config, arena, index)
+
+        def new_index() -> BlockIndex:
+            allocator = ExtentAllocator(arena.size, config.slot_granularity)
+            return BlockIndex(allocator, reservation_timeout=config.reservation_timeout)
+
+        index = new_index()
+        warm = plan is not None and snapshot.finish_start(plan, index) is not None
+        if plan is not None and not warm:
+            index = new_index()  # drop whatever a rejected snapshot half-restored
+        state = cls(config, arena, index)
+        state.warm_restarted = warm
+        return state
 
     def begin_shutdown(self) -> None:
         """Refuse new work and end the long-lived streams (Session, Watch)."""
@@ -194,7 +237,12 @@ class DepotState:
             self.fd_receiver.close()
         for reg in list(self.registrations.values()):
             reg.close_regions()
+        self.arena.flush()
         self.arena.close()
+        if self.config.pool_file:
+            # After the last copy and the unmap, so the recorded file identity is final.
+            snapshot.save_at_shutdown(self.index, self.config.pool_file, self.arena.size,
+                                      self.boot_id)
 
     # -- sessions --------------------------------------------------------------------
 
@@ -322,6 +370,7 @@ class DepotState:
             except KeyError as exc:
                 raise errors.invalid(exc.args[0]) from None
             try:
+                seal_against_shrinking(fd)
                 return SharedMemoryRegion(fd, size), self.cpu_engine
             except (OSError, ValueError) as exc:
                 raise errors.invalid(f"cannot map the passed fd: {exc}") from None
@@ -422,6 +471,7 @@ class DepotState:
         slot = decision.slot
         assert slot is not None
         ok = False
+        t0 = time.perf_counter()
         try:
             await self.copy_queue.run(
                 lambda: self.arena.view(slot.extent.offset + offset, size).__setitem__(
@@ -434,6 +484,9 @@ class DepotState:
             self.publish_events()
         self.traffic.stores += 1
         self.traffic.stored_bytes += size
+        # Observed like a job, so the histograms' counts match the transfer counters.
+        for observer in self.transfer_observers:
+            observer("store", True, size, time.perf_counter() - t0)
         return "stored", ready, ""
 
     async def get(self, namespace_id: str, key: bytes, rank: int) -> bytes:
@@ -441,6 +494,7 @@ class DepotState:
         slot = self._ns_call(self.index.begin_read, namespace_id, key)
         if slot is None:
             raise errors.not_found(f"key {key.hex()} is not ready in namespace {namespace_id}")
+        t0 = time.perf_counter()
         try:
             data = await self.copy_queue.run(
                 lambda: bytes(self.arena.view(slot.extent.offset + offset, size))
@@ -450,6 +504,8 @@ class DepotState:
             self.publish_events()
         self.traffic.loads += 1
         self.traffic.loaded_bytes += size
+        for observer in self.transfer_observers:
+            observer("load", True, size, time.perf_counter() - t0)
         return data
 
     # -- transfer jobs ----------------------------------------------------------------------
@@ -642,6 +698,46 @@ class DepotState:
         for event in self.index.take_events():
             for w in self.watchers.get(event.namespace, ()):
                 w.push(event)
+        if self.debug_invariants:  # every mutation ends here
+            self.verify_invariants()
+
+    def check_invariants(self) -> None:
+        """Raises AssertionError when the index, the allocator, the sessions and the
+        registrations disagree. Holds between any two steps of the event loop."""
+        self.index.check_invariants()
+        for s in self.sessions.values():
+            for reg_id in s.registrations:
+                reg = self.registrations.get(reg_id)
+                assert reg is not None and reg.session_id == s.id and not reg.closing, (
+                    f"session {s.id} lists registration {reg_id}, which is gone or closing"
+                )
+        for reg in self.registrations.values():
+            assert reg.inflight >= 0, f"registration {reg.id}: {reg.inflight} copies in flight"
+            if reg.closing:  # kept only while copies still use its mapping
+                assert reg.inflight > 0, f"registration {reg.id} closed but still mapped"
+        for ns in self.index.namespaces.values():
+            for slot in ns.slots.values():
+                assert set(slot.pins) <= self.sessions.keys(), (
+                    f"block {slot.key.hex()[:16]} pinned by a closed session"
+                )
+                if slot.state.value == "writing":
+                    assert set(slot.writers.values()) <= self.sessions.keys(), (
+                        f"block {slot.key.hex()[:16]} reserved by a closed session"
+                    )
+        assert self.traffic.inflight_jobs >= 0
+
+    def verify_invariants(self) -> str | None:
+        """With KVDEPOT_CHECK_INVARIANTS=1: None if the invariants hold, else what
+        broke (sticky: the first failure is kept). Always None when disabled."""
+        if not self.debug_invariants:
+            return None
+        if self.invariant_failure is None:
+            try:
+                self.check_invariants()
+            except AssertionError as exc:
+                self.invariant_failure = f"invariant broken: {exc}"
+                log.critical("%s", self.invariant_failure, exc_info=True)
+        return self.invariant_failure
 
     # -- housekeeping -----------------------------------------------------------------------
 
@@ -654,6 +750,7 @@ class DepotState:
             if stale:
                 log.warning("closed %d fd(s) that no RegisterKV claimed", stale)
         self.publish_events()
+        self.verify_invariants()
 
     def stats(self) -> dict[str, object]:
         counts = self.index.counts()

@@ -19,7 +19,7 @@ SETTINGS_KEYS: dict[str, Any] = {
     "kvdepot_namespace_salt": "",
     "kvdepot_pin_timeout_ms": 50,
     "kvdepot_startup_wait_s": 1.0,
-    "kvdepot_job_timeout_s": 60.0,
+    "kvdepot_job_timeout_s": 15.0,
     "kvdepot_memory_path": "auto",
     "kvdepot_load_failure_backoff_s": 10.0,
     "kvdepot_client_name": "",
@@ -51,7 +51,7 @@ class DepotSettings:
     namespace_salt: str = ""
     pin_timeout_s: float = 0.05
     startup_wait_s: float = 1.0
-    job_timeout_s: float = 60.0
+    job_timeout_s: float = 15.0
     memory_path: str = "auto"
     load_failure_backoff_s: float = 10.0
     client_name: str = ""

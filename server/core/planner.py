@@ -153,7 +153,15 @@ def plan_job(
         )
     bpc = layout.blocks_per_chunk
     plan = CopyPlan()
+    runs = plan.runs
     tensors = memory.tensors
+    # This loop runs on the daemon's event loop once per page (2048 times for a
+    # 64-chunk Llama-8B job), so it is written for CPython: block ids are checked
+    # per group with min/max instead of per page, and the run being grown lives
+    # in locals (merged in place) instead of going through CopyPlan.add.
+    cur_r = -1  # the pending run: region, region offset, pool offset, bytes
+    cur_ro = cur_po = cur_n = 0
+    nbytes = 0
     block_pos = 0
     key_pos = 0
     for g, n in enumerate(group_sizes):
@@ -163,22 +171,50 @@ def plan_job(
             continue
         skip = block_indices[g] % bpc
         pages = layout.groups[g]
-        for layer, ref in enumerate(memory.groups[g]):
+        lo, hi = min(ids), max(ids)
+        refs = memory.groups[g]
+        for ref in refs:
+            t = tensors[ref.tensor_index]
+            if lo < 0 or hi >= t.num_blocks:
+                bad = next(b for b in ids if not 0 <= b < t.num_blocks)
+                raise LayoutError(
+                    f"block id {bad} of group {g} is out of range: tensor "
+                    f"{ref.tensor_index} has {t.num_blocks} blocks"
+                )
+        # Per block: its key's slot offset (None: skipped) and its sub-block.
+        if bpc == 1:
+            slots = slot_offsets[key_pos : key_pos + n]
+            subs = None
+        else:
+            pos = [divmod(skip + i, bpc) for i in range(n)]
+            slots = [slot_offsets[key_pos + c] for c, _ in pos]
+            subs = [j for _, j in pos]
+        key_pos += chunks[g]
+        if all(s is None for s in slots):
+            continue
+        for layer, ref in enumerate(refs):
             t = tensors[ref.tensor_index]
             page = pages[layer]
+            region = t.region_index
+            stride = t.block_stride
             base = t.region_offset + ref.page_offset
             layer_base = layout.page_offset(g, rank, layer, 0)
             for i, block_id in enumerate(ids):
-                if not 0 <= block_id < t.num_blocks:
-                    raise LayoutError(
-                        f"block id {block_id} of group {g} is out of range: tensor "
-                        f"{ref.tensor_index} has {t.num_blocks} blocks"
-                    )
-                c, j = divmod(skip + i, bpc)
-                slot_off = slot_offsets[key_pos + c]
+                slot_off = slots[i]
                 if slot_off is None:
                     continue
-                pool_off = slot_off + layer_base + j * page
-                plan.add(t.region_index, base + block_id * t.block_stride, pool_off, page)
-        key_pos += chunks[g]
+                ro = base + block_id * stride
+                po = slot_off + layer_base
+                if subs is not None:
+                    po += subs[i] * page
+                if region == cur_r and cur_ro + cur_n == ro and cur_po + cur_n == po:
+                    cur_n += page
+                else:
+                    if cur_r >= 0:
+                        runs.append((cur_r, cur_ro, cur_po, cur_n))
+                    cur_r, cur_ro, cur_po, cur_n = region, ro, po, page
+                nbytes += page
+    if cur_r >= 0:
+        runs.append((cur_r, cur_ro, cur_po, cur_n))
+    plan.nbytes += nbytes
     return plan

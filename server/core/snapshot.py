@@ -266,6 +266,8 @@ def check_compatible(
         return "the pool file is gone"
     if snap.pool_size != pool_size:
         return f"the pool size changed ({snap.pool_size} bytes then, {pool_size} now)"
+    if pool_file.size != pool_size:
+        return f"the pool file has {pool_file.size} bytes, not the pool's {pool_size}"
     if snap.granularity != granularity:
         return f"the slot granularity changed ({snap.granularity} then, {granularity} now)"
     diff = snap.pool_file.differences(pool_file)
@@ -353,6 +355,7 @@ class StartPlan:
     pool_file: str
     snapshot: IndexSnapshot | None
     reason: str  # why the pool starts empty (when snapshot is None)
+    fresh: bool = False  # no pool file yet: starting empty is routine, not a warning
 
 
 def prepare_start(pool_file: str, pool_size: int, granularity: int) -> StartPlan:
@@ -368,7 +371,7 @@ def prepare_start(pool_file: str, pool_size: int, granularity: int) -> StartPlan
         return StartPlan(pool_file, None, f"cannot read or remove the snapshot {path}: {exc}")
     if data is None:
         if identity is None:
-            return StartPlan(pool_file, None, "new pool file")
+            return StartPlan(pool_file, None, "new pool file", fresh=True)
         return StartPlan(
             pool_file, None,
             f"no index snapshot at {path}: the previous daemon did not shut down cleanly "
@@ -391,7 +394,8 @@ def finish_start(plan: StartPlan, index: BlockIndex) -> RestoreReport | None:
     start empty: the caller then uses a fresh index.
     """
     if plan.snapshot is None:
-        log.warning("starting with an empty pool (%s): %s", plan.pool_file, plan.reason)
+        level = logging.INFO if plan.fresh else logging.WARNING
+        log.log(level, "starting with an empty pool (%s): %s", plan.pool_file, plan.reason)
         return None
     try:
         report = restore(index, plan.snapshot)

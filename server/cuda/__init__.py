@@ -1,0 +1,11 @@
+"""The CUDA data path: CUDA IPC registrations, a page-locked pool, batched DMA.
+
+Imports nothing beyond the standard library until used, so a daemon (or a
+client) on a host without CUDA loads it at no cost; `cuda_available()` is False
+there and `enable_cuda` leaves the daemon on the CPU path.
+"""
+
+from kvdepot.server.cuda.driver import cuda_available, unavailable_reason
+from kvdepot.server.cuda.enable import enable_cuda, page_lock_hook
+
+__all__ = ["cuda_available", "enable_cuda", "page_lock_hook", "unavailable_reason"]

@@ -45,12 +45,14 @@ LIBCUDA_DEFAULT = "libcuda.so.1"  # never the unversioned "libcuda.so": that is 
 # CUresult codes the callers tell apart.
 CUDA_SUCCESS = 0
 CUDA_ERROR_INVALID_VALUE = 1
+CUDA_ERROR_OUT_OF_MEMORY = 2
 CUDA_ERROR_NOT_INITIALIZED = 3
 CUDA_ERROR_STUB_LIBRARY = 34
 CUDA_ERROR_NO_DEVICE = 100
 CUDA_ERROR_MAP_FAILED = 205
 CUDA_ERROR_ALREADY_MAPPED = 208
 CUDA_ERROR_INVALID_HANDLE = 400
+CUDA_ERROR_TOO_MANY_PEERS = 711
 CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED = 712
 CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED = 713
 CUDA_ERROR_NOT_SUPPORTED = 801
@@ -314,10 +316,9 @@ class CudaDriver:
 
     def pointer_attribute(self, ptr: int, attribute: int) -> int:
         """An integer pointer attribute (CU_POINTER_ATTRIBUTE_*) of a device pointer."""
-        if attribute in (CU_POINTER_ATTRIBUTE_RANGE_START_ADDR, CU_POINTER_ATTRIBUTE_RANGE_SIZE):
-            out: Any = c_uint64()
-        else:
-            out = c_int()
+        # Attributes are 1 to 8 bytes wide (bool, int, CUdeviceptr, size_t): a zeroed
+        # 64-bit buffer reads every one of them right on a little-endian host.
+        out = c_uint64(0)
         self._call("cuPointerGetAttribute", byref(out), attribute, CUdeviceptr(ptr))
         return int(out.value)
 

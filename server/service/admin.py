@@ -1,14 +1,21 @@
-"""kvdepot.v1.Admin over grpc.aio: inspection and maintenance for operators."""
+"""kvdepot.v1.Admin over grpc.aio: inspection and maintenance for operators.
+
+Every call runs on the event loop, which owns the index, so what it reports is one
+consistent snapshot. The calls that delete cached data (Evict, Clear) answer
+PERMISSION_DENIED when the daemon runs with --no-destructive-admin.
+"""
 
 from __future__ import annotations
 
+import heapq
 import time
+from collections.abc import Iterator
 
 import grpc
 
 from kvdepot.server import errors
-from kvdepot.server.core.index import UnknownNamespace
-from kvdepot.server.core.layout import group_of_key
+from kvdepot.server.core.index import Namespace, Slot, SlotState, UnknownNamespace
+from kvdepot.server.core.layout import LayoutError, check_key
 from kvdepot.server.state import DepotState
 from kvdepot.v1 import admin_pb2 as pb
 from kvdepot.v1 import admin_pb2_grpc
@@ -16,23 +23,52 @@ from kvdepot.v1 import admin_pb2_grpc
 MAX_PAGE = 10000
 DEFAULT_PAGE = 100
 
+# A page token is "<namespace id>/<key hex>" of the last block of the previous page.
+# Paging by key (not by position) means blocks stored or evicted between two pages
+# neither shift the rest nor make a page repeat or skip blocks that stayed.
+_TOKEN_SEP = "/"
+
+
+def _page_token(slot: Slot) -> str:
+    return f"{slot.namespace}{_TOKEN_SEP}{slot.key.hex()}"
+
+
+def _parse_page_token(token: str) -> tuple[str, bytes]:
+    """(namespace id, key) of the last block already returned; ValueError if malformed."""
+    namespace_id, sep, key_hex = token.rpartition(_TOKEN_SEP)
+    if not sep:
+        raise ValueError(token)
+    return namespace_id, bytes.fromhex(key_hex)
+
 
 class AdminServicer(admin_pb2_grpc.AdminServicer):
+    """The Admin service on one DepotState."""
+
     def __init__(self, state: DepotState) -> None:
         self.state = state
 
     async def GetStats(
         self, request: pb.GetStatsRequest, context: grpc.aio.ServicerContext
     ) -> pb.GetStatsResponse:
-        return pb.GetStatsResponse(**self.state.stats())
+        """Pool, index, engine and traffic figures (see DepotState.stats)."""
+        # Debug daemons (KVDEPOT_CHECK_INVARIANTS=1) answer INTERNAL once an invariant broke.
+        broken = self.state.verify_invariants()
+        if broken is not None:
+            await context.abort(grpc.StatusCode.INTERNAL, broken)
+        return pb.GetStatsResponse(
+            **self.state.stats(),
+            evictions_by_reason=dict(self.state.index.stats.evictions),
+        )
 
     async def ListNamespaces(
         self, request: pb.ListNamespacesRequest, context: grpc.aio.ServicerContext
     ) -> pb.ListNamespacesResponse:
+        """Every namespace (sorted by id) with its layout and block counts."""
         out = []
-        for ns in self.state.index.namespaces.values():
+        for ns_id in sorted(self.state.index.namespaces):
+            ns = self.state.index.namespaces[ns_id]
             lay = ns.layout
-            ready = sum(s.state.value == "ready" for s in ns.slots.values())
+            ready = sum(s.state is SlotState.READY for s in ns.slots.values())
             out.append(
                 pb.NamespaceInfo(
                     id=lay.id, world_size=lay.world_size, blocks_per_chunk=lay.blocks_per_chunk,
@@ -46,11 +82,11 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
     async def ListEngines(
         self, request: pb.ListEnginesRequest, context: grpc.aio.ServicerContext
     ) -> pb.ListEnginesResponse:
+        """Every open session (an engine process) with its registrations, oldest first."""
         st = self.state
         now = time.monotonic()
-        pins = st.index._pins_by_owner  # read-only view for reporting
         engines = []
-        for s in st.sessions.values():
+        for s in sorted(st.sessions.values(), key=lambda s: s.opened):
             regs = [
                 pb.RegistrationInfo(
                     registration_id=r.id, namespace_id=r.layout.id, rank=r.rank,
@@ -62,7 +98,7 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
                 pb.EngineInfo(
                     session_id=s.id, client_name=s.client_name, pid=s.pid,
                     engine_id=s.engine_id, connected_seconds=now - s.opened,
-                    registrations=regs, pinned_blocks=len(pins.get(s.id, ())),
+                    registrations=regs, pinned_blocks=st.index.pinned_slot_count(s.id),
                 )
             )
         return pb.ListEnginesResponse(engines=engines)
@@ -70,76 +106,144 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
     async def ListBlocks(
         self, request: pb.ListBlocksRequest, context: grpc.aio.ServicerContext
     ) -> pb.ListBlocksResponse:
-        index = self.state.index
-        if request.namespace_id and request.namespace_id not in index.namespaces:
-            await context.abort(
-                grpc.StatusCode.NOT_FOUND,
-                f"unknown namespace {request.namespace_id!r}: see Admin/ListNamespaces",
-            )
-        size = request.page_size or DEFAULT_PAGE
-        if size > MAX_PAGE:
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT, f"page_size {size} is above {MAX_PAGE}"
-            )
+        """Blocks ordered by (namespace, key), a page at a time, optionally filtered."""
         try:
-            start = int(request.page_token or 0)
-        except ValueError:
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                "page_token is not one this daemon handed out: pass next_page_token back as is",
-            )
-        namespaces = (
-            [index.namespaces[request.namespace_id]]
-            if request.namespace_id else list(index.namespaces.values())
-        )
-        blocks = [
-            s for ns in namespaces for s in ns.slots.values()
-            if not request.has_group or s.group == request.group
-        ]
-        page = blocks[start : start + size]
-        nxt = start + size if start + size < len(blocks) else None
+            namespaces, group, size, after = self._block_query(request)
+        except errors.DepotError as exc:
+            await context.abort(exc.code, exc.message)
+            raise AssertionError("unreachable") from None
+
+        def matching() -> Iterator[Slot]:
+            for ns in namespaces:
+                for slot in ns.slots.values():
+                    if group is None or slot.group == group:
+                        yield slot
+
+        def order(slot: Slot) -> tuple[str, bytes]:
+            return slot.namespace, slot.key
+
+        total = 0
+
+        def counted_after() -> Iterator[Slot]:
+            nonlocal total
+            for slot in matching():
+                total += 1
+                if after is None or order(slot) > after:
+                    yield slot
+
+        # nsmallest: O(n log page) rather than sorting every block for each page.
+        page = heapq.nsmallest(size + 1, counted_after(), key=order)
+        more = len(page) > size
+        page = page[:size]
         return pb.ListBlocksResponse(
             blocks=[
                 pb.BlockInfo(
-                    namespace_id=s.namespace, key_hex=s.key.hex(), group=group_of_key(s.key),
+                    namespace_id=s.namespace, key_hex=s.key.hex(), key=s.key, group=s.group,
                     state=s.state.value, pins=s.pin_count, bytes=s.extent.size,
                     pool_offset=s.extent.offset, written_ranks_mask=s.written_mask,
                 )
                 for s in page
             ],
-            next_page_token="" if nxt is None else str(nxt),
-            total_blocks=len(blocks),
+            next_page_token=_page_token(page[-1]) if more else "",
+            total_blocks=total,
         )
+
+    def _block_query(
+        self, request: pb.ListBlocksRequest
+    ) -> tuple[list[Namespace], int | None, int, tuple[str, bytes] | None]:
+        """Validates a ListBlocks request: (namespaces, group or None, page size, after)."""
+        index = self.state.index
+        if request.namespace_id:
+            if request.namespace_id not in index.namespaces:
+                raise errors.not_found(
+                    f"unknown namespace {request.namespace_id!r}: see Admin/ListNamespaces"
+                )
+            namespaces = [index.namespaces[request.namespace_id]]
+        else:
+            namespaces = [index.namespaces[k] for k in sorted(index.namespaces)]
+        # proto3 cannot tell group 0 from "unset": has_group says so; a non-zero group
+        # needs no flag (an operator typing {"group": 1} means it).
+        group = request.group if request.has_group or request.group else None
+        if group is not None and request.namespace_id:
+            num_groups = namespaces[0].layout.num_groups
+            if group >= num_groups:
+                raise errors.invalid(
+                    f"group {group} out of range: namespace {request.namespace_id} has "
+                    f"{num_groups} group(s), 0 to {num_groups - 1}"
+                )
+        size = request.page_size or DEFAULT_PAGE
+        if size > MAX_PAGE:
+            raise errors.invalid(f"page_size {size} is above {MAX_PAGE}: ask for less per page")
+        after = None
+        if request.page_token:
+            try:
+                after = _parse_page_token(request.page_token)
+            except ValueError:
+                raise errors.invalid(
+                    f"page_token {request.page_token!r} is not one this daemon hands out: "
+                    f"pass next_page_token back as is, or leave it empty for the first page"
+                ) from None
+        return namespaces, group, size, after
 
     def _check_destructive(self) -> None:
         if not self.state.config.destructive_admin:
             raise errors.denied(
-                "destructive admin calls are disabled on this daemon (--no-destructive-admin)"
+                "Evict and Clear are disabled on this daemon (--no-destructive-admin, or "
+                "KVDEPOT_NO_DESTRUCTIVE_ADMIN=1): blocks age out by LRU; to evict by hand, "
+                "restart the daemon without that setting"
             )
 
     async def Evict(
         self, request: pb.EvictRequest, context: grpc.aio.ServicerContext
     ) -> pb.EvictResponse:
+        """Evicts ready, unpinned blocks of one namespace: all of them, or the given keys."""
         try:
             self._check_destructive()
-            try:
-                evicted, skipped = self.state.index.evict(
-                    request.namespace_id, list(request.keys) or None, reason="admin"
-                )
-            except UnknownNamespace as exc:
-                raise errors.not_found(str(exc)) from None
+            evicted, skipped, not_found = self._evict(request)
         except errors.DepotError as exc:
             await context.abort(exc.code, exc.message)
+            raise AssertionError("unreachable") from None
+        # Watchers (engines' lookup mirrors) must hear about the removals at once.
         self.state.publish_events()
-        return pb.EvictResponse(evicted_blocks=evicted, skipped_blocks=skipped)
+        return pb.EvictResponse(
+            evicted_blocks=evicted, skipped_blocks=skipped, not_found_blocks=not_found
+        )
+
+    def _evict(self, request: pb.EvictRequest) -> tuple[int, int, int]:
+        if not request.namespace_id:
+            raise errors.invalid(
+                "namespace_id is empty: name the namespace (see Admin/ListNamespaces), or "
+                "call Admin/Clear to evict from every namespace"
+            )
+        try:
+            ns = self.state.index.namespace(request.namespace_id)
+        except UnknownNamespace as exc:
+            raise errors.not_found(f"{exc}; see Admin/ListNamespaces") from None
+        keys = list(dict.fromkeys(request.keys))  # a key named twice counts once
+        for key in keys:
+            try:
+                check_key(key, ns.layout.num_groups)
+            except LayoutError as exc:
+                raise errors.invalid(
+                    f"{exc}. In grpcurl JSON a key is base64: copy `key` from "
+                    f"Admin/ListBlocks, or convert key_hex with `xxd -r -p | base64 -w0`"
+                ) from None
+        if not keys:
+            evicted, skipped = self.state.index.evict(request.namespace_id, None, reason="admin")
+            return evicted, skipped, 0
+        not_found = sum(k not in ns.slots for k in keys)
+        evicted, skipped = self.state.index.evict(request.namespace_id, keys, reason="admin")
+        return evicted, skipped, not_found
 
     async def Clear(
         self, request: pb.ClearRequest, context: grpc.aio.ServicerContext
     ) -> pb.ClearResponse:
+        """Evicts every ready, unpinned block of every namespace."""
         try:
             self._check_destructive()
         except errors.DepotError as exc:
             await context.abort(exc.code, exc.message)
+            raise AssertionError("unreachable") from None
         evicted, skipped = self.state.index.clear()
         self.state.publish_events()
         return pb.ClearResponse(evicted_blocks=evicted, skipped_blocks=skipped)

@@ -1,0 +1,262 @@
+"""The vLLM connector's scheduler-side cost, next to vLLM's own CPU offloading manager.
+
+    python -m kvdepot.bench.connector_bench [--socket PATH] [--quick] [--json]
+    (also run by `kvdepot bench`, which calls `run_connector_bench`)
+
+What it measures, in one run, against a real daemon (the one at --socket, or a
+private one it starts):
+- lookup: microseconds per `OffloadingManager.lookup()` (the scheduler calls it per
+  key, many times per step), kvdepot's local mirror vs vLLM's CPUOffloadingManager,
+  over the same keys (half hits, half misses);
+- pin: latency p50/p99 of the one Pin RPC a step with hits makes (16 keys = one
+  request's 256-token hit, and 1024 keys = 64 such requests in one step);
+- step: scheduler time per step (`Scheduler.schedule()` + `update_from_output()`)
+  with 64 running requests, for no connector, vLLM's OffloadingConnector with its
+  CPU manager, and KVDepotConnector; the admission step (64 requests arrive, each
+  with a 256-token hit) and the steady decode steps. "Added" is the difference to
+  no connector. Workers are out of the picture (their jobs complete at once): this
+  is what the connector costs the scheduler thread, the budget DESIGN §2 sets.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from typing import Any, TextIO
+
+
+def _cpu_env() -> None:
+    # vLLM picks its platform when first imported: without a GPU it must be told.
+    try:
+        import torch
+
+        has_cuda = torch.cuda.is_available()
+    except Exception:
+        has_cuda = False
+    if not has_cuda:
+        os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+
+def _pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def _prompt(seed: int, n: int) -> list[int]:
+    x = seed * 7919 + 17
+    out = []
+    for _ in range(n):
+        x = (x * 1103515245 + 12345) % (1 << 31)
+        out.append(10 + x % 30000)
+    return out
+
+
+def _steps(engine: Any, prompts: list[list[int]], decode_steps: int) -> dict[str, float]:
+    """Admits the prompts in one step, lets them prefill, then times decode steps."""
+    for p in prompts:
+        engine.add_request(p, max_tokens=decode_steps + 64)
+    engine.step()
+    admission = engine.last_schedule_s + engine.last_update_s
+    admission_schedule = engine.last_schedule_s
+    # Let loads land and prefills finish.
+    for _ in range(200):
+        if len(engine.scheduler.running) == len(prompts) and not engine.scheduler.waiting:
+            req = next(iter(engine.scheduler.running))
+            if req.num_computed_tokens >= req.num_prompt_tokens:
+                break
+        engine.step()
+    times = []
+    for _ in range(decode_steps):
+        engine.step()
+        times.append(engine.last_schedule_s + engine.last_update_s)
+    assert len(engine.scheduler.running) == len(prompts), "requests finished early"
+    return {
+        "admission_step_ms": admission * 1e3,
+        "admission_schedule_ms": admission_schedule * 1e3,
+        "decode_step_ms_mean": statistics.fmean(times) * 1e3,
+        "decode_step_ms_p50": _pct(times, 0.5) * 1e3,
+        "decode_step_ms_p99": _pct(times, 0.99) * 1e3,
+    }
+
+
+def _time_lookups(manager: Any, keys: list[bytes], rounds: int) -> float:
+    from vllm.v1.kv_offload.base import ReqContext
+
+    ctx = ReqContext(req_id="bench")
+    lookup = manager.lookup
+    start = time.perf_counter()
+    for _ in range(rounds):
+        for key in keys:
+            lookup(key, ctx)
+    return (time.perf_counter() - start) / (rounds * len(keys)) * 1e6
+
+
+def run_connector_bench(
+    target: str | None = None,
+    quick: bool = False,
+    requests: int = 64,
+    hit_tokens: int = 256,
+    new_tokens: int = 256,
+    out: TextIO | None = None,
+) -> dict[str, Any]:
+    """Runs the measurements; prints a table to `out` (default stderr) and returns
+    the figures as a dict. `target` is the daemon ("unix:///path"); None starts one."""
+    _cpu_env()
+    from kvdepot.bench.daemon import OwnDaemon, target_of
+    from kvdepot.client.vllm.testing import EngineConfig, GroupDef, SyntheticEngine
+
+    out = out if out is not None else sys.stderr
+    lookup_rounds = 20 if quick else 200
+    pin_reps = 50 if quick else 400
+    decode_steps = 20 if quick else 100
+    own = None
+    if target is None:
+        own = OwnDaemon("256MiB")
+        own.wait_serving()
+        target = own.target
+    target = target_of(target)
+    # A small KV geometry: the scheduler's work does not depend on page bytes.
+    groups = (GroupDef("full", block_size=16, num_layers=2, num_kv_heads=1),)
+    blocks = requests * ((hit_tokens + new_tokens) // 16 + 2) + 64
+    common = dict(groups=groups, num_gpu_blocks=blocks, max_num_seqs=requests,
+                  max_num_batched_tokens=requests * (hit_tokens + new_tokens))
+    hit_prefixes = [_prompt(1000 + i, hit_tokens) for i in range(requests)]
+    prompts = [p + _prompt(5000 + i, new_tokens) for i, p in enumerate(hit_prefixes)]
+    result: dict[str, Any] = {
+        "config": {"requests": requests, "hit_tokens": hit_tokens, "new_tokens": new_tokens,
+                   "block_size": 16, "decode_steps": decode_steps, "target": target},
+    }
+    engines: list[Any] = []
+    try:
+        # 1. The real write path fills the daemon with every prompt's hit prefix.
+        writer = SyntheticEngine(EngineConfig(socket=target, **common))
+        engines.append(writer)
+        writer.wait_registered()
+        writer.generate(hit_prefixes, timeout=120)
+        hit_keys = [k for p in hit_prefixes for k in writer.offload_keys(p)]
+        writer.wait_ready(hit_keys, timeout=60)
+        miss_keys = [k for p in prompts for k in writer.offload_keys(p)[hit_tokens // 16 :]]
+        # Its threads and sessions must not compete with what is measured.
+        engines.remove(writer)
+        writer.shutdown()
+
+        # 2. kvdepot, scheduler side only.
+        depot = SyntheticEngine(EngineConfig(socket=target, workers=False, **common))
+        engines.append(depot)
+        depot.wait_ready(hit_keys, timeout=60)
+        manager = depot.manager
+        lookup_keys = hit_keys + miss_keys[: len(hit_keys)]
+        result["lookup_us"] = {"kvdepot": _time_lookups(manager, lookup_keys, lookup_rounds)}
+
+        pins: dict[str, Any] = {}
+        client, ns = manager._client, manager.namespace_id
+        for batch in (16, 1024):
+            keys = hit_keys[:batch]
+            lat = []
+            for _ in range(pin_reps if batch == 16 else max(10, pin_reps // 10)):
+                t = time.perf_counter()
+                client.pin(ns, keys, timeout=1.0)
+                lat.append(time.perf_counter() - t)
+                client.unpin(ns, keys, wait=True)
+            pins[f"{batch}_keys"] = {"p50_ms": _pct(lat, 0.5) * 1e3,
+                                     "p99_ms": _pct(lat, 0.99) * 1e3, "n": len(lat)}
+        result["pin"] = pins
+        depot_steps = _steps(depot, prompts, decode_steps)
+        result["step_ms"] = {"kvdepot": depot_steps}
+        result["kvdepot_pin_rpcs_in_steps"] = manager.pin_rpcs
+
+        # 3. vLLM's own CPU offloading manager, same keys and requests.
+        cpu = SyntheticEngine(EngineConfig(
+            socket=None, workers=False, connector="OffloadingConnector", connector_module=None,
+            extra_config={"spec_name": "CPUOffloadingSpec", "cpu_bytes_to_use": 1 << 30},
+            **common,
+        ))
+        engines.append(cpu)
+        from vllm.v1.kv_offload.base import ReqContext
+
+        ctx = ReqContext(req_id="bench-fill")
+        cpu.manager.prepare_store(hit_keys, ctx)
+        cpu.manager.complete_store(hit_keys, ctx)
+        result["lookup_us"]["vllm_cpu"] = _time_lookups(cpu.manager, lookup_keys, lookup_rounds)
+        result["step_ms"]["vllm_cpu"] = _steps(cpu, prompts, decode_steps)
+
+        # 4. No connector: the baseline the "added" figures subtract.
+        bare = SyntheticEngine(EngineConfig(socket=None, workers=False, connector=None,
+                                            **common))
+        engines.append(bare)
+        result["step_ms"]["none"] = _steps(bare, prompts, decode_steps)
+    finally:
+        for engine in engines:
+            try:
+                engine.shutdown()
+            except Exception:
+                pass
+        if own is not None:
+            own.stop()
+
+    none = result["step_ms"]["none"]
+    result["added_ms"] = {
+        name: {
+            "admission_step": result["step_ms"][name]["admission_step_ms"]
+            - none["admission_step_ms"],
+            "decode_step": result["step_ms"][name]["decode_step_ms_mean"]
+            - none["decode_step_ms_mean"],
+        }
+        for name in ("kvdepot", "vllm_cpu")
+    }
+    print(format_table(result), file=out)
+    return result
+
+
+def format_table(r: dict[str, Any]) -> str:
+    cfg = r["config"]
+    lines = [
+        f"vLLM connector, scheduler side ({cfg['requests']} requests, "
+        f"{cfg['hit_tokens']}-token hits + {cfg['new_tokens']} new tokens, "
+        f"{cfg['decode_steps']} decode steps)",
+        f"{'':34}{'kvdepot':>12}{'vLLM CPU':>12}{'none':>12}",
+        f"{'lookup (us per key)':34}{r['lookup_us']['kvdepot']:>12.3f}"
+        f"{r['lookup_us']['vllm_cpu']:>12.3f}{'-':>12}",
+    ]
+    s = r["step_ms"]
+    for label, key in (("admission step (ms)", "admission_step_ms"),
+                       ("decode step, mean (ms)", "decode_step_ms_mean"),
+                       ("decode step, p99 (ms)", "decode_step_ms_p99")):
+        lines.append(f"{label:34}{s['kvdepot'][key]:>12.3f}{s['vllm_cpu'][key]:>12.3f}"
+                     f"{s['none'][key]:>12.3f}")
+    a = r["added_ms"]
+    lines.append(f"{'added per admission step (ms)':34}{a['kvdepot']['admission_step']:>12.3f}"
+                 f"{a['vllm_cpu']['admission_step']:>12.3f}{'0':>12}")
+    lines.append(f"{'added per decode step (ms)':34}{a['kvdepot']['decode_step']:>12.3f}"
+                 f"{a['vllm_cpu']['decode_step']:>12.3f}{'0':>12}")
+    for batch, p in r["pin"].items():
+        lines.append(f"{'pin ' + batch.replace('_', ' ') + ' p50 / p99 (ms)':34}"
+                     f"{p['p50_ms']:>12.3f}{p['p99_ms']:>12.3f}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m kvdepot.bench.connector_bench",
+                                 description=__doc__.split("\n\n")[0])
+    ap.add_argument("--socket", help="a running daemon (default: start a private one)")
+    ap.add_argument("--quick", action="store_true", help="fewer repetitions")
+    ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--json", action="store_true", help="print the figures as JSON too")
+    args = ap.parse_args(argv)
+    result = run_connector_bench(args.socket, quick=args.quick, requests=args.requests,
+                                 out=sys.stdout)
+    if args.json:
+        print(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,134 @@
+"""The daemon under test: one the bench starts itself, or a running one (`--socket`)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import grpc
+
+from kvdepot.v1 import admin_pb2, admin_pb2_grpc
+
+
+def kvdepot_command() -> list[str]:
+    """The `kvdepot` of this interpreter's environment (or the module, if not on PATH)."""
+    exe = shutil.which("kvdepot", path=str(Path(sys.executable).parent))
+    return [exe] if exe else [sys.executable, "-m", "kvdepot.server.cli"]
+
+
+def target_of(socket_or_target: str) -> str:
+    return socket_or_target if "://" in socket_or_target else f"unix://{socket_or_target}"
+
+
+class DaemonUnderTest:
+    """A daemon reachable at `target`; `started` is True when the bench owns it."""
+
+    def __init__(self, target: str) -> None:
+        self.target = target
+        self.started = False
+        self.log_path: Path | None = None
+
+    def stats(self, timeout: float = 5.0) -> admin_pb2.GetStatsResponse:
+        with grpc.insecure_channel(self.target) as ch:
+            return admin_pb2_grpc.AdminStub(ch).GetStats(
+                admin_pb2.GetStatsRequest(), timeout=timeout
+            )
+
+    def wait_serving(self, timeout: float = 30.0) -> admin_pb2.GetStatsResponse:
+        """Polls GetStats until the daemon answers."""
+        deadline = time.monotonic() + timeout
+        last: Exception | None = None
+        while time.monotonic() < deadline:
+            self._check_alive()
+            try:
+                return self.stats(timeout=1.0)
+            except grpc.RpcError as exc:
+                last = exc
+                time.sleep(0.05)
+        raise TimeoutError(f"no kvdepot daemon answered at {self.target}: {last}{self._log_tail()}")
+
+    def wait_warm(
+        self, timeout: float = 600.0, on_progress: Callable[[int, int], None] | None = None
+    ) -> admin_pb2.GetStatsResponse:
+        """Blocks until the pool is pre-faulted: a cold pool would time page faults."""
+        deadline = time.monotonic() + timeout
+        while True:
+            st = self.wait_serving()
+            if on_progress is not None:
+                on_progress(st.warmup_done_bytes, st.capacity_bytes)
+            if st.warmup_complete:
+                return st
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"the daemon's pool is not warm after {timeout:.0f} s "
+                    f"({st.warmup_done_bytes} of {st.capacity_bytes} bytes)"
+                )
+            time.sleep(0.1)
+
+    def _check_alive(self) -> None:
+        """Only a daemon the bench started can be seen to die."""
+
+    def _log_tail(self) -> str:
+        return ""
+
+    def stop(self) -> None:
+        """Leaves a daemon the bench did not start alone."""
+
+
+class OwnDaemon(DaemonUnderTest):
+    """`kvdepot serve` on a private socket in a temporary directory."""
+
+    def __init__(
+        self, pool_size: str, copy_threads: int | None = None, extra: list[str] | None = None
+    ) -> None:
+        # Short path: a Unix socket path must fit in 108 bytes.
+        self.workdir = Path(tempfile.mkdtemp(prefix="kvdbench-"))
+        self.socket_path = str(self.workdir / "kvdepot.sock")
+        super().__init__(f"unix://{self.socket_path}")
+        self.log_path = self.workdir / "daemon.log"
+        args = [
+            *kvdepot_command(), "serve", "--socket", self.socket_path, "--pool-size", pool_size,
+            "--log-level", "warning", *(extra or []),
+        ]
+        if copy_threads:
+            args += ["--copy-threads", str(copy_threads)]
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(
+                args, stdout=log, stderr=subprocess.STDOUT,
+                # Not the bench's service manager's business: never notify systemd.
+                env={k: v for k, v in os.environ.items() if k != "NOTIFY_SOCKET"},
+            )
+        self.started = True
+
+    def _check_alive(self) -> None:
+        if self.proc.poll() is not None:
+            raise RuntimeError(
+                f"kvdepot serve exited with {self.proc.returncode}{self._log_tail()}"
+            )
+
+    def _log_tail(self) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace") if self.log_path else ""
+        except OSError:
+            return ""
+        return f"\n--- daemon log ---\n{text[-4000:]}" if text else ""
+
+    def log_text(self) -> str:
+        return self._log_tail()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+        shutil.rmtree(self.workdir, ignore_errors=True)

@@ -1,0 +1,549 @@
+"""The GPU data path, measured: store (GPU -> pool) and load (pool -> GPU) through the
+daemon, next to the same copies done in this process, in the same run.
+
+An engine-like process (this one) holds torch CUDA KV tensors in vLLM's canonical
+layout (32 layers of 64 KiB pages: 2 MiB per block, each layer its own region of
+one allocation), registers them with a daemon over CUDA IPC, and moves blocks in
+jobs of 1, 16 and 64 chunks (one chunk = one block here). Every job is submitted
+at once per round (the daemon pipelines them over its copy threads); a round moves
+`bytes_per_round` and takes the wall time from the first submit to the last result.
+
+Beside it, in this process and on the same kinds of buffers (device memory, and
+a memfd page-locked with cuMemHostRegister exactly as the daemon's pool):
+- `inproc_memcpy`: PyTorch `copy_(non_blocking=True)`, i.e. cudaMemcpyAsync, one
+  contiguous copy per job (the DMA limit for that copy size);
+- `inproc_pages_batch`: the daemon's own descriptors (planner + plan_descriptors:
+  32 scattered 64 KiB pages per block) by cuMemcpyBatchAsync, in process;
+- `inproc_pages_loop`: the same pages, one cuMemcpyAsync each.
+`ratio` = daemon GB/s / inproc_memcpy GB/s (the strict one), `ratio_pages` = daemon /
+inproc_pages_batch (what the daemon adds over its own DMA pattern).
+
+    python -m kvdepot.bench.gpu_bench --out DIR            # starts its own daemon
+    python -m kvdepot.bench.gpu_bench --target unix:///run/kvdepot/kvdepot.sock
+
+Also `kvdepot bench` calls `run_gpu_bench(target=...)` when CUDA is present.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import itertools
+import json
+import mmap
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from kvdepot.v1 import depot_pb2 as pb
+
+LAYERS = 32
+PAGE = 64 << 10
+BLOCK = LAYERS * PAGE  # 2 MiB
+STORE_TARGET_GBPS = 45.0
+RATIO_TARGET = 0.85
+GiB = 1 << 30
+
+
+def make_key(tag: bytes, i: int) -> bytes:
+    """A vLLM-style OffloadKey of group 0: 32 hash bytes + 4 zero bytes."""
+    return hashlib.sha256(tag + i.to_bytes(8, "big")).digest() + b"\x00\x00\x00\x00"
+
+
+class CudaEngine:
+    """One rank's KV cache in vLLM's layout on a CUDA device, registered over CUDA IPC.
+
+    `kv` is one allocation of `layers * num_blocks * page` bytes; layer L is the
+    int8 view `(num_blocks, page)` at offset `L * num_blocks * page` (block stride =
+    page), as vLLM 0.33's canonical tensors are views of one backing allocation.
+    """
+
+    def __init__(
+        self, client: Any, num_blocks: int, *, layers: int = LAYERS, page: int = PAGE,
+        namespace: str | None = None, device: Any = None,
+    ) -> None:
+        import torch
+
+        from kvdepot.client.cuda_ipc import export_kv_tensors, register_cuda_kv
+
+        self.torch = torch
+        self.client = client
+        self.num_blocks, self.layers, self.page = num_blocks, layers, page
+        self.device = (torch.device("cuda", torch.cuda.current_device()) if device is None
+                       else torch.device(device))
+        self.kv = torch.zeros(layers * num_blocks * page, dtype=torch.int8, device=self.device)
+        self.tensors = [
+            self.kv[i * num_blocks * page : (i + 1) * num_blocks * page].view(num_blocks, page)
+            for i in range(layers)
+        ]
+        self.namespace = namespace or f"gpu-{os.getpid()}-{time.monotonic_ns()}"
+        self.layout = pb.NamespaceLayout(
+            id=self.namespace, world_size=1, blocks_per_chunk=1,
+            groups=[pb.GroupLayout(layer_page_bytes=[page] * layers)],
+            description=f"kvdepot GPU bench: {layers} layers x {page} B pages",
+        )
+        self.groups = [pb.GroupRefs(layers=[
+            pb.LayerRef(tensor_index=i, page_offset=0, page_bytes=page) for i in range(layers)
+        ])]
+        torch.cuda.synchronize(self.device)
+        self.export = export_kv_tensors(self.tensors)
+        self.registration = register_cuda_kv(client, self.layout, 0, self.export, self.groups)
+        self.stream = client.transfer_stream()
+        self._ids = itertools.count(1)
+
+    @property
+    def block_bytes(self) -> int:
+        return self.layers * self.page
+
+    def fill_random(self, blocks: Sequence[int], seed: int) -> None:
+        """Random bytes into every layer's page of `blocks` (on the current stream)."""
+        torch = self.torch
+        g = torch.Generator(device=self.device)
+        g.manual_seed(seed)
+        idx = torch.tensor(list(blocks), device=self.device)
+        for t in self.tensors:
+            t[idx] = torch.randint(-128, 128, (len(blocks), self.page), dtype=torch.int8,
+                                   device=self.device, generator=g)
+
+    def zero(self, blocks: Sequence[int]) -> None:
+        idx = self.torch.tensor(list(blocks), device=self.device)
+        for t in self.tensors:
+            t[idx] = 0
+
+    def pages(self, blocks: Sequence[int]) -> Any:
+        """A copy of (layers, len(blocks), page) bytes, for comparisons."""
+        idx = self.torch.tensor(list(blocks), device=self.device)
+        return self.torch.stack([t[idx] for t in self.tensors])
+
+    def submit(self, direction: int, keys: Sequence[bytes], blocks: Sequence[int]) -> int:
+        """Records the IPC event on the current stream, then sends the job (never blocks)."""
+        job_id = next(self._ids)
+        self.export.record()
+        self.stream.submit(pb.TransferJob(
+            job_id=job_id, direction=direction,
+            registration_id=self.registration.registration_id, keys=list(keys),
+            block_ids=list(blocks), group_sizes=[len(blocks)], block_indices=[0],
+        ))
+        return job_id
+
+    def run(
+        self, direction: int, keys: Sequence[bytes], blocks: Sequence[int], job_chunks: int,
+        timeout: float = 300.0,
+    ) -> tuple[list[pb.TransferResult], float]:
+        """Submits all jobs of `job_chunks` keys at once; waits for all; (results, seconds)."""
+        t0 = time.perf_counter()
+        ids = [
+            self.submit(direction, keys[i : i + job_chunks], blocks[i : i + job_chunks])
+            for i in range(0, len(keys), job_chunks)
+        ]
+        if not self.stream.wait(ids, timeout):
+            raise TimeoutError(f"{len(ids)} jobs did not finish within {timeout} s")
+        elapsed = time.perf_counter() - t0
+        wanted = set(ids)
+        return [r for r in self.stream.poll() if r.job_id in wanted], elapsed
+
+    def close(self) -> None:
+        self.stream.close()
+
+
+# -- in-process baselines ------------------------------------------------------------------
+
+
+class PinnedHost:
+    """A memfd mapping page-locked with cuMemHostRegister, like the daemon's pool."""
+
+    def __init__(self, drv: Any, size: int, chunk: int = 256 << 20) -> None:
+        fd = os.memfd_create("kvdepot-gpu-bench", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(fd, size)
+            self.mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        import ctypes
+
+        self._anchor = ctypes.c_char.from_buffer(self.mm)
+        self.address = ctypes.addressof(self._anchor)
+        self.size = size
+        self.drv = drv
+        self.chunk = chunk
+        self._ranges = []
+        for off in range(0, size, chunk):
+            drv.host_register(self.address + off, min(chunk, size - off))
+            self._ranges.append(off)
+
+    def close(self) -> None:
+        for off in self._ranges:
+            self.drv.host_unregister(self.address + off)
+        self._ranges = []
+
+
+def _planned_batches(
+    engine: CudaEngine, direction: int, blocks: Sequence[int], host_offsets: Sequence[int],
+    dev_base: int, host_base: int, host_split: int,
+) -> list[Any]:
+    """The daemon's descriptors for one job, computed in process (same planner)."""
+    from kvdepot.server.core.layout import NamespaceLayout
+    from kvdepot.server.core.planner import LayerRef, MemoryMap, TensorView, plan_job
+    from kvdepot.server.cuda.dma import plan_descriptors
+
+    nb, page, layers = engine.num_blocks, engine.page, engine.layers
+    lay = NamespaceLayout("inproc", 1, 1, ((page,) * layers,))
+    mem = MemoryMap.build(
+        lay, [layers * nb * page],
+        [TensorView(0, i * nb * page, nb, page, page) for i in range(layers)],
+        [[LayerRef(i, 0, page) for i in range(layers)]],
+    )
+    plan = plan_job(lay, 0, mem, list(blocks), [len(blocks)], [0], list(host_offsets))
+    return plan_descriptors(direction, plan.runs, [dev_base], host_base, host_split=host_split)
+
+
+def inprocess(engine: CudaEngine, job_chunks: int, chunks: int, reps: int) -> dict[str, Any]:
+    """GB/s of the three in-process copies, per direction, for jobs of `job_chunks`."""
+    import torch
+
+    from kvdepot.server.core.copy_engine import LOAD, STORE
+    from kvdepot.server.cuda import driver as cuda_driver
+
+    drv = cuda_driver.load()
+    ctx = drv.primary_context(engine.device.index)
+    drv.set_current(ctx)
+    nbytes = chunks * engine.block_bytes
+    host = PinnedHost(drv, nbytes)
+    host_t = torch.frombuffer(host.mm, dtype=torch.int8)
+    out: dict[str, Any] = {"host_is_pinned": bool(host_t.is_pinned())}
+    stream = drv.stream_create()
+    tstream = torch.cuda.Stream(engine.device)
+    dev_base = engine.kv.data_ptr()
+    # The contiguous copies get their own device buffer (the KV tensors keep their
+    # bytes); the page copies move the source blocks' own pages, and a load writes
+    # back exactly what the store before it read.
+    scratch = torch.empty(nbytes, dtype=torch.int8, device=engine.device)
+    jobs = [list(range(i, min(i + job_chunks, chunks))) for i in range(0, chunks, job_chunks)]
+    try:
+        for direction, name in ((STORE, "store"), (LOAD, "load")):
+            res: dict[str, float] = {}
+            # 1) cudaMemcpyAsync (PyTorch copy_), one contiguous copy per job.
+            times = []
+            for _ in range(reps + 1):
+                torch.cuda.synchronize(engine.device)
+                t0 = time.perf_counter()
+                with torch.cuda.stream(tstream):
+                    for j in jobs:
+                        a, b = j[0] * engine.block_bytes, (j[-1] + 1) * engine.block_bytes
+                        if direction == STORE:
+                            host_t[a:b].copy_(scratch[a:b], non_blocking=True)
+                        else:
+                            scratch[a:b].copy_(host_t[a:b], non_blocking=True)
+                tstream.synchronize()
+                times.append(time.perf_counter() - t0)
+            res["inproc_memcpy_gbps"] = nbytes / statistics.median(times[1:]) / 1e9
+            # 2) and 3) the daemon's page descriptors, batched and one by one.
+            # Chunk k's row sits at host offset k * block_bytes, as a pool slot would.
+            batches = [
+                _planned_batches(engine, direction, j, [k * engine.block_bytes for k in j],
+                                 dev_base, host.address, host.chunk)
+                for j in jobs
+            ]
+            for key, batched in (("inproc_pages_batch_gbps", True),
+                                 ("inproc_pages_loop_gbps", False)):
+                if batched and not drv.has_batch:
+                    res[key] = float("nan")
+                    continue
+                times = []
+                for _ in range(reps + 1):
+                    drv.stream_synchronize(stream)
+                    t0 = time.perf_counter()
+                    for job_batches in batches:
+                        for bt in job_batches:
+                            if batched:
+                                drv.memcpy_batch_async(bt.dsts, bt.srcs, bt.sizes, stream)
+                            else:
+                                for d, s, n in zip(bt.dsts, bt.srcs, bt.sizes, strict=True):
+                                    drv.memcpy_async(d, s, n, stream)
+                    drv.stream_synchronize(stream)
+                    times.append(time.perf_counter() - t0)
+                res[key] = nbytes / statistics.median(times[1:]) / 1e9
+            out[name] = res
+    finally:
+        drv.stream_destroy(stream)
+        del host_t, scratch
+        host.close()
+    return out
+
+
+# -- through the daemon ------------------------------------------------------------------
+
+
+def through_daemon(
+    engine: CudaEngine, job_chunks: int, chunks: int, reps: int, tag: bytes,
+) -> dict[str, Any]:
+    """Store and load GB/s through the daemon for jobs of `job_chunks`; checks bytes."""
+    import torch
+
+    src = list(range(chunks))
+    dst = list(range(chunks, 2 * chunks))
+    nbytes = chunks * engine.block_bytes
+    out: dict[str, Any] = {}
+    store_times, store_copy = [], []
+    keys: list[bytes] = []
+    for r in range(reps + 1):
+        keys = [make_key(tag + b"/%d" % r, i) for i in range(chunks)]
+        results, seconds = engine.run(pb.STORE, keys, src, job_chunks)
+        bad = [x for x in results if not x.success]
+        if bad:
+            raise RuntimeError(f"store job failed: {bad[0].error_code}: {bad[0].error}")
+        stored = sum(x.stored_keys for x in results)
+        if stored != chunks:
+            raise RuntimeError(f"stored {stored} of {chunks} keys (pool too small?)")
+        store_times.append(seconds)
+        store_copy.append(sum(x.copy_seconds for x in results))
+    load_times, load_copy = [], []
+    verified = False
+    for _ in range(reps + 1):
+        engine.zero(dst)
+        torch.cuda.synchronize(engine.device)
+        results, seconds = engine.run(pb.LOAD, keys, dst, job_chunks)
+        bad = [x for x in results if not x.success]
+        if bad:
+            raise RuntimeError(f"load job failed: {bad[0].error_code}: {bad[0].error}")
+        load_times.append(seconds)
+        load_copy.append(sum(x.copy_seconds for x in results))
+        if not verified:  # every byte, once per job size
+            if not torch.equal(engine.pages(src), engine.pages(dst)):
+                raise RuntimeError("loaded bytes differ from the stored ones")
+            verified = True
+    jobs = -(-chunks // job_chunks)
+    for name, times, copy in (("store", store_times, store_copy), ("load", load_times,
+                                                                   load_copy)):
+        t = statistics.median(times[1:])
+        out[name] = {
+            "daemon_gbps": nbytes / t / 1e9,
+            "daemon_seconds": t,
+            "per_job_ms": 1e3 * t / jobs,
+            "copy_ms_per_job": 1e3 * statistics.median(copy[1:]) / jobs,
+        }
+    out["verified_bytes"] = nbytes if verified else 0
+    return out
+
+
+# -- the daemon --------------------------------------------------------------------------
+
+
+class OwnCudaDaemon:
+    """`kvdepot serve` (or `serve_cmd`) on a private socket; stopped by close()."""
+
+    def __init__(self, serve_cmd: Sequence[str], pool_size: str, copy_threads: int) -> None:
+        self.workdir = Path(tempfile.mkdtemp(prefix="kvdgpu-"))
+        self.socket = str(self.workdir / "kvdepot.sock")
+        self.target = f"unix://{self.socket}"
+        self.log_path = self.workdir / "daemon.log"
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(
+                [*serve_cmd, "serve", "--socket", self.socket, "--pool-size", pool_size,
+                 "--copy-threads", str(copy_threads)],
+                stdout=log, stderr=subprocess.STDOUT,
+                env={k: v for k, v in os.environ.items() if k != "NOTIFY_SOCKET"},
+            )
+
+    def log(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+
+    def check(self) -> None:
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"the daemon exited with {self.proc.returncode}:\n{self.log()}")
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+
+
+def wait_warm(target: str, daemon: OwnCudaDaemon | None, timeout: float = 300.0) -> Any:
+    """Polls Admin/GetStats until the pool is faulted and page-locked."""
+    import grpc
+
+    from kvdepot.v1 import admin_pb2, admin_pb2_grpc
+
+    deadline = time.monotonic() + timeout
+    with grpc.insecure_channel(target) as ch:
+        stub = admin_pb2_grpc.AdminStub(ch)
+        while True:
+            if daemon is not None:
+                daemon.check()
+            try:
+                st = stub.GetStats(admin_pb2.GetStatsRequest(), timeout=2.0)
+                if st.warmup_complete:
+                    return st
+            except grpc.RpcError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError("the daemon's pool did not warm up in time")
+            time.sleep(0.1)
+
+
+def run_gpu_bench(
+    target: str | None = None,
+    *,
+    serve_cmd: Sequence[str] | None = None,
+    pool_size: str = "4GiB",
+    copy_threads: int = 2,
+    sizes: Sequence[int] = (1, 16, 64),
+    reps: int = 3,
+    bytes_per_round: int = GiB,
+    quick: bool = False,
+    log_dir: str | None = None,
+    **_: Any,
+) -> dict[str, Any]:
+    """Runs the benchmark; returns a dict (headline figures at the top level).
+
+    Without `target` it starts its own daemon (`serve_cmd serve ...`) and stops it
+    at the end, leaving its log in `log_dir/gpu_bench_daemon.log` when given.
+    """
+    import torch
+
+    from kvdepot.client import DepotClient
+    from kvdepot.server.cuda import driver as cuda_driver
+
+    if quick:
+        bytes_per_round, reps = min(bytes_per_round, 256 << 20), min(reps, 2)
+    chunks = max(1, bytes_per_round // BLOCK)
+    if any(s > chunks for s in sizes):
+        raise ValueError(f"job sizes {sizes} exceed the {chunks} chunks of a round")
+    daemon = None
+    if target is None:
+        daemon = OwnCudaDaemon(
+            serve_cmd or [sys.executable, "-m", "kvdepot.server.cli"], pool_size, copy_threads
+        )
+        target = daemon.target
+    client = DepotClient(target, client_name="kvdepot gpu bench").start()
+    engine: CudaEngine | None = None
+    try:
+        stats = wait_warm(target, daemon)
+        if not client.wait_connected(30):
+            raise RuntimeError(f"no session with the daemon at {target}")
+        drv = cuda_driver.load()
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        engine = CudaEngine(client, num_blocks=2 * chunks)
+        engine.fill_random(range(chunks), seed=1)  # the source blocks: bytes worth checking
+        result: dict[str, Any] = {
+            "device": props.name,
+            "device_uuid": engine.export.device_uuid,
+            "driver_version": drv.version(),
+            "batch_api": {2: "cuMemcpyBatchAsync (CUDA 13 ABI)",
+                          1: "cuMemcpyBatchAsync (CUDA 12.8 ABI)"}.get(drv.batch_abi, "none"),
+            "torch": torch.__version__,
+            "block_bytes": BLOCK,
+            "layers": LAYERS,
+            "page_bytes": PAGE,
+            "bytes_per_round": chunks * BLOCK,
+            "reps": reps,
+            "pool_bytes": stats.capacity_bytes,
+            "copy_threads": copy_threads,
+            "rows": [],
+        }
+        for size in sizes:
+            row: dict[str, Any] = {"job_chunks": size, "job_bytes": size * BLOCK}
+            d = through_daemon(engine, size, chunks, reps, tag=b"bench/%d" % size)
+            ip = inprocess(engine, size, chunks, reps)
+            row["verified_bytes"] = d["verified_bytes"]
+            row["host_is_pinned"] = ip["host_is_pinned"]
+            for name in ("store", "load"):
+                r = {**d[name], **ip[name]}
+                r["ratio"] = r["daemon_gbps"] / r["inproc_memcpy_gbps"]
+                r["ratio_pages"] = r["daemon_gbps"] / r["inproc_pages_batch_gbps"]
+                r["target_met"] = (r["daemon_gbps"] >= STORE_TARGET_GBPS
+                                   and r["ratio"] >= RATIO_TARGET)
+                row[name] = r
+            result["rows"].append(row)
+            result[f"store_gbps_{size}"] = row["store"]["daemon_gbps"]
+            result[f"load_gbps_{size}"] = row["load"]["daemon_gbps"]
+            result[f"store_ratio_{size}"] = row["store"]["ratio"]
+            result[f"load_ratio_{size}"] = row["load"]["ratio"]
+        return result
+    finally:
+        if engine is not None:
+            engine.close()
+        client.close()
+        if daemon is not None:
+            daemon.close()
+            if log_dir:
+                Path(log_dir).mkdir(parents=True, exist_ok=True)
+                (Path(log_dir) / "gpu_bench_daemon.log").write_text(daemon.log())
+
+
+def format_table(result: dict[str, Any]) -> str:
+    lines = [
+        f"kvdepot GPU path: {result['device']} ({result['device_uuid']}), driver "
+        f"{result['driver_version']}, {result['batch_api']}, torch {result['torch']}",
+        f"blocks of {result['block_bytes'] >> 20} MiB ({result['layers']} layers x "
+        f"{result['page_bytes'] >> 10} KiB), {result['bytes_per_round'] >> 20} MiB per round, "
+        f"median of {result['reps']}, {result['copy_threads']} daemon copy threads",
+        f"targets: >= {STORE_TARGET_GBPS:.0f} GB/s each way and >= {RATIO_TARGET} of in-process "
+        f"cudaMemcpyAsync",
+        "",
+        f"{'dir':5} {'chunks/job':>10} {'daemon GB/s':>11} {'ms/job':>8} {'memcpy GB/s':>11} "
+        f"{'pages batch':>11} {'pages loop':>10} {'ratio':>6} {'r.pages':>7}  met",
+    ]
+    for row in result["rows"]:
+        for name in ("store", "load"):
+            r = row[name]
+            lines.append(
+                f"{name:5} {row['job_chunks']:>10} {r['daemon_gbps']:>11.1f} "
+                f"{r['per_job_ms']:>8.2f} {r['inproc_memcpy_gbps']:>11.1f} "
+                f"{r['inproc_pages_batch_gbps']:>11.1f} {r['inproc_pages_loop_gbps']:>10.1f} "
+                f"{r['ratio']:>6.2f} {r['ratio_pages']:>7.2f}  {'yes' if r['target_met'] else 'NO'}"
+            )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--target", help="a running daemon (default: start one)")
+    p.add_argument("--serve-script", help="a python script to run as `kvdepot` (default: the "
+                   "module kvdepot.server.cli)")
+    p.add_argument("--pool-size", default="4GiB")
+    p.add_argument("--copy-threads", type=int, default=2)
+    p.add_argument("--sizes", default="1,16,64", help="chunks per job, comma-separated")
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--round-mib", type=int, default=1024, help="MiB moved per round")
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--out", help="directory for gpu_bench.json and gpu_bench.txt")
+    args = p.parse_args(argv)
+    from kvdepot.server.cuda import unavailable_reason
+
+    reason = unavailable_reason()
+    if reason is not None:
+        print(f"gpu_bench: skipped, no CUDA: {reason}", file=sys.stderr)
+        return 3
+    serve_cmd = [sys.executable, args.serve_script] if args.serve_script else None
+    result = run_gpu_bench(
+        args.target, serve_cmd=serve_cmd, pool_size=args.pool_size,
+        copy_threads=args.copy_threads, sizes=[int(s) for s in args.sizes.split(",")],
+        reps=args.reps, bytes_per_round=args.round_mib << 20, quick=args.quick,
+        log_dir=args.out,
+    )
+    table = format_table(result)
+    print(table, flush=True)
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "gpu_bench.json").write_text(json.dumps(result, indent=2))
+        (out / "gpu_bench.txt").write_text(table + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,260 @@
+"""Turning a bench result into the targets check, a text table, and a plot."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvdepot.bench.delegate import find_number
+
+RATIO_TARGET = 0.8
+OVERHEAD_TARGET_MS = 1.0
+LOOKUP_TARGET = 1e6
+
+
+def check_targets(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """The issue's four targets, each with the figure that decides it."""
+    out = []
+    big = [r for r in result["throughput"] if r["chunks"] >= 16]
+    if big:
+        pairs = [(r[d]["ratio"], f"{d} {r['chunks']}") for r in big for d in ("store", "load")]
+        worst, where = min(pairs)
+        out.append({
+            "name": "daemon / in-process, jobs of 16+ chunks, both directions",
+            "target": f">= {RATIO_TARGET}", "measured": worst, "where": where,
+            "met": worst >= RATIO_TARGET,
+        })
+    lat = result["latency"]
+    if lat:
+        worst_row = max(lat, key=lambda r: r["overhead_ms"]["p50"])
+        value = worst_row["overhead_ms"]["p50"]
+        out.append({
+            "name": "per-job overhead p50 (round trip - copy), worst job size",
+            "target": f"< {OVERHEAD_TARGET_MS} ms", "measured": value,
+            "where": f"{worst_row['direction']} {worst_row['chunks']}",
+            "met": value < OVERHEAD_TARGET_MS,
+        })
+    rate, source = lookup_rate(result)
+    if rate is not None:
+        out.append({
+            "name": "scheduler-side lookups", "target": f">= {LOOKUP_TARGET:.0f} keys/s",
+            "measured": rate, "where": source, "met": rate >= LOOKUP_TARGET,
+        })
+    agg = result["aggregate"]
+    if agg:
+        top = max(agg, key=lambda r: r["engines"])
+        worst = min((top[d]["ratio"], d) for d in ("store", "load"))
+        out.append({
+            "name": f"{top['engines']} engines together / in-process aggregate",
+            "target": f">= {RATIO_TARGET}", "measured": worst[0], "where": worst[1],
+            "met": worst[0] >= RATIO_TARGET,
+        })
+    return out
+
+
+def lookup_rate(result: dict[str, Any]) -> tuple[float | None, str]:
+    """The connector's lookup rate when its bench ran, else the client mirror's."""
+    conn = result.get("connector") or {}
+    if conn and "skipped" not in conn and "error" not in conn:
+        # connector_bench reports microseconds per OffloadingManager.lookup() call.
+        per_call = (conn.get("lookup_us") or {}).get("kvdepot")
+        if isinstance(per_call, int | float) and per_call > 0:
+            return 1e6 / per_call, "vLLM connector (KVDepotOffloadingManager.lookup)"
+        rate = find_number(conn, "lookup", "per_s")
+        if rate is not None:
+            return rate, "vLLM connector"
+    ctl = result.get("control") or {}
+    if "lookup_keys_per_s" in ctl:
+        return ctl["lookup_keys_per_s"], "client mirror"
+    return None, ""
+
+
+def _gbps(x: float) -> str:
+    return f"{x:6.2f}"
+
+
+def format_table(result: dict[str, Any]) -> str:
+    """The human summary printed at the end of a run."""
+    cfg = result["config"]
+    m = result["machine"]
+    lines = [
+        f"kvdepot bench {result['version']}  ({result['elapsed_s']:.0f} s)",
+        f"machine: {m['cpus']} CPU(s) {m['cpu_model']}, {m['memory_gib']:.0f} GiB, "
+        f"{m['system']}, Python {m['python']}, {m['accelerator']}; load average "
+        f"{m['loadavg_1min']['start']:.1f} at start, {m['loadavg_1min']['end']:.1f} at end",
+        f"geometry: {cfg['geometry_text']}",
+        f"daemon: {cfg['daemon']}; GB = 10^9 bytes; median of {cfg['reps']} repetitions "
+        f"(warm-up jobs excluded); in-process = same planner + copy engine in the engine "
+        f"process",
+        f"content check: {result['verified']['pages']} pages stored and loaded back, "
+        f"{result['verified']['mismatched_pages']} mismatched",
+        "",
+        "Throughput, one engine (GB/s)",
+        " chunks  job MiB  runs |  store daemon  in-proc  ratio |  load daemon  in-proc  ratio",
+    ]
+    for r in result["throughput"]:
+        s, ld = r["store"], r["load"]
+        lines.append(
+            f" {r['chunks']:6d}  {r['job_bytes'] / (1 << 20):7.1f}  {r['runs_per_rank']:4d} |"
+            f"        {_gbps(s['daemon_gbps'])}   {_gbps(s['inproc_gbps'])}  {s['ratio']:5.2f} |"
+            f"       {_gbps(ld['daemon_gbps'])}   {_gbps(ld['inproc_gbps'])}  {ld['ratio']:5.2f}"
+        )
+    lines += [
+        "",
+        "Per job through the daemon (ms; overhead = client round trip - copy; "
+        "in daemon + wire = overhead)",
+        " chunks  dir      n |  rtt p50  rtt p99 | copy p50 | ovh p50  ovh p99 | in daemon"
+        "   wire | non-copy",
+    ]
+    for r in result["latency"]:
+        lines.append(
+            f" {r['chunks']:6d}  {r['direction']:5s} {r['samples']:4d} |"
+            f" {r['rtt_ms']['p50']:8.3f} {r['rtt_ms']['p99']:8.3f} |"
+            f" {r['copy_ms']['p50']:8.3f} |"
+            f" {r['overhead_ms']['p50']:7.3f} {r['overhead_ms']['p99']:8.3f} |"
+            f" {r['in_daemon_ms']['p50']:9.3f} {r['wire_ms']['p50']:6.3f} |"
+            f" {r['noncopy_share']:7.1%}"
+        )
+    agg = result["aggregate"]
+    if agg:
+        lines += [
+            "",
+            f"Aggregate, jobs of {agg[0]['chunks']} chunks (GB/s while every engine runs)",
+            " engines  procs |  store daemon  in-proc  ratio |  load daemon  in-proc  ratio",
+        ]
+        for r in agg:
+            s, ld = r["store"], r["load"]
+            lines.append(
+                f" {r['engines']:7d}  {r['processes']:5d} |"
+                f"        {_gbps(s['daemon_gbps'])}   {_gbps(s['inproc_gbps'])}  "
+                f"{s['ratio']:5.2f} |"
+                f"       {_gbps(ld['daemon_gbps'])}   {_gbps(ld['inproc_gbps'])}  "
+                f"{ld['ratio']:5.2f}"
+            )
+    ctl = result.get("control") or {}
+    lines += ["", "Control plane"]
+    if "lookup_keys_per_s" in ctl:
+        lines.append(
+            f" client mirror lookups {ctl['lookup_keys_per_s'] / 1e6:.2f} M keys/s; "
+            f"Lookup RPC {ctl['rpc_lookup_keys_per_s'] / 1e6:.2f} M keys/s "
+            f"(batches of {ctl['rpc_lookup_batch']}); "
+            f"pin of {ctl['pin_keys']} keys p50 {ctl['pin_ms']['p50']:.3f} ms "
+            f"p99 {ctl['pin_ms']['p99']:.3f} ms; unpin p50 {ctl['unpin_ms']['p50']:.3f} ms"
+        )
+    else:
+        lines.append(f" client: {ctl.get('skipped') or ctl.get('error') or 'not measured'}")
+    lines.append(" vLLM connector: " + _connector_summary(result.get("connector") or {}))
+    lines.append(" GPU path: " + _summary(result.get("gpu") or {}))
+    lines += ["", "Targets"]
+    for t in result["targets"]:
+        value = t["measured"]
+        shown = f"{value / 1e6:.2f} M keys/s" if "keys/s" in t["target"] else (
+            f"{value:.3f} ms" if "ms" in t["target"] else f"{value:.2f}"
+        )
+        lines.append(
+            f" [{'met' if t['met'] else 'MISSED'}] {t['name']}: {shown} ({t['where']}), "
+            f"target {t['target']}"
+        )
+    for note in result.get("notes", []):
+        lines.append(f" note: {note}")
+    return "\n".join(lines)
+
+
+def _connector_summary(conn: dict[str, Any]) -> str:
+    """connector_bench's headline: lookups, the pin RPC, what a scheduler step pays."""
+    if "lookup_us" not in conn:
+        return _summary(conn)
+    parts = []
+    lk = conn["lookup_us"]
+    if "kvdepot" in lk:
+        parts.append(f"lookup {lk['kvdepot']:.3f} us/key ({1 / lk['kvdepot']:.2f} M keys/s)"
+                     + (f" vs vLLM CPU {lk['vllm_cpu']:.3f} us" if "vllm_cpu" in lk else ""))
+    pin = (conn.get("pin") or {}).get("16_keys")
+    if pin:
+        parts.append(f"pin of 16 keys p50 {pin['p50_ms']:.3f} ms p99 {pin['p99_ms']:.3f} ms")
+    added = (conn.get("added_ms") or {}).get("kvdepot")
+    if added:
+        parts.append(f"scheduler step +{added['decode_step']:.3f} ms (decode), "
+                     f"+{added['admission_step']:.3f} ms (admission)")
+    return "; ".join(parts) or "measured (see --json)"
+
+
+def _summary(section: dict[str, Any]) -> str:
+    if "skipped" in section:
+        return f"skipped ({section['skipped']})"
+    if "error" in section:
+        return f"error ({section['error']})"
+    if not section:
+        return "not measured"
+    flat = []
+    for k, v in section.items():
+        if isinstance(v, int | float) and not isinstance(v, bool):
+            flat.append(f"{k}={v:.4g}")
+    return ", ".join(flat[:8]) or "measured (see --json)"
+
+
+def plot(result: dict[str, Any], path: str) -> None:
+    """A four-panel PNG: GB/s by job size, ratio, latency split, aggregate."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display on a server
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 2, figsize=(12, 8.5))
+    rows = result["throughput"]
+    sizes = [r["chunks"] for r in rows]
+    ax = axes[0][0]
+    for d, color in (("store", "tab:blue"), ("load", "tab:orange")):
+        ax.plot(sizes, [r[d]["daemon_gbps"] for r in rows], "o-", color=color,
+                label=f"{d}, daemon")
+        ax.plot(sizes, [r[d]["inproc_gbps"] for r in rows], "s--", color=color,
+                label=f"{d}, in-process")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(sizes, [str(s) for s in sizes])
+    ax.set_xlabel("chunks per job")
+    ax.set_ylabel("GB/s")
+    ax.set_title("One engine")
+    ax.legend(fontsize=8)
+    ax = axes[0][1]
+    for d, color in (("store", "tab:blue"), ("load", "tab:orange")):
+        ax.plot(sizes, [r[d]["ratio"] for r in rows], "o-", color=color, label=d)
+    ax.axhline(RATIO_TARGET, color="grey", linestyle=":", label=f"target {RATIO_TARGET}")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(sizes, [str(s) for s in sizes])
+    ax.set_ylim(0, 1.2)
+    ax.set_xlabel("chunks per job")
+    ax.set_ylabel("daemon / in-process")
+    ax.set_title("Share of the in-process limit")
+    ax.legend(fontsize=8)
+    ax = axes[1][0]
+    lat = result["latency"]
+    labels = [f"{r['direction']}\n{r['chunks']}" for r in lat]
+    copy = [r["copy_ms"]["p50"] for r in lat]
+    over = [r["overhead_ms"]["p50"] for r in lat]
+    ax.bar(labels, copy, label="copy p50", color="tab:green")
+    ax.bar(labels, over, bottom=copy, label="overhead p50", color="tab:red")
+    ax.set_yscale("log")
+    ax.set_ylabel("ms per job")
+    ax.set_title("Per-job time through the daemon")
+    ax.legend(fontsize=8)
+    ax = axes[1][1]
+    agg = result["aggregate"]
+    if agg:
+        n = [r["engines"] for r in agg]
+        for d, color in (("store", "tab:blue"), ("load", "tab:orange")):
+            ax.plot(n, [r[d]["daemon_gbps"] for r in agg], "o-", color=color,
+                    label=f"{d}, daemon")
+            ax.plot(n, [r[d]["inproc_gbps"] for r in agg], "s--", color=color,
+                    label=f"{d}, in-process")
+        ax.set_xticks(n)
+        ax.set_xlabel("engine processes")
+        ax.set_ylabel("aggregate GB/s")
+        ax.set_title(f"Engines side by side (jobs of {agg[0]['chunks']} chunks)")
+        ax.legend(fontsize=8)
+    m = result["machine"]
+    fig.suptitle(
+        f"kvdepot bench {result['version']}: {result['config']['geometry_text']}\n"
+        f"{m['cpus']} CPU(s) {m['cpu_model']}, {m['accelerator']}", fontsize=10,
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

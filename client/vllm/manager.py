@@ -1,0 +1,401 @@
+"""Scheduler side: `KVDepotOffloadingManager`, vLLM's OffloadingManager backed by the daemon.
+
+Contract with vLLM's scheduler (which calls every method from its own thread):
+- `lookup` never touches the network: it answers from a local mirror of the
+  namespace's ready keys, fed by the daemon's Watch stream on a background thread.
+- `prepare_load` only records the keys; `on_schedule_end` pins every key loaded in
+  the step with ONE Pin RPC under `kvdepot_pin_timeout_ms`. That is the only
+  network wait a scheduler step can have, and it happens only in steps with hits.
+- `prepare_store` is decided locally (keys not ready and not already being
+  stored); the daemon allocates when the copy arrives and may drop it.
+- `complete_load` queues the unpins; a background thread sends them, batched,
+  in one Unpin RPC per batch. `complete_store` is local.
+- Daemon down: the mirror is empty (every lookup misses), stores are not offered,
+  and no call raises.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections import Counter
+from collections.abc import Collection, Iterable, Sequence
+
+import grpc
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
+    OffloadingConnectorStats,
+)
+from vllm.v1.kv_offload.base import (
+    ConfigInfoMapping,
+    LoadStoreSpec,
+    LookupResult,
+    Medium,
+    OffloadingEvent,
+    OffloadingManager,
+    OffloadKey,
+    PrepareStoreOutput,
+    ReqContext,
+    RequestOffloadingContext,
+    ScheduleEndContext,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from kvdepot.client import DepotClient, DepotUnavailable
+from kvdepot.client.vllm.config import DepotSettings
+from kvdepot.client.vllm.namespace import reset_namespace_id
+from kvdepot.client.vllm.transfer_specs import KVDepotLoadSpec, KVDepotStoreSpec
+from kvdepot.v1 import depot_pb2
+
+log = logging.getLogger("kvdepot.vllm.manager")
+
+_HIT = LookupResult.HIT
+_MISS = LookupResult.MISS
+_SNAPSHOT = depot_pb2.WatchEvent.SNAPSHOT
+_SNAPSHOT_END = depot_pb2.WatchEvent.SNAPSHOT_END
+_STORED = depot_pb2.WatchEvent.STORED
+_REMOVED = depot_pb2.WatchEvent.REMOVED
+
+
+class MetricName:
+    """Metrics this manager reports through vLLM's offloading stats."""
+
+    CONNECTED = "kvdepot_connected"
+    MIRROR_KEYS = "kvdepot_mirror_keys"
+    PINS = "kvdepot_pin_rpcs"
+    PIN_FAILURES = "kvdepot_pin_failures"
+    PIN_SECONDS = "kvdepot_pin_seconds"
+    PIN_MISSES = "kvdepot_pin_misses"
+    STORES_NOT_OFFERED = "kvdepot_stores_not_offered"
+    LOAD_FAILURES = "kvdepot_load_failures"
+
+
+class KVDepotOffloadingManager(OffloadingManager):
+    """An OffloadingManager whose blocks live in the kvdepot daemon.
+
+    `lock` stays vLLM's default no-op: no vLLM-facing method is entered from
+    another thread. The Watch thread only swaps or mutates the mirror set, one
+    GIL-atomic operation at a time, and a HIT that is evicted before the pin is
+    caught by the pin (the load then fails and vLLM recomputes).
+    """
+
+    def __init__(
+        self,
+        client: DepotClient,
+        namespace_id: str,
+        settings: DepotSettings,
+        enable_events: bool = False,
+    ) -> None:
+        self._client = client
+        self._settings = settings
+        self._base_namespace_id = namespace_id
+        self.namespace_id = namespace_id
+        self._generation = 0
+        # The mirror: keys the daemon reported ready in the current namespace.
+        self._ready: set[bytes] = set()
+        # Keys whose load failed recently -> monotonic time when they may hit again.
+        self._quarantine: dict[bytes, float] = {}
+        self._quarantine_check = 0.0
+        # Keys offered for store whose job has not completed.
+        self._storing: set[bytes] = set()
+        # Keys loaded by this step's prepare_load calls, pinned at on_schedule_end.
+        self._step_loads: list[bytes] = []
+        # Pins this session holds (a key may be pinned by several requests).
+        self._pins: Counter[bytes] = Counter()
+        self._events: list[OffloadingEvent] | None = [] if enable_events else None
+        self._events_lock = threading.Lock()
+        self._watch_lock = threading.Lock()
+        self._watch_generation = 0
+        self._stats = OffloadingConnectorStats()
+        self._stats_lock = threading.Lock()
+        # Figures for benchmarks and tests (monotonic counters).
+        self.pin_latencies: list[float] = []
+        self.pin_rpcs = 0
+        self.pin_failures = 0
+        self.watch_events = 0
+        self._closed = False
+        # (namespace, key) pins to drop, sent by the unpin thread.
+        self._unpins: list[tuple[str, bytes]] = []
+        self._unpin_wakeup = threading.Event()
+        self._unpin_thread = threading.Thread(
+            target=self._unpin_loop, name="kvdepot-unpin", daemon=True
+        )
+        self._unpin_thread.start()
+        client.add_disconnect_listener(self._on_disconnect)
+        self._watch = client.watch(namespace_id, self._watch_handler(0))
+
+    # -- the mirror (Watch thread) ------------------------------------------------------
+
+    def _watch_handler(self, generation: int):
+        def on_event(event: depot_pb2.WatchEvent) -> None:
+            # Events of a namespace we left (reset_cache) must not touch the mirror.
+            if generation != self._watch_generation:
+                return
+            self._on_watch_event(event)
+
+        return on_event
+
+    def _on_watch_event(self, event: depot_pb2.WatchEvent) -> None:
+        self.watch_events += 1
+        kind = event.kind
+        if kind == _STORED:
+            keys = list(event.keys)
+            self._ready.update(keys)
+            self._emit(keys, removed=False)
+        elif kind == _REMOVED:
+            keys = list(event.keys)
+            self._ready.difference_update(keys)
+            self._emit(keys, removed=True)
+        elif kind == _SNAPSHOT:
+            if event.reset:
+                # Forget everything: the daemon restarted, or we lost it. A new
+                # set (not clear()) so that a concurrent lookup never sees a
+                # half-cleared mirror it could mistake for anything else.
+                old, self._ready = self._ready, set()
+                self._quarantine = {}
+                if old:
+                    self._emit(list(old), removed=True)
+            keys = list(event.keys)
+            if keys:
+                self._ready.update(keys)
+                self._emit(keys, removed=False)
+        # SNAPSHOT_END: nothing to do, the snapshot keys are in already.
+
+    def _emit(self, keys: list[bytes], removed: bool) -> None:
+        if self._events is None or not keys:
+            return
+        event = OffloadingEvent(keys=keys, medium=Medium.CPU, removed=removed)  # type: ignore[arg-type]
+        with self._events_lock:
+            self._events.append(event)
+
+    def _on_disconnect(self) -> None:
+        # Pins die with the session; never unpin them in the next one.
+        self._pins = Counter()
+
+    @property
+    def connected(self) -> bool:
+        return self._client.connected
+
+    @property
+    def mirror_size(self) -> int:
+        return len(self._ready)
+
+    def is_ready(self, key: bytes) -> bool:
+        """Whether the mirror holds `key` (for tests and tools)."""
+        return key in self._ready
+
+    # -- lookups and loads ------------------------------------------------------------------
+
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        # Hot path (called per key, many times per step): one set probe.
+        if key in self._ready:
+            if self._quarantine and key in self._quarantine:
+                return _MISS
+            return _HIT
+        return _MISS
+
+    def get_load_source(self, key: OffloadKey, req_context: ReqContext) -> CacheHitSource:
+        return CacheHitSource.HOST
+
+    def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
+        keys = list(keys)
+        self._step_loads.extend(keys)
+        return KVDepotLoadSpec(self.namespace_id, keys)
+
+    def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        pins = self._pins
+        ns = self.namespace_id
+        unpin = []
+        for key in keys:
+            if pins[key] > 0:
+                pins[key] -= 1
+                if pins[key] == 0:
+                    del pins[key]
+                unpin.append((ns, key))
+        if unpin:
+            # Even a fire-and-forget unary call costs ~1 ms of this thread in
+            # Python gRPC; the unpin thread batches them instead.
+            self._unpins.extend(unpin)
+            self._unpin_wakeup.set()
+
+    def _unpin_loop(self) -> None:
+        while not self._closed:
+            self._unpin_wakeup.wait(1.0)
+            self._unpin_wakeup.clear()
+            if not self._unpins:
+                continue
+            batch, self._unpins = self._unpins, []
+            by_namespace: dict[str, list[bytes]] = {}
+            for ns, key in batch:
+                by_namespace.setdefault(ns, []).append(key)
+            for ns, keys in by_namespace.items():
+                try:
+                    self._client.unpin(ns, keys, wait=True, timeout=5.0)
+                except (DepotUnavailable, grpc.RpcError, ValueError) as exc:
+                    # The daemon drops a session's pins when the session ends.
+                    log.debug("kvdepot unpin of %d keys skipped: %s", len(keys), exc)
+
+    def note_load_failures(self, keys: Iterable[bytes]) -> None:
+        """Keys whose load failed: miss on them for `load_failure_backoff_s`, so a
+        request recomputes instead of being sent to the same failure again."""
+        until = time.monotonic() + self._settings.load_failure_backoff_s
+        quarantine = dict(self._quarantine)
+        n = 0
+        for key in keys:
+            quarantine[key] = until
+            n += 1
+        self._quarantine = quarantine
+        if n:
+            with self._stats_lock:
+                self._stats.increase_counter(MetricName.LOAD_FAILURES, n)
+
+    def _pin_step_loads(self) -> None:
+        """One Pin RPC for every key this step loads, under the pin deadline."""
+        keys, self._step_loads = self._step_loads, []
+        if not keys:
+            return
+        start = time.perf_counter()
+        try:
+            pinned = self._client.pin(
+                self.namespace_id, keys, timeout=self._settings.pin_timeout_s
+            )
+        except (DepotUnavailable, grpc.RpcError) as exc:
+            # The loads go ahead unpinned: a key evicted meanwhile fails its load,
+            # which vLLM recomputes. Never worse than a miss.
+            self.pin_failures += 1
+            with self._stats_lock:
+                self._stats.increase_counter(MetricName.PIN_FAILURES, 1)
+            code = exc.code() if isinstance(exc, grpc.RpcError) else "UNAVAILABLE"
+            log.warning(
+                "kvdepot pin of %d keys failed (%s); loading them unpinned", len(keys), code
+            )
+            return
+        elapsed = time.perf_counter() - start
+        self.pin_rpcs += 1
+        self.pin_latencies.append(elapsed)
+        if len(self.pin_latencies) > 100_000:
+            del self.pin_latencies[:50_000]
+        missing = []
+        for key, ok in zip(keys, pinned, strict=False):
+            if ok:
+                self._pins[key] += 1
+            else:
+                missing.append(key)
+        if missing:
+            # Gone since the mirror said ready (the REMOVED event is on its way).
+            self._ready.difference_update(missing)
+        with self._stats_lock:
+            self._stats.increase_counter(MetricName.PINS, 1)
+            self._stats.observe_histogram(MetricName.PIN_SECONDS, elapsed)
+            if missing:
+                self._stats.increase_counter(MetricName.PIN_MISSES, len(missing))
+
+    # -- stores ---------------------------------------------------------------------------
+
+    def prepare_store(
+        self, keys: Collection[OffloadKey], req_context: ReqContext
+    ) -> PrepareStoreOutput | None:
+        if not self._client.connected:
+            # Dropped, not refused: returning None would make vLLM log a warning
+            # per request per step while the daemon is away.
+            with self._stats_lock:
+                self._stats.increase_counter(MetricName.STORES_NOT_OFFERED, len(keys))
+            return PrepareStoreOutput(
+                keys_to_store=[], store_spec=KVDepotStoreSpec(self.namespace_id, []),
+                evicted_keys=[],
+            )
+        ready, storing = self._ready, self._storing
+        keys_to_store = [k for k in keys if k not in ready and k not in storing]
+        storing.update(keys_to_store)
+        return PrepareStoreOutput(
+            keys_to_store=keys_to_store,  # type: ignore[arg-type]
+            store_spec=KVDepotStoreSpec(self.namespace_id, keys_to_store),
+            evicted_keys=[],
+        )
+
+    def complete_store(
+        self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True
+    ) -> None:
+        # Readiness comes from the Watch stream only (a store may have been
+        # dropped by the daemon, or need another rank's section first).
+        self._storing.difference_update(keys)
+
+    # -- step hooks ------------------------------------------------------------------------
+
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        return RequestOffloadingContext()
+
+    def on_schedule_end(self, context: ScheduleEndContext) -> None:
+        if self._step_loads:
+            self._pin_step_loads()
+        if self._quarantine:
+            now = time.monotonic()
+            if now >= self._quarantine_check:
+                self._quarantine = {k: t for k, t in self._quarantine.items() if t > now}
+                self._quarantine_check = now + 1.0
+
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        if self._events is None:
+            return
+        with self._events_lock:
+            events, self._events = self._events, []
+        yield from events
+
+    def has_pending_work(self) -> bool:
+        return False
+
+    def reset_cache(self) -> None:
+        """Moves this engine to a fresh, private namespace: later lookups miss and
+        nothing from before the reset is ever loaded, while blocks other engines
+        share in the old namespace stay untouched (a reset must not destroy them)."""
+        self._generation += 1
+        old_namespace = self.namespace_id
+        old_pins, self._pins = self._pins, Counter()
+        self.namespace_id = reset_namespace_id(
+            self._base_namespace_id, self._generation, uuid.uuid4().hex[:8]
+        )
+        self._ready = set()
+        self._quarantine = {}
+        self._storing = set()
+        self._step_loads = []
+        if old_pins:
+            self._unpins.extend((old_namespace, k) for k in old_pins.elements())
+            self._unpin_wakeup.set()
+        old_watch = self._watch
+        with self._watch_lock:
+            self._watch_generation = self._generation
+            self._watch = self._client.watch(
+                self.namespace_id, self._watch_handler(self._generation)
+            )
+        # Stopping joins the old Watch thread: not on the scheduler thread.
+        threading.Thread(target=old_watch.stop, name="kvdepot-watch-stop", daemon=True).start()
+        log.info("kvdepot: cache reset; this engine now uses namespace %s", self.namespace_id)
+
+    # -- metrics and shutdown -------------------------------------------------------------
+
+    def get_stats(self) -> OffloadingConnectorStats | None:
+        with self._stats_lock:
+            stats, self._stats = self._stats, OffloadingConnectorStats()
+        stats.set_gauge(MetricName.CONNECTED, 1.0 if self._client.connected else 0.0)
+        stats.set_gauge(MetricName.MIRROR_KEYS, float(len(self._ready)))
+        return stats
+
+    def config_info(self) -> Sequence[ConfigInfoMapping]:
+        return [
+            {
+                "kvdepot_socket": self._settings.socket,
+                "kvdepot_namespace": self._base_namespace_id,
+            }
+        ]
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._unpin_wakeup.set()
+        try:
+            self._watch.stop()
+        finally:
+            # Ending the session releases our pins in the daemon.
+            self._client.close()

@@ -1,0 +1,621 @@
+"""Drive vLLM 0.33.0's real Scheduler and real WORKER-role connectors without a GPU.
+
+`SyntheticEngine` is an engine core with the model replaced by a deterministic
+stand-in: every step it runs the real `Scheduler.schedule()`, hands the real
+connector metadata to one real worker-role connector per rank (exactly the calls
+vLLM's model runner makes), "computes" the scheduled tokens by writing KV bytes
+that depend only on (token prefix, layer, KV head, byte position) into the worker
+KV tensors, aggregates the workers' outputs with vLLM's `KVOutputAggregator`, and
+feeds them to `Scheduler.update_from_output()`.
+
+So any engine that computes a prefix writes the same bytes for it, and a test can
+check every loaded byte against `expected_page()` or against an earlier run.
+
+The worker KV tensors live in a memfd (`SharedKVBuffer`) by default, so the
+connector's shm path is what runs. Used by the test suite and `kvdepot bench`.
+Needs `VLLM_TARGET_DEVICE=cpu` in the environment before vLLM is imported when
+there is no GPU (see `cpu_environment()`).
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+_CPU_ENV = {"VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+
+
+def cpu_environment() -> dict[str, str]:
+    """Environment variables vLLM needs to schedule on a machine without a GPU
+    (set them before importing vllm; also pass them to child engine processes)."""
+    return dict(_CPU_ENV)
+
+
+for _k, _v in _CPU_ENV.items():
+    os.environ.setdefault(_k, _v)
+
+from vllm import SamplingParams  # noqa: E402
+from vllm.config import (  # noqa: E402
+    CacheConfig,
+    KVTransferConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    VllmConfig,
+    set_current_vllm_config,
+)
+from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole  # noqa: E402
+from vllm.forward_context import ForwardContext  # noqa: E402
+from vllm.utils.hashing import get_hash_fn_by_name  # noqa: E402
+from vllm.v1.core.kv_cache_utils import (  # noqa: E402
+    get_request_block_hasher,
+    init_none_hash,
+    resolve_cache_hit_alignment_tokens,
+    resolve_kv_cache_block_sizes,
+)
+from vllm.v1.core.sched.output import SchedulerOutput  # noqa: E402
+from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
+from vllm.v1.kv_cache_interface import (  # noqa: E402
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheTensor,
+    SlidingWindowSpec,
+)
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
+from vllm.v1.request import Request  # noqa: E402
+from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
+
+from kvdepot.client.shm import SharedKVBuffer  # noqa: E402
+
+_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+def find_model_dir(start: Path | None = None) -> Path:
+    """The OPT-125m config the tests use: `shared/testdata/hf-config-opt-125m`, found
+    next to the repository (`../shared` in CI) or inside it (`shared/`)."""
+    here = (start or Path(__file__)).resolve()
+    for parent in [here, *here.parents]:
+        for shared in (parent / "shared", parent.parent / "shared"):
+            candidate = shared / "testdata" / "hf-config-opt-125m"
+            if (candidate / "config.json").is_file():
+                return candidate
+    env = os.environ.get("KVDEPOT_TEST_MODEL_DIR")
+    if env:
+        return Path(env)
+    raise FileNotFoundError(
+        "shared/testdata/hf-config-opt-125m not found next to the repository; set "
+        "KVDEPOT_TEST_MODEL_DIR"
+    )
+
+
+@dataclass(frozen=True)
+class GroupDef:
+    """One KV-cache group of the synthetic model (per-rank geometry)."""
+
+    kind: str = "full"  # "full" or "sliding_window"
+    block_size: int = 16
+    num_layers: int = 2
+    sliding_window: int | None = None
+    # Per rank; None: the model's KV heads divided by TP.
+    num_kv_heads: int | None = None
+    head_size: int | None = None
+
+
+@dataclass
+class EngineConfig:
+    """What a SyntheticEngine is built from."""
+
+    socket: str | None
+    groups: Sequence[GroupDef] = (GroupDef(),)
+    model_dir: str | None = None
+    blocks_per_chunk: int = 1
+    tp: int = 1
+    num_gpu_blocks: int = 128
+    dtype: str = "float16"
+    salt: str = ""
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 4096
+    max_model_len: int = 2048
+    # None: no KV connector at all (a baseline).
+    connector: str | None = "KVDepotConnector"
+    connector_module: str | None = "kvdepot.client.vllm"
+    extra_config: dict[str, Any] = field(default_factory=dict)
+    # False: plain process memory (exercises the inline path).
+    shm: bool = True
+    enable_kv_events: bool = False
+    # False: scheduler only; transfer jobs complete at once (benchmarks of the
+    # scheduler side, and connectors whose workers need a GPU).
+    workers: bool = True
+
+
+@dataclass
+class RequestRecord:
+    """What the engine saw of one request."""
+
+    req_id: str
+    prompt: list[int]
+    external_tokens: int | None = None
+    local_tokens: int | None = None
+    block_ids: tuple[list[int], ...] = ()
+    finished: bool = False
+    output: list[int] = field(default_factory=list)
+
+
+class _Rank:
+    """One worker rank: its KV memory and its WORKER-role connector."""
+
+    def __init__(self, engine: SyntheticEngine, rank: int) -> None:
+        cfg = engine.cfg
+        self.rank = rank
+        self.vllm_config = engine.worker_config(rank)
+        total = engine.kv_cache_config.kv_cache_tensors[0].size
+        self.buffer: SharedKVBuffer | None = None
+        if cfg.shm:
+            self.buffer = SharedKVBuffer.allocate(total, name=f"kvdepot-test-r{rank}")
+            raw = self.buffer.tensor()
+        else:
+            raw = torch.zeros(total, dtype=torch.uint8)
+        self.raw = raw
+        # layer name -> uint8 view (blocks, heads, tokens, row bytes) for the model.
+        self.u8: dict[str, torch.Tensor] = {}
+        kv_caches: dict[str, torch.Tensor] = {}
+        dtype = engine.torch_dtype
+        offset = 0
+        for g, group in enumerate(engine.kv_cache_config.kv_cache_groups):
+            spec = group.kv_cache_spec
+            for name in group.layer_names:
+                page = spec.page_size_bytes
+                nbytes = page * engine.num_blocks
+                region = raw[offset : offset + nbytes]
+                offset += nbytes
+                shape = (engine.num_blocks, spec.num_kv_heads, spec.block_size,
+                         2 * spec.head_size)
+                self.u8[name] = region.view(
+                    engine.num_blocks, spec.num_kv_heads, spec.block_size, -1
+                )
+                kv_caches[name] = region.view(dtype).view(shape)
+                engine.layer_group[name] = g
+        from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+        with set_current_vllm_config(self.vllm_config):
+            self.connector = KVConnectorFactory.create_connector(
+                config=self.vllm_config, role=KVConnectorRole.WORKER,
+                kv_cache_config=engine.kv_cache_config,
+            )
+            self.connector.register_kv_caches(kv_caches)
+        # Steps a paused rank skips (a slow rank): its stores stay queued.
+        self.paused = False
+
+    @property
+    def offloading_worker(self) -> Any:
+        return self.connector.connector_worker.worker
+
+    def close(self) -> None:
+        try:
+            self.connector.shutdown()
+        finally:
+            if self.buffer is not None:
+                self.buffer.close()
+
+
+class SyntheticEngine:
+    """A vLLM engine core (real Scheduler + real connectors) with a synthetic model."""
+
+    def __init__(self, cfg: EngineConfig) -> None:
+        self.cfg = cfg
+        self.torch_dtype = _DTYPES[cfg.dtype]
+        self.num_blocks = cfg.num_gpu_blocks
+        self.vllm_config = self._make_vllm_config()
+        self.kv_cache_config = self._make_kv_cache_config()
+        sched_bs, hash_bs = resolve_kv_cache_block_sizes(self.kv_cache_config, self.vllm_config)
+        self.kv_cache_config.hash_block_size = hash_bs
+        self.kv_cache_config.cache_hit_alignment_tokens = resolve_cache_hit_alignment_tokens(
+            self.kv_cache_config, self.vllm_config, sched_bs, hash_bs
+        )
+        self.hash_block_size = hash_bs
+        self.layer_group: dict[str, int] = {}
+        # Global layer index (for the KV bytes) of each layer name.
+        self.layer_index: dict[str, int] = {}
+        for group in self.kv_cache_config.kv_cache_groups:
+            for name in group.layer_names:
+                self.layer_index[name] = len(self.layer_index)
+        hash_fn = get_hash_fn_by_name(self.vllm_config.cache_config.prefix_caching_hash_algo)
+        init_none_hash(hash_fn)
+        self._hasher = get_request_block_hasher(hash_bs, hash_fn)
+        with set_current_vllm_config(self.vllm_config):
+            self.scheduler = Scheduler(
+                vllm_config=self.vllm_config,
+                kv_cache_config=copy.deepcopy(self.kv_cache_config),
+                structured_output_manager=StructuredOutputManager(self.vllm_config),
+                block_size=sched_bs,
+                hash_block_size=hash_bs,
+                log_stats=True,
+            )
+        self.ranks = [_Rank(self, r) for r in range(cfg.tp)] if cfg.workers else []
+        self.aggregator = KVOutputAggregator(expected_finished_count=cfg.tp)
+        self.records: dict[str, RequestRecord] = {}
+        self._requests: dict[str, Request] = {}
+        self._prefix_hash: dict[str, list[int]] = {}
+        self._next_id = 0
+        self.steps = 0
+        self.load_errors = 0
+        self.invalid_block_ids: set[int] = set()
+        self.failed_recving: set[str] = set()
+        # Hooks: called with the engine after the workers started this step's loads.
+        self.after_start_load: Callable[[SyntheticEngine], None] | None = None
+        self._ctx = ForwardContext(no_compile_layers={}, attn_metadata={}, slot_mapping={})
+        self.metadata_log: list[Any] = []
+        # Seconds the scheduler spent in the last step (schedule, update_from_output).
+        self.last_schedule_s = 0.0
+        self.last_update_s = 0.0
+
+    # -- construction ---------------------------------------------------------------------
+
+    def _make_vllm_config(self) -> VllmConfig:
+        cfg = self.cfg
+        model_dir = cfg.model_dir or str(find_model_dir())
+        extra = {
+            "kvdepot_socket": cfg.socket or "",
+            "kvdepot_namespace_salt": cfg.salt,
+            "kvdepot_startup_wait_s": 5.0,
+            **({"blocks_per_chunk": cfg.blocks_per_chunk} if cfg.blocks_per_chunk > 1 else {}),
+            **cfg.extra_config,
+        }
+        model = ModelConfig(
+            model=model_dir, skip_tokenizer_init=True, max_model_len=cfg.max_model_len,
+            dtype=cfg.dtype,
+        )
+        cache = CacheConfig(block_size=cfg.groups[0].block_size, enable_prefix_caching=True)
+        sched = SchedulerConfig(
+            max_num_batched_tokens=cfg.max_num_batched_tokens, max_num_seqs=cfg.max_num_seqs,
+            max_model_len=cfg.max_model_len, is_encoder_decoder=False, async_scheduling=False,
+        )
+        transfer = None
+        if cfg.connector is not None:
+            transfer = KVTransferConfig(
+                kv_connector=cfg.connector, kv_connector_module_path=cfg.connector_module,
+                kv_role="kv_both", kv_load_failure_policy="recompute",
+                kv_connector_extra_config=extra,
+            )
+        kwargs: dict[str, Any] = {}
+        if cfg.enable_kv_events:
+            from vllm.config import KVEventsConfig
+
+            kwargs["kv_events_config"] = KVEventsConfig(
+                enable_kv_cache_events=True, publisher="null"
+            )
+        return VllmConfig(
+            model_config=model, cache_config=cache, scheduler_config=sched,
+            kv_transfer_config=transfer,
+            parallel_config=ParallelConfig(tensor_parallel_size=cfg.tp),
+            **kwargs,
+        )
+
+    def worker_config(self, rank: int) -> VllmConfig:
+        if rank == 0 and self.cfg.tp == 1:
+            return self.vllm_config
+        config = copy.copy(self.vllm_config)
+        config.parallel_config = copy.copy(self.vllm_config.parallel_config)
+        config.parallel_config.rank = rank
+        return config
+
+    def _make_kv_cache_config(self) -> KVCacheConfig:
+        cfg = self.cfg
+        model = self.vllm_config.model_config
+        heads = model.get_total_num_kv_heads() // cfg.tp
+        head_size = model.get_head_size()
+        groups: list[KVCacheGroupSpec] = []
+        names: list[str] = []
+        pages: list[int] = []
+        for g, gd in enumerate(cfg.groups):
+            common = dict(
+                block_size=gd.block_size,
+                num_kv_heads=gd.num_kv_heads or heads,
+                head_size=gd.head_size or head_size,
+                dtype=self.torch_dtype,
+            )
+            if gd.kind == "full":
+                spec = FullAttentionSpec(**common)
+            elif gd.kind == "sliding_window":
+                assert gd.sliding_window is not None
+                spec = SlidingWindowSpec(**common, sliding_window=gd.sliding_window)
+            else:
+                raise ValueError(f"unknown group kind {gd.kind!r}")
+            layer_names = [f"model.layers.{len(names) + i}.g{g}.attn" for i in range(gd.num_layers)]
+            names.extend(layer_names)
+            pages.extend([spec.page_size_bytes] * gd.num_layers)
+            groups.append(KVCacheGroupSpec(layer_names, spec))
+        if len(set(pages)) != 1:
+            raise ValueError(f"all layers need one page size (vLLM's hybrid allocator): {pages}")
+        page = pages[0]
+        total = page * self.num_blocks * len(names)
+        tensors = [
+            KVCacheTensor(size=total, layers=names, layer_stride=page * self.num_blocks,
+                          block_stride=page)
+        ]
+        self.vllm_config.cache_config.num_gpu_blocks = self.num_blocks
+        return KVCacheConfig(
+            num_blocks=self.num_blocks, kv_cache_tensors=tensors, kv_cache_groups=groups,
+            kv_cache_layout="LBHNC",
+        )
+
+    # -- requests ----------------------------------------------------------------------
+
+    @property
+    def scheduler_connector(self) -> Any:
+        return self.scheduler.connector
+
+    @property
+    def manager(self) -> Any:
+        return self.scheduler.connector.connector_scheduler.manager
+
+    def add_request(self, prompt: Sequence[int], max_tokens: int = 1) -> str:
+        req_id = f"req-{self._next_id}"
+        self._next_id += 1
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        req = Request(
+            request_id=req_id, prompt_token_ids=list(prompt), sampling_params=params,
+            pooling_params=None, block_hasher=self._hasher,
+        )
+        self._requests[req_id] = req
+        self.records[req_id] = RequestRecord(req_id, list(prompt))
+        self.scheduler.add_request(req)
+        return req_id
+
+    def _prefix_hashes(self, req: Request, upto: int) -> list[int]:
+        """H[p] = hash of tokens[0..p], 20 bits (it seeds the KV bytes of position p)."""
+        hashes = self._prefix_hash.setdefault(req.request_id, [])
+        tokens = req.all_token_ids
+        h = hashes[-1] if hashes else 0x9E3779B1
+        for p in range(len(hashes), upto):
+            h = (h * 1_000_003 + tokens[p] + 1) % (1 << 61)
+            hashes.append(h)
+        return hashes
+
+    # -- the synthetic model -------------------------------------------------------------
+
+    def token_bytes(self, layer: str, rank: int, prefix_hashes: Sequence[int]) -> torch.Tensor:
+        """KV bytes (positions, heads, row) the model writes for these positions."""
+        u8 = self.ranks[rank].u8[layer]
+        heads, row = u8.shape[1], u8.shape[3]
+        h = torch.tensor([x % (1 << 20) for x in prefix_hashes], dtype=torch.int64)
+        lid = self.layer_index[layer]
+        head = torch.arange(heads, dtype=torch.int64) + rank * heads
+        col = torch.arange(row, dtype=torch.int64)
+        vals = (h[:, None, None] * 31 + lid * 1009 + head[None, :, None] * 131
+                + col[None, None, :] * 7) % 251
+        return vals.to(torch.uint8)
+
+    def expected_page(self, prompt: Sequence[int], group: int, logical_block: int,
+                      layer: str, rank: int) -> torch.Tensor:
+        """The bytes one full block of a prompt must hold: (heads, tokens, row)."""
+        bs = self.kv_cache_config.kv_cache_groups[group].kv_cache_spec.block_size
+        h = 0x9E3779B1
+        hashes = []
+        for p in range((logical_block + 1) * bs):
+            h = (h * 1_000_003 + prompt[p] + 1) % (1 << 61)
+            hashes.append(h)
+        vals = self.token_bytes(layer, rank, hashes[logical_block * bs :])
+        return vals.permute(1, 0, 2).contiguous()
+
+    def page(self, rank: int, layer: str, block_id: int) -> torch.Tensor:
+        """The bytes a worker holds in one block of one layer: (heads, tokens, row)."""
+        return self.ranks[rank].u8[layer][block_id].clone()
+
+    def group_layers(self, group: int) -> list[str]:
+        return list(self.kv_cache_config.kv_cache_groups[group].layer_names)
+
+    def _forward(self, out: SchedulerOutput) -> None:
+        for req_id, n in out.num_scheduled_tokens.items():
+            req = self._requests[req_id]
+            end = req.num_computed_tokens
+            start = end - n
+            hashes = self._prefix_hashes(req, end)
+            table = self.scheduler.kv_cache_manager.get_block_ids(req_id)
+            self.records[req_id].block_ids = tuple(list(ids) for ids in table)
+            positions = torch.arange(start, end, dtype=torch.int64)
+            for rank in self.ranks:
+                for name, u8 in rank.u8.items():
+                    g = self.layer_group[name]
+                    bs = u8.shape[2]
+                    ids = torch.tensor(table[g], dtype=torch.int64)
+                    blocks = ids[positions // bs]
+                    slots = positions % bs
+                    keep = blocks != 0  # block 0 is vLLM's null block (window skipped)
+                    if not bool(keep.any()):
+                        continue
+                    vals = self.token_bytes(name, rank.rank, hashes[start:end])
+                    u8[blocks[keep], :, slots[keep], :] = vals[keep]
+
+    # -- stepping --------------------------------------------------------------------------
+
+    def step(self) -> SchedulerOutput:
+        """One engine step: schedule, run the workers and the model, update."""
+        t0 = time.perf_counter()
+        out = self.scheduler.schedule()
+        self.last_schedule_s = time.perf_counter() - t0
+        self.steps += 1
+        meta = out.kv_connector_metadata
+        self.metadata_log.append(meta)
+        for req_id, req in self._requests.items():
+            rec = self.records[req_id]
+            stats = req.prefill_stats
+            if rec.external_tokens is None and stats is not None and stats.num_prompt_tokens:
+                rec.external_tokens = stats.num_external_cached_tokens
+                rec.local_tokens = stats.num_local_cached_tokens
+        sync_first = bool(getattr(out, "has_sync_kv_loads", False))
+        # The model runner's order: preemption flushes, metadata, (sync loads,)
+        # the forward pass, then this step's async loads.
+        for rank in self.ranks:
+            if not rank.paused:
+                rank.connector.handle_preemptions(meta)
+            rank.connector.bind_connector_metadata(meta)
+            if sync_first and not rank.paused:
+                rank.connector.start_load_kv(self._ctx)
+        if self.ranks:
+            self._forward(out)
+        for rank in self.ranks:
+            if not sync_first and not rank.paused:
+                rank.connector.start_load_kv(self._ctx)
+        if self.after_start_load is not None:
+            self.after_start_load(self)
+        outputs = []
+        if not self.ranks:
+            outputs.append(self._model_output(out, self._instant_workers(meta)))
+        for rank in self.ranks:
+            c = rank.connector
+            c.wait_for_save()
+            results = c.get_transfer_results(out.finished_req_ids)
+            kv_out = KVConnectorOutput(
+                finished_sending=results.finished_sending,
+                finished_recving=results.finished_recving,
+                failed_recving=results.failed_recving,
+                invalid_block_ids=c.get_block_ids_with_load_errors(),
+                kv_connector_stats=c.get_kv_connector_stats(),
+                kv_cache_events=c.get_kv_connector_kv_cache_events(),
+                kv_connector_worker_meta=c.build_connector_worker_meta(),
+            )
+            self.invalid_block_ids |= kv_out.invalid_block_ids
+            self.failed_recving |= kv_out.failed_recving
+            c.clear_connector_metadata()
+            outputs.append(self._model_output(out, kv_out))
+        merged = self.aggregator.aggregate(outputs) if self.ranks else outputs[0]
+        assert merged is not None
+        t0 = time.perf_counter()
+        self.scheduler.update_from_output(out, merged)
+        self.last_update_s = time.perf_counter() - t0
+        for req_id, req in self._requests.items():
+            rec = self.records[req_id]
+            if not rec.finished and req.is_finished():
+                rec.finished = True
+                rec.output = list(req.output_token_ids)
+        return out
+
+    def _instant_workers(self, meta: Any) -> KVConnectorOutput | None:
+        """Without workers: every job of this step completes at once."""
+        if meta is None:
+            return None
+        from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
+            OffloadingWorkerMetadata,
+        )
+
+        jobs = {**meta.load_jobs, **meta.store_jobs}
+        done = OffloadingWorkerMetadata(completed_jobs={j: self.cfg.tp for j in jobs})
+        recving = {job.req_id for job in meta.load_jobs.values() if not job.sync}
+        return KVConnectorOutput(finished_recving=recving or None,
+                                 kv_connector_worker_meta=done if jobs else None)
+
+    def _model_output(
+        self, out: SchedulerOutput, kv_out: KVConnectorOutput | None
+    ) -> ModelRunnerOutput:
+        req_ids = list(out.num_scheduled_tokens)
+        sampled = []
+        for req_id in req_ids:
+            req = self._requests[req_id]
+            if req.num_computed_tokens >= req.num_tokens:
+                sampled.append([1000 + len(req.output_token_ids)])
+            else:
+                sampled.append([])
+        return ModelRunnerOutput(
+            req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
+            sampled_token_ids=sampled, kv_connector_output=kv_out,
+        )
+
+    def busy(self) -> bool:
+        connector = self.scheduler_connector
+        return self.scheduler.has_requests() or (
+            connector is not None and connector.has_pending_push_work()
+        )
+
+    def run(self, timeout: float = 30.0, idle_sleep: float = 0.002) -> None:
+        """Steps until no request is left and every transfer has been reported."""
+        deadline = time.monotonic() + timeout
+        while self.busy():
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"engine still busy after {timeout}s: {len(self.scheduler.requests)} "
+                    f"request(s), connector jobs pending="
+                    f"{self.scheduler_connector.has_pending_push_work()}"
+                )
+            out = self.step()
+            if out.total_num_scheduled_tokens == 0:
+                time.sleep(idle_sleep)
+
+    def generate(self, prompts: Sequence[Sequence[int]], max_tokens: int = 1,
+                 timeout: float = 30.0) -> list[RequestRecord]:
+        ids = [self.add_request(p, max_tokens) for p in prompts]
+        self.run(timeout)
+        return [self.records[i] for i in ids]
+
+    # -- helpers for tests -------------------------------------------------------------------
+
+    def offload_keys(self, prompt: Sequence[int], group: int = 0) -> list[bytes]:
+        """The OffloadKeys of a prompt's full chunks in one group (as vLLM makes them)."""
+        from vllm.v1.kv_offload.base import make_offload_key
+
+        req = Request(request_id="keys", prompt_token_ids=list(prompt),
+                      sampling_params=SamplingParams(max_tokens=1), pooling_params=None,
+                      block_hasher=self._hasher)
+        spec = self.kv_cache_config.kv_cache_groups[group].kv_cache_spec
+        per_chunk = spec.block_size * self.cfg.blocks_per_chunk // self.hash_block_size
+        hashes = req.block_hashes
+        return [make_offload_key(hashes[i], group)
+                for i in range(per_chunk - 1, len(hashes), per_chunk)]
+
+    def wait_until(self, predicate: Callable[[], bool], timeout: float = 10.0,
+                   what: str = "condition") -> None:
+        deadline = time.monotonic() + timeout
+        while not predicate():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
+            time.sleep(0.005)
+
+    def wait_ready(self, keys: Sequence[bytes], timeout: float = 10.0) -> None:
+        """Until the scheduler's mirror holds every key (the Watch stream delivered)."""
+        self.wait_until(lambda: all(self.manager.is_ready(k) for k in keys), timeout,
+                        f"{len(keys)} keys in the scheduler's mirror")
+
+    def wait_registered(self, timeout: float = 20.0) -> None:
+        for rank in self.ranks:
+            worker = rank.offloading_worker
+            if hasattr(worker, "wait_registered"):
+                assert worker.wait_registered(timeout), f"rank {rank.rank} did not register"
+
+    def reset_gpu_prefix_cache(self, scrub: bool = True, keep_blocks: Sequence[int] = ()) -> None:
+        """vLLM's `reset_prefix_cache()` (GPU only, not the connector), then fill every
+        block except `keep_blocks` with 0xA5 so only a load can bring bytes back."""
+        assert self.scheduler.reset_prefix_cache(), "reset_prefix_cache refused"
+        if scrub:
+            self.scrub(keep_blocks)
+
+    def scrub(self, keep_blocks: Sequence[int] = ()) -> None:
+        keep = torch.tensor(sorted(set(keep_blocks)), dtype=torch.int64)
+        for rank in self.ranks:
+            for u8 in rank.u8.values():
+                saved = u8[keep].clone() if len(keep) else None
+                u8.fill_(0xA5)
+                if saved is not None:
+                    u8[keep] = saved
+
+    def kv_digest(self, rank: int, group: int, block_ids: Sequence[int]) -> str:
+        """SHA-256 over the bytes of these blocks in every layer of a group."""
+        h = hashlib.sha256()
+        for name in self.group_layers(group):
+            for b in block_ids:
+                h.update(self.ranks[rank].u8[name][b].numpy().tobytes())
+        return h.hexdigest()
+
+    def shutdown(self) -> None:
+        for rank in self.ranks:
+            rank.close()
+        self.scheduler.shutdown()

@@ -1,0 +1,182 @@
+"""Turning the CUDA data path on in a daemon, when the host has a driver and a device.
+
+    enable_cuda(state, arena)                      # before the arena's warm-up starts
+    arena.start_warmup(..., after_chunk=page_lock_hook(arena))
+
+`enable_cuda` registers the "cuda_ipc" region opener (`CudaCopyEngine.open_region`)
+in `state.region_openers`, prepares page-locking of the pool, and says in the log
+what it did. On a host without CUDA it logs why and returns False: the daemon
+stays on the shared-memory (CPU) path, and a cuda_ipc registration is refused with
+a message that says so.
+
+Which devices are served: every device this process sees, or those named in
+KVDEPOT_CUDA_DEVICES (comma-separated UUIDs or ordinals; "none" turns CUDA off).
+A CUDA context is created only on a served device: on the first one at start-up
+(it page-locks the pool), on the others when a worker on them registers.
+
+Shutdown: `arena.close` is wrapped so that the pool's chunks are unregistered and
+the copy streams destroyed before the arena is unmapped (DepotState.close closes
+the copy threads and every region first, so no copy runs by then).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from kvdepot.server.cuda import driver as cuda_driver
+from kvdepot.server.cuda.handles import HandleError, format_uuid, parse_uuid
+from kvdepot.server.cuda.pinning import fmt_bytes
+
+log = logging.getLogger("kvdepot.cuda")
+
+DEVICES_ENV = "KVDEPOT_CUDA_DEVICES"
+FOLLOW_CHUNK_BYTES = 256 << 20  # page-locking pieces when following a running warm-up
+
+# arena id -> (pinner, engine), for page_lock_hook and tests.
+_active: dict[int, tuple[Any, Any]] = {}
+
+
+def select_devices(devices: Sequence[Any], spec: str | None) -> list[Any]:
+    """The devices to serve: all of `devices` for an empty spec or "all"; none for "none".
+
+    Otherwise `spec` lists UUIDs ("GPU-…", any case, dashes optional) or ordinals,
+    comma-separated. Raises ValueError naming an entry that matches no device.
+    """
+    text = (spec or "").strip()
+    if text.lower() in ("", "all"):
+        return list(devices)
+    if text.lower() in ("none", "off"):
+        return []
+    chosen: list[Any] = []
+    for item in (i.strip() for i in text.split(",")):
+        if not item:
+            continue
+        if item.isdigit():
+            match = [d for d in devices if d.ordinal == int(item)]
+        else:
+            try:
+                raw = parse_uuid(item)
+            except HandleError:
+                raise ValueError(
+                    f"{DEVICES_ENV}: {item!r} is neither a device UUID nor an ordinal"
+                ) from None
+            match = [d for d in devices if d.uuid == raw]
+        if not match:
+            seen = ", ".join(f"{d.ordinal}={format_uuid(d.uuid)}" for d in devices) or "none"
+            raise ValueError(f"{DEVICES_ENV}: no visible device matches {item!r} (visible: {seen})")
+        for d in match:
+            if d not in chosen:
+                chosen.append(d)
+    return chosen
+
+
+def enable_cuda(
+    state: Any, arena: Any, *, driver: Any = None, env: dict[str, str] | None = None,
+    max_batch: int | None = None,
+) -> bool:
+    """Serves cuda_ipc registrations and page-locks the pool when CUDA is usable.
+
+    Returns True when CUDA is on. Never raises: a host without CUDA, or a driver
+    error, is logged and leaves the daemon on the CPU path (returns False).
+    `driver` and `env` are for tests (a fake driver; a fixed environment).
+    """
+    from kvdepot.server.cuda.dma import DEFAULT_MAX_BATCH, CudaCopyEngine
+    from kvdepot.server.cuda.pinning import PoolPinner
+
+    env = dict(os.environ) if env is None else env
+    if id(arena) in _active:
+        log.info("CUDA is on already for this pool")
+        return True
+    try:
+        if driver is None:
+            reason = cuda_driver.unavailable_reason()
+            if reason is not None:
+                log.info("CUDA is off: %s. Serving shared-memory (CPU) registrations only", reason)
+                return False
+            driver = cuda_driver.load()
+        visible = driver.devices()
+        try:
+            served = select_devices(visible, env.get(DEVICES_ENV))
+        except ValueError as exc:
+            log.error("CUDA is off: %s", exc)
+            return False
+        if not served:
+            log.info("CUDA is off: %s=%s. Serving shared-memory (CPU) registrations only",
+                     DEVICES_ENV, env.get(DEVICES_ENV))
+            return False
+        engine = CudaCopyEngine(driver, served, max_batch=max_batch or DEFAULT_MAX_BATCH)
+        first = engine.devices[served[0].uuid]
+        pinner = PoolPinner(driver, first, arena.address, arena.size)
+        engine.host_split_source = lambda: pinner.split_bytes
+        first.make_current()  # creates the context that page-locks the pool, now
+    except Exception as exc:
+        log.warning("CUDA is off: setting it up failed (%s). Serving shared-memory (CPU) "
+                    "registrations only", exc)
+        return False
+
+    state.region_openers["cuda_ipc"] = engine.open_region
+    _active[id(arena)] = (pinner, engine)
+    _wrap_close(arena, pinner, engine)
+    if arena.warmup_done_bytes > 0 or getattr(arena, "_warmup_thread", None) is not None:
+        # The warm-up started before we were enabled, so the hook cannot be wired:
+        # page-lock what is faulted already, then follow it.
+        _follow_warmup(arena, pinner)
+    version = driver.version() if hasattr(driver, "version") else 0
+    log.info(
+        "CUDA is on (driver %d.%d): serving cuda_ipc registrations on %d device(s): %s; "
+        "copies by %s on the daemon's own streams; the %s pool is page-locked in the "
+        "background (cuMemHostRegister, from %s's context)",
+        version // 1000, (version % 1000) // 10, len(served),
+        ", ".join(f"{format_uuid(d.uuid)} ({d.name})" for d in served),
+        "cuMemcpyBatchAsync batches" if engine.use_batch else "one cuMemcpyAsync per run",
+        fmt_bytes(arena.size), first.uuid,
+    )
+    return True
+
+
+def page_lock_hook(arena: Any) -> Callable[[int, int], None] | None:
+    """The `after_chunk` hook that page-locks `arena`, or None when CUDA is off for it."""
+    active = _active.get(id(arena))
+    return active[0].after_chunk if active else None
+
+
+def active_engine(arena: Any) -> Any:
+    """The CudaCopyEngine serving `arena`, or None (for tests and stats)."""
+    active = _active.get(id(arena))
+    return active[1] if active else None
+
+
+def _wrap_close(arena: Any, pinner: Any, engine: Any) -> None:
+    original = arena.close
+
+    def close() -> None:
+        # Unregister while the mapping still exists; the copy threads and regions
+        # are closed by DepotState.close before it closes the arena.
+        pinner.close()
+        engine.close()
+        _active.pop(id(arena), None)
+        original()
+
+    arena.close = close
+
+
+def _follow_warmup(arena: Any, pinner: Any, chunk: int = FOLLOW_CHUNK_BYTES) -> None:
+    """Page-locks the arena in `chunk`-sized pieces as its warm-up passes them."""
+
+    def run() -> None:
+        done = 0
+        while not pinner.closed and pinner.failed is None and done < arena.size:
+            ready = arena.size if arena.warmup_complete else arena.warmup_done_bytes
+            if ready - done < chunk and ready < arena.size:
+                time.sleep(0.05)
+                continue
+            n = min(chunk, arena.size - done)
+            pinner.after_chunk(done, n)
+            done += n
+
+    threading.Thread(target=run, name="kvdepot-pin", daemon=True).start()

@@ -1,0 +1,156 @@
+"""Registering servicers so that undecodable messages get INVALID_ARGUMENT.
+
+grpcio deserializes a request before the servicer sees it, and when the bytes are
+not a valid protobuf message it answers UNKNOWN with a traceback in the log (for
+a unary request), or ends a bidirectional stream with OK after dropping the
+message (the Transfer reader dies with the DecodeError). Neither is a documented
+status (DESIGN §5). `add_servicer` registers a servicer exactly as the generated
+`add_*Servicer_to_server` does, but with deserializers that never raise: a
+message that cannot be parsed becomes a `Malformed` marker, and the wrappers
+answer INVALID_ARGUMENT for it. For a request stream, the jobs before the bad
+message run to completion and are answered, then the stream ends with
+INVALID_ARGUMENT.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import grpc
+
+
+class Malformed:
+    """A request whose bytes did not parse as the method's message."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: str) -> None:
+        self.error = error
+
+
+def _tolerant(deserialize: Callable[[bytes], Any], type_name: str) -> Callable[[bytes], Any]:
+    def parse(data: bytes) -> Any:
+        try:
+            return deserialize(data)
+        except Exception as exc:  # DecodeError, or anything a parser may raise
+            return Malformed(f"the request is not a valid {type_name} message: {exc}")
+
+    return parse
+
+
+def _message_name(deserialize: Callable[[bytes], Any]) -> str:
+    owner = getattr(deserialize, "__self__", None)  # Message.FromString is a classmethod
+    descriptor = getattr(owner, "DESCRIPTOR", None)
+    return getattr(descriptor, "full_name", "protobuf")
+
+
+def _wrap(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    deserialize = handler.request_deserializer
+    if deserialize is None:
+        return handler
+    parse = _tolerant(deserialize, _message_name(deserialize))
+
+    if not handler.request_streaming and not handler.response_streaming:
+        inner_uu = handler.unary_unary
+
+        async def unary_unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            if isinstance(request, Malformed):
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.error)
+            return await inner_uu(request, context)
+
+        return grpc.unary_unary_rpc_method_handler(
+            unary_unary, request_deserializer=parse,
+            response_serializer=handler.response_serializer,
+        )
+
+    if not handler.request_streaming:
+        inner_us = handler.unary_stream
+
+        async def unary_stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator:
+            if isinstance(request, Malformed):
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.error)
+            responses = inner_us(request, context)
+            try:
+                async for response in responses:
+                    yield response
+            finally:
+                # Runs the servicer's own cleanup (Session releases what it held) now,
+                # not whenever the garbage collector finalizes the generator.
+                await responses.aclose()
+
+        return grpc.unary_stream_rpc_method_handler(
+            unary_stream, request_deserializer=parse,
+            response_serializer=handler.response_serializer,
+        )
+
+    if handler.response_streaming:
+        inner_ss = handler.stream_stream
+
+        async def stream_stream(
+            requests: AsyncIterator[Any], context: grpc.aio.ServicerContext
+        ) -> AsyncIterator:
+            bad: list[Malformed] = []
+
+            async def parsed() -> AsyncIterator[Any]:
+                async for request in requests:
+                    if isinstance(request, Malformed):
+                        bad.append(request)
+                        return  # the servicer sees the request stream end here
+                    yield request
+
+            responses = inner_ss(parsed(), context)
+            try:
+                async for response in responses:
+                    yield response
+            finally:
+                await responses.aclose()
+            if bad:
+                await context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"{bad[0].error}; the jobs sent before it were answered, the stream is "
+                    f"closed: open a new one",
+                )
+
+        return grpc.stream_stream_rpc_method_handler(
+            stream_stream, request_deserializer=parse,
+            response_serializer=handler.response_serializer,
+        )
+
+    return handler  # stream-unary: no such method in the kvdepot services
+
+
+class _Capture:
+    """Stands in for the server while a generated add_*_to_server registers."""
+
+    def __init__(self) -> None:
+        self.service: str | None = None
+        self.handlers: dict[str, grpc.RpcMethodHandler] = {}
+
+    def add_generic_rpc_handlers(self, handlers: object) -> None:
+        pass  # built again below from the registered-method table
+
+    def add_registered_method_handlers(
+        self, service: str, handlers: dict[str, grpc.RpcMethodHandler]
+    ) -> None:
+        self.service = service
+        self.handlers = dict(handlers)
+
+
+def add_servicer(
+    add_to_server: Callable[[Any, Any], None], servicer: object, server: grpc.aio.Server
+) -> None:
+    """`add_to_server(servicer, server)` (a generated function), made tolerant of
+    undecodable requests (see the module docstring)."""
+    capture = _Capture()
+    add_to_server(servicer, capture)
+    if capture.service is None:
+        raise RuntimeError(
+            f"{add_to_server.__name__} registered no method table: regenerate the gRPC code "
+            f"with grpcio-tools >= 1.62"
+        )
+    handlers = {name: _wrap(h) for name, h in capture.handlers.items()}
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(capture.service, handlers),)
+    )
+    server.add_registered_method_handlers(capture.service, handlers)

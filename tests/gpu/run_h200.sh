@@ -1,0 +1,113 @@
+#!/usr/bin/env bash
+# The GPU checks of the CUDA data path, in one run on one H200 (under five minutes):
+# tests/gpu (IPC registration, every byte back, store ordering, a killed engine's
+# mappings released, bad handles refused, expandable segments detected) and the
+# GPU benchmark (store/load GB/s through the daemon next to in-process
+# cudaMemcpyAsync, and the ratio).
+#
+# Two steps, because the GPU machine reaches no package registry:
+#
+#   1. here, on a machine with PyPI (once per fresh checkout):
+#        bash tests/gpu/run_h200.sh --prepare
+#      downloads the wheels the daemon needs that the GPU image may lack or have in
+#      another version (grpcio, protobuf: the generated code needs grpcio >= 1.85.1
+#      and protobuf 7.x; grpcio-health-checking, grpcio-reflection: not in the image)
+#      into build/gpu-wheels/ (ignored by git; about 8 MB).
+#   2. on the GPU machine, from the repository root, carrying build/gpu-wheels:
+#        bash tests/gpu/run_h200.sh
+#      (device tool: command "bash tests/gpu/run_h200.sh", carry ["build/gpu-wheels"],
+#      timeout_s 420). Logs go to $OUT (or build/gpu-out): run_h200.log (everything),
+#      env.txt, daemons.log, gpu_bench.txt, gpu_bench.json, gpu_bench_daemon.log.
+#
+# Nothing is built or fetched on the GPU machine: the wheels go to a private
+# --target folder, and kvdepot itself is imported from this tree through a
+# symlink farm that mirrors pyproject's package-dir (kvdepot -> proto/kvdepot,
+# kvdepot.server -> server, kvdepot.client -> client, kvdepot.bench -> benchmarks).
+set -uo pipefail
+REPO="$(cd "$(dirname "$0")/../.." && pwd)"
+WHEELS="$REPO/build/gpu-wheels"
+PY="${PYTHON:-python3}"
+
+if [[ "${1:-}" == "--prepare" ]]; then
+    set -e
+    mkdir -p "$WHEELS"
+    PIP_PY="${PREPARE_PYTHON:-$REPO/.venv/bin/python}"
+    [[ -x "$PIP_PY" ]] || PIP_PY=python3
+    # The GPU image's python3 is CPython 3.12 on x86-64 (see the device notes).
+    "$PIP_PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+        --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+        --platform manylinux2014_x86_64 -d "$WHEELS" \
+        grpcio==1.85.3 protobuf==7.36.2 grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1
+    ls -l "$WHEELS"
+    echo "ready: on the GPU machine run 'bash tests/gpu/run_h200.sh' carrying build/gpu-wheels"
+    exit 0
+fi
+
+OUT="${OUT:-$REPO/build/gpu-out}"
+mkdir -p "$OUT"
+exec > >(tee "$OUT/run_h200.log") 2>&1
+cd "$REPO"
+export PYTHONUNBUFFERED=1
+started=$(date +%s)
+echo "== kvdepot GPU checks: $(date -u +%FT%TZ) on $(hostname)"
+
+SITE=/tmp/kvdepot-site
+rm -rf "$SITE" && mkdir -p "$SITE"
+if compgen -G "$WHEELS/*.whl" > /dev/null; then
+    echo "== installing the carried wheels into $SITE"
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target "$SITE" "$WHEELS"/*.whl || { echo "FAILED: pip install of the wheels"; exit 2; }
+else
+    echo "== no wheels in build/gpu-wheels: using the image's grpcio/protobuf as they are"
+fi
+PKG=/tmp/kvdepot-pkg
+rm -rf "$PKG" && mkdir -p "$PKG/kvdepot"
+for f in "$REPO"/proto/kvdepot/*.py; do ln -s "$f" "$PKG/kvdepot/"; done
+ln -s "$REPO/proto/kvdepot/v1" "$PKG/kvdepot/v1"
+ln -s "$REPO/server" "$PKG/kvdepot/server"
+ln -s "$REPO/client" "$PKG/kvdepot/client"
+ln -s "$REPO/benchmarks" "$PKG/kvdepot/bench"
+export PYTHONPATH="$SITE:$PKG:$REPO${PYTHONPATH:+:$PYTHONPATH}"
+export KVDEPOT_GPU_LOG_DIR="$OUT"
+
+{
+    echo "== nvidia-smi"; nvidia-smi || true
+    echo "== versions"
+    "$PY" - <<'EOF'
+import sys, importlib
+print("python", sys.version.split()[0], sys.executable)
+for m in ("torch", "grpc", "google.protobuf", "grpc_health", "grpc_reflection", "uvloop",
+          "pytest", "numpy", "prometheus_client"):
+    try:
+        mod = importlib.import_module(m)
+        print(m, getattr(mod, "__version__", "?"), getattr(mod, "__file__", ""))
+    except Exception as exc:
+        print(m, "MISSING:", exc)
+import torch
+print("torch.cuda", torch.version.cuda, "available", torch.cuda.is_available(),
+      torch.cuda.get_device_name(0) if torch.cuda.is_available() else "")
+from kvdepot.server.cuda import driver
+print("kvdepot cuda:", driver.unavailable_reason() or "available",
+      "batch ABI", driver.load().batch_abi if driver.cuda_available() else "-")
+EOF
+} 2>&1 | tee "$OUT/env.txt"
+
+if ! "$PY" -c "import kvdepot.server.daemon, kvdepot.client.cuda_ipc, kvdepot.bench.gpu_bench, tests.support.daemon"; then
+    echo "FAILED: kvdepot does not import here. If grpc/protobuf are missing or too old, run"
+    echo "'bash tests/gpu/run_h200.sh --prepare' on a machine with PyPI and carry build/gpu-wheels."
+    exit 2
+fi
+if ! grep -q enable_cuda server/daemon.py; then
+    echo "NOTE: server/daemon.py does not call enable_cuda yet; tests/gpu/serve_cuda.py wires it"
+fi
+
+rc=0
+echo "== tests/gpu"
+timeout 240 "$PY" -m pytest tests/gpu -v -p no:cacheprovider -o addopts="-ra" || rc=1
+echo "== tests/gpu done after $(( $(date +%s) - started )) s (rc=$rc)"
+
+echo "== GPU benchmark"
+timeout 200 "$PY" -m kvdepot.bench.gpu_bench --serve-script tests/gpu/serve_cuda.py \
+    --out "$OUT" || rc=1
+echo "== all done after $(( $(date +%s) - started )) s (rc=$rc)"
+exit $rc

@@ -1,0 +1,167 @@
+"""Warm restart with --pool-file (issue 6, item 3; DESIGN §3), end to end.
+
+SIGTERM writes the index snapshot beside the pool file; the next `kvdepot serve`
+with the same file and size serves every block that was ready, byte-identical,
+and none that was still being written. The snapshot is consumed at start, so a
+daemon that is SIGKILLed afterwards leaves nothing to trust: the next start is
+empty and says why in its log. A pool file resized or written between the runs
+also starts empty. Unit tests of the snapshot itself: test_snapshot.py.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import grpc
+import pytest
+
+from kvdepot.client import DepotClient
+from kvdepot.v1 import depot_pb2 as pb
+from tests.support import soak
+from tests.support.daemon import DaemonProcess
+from tests.support.engine import Engine, chunk_plan, make_key
+from tests.support.faults import DaemonFactory, admin, all_blocks, assert_pool_accounting, stats
+
+pytestmark = pytest.mark.timeout(120)
+
+NS = "warm-ns"
+CHUNKS = 12
+
+
+def connect(d: DaemonProcess, name: str) -> DepotClient:
+    client = DepotClient(d.target, client_name=name).start()
+    assert client.wait_connected(10)
+    return client
+
+
+def store_rows(client: DepotClient) -> tuple[list[bytes], list[bytes]]:
+    """Full rows of both groups (READY), and rows of which only rank 0 is written."""
+    geo = soak.geometry(NS)
+    engines = [Engine(client, geo, r) for r in range(geo.world_size)]
+    keys, blocks, indices = chunk_plan(geo, range(CHUNKS))
+    for eng in engines:
+        for g, b in enumerate(blocks):
+            eng.fill(g, keys[g * CHUNKS : (g + 1) * CHUNKS], b, indices[g])
+        res = eng.job(pb.STORE, keys, blocks, indices)
+        assert res.success and res.stored_keys == len(keys), res
+    half = [make_key(c, 0, b"half") for c in range(4)]
+    hblocks, hindices = soak.group_job(geo, 0, half, soak.STORE_BASE)
+    engines[0].fill(0, half, hblocks[0], 0)
+    assert engines[0].job(pb.STORE, half, hblocks, hindices).stored_keys == len(half)
+    return keys, half
+
+
+def verify_rows(client: DepotClient, keys: list[bytes]) -> None:
+    """Loads every row into both ranks and checks every byte."""
+    geo = soak.geometry(NS)
+    keys_, blocks, indices = chunk_plan(geo, range(CHUNKS), base_block=64)
+    assert keys_ == keys
+    for rank in range(geo.world_size):
+        eng = Engine(client, geo, rank)
+        res = eng.job(pb.LOAD, keys, blocks, indices)
+        assert res.success, res.error
+        bad = sum(
+            eng.mismatches(g, keys[g * CHUNKS : (g + 1) * CHUNKS], b, indices[g])
+            for g, b in enumerate(blocks)
+        )
+        assert bad == 0, f"rank {rank}: {bad} page(s) differ after the warm restart"
+
+
+def test_sigterm_then_restart_serves_every_ready_block(
+    daemon_factory: DaemonFactory, tmp_path: Path
+) -> None:
+    pool = tmp_path / "kvdepot.pool"
+    d = daemon_factory("--pool-size", "32MiB", "--pool-file", str(pool))
+    client = connect(d, "writer")
+    keys, half = store_rows(client)
+    stub = admin(d.channel())
+    before = {(b.key_hex, b.pool_offset, b.bytes) for b in all_blocks(stub) if b.state == "ready"}
+    assert len(before) == len(keys)
+    assert stats(stub).writing_blocks == len(half)
+    # The writer stays connected through SIGTERM: its half rows are still being
+    # written when the daemon stops.
+    assert d.stop() == 0
+    client.close()
+    snap = Path(str(pool) + ".index")
+    assert snap.exists()
+    assert f"index snapshot written: {len(keys)} block(s)" in d.log()
+
+    d.start()
+    assert not snap.exists(), "the snapshot must be consumed at start"
+    stub = admin(d.channel())
+    s = assert_pool_accounting(stub)
+    assert s.warm_restarted
+    assert s.ready_blocks == len(keys) and s.writing_blocks == 0
+    after = {(b.key_hex, b.pool_offset, b.bytes) for b in all_blocks(stub)}
+    assert after == before, "same blocks at the same offsets"
+    assert f"warm restart: re-attached {len(keys)} block(s)" in d.log()
+
+    client = connect(d, "reader")
+    # Lookups and the Watch snapshot see the re-attached blocks; the half rows are gone.
+    assert client.lookup(NS, keys) == [True] * len(keys)
+    assert client.lookup(NS, half) == [False] * len(half)
+    snapshot_keys: set[bytes] = set()
+    done = threading.Event()
+
+    def on_event(ev: pb.WatchEvent) -> None:
+        if ev.kind == pb.WatchEvent.SNAPSHOT:
+            snapshot_keys.update(ev.keys)
+        elif ev.kind == pb.WatchEvent.SNAPSHOT_END:
+            done.set()
+
+    watch = client.watch(NS, on_event)
+    assert done.wait(10)
+    watch.stop()
+    assert snapshot_keys == set(keys)
+    verify_rows(client, keys)
+
+    # A half row's other rank alone does not make it readable either.
+    geo = soak.geometry(NS)
+    eng = Engine(client, geo, 1)
+    hblocks, hindices = soak.group_job(geo, 0, half, soak.STORE_BASE)
+    eng.fill(0, half, hblocks[0], 0)
+    assert eng.job(pb.STORE, half, hblocks, hindices).success
+    assert client.lookup(NS, half) == [False] * len(half)
+    lblocks, lindices = soak.group_job(geo, 0, half, soak.LOAD_BASE)
+    res = eng.job(pb.LOAD, half, lblocks, lindices)
+    assert not res.success and res.error_code == "NOT_FOUND"
+
+    # SIGKILL now: the snapshot was consumed, so the next start trusts nothing.
+    d.kill()
+    client.close()
+    d.start()
+    s = stats(admin(d.channel()))
+    assert not s.warm_restarted
+    assert (s.ready_blocks, s.used_bytes, s.namespaces) == (0, 0, 0)
+    assert "did not shut down cleanly" in d.log()
+    client = connect(d, "after-kill")
+    with pytest.raises(grpc.RpcError) as info:
+        client.lookup(NS, keys)
+    assert info.value.code() == grpc.StatusCode.NOT_FOUND  # not even the namespace is left
+    client.close()
+
+
+@pytest.mark.parametrize("change", ["resize", "write"])
+def test_a_pool_file_changed_between_runs_starts_empty(
+    daemon_factory: DaemonFactory, tmp_path: Path, change: str
+) -> None:
+    pool = tmp_path / "kvdepot.pool"
+    d = daemon_factory("--pool-size", "16MiB", "--pool-file", str(pool))
+    client = connect(d, "writer")
+    keys, _ = store_rows(client)
+    client.close()
+    assert d.stop() == 0
+    if change == "resize":
+        d.args[d.args.index("16MiB")] = "24MiB"
+        expected = "pool size changed"
+    else:
+        with open(pool, "r+b") as f:  # someone else scribbles on the pool
+            f.seek(1 << 20)
+            f.write(b"\xff" * 4096)
+        expected = "modified"
+    d.start()
+    s = stats(admin(d.channel()))
+    assert not s.warm_restarted and s.ready_blocks == 0
+    assert expected in d.log(), d.log()[-2000:]
+    assert "starting with an empty pool" in d.log()

@@ -1,0 +1,67 @@
+"""A second vLLM engine in its own process (test scenario 5).
+
+    python -m tests.vllm.engine_proc --socket unix:///... --prompt-seed 7 --length 160
+
+Builds a SyntheticEngine (real Scheduler and worker connector, memfd KV), runs one
+prompt, waits until its chunks are ready in the daemon, and prints one JSON line:
+{"namespace": ..., "keys": [hex, ...], "external_tokens": n, "digest": sha256 of the
+prompt's full blocks}. Then it exits, ending its session (the blocks stay).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+for _k, _v in (("VLLM_TARGET_DEVICE", "cpu"), ("HF_HUB_OFFLINE", "1"),
+               ("VLLM_LOGGING_LEVEL", "WARNING")):
+    os.environ.setdefault(_k, _v)
+
+
+def prompt_for(seed: int, length: int) -> list[int]:
+    """A deterministic prompt (same in every process)."""
+    x = seed * 7919 + 1
+    out = []
+    for _ in range(length):
+        x = (x * 1103515245 + 12345) % (1 << 31)
+        out.append(10 + x % 30000)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--socket", required=True)
+    ap.add_argument("--prompt-seed", type=int, default=7)
+    ap.add_argument("--length", type=int, default=160)
+    ap.add_argument("--dtype", default="float16")
+    ap.add_argument("--salt", default="")
+    args = ap.parse_args(argv)
+
+    from kvdepot.client.vllm.testing import EngineConfig, SyntheticEngine
+
+    engine = SyntheticEngine(EngineConfig(socket=args.socket, dtype=args.dtype, salt=args.salt,
+                                          num_gpu_blocks=64))
+    try:
+        engine.wait_registered()
+        prompt = prompt_for(args.prompt_seed, args.length)
+        [rec] = engine.generate([prompt])
+        keys = engine.offload_keys(prompt)
+        engine.wait_ready(keys)
+        full = len(prompt) // 16
+        digest = engine.kv_digest(0, 0, rec.block_ids[0][:full])
+        print(json.dumps({
+            "namespace": engine.manager.namespace_id,
+            "keys": [k.hex() for k in keys],
+            "external_tokens": rec.external_tokens,
+            "digest": digest,
+            "pid": os.getpid(),
+        }), flush=True)
+    finally:
+        engine.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
