@@ -19,6 +19,7 @@ from grpc_reflection.v1alpha import reflection
 
 import kvdepot
 from kvdepot.server.config import ServeConfig, format_size
+from kvdepot.server.cuda import enable_cuda, page_lock_hook
 from kvdepot.server.fd_receiver import FdReceiver
 from kvdepot.server.health import HealthServicer
 from kvdepot.server.sdnotify import SystemdNotifier, run_watchdog
@@ -88,6 +89,7 @@ class Daemon:
             "kvdepot %s starting: pool %s in %s, boot id %s",
             kvdepot.__version__, format_size(st.arena.size), st.arena.backing, st.boot_id,
         )
+        enable_cuda(st, st.arena)  # logs whether the CUDA IPC path is on, and why
         self._start_warmup(st)
 
         server = self.server = grpc.aio.server(
@@ -169,7 +171,7 @@ class Daemon:
                 phase = "serving" if self._ready else "starting"
                 self.notifier.status(f"{phase}; pool warm-up {pct}%")
 
-        st.arena.start_warmup(on_progress=progress)
+        st.arena.start_warmup(on_progress=progress, after_chunk=page_lock_hook(st.arena))
 
     async def _housekeeping(self, st: DepotState) -> None:
         while not self._stop.is_set():

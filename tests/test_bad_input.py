@@ -237,7 +237,7 @@ def test_register_kv_refuses_bad_layouts_and_memory(setup) -> None:
         ),
     )
     # Page sizes that differ from the layout, and a tensor larger than its region.
-    fd = os.memfd_create("t")
+    fd = os.memfd_create("t", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)  # the daemon seals it
     os.ftruncate(fd, 1 << 16)
     for tensors, groups, words in [
         (
@@ -296,7 +296,7 @@ def test_malformed_fds_are_refused(setup) -> None:
     a.close()
     b.close()
     # A size beyond the file.
-    fd = os.memfd_create("small")
+    fd = os.memfd_create("small", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     os.ftruncate(fd, 4096)
     token = send_fd(c.hello.fd_socket, c.session_id, fd)
     region = pb.MemoryRegion(shm=pb.SharedMemoryHandle(fd_token=token, size=1 << 20))

@@ -198,7 +198,7 @@ class KVDepotOffloadingWorker(OffloadingWorker):
         ]
         self.memory = describe_memory(kv_caches, memory_path)
         if self.memory.path == "inline":
-            level = logging.WARNING if memory_path != "inline" else logging.INFO
+            level = {"inline": logging.INFO, "shm": logging.ERROR}.get(memory_path, logging.WARNING)
             log.log(
                 level,
                 "kvdepot: rank %d moves KV pages inline through gRPC (slow): %s",
