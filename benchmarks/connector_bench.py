@@ -126,7 +126,8 @@ def run_connector_bench(
     target = target_of(target)
     # A small KV geometry: the scheduler's work does not depend on page bytes.
     groups = (GroupDef("full", block_size=16, num_layers=2, num_kv_heads=1),)
-    blocks = requests * ((hit_tokens + new_tokens) // 16 + 2) + 64
+    # Room for every request's prompt and decode tokens: no preemption.
+    blocks = requests * ((hit_tokens + new_tokens + decode_steps + 64) // 16 + 2) + 64
     common = dict(groups=groups, num_gpu_blocks=blocks, max_num_seqs=requests,
                   max_num_batched_tokens=requests * (hit_tokens + new_tokens))
     hit_prefixes = [_prompt(1000 + i, hit_tokens) for i in range(requests)]

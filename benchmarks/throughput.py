@@ -56,9 +56,9 @@ class ThroughputPlan:
         self.arena_bytes = max(self.arena_bytes, 2 * biggest_job)
 
     def steps(self) -> int:
-        """Progress steps: one per timed run, one per load set, plus the check."""
+        """Progress steps: one per timed run, one per load set, the check, the floor."""
         per_series = len(DIRECTIONS) * self.reps * len(MODES) + 1
-        return 1 + per_series * (len(self.sizes) + len(self.engines))
+        return 2 + per_series * (len(self.sizes) + len(self.engines))
 
     def jobs_for(self, chunks: int) -> int:
         per_rank = self.geo.job_bytes(chunks) // self.geo.tp
@@ -124,6 +124,16 @@ class ThroughputBench:
             )
         self.progress.step("content check passed")
         return {"pages": pages, "mismatched_pages": bad}
+
+    def floor(self, jobs: int) -> dict[str, Any]:
+        """Round trip of a job with no pages: gRPC both ways, the client's threads and
+        the daemon's job handling, no planning, no index, no copy thread."""
+        self.progress.label("empty jobs")
+        (reply,) = self.fleet.call(self.fleet.workers[:1], lambda w: {
+            "cmd": "empty", "jobs": jobs, "warmup": max(self.plan.warmup, 5)})
+        row = latency_row(0, "empty", [(j[1] - j[0], j[3], j[4]) for j in reply["jobs"]])
+        self.progress.step("empty jobs measured")
+        return row
 
     def _load_sets(self, workers: list[WorkerProc], engines: int, chunks: int) -> tuple[int, int]:
         """Stores the keys a load series cycles over; returns (first key seq, sets).

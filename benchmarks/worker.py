@@ -10,6 +10,7 @@ Protocol: one JSON object per line on stdin, one JSON reply per line on stdout
 - `run`: time a series of store or load jobs, through the daemon (`mode:
   "daemon"`) or in-process (`mode: "inproc"`), optionally starting at an agreed
   CLOCK_MONOTONIC instant so that several workers run side by side.
+- `empty`: jobs that name no key (the floor of a job's round trip).
 - `verify_store` / `verify_load`: a content check (store random pages, load
   them elsewhere, compare), so the bench never times a copy that does nothing.
 - `exit`.
@@ -201,6 +202,18 @@ class Worker:
                 out.append([t0, t1, r.bytes, r.copy_seconds, r.total_seconds])
         return out, failed, dropped, error
 
+    def empty(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        """Jobs that name no key: the round trip of the job path with nothing to copy."""
+        assert self.geo is not None
+        groups = len(self.geo.groups)
+        shape = JobShape([], [], [0] * groups, [0] * groups)
+        jobs, failed, _, error = self._run_daemon(
+            pb.STORE, [(shape, 0)] * (int(cmd["jobs"]) + int(cmd["warmup"])), 1
+        )
+        if failed:
+            raise RuntimeError(f"empty jobs failed: {error}")
+        return {"jobs": jobs[int(cmd["warmup"]):]}
+
     def verify_store(self, cmd: dict[str, Any]) -> dict[str, Any]:
         """Fills one job's source pages with random bytes and stores them."""
         shape = self._verify_shape(cmd, pattern=-1)
@@ -274,7 +287,8 @@ def main() -> int:
     sys.stdout = sys.stderr
     worker = Worker()
     handlers = {
-        "setup": worker.setup, "run": worker.run, "verify_store": worker.verify_store,
+        "setup": worker.setup, "run": worker.run, "empty": worker.empty,
+        "verify_store": worker.verify_store,
         "verify_load": worker.verify_load,
     }
     try:

@@ -61,11 +61,16 @@ class DepotClient:
         *,
         backoff_initial: float = 0.05,
         backoff_max: float = 2.0,
+        keepalive_timeout: float = 15.0,
     ) -> None:
         self.target = normalize_target(target)
         self.client_name = client_name or f"pid {os.getpid()}"
         self.engine_id = engine_id
         self._backoff = (backoff_initial, backoff_max)
+        # The daemon sends a keepalive every few seconds; a daemon that says nothing
+        # for this long is frozen (SIGSTOP, swapping, a hung loop): treat it as gone.
+        self.keepalive_timeout = keepalive_timeout
+        self._last_event = time.monotonic()
         self._channel = grpc.insecure_channel(
             self.target,
             options=[
@@ -96,7 +101,22 @@ class DepotClient:
                 target=self._session_loop, name="kvdepot-session", daemon=True
             )
             self._thread.start()
+            threading.Thread(
+                target=self._watch_keepalives, name="kvdepot-keepalive", daemon=True
+            ).start()
         return self
+
+    def _watch_keepalives(self) -> None:
+        """Cancels a session whose daemon went silent; the session loop reconnects."""
+        while not self._closed.wait(min(1.0, self.keepalive_timeout / 4)):
+            call = self._session_call
+            silent = time.monotonic() - self._last_event
+            if call is not None and self.connected and silent > self.keepalive_timeout:
+                log.warning(
+                    "the kvdepot daemon at %s sent nothing for %.1f s; dropping the session",
+                    self.target, silent,
+                )
+                call.cancel()
 
     @property
     def connected(self) -> bool:
@@ -138,7 +158,9 @@ class DepotClient:
                     )
                 )
                 self._session_call = call
+                self._last_event = time.monotonic()
                 for event in call:
+                    self._last_event = time.monotonic()
                     if event.HasField("hello"):
                         previous = self.hello.boot_id if self.hello else None
                         self.hello = event.hello
@@ -364,6 +386,7 @@ class TransferStream:
         self._inflight: dict[int, int] = {}  # job id -> stream generation
         self._done: dict[int, depot_pb2.TransferResult] = {}
         self._requests: queue.SimpleQueue[object] | None = None
+        self._call: grpc.Future | None = None
         self._generation = 0
 
     def _requests_iter(self, q: queue.SimpleQueue[object]) -> Iterator[depot_pb2.TransferJob]:
@@ -377,7 +400,7 @@ class TransferStream:
         q: queue.SimpleQueue[object] = queue.SimpleQueue()
         self._generation += 1
         generation = self._generation
-        call = self.client.stub.Transfer(self._requests_iter(q))
+        call = self._call = self.client.stub.Transfer(self._requests_iter(q))
         threading.Thread(
             target=self._read, args=(call, q, generation), name="kvdepot-transfer", daemon=True
         ).start()
@@ -406,11 +429,30 @@ class TransferStream:
             self._lock.notify_all()
         q.put(_STREAM_END)  # ends the request-iterator thread gRPC runs
 
-    def _fail(self, job_id: int, error: str) -> None:
+    def _fail(self, job_id: int, error: str, code: str = "UNAVAILABLE") -> None:
         self._inflight.pop(job_id, None)
         self._done[job_id] = depot_pb2.TransferResult(
-            job_id=job_id, success=False, error=error, error_code="UNAVAILABLE"
+            job_id=job_id, success=False, error=error, error_code=code
         )
+
+    def abort(self, reason: str = "aborted by the client") -> None:
+        """Cancels the stream: every job in flight fails now (error_code CANCELLED).
+
+        The daemon skips the cancelled jobs it has not started; a copy already
+        running cannot be stopped and finishes in the daemon, so memory a LOAD
+        targets must not be handed out again unless the daemon is known to be
+        frozen or gone. The next `submit` opens a new stream.
+        """
+        with self._lock:
+            call, self._call = self._call, None
+            requests, self._requests = self._requests, None
+            for job_id in list(self._inflight):
+                self._fail(job_id, reason, "CANCELLED")
+            self._lock.notify_all()
+        if requests is not None:
+            requests.put(_STREAM_END)
+        if call is not None:
+            call.cancel()
 
     def submit(self, job: depot_pb2.TransferJob) -> None:
         with self._lock:

@@ -19,6 +19,7 @@ from grpc_reflection.v1alpha import reflection
 
 import kvdepot
 from kvdepot.server.config import ServeConfig, format_size
+from kvdepot.server.core.snapshot import PoolFileBusy
 from kvdepot.server.cuda import enable_cuda, page_lock_hook
 from kvdepot.server.fd_receiver import FdReceiver
 from kvdepot.server.health import HealthServicer
@@ -210,7 +211,7 @@ def serve(config: ServeConfig) -> int:
         log.warning("uvloop is not installed; using asyncio's default loop")
     try:
         asyncio.run(Daemon(config).run())
-    except SocketPathError as exc:
+    except (SocketPathError, PoolFileBusy) as exc:
         log.error("%s", exc)
         return 2
     return 0

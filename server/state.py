@@ -185,6 +185,7 @@ class DepotState:
         # Reply queues of open Transfer streams: shutdown ends them (None).
         self.transfer_streams: set[asyncio.Queue] = set()
         self.warm_restarted = False
+        self.pool_lock: int | None = None  # fd holding <pool-file>.lock (warm restart)
         self.transfer_observers: list[TransferObserver] = []
         # Engines for other memory paths (the CUDA issue adds "cuda_ipc").
         self.region_openers: dict[str, Callable[[object, Session], tuple[MappedRegion, CopyEngine]]]
@@ -200,7 +201,9 @@ class DepotState:
         # before the arena maps the file, since mapping it may change the file
         # times that the snapshot vouches for.
         plan = None
+        pool_lock = None
         if config.pool_file:
+            pool_lock = snapshot.lock_pool_file(config.pool_file)  # raises PoolFileBusy
             plan = snapshot.prepare_start(config.pool_file, config.pool_size,
                                           config.slot_granularity)
         arena = Arena(config.pool_size, config.pool_file)
@@ -215,6 +218,7 @@ class DepotState:
             index = new_index()  # drop whatever a rejected snapshot half-restored
         state = cls(config, arena, index)
         state.warm_restarted = warm
+        state.pool_lock = pool_lock
         return state
 
     def begin_shutdown(self) -> None:
@@ -243,6 +247,9 @@ class DepotState:
             # After the last copy and the unmap, so the recorded file identity is final.
             snapshot.save_at_shutdown(self.index, self.config.pool_file, self.arena.size,
                                       self.boot_id)
+        if self.pool_lock is not None:  # only now may the next daemon take the pool file
+            os.close(self.pool_lock)
+            self.pool_lock = None
 
     # -- sessions --------------------------------------------------------------------
 

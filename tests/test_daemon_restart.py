@@ -240,10 +240,12 @@ def test_clients_survive_a_daemon_sigkill_and_carry_on(rig: tuple[DaemonProcess,
     for o in rec.ops:
         limit = LOOKUP_DEADLINE if o.kind == "lookup" else 3 * JOB_DEADLINE
         assert o.seconds < limit + 0.5, o
-    assert max(o.seconds for o in rec.between("lookup", killed, back)) < 0.2
+    # Fail fast: far below the lookup deadline (no waiting for a dead daemon).
+    assert max(o.seconds for o in rec.between("lookup", killed, back)) < 0.5
     assert noticed < 1.0
-    # Backoff is capped at 2 s (x1.5 jitter), gRPC's own reconnect backoff at 1 s.
-    assert reconnected < 5.0
+    # Backoff is capped at 2 s (x1.5 jitter) and gRPC's own reconnect backoff at 1 s,
+    # then two RegisterKV calls: 6 s leaves room for a loaded machine.
+    assert reconnected < 6.0
     # After the restart the mirror follows the new daemon (fresh snapshot, then deltas).
     with mirror_lock:
         new_keys = set(mirror)

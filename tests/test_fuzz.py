@@ -566,7 +566,7 @@ def registrations(draw: st.DrawFn) -> dict[str, Any]:
             tensors[0].block_stride_bytes = draw(st.sampled_from([0, 1, U64]))
         elif m == "offset":
             tensors[-1].region_offset = draw(st.sampled_from([1, SHM_BYTES, U64]))
-        elif m == "tensor_index":
+        elif m == "tensor_index" and refs[-1].layers:
             refs[-1].layers[-1].tensor_index = draw(st.sampled_from([len(tensors), U32]))
         elif m == "layer_count":
             del refs[0].layers[-1]

@@ -266,3 +266,15 @@ def test_start_refuses_a_damaged_snapshot_file(tmp_path: Path) -> None:
     path.write_bytes(bytes(data))
     plan = snapshot.prepare_start(str(pool), POOL, GRAN)
     assert plan.snapshot is None and "unusable" in plan.reason
+
+
+def test_a_pool_file_is_locked_by_one_daemon_at_a_time(tmp_path: Path) -> None:
+    pool = str(tmp_path / "pool")
+    fd = snapshot.lock_pool_file(pool)
+    try:
+        assert not os.path.exists(pool), "locking must not create the pool file"
+        with pytest.raises(snapshot.PoolFileBusy, match=f"pid {os.getpid()}"):
+            snapshot.lock_pool_file(pool)
+    finally:
+        os.close(fd)
+    os.close(snapshot.lock_pool_file(pool))  # free again once the holder closed it

@@ -10,6 +10,7 @@ also starts empty. Unit tests of the snapshot itself: test_snapshot.py.
 
 from __future__ import annotations
 
+import subprocess
 import threading
 from pathlib import Path
 
@@ -19,7 +20,7 @@ import pytest
 from kvdepot.client import DepotClient
 from kvdepot.v1 import depot_pb2 as pb
 from tests.support import soak
-from tests.support.daemon import DaemonProcess
+from tests.support.daemon import DaemonProcess, kvdepot_command
 from tests.support.engine import Engine, chunk_plan, make_key
 from tests.support.faults import DaemonFactory, admin, all_blocks, assert_pool_accounting, stats
 
@@ -165,3 +166,24 @@ def test_a_pool_file_changed_between_runs_starts_empty(
     assert not s.warm_restarted and s.ready_blocks == 0
     assert expected in d.log(), d.log()[-2000:]
     assert "starting with an empty pool" in d.log()
+
+
+def test_a_second_daemon_on_the_same_pool_file_is_refused(
+    daemon_factory: DaemonFactory, tmp_path: Path
+) -> None:
+    pool = str(tmp_path / "kvdepot.pool")
+    first = daemon_factory("--pool-size", "16MiB", "--pool-file", pool)
+    other_socket = str(tmp_path / "other.sock")
+    proc = subprocess.run(
+        [*kvdepot_command(), "serve", "--socket", other_socket, "--pool-size", "16MiB",
+         "--pool-file", pool], capture_output=True, text=True, timeout=30,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert "in use by another kvdepot daemon" in proc.stderr
+    assert f"pid {first.proc.pid}" in proc.stderr  # type: ignore[union-attr]
+    assert not Path(other_socket).exists()
+    # The first daemon is unharmed, and its clean stop still leaves a usable snapshot.
+    assert stats(admin(first.channel())).capacity_bytes == 16 << 20
+    assert first.stop() == 0
+    first.start()
+    assert stats(admin(first.channel())).warm_restarted

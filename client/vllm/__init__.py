@@ -14,7 +14,7 @@ from kvdepot.client.vllm.config import DepotSettings
 from kvdepot.client.vllm.connector import KVDepotConnector, KVDepotWorkerMetadata
 from kvdepot.client.vllm.manager import KVDepotOffloadingManager
 from kvdepot.client.vllm.spec import SPEC_NAME, KVDepotOffloadingSpec
-from kvdepot.client.vllm.worker import KVDepotOffloadingWorker, set_cuda_memory_exporter
+from kvdepot.client.vllm.worker import KVDepotOffloadingWorker
 
 # So that `"spec_name": "KVDepotOffloadingSpec"` works without `spec_module_path`
 # (vLLM imports this module by the connector's module path first).
@@ -28,5 +28,4 @@ __all__ = [
     "KVDepotOffloadingSpec",
     "KVDepotOffloadingWorker",
     "KVDepotWorkerMetadata",
-    "set_cuda_memory_exporter",
 ]

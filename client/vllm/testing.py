@@ -29,21 +29,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
-_CPU_ENV = {"VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-
-
-def cpu_environment() -> dict[str, str]:
-    """Environment variables vLLM needs to schedule on a machine without a GPU
-    (set them before importing vllm; also pass them to child engine processes)."""
-    return dict(_CPU_ENV)
-
-
-for _k, _v in _CPU_ENV.items():
-    os.environ.setdefault(_k, _v)
-
-from vllm import SamplingParams  # noqa: E402
-from vllm.config import (  # noqa: E402
+from vllm import SamplingParams
+from vllm.config import (
     CacheConfig,
     KVTransferConfig,
     ModelConfig,
@@ -52,30 +39,40 @@ from vllm.config import (  # noqa: E402
     VllmConfig,
     set_current_vllm_config,
 )
-from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator  # noqa: E402
-from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole  # noqa: E402
-from vllm.forward_context import ForwardContext  # noqa: E402
-from vllm.utils.hashing import get_hash_fn_by_name  # noqa: E402
-from vllm.v1.core.kv_cache_utils import (  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
+from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
+from vllm.forward_context import ForwardContext
+from vllm.utils.hashing import get_hash_fn_by_name
+from vllm.v1.core.kv_cache_utils import (
     get_request_block_hasher,
     init_none_hash,
     resolve_cache_hit_alignment_tokens,
     resolve_kv_cache_block_sizes,
 )
-from vllm.v1.core.sched.output import SchedulerOutput  # noqa: E402
-from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
-from vllm.v1.kv_cache_interface import (  # noqa: E402
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
     KVCacheTensor,
     SlidingWindowSpec,
 )
-from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
-from vllm.v1.request import Request  # noqa: E402
-from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+from vllm.v1.request import Request
+from vllm.v1.structured_output import StructuredOutputManager
 
-from kvdepot.client.shm import SharedKVBuffer  # noqa: E402
+from kvdepot.client.shm import SharedKVBuffer
+
+_CPU_ENV = {"VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+
+
+def cpu_environment() -> dict[str, str]:
+    """Environment variables vLLM needs to schedule on a machine without a GPU. They
+    must be set before vllm is first imported (vLLM picks its platform then), so set
+    them in the environment of the process, or before importing this module's package."""
+    return dict(_CPU_ENV)
+
 
 _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -83,15 +80,15 @@ _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torc
 def find_model_dir(start: Path | None = None) -> Path:
     """The OPT-125m config the tests use: `shared/testdata/hf-config-opt-125m`, found
     next to the repository (`../shared` in CI) or inside it (`shared/`)."""
+    env = os.environ.get("KVDEPOT_TEST_MODEL_DIR")
+    if env:
+        return Path(env)
     here = (start or Path(__file__)).resolve()
     for parent in [here, *here.parents]:
         for shared in (parent / "shared", parent.parent / "shared"):
             candidate = shared / "testdata" / "hf-config-opt-125m"
             if (candidate / "config.json").is_file():
                 return candidate
-    env = os.environ.get("KVDEPOT_TEST_MODEL_DIR")
-    if env:
-        return Path(env)
     raise FileNotFoundError(
         "shared/testdata/hf-config-opt-125m not found next to the repository; set "
         "KVDEPOT_TEST_MODEL_DIR"

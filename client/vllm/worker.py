@@ -13,8 +13,10 @@ Contract with vLLM's worker (one per rank, called from the model-runner thread):
 Memory paths, chosen once at start (DESIGN §4):
 - shm: the canonical KV tensors live in one memfd (`SharedKVBuffer`); it is passed
   to the daemon and the daemon copies pages itself.
-- cuda_ipc: for CUDA tensors, filled in by the GPU work through
-  `set_cuda_memory_exporter`; until then CUDA tensors use inline.
+- cuda_ipc: CUDA tensors are exported with `kvdepot.client.cuda_ipc` (one IPC
+  handle per allocation, an inter-process event recorded before every job so the
+  daemon's copy waits for the forward pass). Falls back to inline when the memory
+  cannot be exported (expandable segments, sleep mode).
 - inline: pages are carried in Put/Get messages by a background thread (slow; a
   warning says so). Used when the tensors are in ordinary memory.
 
@@ -29,8 +31,9 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 import torch
@@ -56,21 +59,6 @@ _PERMANENT = {
     grpc.StatusCode.PERMISSION_DENIED,
 }
 
-#: fn(tensors) -> (regions, [(region_index, region_offset) per tensor]) for CUDA
-#: tensors (cudaIpcMemHandle export). Installed by the CUDA path; None = not built.
-CudaMemoryExporter = Callable[
-    [Sequence[torch.Tensor]],
-    tuple[list[depot_pb2.MemoryRegion], list[tuple[int, int]]],
-]
-_cuda_memory_exporter: CudaMemoryExporter | None = None
-
-
-def set_cuda_memory_exporter(fn: CudaMemoryExporter | None) -> None:
-    """Installs the CUDA IPC exporter the worker uses for GPU KV tensors."""
-    global _cuda_memory_exporter
-    _cuda_memory_exporter = fn
-
-
 @dataclass
 class MemoryPlan:
     """How this rank's KV memory is described to the daemon."""
@@ -78,6 +66,9 @@ class MemoryPlan:
     path: str  # "shm", "cuda_ipc" or "inline"
     reason: str
     shm: SharedKVBuffer | None = None
+    # The CUDA IPC export (kvdepot.client.cuda_ipc.CudaKVExport), kept alive while
+    # registered: it owns the inter-process event.
+    cuda_export: Any = None
     regions: list[depot_pb2.MemoryRegion] = field(default_factory=list)
     tensors: list[depot_pb2.KVTensor] = field(default_factory=list)
     groups: list[depot_pb2.GroupRefs] = field(default_factory=list)
@@ -114,21 +105,16 @@ def describe_memory(kv_caches: CanonicalKVCaches, memory_path: str) -> MemoryPla
         return MemoryPlan("inline", "no KV tensors to register")
 
     if all(t.is_cuda for t in tensors):
-        if _cuda_memory_exporter is None:
-            return MemoryPlan(
-                "inline",
-                "the KV tensors are on a GPU and this build has no CUDA IPC path yet",
-            )
-        regions, placement = _cuda_memory_exporter(tensors)
-        kv = [
-            depot_pb2.KVTensor(
-                region_index=region, region_offset=offset, num_blocks=t.shape[0],
-                block_stride_bytes=t.stride(0) * t.element_size(),
-                page_bytes=t.shape[1] * t.element_size(),
-            )
-            for t, (region, offset) in zip(tensors, placement, strict=True)
-        ]
-        return MemoryPlan("cuda_ipc", "CUDA IPC", regions=regions, tensors=kv, groups=groups)
+        try:
+            from kvdepot.client.cuda_ipc import export_kv_tensors
+
+            export = export_kv_tensors(tensors)
+        except Exception as exc:  # UnexportableMemory, no driver, ...: still serve
+            return MemoryPlan("inline", f"the CUDA KV memory cannot be exported: {exc}")
+        return MemoryPlan(
+            "cuda_ipc", "CUDA IPC", cuda_export=export, regions=list(export.regions),
+            tensors=list(export.tensors), groups=groups,
+        )
 
     if any(t.device.type != "cpu" for t in tensors):
         return MemoryPlan("inline", "the KV tensors are on a device kvdepot cannot map")
@@ -217,6 +203,7 @@ class KVDepotOffloadingWorker(OffloadingWorker):
         # Set when jobs were abandoned (the daemon stopped answering): new jobs
         # fail at once until a probe gets an answer, so no step waits again.
         self._suspended = False
+        self._next_overdue_check = 0.0
         self._closed = threading.Event()
         self._jobs: dict[int, _Job] = {}
         self._on_stream: set[int] = set()
@@ -302,16 +289,21 @@ class KVDepotOffloadingWorker(OffloadingWorker):
             session = self._client.session_id
             layout = self._make_layout(namespace_id, self.layer_pages)
             if self.memory.path == "cuda_ipc":
-                # Needs DepotClient.register_kv(..., regions=...) (see the GPU issue).
-                raise DepotUnavailable("the client library has no CUDA IPC registration yet")
-            resp = self._client.register_kv(
-                layout,
-                rank=self._rank,
-                shm=self.memory.shm,
-                tensors=self.memory.tensors,
-                groups=self.memory.groups if self.memory.tensors else [],
-                timeout=10.0,
-            )
+                from kvdepot.client.cuda_ipc import register_cuda_kv
+
+                resp = register_cuda_kv(
+                    self._client, layout, self._rank, self.memory.cuda_export,
+                    self.memory.groups, timeout=10.0,
+                )
+            else:
+                resp = self._client.register_kv(
+                    layout,
+                    rank=self._rank,
+                    shm=self.memory.shm,
+                    tensors=self.memory.tensors,
+                    groups=self.memory.groups if self.memory.tensors else [],
+                    timeout=10.0,
+                )
         except DepotUnavailable as exc:
             log.debug("kvdepot registration postponed: %s", exc)
             return False
@@ -351,8 +343,14 @@ class KVDepotOffloadingWorker(OffloadingWorker):
         """Lifts the suspension once the daemon answers a cheap call again."""
         try:
             self._client.lookup(self._wanted[0], [], timeout=1.0)
-        except (DepotUnavailable, grpc.RpcError):
+        except DepotUnavailable:
             return
+        except grpc.RpcError as exc:
+            # Any answer (NOT_FOUND for a namespace it does not know, say) proves
+            # the daemon is serving again; silence or a broken channel does not.
+            if exc.code() in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE,
+                              grpc.StatusCode.CANCELLED):
+                return
         self._suspended = False
         log.warning("kvdepot daemon answers again; rank %d resumes transfers", self._rank)
 
@@ -433,6 +431,10 @@ class KVDepotOffloadingWorker(OffloadingWorker):
             return
         with self._lock:
             self._on_stream.add(job_id)
+        if self.memory.cuda_export is not None:
+            # The daemon's copy waits for everything enqueued so far on this stream
+            # (the forward pass that wrote a store's blocks, reads of a load's).
+            self.memory.cuda_export.record()
         self._stream.submit(
             depot_pb2.TransferJob(
                 job_id=job_id,
@@ -506,11 +508,28 @@ class KVDepotOffloadingWorker(OffloadingWorker):
                     job.is_load, job.keys, f"{r.error_code or 'FAILED'}: {r.error}"
                 )
                 out.append(TransferResult(job_id=r.job_id, success=False))
+        self._check_overdue()
         with self._lock:
             if self._local_results:
                 out.extend(self._local_results)
                 self._local_results = []
         return out
+
+    def _check_overdue(self) -> None:
+        """Async loads are never waited on: a daemon that stops answering would
+        leave their requests waiting forever. Give up on them like wait() does."""
+        now = time.monotonic()
+        if now < self._next_overdue_check:
+            return
+        self._next_overdue_check = now + 0.25
+        with self._lock:
+            overdue = {
+                j for j in self._on_stream
+                if (job := self._jobs.get(j)) is not None
+                and now - job.submitted > self._job_timeout
+            }
+        if overdue:
+            self._abandon(overdue)
 
     def wait(self, job_ids: set[int]) -> None:
         """Blocks until every job in `job_ids` has finished (results stay for

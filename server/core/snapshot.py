@@ -16,6 +16,10 @@ Trust rules (a daemon never serves bytes it cannot vouch for):
   someone else between the runs no longer matches, and the pool starts empty.
   (Writes that leave mtime and ctime alone cannot be seen: this is a guard
   against accidents, not against a hostile root.)
+- One daemon per pool file: `lock_pool_file` holds an exclusive flock on
+  `<pool-file>.lock` from before the snapshot is read until after the next one is
+  written, so a second daemon on the same file is refused (and a restarted
+  daemon cannot read a snapshot that is still being written).
 - The snapshot carries a SHA-256 of its body; a torn or edited snapshot is
   refused. Any inconsistency met while re-creating the index (overlapping
   extents, a size that does not match the layout, a duplicate key) rejects the
@@ -31,12 +35,14 @@ File format (integers little-endian):
     digest  32 bytes SHA-256 of the body
 
 `encode`/`decode`/`capture`/`restore`/`check_compatible` are pure; `save`,
-`take` and `PoolFileIdentity.of` do the file I/O, and `prepare_start`/`finish_start`
-bundle the daemon's start-up decision with its log lines.
+`take`, `lock_pool_file` and `PoolFileIdentity.of` do the file I/O, and
+`prepare_start`/`finish_start`/`save_at_shutdown` bundle the daemon's start-up and
+shutdown steps with their log lines.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import logging
@@ -343,6 +349,38 @@ def take(path: str | os.PathLike[str]) -> bytes | None:
         return None
     os.unlink(path)
     return data
+
+
+class PoolFileBusy(RuntimeError):
+    """Another daemon holds the pool file (its `<pool-file>.lock`)."""
+
+
+def lock_pool_file(pool_file: str) -> int:
+    """Takes an exclusive lock on `<pool-file>.lock` and returns its fd; hold it for
+    the daemon's life and close it after the snapshot is written.
+
+    Two daemons mapping one pool file would overwrite each other's blocks, and the
+    second would consume the first one's snapshot. The lock lives in a separate
+    file so that taking it never creates or touches the pool file (whose times the
+    snapshot vouches for). Raises PoolFileBusy, naming the holder where it can.
+    """
+    path = pool_file + ".lock"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+        os.close(fd)
+        raise PoolFileBusy(
+            f"pool file {pool_file} is in use by another kvdepot daemon (pid {holder}, lock "
+            f"{path}): give each daemon its own --pool-file"
+        ) from None
+    except BaseException:
+        os.close(fd)
+        raise
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)  # for the message above, and operators
+    return fd
 
 
 # -- the daemon's start-up and shutdown ------------------------------------------------

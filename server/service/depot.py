@@ -272,6 +272,10 @@ class DepotServicer(depot_pb2_grpc.DepotServicer):
             st.transfer_streams.discard(results)
             if not reader.done():
                 reader.cancel()
+            # The client went away or aborted: jobs whose copy has not started are
+            # skipped (CopyQueue), so nothing lands in memory it no longer expects.
+            for task in pending:
+                task.cancel()
 
     async def Put(
         self, request: pb.PutRequest, context: grpc.aio.ServicerContext

@@ -37,12 +37,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--length", type=int, default=160)
     ap.add_argument("--dtype", default="float16")
     ap.add_argument("--salt", default="")
+    ap.add_argument("--model-dir", default=None)
     args = ap.parse_args(argv)
 
     from kvdepot.client.vllm.testing import EngineConfig, SyntheticEngine
 
     engine = SyntheticEngine(EngineConfig(socket=args.socket, dtype=args.dtype, salt=args.salt,
-                                          num_gpu_blocks=64))
+                                          model_dir=args.model_dir, num_gpu_blocks=64))
     try:
         engine.wait_registered()
         prompt = prompt_for(args.prompt_seed, args.length)

@@ -29,12 +29,15 @@ from kvdepot.client.vllm.testing import (
     GroupDef,
     SyntheticEngine,
     cpu_environment,
+    find_model_dir,
 )
 from tests.vllm.engine_proc import prompt_for
 
 pytestmark = pytest.mark.vllm
 
 REPO = Path(__file__).resolve().parents[2]
+# The shared test data sits beside the repository (../shared in CI).
+MODEL_DIR = find_model_dir(REPO / "tests")
 
 
 @pytest.fixture
@@ -42,7 +45,7 @@ def make_engine():
     engines: list[SyntheticEngine] = []
 
     def make(**kwargs) -> SyntheticEngine:
-        engine = SyntheticEngine(EngineConfig(**kwargs))
+        engine = SyntheticEngine(EngineConfig(model_dir=str(MODEL_DIR), **kwargs))
         engines.append(engine)
         return engine
 
@@ -155,6 +158,31 @@ def test_hybrid_sliding_window_loads_only_window(daemon, make_engine) -> None:
     assert swa_ids == table[spec.block_indices[1] : spec.block_indices[1] + swa_n]
 
 
+def test_hybrid_failed_load_is_recomputed(daemon, make_engine) -> None:
+    """Several groups: vLLM refuses block-id load errors, so the failure goes back
+    per request (failed_recving) and vLLM recomputes the whole request."""
+    groups = (
+        GroupDef("full", block_size=16, num_layers=1),
+        GroupDef("sliding_window", block_size=32, num_layers=1, sliding_window=64,
+                 num_kv_heads=6),
+    )
+    engine = make_engine(socket=daemon.target, groups=groups, num_gpu_blocks=64)
+    engine.wait_registered()
+    prompt = prompt_for(12, 200)
+    engine.generate([prompt])
+    engine.wait_ready(engine.offload_keys(prompt, 0))
+    engine.reset_gpu_prefix_cache()
+    os.kill(daemon.proc.pid, signal.SIGSTOP)
+    engine.after_start_load = lambda eng: (
+        daemon.kill() if any(m.load_jobs for m in eng.metadata_log[-1:]) else None
+    )
+    [rec] = engine.generate([prompt], timeout=30)
+    assert rec.finished and rec.external_tokens
+    assert engine.failed_recving == {rec.req_id}
+    assert not engine.invalid_block_ids
+    assert_expected(engine, prompt, 0, 0, rec.block_ids[0][: 200 // 16])
+
+
 # -- 3. blocks_per_chunk > 1, first loaded block not chunk-aligned ------------------------
 
 
@@ -232,7 +260,7 @@ def test_two_engine_processes_share_prefix(daemon, make_engine) -> None:
     env = {**os.environ, **cpu_environment(), "PYTHONPATH": str(REPO)}
     proc = subprocess.run(
         [sys.executable, "-m", "tests.vllm.engine_proc", "--socket", daemon.target,
-         "--prompt-seed", "5", "--length", "160"],
+         "--prompt-seed", "5", "--length", "160", "--model-dir", str(MODEL_DIR)],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=150,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
