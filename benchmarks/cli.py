@@ -276,7 +276,8 @@ def run_bench(args: argparse.Namespace) -> int:
         result["notes"].append(
             f"the machine was busy before the bench began (load average {load_before:.1f} on "
             f"{cpus} CPUs): other processes took CPU time from both paths, most of all from "
-            f"the in-process aggregate (it needs every core), so its ratios read high"
+            f"the in-process aggregate (it needs every core): aggregate ratios may read higher "
+            f"than on a quiet machine"
         )
     result["targets"] = check_targets(result)
     table = format_table(result)
