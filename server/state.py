@@ -612,6 +612,23 @@ class DepotState:
             if reg.closing and reg.inflight == 0:
                 self._drop_registration(reg)
 
+    async def _plan_and_copy(
+        self, job: JobSpec, reg: Registration, offsets: list[int | None], out: JobOutcome
+    ) -> bool:
+        """Plans and copies; a failure is recorded in `out` (and False returned)."""
+        try:
+            plan = self._plan(job, reg, offsets)
+            out.copy_seconds = await self._copy(job, reg, plan) if plan.runs else 0.0
+            out.bytes = plan.nbytes
+            return True
+        except errors.DepotError as exc:
+            out.success, out.error, out.error_code = False, exc.message, exc.code.name
+        except Exception as exc:
+            direction = "store" if job.direction == STORE else "load"
+            log.warning("%s job %d: copy failed: %s", direction, job.job_id, exc)
+            out.success, out.error, out.error_code = False, f"copy failed: {exc}", "INTERNAL"
+        return False
+
     async def _store(self, job: JobSpec, reg: Registration) -> JobOutcome:
         ns_id, rank = reg.layout.id, reg.rank
         self._plan(job, reg, [None] * len(job.keys))  # validate block ids before reserving
@@ -631,15 +648,9 @@ class DepotState:
         writing = [s for s in slots if s is not None]
         ok = False
         try:
-            plan = self._plan(job, reg, [s.extent.offset if s else None for s in slots])
-            out.copy_seconds = await self._copy(job, reg, plan) if plan.runs else 0.0
-            out.bytes = plan.nbytes
-            ok = True
-        except errors.DepotError as exc:
-            out.success, out.error, out.error_code = False, exc.message, exc.code.name
-        except Exception as exc:
-            log.warning("store job %d: copy failed: %s", job.job_id, exc)
-            out.success, out.error, out.error_code = False, f"copy failed: {exc}", "INTERNAL"
+            ok = await self._plan_and_copy(
+                job, reg, [s.extent.offset if s else None for s in slots], out
+            )
         finally:
             for slot in writing:
                 self.index.finish_store(slot, rank, ok)
@@ -663,14 +674,9 @@ class DepotState:
                         f"never stored): pin keys before loading them"
                     )
                 slots.append(slot)
-            plan = self._plan(job, reg, [s.extent.offset for s in slots])
-            out.copy_seconds = await self._copy(job, reg, plan) if plan.runs else 0.0
-            out.bytes = plan.nbytes
+            await self._plan_and_copy(job, reg, [s.extent.offset for s in slots], out)
         except errors.DepotError as exc:
             out.success, out.error, out.error_code = False, exc.message, exc.code.name
-        except Exception as exc:
-            log.warning("load job %d: copy failed: %s", job.job_id, exc)
-            out.success, out.error, out.error_code = False, f"copy failed: {exc}", "INTERNAL"
         finally:
             for slot in slots:
                 self.index.end_read(slot)

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TypeVar
 
 import grpc
 
@@ -18,6 +20,7 @@ from kvdepot.v1 import depot_pb2 as pb
 from kvdepot.v1 import depot_pb2_grpc
 
 log = logging.getLogger("kvdepot.depot")
+R = TypeVar("R")
 
 SNAPSHOT_BATCH = 4096
 
@@ -55,6 +58,20 @@ async def abort_with(context: grpc.aio.ServicerContext, exc: errors.DepotError) 
     await context.abort(exc.code, exc.message)
 
 
+def reports_errors(handler: Callable[..., Awaitable[R]]) -> Callable[..., Awaitable[R]]:
+    """A unary handler whose DepotErrors become the call's status and message."""
+
+    @functools.wraps(handler)
+    async def wrapper(self: DepotServicer, request: object, context: grpc.aio.ServicerContext) -> R:
+        try:
+            return await handler(self, request, context)
+        except errors.DepotError as exc:
+            await abort_with(context, exc)
+            raise AssertionError("context.abort returned") from None
+
+    return wrapper
+
+
 class DepotServicer(depot_pb2_grpc.DepotServicer):
     def __init__(self, state: DepotState) -> None:
         self.state = state
@@ -89,53 +106,48 @@ class DepotServicer(depot_pb2_grpc.DepotServicer):
             # Runs when the client goes away (stream cancelled) or we shut down.
             st.close_session(session.id)
 
+    @reports_errors
     async def RegisterKV(
         self, request: pb.RegisterKVRequest, context: grpc.aio.ServicerContext
     ) -> pb.RegisterKVResponse:
-        try:
-            layout = layout_from_proto(request.namespace)
-            regions: list[tuple[str, object]] = []
-            for r in request.regions:
-                kind = r.WhichOneof("handle")
-                if kind == "shm":
-                    regions.append(("shm", (r.shm.fd_token, r.shm.size)))
-                elif kind == "cuda_ipc":
-                    regions.append(("cuda_ipc", r.cuda_ipc))
-                else:
-                    raise errors.invalid("a memory region needs a handle (shm or cuda_ipc)")
-            tensors = [
-                TensorView(
-                    t.region_index,
-                    t.region_offset,
-                    t.num_blocks,
-                    t.block_stride_bytes,
-                    t.page_bytes,
-                )
-                for t in request.tensors
-            ]
-            groups = [
-                [LayerRef(ref.tensor_index, ref.page_offset, ref.page_bytes) for ref in g.layers]
-                for g in request.groups
-            ]
-            reg = self.state.register(
-                request.session_id, layout, request.rank, regions, tensors, groups
+        layout = layout_from_proto(request.namespace)
+        regions: list[tuple[str, object]] = []
+        for r in request.regions:
+            kind = r.WhichOneof("handle")
+            if kind == "shm":
+                regions.append(("shm", (r.shm.fd_token, r.shm.size)))
+            elif kind == "cuda_ipc":
+                regions.append(("cuda_ipc", r.cuda_ipc))
+            else:
+                raise errors.invalid("a memory region needs a handle (shm or cuda_ipc)")
+        tensors = [
+            TensorView(
+                t.region_index,
+                t.region_offset,
+                t.num_blocks,
+                t.block_stride_bytes,
+                t.page_bytes,
             )
-        except errors.DepotError as exc:
-            await abort_with(context, exc)
-            raise AssertionError("unreachable") from None
+            for t in request.tensors
+        ]
+        groups = [
+            [LayerRef(ref.tensor_index, ref.page_offset, ref.page_bytes) for ref in g.layers]
+            for g in request.groups
+        ]
+        reg = self.state.register(
+            request.session_id, layout, request.rank, regions, tensors, groups
+        )
         return pb.RegisterKVResponse(
             registration_id=reg.id,
             memory_path=reg.memory_path,
             slot_bytes=[layout.slot_bytes(g) for g in range(layout.num_groups)],
         )
 
+    @reports_errors
     async def UnregisterKV(
         self, request: pb.UnregisterKVRequest, context: grpc.aio.ServicerContext
     ) -> pb.UnregisterKVResponse:
-        try:
-            self.state.unregister(request.session_id, request.registration_id)
-        except errors.DepotError as exc:
-            await abort_with(context, exc)
+        self.state.unregister(request.session_id, request.registration_id)
         return pb.UnregisterKVResponse()
 
     async def Watch(
@@ -188,34 +200,25 @@ class DepotServicer(depot_pb2_grpc.DepotServicer):
         finally:
             st.remove_watcher(watcher)
 
+    @reports_errors
     async def Lookup(
         self, request: pb.LookupRequest, context: grpc.aio.ServicerContext
     ) -> pb.LookupResponse:
-        try:
-            ready = self.state.lookup(request.namespace_id, list(request.keys))
-        except errors.DepotError as exc:
-            await abort_with(context, exc)
-            raise AssertionError("unreachable") from None
+        ready = self.state.lookup(request.namespace_id, list(request.keys))
         return pb.LookupResponse(ready=ready)
 
+    @reports_errors
     async def Pin(
         self, request: pb.PinRequest, context: grpc.aio.ServicerContext
     ) -> pb.PinResponse:
-        try:
-            pinned = self.state.pin(request.session_id, request.namespace_id, list(request.keys))
-        except errors.DepotError as exc:
-            await abort_with(context, exc)
-            raise AssertionError("unreachable") from None
+        pinned = self.state.pin(request.session_id, request.namespace_id, list(request.keys))
         return pb.PinResponse(pinned=pinned)
 
+    @reports_errors
     async def Unpin(
         self, request: pb.UnpinRequest, context: grpc.aio.ServicerContext
     ) -> pb.UnpinResponse:
-        try:
-            missing = self.state.unpin(request.session_id, request.namespace_id, list(request.keys))
-        except errors.DepotError as exc:
-            await abort_with(context, exc)
-            raise AssertionError("unreachable") from None
+        missing = self.state.unpin(request.session_id, request.namespace_id, list(request.keys))
         return pb.UnpinResponse(not_pinned=missing)
 
     async def Transfer(
@@ -277,24 +280,18 @@ class DepotServicer(depot_pb2_grpc.DepotServicer):
             for task in pending:
                 task.cancel()
 
+    @reports_errors
     async def Put(
         self, request: pb.PutRequest, context: grpc.aio.ServicerContext
     ) -> pb.PutResponse:
-        try:
-            outcome, ready, reason = await self.state.put(
-                request.session_id, request.namespace_id, request.key, request.rank, request.data
-            )
-        except errors.DepotError as exc:
-            await abort_with(context, exc)
-            raise AssertionError("unreachable") from None
+        outcome, ready, reason = await self.state.put(
+            request.session_id, request.namespace_id, request.key, request.rank, request.data
+        )
         return pb.PutResponse(outcome=outcome, ready=ready, drop_reason=reason)
 
+    @reports_errors
     async def Get(
         self, request: pb.GetRequest, context: grpc.aio.ServicerContext
     ) -> pb.GetResponse:
-        try:
-            data = await self.state.get(request.namespace_id, request.key, request.rank)
-        except errors.DepotError as exc:
-            await abort_with(context, exc)
-            raise AssertionError("unreachable") from None
+        data = await self.state.get(request.namespace_id, request.key, request.rank)
         return pb.GetResponse(data=data)
