@@ -16,7 +16,7 @@ from tests.support.engine import Engine, Geometry, chunk_plan
 pytestmark = pytest.mark.timeout(120)
 
 
-def wait_for(predicate, timeout: float) -> bool:  # noqa: ANN001
+def wait_for(predicate, timeout: float) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if predicate():
@@ -25,7 +25,7 @@ def wait_for(predicate, timeout: float) -> bool:  # noqa: ANN001
     return False
 
 
-def test_a_frozen_daemon_is_dropped_and_rejoined_when_it_thaws(daemon) -> None:  # noqa: ANN001
+def test_a_frozen_daemon_is_dropped_and_rejoined_when_it_thaws(daemon) -> None:
     c = DepotClient(daemon.target, keepalive_timeout=2.0).start()
     assert c.wait_connected(10)
     first = c.hello.session_id
@@ -45,7 +45,7 @@ def test_a_frozen_daemon_is_dropped_and_rejoined_when_it_thaws(daemon) -> None: 
     c.close()
 
 
-def test_abort_fails_jobs_in_flight_and_the_stream_reopens(daemon) -> None:  # noqa: ANN001
+def test_abort_fails_jobs_in_flight_and_the_stream_reopens(daemon) -> None:
     c = DepotClient(daemon.target).start()
     assert c.wait_connected(10)
     geo = Geometry(world_size=1, namespace="abort")

@@ -51,7 +51,7 @@ def test_human_sizes(text: str, value: int) -> None:
 
 @pytest.mark.parametrize("text", ["", "12 parsecs", "-1GiB", "0"])
 def test_bad_sizes_say_how_to_write_one(text: str) -> None:
-    with pytest.raises(ValueError, match="512MiB|less than one byte"):
+    with pytest.raises(ValueError, match=r"512MiB|less than one byte"):
         parse_size(text)
 
 
@@ -67,7 +67,7 @@ def test_a_bad_pool_size_is_a_usage_error() -> None:
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_clean_shutdown_removes_the_sockets(daemon_factory, sig: signal.Signals) -> None:  # noqa: ANN001
+def test_clean_shutdown_removes_the_sockets(daemon_factory, sig: signal.Signals) -> None:
     d = daemon_factory("--pool-size", "8MiB")
     assert Path(d.socket_path).exists() and Path(d.socket_path + ".fd").exists()
     d.proc.send_signal(sig)
