@@ -5,23 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvdepot.server.core.copy_engine import LOAD, STORE, CpuCopyEngine, MappedRegion
+from kvdepot.server.core.copy_engine import LOAD, STORE, CpuCopyEngine
 from kvdepot.server.core.layout import LayoutError, NamespaceLayout, check_key
 from kvdepot.server.core.planner import LayerRef, MemoryMap, TensorView, plan_job
-
-
-class ArrayRegion(MappedRegion):
-    """A numpy array as a mapped region (the engine only needs an address)."""
-
-    kind = "test"
-
-    def __init__(self, arr: np.ndarray) -> None:
-        self.arr = arr
-        self.size = arr.nbytes
-        self.address = arr.ctypes.data
-
-    def close(self) -> None:
-        pass
+from tests.support.regions import ArrayRegion
 
 
 def layout(world: int = 2, bpc: int = 2) -> NamespaceLayout:

@@ -22,7 +22,7 @@ import pytest
 
 from kvdepot.server import errors
 from kvdepot.server.config import ServeConfig
-from kvdepot.server.core.copy_engine import LOAD, STORE, CpuCopyEngine, MappedRegion
+from kvdepot.server.core.copy_engine import LOAD, STORE, CpuCopyEngine
 from kvdepot.server.core.layout import NamespaceLayout
 from kvdepot.server.core.planner import CopyPlan, LayerRef, MemoryMap, TensorView, plan_job
 from kvdepot.server.cuda import cuda_available, enable_cuda, page_lock_hook, unavailable_reason
@@ -53,6 +53,7 @@ from kvdepot.server.cuda.handles import (
 from kvdepot.server.cuda.pinning import PoolPinner
 from kvdepot.server.state import DepotState, JobSpec
 from kvdepot.v1 import depot_pb2 as pb
+from tests.support.regions import ArrayRegion
 
 UUID0 = "GPU-8f5e2a1c-0b3d-4e6f-9a7b-1c2d3e4f5a6b"
 UUID1 = "GPU-00112233-4455-6677-8899-aabbccddeeff"
@@ -190,18 +191,6 @@ def test_descriptor_planning_refuses_nonsense() -> None:
     assert plan_descriptors(STORE, [], [0], 0) == []
 
 
-class HostRegion(MappedRegion):
-    kind = "test"
-
-    def __init__(self, arr: np.ndarray) -> None:
-        self.arr = arr
-        self.size = arr.nbytes
-        self.address = arr.ctypes.data
-
-    def close(self) -> None:
-        pass
-
-
 def vllm_geometry(num_blocks: int, layers: int = 32, page: int = 64 << 10, bpc: int = 1,
                   world: int = 1) -> tuple[NamespaceLayout, MemoryMap, int]:
     """vLLM's canonical layout: one region, each layer a (num_blocks, page) tensor in it."""
@@ -235,7 +224,7 @@ def test_descriptors_move_exactly_the_bytes_the_cpu_engine_moves(
     plan = plan_job(lay, rank, mem, block_ids, [len(block_ids)], [3], offsets)
     pool_a = np.zeros((2 * chunks + 2) * slot, np.uint8)
     pool_b = pool_a.copy()
-    CpuCopyEngine().copy(STORE, [HostRegion(src)], pool_a.ctypes.data, plan)
+    CpuCopyEngine().copy(STORE, [ArrayRegion(src)], pool_a.ctypes.data, plan)
     apply(plan_descriptors(STORE, plan.runs, [src.ctypes.data], pool_b.ctypes.data,
                            max_batch=7, host_split=3 * 4096))
     assert pool_a.any() and np.array_equal(pool_a, pool_b)
@@ -243,7 +232,7 @@ def test_descriptors_move_exactly_the_bytes_the_cpu_engine_moves(
     load_ids = [b + 1 for b in block_ids]
     lplan = plan_job(lay, rank, mem, load_ids, [len(load_ids)], [3], offsets)
     dst_a, dst_b = np.zeros(size, np.uint8), np.zeros(size, np.uint8)
-    CpuCopyEngine().copy(LOAD, [HostRegion(dst_a)], pool_a.ctypes.data, lplan)
+    CpuCopyEngine().copy(LOAD, [ArrayRegion(dst_a)], pool_a.ctypes.data, lplan)
     apply(plan_descriptors(LOAD, lplan.runs, [dst_b.ctypes.data], pool_b.ctypes.data,
                            max_batch=5, host_split=4096))
     assert np.array_equal(dst_a, dst_b)
@@ -547,7 +536,7 @@ def test_a_failing_copy_still_synchronises_before_it_raises() -> None:
     with pytest.raises(ValueError, match="open cuda_ipc regions"):
         eng.copy(LOAD, [region], pool.ctypes.data, plan)
     with pytest.raises(ValueError, match="open cuda_ipc regions"):
-        eng.copy(LOAD, [HostRegion(pool)], pool.ctypes.data, plan)
+        eng.copy(LOAD, [ArrayRegion(pool)], pool.ctypes.data, plan)
 
 
 # -- registration lifecycle through the real DepotState --------------------------------
