@@ -51,15 +51,6 @@ def _pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def _prompt(seed: int, n: int) -> list[int]:
-    x = seed * 7919 + 17
-    out = []
-    for _ in range(n):
-        x = (x * 1103515245 + 12345) % (1 << 31)
-        out.append(10 + x % 30000)
-    return out
-
-
 def _steps(engine: Any, prompts: list[list[int]], decode_steps: int) -> dict[str, float]:
     """Admits the prompts in one step, lets them prefill, then times decode steps."""
     for p in prompts:
@@ -112,7 +103,7 @@ def run_connector_bench(
     the figures as a dict. `target` is the daemon ("unix:///path"); None starts one."""
     _cpu_env()
     from kvdepot.bench.daemon import OwnDaemon, target_of
-    from kvdepot.client.vllm.testing import EngineConfig, GroupDef, SyntheticEngine
+    from kvdepot.client.vllm.testing import EngineConfig, GroupDef, SyntheticEngine, prompt_for
 
     out = out if out is not None else sys.stderr
     lookup_rounds = 20 if quick else 200
@@ -130,8 +121,8 @@ def run_connector_bench(
     blocks = requests * ((hit_tokens + new_tokens + decode_steps + 64) // 16 + 2) + 64
     common = dict(groups=groups, num_gpu_blocks=blocks, max_num_seqs=requests,
                   max_num_batched_tokens=requests * (hit_tokens + new_tokens))
-    hit_prefixes = [_prompt(1000 + i, hit_tokens) for i in range(requests)]
-    prompts = [p + _prompt(5000 + i, new_tokens) for i, p in enumerate(hit_prefixes)]
+    hit_prefixes = [prompt_for(1000 + i, hit_tokens) for i in range(requests)]
+    prompts = [p + prompt_for(5000 + i, new_tokens) for i, p in enumerate(hit_prefixes)]
     result: dict[str, Any] = {
         "config": {"requests": requests, "hit_tokens": hit_tokens, "new_tokens": new_tokens,
                    "block_size": 16, "decode_steps": decode_steps, "target": target},

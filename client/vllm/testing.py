@@ -67,6 +67,16 @@ from kvdepot.client.shm import SharedKVBuffer
 _CPU_ENV = {"VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 
 
+def prompt_for(seed: int, length: int) -> list[int]:
+    """A deterministic prompt of `length` token ids (the same in every process)."""
+    x = seed * 7919 + 1
+    out = []
+    for _ in range(length):
+        x = (x * 1103515245 + 12345) % (1 << 31)
+        out.append(10 + x % 30000)
+    return out
+
+
 def cpu_environment() -> dict[str, str]:
     """Environment variables vLLM needs to schedule on a machine without a GPU. They
     must be set before vllm is first imported (vLLM picks its platform then), so set

@@ -20,16 +20,6 @@ for _k, _v in (("VLLM_TARGET_DEVICE", "cpu"), ("HF_HUB_OFFLINE", "1"),
     os.environ.setdefault(_k, _v)
 
 
-def prompt_for(seed: int, length: int) -> list[int]:
-    """A deterministic prompt (same in every process)."""
-    x = seed * 7919 + 1
-    out = []
-    for _ in range(length):
-        x = (x * 1103515245 + 12345) % (1 << 31)
-        out.append(10 + x % 30000)
-    return out
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--socket", required=True)
@@ -40,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model-dir", default=None)
     args = ap.parse_args(argv)
 
-    from kvdepot.client.vllm.testing import EngineConfig, SyntheticEngine
+    from kvdepot.client.vllm.testing import EngineConfig, SyntheticEngine, prompt_for
 
     engine = SyntheticEngine(EngineConfig(socket=args.socket, dtype=args.dtype, salt=args.salt,
                                           model_dir=args.model_dir, num_gpu_blocks=64))

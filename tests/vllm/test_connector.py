@@ -30,8 +30,8 @@ from kvdepot.client.vllm.testing import (
     SyntheticEngine,
     cpu_environment,
     find_model_dir,
+    prompt_for,
 )
-from tests.vllm.engine_proc import prompt_for
 
 pytestmark = pytest.mark.vllm
 
