@@ -60,6 +60,15 @@ def reason_label(text: str, known: Mapping[str, str]) -> str:
     return re.sub(r"[^a-z0-9]+", "_", text.lower()).strip("_")[:40] or "other"
 
 
+def counts_by_label(counts: Mapping[str, int], known: Mapping[str, str]) -> dict[str, int]:
+    """Sums reason counts under their labels; every known label is present (at 0)."""
+    out = dict.fromkeys(known.values(), 0)
+    for text, n in counts.items():
+        label = reason_label(text, known)
+        out[label] = out.get(label, 0) + n
+    return out
+
+
 @dataclass(frozen=True)
 class _Snapshot:
     """Everything a scrape reports from the state, copied on the event loop."""
@@ -178,18 +187,12 @@ class _StateCollector(Collector):
         yield by_label(CounterMetricFamily, "evictions",
                        "Blocks evicted: lru (room for a store), admin (Evict), clear (Clear).",
                        "reason", evictions)
-        dropped = dict.fromkeys(DROP_REASONS.values(), 0)
-        for text, n in snap.dropped_stores.items():
-            label = reason_label(text, DROP_REASONS)
-            dropped[label] = dropped.get(label, 0) + n
+        dropped = counts_by_label(snap.dropped_stores, DROP_REASONS)
         yield by_label(CounterMetricFamily, "dropped_stores",
                        "Key stores dropped: pool_full (every block pinned or in flight), "
                        "row_too_large (a block row larger than the pool).",
                        "reason", dropped)
-        aborted = dict.fromkeys(ABORT_REASONS.values(), 0)
-        for text, n in snap.aborted_writes.items():
-            label = reason_label(text, ABORT_REASONS)
-            aborted[label] = aborted.get(label, 0) + n
+        aborted = counts_by_label(snap.aborted_writes, ABORT_REASONS)
         yield by_label(CounterMetricFamily, "aborted_writes",
                        "Block rows dropped before they became ready.", "reason", aborted)
         failed = {d: snap.failed_jobs.get(d, 0) for d in DIRECTIONS}
