@@ -88,20 +88,19 @@ _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torc
 
 
 def find_model_dir(start: Path | None = None) -> Path:
-    """The OPT-125m config the tests use: `shared/testdata/hf-config-opt-125m`, found
-    next to the repository (`../shared` in CI) or inside it (`shared/`)."""
+    """The OPT-125m model config the tests use (`tests/data/hf-config-opt-125m` in the
+    repository), or the directory named by `KVDEPOT_TEST_MODEL_DIR`."""
     env = os.environ.get("KVDEPOT_TEST_MODEL_DIR")
     if env:
         return Path(env)
     here = (start or Path(__file__)).resolve()
     for parent in [here, *here.parents]:
-        for shared in (parent / "shared", parent.parent / "shared"):
-            candidate = shared / "testdata" / "hf-config-opt-125m"
-            if (candidate / "config.json").is_file():
-                return candidate
+        candidate = parent / "tests" / "data" / "hf-config-opt-125m"
+        if (candidate / "config.json").is_file():
+            return candidate
     raise FileNotFoundError(
-        "shared/testdata/hf-config-opt-125m not found next to the repository; set "
-        "KVDEPOT_TEST_MODEL_DIR"
+        "tests/data/hf-config-opt-125m not found (run from a kvdepot checkout, or set "
+        "KVDEPOT_TEST_MODEL_DIR to a directory holding a Hugging Face config.json)"
     )
 
 

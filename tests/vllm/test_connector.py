@@ -36,7 +36,6 @@ from kvdepot.client.vllm.testing import (
 pytestmark = pytest.mark.vllm
 
 REPO = Path(__file__).resolve().parents[2]
-# The shared test data sits beside the repository (../shared in CI).
 MODEL_DIR = find_model_dir(REPO / "tests")
 
 
