@@ -23,6 +23,7 @@ from kvdepot.server.core.snapshot import PoolFileBusy
 from kvdepot.server.cuda import enable_cuda, page_lock_hook
 from kvdepot.server.fd_receiver import FdReceiver
 from kvdepot.server.health import HealthServicer
+from kvdepot.server.pvm import enable_pvm
 from kvdepot.server.sdnotify import SystemdNotifier, run_watchdog
 from kvdepot.server.service import wire
 from kvdepot.server.service.admin import AdminServicer
@@ -91,6 +92,7 @@ class Daemon:
             kvdepot.__version__, format_size(st.arena.size), st.arena.backing, st.boot_id,
         )
         enable_cuda(st, st.arena)  # logs whether the CUDA IPC path is on, and why
+        enable_pvm(st)  # copies from engines' plain memory (process_vm_readv/writev)
         self._start_warmup(st)
 
         server = self.server = grpc.aio.server(

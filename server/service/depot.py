@@ -118,8 +118,10 @@ class DepotServicer(depot_pb2_grpc.DepotServicer):
                 regions.append(("shm", (r.shm.fd_token, r.shm.size)))
             elif kind == "cuda_ipc":
                 regions.append(("cuda_ipc", r.cuda_ipc))
+            elif kind == "pvm":
+                regions.append(("pvm", r.pvm))
             else:
-                raise errors.invalid("a memory region needs a handle (shm or cuda_ipc)")
+                raise errors.invalid("a memory region needs a handle (shm, cuda_ipc or pvm)")
         tensors = [
             TensorView(
                 t.region_index,

@@ -77,12 +77,14 @@ class GroupLayout(_message.Message):
     def __init__(self, layer_page_bytes: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class MemoryRegion(_message.Message):
-    __slots__ = ("shm", "cuda_ipc")
+    __slots__ = ("shm", "cuda_ipc", "pvm")
     SHM_FIELD_NUMBER: _ClassVar[int]
     CUDA_IPC_FIELD_NUMBER: _ClassVar[int]
+    PVM_FIELD_NUMBER: _ClassVar[int]
     shm: SharedMemoryHandle
     cuda_ipc: CudaIpcHandle
-    def __init__(self, shm: _Optional[_Union[SharedMemoryHandle, _Mapping]] = ..., cuda_ipc: _Optional[_Union[CudaIpcHandle, _Mapping]] = ...) -> None: ...
+    pvm: ProcessMemory
+    def __init__(self, shm: _Optional[_Union[SharedMemoryHandle, _Mapping]] = ..., cuda_ipc: _Optional[_Union[CudaIpcHandle, _Mapping]] = ..., pvm: _Optional[_Union[ProcessMemory, _Mapping]] = ...) -> None: ...
 
 class SharedMemoryHandle(_message.Message):
     __slots__ = ("fd_token", "size")
@@ -105,6 +107,18 @@ class CudaIpcHandle(_message.Message):
     size: int
     event_handle: bytes
     def __init__(self, ipc_handle: _Optional[bytes] = ..., device_uuid: _Optional[str] = ..., offset: _Optional[int] = ..., size: _Optional[int] = ..., event_handle: _Optional[bytes] = ...) -> None: ...
+
+class ProcessMemory(_message.Message):
+    __slots__ = ("pid", "address", "size", "pid_token")
+    PID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    PID_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    pid: int
+    address: int
+    size: int
+    pid_token: str
+    def __init__(self, pid: _Optional[int] = ..., address: _Optional[int] = ..., size: _Optional[int] = ..., pid_token: _Optional[str] = ...) -> None: ...
 
 class KVTensor(_message.Message):
     __slots__ = ("region_index", "region_offset", "num_blocks", "block_stride_bytes", "page_bytes")

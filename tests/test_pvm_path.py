@@ -1,0 +1,263 @@
+"""The pvm memory path against a real `kvdepot serve`: engines whose KV cache is
+ordinary process memory, copied by the daemon with process_vm_readv/writev.
+
+Engines are real processes (tests/support/pvm_engine.py); the daemon verifies who
+registers from the kernel's credentials, so a registration naming another process
+is refused, and a daemon without ptrace access says what to change.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import grpc
+import pytest
+
+from kvdepot.client import DepotClient
+from kvdepot.client.pvm import describe_tensors, register_process_kv, send_identity
+from kvdepot.v1 import admin_pb2, admin_pb2_grpc
+from kvdepot.v1 import depot_pb2 as pb
+from tests.support import daemon as daemon_support
+from tests.support.daemon import DaemonProcess
+from tests.support.engine import Geometry
+
+pytestmark = pytest.mark.timeout(120)
+
+REPO = Path(__file__).resolve().parents[1]
+ENGINE = REPO / "tests" / "support" / "pvm_engine.py"
+
+
+def engine(action: str, target: str, *args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, str(ENGINE), action, "--target", target, *args],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def report(proc: subprocess.Popen[str]) -> dict:
+    line = proc.stdout.readline()  # type: ignore[union-attr]
+    assert line, proc.stderr.read()  # type: ignore[union-attr]
+    return json.loads(line)
+
+
+def stats(d: DaemonProcess) -> admin_pb2.GetStatsResponse:
+    with d.channel() as ch:
+        return admin_pb2_grpc.AdminStub(ch).GetStats(admin_pb2.GetStatsRequest(), timeout=5)
+
+
+def pidfds(d: DaemonProcess) -> int:
+    """pidfds the daemon holds (one per live pvm region)."""
+    fd_dir = Path(f"/proc/{d.proc.pid}/fd")  # type: ignore[union-attr]
+    count = 0
+    for fd in fd_dir.iterdir():
+        with contextlib.suppress(OSError):  # closed meanwhile
+            count += "pidfd" in os.readlink(fd)
+    return count
+
+
+def wait_for(what: str, predicate: Callable[[], bool], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def test_store_in_one_process_load_in_another(daemon: DaemonProcess) -> None:
+    writer = engine("store", daemon.target)
+    try:
+        stored = report(writer)
+        assert stored["memory_path"] == "pvm"
+        assert (stored["failed"], stored["stored"]) == (0, 80), stored
+        assert pidfds(daemon) == 1
+        reader = engine("verify", daemon.target)
+        loaded = report(reader)
+        assert reader.wait(30) == 0
+        assert loaded["memory_path"] == "pvm"
+        assert (loaded["failed"], loaded["jobs"]) == (0, 4), loaded
+        assert loaded["mismatched_pages"] == 0  # every byte came back, through the pool
+    finally:
+        writer.communicate("\n", timeout=30)
+    wait_for("both sessions to end", lambda: stats(daemon).sessions == 0)
+    assert pidfds(daemon) == 0
+
+
+def test_unmapped_memory_fails_the_job_and_marks_nothing_ready(daemon: DaemonProcess) -> None:
+    proc = engine("unmap", daemon.target)
+    out = report(proc)
+    assert proc.wait(30) == 0
+    assert out["store_before"] is True
+    # A copy that comes up short is a job error: nothing stored, nothing ready.
+    assert out["store_after"] is False and "moved" in out["store_error"], out
+    assert out["keys_ready_after_failed_store"] == 0
+    assert out["load_after"] is False and "process_vm_writev" in out["load_error"], out
+    wait_for("the session to end", lambda: stats(daemon).sessions == 0)
+    s = stats(daemon)
+    assert (s.registrations, s.writing_blocks, s.inflight_jobs) == (0, 0, 0)
+    assert s.ready_blocks == 4  # the two chunks stored before the hole (two groups)
+
+
+def test_engine_killed_while_storing(daemon: DaemonProcess) -> None:
+    victim = engine("store", daemon.target, "--loop")
+    try:
+        assert report(victim)["failed"] == 0
+        before = stats(daemon).stores
+        wait_for("stores to flow", lambda: stats(daemon).stores > before + 5)
+    finally:
+        victim.send_signal(signal.SIGKILL)
+        victim.wait(10)
+
+    def released() -> bool:
+        s = stats(daemon)
+        return (s.sessions, s.registrations, s.writing_blocks, s.inflight_jobs) == (0, 0, 0, 0)
+
+    wait_for("the daemon to release the dead engine", released)
+    assert pidfds(daemon) == 0
+    assert daemon.proc.poll() is None  # type: ignore[union-attr]
+    # The daemon goes on serving: a new engine reads back the first chunks.
+    reader = engine("verify", daemon.target)
+    loaded = report(reader)
+    assert reader.wait(30) == 0
+    assert (loaded["failed"], loaded["mismatched_pages"]) == (0, 0), loaded
+
+
+def _raw_session(target: str, claimed_pid: int) -> tuple[grpc.Channel, object, str, str]:
+    """A Session opened by hand, claiming any pid (what a hostile client can do)."""
+    ch = grpc.insecure_channel(target)
+    call = pb_stub(ch).Session(pb.SessionRequest(client_name="liar", pid=claimed_pid))
+    hello = next(iter(call)).hello
+    return ch, call, hello.session_id, hello.fd_socket
+
+
+def pb_stub(ch: grpc.Channel):
+    from kvdepot.v1 import depot_pb2_grpc
+
+    return depot_pb2_grpc.DepotStub(ch)
+
+
+def _register(ch: grpc.Channel, session_id: str, pid: int, token: str, size: int) -> None:
+    geo = Geometry(world_size=1, namespace="pvm-liar", num_blocks=4, groups=[[size // 4]])
+    pb_stub(ch).RegisterKV(
+        pb.RegisterKVRequest(
+            session_id=session_id,
+            namespace=geo.layout(),
+            rank=0,
+            regions=[
+                pb.MemoryRegion(
+                    pvm=pb.ProcessMemory(pid=pid, address=0x10000, size=size, pid_token=token)
+                )
+            ],
+            tensors=[
+                pb.KVTensor(
+                    region_index=0, num_blocks=4, block_stride_bytes=size // 4, page_bytes=size // 4
+                )
+            ],
+            groups=[pb.GroupRefs(layers=[pb.LayerRef(tensor_index=0, page_bytes=size // 4)])],
+        ),
+        timeout=10,
+    )
+
+
+def test_registration_naming_another_process_is_refused(daemon: DaemonProcess) -> None:
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        # 1. An honest session, but the region names another process's pid.
+        ch, call, sid, fd_socket = _raw_session(daemon.target, os.getpid())
+        token = send_identity(fd_socket, sid).pid_token
+        with pytest.raises(grpc.RpcError) as err:
+            _register(ch, sid, other.pid, token, 4096)
+        assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert "register only its own memory" in err.value.details()
+        call.cancel()
+        ch.close()
+        # 2. A session that lies about its pid, and a region naming that pid: the
+        #    socketpair behind the token was made by us, which the kernel knows.
+        ch, call, sid, fd_socket = _raw_session(daemon.target, other.pid)
+        token = send_identity(fd_socket, sid).pid_token
+        with pytest.raises(grpc.RpcError) as err:
+            _register(ch, sid, other.pid, token, 4096)
+        assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert f"pid {os.getpid()}" in err.value.details()
+        # 3. A token of another session cannot be used either.
+        ch2, call2, sid2, _ = _raw_session(daemon.target, os.getpid())
+        with pytest.raises(grpc.RpcError) as err:
+            _register(ch2, sid2, os.getpid(), send_identity(fd_socket, sid).pid_token, 4096)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        for c in (call, call2):
+            c.cancel()
+        ch.close()
+        ch2.close()
+    finally:
+        other.kill()
+        other.wait()
+    wait_for("the sessions to end", lambda: stats(daemon).sessions == 0)
+    s = stats(daemon)
+    assert (s.registrations, s.ready_blocks) == (0, 0)
+    assert pidfds(daemon) == 0
+
+
+@pytest.fixture
+def unprivileged_daemon(monkeypatch: pytest.MonkeyPatch) -> DaemonProcess:
+    """A daemon running as uid 65534 without capabilities: it may not read our memory."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to start a daemon as another uid")
+    workdir = Path(f"/tmp/kvd-nobody-{os.getpid()}")
+    workdir.mkdir(mode=0o777, exist_ok=True)
+    os.chmod(workdir, 0o777)
+    base = daemon_support.kvdepot_command()
+    monkeypatch.setattr(
+        daemon_support,
+        "kvdepot_command",
+        lambda: [
+            "setpriv",
+            "--reuid=65534",
+            "--regid=65534",
+            "--clear-groups",
+            "--inh-caps=-all",
+            "--bounding-set=-all",
+            *base,
+        ],
+    )
+    d = DaemonProcess(workdir, "--pool-size", "16MiB").start()
+    yield d
+    d.kill()
+    subprocess.run(["rm", "-rf", str(workdir)], check=False)
+
+
+def test_daemon_without_ptrace_access_says_what_to_change(
+    unprivileged_daemon: DaemonProcess,
+) -> None:
+    import torch
+
+    client = DepotClient(unprivileged_daemon.target, client_name="root engine").start()
+    try:
+        assert client.wait_connected(10)
+        kv = torch.zeros(8, 4096, dtype=torch.int8)
+        regions, tensors = describe_tensors([kv])
+        geo = Geometry(world_size=1, namespace="pvm-denied", num_blocks=8, groups=[[4096]])
+        with pytest.raises(grpc.RpcError) as err:
+            register_process_kv(
+                client,
+                geo.layout(),
+                0,
+                regions,
+                tensors,
+                [pb.GroupRefs(layers=[pb.LayerRef(tensor_index=0, page_bytes=4096)])],
+            )
+        assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        text = err.value.details()
+        for fix in ("uid (0", "CAP_SYS_PTRACE", "shareProcessNamespace"):
+            assert fix in text, text
+    finally:
+        client.close()
+    assert stats(unprivileged_daemon).registrations == 0
