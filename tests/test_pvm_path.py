@@ -15,7 +15,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import grpc
@@ -25,7 +25,7 @@ from kvdepot.client import DepotClient
 from kvdepot.client.pvm import describe_tensors, register_process_kv, send_identity
 from kvdepot.v1 import admin_pb2, admin_pb2_grpc
 from kvdepot.v1 import depot_pb2 as pb
-from tests.support import daemon as daemon_support
+from tests.support import unprivileged
 from tests.support.daemon import DaemonProcess
 from tests.support.engine import Geometry
 
@@ -207,31 +207,11 @@ def test_registration_naming_another_process_is_refused(daemon: DaemonProcess) -
 
 
 @pytest.fixture
-def unprivileged_daemon(monkeypatch: pytest.MonkeyPatch) -> DaemonProcess:
-    """A daemon running as uid 65534 without capabilities: it may not read our memory."""
+def unprivileged_daemon() -> Iterator[DaemonProcess]:
     if os.geteuid() != 0:
         pytest.skip("needs root to start a daemon as another uid")
-    workdir = Path(f"/tmp/kvd-nobody-{os.getpid()}")
-    workdir.mkdir(mode=0o777, exist_ok=True)
-    os.chmod(workdir, 0o777)
-    base = daemon_support.kvdepot_command()
-    monkeypatch.setattr(
-        daemon_support,
-        "kvdepot_command",
-        lambda: [
-            "setpriv",
-            "--reuid=65534",
-            "--regid=65534",
-            "--clear-groups",
-            "--inh-caps=-all",
-            "--bounding-set=-all",
-            *base,
-        ],
-    )
-    d = DaemonProcess(workdir, "--pool-size", "16MiB").start()
-    yield d
-    d.kill()
-    subprocess.run(["rm", "-rf", str(workdir)], check=False)
+    with unprivileged.unprivileged_daemon() as d:
+        yield d
 
 
 def test_daemon_without_ptrace_access_says_what_to_change(

@@ -83,15 +83,19 @@ def load_jobs(engine: SyntheticEngine) -> list:
 
 
 @pytest.mark.parametrize(
-    ("shm", "sync"), [(True, False), (False, False), (True, True)],
-    ids=["shm", "inline", "shm-in-step"],
+    ("path", "sync"), [("shm", False), ("pvm", False), ("inline", False), ("shm", True)],
+    ids=["shm", "pvm", "inline", "shm-in-step"],
 )
-def test_store_reset_load_same_bytes(daemon, make_engine, shm: bool, sync: bool) -> None:
+def test_store_reset_load_same_bytes(daemon, make_engine, path: str, sync: bool) -> None:
     # in-step: vLLM loads within the step (expedited job, then wait()).
     extra = {"sync_load_budget_bytes": 1 << 30} if sync else {}
-    engine = make_engine(socket=daemon.target, num_gpu_blocks=64, shm=shm, extra_config=extra)
+    if path == "inline":
+        extra["kvdepot_memory_path"] = "inline"
+    # pvm and inline: the KV cache is plain process memory, as in a real CPU engine.
+    engine = make_engine(socket=daemon.target, num_gpu_blocks=64, shm=path == "shm",
+                         extra_config=extra)
     engine.wait_registered()
-    assert engine.ranks[0].offloading_worker.memory.path == ("shm" if shm else "inline")
+    assert engine.ranks[0].offloading_worker.memory.path == path
     prompt = prompt_for(1, 150)  # 9 full blocks of 16 tokens + 6
     [first] = engine.generate([prompt])
     assert first.external_tokens == 0

@@ -1,0 +1,166 @@
+"""The inline transport: pages carried in Put/Get messages by one background thread.
+
+Used when the daemon cannot reach the KV memory itself (no memfd, no CUDA IPC, no
+ptrace access). Slow: protobuf copies every byte, one key per call. A job's
+chunks are cut exactly as the daemon plans them (`chunks`), so an inline store
+and a shared-memory load of the same key agree byte for byte.
+
+Contract: `submit(job)` never blocks; the job's result goes to `finish(job,
+success, error, nbytes, seconds)`, called on the transport's thread. Expedited
+jobs go first. A CUDA job waits for `job.cuda_event` (recorded by the submitter
+after the work it depends on) before touching the tensors.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any, Protocol
+
+import grpc
+import torch
+from vllm.v1.kv_offload.base import CanonicalKVCaches
+
+from kvdepot.client import DepotClient, DepotUnavailable
+
+log = logging.getLogger("kvdepot.vllm.worker")
+
+
+class InlineJob(Protocol):
+    job_id: int
+    is_load: bool
+    namespace_id: str
+    keys: list[bytes]
+    block_ids: list[int]
+    group_sizes: list[int]
+    block_indices: list[int]
+    expedited: bool
+    cuda_event: Any
+
+
+def chunks(
+    job: InlineJob, blocks_per_chunk: int
+) -> Iterator[tuple[bytes, int, list[tuple[int, int]]]]:
+    """(key, group, [(sub_block, block_id)]) per key, exactly as the daemon plans it.
+
+    The same arithmetic as the daemon's planner (kvdepot.server.core.planner): the
+    first chunk of group g skips block_indices[g] % blocks_per_chunk sub-blocks.
+    """
+    bpc = blocks_per_chunk
+    pos = key_pos = 0
+    for g, n in enumerate(job.group_sizes):
+        ids = job.block_ids[pos : pos + n]
+        pos += n
+        if n == 0:
+            continue
+        skip = job.block_indices[g] % bpc
+        per_chunk: dict[int, list[tuple[int, int]]] = {}
+        for i, block_id in enumerate(ids):
+            c, j = divmod(skip + i, bpc)
+            per_chunk.setdefault(c, []).append((j, block_id))
+        for c in sorted(per_chunk):
+            yield job.keys[key_pos + c], g, per_chunk[c]
+        key_pos += len(per_chunk)
+
+
+class InlineTransport:
+    """One rank's Put/Get thread."""
+
+    def __init__(
+        self,
+        client: DepotClient,
+        kv_caches: CanonicalKVCaches,
+        *,
+        rank: int,
+        blocks_per_chunk: int,
+        finish: Callable[[InlineJob, bool, str, int, float], None],
+        on_dropped: Callable[[int], None],
+    ) -> None:
+        self._client = client
+        self._kv_caches = kv_caches
+        self._rank = rank
+        self._bpc = blocks_per_chunk
+        self._finish = finish
+        self._on_dropped = on_dropped
+        self._pages = [[ref.page_size_bytes for ref in refs] for refs in kv_caches.group_data_refs]
+        self._queue: queue.PriorityQueue[tuple[int, int, InlineJob | None]] = queue.PriorityQueue()
+        self._seq = itertools.count()
+        self._thread = threading.Thread(
+            target=self._loop, name=f"kvdepot-inline-r{rank}", daemon=True
+        )
+        self._thread.start()
+
+    @property
+    def on_cuda(self) -> bool:
+        tensors = self._kv_caches.tensors
+        return bool(tensors) and tensors[0].tensor.is_cuda
+
+    def submit(self, job: InlineJob) -> None:
+        self._queue.put((0 if job.expedited else 1, next(self._seq), job))
+
+    def close(self) -> None:
+        self._queue.put((-1, -1, None))
+
+    def _loop(self) -> None:
+        while True:
+            _, _, job = self._queue.get()
+            if job is None:
+                return
+            start = time.perf_counter()
+            try:
+                if job.cuda_event is not None:
+                    job.cuda_event.synchronize()
+                nbytes = self._load(job) if job.is_load else self._store(job)
+            except (DepotUnavailable, grpc.RpcError, ValueError) as exc:
+                detail = exc.details() if isinstance(exc, grpc.RpcError) else str(exc)
+                self._finish(job, False, str(detail), 0, 0.0)
+            except Exception as exc:  # never let the thread die: fail the job
+                log.exception("kvdepot inline transfer failed")
+                self._finish(job, False, repr(exc), 0, 0.0)
+            else:
+                self._finish(job, True, "", nbytes, time.perf_counter() - start)
+
+    def _page(self, g: int, layer: int, block_id: int) -> torch.Tensor:
+        ref = self._kv_caches.group_data_refs[g][layer]
+        return self._kv_caches.tensors[ref.tensor_idx].tensor[block_id, : ref.page_size_bytes]
+
+    def _store(self, job: InlineJob) -> int:
+        nbytes = 0
+        for key, g, subs in chunks(job, self._bpc):
+            if len(subs) != self._bpc:
+                self._on_dropped(1)  # a partial chunk cannot be a whole section
+                continue
+            parts = []
+            for layer in range(len(self._pages[g])):
+                for _, block_id in subs:
+                    parts.append(self._page(g, layer, block_id).cpu().numpy().tobytes())
+            data = b"".join(parts)
+            resp = self._client.put(job.namespace_id, key, self._rank, data)
+            if resp.outcome == "dropped":
+                self._on_dropped(1)
+            nbytes += len(data)
+        return nbytes
+
+    def _load(self, job: InlineJob) -> int:
+        nbytes = 0
+        pages = self._pages
+        for key, g, subs in chunks(job, self._bpc):
+            data = self._client.get(job.namespace_id, key, self._rank)
+            expected = self._bpc * sum(pages[g])
+            if len(data) != expected:
+                raise ValueError(f"section of {len(data)} bytes, expected {expected}")
+            section = torch.frombuffer(bytearray(data), dtype=torch.int8)
+            offset = 0
+            for layer, page in enumerate(pages[g]):
+                for j, block_id in subs:
+                    start = offset + j * page
+                    self._page(g, layer, block_id).copy_(section[start : start + page])
+                    nbytes += page
+                offset += self._bpc * page
+        if self.on_cuda:
+            torch.cuda.current_stream().synchronize()
+        return nbytes
