@@ -1,4 +1,4 @@
-"""The `kvdepot` command: `serve` runs the daemon, `bench` measures it."""
+"""The `kvdepot` command: `serve` runs the daemon, `status` shows it, `bench` measures it."""
 
 from __future__ import annotations
 
@@ -20,6 +20,10 @@ def main(argv: list[str] | None = None) -> int:
     serve_p = sub.add_parser("serve", help="run the daemon")
     add_serve_arguments(serve_p)
 
+    from kvdepot.server.status import add_status_arguments, run_status
+
+    add_status_arguments(sub.add_parser("status", help="show the running daemon's state"))
+
     bench_p = sub.add_parser("bench", help="measure throughput and latency")
     try:
         from kvdepot.bench.cli import add_bench_arguments, run_bench
@@ -33,6 +37,8 @@ def main(argv: list[str] | None = None) -> int:
         from kvdepot.server.daemon import serve
 
         return serve(config_from_args(args))
+    if args.command == "status":
+        return run_status(args)
     if run_bench is None:
         parser.error("kvdepot bench is not available in this installation")
     return run_bench(args)

@@ -1,0 +1,348 @@
+"""`kvdepot status`: the daemon at a glance, for the operator on the node.
+
+    kvdepot status [--socket PATH] [--watch] [--json] [--interval S] [--probe]
+
+One screen (rendered with rich, 80 columns is enough): the pool with a bar (used,
+pinned, free, largest free extent), warm-up progress, blocks, traffic rates over the
+last interval, namespaces, engines (pid, ranks, memory path and what it means, age),
+the remote tier when the daemon reports one, and boot id, version and uptime.
+
+Rates need two readings: a one-shot status reads twice, `--interval` apart (default
+1 s; `--interval 0` reads once and shows no rates). `--watch` redraws every interval
+until Ctrl-C and keeps retrying, on screen, while the daemon is away. `--json` prints
+the same content as one JSON object (one per line with `--watch`). `--probe` is the
+container health check: exit 0 when grpc.health.v1 answers SERVING, else 1.
+
+Errors are one line on stderr, exit status 1: no socket, permission (names the group
+to join), nothing listening, not a kvdepot daemon, no answer in time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Iterable
+from typing import Any
+
+from kvdepot.server.config import default_socket_path
+from kvdepot.server.status_report import (
+    Sample,
+    Sampler,
+    StatusError,
+    build_report,
+    connect,
+    health_probe,
+    socket_path_of,
+)
+
+BAR_WIDTH = 40
+
+
+def add_status_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--socket",
+        default=os.environ.get("KVDEPOT_SOCKET") or default_socket_path(),
+        help="the daemon's Unix socket, as for serve (KVDEPOT_SOCKET; default %(default)s)",
+    )
+    parser.add_argument("--watch", action="store_true", help="redraw every interval until Ctrl-C")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of the screen")
+    parser.add_argument(
+        "--interval",
+        type=float,
+        default=1.0,
+        help="seconds between the two readings that give rates, and between redraws "
+        "(default %(default)s; 0: one reading, no rates)",
+    )
+    parser.add_argument(
+        "--timeout", type=float, default=5.0, help="seconds to wait for each answer (default 5)"
+    )
+    parser.add_argument(
+        "--probe",
+        action="store_true",
+        help="health check only: exit 0 if the daemon's gRPC health service says SERVING",
+    )
+
+
+def run_status(args: argparse.Namespace) -> int:
+    path = socket_path_of(args.socket)
+    try:
+        if args.probe:
+            health_probe(path, timeout=args.timeout)
+            return 0
+        if args.watch:
+            return _watch(path, args)
+        _print_once(path, args)
+        return 0
+    except StatusError as exc:
+        print(f"kvdepot status: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+def _read(path: str, timeout: float, interval: float) -> dict[str, Any]:
+    with connect(path, timeout) as channel:
+        sampler = Sampler(path, channel, timeout)
+        first = sampler.sample()
+        if interval <= 0:
+            return build_report(path, None, first)
+        time.sleep(interval)
+        return build_report(path, first, sampler.sample())
+
+
+def _print_once(path: str, args: argparse.Namespace) -> None:
+    report = _read(path, args.timeout, args.interval)
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return
+    from rich.console import Console
+
+    Console(highlight=False).print(render(report))
+
+
+def _watch(path: str, args: argparse.Namespace) -> int:
+    """Redraws until Ctrl-C; a daemon that goes away is shown, and picked up again."""
+    from rich.console import Console, Group
+    from rich.live import Live
+    from rich.text import Text
+
+    interval = args.interval if args.interval > 0 else 1.0
+    console = Console(highlight=False)
+    prev: Sample | None = None
+    last_good: Any = None
+
+    def frames() -> Iterable[Any]:
+        nonlocal prev, last_good
+        while True:
+            try:
+                with connect(path, args.timeout) as channel:
+                    sampler = Sampler(path, channel, args.timeout)
+                    while True:
+                        cur = sampler.sample()
+                        report = build_report(path, prev, cur)
+                        prev = cur
+                        last_good = report
+                        yield report
+                        time.sleep(interval)
+            except StatusError as exc:
+                prev = None  # rates restart with the next daemon
+                yield exc
+                time.sleep(interval)
+
+    def view(item: Any) -> Any:
+        if isinstance(item, StatusError):
+            stamp = time.strftime("%H:%M:%S")
+            err = Text(f"{stamp} {item} (retrying every {interval:g}s)", style="bold red")
+            if last_good is None:
+                return err
+            return Group(err, Text("last reading:", style="dim"), render(last_good))
+        return render(item)
+
+    try:
+        if args.json:
+            for item in frames():
+                if isinstance(item, StatusError):
+                    print(json.dumps({"error": str(item), "taken_at": time.time()}), flush=True)
+                else:
+                    print(json.dumps(item), flush=True)
+        elif not console.is_terminal:  # piped: frames one after another
+            for item in frames():
+                console.print(view(item))
+                console.rule()
+        else:
+            with Live(console=console, screen=True, auto_refresh=False) as live:
+                for item in frames():
+                    live.update(view(item), refresh=True)
+    except KeyboardInterrupt:
+        return 0
+    return 0
+
+
+# --- rendering -----------------------------------------------------------------------------
+
+
+def fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def fmt_age(seconds: float) -> str:
+    s = int(seconds)
+    d, s = divmod(s, 86400)
+    h, s = divmod(s, 3600)
+    m, s = divmod(s, 60)
+    if d:
+        return f"{d}d {h:02d}h"
+    if h:
+        return f"{h}h {m:02d}m"
+    if m:
+        return f"{m}m {s:02d}s"
+    return f"{s}s"
+
+
+def fmt_rate(x: float) -> str:
+    return f"{x:.0f}" if x >= 100 or x == 0 else f"{x:.1f}"
+
+
+def short_id(ns_id: str) -> str:
+    """'kvd1-' + 40 hex digits is too wide for a table: the first 8 digits tell them apart."""
+    return ns_id if len(ns_id) <= 16 else ns_id[:13] + "…"
+
+
+def _pool_bar(capacity: int, used: int, pinned: int, width: int = BAR_WIDTH) -> Any:
+    """Pinned (▓), used and not pinned (█), free (░): shapes tell them apart without colour."""
+    from rich.text import Text
+
+    if capacity <= 0:
+        return Text("░" * width, style="dim")
+    n_used = min(width, round(width * used / capacity))
+    n_pinned = min(n_used, round(width * pinned / capacity))
+    if used and n_used == 0:
+        n_used = 1  # something is there: show it
+    bar = Text()
+    bar.append("▓" * n_pinned, style="magenta")
+    bar.append("█" * (n_used - n_pinned), style="cyan")
+    bar.append("░" * (width - n_used), style="dim")
+    return bar
+
+
+def render(r: dict[str, Any]) -> Any:
+    """The screen for one report (see build_report)."""
+    from rich import box
+    from rich.console import Group
+    from rich.progress_bar import ProgressBar
+    from rich.table import Table
+    from rich.text import Text
+
+    d, pool, warm, blocks = r["daemon"], r["pool"], r["warmup"], r["blocks"]
+    parts: list[Any] = []
+    header = Text()
+    header.append(f"kvdepot {d['version']}", style="bold")
+    header.append(f"  boot {d['boot_id']}  up {fmt_age(d['uptime_seconds'])}  {r['socket']}")
+    parts.append(header)
+
+    grid = Table.grid(padding=(0, 1))
+    grid.add_column(style="bold", no_wrap=True)
+    grid.add_column()
+    cap = pool["capacity_bytes"]
+    bar = _pool_bar(cap, pool["used_bytes"], pool["pinned_bytes"])
+    bar.append(f" {100 * pool['used_fraction']:.1f}% of {fmt_bytes(cap)}")
+    grid.add_row("pool", bar)
+    backing = d["pool_backing"] + (", warm restart" if d["warm_restarted"] else "")
+    grid.add_row(
+        "",
+        f"used {fmt_bytes(pool['used_bytes'])} · pinned {fmt_bytes(pool['pinned_bytes'])} "
+        f"· free {fmt_bytes(pool['free_bytes'])} ({backing})",
+    )
+    grid.add_row("", f"largest free extent {fmt_bytes(pool['largest_free_extent_bytes'])}")
+    warm_line = Table.grid(padding=(0, 1))
+    warm_line.add_row(
+        ProgressBar(total=max(1, cap), completed=warm["done_bytes"], width=BAR_WIDTH),
+        f"{100 * warm['fraction']:.0f}%" + (" done" if warm["complete"] else ""),
+    )
+    grid.add_row("warm-up", warm_line)
+    grid.add_row("", Text("pre-fault, and page-lock on CUDA hosts (one figure)", style="dim"))
+    grid.add_row(
+        "blocks",
+        f"{blocks['ready']} ready · {blocks['writing']} writing · "
+        f"{blocks['pinned']} pinned · {blocks['inflight_jobs']} jobs in flight",
+    )
+    rates = r["rates"]
+    if rates is None:
+        grid.add_row("rates", Text("need two readings (--interval > 0)", style="dim"))
+    else:
+        grid.add_row(
+            f"last {rates['interval_seconds']:.1f}s",
+            f"stores {fmt_rate(rates['stores_per_second'])}/s "
+            f"{fmt_bytes(rates['store_bytes_per_second'])}/s · "
+            f"loads {fmt_rate(rates['loads_per_second'])}/s "
+            f"{fmt_bytes(rates['load_bytes_per_second'])}/s",
+        )
+        by_reason = ", ".join(
+            f"{k} {fmt_rate(v)}" for k, v in rates["evictions_by_reason_per_second"].items() if v
+        )
+        lookups = rates["lookups_per_second"]
+        hit = f" ({100 * rates['hits_per_second'] / lookups:.0f}% hit)" if lookups else ""
+        grid.add_row(
+            "",
+            f"evictions {fmt_rate(rates['evictions_per_second'])}/s"
+            + (f" ({by_reason})" if by_reason else "")
+            + f" · dropped stores {fmt_rate(rates['dropped_stores_per_second'])}/s"
+            + f" · lookups {fmt_rate(lookups)}/s{hit}",
+        )
+    t = r["totals"]
+    grid.add_row(
+        "since start",
+        f"stores {t['stores']} ({fmt_bytes(t['stored_bytes'])}) · loads {t['loads']} "
+        f"({fmt_bytes(t['loaded_bytes'])}) · lookups {t['lookups']} ({t['hits']} hits)",
+    )
+    grid.add_row(
+        "",
+        f"evictions {t['evictions']} · dropped stores {t['dropped_stores']} · "
+        f"{t['sessions']} sessions · {t['registrations']} registrations",
+    )
+    parts.append(grid)
+
+    ns_table = Table(
+        title="namespaces", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, expand=False
+    )
+    ns_table.add_column("namespace", no_wrap=True)
+    ns_table.add_column("description", overflow="ellipsis", no_wrap=True, max_width=30)
+    for name in ("ready", "writing"):
+        ns_table.add_column(name, justify="right")
+    ns_table.add_column("bytes", justify="right", no_wrap=True)
+    for ns in r["namespaces"]:
+        ns_table.add_row(
+            short_id(ns["id"]),
+            ns["description"],
+            str(ns["ready_blocks"]),
+            str(ns["writing_blocks"]),
+            fmt_bytes(ns["used_bytes"]),
+        )
+    if not r["namespaces"]:
+        ns_table.add_row(Text("none yet", style="dim"), "", "", "", "")
+    parts.append(ns_table)
+
+    eng = Table(title="engines", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
+    eng.add_column("engine", overflow="ellipsis", no_wrap=True, max_width=28)
+    eng.add_column("pid", justify="right")
+    eng.add_column("ranks", no_wrap=True)
+    eng.add_column("path", no_wrap=True)
+    eng.add_column("registered", justify="right", no_wrap=True)
+    eng.add_column("pins", justify="right")
+    eng.add_column("age", justify="right", no_wrap=True)
+    why: dict[str, str] = {}
+    for e in r["engines"]:
+        for reg in e["registrations"]:
+            why.setdefault(reg["memory_path"], reg["memory_path_reason"])
+        eng.add_row(
+            e["client_name"] or e["engine_id"] or e["session_id"],
+            str(e["pid"]),
+            ",".join(map(str, e["ranks"])) or "-",
+            ",".join(e["memory_paths"]) or "-",
+            fmt_bytes(e["registered_bytes"]),
+            str(e["pinned_blocks"]),
+            fmt_age(e["connected_seconds"]),
+        )
+    if not r["engines"]:
+        eng.add_row(Text("none connected", style="dim"), "", "", "", "", "", "")
+    parts.append(eng)
+    for path, reason in sorted(why.items()):
+        parts.append(Text(f"  {path}: {reason}", style="dim"))
+
+    for title, extra in (("remote tier", r["remote"]), ("other", r["other"])):
+        if extra:
+            g = Table.grid(padding=(0, 1))
+            g.add_column(style="bold", no_wrap=True)
+            g.add_column()
+            for k, v in extra.items():
+                g.add_row(k, json.dumps(v) if isinstance(v, dict | list) else str(v))
+            parts.append(Text(title, style="italic"))
+            parts.append(g)
+    return Group(*parts)

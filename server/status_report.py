@@ -1,0 +1,392 @@
+"""What `kvdepot status` reports, gathered over the daemon's public gRPC API only.
+
+`connect` checks the socket itself first (missing, not a socket, permission, refused)
+so that each failure gets its own one-line `StatusError` instead of gRPC's generic
+"failed to connect"; `Sampler.sample` then calls Admin/GetStats, ListNamespaces and
+ListEngines; `build_report` turns two samples into one plain dict (what `--json`
+prints and what the screen shows): the state of the second sample, and rates over
+the interval between the two.
+
+Nothing here imports rich: the dict is the contract, the screen is one rendering.
+GetStats fields this module does not know (a newer daemon, e.g. a remote tier) are
+passed through generically under "remote" (names containing "remote") and "other".
+"""
+
+from __future__ import annotations
+
+import contextlib
+import grp
+import os
+import socket
+import stat
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+from google.protobuf.message import Message
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from kvdepot.v1 import admin_pb2, admin_pb2_grpc
+
+# GetStats fields shown in their own sections; any other field goes to "remote"/"other".
+KNOWN_STATS = frozenset(
+    {
+        "version",
+        "boot_id",
+        "uptime_seconds",
+        "capacity_bytes",
+        "used_bytes",
+        "pinned_bytes",
+        "largest_free_extent_bytes",
+        "warmup_done_bytes",
+        "warmup_complete",
+        "ready_blocks",
+        "writing_blocks",
+        "pinned_blocks",
+        "sessions",
+        "registrations",
+        "namespaces",
+        "lookups",
+        "hits",
+        "misses",
+        "evictions",
+        "stores",
+        "loads",
+        "stored_bytes",
+        "loaded_bytes",
+        "dropped_stores",
+        "inflight_jobs",
+        "pool_backing",
+        "warm_restarted",
+        "evictions_by_reason",
+    }
+)
+# Counts since start, shown as they are.
+TOTALS = (
+    "sessions",
+    "registrations",
+    "namespaces",
+    "lookups",
+    "hits",
+    "misses",
+    "stores",
+    "loads",
+    "stored_bytes",
+    "loaded_bytes",
+    "evictions",
+    "evictions_by_reason",
+    "dropped_stores",
+)
+# Counters turned into per-second rates (name in the report -> GetStats field).
+RATE_COUNTERS = {
+    "stores": "stores",
+    "loads": "loads",
+    "store_bytes": "stored_bytes",
+    "load_bytes": "loaded_bytes",
+    "evictions": "evictions",
+    "lookups": "lookups",
+    "hits": "hits",
+    "dropped_stores": "dropped_stores",
+}
+# What each memory path means, for daemons whose RegistrationInfo carries no reason.
+MEMORY_PATH_MEANING = {
+    "shm": "KV tensors in shared memory (memfd), daemon copies pages",
+    "cuda_ipc": "GPU tensors via CUDA IPC, daemon's DMA engine copies",
+    "inline": "bytes inside gRPC messages (slow): tensors neither memfd nor CUDA, "
+    "or kvdepot_memory_path=inline",
+}
+
+
+class StatusError(Exception):
+    """A failure the user can act on; str() is one line."""
+
+
+def socket_path_of(target: str) -> str:
+    """'unix:///run/x.sock', 'unix:/run/x.sock' or a plain path -> the path."""
+    for prefix in ("unix://", "unix:"):
+        if target.startswith(prefix):
+            return target[len(prefix) :]
+    return target
+
+
+def _group_name(gid: int) -> str:
+    try:
+        return grp.getgrgid(gid).gr_name
+    except KeyError:
+        return str(gid)
+
+
+def _blocking_directory(path: str) -> Path | None:
+    """The first ancestor of `path` this process may not search (x bit), if any."""
+    for parent in reversed(Path(path).parents):
+        if parent.is_dir() and not os.access(parent, os.X_OK):
+            return parent
+    return None
+
+
+def _permission_error(path: str, what: Path) -> StatusError:
+    try:
+        st = os.stat(what)
+        group, mode = _group_name(st.st_gid), f"{stat.S_IMODE(st.st_mode):04o}"
+    except OSError:
+        return StatusError(f"{path}: permission denied; run as root or as the daemon's group")
+    kind = "socket" if what == Path(path) else f"directory {what}"
+    return StatusError(
+        f"{path}: permission denied ({kind} is mode {mode}, group {group}): join the group "
+        f"{group} (sudo usermod -aG {group} $USER, then log in again) or run as root"
+    )
+
+
+def check_socket(path: str, timeout: float = 2.0) -> None:
+    """Raises StatusError unless something accepts connections on the Unix socket `path`."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        raise StatusError(
+            f"{path}: no such socket: is the daemon running? (systemctl status kvdepot; "
+            "another socket: --socket PATH or KVDEPOT_SOCKET)"
+        ) from None
+    except PermissionError:
+        raise _permission_error(path, _blocking_directory(path) or Path(path)) from None
+    if not stat.S_ISSOCK(st.st_mode):
+        raise StatusError(f"{path}: not a socket")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(timeout)
+        try:
+            s.connect(path)
+        except PermissionError:
+            raise _permission_error(path, Path(path)) from None
+        except ConnectionRefusedError:
+            raise StatusError(
+                f"{path}: connection refused: no daemon listens on this socket (left behind "
+                "by a daemon that was killed?)"
+            ) from None
+        except OSError as exc:
+            raise StatusError(f"{path}: cannot connect: {exc.strerror or exc}") from None
+
+
+_HTTP2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])
+_SETTINGS_FRAME = 4
+
+
+def speaks_http2(path: str, timeout: float) -> bool | None:
+    """Whether the listener answers an HTTP/2 preface with a SETTINGS frame, as every
+    gRPC server does first; None when it says nothing within `timeout` (stopped, stuck)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(timeout)
+        try:
+            s.connect(path)
+            s.sendall(_HTTP2_PREFACE)
+            head = b""
+            while len(head) < 9:
+                chunk = s.recv(9 - len(head))
+                if not chunk:
+                    return False  # closed on us
+                head += chunk
+        except TimeoutError:
+            return None
+        except OSError:
+            return False
+    return head[3] == _SETTINGS_FRAME
+
+
+def rpc_error(path: str, err: grpc.RpcError, timeout: float) -> StatusError:
+    """A one-line StatusError for a failed Admin call."""
+    code = err.code() if isinstance(err, grpc.Call) else None
+    details = err.details() if isinstance(err, grpc.Call) else str(err)
+    if code == grpc.StatusCode.UNIMPLEMENTED:
+        return StatusError(
+            f"{path}: not a kvdepot daemon: it speaks gRPC but has no kvdepot.v1.Admin service"
+        )
+    # gRPC cannot tell a listener that is no gRPC server from a stuck daemon: ask.
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) and (
+        speaks_http2(path, min(timeout, 2.0)) is False
+    ):
+        return StatusError(f"{path}: not a kvdepot daemon: the listener does not speak gRPC")
+    if code == grpc.StatusCode.UNAVAILABLE:
+        return StatusError(f"{path}: the daemon is unavailable (shutting down?): {details}")
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return StatusError(
+            f"{path}: the daemon did not answer within {timeout:g}s (busy or stuck; "
+            "journalctl -u kvdepot)"
+        )
+    name = code.name if code is not None else "error"
+    return StatusError(f"{path}: {name}: {details}")
+
+
+@contextlib.contextmanager
+def connect(path: str, timeout: float = 5.0) -> Iterator[grpc.Channel]:
+    """A channel to the daemon on `path`, after check_socket passed."""
+    check_socket(path, timeout=min(timeout, 2.0))
+    channel = grpc.insecure_channel(f"unix://{path}")
+    try:
+        yield channel
+    finally:
+        channel.close()
+
+
+def health_probe(path: str, timeout: float = 3.0) -> None:
+    """Raises StatusError unless grpc.health.v1 answers SERVING for the whole daemon."""
+    with connect(path, timeout) as channel:
+        try:
+            resp = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(), timeout=timeout
+            )
+        except grpc.RpcError as err:
+            raise rpc_error(path, err, timeout) from None
+    if resp.status != health_pb2.HealthCheckResponse.SERVING:
+        name = health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
+        raise StatusError(f"{path}: health is {name}")
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One reading of the daemon: GetStats, ListNamespaces, ListEngines."""
+
+    taken_at: float  # time.time() on this side
+    stats: admin_pb2.GetStatsResponse
+    namespaces: list[admin_pb2.NamespaceInfo]
+    engines: list[admin_pb2.EngineInfo]
+
+
+class Sampler:
+    """Reads samples over one channel; every failure becomes a StatusError."""
+
+    def __init__(self, path: str, channel: grpc.Channel, timeout: float = 5.0) -> None:
+        self.path = path
+        self.timeout = timeout
+        self.stub = admin_pb2_grpc.AdminStub(channel)
+
+    def sample(self) -> Sample:
+        try:
+            stats = self.stub.GetStats(admin_pb2.GetStatsRequest(), timeout=self.timeout)
+            namespaces = self.stub.ListNamespaces(
+                admin_pb2.ListNamespacesRequest(), timeout=self.timeout
+            ).namespaces
+            engines = self.stub.ListEngines(
+                admin_pb2.ListEnginesRequest(), timeout=self.timeout
+            ).engines
+        except grpc.RpcError as err:
+            raise rpc_error(self.path, err, self.timeout) from None
+        return Sample(time.time(), stats, list(namespaces), list(engines))
+
+
+def plain(msg: Message) -> dict[str, Any]:
+    """Every field of a message (zero values included) as JSON-ready Python values;
+    numbers stay numbers (protobuf's JSON mapping would quote 64-bit integers)."""
+    out: dict[str, Any] = {}
+    for field in msg.DESCRIPTOR.fields:
+        value = getattr(msg, field.name)
+        if field.message_type is not None and field.message_type.GetOptions().map_entry:
+            vtype = field.message_type.fields_by_name["value"]
+            out[field.name] = {
+                k: plain(v) if vtype.message_type is not None else v for k, v in value.items()
+            }
+        elif field.message_type is not None:
+            if field.is_repeated:
+                out[field.name] = [plain(v) for v in value]
+            else:
+                out[field.name] = plain(value)
+        elif field.is_repeated:
+            out[field.name] = list(value)
+        else:
+            out[field.name] = value
+    return out
+
+
+def _engine(e: admin_pb2.EngineInfo) -> dict[str, Any]:
+    regs = []
+    for r in e.registrations:
+        reg = plain(r)
+        # A daemon that says why it chose the path (a newer one) is shown as is.
+        reg.setdefault("memory_path_reason", MEMORY_PATH_MEANING.get(r.memory_path, ""))
+        regs.append(reg)
+    return {
+        "client_name": e.client_name,
+        "engine_id": e.engine_id,
+        "session_id": e.session_id,
+        "pid": e.pid,
+        "connected_seconds": e.connected_seconds,
+        "ranks": sorted({r.rank for r in e.registrations}),
+        "memory_paths": sorted({r.memory_path for r in e.registrations}),
+        "registered_bytes": sum(r.registered_bytes for r in e.registrations),
+        "pinned_blocks": e.pinned_blocks,
+        "registrations": regs,
+    }
+
+
+def rates(prev: Sample | None, cur: Sample) -> dict[str, Any] | None:
+    """Per-second rates between two samples of the same daemon run; None when there is
+    no earlier sample, the daemon restarted in between, or no time passed."""
+    if prev is None or prev.stats.boot_id != cur.stats.boot_id:
+        return None
+    dt = cur.stats.uptime_seconds - prev.stats.uptime_seconds  # the daemon's own clock
+    if dt <= 0:
+        return None
+    out: dict[str, Any] = {"interval_seconds": dt}
+    for name, field in RATE_COUNTERS.items():
+        out[f"{name}_per_second"] = (getattr(cur.stats, field) - getattr(prev.stats, field)) / dt
+    before = prev.stats.evictions_by_reason
+    out["evictions_by_reason_per_second"] = {
+        reason: (n - before.get(reason, 0)) / dt
+        for reason, n in sorted(cur.stats.evictions_by_reason.items())
+    }
+    return out
+
+
+def _extras(stats: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """GetStats fields this version does not know: (remote tier's, everything else)."""
+    unknown = {k: v for k, v in stats.items() if k not in KNOWN_STATS}
+    remote = {k: v for k, v in unknown.items() if "remote" in k}
+    return remote, {k: v for k, v in unknown.items() if k not in remote}
+
+
+def build_report(path: str, prev: Sample | None, cur: Sample) -> dict[str, Any]:
+    """The status as a plain dict: the state at `cur`, rates since `prev`."""
+    s = cur.stats
+    everything = plain(s)
+    remote, other = _extras(everything)
+    capacity = s.capacity_bytes
+    return {
+        "socket": path,
+        "taken_at": cur.taken_at,
+        "daemon": {
+            "version": s.version,
+            "boot_id": s.boot_id,
+            "uptime_seconds": s.uptime_seconds,
+            "pool_backing": s.pool_backing,
+            "warm_restarted": s.warm_restarted,
+        },
+        "pool": {
+            "capacity_bytes": capacity,
+            "used_bytes": s.used_bytes,
+            "pinned_bytes": s.pinned_bytes,
+            "free_bytes": max(0, capacity - s.used_bytes),
+            "largest_free_extent_bytes": s.largest_free_extent_bytes,
+            "used_fraction": s.used_bytes / capacity if capacity else 0.0,
+        },
+        "warmup": {
+            # Pre-faulting, and on CUDA hosts page-locking too: the daemon reports one
+            # figure for both (a chunk counts once it is faulted and, there, locked).
+            "done_bytes": s.warmup_done_bytes,
+            "capacity_bytes": capacity,
+            "fraction": s.warmup_done_bytes / capacity if capacity else 1.0,
+            "complete": s.warmup_complete,
+            "page_locking_reported_separately": False,
+        },
+        "blocks": {
+            "ready": s.ready_blocks,
+            "writing": s.writing_blocks,
+            "pinned": s.pinned_blocks,
+            "inflight_jobs": s.inflight_jobs,
+        },
+        "namespaces": [plain(ns) for ns in cur.namespaces],
+        "engines": [_engine(e) for e in cur.engines],
+        "rates": rates(prev, cur),
+        "totals": {k: everything[k] for k in TOTALS},
+        "remote": remote or None,
+        "other": other,
+    }

@@ -1,0 +1,471 @@
+"""`kvdepot status` against live daemons: real `kvdepot serve` processes, real engines
+storing and loading over shared memory, the real command in a subprocess, and the watch
+mode in a real terminal (tmux, 80 columns).
+
+The checks are about content, not layout: the figures the screen and --json show are
+the daemon's own (compared with Admin calls made by the test), rates add up to the
+traffic the test made, and each kind of failure gets its own one-line message.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from concurrent import futures
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from grpc_health.v1 import health, health_pb2_grpc
+
+import kvdepot
+from kvdepot.v1 import admin_pb2
+from tests.support.daemon import DaemonProcess, kvdepot_command
+from tests.support.engine import Engine, Geometry, make_key
+from tests.test_operations import GEO_A, GEO_B, admin, connect, run_guide_scenario, store
+
+DaemonFactory = Callable[..., DaemonProcess]
+WIDTH = 80
+
+
+def status(
+    *args: str, env: dict[str, str] | None = None, user: str | None = None, timeout: float = 60
+) -> subprocess.CompletedProcess[str]:
+    """Runs `kvdepot status ARGS` (as `user` when given: needs root) at 80 columns."""
+    cmd = [*kvdepot_command(), "status", *args]
+    if user is not None:
+        import pwd
+
+        pw = pwd.getpwnam(user)
+        cmd = ["setpriv", f"--reuid={pw.pw_uid}", f"--regid={pw.pw_gid}", "--clear-groups", *cmd]
+    full_env = {**os.environ, "COLUMNS": str(WIDTH), "LINES": "60", **(env or {})}
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env)
+
+
+def status_json(socket_path: str, *args: str) -> dict[str, Any]:
+    out = status("--socket", socket_path, "--json", *args)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+def one_line_error(out: subprocess.CompletedProcess[str]) -> str:
+    assert out.returncode == 1, (out.returncode, out.stdout, out.stderr)
+    assert out.stdout == ""
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1, f"expected one line, got:\n{out.stderr}"
+    assert lines[0].startswith("kvdepot status: ")
+    return lines[0]
+
+
+@pytest.fixture
+def guide_daemon(daemon_factory: DaemonFactory) -> Iterator[DaemonProcess]:
+    """A daemon in the operations guide's state, its two engines connected."""
+    d = daemon_factory("--pool-size", "64MiB")
+    scenario = run_guide_scenario(d.target)
+    try:
+        yield d
+    finally:
+        scenario.close()
+
+
+# --- content -----------------------------------------------------------------------------
+
+
+def test_json_is_the_daemons_own_figures(guide_daemon: DaemonProcess) -> None:
+    report = status_json(guide_daemon.socket_path)
+    ch, stub = admin(guide_daemon)
+    with ch:
+        s = stub.GetStats(admin_pb2.GetStatsRequest(), timeout=10)
+        engines = stub.ListEngines(admin_pb2.ListEnginesRequest(), timeout=10).engines
+    assert report["daemon"]["boot_id"] == s.boot_id
+    assert report["daemon"]["version"] == kvdepot.__version__
+    pool = report["pool"]
+    assert pool["capacity_bytes"] == 64 << 20
+    assert (pool["used_bytes"], pool["pinned_bytes"]) == (s.used_bytes, s.pinned_bytes)
+    assert pool["free_bytes"] == s.capacity_bytes - s.used_bytes
+    assert pool["largest_free_extent_bytes"] == s.largest_free_extent_bytes
+    assert report["warmup"]["complete"] and report["warmup"]["fraction"] == 1.0
+    assert report["blocks"] == {"ready": 11, "writing": 2, "pinned": 1, "inflight_jobs": 0}
+
+    ns = {n["id"]: n for n in report["namespaces"]}
+    assert set(ns) == {GEO_A.namespace, GEO_B.namespace}
+    assert (ns[GEO_A.namespace]["ready_blocks"], ns[GEO_A.namespace]["writing_blocks"]) == (8, 2)
+    assert ns[GEO_B.namespace]["ready_blocks"] == 3
+    assert sum(n["used_bytes"] for n in ns.values()) == s.used_bytes
+
+    by_name = {e["client_name"]: e for e in report["engines"]}
+    a, b = by_name["engine-a (synthetic, TP=2)"], by_name["engine-b (synthetic)"]
+    assert a["pid"] == b["pid"] == os.getpid()
+    assert (a["ranks"], b["ranks"]) == ([0, 1], [0])
+    assert a["memory_paths"] == b["memory_paths"] == ["shm"]
+    assert a["pinned_blocks"] == 1
+    assert all(r["memory_path_reason"] for e in report["engines"] for r in e["registrations"])
+    assert {e.session_id for e in engines} == {e["session_id"] for e in report["engines"]}
+    # One interval, no traffic in it: every rate is there, at zero.
+    rates = report["rates"]
+    assert rates["interval_seconds"] > 0
+    assert rates["stores_per_second"] == rates["loads_per_second"] == 0
+    assert report["totals"]["stores"] == 4 and report["totals"]["hits"] == 4
+
+
+def test_screen_shows_the_state_at_80_columns(guide_daemon: DaemonProcess) -> None:
+    out = status("--socket", guide_daemon.socket_path)
+    assert out.returncode == 0, out.stderr
+    text = out.stdout
+    assert all(len(line.rstrip()) <= WIDTH for line in text.splitlines()), text
+    ch, stub = admin(guide_daemon)
+    with ch:
+        s = stub.GetStats(admin_pb2.GetStatsRequest(), timeout=10)
+    for needle in (
+        f"kvdepot {kvdepot.__version__}",
+        s.boot_id,
+        guide_daemon.socket_path,
+        "of 64.0 MiB",
+        "used 316.0 KiB",
+        "pinned 32.0 KiB",
+        "free 63.7 MiB",
+        "largest free extent 63.7 MiB",
+        "100% done",
+        "11 ready",
+        "2 writing",
+        "1 pinned",
+        GEO_A.namespace[:13],
+        GEO_B.namespace[:13],
+        "synthetic engine A",
+        "stores 4",
+        "lookups 6 (4 hits)",
+    ):
+        assert needle in text, f"{needle!r} not on the screen:\n{text}"
+    # Each engine on one line with its pid, ranks and memory path.
+    rows = {
+        line.split("  ")[0].strip(): line
+        for line in text.splitlines()
+        if line.strip().startswith("engine-")
+    }
+    assert re.search(rf"\b{os.getpid()}\s+0,1\s+shm\b", rows["engine-a (synthetic, TP=2)"])
+    assert re.search(rf"\b{os.getpid()}\s+0\s+shm\b", rows["engine-b (synthetic)"])
+    assert "shm: KV tensors in shared memory" in text
+
+
+def test_rates_add_up_to_the_traffic(daemon_factory: DaemonFactory) -> None:
+    """--watch --json: the per-second rates times their intervals sum to exactly the
+    stores, bytes and evictions made while it watched."""
+    d = daemon_factory("--pool-size", "16MiB")
+    geo = Geometry(
+        groups=[[4096, 4096]],
+        blocks_per_chunk=2,
+        world_size=1,
+        num_blocks=128,
+        namespace="rates-test",
+    )
+    client = connect(d.target, "rates-test")
+    proc = subprocess.Popen(
+        [
+            *kvdepot_command(),
+            "status",
+            "--socket",
+            d.socket_path,
+            "--watch",
+            "--json",
+            "--interval",
+            "0.3",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        first = json.loads(proc.stdout.readline())
+        eng = Engine(client, geo, 0)
+        for i in range(5):
+            store(eng, range(i * 2, i * 2 + 2))  # 5 jobs, 10 chunks
+        ch, stub = admin(d)
+        with ch:
+            evicted = stub.Evict(
+                admin_pb2.EvictRequest(
+                    namespace_id="rates-test", keys=[make_key(c, 0) for c in range(3)]
+                )
+            ).evicted_blocks
+            want_bytes = stub.GetStats(admin_pb2.GetStatsRequest()).stored_bytes
+            time.sleep(0.5)
+            reports = [first]
+            while reports[-1]["totals"]["evictions"] < evicted or len(reports) < 3:
+                reports.append(json.loads(proc.stdout.readline()))
+    finally:
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=10) == 0
+        client.close()
+    assert evicted == 3
+    later = [r["rates"] for r in reports[1:]]
+    assert all(r is not None and r["interval_seconds"] > 0 for r in later)
+
+    def total(key: str) -> float:
+        return sum(r[key] * r["interval_seconds"] for r in later)
+
+    assert round(total("stores_per_second")) == 5
+    assert round(total("store_bytes_per_second")) == want_bytes == 10 * 2 * 8192
+    assert round(total("evictions_per_second")) == 3
+    assert (
+        round(
+            sum(
+                r["evictions_by_reason_per_second"].get("admin", 0) * r["interval_seconds"]
+                for r in later
+            )
+        )
+        == 3
+    )
+
+
+def test_socket_from_the_environment_and_serve_default(daemon_factory: DaemonFactory) -> None:
+    d = daemon_factory("--pool-size", "16MiB")
+    out = status("--json", "--interval", "0", env={"KVDEPOT_SOCKET": d.socket_path})
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["socket"] == d.socket_path
+    assert json.loads(out.stdout)["rates"] is None  # one reading
+
+    import argparse
+
+    from kvdepot.server.config import default_socket_path
+    from kvdepot.server.status import add_status_arguments
+
+    env = {k: v for k, v in os.environ.items() if k != "KVDEPOT_SOCKET"}
+    parser = argparse.ArgumentParser()
+    old = os.environ.pop("KVDEPOT_SOCKET", None)
+    try:
+        add_status_arguments(parser)
+    finally:
+        if old is not None:
+            os.environ["KVDEPOT_SOCKET"] = old
+    assert parser.parse_args([]).socket == default_socket_path()
+    assert env is not None
+
+
+def test_probe(daemon_factory: DaemonFactory, tmp_path: Path) -> None:
+    d = daemon_factory("--pool-size", "16MiB")
+    assert status("--socket", d.socket_path, "--probe").returncode == 0
+    assert "no such socket" in one_line_error(status("--socket", str(tmp_path / "x"), "--probe"))
+
+
+def test_client_side_does_not_import_rich() -> None:
+    code = "import sys, kvdepot.client; assert 'rich' not in sys.modules, 'rich imported'"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+# --- failures: one line each ----------------------------------------------------------------
+
+
+def test_missing_socket(tmp_path: Path) -> None:
+    line = one_line_error(status("--socket", str(tmp_path / "kvdepot.sock")))
+    assert "no such socket" in line and "KVDEPOT_SOCKET" in line
+
+
+def test_stale_socket_is_refused(tmp_path: Path) -> None:
+    path = str(tmp_path / "kvdepot.sock")
+    with socket.socket(socket.AF_UNIX) as s:
+        s.bind(path)  # bound, never listening: what a killed daemon leaves behind
+    line = one_line_error(status("--socket", path))
+    assert "connection refused" in line and "no daemon listens" in line
+
+
+def test_not_a_socket(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("")
+    assert "not a socket" in one_line_error(status("--socket", str(tmp_path / "file")))
+
+
+def test_other_grpc_server_is_not_a_kvdepot_daemon(tmp_path: Path) -> None:
+    """A gRPC server with only the health service: UNIMPLEMENTED on Admin."""
+    path = str(tmp_path / "other.sock")
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    health_pb2_grpc.add_HealthServicer_to_server(health.HealthServicer(), server)
+    server.add_insecure_port(f"unix://{path}")
+    server.start()
+    try:
+        line = one_line_error(status("--socket", path))
+    finally:
+        server.stop(None)
+    assert "not a kvdepot daemon" in line and "kvdepot.v1.Admin" in line
+
+
+def test_non_grpc_listener_is_not_a_kvdepot_daemon(tmp_path: Path) -> None:
+    """Something that accepts and answers with plain text (not HTTP/2)."""
+    path = str(tmp_path / "text.sock")
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(path)
+    listener.listen(16)
+    stop = False
+
+    def serve() -> None:
+        while not stop:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            with conn, contextlib.suppress(OSError):
+                conn.sendall(b"hello, I am not gRPC\r\n")
+
+    import threading
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    try:
+        line = one_line_error(status("--socket", path, "--timeout", "3"))
+    finally:
+        stop = True
+        listener.close()
+    assert "not a kvdepot daemon" in line
+
+
+def test_stopped_daemon_times_out(daemon_factory: DaemonFactory) -> None:
+    d = daemon_factory("--pool-size", "16MiB")
+    assert d.proc is not None
+    d.proc.send_signal(signal.SIGSTOP)  # the kernel still accepts; nobody answers
+    try:
+        line = one_line_error(status("--socket", d.socket_path, "--timeout", "1"))
+    finally:
+        d.proc.send_signal(signal.SIGCONT)
+    assert "did not answer within 1s" in line
+
+
+def test_permission_denied_names_the_group(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """A user outside the socket's group is told which group to join. As root, the
+    command runs as nobody (root may connect to any socket); otherwise the socket is
+    made unconnectable for its owner (mode 000)."""
+    import grp
+
+    root = os.geteuid() == 0
+    if root and shutil.which("setpriv") is None:
+        pytest.fail("setpriv not found: install Debian's util-linux")
+    # A directory every user may enter: pytest's own temporary root is private to root.
+    workdir = Path(tempfile.mkdtemp(prefix="kvd-perm-", dir="/tmp"))
+    os.chmod(workdir, 0o755)
+    d = DaemonProcess(workdir, "--pool-size", "16MiB", "--socket-mode", "660" if root else "0")
+    try:
+        d.start()
+        group = grp.getgrgid(os.stat(d.socket_path).st_gid).gr_name
+        out = status("--socket", d.socket_path, user="nobody" if root else None)
+        line = one_line_error(out)
+        assert "permission denied" in line and f"join the group {group}" in line, line
+        assert status("--socket", d.socket_path, "--interval", "0").returncode == (0 if root else 1)
+    finally:
+        d.kill()
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+# --- watch mode in a real terminal ---------------------------------------------------------
+
+
+class Tmux:
+    """A private tmux server (its own socket name) with one 80-column window."""
+
+    def __init__(self, command: list[str]) -> None:
+        tool = shutil.which("tmux")
+        if tool is None:
+            pytest.fail("tmux not found: apt-get install tmux (scripts/test.sh installs it)")
+        self.base = [tool, "-L", f"kvd-status-{os.getpid()}", "-f", "/dev/null"]
+        # The pane's size must come from the terminal: a LINES or COLUMNS inherited from
+        # this process (some imports export them) would override it.
+        self.env = {k: v for k, v in os.environ.items() if k not in ("LINES", "COLUMNS")}
+        self.run("new-session", "-d", "-x", str(WIDTH), "-y", "60", "-s", "w", " ".join(command))
+        self.run("set-option", "-t", "w", "remain-on-exit", "on")
+
+    def run(self, *args: str) -> str:
+        return subprocess.run(
+            [*self.base, *args],
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=20,
+            env=self.env,
+        ).stdout
+
+    def screen(self) -> str:
+        return self.run("capture-pane", "-p", "-t", "w")
+
+    def wait_for(self, predicate: Callable[[str], bool], what: str, timeout: float = 30) -> str:
+        deadline = time.monotonic() + timeout
+        while True:
+            text = self.screen()
+            if predicate(text):
+                return text
+            if time.monotonic() > deadline:
+                size = self.run(
+                    "display-message", "-p", "-t", "w", "#{window_width}x#{window_height}"
+                ).strip()
+                raise AssertionError(f"the screen ({size}) never showed {what}:\n{text}")
+            time.sleep(0.2)
+
+    def close(self) -> None:
+        subprocess.run([*self.base, "kill-server"], capture_output=True, timeout=20)
+
+
+def test_watch_in_tmux_follows_the_daemon(guide_daemon: DaemonProcess) -> None:
+    """Redraws with new state, shows the daemon's death in words, picks up the restarted
+    daemon, and quits on Ctrl-C with status 0."""
+    d = guide_daemon
+    cmd = [*kvdepot_command(), "status", "--watch", "--interval", "0.3", "--socket", d.socket_path]
+    tmux = Tmux(cmd)
+    try:
+        ch, stub = admin(d)
+        with ch:
+            boot = stub.GetStats(admin_pb2.GetStatsRequest(), timeout=10).boot_id
+        text = tmux.wait_for(lambda t: "11 ready" in t and "engine-b" in t, "the first state")
+        assert boot in text and f"{os.getpid()}" in text
+
+        # New blocks show up on the next redraw.
+        client = connect(d.target, "engine-c (watch test)")
+        try:
+            geo = Geometry(
+                groups=[[4096]],
+                blocks_per_chunk=1,
+                world_size=1,
+                num_blocks=64,
+                namespace="watch-test",
+            )
+            store(Engine(client, geo, 0), range(0, 5))
+            tmux.wait_for(
+                lambda t: "16 ready" in t and "engine-c (watch test)" in t,
+                "five new blocks and the third engine",
+            )
+        finally:
+            client.close()
+
+        d.kill()
+        text = tmux.wait_for(lambda t: "connection refused" in t, "the daemon gone")
+        assert "retrying" in text
+        d.start()
+        with d.channel() as ch2:
+            from kvdepot.v1 import admin_pb2_grpc
+
+            new_boot = (
+                admin_pb2_grpc.AdminStub(ch2)
+                .GetStats(admin_pb2.GetStatsRequest(), timeout=10)
+                .boot_id
+            )
+        assert new_boot != boot
+        tmux.wait_for(
+            lambda t: new_boot in t and "connection refused" not in t, "the restarted daemon"
+        )
+
+        tmux.run("send-keys", "-t", "w", "C-c")
+        status_line = tmux.wait_for(
+            lambda t: bool(
+                tmux.run("display-message", "-p", "-t", "w", "#{pane_dead}").strip() == "1"
+            ),
+            "the command exit",
+        )
+        assert status_line is not None
+        dead = tmux.run("display-message", "-p", "-t", "w", "#{pane_dead_status}").strip()
+        assert dead == "0", f"exit status {dead}"
+    finally:
+        tmux.close()
