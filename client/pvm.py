@@ -48,6 +48,9 @@ if TYPE_CHECKING:
 YAMA_SCOPE_PATH = "/proc/sys/kernel/yama/ptrace_scope"
 PR_SET_PTRACER = 0x59616D61
 PR_SET_PTRACER_ANY = ctypes.c_ulong(-1).value
+HUGE_PAGE = 2 << 20
+MADV_HUGEPAGE = 14
+MADV_COLLAPSE = 25
 
 
 def ptrace_scope() -> int | None:
@@ -88,6 +91,39 @@ def allow_ptracer(daemon_pid: int) -> str:
         "Yama ptrace_scope=1 and the daemon's pid is not visible from here: allowed ANY "
         "process of this uid to read this process (PR_SET_PTRACER_ANY)"
     )
+
+
+def use_huge_pages(regions: Sequence[tuple[int, int]]) -> str:
+    """Backs these ranges of our anonymous memory with transparent huge pages.
+
+    The daemon's process_vm_readv/writev pins our pages for every copy; with 2 MiB
+    pages that costs a fraction of what 4 KiB pages do (about twice the copy
+    speed). MADV_HUGEPAGE makes later faults huge; MADV_COLLAPSE (Linux >= 6.1)
+    rebuilds what is mapped already, in place: the contents do not change, and
+    concurrent use of the memory is safe (khugepaged does the same in the
+    background). Returns a note for the log; never raises.
+    """
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    collapsed = failed = 0
+    why = ""
+    for address, size in regions:
+        lo = (address + HUGE_PAGE - 1) & ~(HUGE_PAGE - 1)
+        hi = (address + size) & ~(HUGE_PAGE - 1)
+        if hi <= lo:
+            continue
+        libc.madvise(lo, hi - lo, MADV_HUGEPAGE)
+        if libc.madvise(lo, hi - lo, MADV_COLLAPSE) == 0:
+            collapsed += hi - lo
+        else:
+            failed += hi - lo
+            why = os.strerror(ctypes.get_errno())
+    if failed:
+        return (
+            f"{failed >> 20} MiB of the KV memory stay in 4 KiB pages (MADV_COLLAPSE: {why}); "
+            f"copies of it are slower"
+        )
+    return f"{collapsed >> 20} MiB of KV memory in transparent huge pages" if collapsed else ""
 
 
 @dataclass(frozen=True)
@@ -180,16 +216,20 @@ def register_process_kv(
     tensors: Sequence[depot_pb2.KVTensor],
     groups: Sequence[depot_pb2.GroupRefs],
     timeout: float = 30.0,
+    huge_pages: bool = True,
 ) -> tuple[depot_pb2.RegisterKVResponse, str]:
     """Registers this process's own memory ranges; returns the response and what
-    was done for ptrace access (for the log). Raises FdPassError, DepotUnavailable
-    or grpc.RpcError (PERMISSION_DENIED with the fix when the daemon cannot read us)."""
+    was done (ptrace access, huge pages) as a note for the log. Raises FdPassError,
+    DepotUnavailable or grpc.RpcError (PERMISSION_DENIED with the fix when the
+    daemon cannot read us). With `huge_pages` the ranges are first backed by
+    transparent huge pages (see `use_huge_pages`)."""
     session_id = client.session_id
     hello = client.hello
     if hello is None or not hello.fd_socket:
         raise FdPassError("the daemon has no fd socket: it cannot verify a pvm registration")
     identities = [send_identity(hello.fd_socket, session_id, timeout) for _ in regions]
     access = allow_ptracer(identities[0].daemon_pid) if identities else ""
+    pages = use_huge_pages(regions) if huge_pages else ""
     memory = [
         depot_pb2.MemoryRegion(
             pvm=depot_pb2.ProcessMemory(
@@ -209,4 +249,4 @@ def register_process_kv(
         ),
         timeout=timeout,
     )
-    return resp, access
+    return resp, "; ".join(n for n in (access, pages) if n)

@@ -5,7 +5,7 @@ other process can map. The daemon reaches it with `process_vm_readv` (STORE:
 engine -> pool) and `process_vm_writev` (LOAD: pool -> engine), one system call
 per batch of up to IOV_MAX runs, with the GIL released.
 
-    enable_pvm(state)      # at start-up: registers the "pvm" region opener
+    enable_pvm(state)      # at start-up: adds the "pvm" memory path
 
 Who may be read (the security contract). The daemon usually holds more ptrace
 rights than its clients (it runs as the engines' uid, or with CAP_SYS_PTRACE),
@@ -45,12 +45,14 @@ import select
 import socket
 import struct
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from kvdepot.client.pvm import ptrace_scope
+from kvdepot.common.kinds import MemoryPath
 from kvdepot.server import errors
-from kvdepot.server.core.copy_engine import LOAD, STORE, CopyEngine, MappedRegion
 from kvdepot.server.core.planner import CopyPlan
+from kvdepot.server.memory.copy_engine import LOAD, STORE, CopyEngine, MappedRegion
 
 log = logging.getLogger("kvdepot.pvm")
 
@@ -59,6 +61,9 @@ IOV_MAX = 1024  # iovecs per process_vm_* call (UIO_MAXIOV)
 # reports a short count beyond it, which would read as a failed copy.
 MAX_CALL_BYTES = 1 << 30
 PROBE_BYTES = 4096
+# Jobs of at least this many bytes are copied by several threads at once.
+PARALLEL_MIN_BYTES = 16 << 20
+PARALLEL_THREADS = min(4, os.cpu_count() or 1)
 SO_PEERPIDFD = getattr(socket, "SO_PEERPIDFD", 77)  # Linux >= 6.5
 CAP_SYS_PTRACE = 19
 
@@ -191,7 +196,7 @@ def copy_runs(pid: int, direction: int, pieces: Sequence[tuple[int, int, int]]) 
 class ProcessMemoryRegion(MappedRegion):
     """A range of another process's memory, named by a pidfd the kernel vouched for."""
 
-    kind = "pvm"
+    kind = MemoryPath.PVM
 
     def __init__(self, pid: int, pidfd: int, address: int, size: int) -> None:
         self.pid = pid
@@ -214,8 +219,42 @@ class ProcessMemoryRegion(MappedRegion):
             os.close(fd)
 
 
+def split_pieces(
+    pieces: Sequence[tuple[int, int, int]], parts: int
+) -> list[list[tuple[int, int, int]]]:
+    """`pieces` cut into up to `parts` lists of about equal bytes, in order."""
+    total = sum(n for _, _, n in pieces)
+    share = -(-total // max(parts, 1))
+    out: list[list[tuple[int, int, int]]] = [[]]
+    room = share
+    for lo, rem, n in pieces:
+        while n > 0:
+            if room == 0:
+                out.append([])
+                room = share
+            take = min(n, room)
+            out[-1].append((lo, rem, take))
+            lo, rem, n, room = lo + take, rem + take, n - take, room - take
+    return [p for p in out if p]
+
+
 class PvmCopyEngine(CopyEngine):
-    """Executes plans with process_vm_readv/writev, IOV_MAX runs per system call."""
+    """Executes plans with process_vm_readv/writev, IOV_MAX runs per system call.
+
+    A large job is cut into `threads` shares copied side by side: the kernel pins
+    and copies the engine's pages one at a time, so one thread moves a fraction
+    of what memmove does (the shared-memory path), and the copy scales with
+    threads. The calling copy thread takes one share; it returns only when every
+    share has finished, so no copy outlives the job.
+    """
+
+    def __init__(self, threads: int = PARALLEL_THREADS) -> None:
+        self.threads = max(1, threads)
+        self._pool = (
+            ThreadPoolExecutor(self.threads - 1, thread_name_prefix="kvdepot-pvm")
+            if self.threads > 1
+            else None
+        )
 
     def copy(
         self, direction: int, regions: Sequence[MappedRegion], pool_address: int, plan: CopyPlan
@@ -227,10 +266,23 @@ class PvmCopyEngine(CopyEngine):
         if any(r.pid != pid for r in procs):
             raise ValueError("one registration's regions belong to one process")
         self._check_alive(procs)
+        pieces = _pieces(plan.runs, [r.address for r in procs], pool_address)
+        shares = [pieces]
+        if self._pool is not None and plan.nbytes >= PARALLEL_MIN_BYTES:
+            shares = split_pieces(pieces, self.threads)
+        futures = [self._pool.submit(copy_runs, pid, direction, s) for s in shares[1:]]  # type: ignore[union-attr]
+        failure: BaseException | None = None
         try:
-            copy_runs(pid, direction, _pieces(plan.runs, [r.address for r in procs], pool_address))
+            copy_runs(pid, direction, shares[0])
         except (ProcessGone, PermissionError) as exc:
-            raise errors.precondition(f"{exc}; register again") from None
+            failure = exc
+        for f in futures:  # wait for every share, failed or not
+            exc = f.exception()
+            failure = failure or exc
+        if failure is not None:
+            if isinstance(failure, ProcessGone | PermissionError):
+                raise errors.precondition(f"{failure}; register again") from None
+            raise failure
         if direction == STORE:
             # Alive after the read: the pid named this process throughout, so the
             # bytes are the engine's and not those of a process that reused its pid.
@@ -345,9 +397,11 @@ _ENGINE = PvmCopyEngine()
 
 
 def enable_pvm(state: Any) -> None:
-    """Registers the "pvm" opener in `state.region_openers` and logs what the
-    host allows. Registration-time probes decide per engine."""
-    state.region_openers["pvm"] = lambda handle, session: open_region(state, handle, session)
+    """Adds the "pvm" memory path to `state` (DepotState.add_memory_path) and logs
+    what the host allows. Registration-time probes decide per engine."""
+    state.add_memory_path(
+        MemoryPath.PVM, lambda handle, session: open_region(state, handle, session)
+    )
     scope = ptrace_scope()
     cap = has_cap_sys_ptrace()
     if scope == 3:

@@ -241,3 +241,29 @@ def test_daemon_without_ptrace_access_says_what_to_change(
     finally:
         client.close()
     assert stats(unprivileged_daemon).registrations == 0
+
+
+def test_pvm_bench_runs_and_checks_bytes(capsys: pytest.CaptureFixture[str]) -> None:
+    """The benchmark's smoke run: both paths load the stored bytes back (it raises
+    when they differ); the speed ratio itself is a figure, not asserted here."""
+    from kvdepot.bench import pvm_bench
+
+    pvm_bench.main(
+        [
+            "--json",
+            "--layers",
+            "2",
+            "--page-kib",
+            "64",
+            "--blocks",
+            "4",
+            "--reps",
+            "1",
+            "--pool-size",
+            "32MiB",
+        ]
+    )
+    out = json.loads(capsys.readouterr().out)
+    assert out["bytes_per_load"] == 2 * 4 * 65536
+    assert out["load_gb_per_s"]["pvm"] > 0 and out["load_gb_per_s"]["shm"] > 0
+    assert out["ratio_pvm_to_shm"] > 0
