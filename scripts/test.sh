@@ -26,6 +26,22 @@ if ! command -v systemd-analyze >/dev/null 2>&1; then
     fi
 fi
 
+# Debian packages the tests drive for real: tmux (`kvdepot status --watch` at 80 columns),
+# prometheus (the Grafana dashboard's queries), podman, runc and mmdebstrap (building and
+# starting the daemon's image from a Debian base).
+missing=""
+for tool in tmux prometheus podman runc mmdebstrap; do
+    command -v "$tool" >/dev/null 2>&1 || missing="$missing $tool"
+done
+if [ -n "$missing" ]; then
+    echo "== installing Debian's$missing"
+    SUDO=""; [ "$(id -u)" = 0 ] || SUDO=sudo
+    $SUDO apt-get update -qq
+    # shellcheck disable=SC2086
+    $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+        $missing >/dev/null
+fi
+
 echo "== ruff"
 .venv/bin/ruff check .
 echo "== pytest"

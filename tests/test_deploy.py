@@ -213,8 +213,8 @@ def _assert_health_probes(container: dict[str, Any]) -> None:
     socket_path = _env(container)["KVDEPOT_SOCKET"]
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         command = container[probe]["exec"]["command"]
-        assert command[0] == "grpc_health_probe", (probe, command)
-        assert f"-addr=unix://{socket_path}" in command, (probe, command)
+        assert command[:3] == ["kvdepot", "status", "--probe"], (probe, command)
+        assert f"--socket={socket_path}" in command, (probe, command)
 
 
 def _kv_transfer_config(container: dict[str, Any]) -> dict[str, Any]:
@@ -305,6 +305,35 @@ def test_unit_settings() -> None:
     assert _unit_value("SystemCallArchitectures") == "native"
     start_timeout = _unit_value("TimeoutStartSec")
     assert int(start_timeout) >= 60, "a cold start imports torch and initialises CUDA"
+
+
+def test_unit_documentation_is_installed_with_it() -> None:
+    # Documentation= names files that deploy/README.md's install steps put there.
+    docs = _unit_values("Documentation", "Unit")
+    assert docs, "no Documentation="
+    readme = (DEPLOY / "README.md").read_text()
+    for uri in docs:
+        assert uri.startswith("file:/"), uri
+        path = uri.removeprefix("file:")
+        m = re.search(rf"install -D -m 0644 (\S+) {re.escape(path)}\b", readme)
+        assert m, f"deploy/README.md does not install {path}"
+        assert (REPO / m.group(1)).is_file(), m.group(1)
+
+
+def test_manifest_probe_checks_a_live_daemon(daemon_factory: Any) -> None:
+    # The probes' command, run as Kubernetes would (its socket path swapped for a test
+    # daemon's): exit 0 while the daemon serves, non-zero once it is gone.
+    spec = _pod_spec(_object("DaemonSet", "kvdepot"))
+    command = _container(spec, "kvdepot")["livenessProbe"]["exec"]["command"]
+    d = daemon_factory("--pool-size", "16MiB")
+    live = [c.replace(SOCKET_PATH, d.socket_path) for c in command]
+    assert live[0] == "kvdepot"
+    exe = shutil.which("kvdepot", path=str(Path(sys.executable).parent)) or "kvdepot"
+    run = [exe, *live[1:]]
+    assert subprocess.run(run, capture_output=True, timeout=60).returncode == 0
+    d.stop()
+    gone = subprocess.run(run, capture_output=True, text=True, timeout=60)
+    assert gone.returncode != 0 and "kvdepot status:" in gone.stderr
 
 
 def test_unit_socket_is_in_runtime_directory() -> None:
@@ -423,13 +452,13 @@ def test_sidecar_pod_wiring() -> None:
     (sidecar,) = spec["initContainers"]
     assert sidecar["name"] == "kvdepot"
     assert sidecar["restartPolicy"] == "Always"  # native sidecar
-    assert sidecar["image"].startswith("ghcr.io/example/kvdepot:")
+    assert sidecar["image"] == "localhost/kvdepot:0.1.0"  # deploy/docker/kvdepot.Dockerfile
     env = _env(sidecar)
     assert env["KVDEPOT_SOCKET"] == SOCKET_PATH
     _assert_health_probes(sidecar)
 
     vllm = _container(spec, "vllm")
-    assert vllm["image"].startswith("vllm/vllm-openai")
+    assert vllm["image"] == "localhost/vllm-kvdepot:0.33.0"  # vLLM with the kvdepot client
     assert vllm["command"] == ["vllm", "serve"]
     assert _kv_transfer_config(vllm) == EXPECTED_KV_TRANSFER_CONFIG
 
