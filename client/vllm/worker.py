@@ -159,17 +159,19 @@ class KVDepotOffloadingWorker(OffloadingWorker):
     def _release_held(self, namespace_id: str) -> None:
         """Registration thread: `namespace_id` is usable; submit its held jobs."""
         self.stats["registrations"] += 1
+        registration = self._registrar.registration(namespace_id)
         with self._lock:
             jobs = [j for j in self._held.values() if j.namespace_id == namespace_id]
             for job in jobs:
                 del self._held[job.job_id]
+                if registration is not None:
+                    self._claim(job)  # before waking wait(): it must find them in flight
             self._lock.notify_all()
-        registration = self._registrar.registration(namespace_id)
         for job in sorted(jobs, key=lambda j: (not j.expedited, j.submitted)):
             if registration is None:  # the session ended again meanwhile
                 self._finish_local(job, False, "the kvdepot daemon went away")
             else:
-                self._dispatch(job, registration)
+                self._send(job, registration)
 
     def _fail_held(self, namespace_id: str, reason: str) -> None:
         with self._lock:
@@ -267,15 +269,22 @@ class KVDepotOffloadingWorker(OffloadingWorker):
     def _dispatch(self, job: _Job, registration: int) -> None:
         """Sends a job of a registered namespace to the daemon (or the inline thread)."""
         with self._lock:
-            self._jobs[job.job_id] = job
+            self._claim(job)
+        self._send(job, registration)
+
+    def _claim(self, job: _Job) -> None:
+        """Records a job as in flight on its path (call with the lock held)."""
+        self._jobs[job.job_id] = job
+        if self.memory.path is MemoryPath.INLINE:
+            self._local_pending.add(job.job_id)
+        else:
+            self._on_stream.add(job.job_id)
+
+    def _send(self, job: _Job, registration: int) -> None:
         if self.memory.path is MemoryPath.INLINE:
             assert self._inline is not None
-            with self._lock:
-                self._local_pending.add(job.job_id)
             self._inline.submit(job)
             return
-        with self._lock:
-            self._on_stream.add(job.job_id)
         self._stream.submit(
             depot_pb2.TransferJob(
                 job_id=job.job_id,
