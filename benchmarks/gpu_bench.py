@@ -207,8 +207,8 @@ def inprocess(engine: CudaEngine, job_chunks: int, chunks: int, reps: int) -> di
     """GB/s of the three in-process copies, per direction, for jobs of `job_chunks`."""
     import torch
 
-    from kvdepot.server.core.copy_engine import LOAD, STORE
     from kvdepot.server.cuda import driver as cuda_driver
+    from kvdepot.server.memory.copy_engine import LOAD, STORE
 
     drv = cuda_driver.load()
     ctx = drv.primary_context(engine.device.index)

@@ -14,10 +14,10 @@ from __future__ import annotations
 import time
 
 from kvdepot.bench.geometry import BenchGeometry, JobShape
-from kvdepot.server.core.arena import Arena
-from kvdepot.server.core.copy_engine import LOAD, STORE, CpuCopyEngine, MappedRegion
 from kvdepot.server.core.layout import NamespaceLayout
 from kvdepot.server.core.planner import LayerRef, MemoryMap, TensorView, plan_job
+from kvdepot.server.memory.arena import Arena
+from kvdepot.server.memory.copy_engine import LOAD, STORE, CpuCopyEngine, MappedRegion
 
 
 class LocalRegion(MappedRegion):

@@ -39,6 +39,7 @@ def read_message(sock: socket.socket, max_fds: int = 0) -> tuple[dict, list[int]
     The caller owns the returned fds. When the message is malformed or the peer
     goes away, the fds received so far are closed before the error propagates:
     a peer must not be able to leak fds into the daemon with bad messages.
+    (Fds beyond `max_fds` never arrive: the kernel discards what does not fit.)
     """
     fds: list[int] = []
     try:
@@ -52,14 +53,10 @@ def read_message(sock: socket.socket, max_fds: int = 0) -> tuple[dict, list[int]
 def _read_framed(sock: socket.socket, max_fds: int, fds: list[int]) -> dict:
     """read_message's body: appends received fds to `fds` as they arrive."""
     head = b""
-    anc_space = socket.CMSG_SPACE(max_fds * 4) if max_fds else 0
     while len(head) < _LEN.size:
-        if anc_space:
-            data, anc, _flags, _addr = sock.recvmsg(_LEN.size - len(head), anc_space)
-            for level, kind, payload in anc:
-                if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                    usable = len(payload) - len(payload) % 4
-                    fds.extend(struct.unpack(f"{usable // 4}i", payload[:usable]))
+        if max_fds:
+            data, received, _flags, _addr = socket.recv_fds(sock, _LEN.size - len(head), max_fds)
+            fds.extend(received)
         else:
             data = sock.recv(_LEN.size - len(head))
         if not data:
@@ -83,16 +80,21 @@ def _read_framed(sock: socket.socket, max_fds: int, fds: list[int]) -> dict:
     return obj
 
 
+def send_message(sock: socket.socket, obj: dict, fds: list[int] | None = None) -> None:
+    """Sends one framed message with `fds` attached (SCM_RIGHTS)."""
+    data = encode(obj)
+    sent = socket.send_fds(sock, [data], fds) if fds else sock.send(data)
+    if sent < len(data):  # the fds went with the first bytes; the rest plainly
+        sock.sendall(data[sent:])
+
+
 def send_fd(fd_socket_path: str, session_id: str, fd: int, timeout: float = 5.0) -> str:
     """Sends `fd` to the daemon and returns the fd_token for RegisterKV."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
         sock.settimeout(timeout)
         try:
             sock.connect(fd_socket_path)
-            sock.sendmsg(
-                [encode({"session_id": session_id})],
-                [(socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack("i", fd))],
-            )
+            send_message(sock, {"session_id": session_id}, [fd])
             reply, _ = read_message(sock)
         except OSError as exc:
             raise FdPassError(f"fd socket {fd_socket_path}: {exc}") from exc

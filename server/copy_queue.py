@@ -51,11 +51,14 @@ class CopyQueue:
                     await asyncio.shield(fut)
             raise  # the copy ended; the caller was cancelled all the same
 
-    def close(self) -> None:
+    def close(self, timeout: float = 10.0) -> bool:
+        """Stops the threads after the queued copies; False if one is still
+        copying after `timeout` (its memory must then stay mapped)."""
         for _ in self._threads:
             self._queue.put((2, next(self._seq), None))
         for t in self._threads:
-            t.join(timeout=10)
+            t.join(timeout=timeout)
+        return not any(t.is_alive() for t in self._threads)
 
     def _work(self) -> None:
         while True:

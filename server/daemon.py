@@ -19,10 +19,10 @@ from grpc_reflection.v1alpha import reflection
 
 import kvdepot
 from kvdepot.server.config import ServeConfig, format_size
-from kvdepot.server.core.snapshot import PoolFileBusy
-from kvdepot.server.cuda import enable_cuda, page_lock_hook
+from kvdepot.server.cuda import enable_cuda
 from kvdepot.server.fd_receiver import FdReceiver
 from kvdepot.server.health import HealthServicer
+from kvdepot.server.memory.pool_file import PoolFileBusy
 from kvdepot.server.pvm import enable_pvm
 from kvdepot.server.sdnotify import SystemdNotifier, run_watchdog
 from kvdepot.server.service import wire
@@ -91,7 +91,8 @@ class Daemon:
             "kvdepot %s starting: pool %s in %s, boot id %s",
             kvdepot.__version__, format_size(st.arena.size), st.arena.backing, st.boot_id,
         )
-        enable_cuda(st, st.arena)  # logs whether the CUDA IPC path is on, and why
+        # Memory paths beyond shared memory; each logs whether it is on, and why.
+        enable_cuda(st, st.arena)  # before the warm-up: it page-locks each warm chunk
         enable_pvm(st)  # copies from engines' plain memory (process_vm_readv/writev)
         self._start_warmup(st)
 
@@ -118,7 +119,8 @@ class Daemon:
         old_umask = os.umask(0o177)  # no window where the socket is world-accessible
         try:
             server.add_insecure_port(f"unix:{cfg.socket}")
-            st.fd_receiver = FdReceiver(cfg.fd_socket, lambda sid: sid in st.sessions)
+            fd_receiver = FdReceiver(cfg.fd_socket, lambda sid: sid in st.sessions)
+            st.attach_fd_receiver(fd_receiver)
         finally:
             os.umask(old_umask)
         if cfg.listen:
@@ -130,7 +132,7 @@ class Daemon:
         await server.start()
         for path in (cfg.socket, cfg.fd_socket):
             apply_socket_access(path, cfg.socket_mode, cfg.socket_group)
-        st.fd_receiver.start()
+        fd_receiver.start()
         if cfg.metrics_port is not None:
             from kvdepot.server.metrics import Metrics
 
@@ -174,7 +176,7 @@ class Daemon:
                 phase = "serving" if self._ready else "starting"
                 self.notifier.status(f"{phase}; pool warm-up {pct}%")
 
-        st.arena.start_warmup(on_progress=progress, after_chunk=page_lock_hook(st.arena))
+        st.arena.start_warmup(on_progress=progress)
 
     async def _housekeeping(self, st: DepotState) -> None:
         while not self._stop.is_set():

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import re
+import enum
 import threading
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -32,41 +32,22 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
 from prometheus_client.registry import Collector
 
+from kvdepot.common.kinds import Direction
+from kvdepot.server.core.kinds import AbortReason, DropReason, EvictionReason
 from kvdepot.server.state import DepotState
 
 SCRAPE_TIMEOUT_S = 5.0
-DIRECTIONS = ("store", "load")
+DIRECTIONS = tuple(d.label for d in Direction)
 SIZE_BUCKETS = tuple(float(1 << p) for p in range(12, 34, 2))  # 4 KiB .. 8 GiB
 SECONDS_BUCKETS = (
     1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
 )  # fmt: skip
 
-# Label values for the index's free-text reasons: short, stable, and present (at 0)
-# from the first scrape, so rate() and alerts work before the first event.
-EVICTION_REASONS = ("lru", "admin", "clear")
-DROP_REASONS = {"pool full": "pool_full", "block row larger than the pool": "row_too_large"}
-ABORT_REASONS = {
-    "copy failed": "copy_failed",
-    "writer went away": "writer_gone",
-    "reservation timed out": "reservation_timeout",
-}
 
-
-def reason_label(text: str, known: Mapping[str, str]) -> str:
-    """Maps an index reason (e.g. 'pool full: every block is pinned…') to a label value."""
-    for prefix, label in known.items():
-        if text.startswith(prefix):
-            return label
-    return re.sub(r"[^a-z0-9]+", "_", text.lower()).strip("_")[:40] or "other"
-
-
-def counts_by_label(counts: Mapping[str, int], known: Mapping[str, str]) -> dict[str, int]:
-    """Sums reason counts under their labels; every known label is present (at 0)."""
-    out = dict.fromkeys(known.values(), 0)
-    for text, n in counts.items():
-        label = reason_label(text, known)
-        out[label] = out.get(label, 0) + n
-    return out
+def by_reason(counts: Mapping[enum.StrEnum, int], reasons: type[enum.StrEnum]) -> dict[str, int]:
+    """Counts under their reasons' labels; every reason is present (at 0) from the
+    first scrape, so rate() and alerts work before the first event."""
+    return {r.value: counts.get(r, 0) for r in reasons}
 
 
 @dataclass(frozen=True)
@@ -86,10 +67,10 @@ def _read(state: DepotState) -> _Snapshot:
     return _Snapshot(
         stats=state.stats(),
         doomed_blocks=state.index.counts()["doomed"],
-        evictions=dict(ix.evictions),
-        dropped_stores=dict(ix.dropped_stores),
-        aborted_writes=dict(ix.aborted_writes),
-        failed_jobs=dict(state.traffic.failed_jobs),
+        evictions=by_reason(ix.evictions, EvictionReason),
+        dropped_stores=by_reason(ix.dropped_stores, DropReason),
+        aborted_writes=by_reason(ix.aborted_writes, AbortReason),
+        failed_jobs={d.label: state.traffic.of(d).failed_jobs for d in Direction},
     )
 
 
@@ -102,16 +83,11 @@ class _StateCollector(Collector):
         loop = self.loop
         if loop is None or _on_loop_thread(loop):
             return _read(self.state)
-        fut: concurrent.futures.Future[_Snapshot] = concurrent.futures.Future()
 
-        def on_loop() -> None:
-            if fut.set_running_or_notify_cancel():
-                try:
-                    fut.set_result(_read(self.state))
-                except BaseException as exc:  # reported to the scrape, not the loop
-                    fut.set_exception(exc)
+        async def on_loop() -> _Snapshot:
+            return _read(self.state)
 
-        loop.call_soon_threadsafe(on_loop)
+        fut = asyncio.run_coroutine_threadsafe(on_loop(), loop)
         try:
             return fut.result(timeout=SCRAPE_TIMEOUT_S)
         except concurrent.futures.TimeoutError:
@@ -183,21 +159,19 @@ class _StateCollector(Collector):
         yield counter("lookups", "Keys looked up (Lookup RPC).", s["lookups"])
         yield counter("lookup_hits", "Keys looked up and found ready.", s["hits"])
         yield counter("lookup_misses", "Keys looked up and not ready.", s["misses"])
-        evictions = dict.fromkeys(EVICTION_REASONS, 0) | snap.evictions
         yield by_label(CounterMetricFamily, "evictions",
                        "Blocks evicted: lru (room for a store), admin (Evict), clear (Clear).",
-                       "reason", evictions)
-        dropped = counts_by_label(snap.dropped_stores, DROP_REASONS)
+                       "reason", snap.evictions)
         yield by_label(CounterMetricFamily, "dropped_stores",
                        "Key stores dropped: pool_full (every block pinned or in flight), "
                        "row_too_large (a block row larger than the pool).",
-                       "reason", dropped)
-        aborted = counts_by_label(snap.aborted_writes, ABORT_REASONS)
+                       "reason", snap.dropped_stores)
         yield by_label(CounterMetricFamily, "aborted_writes",
-                       "Block rows dropped before they became ready.", "reason", aborted)
-        failed = {d: snap.failed_jobs.get(d, 0) for d in DIRECTIONS}
+                       "Block rows dropped before they became ready.", "reason",
+                       snap.aborted_writes)
         yield by_label(CounterMetricFamily, "failed_transfers",
-                       "Transfer jobs that failed (the engine recomputes).", "direction", failed)
+                       "Transfer jobs that failed (the engine recomputes).", "direction",
+                       snap.failed_jobs)
 
 
 def _number(value: object) -> float:
@@ -248,13 +222,13 @@ class Metrics:
             self.transfer_bytes.labels(direction)
             self.transfer_seconds.labels(direction)
         self._http: tuple[object, threading.Thread] | None = None
-        state.transfer_observers.append(self.observe)
+        state.add_transfer_observer(self.observe)
 
-    def observe(self, direction: str, ok: bool, nbytes: int, seconds: float) -> None:
+    def observe(self, direction: Direction, ok: bool, nbytes: int, seconds: float) -> None:
         """A transfer finished (called on the event loop)."""
         if ok:
-            self.transfer_bytes.labels(direction).observe(nbytes)
-            self.transfer_seconds.labels(direction).observe(seconds)
+            self.transfer_bytes.labels(direction.label).observe(nbytes)
+            self.transfer_seconds.labels(direction.label).observe(seconds)
 
     def serve(self, port: int, addr: str = "0.0.0.0") -> None:
         """Serves http://addr:port/metrics until the process exits."""

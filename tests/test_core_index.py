@@ -12,6 +12,7 @@ from kvdepot.server.core.index import (
     StoreOutcome,
     UnknownNamespace,
 )
+from kvdepot.server.core.kinds import DropReason, EventKind, EvictionReason
 from kvdepot.server.core.layout import NamespaceLayout
 
 
@@ -69,7 +70,7 @@ def test_lru_evicts_oldest_ready_unpinned_and_never_pinned() -> None:
     assert ix.lookup("ns", [key(0), key(1), key(2), key(3)]) == [True, False, True, True]
     events = ix.take_events()
     assert [(e.kind, e.keys, e.reason) for e in events] == [
-        ("removed", (key(1),), "lru"), ("stored", (key(3),), "")
+        (EventKind.REMOVED, (key(1),), EvictionReason.LRU), (EventKind.STORED, (key(3),), None)
     ]
     ix.check_invariants()
 
@@ -89,8 +90,9 @@ def test_store_is_dropped_when_everything_is_pinned() -> None:
     store(ix, key(1))
     ix.pin("ns", [key(0), key(1)], "s1")
     d = ix.begin_store("ns", key(2), 0, "s1")
-    assert d.outcome is StoreOutcome.DROPPED and "pinned" in d.reason
-    assert ix.stats.dropped_stores[d.reason] == 1
+    assert d.outcome is StoreOutcome.DROPPED and d.reason is DropReason.POOL_FULL
+    assert "pinned" in d.reason.text
+    assert ix.stats.dropped_stores[DropReason.POOL_FULL] == 1
     ix.unpin("ns", [key(0), key(1)], "s1")
     assert store(ix, key(2)) is StoreOutcome.WRITE
     ix.check_invariants()

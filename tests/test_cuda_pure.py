@@ -22,10 +22,9 @@ import pytest
 
 from kvdepot.server import errors
 from kvdepot.server.config import ServeConfig
-from kvdepot.server.core.copy_engine import LOAD, STORE, CpuCopyEngine
 from kvdepot.server.core.layout import NamespaceLayout
 from kvdepot.server.core.planner import CopyPlan, LayerRef, MemoryMap, TensorView, plan_job
-from kvdepot.server.cuda import cuda_available, enable_cuda, page_lock_hook, unavailable_reason
+from kvdepot.server.cuda import cuda_available, cuda_path, enable_cuda, unavailable_reason
 from kvdepot.server.cuda import driver as cuda_driver
 from kvdepot.server.cuda.dma import CudaCopyEngine, CudaIpcRegion, DmaBatch, plan_descriptors
 from kvdepot.server.cuda.driver import (
@@ -37,7 +36,7 @@ from kvdepot.server.cuda.driver import (
     CudaUnavailable,
     DeviceInfo,
 )
-from kvdepot.server.cuda.enable import active_engine, select_devices
+from kvdepot.server.cuda.enable import select_devices
 from kvdepot.server.cuda.handles import (
     HandleError,
     UnexportableMemory,
@@ -51,6 +50,7 @@ from kvdepot.server.cuda.handles import (
     validate,
 )
 from kvdepot.server.cuda.pinning import PoolPinner
+from kvdepot.server.memory.copy_engine import LOAD, STORE, CpuCopyEngine
 from kvdepot.server.state import DepotState, JobSpec
 from kvdepot.v1 import depot_pb2 as pb
 from tests.support.regions import ArrayRegion
@@ -577,7 +577,7 @@ def test_depot_state_stores_and_loads_every_byte_through_the_cuda_engine(
 ) -> None:
     drv = FakeDriver()
     assert enable_cuda(state, state.arena, driver=drv, env={})
-    assert "cuda_ipc" in state.region_openers
+    assert cuda_path(state) is not None
     session, reg, buf, lay, tensors = register_fake_engine(state, drv)
     assert reg.memory_path == "cuda_ipc" and reg.registered_bytes == 8 * 16 * 16384
     base = ctypes.addressof(buf) + 4096
@@ -635,10 +635,11 @@ def test_unregister_closes_the_mapping_and_bad_handles_leave_no_registration(
     state.unregister(session.id, reg.id)
     assert not drv.open_counts and not state.registrations
     refs = [[LayerRef(i, 0, 16384) for i in range(8)]]
-    with pytest.raises(errors.DepotError) as exc:  # tensors beyond the registered size
+    with pytest.raises(ValueError) as exc:  # tensors beyond the registered size
         state.register(session.id, lay, 0, [("cuda_ipc", ipc_msg(*drv.export(8192)[:1], 8192))],
                        tensors, refs)
-    assert exc.value.code.name == "INVALID_ARGUMENT"
+    err = errors.as_depot_error(exc.value)  # the status the service answers with
+    assert err is not None and err.code.name == "INVALID_ARGUMENT"
     assert not drv.open_counts and not state.registrations
 
 
@@ -665,7 +666,7 @@ def test_enabling_cuda_without_cuda_leaves_the_cpu_path(
     with caplog.at_level(logging.INFO, logger="kvdepot.cuda"):
         assert enable_cuda(state, state.arena) is False
     assert "CUDA is off" in caplog.text
-    assert "cuda_ipc" not in state.region_openers and page_lock_hook(state.arena) is None
+    assert cuda_path(state) is None
     session = state.open_session("x", 1, "")
     lay = NamespaceLayout("ns", 1, 1, ((4096,),))
     with pytest.raises(errors.DepotError) as exc:
@@ -708,11 +709,13 @@ def test_only_served_devices_get_a_context(state: DepotState) -> None:
 def test_cuda_stays_off_when_no_device_is_selected(spec: str) -> None:
     from types import SimpleNamespace
 
-    st = SimpleNamespace(region_openers={})
+    added: list[object] = []
+    st = SimpleNamespace(memory_path=lambda kind: None,
+                         add_memory_path=lambda kind, opener: added.append(kind))
     arena = SimpleNamespace(address=0, size=1 << 20, warmup_done_bytes=0)
     drv = FakeDriver([DeviceInfo(0, parse_uuid(UUID0), "a")])
     assert not enable_cuda(st, arena, driver=drv, env={"KVDEPOT_CUDA_DEVICES": spec})
-    assert st.region_openers == {} and drv.contexts == [] and page_lock_hook(arena) is None
+    assert added == [] and drv.contexts == []
 
 
 # -- page-locking the pool ------------------------------------------------------------------
@@ -774,16 +777,15 @@ def test_the_arena_warmup_hook_page_locks_the_whole_pool(state: DepotState) -> N
     drv = FakeDriver()
     arena = state.arena
     assert enable_cuda(state, arena, driver=drv, env={})
-    hook = page_lock_hook(arena)
-    assert hook is not None
-    arena.start_warmup(chunk_bytes=8 << 20, after_chunk=hook)
+    path = cuda_path(state)
+    assert path is not None
+    arena.start_warmup(chunk_bytes=8 << 20)  # enable_cuda added the page-locking hook
     assert arena.wait_warmup(30)
     assert sum(drv.registered.values()) == arena.size
     assert min(drv.registered) == arena.address
-    assert active_engine(arena).host_split() == 8 << 20
-    arena.close()  # wrapped: unregisters before unmapping, destroys the engine's streams
+    assert path.engine.host_split() == 8 << 20
+    arena.close()  # its close hook unregisters before unmapping, destroys the streams
     assert drv.registered == {}
-    assert page_lock_hook(arena) is None
 
 
 def test_enabling_after_the_warmup_began_follows_it(state: DepotState) -> None:
@@ -1153,7 +1155,7 @@ def test_depot_state_end_to_end_through_the_real_bindings(
     fake.fake_count.restype = ctypes.c_long
     fake.fake_count.argtypes = [ctypes.c_char_p]
     assert enable_cuda(state, state.arena, driver=drv, env={})
-    state.arena.start_warmup(chunk_bytes=16 << 20, after_chunk=page_lock_hook(state.arena))
+    state.arena.start_warmup(chunk_bytes=16 << 20)
     assert state.arena.wait_warmup(30)
     assert fake.fake_count(b"hostregs") == 4  # 64 MiB in 16 MiB chunks
     nb, layers, page = 16, 32, 4096

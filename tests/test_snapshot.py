@@ -1,4 +1,5 @@
-"""Unit tests of the warm-restart index snapshot (kvdepot.server.core.snapshot).
+"""Unit tests of the warm-restart index snapshot: the pure half
+(kvdepot.server.core.snapshot) and the file half (kvdepot.server.memory.pool_file).
 
 The end-to-end behaviour (SIGTERM, restart, SIGKILL) is in test_warm_restart.py.
 """
@@ -23,6 +24,7 @@ from kvdepot.server.core.snapshot import (
     SnapshotError,
     SnapshotSlot,
 )
+from kvdepot.server.memory import pool_file
 
 POOL = 1 << 20
 GRAN = 4096
@@ -207,7 +209,7 @@ def _pool_file(tmp_path: Path) -> Path:
 
 
 def _shut_down(index: BlockIndex, pool: Path) -> None:
-    snapshot.save_at_shutdown(index, str(pool), POOL, "boot")
+    pool_file.save_at_shutdown(index, str(pool), POOL, "boot")
 
 
 def test_start_after_clean_shutdown_restores_and_consumes(tmp_path: Path) -> None:
@@ -215,20 +217,20 @@ def test_start_after_clean_shutdown_restores_and_consumes(tmp_path: Path) -> Non
     index = populated()
     _shut_down(index, pool)
     assert set(os.listdir(tmp_path)) == {"pool", "pool.index"}  # no temporary left behind
-    plan = snapshot.prepare_start(str(pool), POOL, GRAN)
+    plan = pool_file.prepare_start(str(pool), POOL, GRAN)
     assert plan.snapshot is not None
     assert not Path(snapshot.snapshot_path(pool)).exists(), "the snapshot must be consumed"
     fresh = new_index()
-    assert snapshot.finish_start(plan, fresh) is not None
+    assert pool_file.finish_start(plan, fresh) is not None
     assert set(ready_view(fresh)) == set(ready_view(index))
     # A second start (as after a SIGKILL of the first) finds nothing to trust.
-    again = snapshot.prepare_start(str(pool), POOL, GRAN)
+    again = pool_file.prepare_start(str(pool), POOL, GRAN)
     assert again.snapshot is None and "did not shut down cleanly" in again.reason
     assert not again.fresh
 
 
 def test_start_with_a_new_pool_file_is_routine(tmp_path: Path) -> None:
-    plan = snapshot.prepare_start(str(tmp_path / "pool"), POOL, GRAN)
+    plan = pool_file.prepare_start(str(tmp_path / "pool"), POOL, GRAN)
     assert plan.snapshot is None and plan.fresh
 
 
@@ -249,7 +251,7 @@ def test_start_refuses_a_pool_file_changed_between_runs(tmp_path: Path, how: str
         os.replace(tmp, pool)
     else:
         size = 2 * POOL
-    plan = snapshot.prepare_start(str(pool), size, GRAN)
+    plan = pool_file.prepare_start(str(pool), size, GRAN)
     if how == "write" and plan.snapshot is not None:  # mtime granularity too coarse
         pytest.skip("this filesystem's mtime did not move on a write")
     assert plan.snapshot is None, plan
@@ -264,17 +266,17 @@ def test_start_refuses_a_damaged_snapshot_file(tmp_path: Path) -> None:
     data = bytearray(path.read_bytes())
     data[-1] ^= 1
     path.write_bytes(bytes(data))
-    plan = snapshot.prepare_start(str(pool), POOL, GRAN)
+    plan = pool_file.prepare_start(str(pool), POOL, GRAN)
     assert plan.snapshot is None and "unusable" in plan.reason
 
 
 def test_a_pool_file_is_locked_by_one_daemon_at_a_time(tmp_path: Path) -> None:
     pool = str(tmp_path / "pool")
-    fd = snapshot.lock_pool_file(pool)
+    fd = pool_file.lock_pool_file(pool)
     try:
         assert not os.path.exists(pool), "locking must not create the pool file"
-        with pytest.raises(snapshot.PoolFileBusy, match=f"pid {os.getpid()}"):
-            snapshot.lock_pool_file(pool)
+        with pytest.raises(pool_file.PoolFileBusy, match=f"pid {os.getpid()}"):
+            pool_file.lock_pool_file(pool)
     finally:
         os.close(fd)
-    os.close(snapshot.lock_pool_file(pool))  # free again once the holder closed it
+    os.close(pool_file.lock_pool_file(pool))  # free again once the holder closed it

@@ -1,9 +1,12 @@
 """The block index: (namespace, key) -> slot, with states, pins and LRU eviction.
 
-Sans-I/O: no sockets, threads or clocks of its own (the clock is injected). The
-daemon calls it from its event loop only; copies run elsewhere, bracketed by
-`begin_store`/`finish_store` and `begin_read`/`end_read`, which keep a slot's
-extent allocated for as long as any copy touches it.
+Sans-I/O: no sockets, threads or clocks of its own (the clock is injected). Every
+change that others must hear about (a key became READY, a READY key was removed)
+is handed to `on_event` as it happens, so a subscriber (the daemon's event bus)
+never misses one. The daemon calls the index from its event loop only; copies
+run elsewhere, bracketed by `begin_store`/`finish_store` and
+`begin_read`/`end_read`, which keep a slot's extent allocated for as long as any
+copy touches it.
 
 Slot life:
     (none) --begin_store--> WRITING --all ranks finished--> READY --evict--> (none)
@@ -17,14 +20,34 @@ ones eviction may take.
 
 from __future__ import annotations
 
-import enum
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass, field
 
 from kvdepot.server.core.allocator import Extent, ExtentAllocator, OutOfSpace
+from kvdepot.server.core.kinds import (
+    AbortReason,
+    DropReason,
+    EventKind,
+    EvictionReason,
+    SlotState,
+    StoreOutcome,
+)
 from kvdepot.server.core.layout import LayoutError, NamespaceLayout, check_key
+
+__all__ = [
+    "BlockIndex",
+    "IndexEvent",
+    "IndexStats",
+    "LayoutMismatch",
+    "Namespace",
+    "Slot",
+    "SlotState",
+    "StoreDecision",
+    "StoreOutcome",
+    "UnknownNamespace",
+]
 
 Owner = Hashable  # a session id
 
@@ -35,11 +58,6 @@ class UnknownNamespace(LookupError):
 
 class LayoutMismatch(Exception):
     """A namespace id was declared again with other bytes (FAILED_PRECONDITION)."""
-
-
-class SlotState(enum.Enum):
-    WRITING = "writing"
-    READY = "ready"
 
 
 @dataclass(eq=False)
@@ -78,25 +96,19 @@ class Namespace:
         return (1 << self.layout.world_size) - 1
 
 
-class StoreOutcome(enum.Enum):
-    WRITE = "write"  # copy this rank's section into the slot, then finish_store
-    PRESENT = "present"  # nothing to do: ready, or this rank's section done or in flight
-    DROPPED = "dropped"  # no space (pool full of pinned / in-flight blocks)
-
-
 @dataclass(frozen=True)
 class StoreDecision:
     outcome: StoreOutcome
     slot: Slot | None = None
-    reason: str = ""
+    reason: DropReason | None = None  # when DROPPED
 
 
 @dataclass(frozen=True)
 class IndexEvent:
     namespace: str
-    kind: str  # "stored" or "removed"
+    kind: EventKind
     keys: tuple[bytes, ...]
-    reason: str = ""
+    reason: EvictionReason | None = None  # REMOVED events
 
 
 @dataclass
@@ -106,9 +118,9 @@ class IndexStats:
     lookups: int = 0
     hits: int = 0
     misses: int = 0
-    evictions: Counter = field(default_factory=Counter)  # reason -> blocks
-    dropped_stores: Counter = field(default_factory=Counter)  # reason -> keys
-    aborted_writes: Counter = field(default_factory=Counter)  # reason -> slots
+    evictions: Counter[EvictionReason] = field(default_factory=Counter)  # blocks
+    dropped_stores: Counter[DropReason] = field(default_factory=Counter)  # keys
+    aborted_writes: Counter[AbortReason] = field(default_factory=Counter)  # rows
 
 
 class BlockIndex:
@@ -120,7 +132,10 @@ class BlockIndex:
         *,
         reservation_timeout: float = 60.0,
         clock: Callable[[], float] = time.monotonic,
+        on_event: Callable[[IndexEvent], None] | None = None,
     ) -> None:
+        """`on_event` receives each event as it happens; without it, events
+        collect until `take_events` (direct use, tests)."""
         self.allocator = allocator
         self.reservation_timeout = reservation_timeout
         self._clock = clock
@@ -130,6 +145,7 @@ class BlockIndex:
         self._pins_by_owner: dict[Owner, Counter] = {}  # owner -> Counter[Slot]
         self._writing: set[Slot] = set()
         self._events: list[IndexEvent] = []
+        self._emit = self._events.append if on_event is None else on_event
         self.stats = IndexStats()
         self.pinned_bytes = 0
 
@@ -249,9 +265,9 @@ class BlockIndex:
             extent = self._allocate(size)
             if extent is None:
                 reason = (
-                    "pool full: every block is pinned or in flight"
+                    DropReason.POOL_FULL
                     if self.allocator.capacity >= size
-                    else "block row larger than the pool"
+                    else DropReason.ROW_TOO_LARGE
                 )
                 self.stats.dropped_stores[reason] += 1
                 return StoreDecision(StoreOutcome.DROPPED, None, reason)
@@ -271,7 +287,7 @@ class BlockIndex:
             self._maybe_free_doomed(slot)
             return False
         if not ok:
-            self._doom(slot, "copy failed")
+            self._doom(slot, AbortReason.COPY_FAILED)
             return False
         slot.written_mask |= bit
         ns = self.namespaces[slot.namespace]
@@ -280,7 +296,7 @@ class BlockIndex:
             slot.writers.clear()
             self._writing.discard(slot)
             self._lru[slot] = None
-            self._events.append(IndexEvent(slot.namespace, "stored", (slot.key,)))
+            self._emit(IndexEvent(slot.namespace, EventKind.STORED, (slot.key,)))
             return True
         return False
 
@@ -314,7 +330,7 @@ class BlockIndex:
                 pins += 1
         dropped = 0
         for slot in [s for s in self._writing if owner in s.writers.values()]:
-            self._doom(slot, "writer went away")
+            self._doom(slot, AbortReason.WRITER_GONE)
             dropped += 1
         return pins, dropped
 
@@ -323,10 +339,10 @@ class BlockIndex:
         deadline = self._clock() - self.reservation_timeout
         stale = [s for s in self._writing if s.created < deadline]
         for slot in stale:
-            self._doom(slot, "reservation timed out (a rank never stored its section)")
+            self._doom(slot, AbortReason.RESERVATION_TIMEOUT)
         return len(stale)
 
-    def _doom(self, slot: Slot, reason: str) -> None:
+    def _doom(self, slot: Slot, reason: AbortReason) -> None:
         ns = self.namespaces[slot.namespace]
         if ns.slots.get(slot.key) is slot:
             del ns.slots[slot.key]
@@ -351,22 +367,25 @@ class BlockIndex:
                 if not self._lru:
                     return None
                 victim = next(iter(self._lru))
-                self._remove_ready(victim, "lru")
+                self._remove_ready(victim, EvictionReason.LRU)
 
-    def _remove_ready(self, slot: Slot, reason: str) -> None:
+    def _remove_ready(self, slot: Slot, reason: EvictionReason) -> None:
         self._lru.pop(slot, None)
         ns = self.namespaces[slot.namespace]
         del ns.slots[slot.key]
         self._release_extent(slot)
         self.stats.evictions[reason] += 1
-        self._events.append(IndexEvent(slot.namespace, "removed", (slot.key,), reason))
+        self._emit(IndexEvent(slot.namespace, EventKind.REMOVED, (slot.key,), reason))
 
     def _release_extent(self, slot: Slot) -> None:
         self.namespaces[slot.namespace].used_bytes -= slot.extent.size
         self.allocator.free(slot.extent)
 
     def evict(
-        self, namespace_id: str, keys: Iterable[bytes] | None = None, reason: str = "admin"
+        self,
+        namespace_id: str,
+        keys: Iterable[bytes] | None = None,
+        reason: EvictionReason = EvictionReason.ADMIN,
     ) -> tuple[int, int]:
         """Evicts READY, unheld blocks (all of the namespace, or `keys`).
 
@@ -390,7 +409,7 @@ class BlockIndex:
     def clear(self) -> tuple[int, int]:
         evicted = skipped = 0
         for ns_id in list(self.namespaces):
-            e, s = self.evict(ns_id, reason="clear")
+            e, s = self.evict(ns_id, reason=EvictionReason.CLEAR)
             evicted += e
             skipped += s
         return evicted, skipped
@@ -398,7 +417,9 @@ class BlockIndex:
     # -- events and introspection --------------------------------------------------------
 
     def take_events(self) -> list[IndexEvent]:
-        events, self._events = self._events, []
+        """Events collected since the last call (only without `on_event`)."""
+        events = list(self._events)
+        self._events.clear()  # in place: `_emit` may be this list's append
         return events
 
     def counts(self) -> dict[str, int]:

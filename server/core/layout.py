@@ -3,46 +3,37 @@
 A slot holds one key (one chunk of `blocks_per_chunk` GPU blocks of one group) for
 every rank: `world_size` equal sections side by side. Inside a rank's section the
 pages are layer-major: layer 0's `blocks_per_chunk` pages, then layer 1's, and so
-on, so that consecutive GPU blocks of one layer land in one contiguous run.
+on, so that consecutive GPU blocks of one layer land in one contiguous run. The
+arithmetic itself lives in kvdepot.common.chunks (shared with the clients).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cached_property
+
+from kvdepot.common import chunks
+from kvdepot.common.chunks import (
+    MAX_KEY_BYTES,
+    MIN_KEY_BYTES,
+    LayoutError,
+    check_key,
+    group_of_key,
+)
 
 MAX_WORLD_SIZE = 64  # written-rank sets are 64-bit masks
 MAX_BLOCKS_PER_CHUNK = 4096
 MAX_LAYERS_PER_GROUP = 4096
 MAX_GROUPS = 64
 MAX_PAGE_BYTES = 1 << 30
-MAX_KEY_BYTES = 256
-MIN_KEY_BYTES = 5  # at least one hash byte plus the 4-byte group index
 
-
-class LayoutError(ValueError):
-    """A layout, key or job does not fit the namespace (maps to INVALID_ARGUMENT)."""
-
-
-def group_of_key(key: bytes) -> int:
-    """vLLM's OffloadKey ends with the group index as 4 big-endian bytes."""
-    return int.from_bytes(key[-4:], "big")
-
-
-def check_key(key: bytes, num_groups: int) -> int:
-    """Validates a key's length and group suffix; returns its group index."""
-    if not MIN_KEY_BYTES <= len(key) <= MAX_KEY_BYTES:
-        raise LayoutError(
-            f"key of {len(key)} bytes: a key is vLLM's OffloadKey (block hash + 4-byte "
-            f"group index), {MIN_KEY_BYTES} to {MAX_KEY_BYTES} bytes"
-        )
-    group = group_of_key(key)
-    if group >= num_groups:
-        raise LayoutError(
-            f"key {key.hex()[:16]}… names group {group}, but the namespace has "
-            f"{num_groups} group(s)"
-        )
-    return group
+__all__ = [
+    "MAX_KEY_BYTES",
+    "MIN_KEY_BYTES",
+    "LayoutError",
+    "NamespaceLayout",
+    "check_key",
+    "group_of_key",
+]
 
 
 @dataclass(frozen=True)
@@ -91,55 +82,27 @@ class NamespaceLayout:
     def num_groups(self) -> int:
         return len(self.groups)
 
-    @cached_property
-    def _layer_prefix(self) -> tuple[tuple[int, ...], ...]:
-        out = []
-        for pages in self.groups:
-            acc, prefix = 0, []
-            for p in pages:
-                prefix.append(acc)
-                acc += p
-            out.append(tuple(prefix))
-        return tuple(out)
-
     def block_bytes(self, group: int) -> int:
         """One GPU block of the group on one rank, all layers."""
-        return sum(self.groups[group])
+        return chunks.block_bytes(self.groups[group])
 
     def section_bytes(self, group: int) -> int:
         """One rank's share of one slot."""
-        return self.blocks_per_chunk * self.block_bytes(group)
+        return chunks.section_bytes(self.groups[group], self.blocks_per_chunk)
 
     def slot_bytes(self, group: int) -> int:
-        return self.world_size * self.section_bytes(group)
+        return chunks.slot_bytes(self.groups[group], self.blocks_per_chunk, self.world_size)
 
     def page_offset(self, group: int, rank: int, layer: int, sub_block: int) -> int:
         """Offset inside a slot of (rank, layer, sub-block j of the chunk)."""
-        return (
-            rank * self.section_bytes(group)
-            + self.blocks_per_chunk * self._layer_prefix[group][layer]
-            + sub_block * self.groups[group][layer]
+        return chunks.page_offset(
+            self.groups[group], self.blocks_per_chunk, rank, layer, sub_block
         )
 
     def chunks_per_group(
         self, group_sizes: list[int] | tuple[int, ...], block_indices: list[int] | tuple[int, ...]
     ) -> list[int]:
         """Keys a job must carry per group, given vLLM's group_sizes/block_indices."""
-        if len(group_sizes) != self.num_groups:
-            raise LayoutError(
-                f"group_sizes has {len(group_sizes)} entries; the namespace has "
-                f"{self.num_groups} group(s)"
-            )
-        if len(block_indices) != self.num_groups:
-            raise LayoutError(
-                f"block_indices has {len(block_indices)} entries; the namespace has "
-                f"{self.num_groups} group(s)"
-            )
-        bpc = self.blocks_per_chunk
-        out = []
-        for n, first in zip(group_sizes, block_indices, strict=True):
-            if n < 0 or first < 0:
-                raise LayoutError("group_sizes and block_indices must not be negative")
-            skip = first % bpc
-            out.append(0 if n == 0 else (skip + n + bpc - 1) // bpc)
-        return out
+        return chunks.chunks_per_group(
+            group_sizes, block_indices, self.blocks_per_chunk, self.num_groups
+        )

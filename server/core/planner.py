@@ -1,9 +1,11 @@
 """Copy planning: a job (keys + vLLM's GPULoadStoreSpec) becomes a list of byte runs.
 
-The planner knows nothing of sockets, CUDA or mmap: it turns block ids, group
-sizes, block indices, slot offsets and a rank's memory map into
+The planner knows nothing of sockets, CUDA or mmap. `check_job` validates a job
+(keys, block ids, group sizes, block indices) against its namespace and a rank's
+memory map once; `plan_copy` turns the checked job and its slot offsets into
 `(region, region_offset, pool_offset, nbytes)` runs, merging runs that are
-contiguous on both sides. The CPU and CUDA copy engines execute the same plans.
+contiguous on both sides. Every copy engine (CPU, CUDA, process memory) executes
+the same plans.
 """
 
 from __future__ import annotations
@@ -11,7 +13,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from kvdepot.server.core.layout import LayoutError, NamespaceLayout
+from kvdepot.common.chunks import block_positions
+from kvdepot.server.core.layout import LayoutError, NamespaceLayout, check_key
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,56 +127,73 @@ class CopyPlan:
         self.nbytes += n
 
 
-def plan_job(
+@dataclass(frozen=True, slots=True)
+class JobShape:
+    """A job checked against its namespace and a rank's memory: safe to plan.
+
+    Built once per job by `check_job`; `plan_copy` then needs no checks. Per
+    group: its block ids and, per block, the index of its key in the job and its
+    sub-block in that key's chunk.
+    """
+
+    num_keys: int
+    groups: tuple[tuple[int, Sequence[int], Sequence[int], Sequence[int] | None], ...]
+    # per non-empty group: (group, block ids, key index per block, sub-block per block
+    # or None when blocks_per_chunk is 1)
+
+
+def check_job(
     layout: NamespaceLayout,
-    rank: int,
     memory: MemoryMap,
     block_ids: Sequence[int],
     group_sizes: Sequence[int],
     block_indices: Sequence[int],
-    slot_offsets: Sequence[int | None],
-) -> CopyPlan:
-    """Plans the copy of one job for one rank.
+    keys: Sequence[bytes] | None = None,
+    num_keys: int | None = None,
+) -> JobShape:
+    """Validates one job; raises LayoutError with what to fix.
 
-    `slot_offsets` holds the pool offset of each key's slot, in the job's key
-    order (group-major, chunks ascending); None skips that key's pages (a store
-    of a key that is already present, or dropped). Every block id is validated
-    against its tensor's block count, skipped or not; raises LayoutError with
-    what to fix.
+    Checks the group lists, that the job carries one key per chunk (`keys`, or
+    just `num_keys`), that keys are distinct and group-major like group_sizes,
+    and that every block id is inside every tensor its group's layers live in.
     """
-    chunks = layout.chunks_per_group(group_sizes, block_indices)
-    if sum(chunks) != len(slot_offsets):
+    per_group = layout.chunks_per_group(group_sizes, block_indices)
+    n_keys = len(keys) if keys is not None else num_keys
+    if n_keys is None:
+        raise ValueError("check_job needs keys or num_keys")
+    if sum(per_group) != n_keys:
         raise LayoutError(
-            f"job carries {len(slot_offsets)} key(s) but group_sizes/block_indices describe "
-            f"{sum(chunks)} chunk(s) ({chunks} per group)"
+            f"job carries {n_keys} key(s) but group_sizes/block_indices describe "
+            f"{sum(per_group)} chunk(s) ({per_group} per group)"
         )
+    if keys is not None:
+        if len(set(keys)) != len(keys):
+            raise LayoutError("a job names the same key twice")
+        pos = 0
+        for g, n in enumerate(per_group):
+            for key in keys[pos : pos + n]:
+                if check_key(key, layout.num_groups) != g:
+                    raise LayoutError(
+                        f"key {key.hex()[:16]}… is of group {key[-4:].hex()} but sits among "
+                        f"group {g}'s keys: keys are group-major, like group_sizes"
+                    )
+            pos += n
     if sum(group_sizes) != len(block_ids):
         raise LayoutError(
             f"sum(group_sizes) = {sum(group_sizes)} but {len(block_ids)} block id(s) given"
         )
     bpc = layout.blocks_per_chunk
-    plan = CopyPlan()
-    runs = plan.runs
     tensors = memory.tensors
-    # This loop runs on the daemon's event loop once per page (2048 times for a
-    # 64-chunk Llama-8B job), so it is written for CPython: block ids are checked
-    # per group with min/max instead of per page, and the run being grown lives
-    # in locals (merged in place) instead of going through CopyPlan.add.
-    cur_r = -1  # the pending run: region, region offset, pool offset, bytes
-    cur_ro = cur_po = cur_n = 0
-    nbytes = 0
-    block_pos = 0
-    key_pos = 0
+    groups = []
+    block_pos = key_pos = 0
     for g, n in enumerate(group_sizes):
         ids = block_ids[block_pos : block_pos + n]
         block_pos += n
         if n == 0:
             continue
-        skip = block_indices[g] % bpc
-        pages = layout.groups[g]
+        # Block ids are checked per group with min/max, not per page.
         lo, hi = min(ids), max(ids)
-        refs = memory.groups[g]
-        for ref in refs:
+        for ref in memory.groups[g]:
             t = tensors[ref.tensor_index]
             if lo < 0 or hi >= t.num_blocks:
                 bad = next(b for b in ids if not 0 <= b < t.num_blocks)
@@ -181,18 +201,48 @@ def plan_job(
                     f"block id {bad} of group {g} is out of range: tensor "
                     f"{ref.tensor_index} has {t.num_blocks} blocks"
                 )
-        # Per block: its key's slot offset (None: skipped) and its sub-block.
         if bpc == 1:
-            slots = slot_offsets[key_pos : key_pos + n]
+            key_of: Sequence[int] = range(key_pos, key_pos + n)
             subs = None
         else:
-            pos = [divmod(skip + i, bpc) for i in range(n)]
-            slots = [slot_offsets[key_pos + c] for c, _ in pos]
+            pos = block_positions(n, block_indices[g], bpc)
+            key_of = [key_pos + c for c, _ in pos]
             subs = [j for _, j in pos]
-        key_pos += chunks[g]
+        groups.append((g, ids, key_of, subs))
+        key_pos += per_group[g]
+    return JobShape(n_keys, tuple(groups))
+
+
+def plan_copy(
+    layout: NamespaceLayout,
+    rank: int,
+    memory: MemoryMap,
+    shape: JobShape,
+    slot_offsets: Sequence[int | None],
+) -> CopyPlan:
+    """Plans the copy of a checked job for one rank.
+
+    `slot_offsets` holds the pool offset of each key's slot, in the job's key
+    order (group-major, chunks ascending); None skips that key's pages (a store
+    of a key that is already present, or dropped).
+    """
+    if len(slot_offsets) != shape.num_keys:
+        raise ValueError(f"{len(slot_offsets)} slot offsets for {shape.num_keys} keys")
+    plan = CopyPlan()
+    runs = plan.runs
+    tensors = memory.tensors
+    # This loop runs once per page (2048 times for a 64-chunk Llama-8B job), so
+    # it is written for CPython: the run being grown lives in locals (merged in
+    # place) instead of going through CopyPlan.add.
+    cur_r = -1  # the pending run: region, region offset, pool offset, bytes
+    cur_ro = cur_po = cur_n = 0
+    nbytes = 0
+    for g, ids, key_of, subs in shape.groups:
+        slots = [slot_offsets[k] for k in key_of]
         if all(s is None for s in slots):
             continue
-        for layer, ref in enumerate(refs):
+        pages = layout.groups[g]
+        for layer, ref in enumerate(memory.groups[g]):
             t = tensors[ref.tensor_index]
             page = pages[layer]
             region = t.region_index
@@ -218,3 +268,24 @@ def plan_job(
         runs.append((cur_r, cur_ro, cur_po, cur_n))
     plan.nbytes += nbytes
     return plan
+
+
+def plan_job(
+    layout: NamespaceLayout,
+    rank: int,
+    memory: MemoryMap,
+    block_ids: Sequence[int],
+    group_sizes: Sequence[int],
+    block_indices: Sequence[int],
+    slot_offsets: Sequence[int | None],
+) -> CopyPlan:
+    """`check_job` then `plan_copy` in one call (tests and benchmarks; the daemon's
+    job runner keeps the two apart so that it checks before it reserves slots).
+
+    Every block id is validated against its tensor's block count, skipped or
+    not; raises LayoutError with what to fix.
+    """
+    shape = check_job(
+        layout, memory, block_ids, group_sizes, block_indices, num_keys=len(slot_offsets)
+    )
+    return plan_copy(layout, rank, memory, shape, slot_offsets)

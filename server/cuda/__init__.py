@@ -6,6 +6,6 @@ there and `enable_cuda` leaves the daemon on the CPU path.
 """
 
 from kvdepot.server.cuda.driver import cuda_available, unavailable_reason
-from kvdepot.server.cuda.enable import enable_cuda, page_lock_hook
+from kvdepot.server.cuda.enable import CudaPath, cuda_path, enable_cuda
 
-__all__ = ["cuda_available", "enable_cuda", "page_lock_hook", "unavailable_reason"]
+__all__ = ["CudaPath", "cuda_available", "cuda_path", "enable_cuda", "unavailable_reason"]

@@ -34,8 +34,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvdepot.common.kinds import MemoryPath
 from kvdepot.server import errors
-from kvdepot.server.core.copy_engine import LOAD, STORE, CopyEngine, MappedRegion
 from kvdepot.server.core.planner import CopyPlan
 from kvdepot.server.cuda.driver import (
     CUDA_ERROR_NOT_SUPPORTED,
@@ -45,6 +45,7 @@ from kvdepot.server.cuda.driver import (
     DeviceInfo,
 )
 from kvdepot.server.cuda.handles import HandleError, IpcRegionSpec, decode, format_uuid
+from kvdepot.server.memory.copy_engine import LOAD, STORE, CopyEngine, MappedRegion
 
 log = logging.getLogger("kvdepot.cuda")
 
@@ -200,7 +201,7 @@ class CudaIpcRegion(MappedRegion):
     registration; `close()` is idempotent and never raises.
     """
 
-    kind = "cuda_ipc"
+    kind = MemoryPath.CUDA_IPC
 
     def __init__(
         self, engine: CudaCopyEngine, spec: IpcRegionSpec, mapping: _Mapping,
@@ -269,7 +270,7 @@ class CudaCopyEngine(CopyEngine):
     def open_region(
         self, handle: object, session: object = None
     ) -> tuple[MappedRegion, CopyEngine]:
-        """The `DepotState.region_openers["cuda_ipc"]` callable.
+        """Opens a "cuda_ipc" region (the state's opener for it is a CudaPath).
 
         Validates the handle, finds the device by UUID among the served ones, maps
         the allocation (once per handle; later registrations share the mapping),

@@ -1,22 +1,23 @@
 """Turning the CUDA data path on in a daemon, when the host has a driver and a device.
 
     enable_cuda(state, arena)                      # before the arena's warm-up starts
-    arena.start_warmup(..., after_chunk=page_lock_hook(arena))
+    arena.start_warmup(...)                        # page-locks each chunk it faults
 
-`enable_cuda` registers the "cuda_ipc" region opener (`CudaCopyEngine.open_region`)
-in `state.region_openers`, prepares page-locking of the pool, and says in the log
-what it did. On a host without CUDA it logs why and returns False: the daemon
-stays on the shared-memory (CPU) path, and a cuda_ipc registration is refused with
-a message that says so.
+`enable_cuda` adds the "cuda_ipc" memory path to the state (a `CudaPath`, through
+`state.add_memory_path`), hooks page-locking into the arena's warm-up
+(`arena.add_warmup_hook`) and its cleanup into the arena's close
+(`arena.on_close`), and says in the log what it did. On a host without CUDA it
+logs why and returns False: the daemon stays on the shared-memory (CPU) path, and
+a cuda_ipc registration is refused with a message that says so.
 
 Which devices are served: every device this process sees, or those named in
 KVDEPOT_CUDA_DEVICES (comma-separated UUIDs or ordinals; "none" turns CUDA off).
 A CUDA context is created only on a served device: on the first one at start-up
 (it page-locks the pool), on the others when a worker on them registers.
 
-Shutdown: `arena.close` is wrapped so that the pool's chunks are unregistered and
-the copy streams destroyed before the arena is unmapped (DepotState.close closes
-the copy threads and every region first, so no copy runs by then).
+Shutdown: the arena's close hook unregisters the pool's chunks and destroys the
+copy streams before the arena is unmapped (DepotState.close closes the copy
+threads and every region first, so no copy runs by then).
 """
 
 from __future__ import annotations
@@ -25,9 +26,10 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
+from kvdepot.common.kinds import MemoryPath
 from kvdepot.server.cuda import driver as cuda_driver
 from kvdepot.server.cuda.handles import HandleError, format_uuid, parse_uuid
 from kvdepot.server.cuda.pinning import fmt_bytes
@@ -37,8 +39,29 @@ log = logging.getLogger("kvdepot.cuda")
 DEVICES_ENV = "KVDEPOT_CUDA_DEVICES"
 FOLLOW_CHUNK_BYTES = 256 << 20  # page-locking pieces when following a running warm-up
 
-# arena id -> (pinner, engine), for page_lock_hook and tests.
-_active: dict[int, tuple[Any, Any]] = {}
+
+
+class CudaPath:
+    """The CUDA IPC memory path of one daemon: its copy engine and the pool's
+    page-locking. Called as the state's region opener for "cuda_ipc"."""
+
+    def __init__(self, engine: Any, pinner: Any) -> None:
+        self.engine = engine
+        self.pinner = pinner
+
+    def __call__(self, handle: Any, session: Any) -> tuple[Any, Any]:
+        return self.engine.open_region(handle, session)
+
+    def close(self) -> None:
+        # Unregister while the mapping still exists (an arena close hook).
+        self.pinner.close()
+        self.engine.close()
+
+
+def cuda_path(state: Any) -> CudaPath | None:
+    """The CUDA path serving `state`, or None when CUDA is off (tests, stats)."""
+    path = state.memory_path(MemoryPath.CUDA_IPC)
+    return path if isinstance(path, CudaPath) else None
 
 
 def select_devices(devices: Sequence[Any], spec: str | None) -> list[Any]:
@@ -89,7 +112,7 @@ def enable_cuda(
     from kvdepot.server.cuda.pinning import PoolPinner
 
     env = dict(os.environ) if env is None else env
-    if id(arena) in _active:
+    if cuda_path(state) is not None:
         log.info("CUDA is on already for this pool")
         return True
     try:
@@ -119,13 +142,15 @@ def enable_cuda(
                     "registrations only", exc)
         return False
 
-    state.region_openers["cuda_ipc"] = engine.open_region
-    _active[id(arena)] = (pinner, engine)
-    _wrap_close(arena, pinner, engine)
-    if arena.warmup_done_bytes > 0 or getattr(arena, "_warmup_thread", None) is not None:
-        # The warm-up started before we were enabled, so the hook cannot be wired:
+    path = CudaPath(engine, pinner)
+    state.add_memory_path(MemoryPath.CUDA_IPC, path)
+    arena.on_close(path.close)
+    if arena.warmup_started:
+        # The warm-up started before we were enabled, so the hook would miss chunks:
         # page-lock what is faulted already, then follow it.
         _follow_warmup(arena, pinner)
+    else:
+        arena.add_warmup_hook(pinner.after_chunk)
     version = driver.version() if hasattr(driver, "version") else 0
     log.info(
         "CUDA is on (driver %d.%d): serving cuda_ipc registrations on %d device(s): %s; "
@@ -137,32 +162,6 @@ def enable_cuda(
         fmt_bytes(arena.size), first.uuid,
     )
     return True
-
-
-def page_lock_hook(arena: Any) -> Callable[[int, int], None] | None:
-    """The `after_chunk` hook that page-locks `arena`, or None when CUDA is off for it."""
-    active = _active.get(id(arena))
-    return active[0].after_chunk if active else None
-
-
-def active_engine(arena: Any) -> Any:
-    """The CudaCopyEngine serving `arena`, or None (for tests and stats)."""
-    active = _active.get(id(arena))
-    return active[1] if active else None
-
-
-def _wrap_close(arena: Any, pinner: Any, engine: Any) -> None:
-    original = arena.close
-
-    def close() -> None:
-        # Unregister while the mapping still exists; the copy threads and regions
-        # are closed by DepotState.close before it closes the arena.
-        pinner.close()
-        engine.close()
-        _active.pop(id(arena), None)
-        original()
-
-    arena.close = close
 
 
 def _follow_warmup(arena: Any, pinner: Any, chunk: int = FOLLOW_CHUNK_BYTES) -> None:

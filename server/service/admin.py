@@ -1,8 +1,10 @@
 """kvdepot.v1.Admin over grpc.aio: inspection and maintenance for operators.
 
 Every call runs on the event loop, which owns the index, so what it reports is one
-consistent snapshot. The calls that delete cached data (Evict, Clear) answer
-PERMISSION_DENIED when the daemon runs with --no-destructive-admin.
+consistent snapshot. Reads look at the state; changes (Evict, Clear) go through
+the same DepotState API as Depot's calls, and errors become statuses through the
+same `reports_errors`. Evict and Clear answer PERMISSION_DENIED when the daemon
+runs with --no-destructive-admin.
 """
 
 from __future__ import annotations
@@ -14,8 +16,8 @@ from collections.abc import Iterator
 import grpc
 
 from kvdepot.server import errors
-from kvdepot.server.core.index import Namespace, Slot, SlotState, UnknownNamespace
-from kvdepot.server.core.layout import LayoutError, check_key
+from kvdepot.server.core.index import Namespace, Slot, SlotState
+from kvdepot.server.service.status import reports_errors
 from kvdepot.server.state import DepotState
 from kvdepot.v1 import admin_pb2 as pb
 from kvdepot.v1 import admin_pb2_grpc
@@ -47,6 +49,7 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
     def __init__(self, state: DepotState) -> None:
         self.state = state
 
+    @reports_errors
     async def GetStats(
         self, request: pb.GetStatsRequest, context: grpc.aio.ServicerContext
     ) -> pb.GetStatsResponse:
@@ -54,10 +57,12 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         # Debug daemons (KVDEPOT_CHECK_INVARIANTS=1) answer INTERNAL once an invariant broke.
         broken = self.state.verify_invariants()
         if broken is not None:
-            await context.abort(grpc.StatusCode.INTERNAL, broken)
+            raise errors.internal(broken)
         return pb.GetStatsResponse(
             **self.state.stats(),
-            evictions_by_reason=dict(self.state.index.stats.evictions),
+            evictions_by_reason={
+                reason.value: n for reason, n in self.state.index.stats.evictions.items()
+            },
         )
 
     async def ListNamespaces(
@@ -90,7 +95,7 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
             regs = [
                 pb.RegistrationInfo(
                     registration_id=r.id, namespace_id=r.layout.id, rank=r.rank,
-                    memory_path=r.memory_path, registered_bytes=r.registered_bytes,
+                    memory_path=r.memory_path.value, registered_bytes=r.registered_bytes,
                 )
                 for r in (st.registrations[i] for i in sorted(s.registrations))
             ]
@@ -103,15 +108,12 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
             )
         return pb.ListEnginesResponse(engines=engines)
 
+    @reports_errors
     async def ListBlocks(
         self, request: pb.ListBlocksRequest, context: grpc.aio.ServicerContext
     ) -> pb.ListBlocksResponse:
         """Blocks ordered by (namespace, key), a page at a time, optionally filtered."""
-        try:
-            namespaces, group, size, after = self._block_query(request)
-        except errors.DepotError as exc:
-            await context.abort(exc.code, exc.message)
-            raise AssertionError("unreachable") from None
+        namespaces, group, size, after = self._block_query(request)
 
         def matching() -> Iterator[Slot]:
             for ns in namespaces:
@@ -185,65 +187,20 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
                 ) from None
         return namespaces, group, size, after
 
-    def _check_destructive(self) -> None:
-        if not self.state.config.destructive_admin:
-            raise errors.denied(
-                "Evict and Clear are disabled on this daemon (--no-destructive-admin, or "
-                "KVDEPOT_NO_DESTRUCTIVE_ADMIN=1): blocks age out by LRU; to evict by hand, "
-                "restart the daemon without that setting"
-            )
-
+    @reports_errors
     async def Evict(
         self, request: pb.EvictRequest, context: grpc.aio.ServicerContext
     ) -> pb.EvictResponse:
         """Evicts ready, unpinned blocks of one namespace: all of them, or the given keys."""
-        try:
-            self._check_destructive()
-            evicted, skipped, not_found = self._evict(request)
-        except errors.DepotError as exc:
-            await context.abort(exc.code, exc.message)
-            raise AssertionError("unreachable") from None
-        # Watchers (engines' lookup mirrors) must hear about the removals at once.
-        self.state.publish_events()
+        evicted, skipped, not_found = self.state.evict(request.namespace_id, list(request.keys))
         return pb.EvictResponse(
             evicted_blocks=evicted, skipped_blocks=skipped, not_found_blocks=not_found
         )
 
-    def _evict(self, request: pb.EvictRequest) -> tuple[int, int, int]:
-        if not request.namespace_id:
-            raise errors.invalid(
-                "namespace_id is empty: name the namespace (see Admin/ListNamespaces), or "
-                "call Admin/Clear to evict from every namespace"
-            )
-        try:
-            ns = self.state.index.namespace(request.namespace_id)
-        except UnknownNamespace as exc:
-            raise errors.not_found(f"{exc}; see Admin/ListNamespaces") from None
-        keys = list(dict.fromkeys(request.keys))  # a key named twice counts once
-        for key in keys:
-            try:
-                check_key(key, ns.layout.num_groups)
-            except LayoutError as exc:
-                raise errors.invalid(
-                    f"{exc}. In grpcurl JSON a key is base64: copy `key` from "
-                    f"Admin/ListBlocks, or convert key_hex with `xxd -r -p | base64 -w0`"
-                ) from None
-        if not keys:
-            evicted, skipped = self.state.index.evict(request.namespace_id, None, reason="admin")
-            return evicted, skipped, 0
-        not_found = sum(k not in ns.slots for k in keys)
-        evicted, skipped = self.state.index.evict(request.namespace_id, keys, reason="admin")
-        return evicted, skipped, not_found
-
+    @reports_errors
     async def Clear(
         self, request: pb.ClearRequest, context: grpc.aio.ServicerContext
     ) -> pb.ClearResponse:
         """Evicts every ready, unpinned block of every namespace."""
-        try:
-            self._check_destructive()
-        except errors.DepotError as exc:
-            await context.abort(exc.code, exc.message)
-            raise AssertionError("unreachable") from None
-        evicted, skipped = self.state.index.clear()
-        self.state.publish_events()
+        evicted, skipped = self.state.clear()
         return pb.ClearResponse(evicted_blocks=evicted, skipped_blocks=skipped)

@@ -1,26 +1,31 @@
-"""kvdepot.v1.Depot over grpc.aio: a thin translation onto DepotState."""
+"""kvdepot.v1.Depot over grpc.aio: a thin translation onto DepotState.
+
+Messages become state calls; errors become statuses through `reports_errors`
+(one table, kvdepot.server.errors).
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import TypeVar
+from collections.abc import AsyncIterator
 
 import grpc
 
 import kvdepot
+from kvdepot.common.kinds import MemoryPath
 from kvdepot.server import errors
+from kvdepot.server.core.index import IndexEvent
+from kvdepot.server.core.kinds import EventKind
 from kvdepot.server.core.layout import LayoutError, NamespaceLayout
 from kvdepot.server.core.planner import LayerRef, TensorView
+from kvdepot.server.service.status import abort_with, reports_errors
 from kvdepot.server.state import DepotState, JobOutcome, JobSpec
 from kvdepot.v1 import depot_pb2 as pb
 from kvdepot.v1 import depot_pb2_grpc
 
 log = logging.getLogger("kvdepot.depot")
-R = TypeVar("R")
 
 SNAPSHOT_BATCH = 4096
 
@@ -54,22 +59,11 @@ def outcome_to_proto(o: JobOutcome) -> pb.TransferResult:
     )
 
 
-async def abort_with(context: grpc.aio.ServicerContext, exc: errors.DepotError) -> None:
-    await context.abort(exc.code, exc.message)
+WATCH_KINDS = {EventKind.STORED: pb.WatchEvent.STORED, EventKind.REMOVED: pb.WatchEvent.REMOVED}
 
 
-def reports_errors(handler: Callable[..., Awaitable[R]]) -> Callable[..., Awaitable[R]]:
-    """A unary handler whose DepotErrors become the call's status and message."""
-
-    @functools.wraps(handler)
-    async def wrapper(self: DepotServicer, request: object, context: grpc.aio.ServicerContext) -> R:
-        try:
-            return await handler(self, request, context)
-        except errors.DepotError as exc:
-            await abort_with(context, exc)
-            raise AssertionError("context.abort returned") from None
-
-    return wrapper
+def event_reason(event: IndexEvent) -> str:
+    return event.reason.text if event.reason is not None else ""
 
 
 class DepotServicer(depot_pb2_grpc.DepotServicer):
@@ -111,15 +105,15 @@ class DepotServicer(depot_pb2_grpc.DepotServicer):
         self, request: pb.RegisterKVRequest, context: grpc.aio.ServicerContext
     ) -> pb.RegisterKVResponse:
         layout = layout_from_proto(request.namespace)
-        regions: list[tuple[str, object]] = []
+        regions: list[tuple[MemoryPath, object]] = []
         for r in request.regions:
             kind = r.WhichOneof("handle")
             if kind == "shm":
-                regions.append(("shm", (r.shm.fd_token, r.shm.size)))
+                regions.append((MemoryPath.SHM, (r.shm.fd_token, r.shm.size)))
             elif kind == "cuda_ipc":
-                regions.append(("cuda_ipc", r.cuda_ipc))
+                regions.append((MemoryPath.CUDA_IPC, r.cuda_ipc))
             elif kind == "pvm":
-                regions.append(("pvm", r.pvm))
+                regions.append((MemoryPath.PVM, r.pvm))
             else:
                 raise errors.invalid("a memory region needs a handle (shm, cuda_ipc or pvm)")
         tensors = [
@@ -141,7 +135,7 @@ class DepotServicer(depot_pb2_grpc.DepotServicer):
         )
         return pb.RegisterKVResponse(
             registration_id=reg.id,
-            memory_path=reg.memory_path,
+            memory_path=reg.memory_path.value,
             slot_bytes=[layout.slot_bytes(g) for g in range(layout.num_groups)],
         )
 
@@ -186,16 +180,16 @@ class DepotServicer(depot_pb2_grpc.DepotServicer):
                     kind, reason, batch = event.kind, event.reason, list(event.keys)
                     while not watcher.queue.empty() and len(batch) < SNAPSHOT_BATCH:
                         nxt = watcher.queue._queue[0]  # type: ignore[attr-defined]
-                        if nxt.kind != kind or nxt.reason != reason:
+                        if nxt.kind is not kind or nxt.reason is not reason:
                             break
                         batch.extend(watcher.queue.get_nowait().keys)
                     yield pb.WatchEvent(
-                        kind=pb.WatchEvent.STORED if kind == "stored" else pb.WatchEvent.REMOVED,
+                        kind=WATCH_KINDS[kind],
                         keys=batch,
-                        reason=reason,
+                        reason=event_reason(event),
                         boot_id=st.boot_id,
                     )
-                keys = st.snapshot(request.namespace_id)  # lagged: resync
+                keys = st.ready_keys(request.namespace_id)  # lagged: resync
                 log.warning(
                     "a watcher of %s fell behind; resending a snapshot", request.namespace_id
                 )
@@ -289,7 +283,7 @@ class DepotServicer(depot_pb2_grpc.DepotServicer):
         outcome, ready, reason = await self.state.put(
             request.session_id, request.namespace_id, request.key, request.rank, request.data
         )
-        return pb.PutResponse(outcome=outcome, ready=ready, drop_reason=reason)
+        return pb.PutResponse(outcome=outcome.value, ready=ready, drop_reason=reason)
 
     @reports_errors
     async def Get(

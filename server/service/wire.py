@@ -3,8 +3,8 @@
 grpcio deserializes a request before the servicer sees it, and when the bytes are
 not a valid protobuf message it answers UNKNOWN with a traceback in the log (for
 a unary request), or ends a bidirectional stream with OK after dropping the
-message (the Transfer reader dies with the DecodeError). Neither is a documented
-status (DESIGN §5). `add_servicer` registers a servicer exactly as the generated
+message (the Transfer reader dies with the DecodeError). Neither is a status the
+wire contract documents. `add_servicer` registers a servicer exactly as the generated
 `add_*Servicer_to_server` does, but with deserializers that never raise: a
 message that cannot be parsed becomes a `Malformed` marker, and the wrappers
 answer INVALID_ARGUMENT for it. For a request stream, the jobs before the bad

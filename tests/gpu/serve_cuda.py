@@ -22,10 +22,10 @@ if __package__ in (None, ""):
 def wire_cuda_if_missing() -> bool:
     """Patches Daemon._start_warmup when daemon.py does not enable CUDA; True if patched."""
     from kvdepot.server import daemon
-    from kvdepot.server.cuda import enable_cuda, page_lock_hook
 
     if "enable_cuda" in inspect.getsource(daemon):
         return False
+    from kvdepot.server.cuda import enable_cuda, page_lock_hook  # older daemons only
     original = daemon.Daemon._start_warmup
 
     def _start_warmup(self: Any, st: Any) -> None:

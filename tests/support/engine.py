@@ -26,6 +26,7 @@ if __package__ in (None, ""):  # run as a script
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from kvdepot.client import DepotClient, SharedKVBuffer
+from kvdepot.common.chunks import block_positions
 from kvdepot.v1 import depot_pb2 as pb
 
 
@@ -105,10 +106,8 @@ class Engine:
 
     def fill(self, group: int, keys: list[bytes], block_ids: list[int], first_index: int) -> None:
         """Writes the expected bytes of `keys` into `block_ids` (a store's source)."""
-        bpc = self.geo.blocks_per_chunk
-        skip = first_index % bpc
-        for i, block_id in enumerate(block_ids):
-            c, j = divmod(skip + i, bpc)
+        positions = block_positions(len(block_ids), first_index, self.geo.blocks_per_chunk)
+        for (c, j), block_id in zip(positions, block_ids, strict=True):
             for layer, p in self._layers(group):
                 self.page(layer, block_id)[:] = np.frombuffer(
                     page_bytes(self.geo.namespace, keys[c], self.rank, layer, j, p), np.uint8
@@ -119,11 +118,9 @@ class Engine:
         rank: int | None = None,
     ) -> int:
         """Pages whose bytes differ from what `rank` stored for `keys`."""
-        bpc = self.geo.blocks_per_chunk
-        skip = first_index % bpc
+        positions = block_positions(len(block_ids), first_index, self.geo.blocks_per_chunk)
         bad = 0
-        for i, block_id in enumerate(block_ids):
-            c, j = divmod(skip + i, bpc)
+        for (c, j), block_id in zip(positions, block_ids, strict=True):
             for layer, p in self._layers(group):
                 want = page_bytes(self.geo.namespace, keys[c], self.rank if rank is None else rank,
                                   layer, j, p)

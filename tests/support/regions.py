@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvdepot.server.core.copy_engine import MappedRegion
+from kvdepot.server.memory.copy_engine import MappedRegion
 
 
 class ArrayRegion(MappedRegion):

@@ -5,6 +5,11 @@ write per page where the kernel lacks it) so the daemon serves at once while the
 pool warms; `warmup_done_bytes` says how far it is. A named file (for example
 /dev/shm/kvdepot.pool or a hugetlbfs path) outlives the daemon, which is what
 makes a warm restart possible.
+
+Other parts plug in through hooks, not by patching: `add_warmup_hook(fn)` runs
+`fn(offset, nbytes)` after each pre-faulted chunk (the CUDA path page-locks it
+there), and `on_close(fn)` runs before the pool is unmapped (the CUDA path
+unregisters the page-locked memory there).
 """
 
 from __future__ import annotations
@@ -17,17 +22,14 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
+from kvdepot.server.memory.regions import buffer_address
+
 log = logging.getLogger("kvdepot.arena")
 
 _MADV_POPULATE_WRITE = 23  # linux >= 5.14
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 _libc.madvise.restype = ctypes.c_int
-
-
-def buffer_address(buf: mmap.mmap) -> int:
-    """The virtual address of a writable mmap (keeps an export on it)."""
-    return ctypes.addressof(ctypes.c_char.from_buffer(buf))
 
 
 class Arena:
@@ -50,19 +52,41 @@ class Arena:
         try:
             if os.fstat(fd).st_size != size:
                 os.ftruncate(fd, size)
-            self._mmap = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            self._mmap: mmap.mmap | None = mmap.mmap(
+                fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE
+            )
         finally:
             os.close(fd)
         self.address = buffer_address(self._mmap)
         self.warmup_done_bytes = 0
         self._warmup_thread: threading.Thread | None = None
         self._stop = threading.Event()
+        self._warmup_hooks: list[Callable[[int, int], None]] = []
+        self._close_hooks: list[Callable[[], None]] = []
 
+    def add_warmup_hook(self, hook: Callable[[int, int], None]) -> None:
+        """Runs `hook(offset, nbytes)` on the warm-up thread after each chunk is
+        faulted. Add hooks before `start_warmup` (chunks done earlier are not
+        replayed: see `warmup_started`)."""
+        self._warmup_hooks.append(hook)
+
+    def on_close(self, callback: Callable[[], None]) -> None:
+        """Runs `callback()` in `close`, after the warm-up stopped and before the
+        pool is unmapped (last added, first run)."""
+        self._close_hooks.append(callback)
+
+    @property
+    def warmup_started(self) -> bool:
+        return self._warmup_thread is not None
     @property
     def warmup_complete(self) -> bool:
         return self.warmup_done_bytes >= self.size
 
     def view(self, offset: int, nbytes: int) -> memoryview:
+        """A view of pool bytes; release it before `close` (Put/Get hold one for
+        the length of one copy)."""
+        if self._mmap is None:
+            raise ValueError("the pool is closed")
         return memoryview(self._mmap)[offset : offset + nbytes]
 
     def start_warmup(
@@ -73,17 +97,18 @@ class Arena:
     ) -> None:
         """Pre-faults the arena in a background thread.
 
-        `after_chunk(offset, nbytes)` runs after each chunk is faulted (the CUDA
-        path page-locks it there); `on_progress(done, total)` reports progress.
+        After each chunk, `after_chunk(offset, nbytes)` and the warm-up hooks run;
+        `on_progress(done, total)` reports progress.
         """
+        hooks = [*self._warmup_hooks, *([after_chunk] if after_chunk is not None else [])]
 
         def run() -> None:
             off = 0
             while off < self.size and not self._stop.is_set():
                 n = min(chunk_bytes, self.size - off)
                 self._populate(off, n)
-                if after_chunk is not None:
-                    after_chunk(off, n)
+                for hook in hooks:
+                    hook(off, n)
                 off += n
                 self.warmup_done_bytes = off
                 if on_progress is not None:
@@ -111,10 +136,20 @@ class Arena:
         if self.path is not None:
             self._mmap.flush()
 
-    def close(self) -> None:
+    def close(self, unmap: bool = True) -> None:
+        """Stops the warm-up, runs the close hooks and unmaps the pool. The caller
+        makes sure no copy uses the pool any more; `unmap=False` leaves the
+        mapping in place (a copy thread that would not stop) until the process
+        exits. Idempotent."""
         self._stop.set()
         if self._warmup_thread is not None:
             self._warmup_thread.join()
-        # The exported address pins the mmap object; it is unmapped when the
-        # process exits. Dropping the reference is all we can do here.
-        self._mmap = None  # type: ignore[assignment]
+        hooks, self._close_hooks = self._close_hooks, []
+        for hook in reversed(hooks):
+            hook()
+        m, self._mmap = self._mmap, None
+        if m is not None and unmap:
+            try:
+                m.close()
+            except BufferError:  # a view still exported: unmapped when it is released
+                log.warning("the pool is still in use at close; it is unmapped at exit")

@@ -1,0 +1,93 @@
+"""Client memory mapped into the daemon: the region interface and shared memory.
+
+A region is owned by one registration: opened when it is registered, closed when
+the registration or its session ends, never while a copy uses it (the state
+counts copies in flight per registration), so closing may unmap at once.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import mmap
+import os
+from abc import ABC, abstractmethod
+
+from kvdepot.common.kinds import MemoryPath
+
+
+def buffer_address(buf: mmap.mmap) -> int:
+    """The virtual address of a writable mmap.
+
+    The temporary ctypes object takes a buffer export only while it lives, so
+    none is left behind: `buf.close()` still unmaps at once, after which the
+    address must not be used. Owners close the mmap only when no copy runs.
+    """
+    return ctypes.addressof(ctypes.c_char.from_buffer(buf))
+
+
+def seal_against_shrinking(fd: int) -> None:
+    """Makes sure the client cannot shrink the file while the daemon maps it.
+
+    A copy that touches a page past the end of a shrunk file gets SIGBUS, which
+    kills the whole daemon, so a file that cannot be sealed is refused (ValueError).
+    """
+    try:
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+        if not seals & fcntl.F_SEAL_SHRINK:
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)
+    except OSError as exc:
+        raise ValueError(
+            f"the file cannot be sealed against shrinking ({exc.strerror}): pass a memfd "
+            f"created with MFD_ALLOW_SEALING (kvdepot.client.SharedKVBuffer does), so that "
+            f"truncating it cannot crash the daemon"
+        ) from None
+
+
+class MappedRegion(ABC):
+    """A client memory region reachable by the daemon's copy engines.
+
+    Owned by one registration: opened when it is registered, closed when the
+    registration or its session ends (never while a copy uses it).
+    """
+
+    kind: MemoryPath | str
+    size: int
+    address: int
+
+    @abstractmethod
+    def close(self) -> None:
+        """Releases the region (unmaps it). Idempotent."""
+
+
+class SharedMemoryRegion(MappedRegion):
+    """A memfd (or file) the client passed over SCM_RIGHTS, mapped shared."""
+
+    kind = MemoryPath.SHM
+
+    def __init__(self, fd: int, size: int) -> None:
+        st = os.fstat(fd)
+        if size <= 0:
+            raise ValueError("a shared-memory region needs a positive size")
+        if st.st_size < size:
+            raise ValueError(
+                f"the passed file has {st.st_size} bytes, fewer than the {size} registered: "
+                f"register the size of the memfd the KV tensors live in"
+            )
+        self._mmap: mmap.mmap | None = mmap.mmap(
+            fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE
+        )
+        self.size = size
+        self.address = buffer_address(self._mmap)
+
+    @classmethod
+    def from_passed_fd(cls, fd: int, size: int) -> SharedMemoryRegion:
+        """Seals `fd` against shrinking and maps it (ValueError/OSError with why).
+        The caller keeps ownership of `fd` (the mapping does not need it)."""
+        seal_against_shrinking(fd)
+        return cls(fd, size)
+
+    def close(self) -> None:
+        m, self._mmap = self._mmap, None
+        if m is not None:
+            m.close()  # unmaps now: no copy runs on a closing region

@@ -1,0 +1,427 @@
+"""DepotState: the daemon's state and the one API the gRPC services call.
+
+It assembles the parts and owns their life:
+
+    BlockIndex (core)    keys, slots, pins, LRU; announces changes on the EventBus
+    EventBus             watchers by namespace (Depot/Watch)
+    Sessions             sessions, registrations, memory paths, fd claiming
+    JobRunner            Transfer jobs: check once, reserve, plan once, copy
+    InlinePath           Put/Get
+    Traffic              job and block counters, transfer observers (metrics)
+
+Everything runs on the event loop except the byte copies (CopyQueue threads).
+Errors are raised as DepotError or as the core's own exceptions; the services
+map both to a status with one table (kvdepot.server.errors). Other parts plug in
+through explicit calls: `attach_fd_receiver`, `add_memory_path`,
+`add_transfer_observer`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import inspect
+import logging
+import os
+import secrets
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+import kvdepot
+from kvdepot.common.kinds import MemoryPath
+from kvdepot.server import errors
+from kvdepot.server.config import ServeConfig
+from kvdepot.server.copy_queue import CopyQueue
+from kvdepot.server.core.allocator import ExtentAllocator
+from kvdepot.server.core.index import BlockIndex, UnknownNamespace
+from kvdepot.server.core.kinds import EvictionReason, PutOutcome, SlotState
+from kvdepot.server.core.layout import NamespaceLayout, check_key
+from kvdepot.server.core.planner import LayerRef, TensorView
+from kvdepot.server.fd_receiver import FdReceiver
+from kvdepot.server.memory import pool_file
+from kvdepot.server.memory.arena import Arena
+from kvdepot.server.state.events import EventBus, Watcher
+from kvdepot.server.state.inline import InlinePath
+from kvdepot.server.state.invariants import check_invariants
+from kvdepot.server.state.jobs import JobOutcome, JobRunner, JobSpec
+from kvdepot.server.state.sessions import RegionOpener, Registration, Session, Sessions
+from kvdepot.server.state.traffic import Traffic, TransferObserver
+
+log = logging.getLogger("kvdepot.state")
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def mutation(fn: F) -> F:
+    """Marks a state operation that may change the index, sessions or
+    registrations: with KVDEPOT_CHECK_INVARIANTS=1 the invariants are checked
+    when it returns (or raises)."""
+    if inspect.iscoroutinefunction(fn):
+
+        @functools.wraps(fn)
+        async def run_async(self: DepotState, *args: Any, **kwargs: Any) -> Any:
+            try:
+                return await fn(self, *args, **kwargs)
+            finally:
+                self.verify_invariants()
+
+        return run_async  # type: ignore[return-value]
+
+    @functools.wraps(fn)
+    def run(self: DepotState, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(self, *args, **kwargs)
+        finally:
+            self.verify_invariants()
+
+    return run  # type: ignore[return-value]
+
+
+class DepotState:
+    def __init__(
+        self,
+        config: ServeConfig,
+        arena: Arena,
+        index: BlockIndex,
+        bus: EventBus,
+        *,
+        warm_restarted: bool = False,
+        pool_lock: int | None = None,
+    ) -> None:
+        """`index` must announce its events on `bus` (see `create`). `pool_lock`
+        is the fd holding `<pool-file>.lock`, closed after the last snapshot."""
+        self.config = config
+        self.arena = arena
+        self.index = index
+        self.bus = bus
+        self.boot_id = secrets.token_hex(8)
+        self.started = time.monotonic()
+        self.warm_restarted = warm_restarted
+        self._pool_lock = pool_lock
+        self._sessions = Sessions()
+        self.traffic = Traffic()
+        self.copy_queue = CopyQueue(config.copy_threads)
+        self.jobs = JobRunner(
+            index, self._sessions, arena, self.copy_queue, self.traffic,
+            config.max_job_keys, lambda: self.shutting_down,
+        )
+        self.inline = InlinePath(index, arena, self.copy_queue, self.traffic)
+        self.shutting_down = False
+        self.shutdown_event = asyncio.Event()
+        # Reply queues of open Transfer streams: shutdown ends them (None).
+        self.transfer_streams: set[asyncio.Queue] = set()
+        # Debug only (the fuzz and fault tests): check the invariants after every
+        # mutation; a failure is logged and sticks (Admin/GetStats answers INTERNAL).
+        self.debug_invariants = os.environ.get("KVDEPOT_CHECK_INVARIANTS") == "1"
+        self.invariant_failure: str | None = None
+
+    @classmethod
+    def create(cls, config: ServeConfig) -> DepotState:
+        """The arena, a fresh or warm-restarted index, and the state over them."""
+        # Warm restart: the snapshot beside the pool file is consumed before the
+        # arena maps the file, since mapping it may change the file times that the
+        # snapshot vouches for.
+        plan = None
+        pool_lock = None
+        if config.pool_file:
+            pool_lock = pool_file.lock_pool_file(config.pool_file)  # raises PoolFileBusy
+            plan = pool_file.prepare_start(
+                config.pool_file, config.pool_size, config.slot_granularity
+            )
+        arena = Arena(config.pool_size, config.pool_file)
+        bus = EventBus()
+
+        def new_index() -> BlockIndex:
+            allocator = ExtentAllocator(arena.size, config.slot_granularity)
+            return BlockIndex(
+                allocator, reservation_timeout=config.reservation_timeout,
+                on_event=bus.publish,
+            )
+
+        index = new_index()
+        warm = plan is not None and pool_file.finish_start(plan, index) is not None
+        if plan is not None and not warm:
+            index = new_index()  # drop whatever a rejected snapshot half-restored
+        return cls(config, arena, index, bus, warm_restarted=warm, pool_lock=pool_lock)
+
+    # -- hooks -------------------------------------------------------------------------
+
+    def attach_fd_receiver(self, receiver: FdReceiver) -> None:
+        """The fd socket that shared-memory (and process-memory) registrations
+        claim their fds from."""
+        self._sessions.fd_source = receiver
+
+    @property
+    def fd_receiver(self) -> FdReceiver | None:
+        return self._sessions.fd_source  # type: ignore[return-value]
+
+    def add_memory_path(self, kind: MemoryPath, opener: RegionOpener) -> None:
+        """Serves registrations of `kind` (CUDA IPC, process memory) with `opener`."""
+        self._sessions.add_memory_path(kind, opener)
+
+    def memory_path(self, kind: MemoryPath) -> RegionOpener | None:
+        return self._sessions.memory_path(kind)
+
+    def add_transfer_observer(self, observer: TransferObserver) -> None:
+        """Calls `observer(direction, ok, bytes, copy seconds)` after every job
+        (Transfer jobs and inline Put/Get), on the event loop."""
+        self.traffic.observers.append(observer)
+
+    # -- life --------------------------------------------------------------------------
+
+    @property
+    def uptime(self) -> float:
+        return time.monotonic() - self.started
+
+    @property
+    def sessions(self) -> dict[str, Session]:
+        return self._sessions.sessions
+
+    @property
+    def registrations(self) -> dict[int, Registration]:
+        return self._sessions.registrations
+
+    @property
+    def cpu_engine(self) -> Any:
+        return self._sessions.cpu_engine
+
+    def begin_shutdown(self) -> None:
+        """Refuse new work and end the long-lived streams (Session, Watch)."""
+        self.shutting_down = True
+        self.shutdown_event.set()
+        self.bus.wake_all()
+        for q in self.transfer_streams:
+            q.put_nowait(None)
+
+    def close(self) -> None:
+        stopped = self.copy_queue.close()
+        if self.fd_receiver is not None:
+            self.fd_receiver.close()
+        self._sessions.close_all()
+        self.arena.flush()
+        self.arena.close(unmap=stopped)  # a copy still running keeps the pool mapped
+        if self.config.pool_file:
+            # After the last copy and the unmap, so the recorded file identity is final.
+            pool_file.save_at_shutdown(
+                self.index, self.config.pool_file, self.arena.size, self.boot_id
+            )
+        if self._pool_lock is not None:  # only now may the next daemon take the pool file
+            os.close(self._pool_lock)
+            self._pool_lock = None
+
+    @mutation
+    def housekeeping(self) -> None:
+        expired = self.index.expire_reservations()
+        if expired:
+            log.warning("dropped %d block row(s) whose ranks never all stored", expired)
+        if self.fd_receiver is not None:
+            stale = self.fd_receiver.expire()
+            if stale:
+                log.warning("closed %d fd(s) that no RegisterKV claimed", stale)
+
+    # -- sessions and registrations ------------------------------------------------------
+
+    def open_session(self, client_name: str, pid: int, engine_id: str) -> Session:
+        if self.shutting_down:
+            raise errors.unavailable("the daemon is shutting down: reconnect in a moment")
+        return self._sessions.open(client_name, pid, engine_id)
+
+    @mutation
+    def close_session(self, session_id: str) -> None:
+        """Releases everything the session held: registrations, pins, rows, fds."""
+        closed = self._sessions.close(session_id)
+        if closed is None:
+            return
+        s, registrations, fds = closed
+        pins, rows = self.index.release_owner(session_id)
+        log.info(
+            "session %s (%r, pid %d) closed: released %d registration(s), %d pin(s), "
+            "%d unfinished block row(s), %d pending fd(s)",
+            session_id, s.client_name, s.pid, registrations, pins, rows, fds,
+        )
+
+    def session(self, session_id: str) -> Session:
+        return self._sessions.get(session_id)
+
+    def declare(self, layout: NamespaceLayout) -> None:
+        self.index.declare_namespace(layout)
+
+    @mutation
+    def register(
+        self,
+        session_id: str,
+        layout: NamespaceLayout,
+        rank: int,
+        regions: Sequence[tuple[MemoryPath | str, object]],
+        tensors: Sequence[TensorView],
+        groups: Sequence[Sequence[LayerRef]],
+    ) -> Registration:
+        """Declares the namespace, maps the memory and records the registration
+        (regions: (memory path, handle))."""
+        self.session(session_id)
+        if not 0 <= rank < layout.world_size:
+            raise errors.invalid(f"rank {rank} out of range [0, {layout.world_size})")
+        self.declare(layout)
+        return self._sessions.register(
+            session_id, layout, rank, [(MemoryPath(k), h) for k, h in regions], tensors,
+            groups,
+        )
+
+    @mutation
+    def unregister(self, session_id: str, registration_id: int) -> None:
+        self._sessions.unregister(session_id, registration_id)
+
+    # -- lookups, pins, eviction -----------------------------------------------------------
+
+    def _check_batch(self, keys: Sequence[bytes]) -> None:
+        limit = self.config.max_job_keys * 16
+        if len(keys) > limit:
+            raise errors.exhausted(f"{len(keys)} keys in one call; at most {limit}: split it")
+
+    def lookup(self, namespace_id: str, keys: Sequence[bytes]) -> list[bool]:
+        self._check_batch(keys)
+        return self.index.lookup(namespace_id, keys)
+
+    @mutation
+    def pin(self, session_id: str, namespace_id: str, keys: Sequence[bytes]) -> list[bool]:
+        self.session(session_id)
+        self._check_batch(keys)
+        return self.index.pin(namespace_id, keys, session_id)
+
+    @mutation
+    def unpin(self, session_id: str, namespace_id: str, keys: Sequence[bytes]) -> int:
+        self.session(session_id)
+        self._check_batch(keys)
+        return self.index.unpin(namespace_id, keys, session_id)
+
+    def _check_destructive(self) -> None:
+        if not self.config.destructive_admin:
+            raise errors.denied(
+                "Evict and Clear are disabled on this daemon (--no-destructive-admin, or "
+                "KVDEPOT_NO_DESTRUCTIVE_ADMIN=1): blocks age out by LRU; to evict by hand, "
+                "restart the daemon without that setting"
+            )
+
+    @mutation
+    def evict(self, namespace_id: str, keys: Sequence[bytes]) -> tuple[int, int, int]:
+        """Admin/Evict: ready, unheld blocks of one namespace (all, or `keys`).
+        Returns (evicted, skipped: pinned, read or written, not found)."""
+        self._check_destructive()
+        if not namespace_id:
+            raise errors.invalid(
+                "namespace_id is empty: name the namespace (see Admin/ListNamespaces), or "
+                "call Admin/Clear to evict from every namespace"
+            )
+        try:
+            ns = self.index.namespace(namespace_id)
+        except UnknownNamespace as exc:  # the operator's next step added
+            raise errors.not_found(f"{exc}; see Admin/ListNamespaces") from None
+        unique = list(dict.fromkeys(keys))  # a key named twice counts once
+        for key in unique:
+            try:
+                check_key(key, ns.layout.num_groups)
+            except ValueError as exc:
+                raise errors.invalid(
+                    f"{exc}. In grpcurl JSON a key is base64: copy `key` from "
+                    f"Admin/ListBlocks, or convert key_hex with `xxd -r -p | base64 -w0`"
+                ) from None
+        if not unique:
+            evicted, skipped = self.index.evict(namespace_id, None, EvictionReason.ADMIN)
+            return evicted, skipped, 0
+        not_found = sum(k not in ns.slots for k in unique)
+        evicted, skipped = self.index.evict(namespace_id, unique, EvictionReason.ADMIN)
+        return evicted, skipped, not_found
+
+    @mutation
+    def clear(self) -> tuple[int, int]:
+        """Admin/Clear: every ready, unheld block. Returns (evicted, skipped)."""
+        self._check_destructive()
+        return self.index.clear()
+
+    # -- transfers ---------------------------------------------------------------------
+
+    @mutation
+    async def run_job(self, job: JobSpec) -> JobOutcome:
+        """One Transfer job (see kvdepot.server.state.jobs). Never raises."""
+        return await self.jobs.run(job)
+
+    @mutation
+    async def put(
+        self, session_id: str, namespace_id: str, key: bytes, rank: int, data: bytes
+    ) -> tuple[PutOutcome, bool, str]:
+        self.session(session_id)
+        return await self.inline.put(session_id, namespace_id, key, rank, data)
+
+    @mutation
+    async def get(self, namespace_id: str, key: bytes, rank: int) -> bytes:
+        return await self.inline.get(namespace_id, key, rank)
+
+    # -- watch -------------------------------------------------------------------------
+
+    def add_watcher(self, namespace_id: str) -> tuple[Watcher, list[bytes]]:
+        """Subscribes and returns the current ready keys (no event can fall between)."""
+        return self.bus.subscribe(namespace_id), self.ready_keys(namespace_id)
+
+    def remove_watcher(self, w: Watcher) -> None:
+        self.bus.unsubscribe(w)
+
+    def ready_keys(self, namespace_id: str) -> list[bytes]:
+        ns = self.index.namespaces.get(namespace_id)
+        if ns is None:
+            return []
+        return [k for k, s in ns.slots.items() if s.state is SlotState.READY]
+
+    # -- invariants and figures --------------------------------------------------------------
+
+    def check_invariants(self) -> None:
+        """Raises AssertionError when the parts disagree (see state.invariants)."""
+        check_invariants(self)
+
+    def verify_invariants(self) -> str | None:
+        """With KVDEPOT_CHECK_INVARIANTS=1: None if the invariants hold, else what
+        broke (sticky: the first failure is kept). Always None when disabled."""
+        if not self.debug_invariants:
+            return None
+        if self.invariant_failure is None:
+            try:
+                self.check_invariants()
+            except AssertionError as exc:
+                self.invariant_failure = f"invariant broken: {exc}"
+                log.critical("%s", self.invariant_failure, exc_info=True)
+        return self.invariant_failure
+
+    def stats(self) -> dict[str, object]:
+        """Admin/GetStats' fields (see admin.proto for what each counter means)."""
+        counts = self.index.counts()
+        alloc = self.index.allocator
+        ix = self.index.stats
+        store, load = self.traffic.store, self.traffic.load
+        return {
+            "version": kvdepot.__version__,
+            "boot_id": self.boot_id,
+            "uptime_seconds": self.uptime,
+            "capacity_bytes": alloc.capacity,
+            "used_bytes": alloc.used_bytes,
+            "pinned_bytes": self.index.pinned_bytes,
+            "largest_free_extent_bytes": alloc.largest_free_extent,
+            "warmup_done_bytes": self.arena.warmup_done_bytes,
+            "warmup_complete": self.arena.warmup_complete,
+            "ready_blocks": counts["ready"],
+            "writing_blocks": counts["writing"],
+            "pinned_blocks": counts["pinned"],
+            "sessions": len(self.sessions),
+            "registrations": len(self.registrations),
+            "namespaces": len(self.index.namespaces),
+            "lookups": ix.lookups,
+            "hits": ix.hits,
+            "misses": ix.misses,
+            "evictions": sum(ix.evictions.values()),
+            "stores": store.jobs,
+            "loads": load.jobs,
+            "stored_bytes": store.bytes,
+            "loaded_bytes": load.bytes,
+            "dropped_stores": sum(ix.dropped_stores.values()),
+            "inflight_jobs": self.traffic.inflight_jobs,
+            "pool_backing": self.arena.backing,
+            "warm_restarted": self.warm_restarted,
+        }

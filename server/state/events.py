@@ -1,0 +1,65 @@
+"""The event bus: every index event reaches the watchers of its namespace.
+
+The block index hands each event to `EventBus.publish` as it happens (its
+`on_event`), so no index change can go unannounced; Watch streams read their
+`Watcher`'s queue. A watcher that falls WATCH_QUEUE_LIMIT events behind is
+marked lagged and resynced with a fresh snapshot instead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from kvdepot.server.core.index import IndexEvent
+
+WATCH_QUEUE_LIMIT = 65536  # events a watcher may lag behind before it is resynced
+
+
+class Watcher:
+    """One Watch stream's queue. Overflow turns into a resync (fresh snapshot)."""
+
+    def __init__(self, namespace_id: str) -> None:
+        self.namespace_id = namespace_id
+        self.queue: asyncio.Queue[IndexEvent] = asyncio.Queue()
+        self.lagged = False
+        self.wakeup = asyncio.Event()
+
+    def push(self, event: IndexEvent) -> None:
+        if self.lagged:
+            return
+        if self.queue.qsize() >= WATCH_QUEUE_LIMIT:
+            self.lagged = True
+            while not self.queue.empty():
+                self.queue.get_nowait()
+        else:
+            self.queue.put_nowait(event)
+        self.wakeup.set()
+
+
+class EventBus:
+    """Watchers by namespace. Runs on the event loop, like the index."""
+
+    def __init__(self) -> None:
+        self.watchers: dict[str, set[Watcher]] = {}
+
+    def publish(self, event: IndexEvent) -> None:
+        for w in self.watchers.get(event.namespace, ()):
+            w.push(event)
+
+    def subscribe(self, namespace_id: str) -> Watcher:
+        w = Watcher(namespace_id)
+        self.watchers.setdefault(namespace_id, set()).add(w)
+        return w
+
+    def unsubscribe(self, w: Watcher) -> None:
+        ws = self.watchers.get(w.namespace_id)
+        if ws is not None:
+            ws.discard(w)
+            if not ws:
+                del self.watchers[w.namespace_id]
+
+    def wake_all(self) -> None:
+        """Wakes every Watch stream (shutdown: they see it and end)."""
+        for ws in self.watchers.values():
+            for w in ws:
+                w.wakeup.set()

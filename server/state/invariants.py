@@ -1,0 +1,42 @@
+"""The invariants that hold between any two steps of the daemon's event loop.
+
+Checked after every state operation when the daemon runs with
+KVDEPOT_CHECK_INVARIANTS=1 (the fuzz and fault tests do); a failure is logged
+and sticks, and Admin/GetStats then answers INTERNAL.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from kvdepot.server.core.kinds import SlotState
+
+if TYPE_CHECKING:
+    from kvdepot.server.state.depot import DepotState
+
+
+def check_invariants(state: DepotState) -> None:
+    """Raises AssertionError when the index, the allocator, the sessions and the
+    registrations disagree."""
+    state.index.check_invariants()
+    sessions, registrations = state.sessions, state.registrations
+    for s in sessions.values():
+        for reg_id in s.registrations:
+            reg = registrations.get(reg_id)
+            assert reg is not None and reg.session_id == s.id and not reg.closing, (
+                f"session {s.id} lists registration {reg_id}, which is gone or closing"
+            )
+    for reg in registrations.values():
+        assert reg.inflight >= 0, f"registration {reg.id}: {reg.inflight} copies in flight"
+        if reg.closing:  # kept only while copies still use its mapping
+            assert reg.inflight > 0, f"registration {reg.id} closed but still mapped"
+    for ns in state.index.namespaces.values():
+        for slot in ns.slots.values():
+            assert set(slot.pins) <= sessions.keys(), (
+                f"block {slot.key.hex()[:16]} pinned by a closed session"
+            )
+            if slot.state is SlotState.WRITING:
+                assert set(slot.writers.values()) <= sessions.keys(), (
+                    f"block {slot.key.hex()[:16]} reserved by a closed session"
+                )
+    assert state.traffic.inflight_jobs >= 0

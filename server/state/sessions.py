@@ -1,0 +1,263 @@
+"""Sessions and registrations: who is connected, and which memory they registered.
+
+A session is one engine process's connection (Depot/Session stream); what it
+holds (registrations, pins, unfinished block rows, fds sent but not yet
+claimed) is released when it ends. A registration maps one rank's KV memory
+through one memory path: shared memory (an fd claimed from the fd socket and
+sealed against shrinking) is built in; other paths (CUDA IPC, process memory)
+plug in with `add_memory_path`.
+
+A registration ends (UnregisterKV, or its session ends) at once for clients,
+but its regions stay mapped while copies still use them (`in_use`), so a late
+copy never touches unmapped memory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import secrets
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from kvdepot.common.kinds import MemoryPath
+from kvdepot.server import errors
+from kvdepot.server.config import format_size
+from kvdepot.server.core.layout import NamespaceLayout
+from kvdepot.server.core.planner import LayerRef, MemoryMap, TensorView
+from kvdepot.server.memory.copy_engine import CopyEngine, CpuCopyEngine
+from kvdepot.server.memory.regions import MappedRegion, SharedMemoryRegion
+
+log = logging.getLogger("kvdepot.state")
+
+
+class FdSource(Protocol):
+    """The fd socket (kvdepot.server.fd_receiver.FdReceiver), as sessions use it."""
+
+    def claim(self, token: str, session_id: str) -> int: ...
+    def drop_session(self, session_id: str) -> int: ...
+
+
+@dataclass
+class Session:
+    id: str
+    client_name: str
+    pid: int
+    engine_id: str
+    opened: float
+    registrations: set[int] = field(default_factory=set)
+
+
+# Opens one region of a memory path: (the handle from RegisterKV, the session)
+# -> (the mapped region, the engine that copies it). Raises DepotError.
+RegionOpener = Callable[[Any, Session], tuple[MappedRegion, CopyEngine]]
+
+
+@dataclass(eq=False)
+class Registration:
+    id: int
+    session_id: str
+    layout: NamespaceLayout
+    rank: int
+    memory_path: MemoryPath
+    regions: list[MappedRegion]
+    memory: MemoryMap | None  # None: inline (Put/Get only)
+    engine: CopyEngine | None
+    registered_bytes: int
+    inflight: int = 0  # copies using the regions now
+    closing: bool = False  # ended; unmapped when the last copy ends
+
+    def close_regions(self) -> None:
+        for r in self.regions:
+            r.close()
+        self.regions = []
+
+
+class Sessions:
+    """Every session and registration, and the memory paths that map regions."""
+
+    def __init__(self) -> None:
+        self.sessions: dict[str, Session] = {}
+        self.registrations: dict[int, Registration] = {}
+        # Registration ids start at a random point per boot: a client still holding an
+        # id from before a restart must get FAILED_PRECONDITION, never another
+        # registration's memory (wrong KV). Below 2**53 so JSON tools show them exactly.
+        self._next_registration = (secrets.randbits(32) << 20) + 1
+        self.cpu_engine = CpuCopyEngine()
+        self.fd_source: FdSource | None = None
+        self._openers: dict[MemoryPath, RegionOpener] = {}
+
+    # -- memory paths ----------------------------------------------------------------
+
+    def add_memory_path(self, kind: MemoryPath, opener: RegionOpener) -> None:
+        if kind in (MemoryPath.SHM, MemoryPath.INLINE):
+            raise ValueError(f"memory path {kind} is built in")
+        self._openers[MemoryPath(kind)] = opener
+
+    def memory_path(self, kind: MemoryPath) -> RegionOpener | None:
+        """The opener added for `kind` (None for built-in or absent paths)."""
+        return self._openers.get(MemoryPath(kind))
+
+    def _open_region(
+        self, kind: MemoryPath, handle: object, session: Session
+    ) -> tuple[MappedRegion, CopyEngine]:
+        if kind is MemoryPath.SHM:
+            token, size = handle  # type: ignore[misc]
+            fd = self.claim_fd(token, session.id)
+            try:
+                return SharedMemoryRegion.from_passed_fd(fd, size), self.cpu_engine
+            except (OSError, ValueError) as exc:
+                raise errors.invalid(f"cannot map the passed fd: {exc}") from None
+            finally:
+                os.close(fd)  # the mapping holds the memory now
+        opener = self._openers.get(kind)
+        if opener is None:
+            raise errors.invalid(
+                f"memory path {kind.value!r} is not available in this daemon (no CUDA device, "
+                f"or built without it): use shared memory or inline Put/Get"
+            )
+        return opener(handle, session)
+
+    def claim_fd(self, token: str, session_id: str) -> int:
+        """Takes the fd a session sent to the fd socket (the caller closes it)."""
+        if self.fd_source is None:
+            raise errors.precondition("this daemon takes no fds (no fd socket)")
+        try:
+            return self.fd_source.claim(token, session_id)
+        except KeyError as exc:
+            raise errors.invalid(exc.args[0]) from None
+
+    # -- sessions --------------------------------------------------------------------
+
+    def open(self, client_name: str, pid: int, engine_id: str) -> Session:
+        s = Session(
+            secrets.token_hex(12), client_name[:200], pid, engine_id[:200], time.monotonic()
+        )
+        self.sessions[s.id] = s
+        log.info("session %s opened by %r (pid %d)", s.id, s.client_name, pid)
+        return s
+
+    def get(self, session_id: str) -> Session:
+        s = self.sessions.get(session_id)
+        if s is None:
+            raise errors.precondition(
+                f"unknown session {session_id!r}: open a Session first and pass its id (after a "
+                f"daemon restart every session is gone: reconnect)"
+            )
+        return s
+
+    def close(self, session_id: str) -> tuple[Session, int, int] | None:
+        """Forgets the session and ends its registrations; returns (session,
+        registrations ended, pending fds closed), or None if it was not open.
+        The caller releases its pins and rows in the index."""
+        s = self.sessions.pop(session_id, None)
+        if s is None:
+            return None
+        registrations = len(s.registrations)
+        for reg_id in list(s.registrations):
+            self._end(self.registrations[reg_id])
+        fds = self.fd_source.drop_session(session_id) if self.fd_source else 0
+        return s, registrations, fds
+
+    # -- registrations ---------------------------------------------------------------
+
+    def register(
+        self,
+        session_id: str,
+        layout: NamespaceLayout,
+        rank: int,
+        regions: Sequence[tuple[MemoryPath, object]],
+        tensors: Sequence[TensorView],
+        groups: Sequence[Sequence[LayerRef]],
+    ) -> Registration:
+        """Maps the memory and records the registration (regions: (kind, handle)).
+        The caller has checked the rank and declared the namespace."""
+        session = self.get(session_id)
+        kinds = {MemoryPath(kind) for kind, _ in regions}
+        if len(kinds) > 1:
+            raise errors.invalid(
+                f"one registration uses one memory path, got {sorted(k.value for k in kinds)}"
+            )
+        mapped: list[MappedRegion] = []
+        engine: CopyEngine | None = None
+        try:
+            for kind, handle in regions:
+                region, engine = self._open_region(MemoryPath(kind), handle, session)
+                mapped.append(region)
+            memory = None
+            if mapped:
+                memory = MemoryMap.build(layout, [r.size for r in mapped], tensors, groups)
+            elif tensors:
+                raise errors.invalid("tensors given without any memory region to hold them")
+        except BaseException:
+            for r in mapped:
+                r.close()
+            raise
+        reg = Registration(
+            id=self._next_registration,
+            session_id=session_id,
+            layout=layout,
+            rank=rank,
+            memory_path=next(iter(kinds)) if kinds else MemoryPath.INLINE,
+            regions=mapped,
+            memory=memory,
+            engine=engine,
+            registered_bytes=sum(r.size for r in mapped),
+        )
+        self._next_registration += 1
+        self.registrations[reg.id] = reg
+        session.registrations.add(reg.id)
+        log.info(
+            "registration %d: session %s rank %d of namespace %s over %s (%s)",
+            reg.id,
+            session_id,
+            rank,
+            layout.id,
+            reg.memory_path.value,
+            format_size(reg.registered_bytes),
+        )
+        return reg
+
+    def registration(self, session_id: str, registration_id: int) -> Registration:
+        self.get(session_id)
+        reg = self.registrations.get(registration_id)
+        if reg is None or reg.session_id != session_id or reg.closing:
+            raise errors.precondition(
+                f"registration {registration_id} is not registered in this session: call "
+                f"RegisterKV first (and again after a daemon restart)"
+            )
+        return reg
+
+    def unregister(self, session_id: str, registration_id: int) -> None:
+        self._end(self.registration(session_id, registration_id))
+
+    @contextlib.contextmanager
+    def in_use(self, reg: Registration) -> Iterator[None]:
+        """Keeps `reg`'s regions mapped for the length of one copy."""
+        reg.inflight += 1
+        try:
+            yield
+        finally:
+            reg.inflight -= 1
+            if reg.closing and reg.inflight == 0:
+                self._drop(reg)
+
+    def _end(self, reg: Registration) -> None:
+        reg.closing = True
+        session = self.sessions.get(reg.session_id)
+        if session is not None:
+            session.registrations.discard(reg.id)
+        if reg.inflight == 0:
+            self._drop(reg)
+
+    def _drop(self, reg: Registration) -> None:
+        self.registrations.pop(reg.id, None)
+        reg.close_regions()
+
+    def close_all(self) -> None:
+        """Unmaps every registration (shutdown, after the copy threads stopped)."""
+        for reg in list(self.registrations.values()):
+            reg.close_regions()
