@@ -224,12 +224,13 @@ def render(r: dict[str, Any]) -> Any:
     parts: list[Any] = []
     header = Text()
     header.append(f"kvdepot {d['version']}", style="bold")
-    header.append(f"  boot {d['boot_id']}  up {fmt_age(d['uptime_seconds'])}  {r['socket']}")
+    header.append(f"  boot {d['boot_id']}  up {fmt_age(d['uptime_seconds'])}")
     parts.append(header)
 
     grid = Table.grid(padding=(0, 1))
     grid.add_column(style="bold", no_wrap=True)
     grid.add_column()
+    grid.add_row("socket", r["socket"])
     cap = pool["capacity_bytes"]
     bar = _pool_bar(cap, pool["used_bytes"], pool["pinned_bytes"])
     bar.append(f" {100 * pool['used_fraction']:.1f}% of {fmt_bytes(cap)}")

@@ -158,6 +158,35 @@ def test_screen_shows_the_state_at_80_columns(guide_daemon: DaemonProcess) -> No
     assert "shm: KV tensors in shared memory" in text
 
 
+GUIDE = Path(__file__).resolve().parents[1] / "docs" / "operations.md"
+GUIDE_COMMAND = "$ kvdepot status --socket /run/kvdepot/kvdepot.sock"
+
+
+def _comparable(screen: str) -> list[str]:
+    """The screen without what changes from run to run: boot id, durations, pids (and the
+    column widths they set)."""
+    text = re.sub(r"\b[0-9a-f]{16}\b", "<id>", screen)
+    text = re.sub(r"\b\d+(\.\d+)?[smhd]\b( \d+[smh]\b)?", "<t>", text)
+    text = re.sub(r"(?<=\s)\d{3,}(?=\s)", "<n>", text)  # pids; sizes all have decimals
+    lines = [" ".join(line.split()) for line in text.splitlines()]
+    while lines and not lines[-1]:
+        lines.pop()
+    return lines
+
+
+def test_guide_shows_the_current_screen(guide_daemon: DaemonProcess) -> None:
+    """docs/operations.md's status screen is what the command shows in the guide's state."""
+    text = GUIDE.read_text()
+    start = text.index(GUIDE_COMMAND + "\n") + len(GUIDE_COMMAND) + 1
+    printed = text[start : text.index("```", start)]
+    out = status("--socket", guide_daemon.socket_path)
+    assert out.returncode == 0, out.stderr
+    live = out.stdout.replace(guide_daemon.socket_path, "/run/kvdepot/kvdepot.sock")
+    assert _comparable(printed) == _comparable(live), (
+        f"docs/operations.md shows an old screen; the command now shows:\n{live}"
+    )
+
+
 def test_rates_add_up_to_the_traffic(daemon_factory: DaemonFactory) -> None:
     """--watch --json: the per-second rates times their intervals sum to exactly the
     stores, bytes and evictions made while it watched."""
