@@ -498,3 +498,57 @@ def test_watch_in_tmux_follows_the_daemon(guide_daemon: DaemonProcess) -> None:
         assert dead == "0", f"exit status {dead}"
     finally:
         tmux.close()
+
+
+def test_unknown_stats_fields_are_shown(guide_daemon: DaemonProcess) -> None:
+    """Fields a newer daemon adds to GetStats (a remote tier's, say) reach --json and the
+    screen without this version knowing them: GetStatsResponse rebuilt with two more
+    fields, filled from a live reading plus the new values."""
+    from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+    from rich.console import Console
+
+    from kvdepot.server.status import render
+    from kvdepot.server.status_report import Sample, build_report
+
+    proto = descriptor_pb2.FileDescriptorProto()
+    admin_pb2.DESCRIPTOR.CopyToProto(proto)
+    (msg,) = [m for m in proto.message_type if m.name == "GetStatsResponse"]
+    for number, (name, kind) in enumerate(
+        (("remote_healthy", descriptor_pb2.FieldDescriptorProto.TYPE_BOOL),
+         ("remote_read_bytes", descriptor_pb2.FieldDescriptorProto.TYPE_UINT64),
+         ("spill_files", descriptor_pb2.FieldDescriptorProto.TYPE_UINT64)), start=100,
+    ):  # fmt: skip
+        msg.field.add(
+            name=name,
+            number=number,
+            type=kind,
+            label=descriptor_pb2.FieldDescriptorProto.LABEL_OPTIONAL,
+        )
+    pool = descriptor_pool.DescriptorPool()
+    pool.Add(proto)
+    newer = message_factory.GetMessageClass(
+        pool.FindMessageTypeByName("kvdepot.v1.GetStatsResponse")
+    )
+
+    ch, stub = admin(guide_daemon)
+    with ch:
+        live = stub.GetStats(admin_pb2.GetStatsRequest(), timeout=10)
+    stats = newer.FromString(live.SerializeToString())
+    stats.remote_healthy, stats.remote_read_bytes, stats.spill_files = True, 12345, 7
+    report = build_report("/x.sock", None, Sample(time.time(), stats, [], []))
+    assert report["remote"] == {"remote_healthy": True, "remote_read_bytes": 12345}
+    assert report["other"] == {"spill_files": 7}
+    assert report["blocks"]["ready"] == 11  # the known fields as before
+    console = Console(width=WIDTH)
+    with console.capture() as cap:
+        console.print(render(report))
+    screen = cap.get()
+    for needle in (
+        "remote tier",
+        "remote_healthy",
+        "True",
+        "remote_read_bytes",
+        "12345",
+        "spill_files",
+    ):
+        assert needle in screen, screen
