@@ -310,12 +310,19 @@ def _pidfd_pids(pidfd: int) -> list[int]:
 def creator_of(sock_fd: int) -> tuple[int, int, int]:
     """(pid in this namespace, uid, pidfd) of the process that created the
     socketpair whose end `sock_fd` is. Raises DepotError when it is not one."""
-    with socket.socket(fileno=os.dup(sock_fd)) as sock:
+    not_a_pair = errors.invalid(
+        "pid_token must name one end of a Unix socketpair made by the registering "
+        "process (see kvdepot.client.pvm)"
+    )
+    dup = os.dup(sock_fd)
+    try:
+        sock = socket.socket(fileno=dup)
+    except OSError:  # not a socket (ENOTSOCK): a memfd, a file, ...
+        os.close(dup)
+        raise not_a_pair from None
+    with sock:
         if sock.family != socket.AF_UNIX:
-            raise errors.invalid(
-                "pid_token must name one end of a Unix socketpair made by the registering "
-                "process (see kvdepot.client.pvm)"
-            )
+            raise not_a_pair
         pid, uid, _gid = struct.unpack(
             "3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
         )

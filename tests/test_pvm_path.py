@@ -22,6 +22,7 @@ import grpc
 import pytest
 
 from kvdepot.client import DepotClient
+from kvdepot.client.fdpass import send_fd
 from kvdepot.client.pvm import describe_tensors, register_process_kv, send_identity
 from kvdepot.v1 import admin_pb2, admin_pb2_grpc
 from kvdepot.v1 import depot_pb2 as pb
@@ -193,6 +194,16 @@ def test_registration_naming_another_process_is_refused(daemon: DaemonProcess) -
         with pytest.raises(grpc.RpcError) as err:
             _register(ch2, sid2, os.getpid(), send_identity(fd_socket, sid).pid_token, 4096)
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        # 4. A token naming something other than a socketpair (a memfd here).
+        memfd = os.memfd_create("not-a-socket")
+        try:
+            token = send_fd(fd_socket, sid2, memfd)
+        finally:
+            os.close(memfd)
+        with pytest.raises(grpc.RpcError) as err:
+            _register(ch2, sid2, os.getpid(), token, 4096)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "socketpair" in err.value.details()
         for c in (call, call2):
             c.cancel()
         ch.close()

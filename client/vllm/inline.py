@@ -2,8 +2,8 @@
 
 Used when the daemon cannot reach the KV memory itself (no memfd, no CUDA IPC, no
 ptrace access). Slow: protobuf copies every byte, one key per call. A job's
-chunks are cut exactly as the daemon plans them (`chunks`), so an inline store
-and a shared-memory load of the same key agree byte for byte.
+chunks are cut by the daemon's own arithmetic (kvdepot.common.chunks), so an
+inline store and a shared-memory load of the same key agree byte for byte.
 
 Contract: `submit(job)` never blocks; the job's result goes to `finish(job,
 success, error, nbytes, seconds)`, called on the transport's thread. Expedited
@@ -26,6 +26,7 @@ import torch
 from vllm.v1.kv_offload.base import CanonicalKVCaches
 
 from kvdepot.client import DepotClient, DepotUnavailable
+from kvdepot.common.chunks import job_chunks
 
 log = logging.getLogger("kvdepot.vllm.worker")
 
@@ -40,31 +41,6 @@ class InlineJob(Protocol):
     block_indices: list[int]
     expedited: bool
     cuda_event: Any
-
-
-def chunks(
-    job: InlineJob, blocks_per_chunk: int
-) -> Iterator[tuple[bytes, int, list[tuple[int, int]]]]:
-    """(key, group, [(sub_block, block_id)]) per key, exactly as the daemon plans it.
-
-    The same arithmetic as the daemon's planner (kvdepot.server.core.planner): the
-    first chunk of group g skips block_indices[g] % blocks_per_chunk sub-blocks.
-    """
-    bpc = blocks_per_chunk
-    pos = key_pos = 0
-    for g, n in enumerate(job.group_sizes):
-        ids = job.block_ids[pos : pos + n]
-        pos += n
-        if n == 0:
-            continue
-        skip = job.block_indices[g] % bpc
-        per_chunk: dict[int, list[tuple[int, int]]] = {}
-        for i, block_id in enumerate(ids):
-            c, j = divmod(skip + i, bpc)
-            per_chunk.setdefault(c, []).append((j, block_id))
-        for c in sorted(per_chunk):
-            yield job.keys[key_pos + c], g, per_chunk[c]
-        key_pos += len(per_chunk)
 
 
 class InlineTransport:
@@ -124,13 +100,17 @@ class InlineTransport:
             else:
                 self._finish(job, True, "", nbytes, time.perf_counter() - start)
 
+    def _chunks(self, job: InlineJob) -> Iterator[tuple[bytes, int, list[tuple[int, int]]]]:
+        """(key, group, [(sub_block, block_id)]) per key, exactly as the daemon plans it."""
+        return job_chunks(job.keys, job.block_ids, job.group_sizes, job.block_indices, self._bpc)
+
     def _page(self, g: int, layer: int, block_id: int) -> torch.Tensor:
         ref = self._kv_caches.group_data_refs[g][layer]
         return self._kv_caches.tensors[ref.tensor_idx].tensor[block_id, : ref.page_size_bytes]
 
     def _store(self, job: InlineJob) -> int:
         nbytes = 0
-        for key, g, subs in chunks(job, self._bpc):
+        for key, g, subs in self._chunks(job):
             if len(subs) != self._bpc:
                 self._on_dropped(1)  # a partial chunk cannot be a whole section
                 continue
@@ -148,7 +128,7 @@ class InlineTransport:
     def _load(self, job: InlineJob) -> int:
         nbytes = 0
         pages = self._pages
-        for key, g, subs in chunks(job, self._bpc):
+        for key, g, subs in self._chunks(job):
             data = self._client.get(job.namespace_id, key, self._rank)
             expected = self._bpc * sum(pages[g])
             if len(data) != expected:

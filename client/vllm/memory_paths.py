@@ -18,7 +18,6 @@ met the plan says why and the log says it at ERROR level.
 
 from __future__ import annotations
 
-import enum
 import logging
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
@@ -27,6 +26,7 @@ from vllm.v1.kv_offload.base import CanonicalKVCaches
 
 from kvdepot.client import pvm
 from kvdepot.client.shm import SharedKVBuffer
+from kvdepot.common.kinds import MemoryPath
 from kvdepot.v1 import depot_pb2
 
 if TYPE_CHECKING:
@@ -35,15 +35,6 @@ if TYPE_CHECKING:
     from kvdepot.client import DepotClient
 
 log = logging.getLogger("kvdepot.vllm.worker")
-
-
-class MemoryPath(enum.StrEnum):
-    """A memory path; equal to its wire name (RegisterKVResponse.memory_path)."""
-
-    SHM = "shm"
-    CUDA_IPC = "cuda_ipc"
-    PVM = "pvm"
-    INLINE = "inline"
 
 
 @dataclass
