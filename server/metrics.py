@@ -159,6 +159,14 @@ class _StateCollector(Collector):
         yield counter("lookups", "Keys looked up (Lookup RPC).", s["lookups"])
         yield counter("lookup_hits", "Keys looked up and found ready.", s["hits"])
         yield counter("lookup_misses", "Keys looked up and not ready.", s["misses"])
+        yield counter("pin_keys", "Keys named in Pin calls (the vLLM connector's lookups).",
+                      s["pin_keys"])
+        yield counter("pinned_keys", "Keys pinned: named in a Pin call and ready.",
+                      s["pinned_keys"])
+        yield by_label(CounterMetricFamily, "transfer_blocks",
+                       "Blocks (one key's section of a rank) written by successful store jobs "
+                       "and read by successful load jobs, inline Put/Get included.",
+                       "direction", {"store": s["stored_blocks"], "load": s["loaded_blocks"]})
         yield by_label(CounterMetricFamily, "evictions",
                        "Blocks evicted: lru (room for a store), admin (Evict), clear (Clear).",
                        "reason", snap.evictions)

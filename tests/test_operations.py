@@ -217,6 +217,12 @@ def check_guide_state(d: DaemonProcess) -> None:
     assert (s.ready_blocks, s.writing_blocks, s.pinned_blocks) == (8 + 3, 2, 1)
     assert (s.lookups, s.hits, s.misses) == (6, 4, 2)
     assert s.stores == 4 and s.loads == 1 and s.evictions == 0
+    # Jobs and blocks: 2 ranks x 4 chunks x 2 groups, chunk 4 of both groups by rank 0,
+    # engine B's 3 chunks; the load read chunks 0-1 of both groups.
+    assert (s.store_jobs, s.stored_blocks) == (4, 2 * 4 * 2 + 2 + 3)
+    assert (s.load_jobs, s.loaded_blocks) == (1, 2 * 2)
+    assert (s.failed_store_jobs, s.failed_load_jobs) == (0, 0)
+    assert (s.pin_calls, s.pin_keys, s.pinned_keys) == (1, 1, 1)
     assert s.stored_bytes == 2 * rank_bytes(GEO_A, 4) + rank_bytes(GEO_A, 1) + rank_bytes(GEO_B, 3)
     assert s.loaded_bytes == rank_bytes(GEO_A, 2)
     slot_b = GEO_B.blocks_per_chunk * sum(GEO_B.layer_pages)
@@ -440,6 +446,7 @@ def test_metrics_show_exactly_what_happened(daemon_factory: DaemonFactory) -> No
     ns = GEO_M.namespace
     stores: list[int] = []  # bytes of each successful store transfer, in order
     loads: list[int] = []
+    stored_blocks = loaded_blocks = 0  # keys written / read by them
     copy_seconds = 0.0  # the jobs' own copy times (Put/Get report none)
     inline_wall = 0.0  # wall time of the Put/Get calls: bounds their copy times
     try:
@@ -448,11 +455,13 @@ def test_metrics_show_exactly_what_happened(daemon_factory: DaemonFactory) -> No
         stores.append(res.bytes)
         copy_seconds += res.copy_seconds
         assert res.bytes == 10 * SLOT_M and res.stored_keys == 10
+        stored_blocks += res.stored_keys
 
         res = load(eng, range(0, 4), base_block=64)  # 0-3 become the youngest
         loads.append(res.bytes)
         copy_seconds += res.copy_seconds
         assert res.bytes == 4 * SLOT_M
+        loaded_blocks += 4
 
         keys, gb, idx = chunk_plan(GEO_M, range(50, 51), base_block=100)
         res = eng.job(pb.LOAD, keys, gb, idx)  # never stored: fails, counted as failed
@@ -462,6 +471,7 @@ def test_metrics_show_exactly_what_happened(daemon_factory: DaemonFactory) -> No
         stores.append(res.bytes)
         copy_seconds += res.copy_seconds
         assert res.bytes == 8 * SLOT_M and res.stored_keys == 8
+        stored_blocks += res.stored_keys
 
         hits = client.lookup(ns, keys_m(range(18)))
         assert hits == [c not in (4, 5) for c in range(18)]
@@ -475,6 +485,8 @@ def test_metrics_show_exactly_what_happened(daemon_factory: DaemonFactory) -> No
         assert put.outcome == "stored" and put.ready and got == data
         stores.append(len(data))
         loads.append(len(data))
+        stored_blocks += 1
+        loaded_blocks += 1
 
         ch, stub = admin(d)
         with ch:
@@ -486,6 +498,7 @@ def test_metrics_show_exactly_what_happened(daemon_factory: DaemonFactory) -> No
             assert (res.stored_keys, res.dropped_keys) == (2, 2)
             assert res.bytes == 2 * SLOT_M  # only what was copied
             stores.append(res.bytes)
+            stored_blocks += res.stored_keys
             copy_seconds += res.copy_seconds
             client.unpin(ns, keys_m(range(0, 4)), wait=True)
             cleared = stub.Clear(admin_pb2.ClearRequest())  # 20, 21 and 0-3
@@ -519,6 +532,10 @@ def test_metrics_show_exactly_what_happened(daemon_factory: DaemonFactory) -> No
     assert sample(m, "kvdepot_lookups_total") == 18
     assert sample(m, "kvdepot_lookup_hits_total") == 16
     assert sample(m, "kvdepot_lookup_misses_total") == 2
+    assert sample(m, "kvdepot_pin_keys_total") == sample(m, "kvdepot_pinned_keys_total") == 14
+    assert stored_blocks == 10 + 8 + 1 + 2 and loaded_blocks == 4 + 1
+    assert sample(m, "kvdepot_transfer_blocks_total", direction="store") == stored_blocks
+    assert sample(m, "kvdepot_transfer_blocks_total", direction="load") == loaded_blocks
     assert sample(m, "kvdepot_blocks", state="ready") == 10
     assert sample(m, "kvdepot_blocks", state="writing") == 0
     assert sample(m, "kvdepot_pinned_blocks") == 10
@@ -535,6 +552,10 @@ def test_metrics_show_exactly_what_happened(daemon_factory: DaemonFactory) -> No
     # Admin/GetStats tells the same story.
     assert (stats.stores, stats.stored_bytes) == (len(stores), sum(stores))
     assert (stats.loads, stats.loaded_bytes) == (len(loads), sum(loads))
+    assert (stats.store_jobs, stats.stored_blocks) == (len(stores), stored_blocks)
+    assert (stats.load_jobs, stats.loaded_blocks) == (len(loads), loaded_blocks)
+    assert (stats.failed_store_jobs, stats.failed_load_jobs) == (0, 1)
+    assert (stats.pin_calls, stats.pin_keys, stats.pinned_keys) == (1, 14, 14)
     assert dict(stats.evictions_by_reason) == {"lru": 3, "admin": 2, "clear": 6}
     assert stats.evictions == 11 and stats.dropped_stores == 2
 

@@ -115,9 +115,12 @@ class IndexEvent:
 class IndexStats:
     """Counters since start, for Admin/GetStats and Prometheus."""
 
-    lookups: int = 0
+    lookups: int = 0  # keys looked up
     hits: int = 0
     misses: int = 0
+    pin_calls: int = 0
+    pin_keys: int = 0  # keys asked to pin
+    pinned_keys: int = 0  # keys pinned (ready)
     evictions: Counter[EvictionReason] = field(default_factory=Counter)  # blocks
     dropped_stores: Counter[DropReason] = field(default_factory=Counter)  # keys
     aborted_writes: Counter[AbortReason] = field(default_factory=Counter)  # rows
@@ -205,6 +208,9 @@ class BlockIndex:
                 continue
             self._add_pin(slot, owner)
             out.append(True)
+        self.stats.pin_calls += 1
+        self.stats.pin_keys += len(out)
+        self.stats.pinned_keys += sum(out)
         return out
 
     def unpin(self, namespace_id: str, keys: Iterable[bytes], owner: Owner) -> int:

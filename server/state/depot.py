@@ -424,4 +424,13 @@ class DepotState:
             "inflight_jobs": self.traffic.inflight_jobs,
             "pool_backing": self.arena.backing,
             "warm_restarted": self.warm_restarted,
+            "store_jobs": store.jobs,
+            "load_jobs": load.jobs,
+            "stored_blocks": store.blocks,
+            "loaded_blocks": load.blocks,
+            "failed_store_jobs": store.failed_jobs,
+            "failed_load_jobs": load.failed_jobs,
+            "pin_calls": ix.pin_calls,
+            "pin_keys": ix.pin_keys,
+            "pinned_keys": ix.pinned_keys,
         }

@@ -11,7 +11,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetStatsResponse(_message.Message):
-    __slots__ = ("version", "boot_id", "uptime_seconds", "capacity_bytes", "used_bytes", "pinned_bytes", "largest_free_extent_bytes", "warmup_done_bytes", "warmup_complete", "ready_blocks", "writing_blocks", "pinned_blocks", "sessions", "registrations", "namespaces", "lookups", "hits", "misses", "evictions", "stores", "loads", "stored_bytes", "loaded_bytes", "dropped_stores", "inflight_jobs", "pool_backing", "warm_restarted", "evictions_by_reason")
+    __slots__ = ("version", "boot_id", "uptime_seconds", "capacity_bytes", "used_bytes", "pinned_bytes", "largest_free_extent_bytes", "warmup_done_bytes", "warmup_complete", "ready_blocks", "writing_blocks", "pinned_blocks", "sessions", "registrations", "namespaces", "lookups", "hits", "misses", "evictions", "stores", "loads", "stored_bytes", "loaded_bytes", "dropped_stores", "inflight_jobs", "pool_backing", "warm_restarted", "evictions_by_reason", "store_jobs", "load_jobs", "stored_blocks", "loaded_blocks", "failed_store_jobs", "failed_load_jobs", "pin_calls", "pin_keys", "pinned_keys")
     class EvictionsByReasonEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -47,6 +47,15 @@ class GetStatsResponse(_message.Message):
     POOL_BACKING_FIELD_NUMBER: _ClassVar[int]
     WARM_RESTARTED_FIELD_NUMBER: _ClassVar[int]
     EVICTIONS_BY_REASON_FIELD_NUMBER: _ClassVar[int]
+    STORE_JOBS_FIELD_NUMBER: _ClassVar[int]
+    LOAD_JOBS_FIELD_NUMBER: _ClassVar[int]
+    STORED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    LOADED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    FAILED_STORE_JOBS_FIELD_NUMBER: _ClassVar[int]
+    FAILED_LOAD_JOBS_FIELD_NUMBER: _ClassVar[int]
+    PIN_CALLS_FIELD_NUMBER: _ClassVar[int]
+    PIN_KEYS_FIELD_NUMBER: _ClassVar[int]
+    PINNED_KEYS_FIELD_NUMBER: _ClassVar[int]
     version: str
     boot_id: str
     uptime_seconds: float
@@ -75,7 +84,16 @@ class GetStatsResponse(_message.Message):
     pool_backing: str
     warm_restarted: bool
     evictions_by_reason: _containers.ScalarMap[str, int]
-    def __init__(self, version: _Optional[str] = ..., boot_id: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., pinned_bytes: _Optional[int] = ..., largest_free_extent_bytes: _Optional[int] = ..., warmup_done_bytes: _Optional[int] = ..., warmup_complete: _Optional[bool] = ..., ready_blocks: _Optional[int] = ..., writing_blocks: _Optional[int] = ..., pinned_blocks: _Optional[int] = ..., sessions: _Optional[int] = ..., registrations: _Optional[int] = ..., namespaces: _Optional[int] = ..., lookups: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ..., stores: _Optional[int] = ..., loads: _Optional[int] = ..., stored_bytes: _Optional[int] = ..., loaded_bytes: _Optional[int] = ..., dropped_stores: _Optional[int] = ..., inflight_jobs: _Optional[int] = ..., pool_backing: _Optional[str] = ..., warm_restarted: _Optional[bool] = ..., evictions_by_reason: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    store_jobs: int
+    load_jobs: int
+    stored_blocks: int
+    loaded_blocks: int
+    failed_store_jobs: int
+    failed_load_jobs: int
+    pin_calls: int
+    pin_keys: int
+    pinned_keys: int
+    def __init__(self, version: _Optional[str] = ..., boot_id: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., pinned_bytes: _Optional[int] = ..., largest_free_extent_bytes: _Optional[int] = ..., warmup_done_bytes: _Optional[int] = ..., warmup_complete: _Optional[bool] = ..., ready_blocks: _Optional[int] = ..., writing_blocks: _Optional[int] = ..., pinned_blocks: _Optional[int] = ..., sessions: _Optional[int] = ..., registrations: _Optional[int] = ..., namespaces: _Optional[int] = ..., lookups: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ..., stores: _Optional[int] = ..., loads: _Optional[int] = ..., stored_bytes: _Optional[int] = ..., loaded_bytes: _Optional[int] = ..., dropped_stores: _Optional[int] = ..., inflight_jobs: _Optional[int] = ..., pool_backing: _Optional[str] = ..., warm_restarted: _Optional[bool] = ..., evictions_by_reason: _Optional[_Mapping[str, int]] = ..., store_jobs: _Optional[int] = ..., load_jobs: _Optional[int] = ..., stored_blocks: _Optional[int] = ..., loaded_blocks: _Optional[int] = ..., failed_store_jobs: _Optional[int] = ..., failed_load_jobs: _Optional[int] = ..., pin_calls: _Optional[int] = ..., pin_keys: _Optional[int] = ..., pinned_keys: _Optional[int] = ...) -> None: ...
 
 class ListNamespacesRequest(_message.Message):
     __slots__ = ()
