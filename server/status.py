@@ -212,6 +212,10 @@ def _pool_bar(capacity: int, used: int, pinned: int, width: int = BAR_WIDTH) -> 
     return bar
 
 
+def _value(v: object) -> str:
+    return json.dumps(v) if isinstance(v, dict | list) else str(v)
+
+
 def render(r: dict[str, Any]) -> Any:
     """The screen for one report (see build_report)."""
     from rich import box
@@ -277,6 +281,13 @@ def render(r: dict[str, Any]) -> Any:
             + f" · dropped stores {fmt_rate(rates['dropped_stores_per_second'])}/s"
             + f" · lookups {fmt_rate(lookups)}/s{hit}",
         )
+        if "pin_keys_per_second" in rates:  # newer daemons: the connector's hits, errors
+            pins = rates["pin_keys_per_second"]
+            ready = f" ({100 * rates['pinned_keys_per_second'] / pins:.0f}% ready)" if pins else ""
+            failed = rates["failed_store_jobs_per_second"] + rates["failed_load_jobs_per_second"]
+            grid.add_row(
+                "", f"pins {fmt_rate(pins)} keys/s{ready} · failed jobs {fmt_rate(failed)}/s"
+            )
     t = r["totals"]
     grid.add_row(
         "since start",
@@ -288,6 +299,11 @@ def render(r: dict[str, Any]) -> Any:
         f"evictions {t['evictions']} · dropped stores {t['dropped_stores']} · "
         f"{t['sessions']} sessions · {t['registrations']} registrations",
     )
+    if "pin_keys" in t:
+        failed = t["failed_store_jobs"] + t["failed_load_jobs"]
+        grid.add_row(
+            "", f"pins {t['pin_keys']} keys ({t['pinned_keys']} ready) · failed jobs {failed}"
+        )
     parts.append(grid)
 
     ns_table = Table(
@@ -337,13 +353,19 @@ def render(r: dict[str, Any]) -> Any:
     for path, reason in sorted(why.items()):
         parts.append(Text(f"  {path}: {reason}", style="dim"))
 
-    for title, extra in (("remote tier", r["remote"]), ("other", r["other"])):
-        if extra:
-            g = Table.grid(padding=(0, 1))
-            g.add_column(style="bold", no_wrap=True)
-            g.add_column()
-            for k, v in extra.items():
-                g.add_row(k, json.dumps(v) if isinstance(v, dict | list) else str(v))
-            parts.append(Text(title, style="italic"))
-            parts.append(g)
+    if r["remote"]:  # a remote tier's health and traffic, field by field
+        g = Table.grid(padding=(0, 1))
+        g.add_column(style="bold", no_wrap=True)
+        g.add_column()
+        for k, v in r["remote"].items():
+            g.add_row(k, _value(v))
+        parts.append(Text("remote tier", style="italic"))
+        parts.append(g)
+    if r["other"]:  # figures of a newer daemon: one wrapped line, --json has them too
+        parts.append(
+            Text(
+                "more: " + " · ".join(f"{k} {_value(v)}" for k, v in r["other"].items()),
+                style="dim",
+            )
+        )
     return Group(*parts)

@@ -64,6 +64,12 @@ KNOWN_STATS = frozenset(
         "evictions_by_reason",
     }
 )
+# Fields of newer daemons that this command shows where they exist (older daemons lack
+# them; the report then leaves them out): job, block and pin counters.
+OPTIONAL_COUNTERS = (
+    "store_jobs", "load_jobs", "stored_blocks", "loaded_blocks", "failed_store_jobs",
+    "failed_load_jobs", "pin_calls", "pin_keys", "pinned_keys",
+)  # fmt: skip
 # Counts since start, shown as they are.
 TOTALS = (
     "sessions",
@@ -90,6 +96,12 @@ RATE_COUNTERS = {
     "lookups": "lookups",
     "hits": "hits",
     "dropped_stores": "dropped_stores",
+}
+OPTIONAL_RATES = {
+    "pin_keys": "pin_keys",
+    "pinned_keys": "pinned_keys",
+    "failed_store_jobs": "failed_store_jobs",
+    "failed_load_jobs": "failed_load_jobs",
 }
 # What each memory path means, for daemons whose RegistrationInfo carries no reason.
 MEMORY_PATH_MEANING = {
@@ -327,7 +339,9 @@ def rates(prev: Sample | None, cur: Sample) -> dict[str, Any] | None:
     if dt <= 0:
         return None
     out: dict[str, Any] = {"interval_seconds": dt}
-    for name, field in RATE_COUNTERS.items():
+    fields = cur.stats.DESCRIPTOR.fields_by_name
+    optional = {k: f for k, f in OPTIONAL_RATES.items() if f in fields}
+    for name, field in (RATE_COUNTERS | optional).items():
         out[f"{name}_per_second"] = (getattr(cur.stats, field) - getattr(prev.stats, field)) / dt
     before = prev.stats.evictions_by_reason
     out["evictions_by_reason_per_second"] = {
@@ -339,7 +353,8 @@ def rates(prev: Sample | None, cur: Sample) -> dict[str, Any] | None:
 
 def _extras(stats: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """GetStats fields this version does not know: (remote tier's, everything else)."""
-    unknown = {k: v for k, v in stats.items() if k not in KNOWN_STATS}
+    known = KNOWN_STATS.union(OPTIONAL_COUNTERS)
+    unknown = {k: v for k, v in stats.items() if k not in known}
     remote = {k: v for k, v in unknown.items() if "remote" in k}
     return remote, {k: v for k, v in unknown.items() if k not in remote}
 
@@ -386,7 +401,7 @@ def build_report(path: str, prev: Sample | None, cur: Sample) -> dict[str, Any]:
         "namespaces": [plain(ns) for ns in cur.namespaces],
         "engines": [_engine(e) for e in cur.engines],
         "rates": rates(prev, cur),
-        "totals": {k: everything[k] for k in TOTALS},
+        "totals": {k: everything[k] for k in (*TOTALS, *OPTIONAL_COUNTERS) if k in everything},
         "remote": remote or None,
         "other": other,
     }
