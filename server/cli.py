@@ -13,9 +13,10 @@ def main(argv: list[str] | None = None) -> int:
         prog="kvdepot", description="Node-local KV-cache offload daemon for vLLM."
     )
     parser.add_argument("--version", action="version", version=f"kvdepot {kvdepot.__version__}")
-    sub = parser.add_subparsers(dest="command", required=True)
+    from kvdepot.server.config import SettingsParser, add_serve_arguments, config_from_args
 
-    from kvdepot.server.config import add_serve_arguments, config_from_args
+    # Subcommands report bad values in one line naming the flag or variable.
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=SettingsParser)
 
     serve_p = sub.add_parser("serve", help="run the daemon")
     add_serve_arguments(serve_p)

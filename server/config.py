@@ -1,12 +1,27 @@
-"""`kvdepot serve` settings: flags with KVDEPOT_* environment fallbacks."""
+"""`kvdepot serve` settings, written once.
+
+`ServeConfig` is the table: each field that carries a `Setting` is one setting, with its
+flag, its environment fallback (KVDEPOT_<FLAG>), its default, its help text and the
+parser that turns text into its value. The `serve` flags, their help and the config the
+daemon runs with are all derived from it, so adding a setting is adding one field.
+
+Contract: a bad value, on the command line or in the environment, ends `kvdepot serve`
+with exit status 2 and one line on stderr naming the flag or the variable; never a
+traceback. An empty environment variable counts as unset (systemd's `KEY=`).
+"""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import grp
+import math
 import os
 import re
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, NoReturn
 
 _UNITS = {
     "": 1, "b": 1,
@@ -30,14 +45,6 @@ def parse_size(text: str) -> int:
     return int(value)
 
 
-def size_argument(text: str) -> int:
-    """parse_size for argparse: its message reaches the user."""
-    try:
-        return parse_size(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
 def format_size(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
@@ -54,20 +61,221 @@ def default_socket_path() -> str:
     return str(Path(runtime) / "kvdepot" / "kvdepot.sock")
 
 
+# --- parsers: text -> value, or ValueError with a message that says what is allowed ------
+
+
+def _text(text: str) -> str:
+    return text
+
+
+def _whole_number(minimum: int, maximum: int | None = None) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text.strip())
+        except ValueError:
+            raise ValueError(f"{text!r} is not a whole number") from None
+        if value < minimum or (maximum is not None and value > maximum):
+            upper = f" and <= {maximum}" if maximum is not None else ""
+            raise ValueError(f"{value} is out of range: must be >= {minimum}{upper}")
+        return value
+
+    return parse
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text.strip())
+    except ValueError:
+        raise ValueError(f"{text!r} is not a number of seconds") from None
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{text!r} must be a positive number of seconds")
+    return value
+
+
+def _octal_mode(text: str) -> int:
+    try:
+        value = int(text.strip(), 8)
+    except ValueError:
+        raise ValueError(f"{text!r} is not an octal file mode such as 660 or 0600") from None
+    if not 0 <= value <= 0o777:
+        raise ValueError(f"{text!r} is not a file mode: use three octal digits, e.g. 660")
+    return value
+
+
+def _host_port(text: str) -> str:
+    host, _, port = text.strip().rpartition(":")
+    if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ValueError(f"{text!r} is not HOST:PORT, e.g. 127.0.0.1:50051")
+    return text.strip()
+
+
+def _group(text: str) -> str:
+    try:
+        grp.getgrnam(text.strip())
+    except KeyError:
+        raise ValueError(f"no group named {text!r} on this host") from None
+    return text.strip()
+
+
+def _one_of(*choices: str) -> Callable[[str], str]:
+    def parse(text: str) -> str:
+        value = text.strip().lower()
+        if value not in choices:
+            raise ValueError(f"{text!r} is not one of {', '.join(choices)}")
+        return value
+
+    return parse
+
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+
+
+# --- the table ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One `kvdepot serve` setting (see `ServeConfig` for the rows).
+
+    flag: the command-line flag; env: its environment fallback (derived from the flag).
+    parse: text -> value, raising ValueError with what is allowed.
+    shown: how the default reads in --help ("" = say nothing about a default).
+    switch: a flag without a value that sets the opposite of the default; its
+        environment variable takes 1/true/yes/on or 0/false/no/off.
+    """
+
+    flag: str
+    help: str
+    parse: Callable[[str], Any] = _text
+    shown: str = ""
+    switch: bool = False
+    metavar: str | None = None
+
+    @property
+    def env(self) -> str:
+        return "KVDEPOT_" + self.flag.removeprefix("--").replace("-", "_").upper()
+
+    def from_env(self, raw: str) -> Any:
+        if not self.switch:
+            return self.parse(raw)
+        word = raw.strip().lower()
+        if word in _TRUE | _FALSE:
+            return word in _TRUE
+        raise ValueError(f"{raw!r} is not one of 1, true, yes, on, 0, false, no, off")
+
+
+def setting(
+    flag: str,
+    default: Any = None,
+    *,
+    help: str,
+    parse: Callable[[str], Any] = _text,
+    shown: str | None = None,
+    default_factory: Callable[[], Any] | None = None,
+    switch: bool = False,
+    metavar: str | None = None,
+) -> Any:
+    """A `ServeConfig` field that is also a setting (one row of the table)."""
+    if shown is None:
+        shown = "" if default is None or switch else str(default)
+    meta = {"setting": Setting(flag, help, parse, shown, switch, metavar)}
+    if default_factory is not None:
+        return field(default_factory=default_factory, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
 @dataclass
 class ServeConfig:
-    socket: str
-    listen: str | None = None
-    pool_size: int = 1 << 30
-    pool_file: str | None = None
-    metrics_port: int | None = None
-    log_level: str = "info"
-    socket_mode: int = 0o660
-    socket_group: str | None = None
-    destructive_admin: bool = True
-    copy_threads: int = 2
-    max_job_keys: int = 4096
-    reservation_timeout: float = 60.0
+    """What the daemon runs with. Fields with a `setting(...)` are the settings table."""
+
+    socket: str = setting(
+        "--socket",
+        default_factory=default_socket_path,
+        shown="%(default)s",
+        metavar="PATH",
+        help="Unix socket path for gRPC; the fd socket is created next to it (PATH.fd)",
+    )
+    listen: str | None = setting(
+        "--listen",
+        parse=_host_port,
+        metavar="HOST:PORT",
+        shown="off: TCP has no file-mode access control",
+        help="also listen on this TCP address, e.g. 127.0.0.1:50051",
+    )
+    pool_size: int = setting(
+        "--pool-size",
+        1 << 30,
+        parse=parse_size,
+        shown="1GiB",
+        metavar="SIZE",
+        help="pool bytes, e.g. 512MiB or 64GiB",
+    )
+    pool_file: str | None = setting(
+        "--pool-file",
+        metavar="PATH",
+        shown="a memfd",
+        help="keep the pool in this file (e.g. /dev/shm/kvdepot.pool or on hugetlbfs) so a "
+        "restarted daemon serves its blocks again",
+    )
+    metrics_port: int | None = setting(
+        "--metrics-port",
+        parse=_whole_number(0, 65535),
+        metavar="PORT",
+        shown="off",
+        help="serve Prometheus metrics on this port",
+    )
+    log_level: str = setting(
+        "--log-level",
+        "info",
+        parse=_one_of("debug", "info", "warning", "error"),
+        metavar="{debug,info,warning,error}",
+        help="log level",
+    )
+    socket_mode: int = setting(
+        "--socket-mode",
+        0o660,
+        parse=_octal_mode,
+        shown="660",
+        metavar="MODE",
+        help="octal file mode of the sockets",
+    )
+    socket_group: str | None = setting(
+        "--socket-group",
+        parse=_group,
+        metavar="GROUP",
+        shown="the daemon's own group",
+        help="group owning the sockets: engines in it may connect",
+    )
+    destructive_admin: bool = setting(
+        "--no-destructive-admin",
+        True,
+        switch=True,
+        help="refuse Admin/Evict and Admin/Clear",
+    )
+    copy_threads: int = setting(
+        "--copy-threads",
+        2,
+        parse=_whole_number(1),
+        metavar="N",
+        help="threads that copy bytes",
+    )
+    max_job_keys: int = setting(
+        "--max-job-keys",
+        4096,
+        parse=_whole_number(1),
+        metavar="N",
+        help="largest transfer job in keys",
+    )
+    reservation_timeout: float = setting(
+        "--reservation-timeout",
+        60.0,
+        parse=_seconds,
+        shown="60",
+        metavar="SECONDS",
+        help="seconds a partly written block row may wait for its other ranks",
+    )
+    # Not settings: fixed for the daemon, changed only by tests that build a state directly.
     slot_granularity: int = 4096
     keepalive_seconds: float = 5.0
 
@@ -76,83 +284,102 @@ class ServeConfig:
         return self.socket + ".fd"
 
 
-def _env(name: str, default: str | None = None) -> str | None:
-    return os.environ.get(f"KVDEPOT_{name}", default)
+def settings() -> Iterator[tuple[str, Setting]]:
+    """(field name, setting) for every row of the table, in --help order."""
+    for f in dataclasses.fields(ServeConfig):
+        if "setting" in f.metadata:
+            yield f.name, f.metadata["setting"]
 
 
-def _truthy(text: str | None) -> bool:
-    return (text or "").strip().lower() in {"1", "true", "yes", "on"}
+def _builtin_default(name: str) -> Any:
+    f = ServeConfig.__dataclass_fields__[name]
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return f.default
 
 
-def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--socket", default=_env("SOCKET") or default_socket_path(),
-        help="Unix socket path for gRPC (KVDEPOT_SOCKET; default %(default)s)",
-    )
-    parser.add_argument(
-        "--listen", default=_env("LISTEN"),
-        help="also listen on this TCP address, e.g. 127.0.0.1:50051 (KVDEPOT_LISTEN; off "
-        "by default: TCP has no file-mode access control)",
-    )
-    parser.add_argument(
-        "--pool-size", type=size_argument, default=_env("POOL_SIZE", "1GiB"),
-        help="pool bytes, e.g. 512MiB or 64GiB (KVDEPOT_POOL_SIZE; default 1GiB)",
-    )
-    parser.add_argument(
-        "--pool-file", default=_env("POOL_FILE"),
-        help="keep the pool in this file (e.g. /dev/shm/kvdepot.pool or on hugetlbfs) so a "
-        "restarted daemon serves its blocks again (KVDEPOT_POOL_FILE; default: a memfd)",
-    )
-    parser.add_argument(
-        "--metrics-port", type=int,
-        default=int(_env("METRICS_PORT")) if _env("METRICS_PORT") else None,
-        help="serve Prometheus metrics on this port (KVDEPOT_METRICS_PORT; default off)",
-    )
-    parser.add_argument(
-        "--log-level", default=_env("LOG_LEVEL", "info"),
-        choices=["debug", "info", "warning", "error"], help="(KVDEPOT_LOG_LEVEL)",
-    )
-    parser.add_argument(
-        "--socket-mode", type=lambda s: int(s, 8), default=int(_env("SOCKET_MODE", "660"), 8),
-        help="octal file mode of the sockets (KVDEPOT_SOCKET_MODE; default 660)",
-    )
-    parser.add_argument(
-        "--socket-group", default=_env("SOCKET_GROUP"),
-        help="group owning the sockets: engines in it may connect (KVDEPOT_SOCKET_GROUP)",
-    )
-    parser.add_argument(
-        "--no-destructive-admin", action="store_true",
-        default=_truthy(_env("NO_DESTRUCTIVE_ADMIN")),
-        help="refuse Admin/Evict and Admin/Clear (KVDEPOT_NO_DESTRUCTIVE_ADMIN)",
-    )
-    parser.add_argument(
-        "--copy-threads", type=int, default=int(_env("COPY_THREADS", "2") or 2),
-        help="threads that copy bytes (KVDEPOT_COPY_THREADS; default 2)",
-    )
-    parser.add_argument(
-        "--max-job-keys", type=int, default=int(_env("MAX_JOB_KEYS", "4096") or 4096),
-        help="largest transfer job in keys (KVDEPOT_MAX_JOB_KEYS; default 4096)",
-    )
-    parser.add_argument(
-        "--reservation-timeout", type=float,
-        default=float(_env("RESERVATION_TIMEOUT", "60") or 60),
-        help="seconds a partly written block row may wait for its other ranks "
-        "(KVDEPOT_RESERVATION_TIMEOUT; default 60)",
-    )
+def _argparse_type(s: Setting) -> Callable[[str], Any]:
+    def parse(text: str) -> Any:
+        try:
+            return s.parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    return parse
+
+
+class SettingsParser(argparse.ArgumentParser):
+    """An argparse parser whose errors are one line (no usage dump), exit status 2.
+
+    Errors found in the environment while the arguments were added are reported when
+    this parser is used, before --help, so a bad variable is never silently ignored.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.environment_errors: list[str] = []
+
+    def parse_known_args(  # type: ignore[override]
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        if self.environment_errors:
+            self.error(self.environment_errors[0])
+        return super().parse_known_args(args, namespace)
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser, only: Sequence[str] = ()) -> None:
+    """Adds the settings' flags (all, or the fields named in `only`) to `parser`.
+
+    Each flag's default is its environment variable when set, else the table's default.
+    """
+    if not only:
+        parser.epilog = (
+            "A flag on the command line wins over its environment variable; an empty "
+            "variable counts as unset."
+        )
+    errors: list[str] = []
+    for name, s in settings():
+        if only and name not in only:
+            continue
+        default = _builtin_default(name)
+        raw = os.environ.get(s.env, "")
+        if raw.strip():
+            try:
+                value = s.from_env(raw)
+                # A switch's variable says whether the flag is given, not the value.
+                default = (not default if value else default) if s.switch else value
+            except ValueError as exc:
+                errors.append(f"{s.env}: {exc} (the environment fallback of {s.flag})")
+        shown = f"; default {s.shown}" if s.shown else ""
+        help_text = f"{s.help} ({s.env}{shown})"
+        if s.switch:
+            parser.add_argument(
+                s.flag,
+                dest=name,
+                action="store_const",
+                const=not _builtin_default(name),
+                default=default,
+                help=help_text,
+            )
+        else:
+            parser.add_argument(
+                s.flag,
+                dest=name,
+                type=_argparse_type(s),
+                default=default,
+                metavar=s.metavar,
+                help=help_text,
+            )
+    if not errors:
+        return
+    if isinstance(parser, SettingsParser):
+        parser.environment_errors.extend(errors)
+    else:
+        parser.error(errors[0])
 
 
 def config_from_args(args: argparse.Namespace) -> ServeConfig:
-    return ServeConfig(
-        socket=args.socket,
-        listen=args.listen,
-        pool_size=args.pool_size,
-        pool_file=args.pool_file,
-        metrics_port=args.metrics_port,
-        log_level=args.log_level,
-        socket_mode=args.socket_mode,
-        socket_group=args.socket_group,
-        destructive_admin=not args.no_destructive_admin,
-        copy_threads=max(1, args.copy_threads),
-        max_job_keys=max(1, args.max_job_keys),
-        reservation_timeout=args.reservation_timeout,
-    )
+    return ServeConfig(**{name: getattr(args, name) for name, _ in settings()})

@@ -2,30 +2,65 @@
 
 Every key is optional; unknown keys are left for vLLM (for example
 `blocks_per_chunk`, `offload_prompt_only`, `sync_load_budget_bytes`).
+`DepotSettings` is the table: each field names its key, the key's default and how
+its value is read, so a key's default is written exactly once.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 DEFAULT_SOCKET = "unix:///run/kvdepot/kvdepot.sock"
 
-#: `kv_connector_extra_config` keys this connector reads, with their defaults.
-SETTINGS_KEYS: dict[str, Any] = {
-    "kvdepot_socket": DEFAULT_SOCKET,
-    "kvdepot_namespace_salt": "",
-    "kvdepot_pin_timeout_ms": 50,
-    "kvdepot_startup_wait_s": 1.0,
-    "kvdepot_job_timeout_s": 15.0,
-    "kvdepot_memory_path": "auto",
-    "kvdepot_load_failure_backoff_s": 10.0,
-    "kvdepot_client_name": "",
-}
-
 MEMORY_PATHS = ("auto", "shm", "pvm", "inline")
+
+
+def _where(key: str) -> str:
+    return f"kv_connector_extra_config[{key!r}]"
+
+
+def _number(minimum: float, per: float = 1.0) -> Callable[[str, Any], float]:
+    """A finite number >= minimum, divided by `per` (1000: a key in ms, a field in s)."""
+
+    def parse(key: str, raw: Any) -> float:
+        try:
+            value = float(raw)
+        except (TypeError, ValueError):
+            raise ValueError(f"{_where(key)} must be a number, got {raw!r}") from None
+        if not math.isfinite(value) or value < minimum:
+            raise ValueError(f"{_where(key)} must be >= {minimum}, got {raw!r}")
+        return value / per
+
+    return parse
+
+
+def _text(key: str, raw: Any) -> str:
+    return str(raw or "")
+
+
+def _socket(key: str, raw: Any) -> str:
+    value = str(raw).strip()
+    if not value:
+        raise ValueError(f"{_where(key)} must not be empty")
+    return value
+
+
+def _memory_path(key: str, raw: Any) -> str:
+    value = str(raw).lower()
+    if value not in MEMORY_PATHS:
+        raise ValueError(f"{_where(key)} must be one of {', '.join(MEMORY_PATHS)}; got {value!r}")
+    return value
+
+
+def _key(name: str, default: Any, parse: Callable[[str, Any], Any]) -> Any:
+    """A `DepotSettings` field read from key `name` (default: the key's default, parsed)."""
+    return field(
+        default=parse(name, default), metadata={"key": name, "raw": default, "parse": parse}
+    )
 
 
 @dataclass(frozen=True)
@@ -47,52 +82,31 @@ class DepotSettings:
     load_failure_backoff_s: after a failed load, the scheduler treats its keys as
         misses for this long, so a request is not sent to the same failure again.
     client_name: shown by `Admin/ListEngines` (default: role and engine id).
+    remote_wait_s: how long a lookup may wait for a tier below the daemon's pool
+        (read for the remote tier; nothing uses it yet).
     """
 
-    socket: str = DEFAULT_SOCKET
-    namespace_salt: str = ""
-    pin_timeout_s: float = 0.05
-    startup_wait_s: float = 1.0
-    job_timeout_s: float = 15.0
-    memory_path: str = "auto"
-    load_failure_backoff_s: float = 10.0
-    client_name: str = ""
+    socket: str = _key("kvdepot_socket", DEFAULT_SOCKET, _socket)
+    namespace_salt: str = _key("kvdepot_namespace_salt", "", _text)
+    pin_timeout_s: float = _key("kvdepot_pin_timeout_ms", 50, _number(1.0, per=1000))
+    startup_wait_s: float = _key("kvdepot_startup_wait_s", 1.0, _number(0.0))
+    job_timeout_s: float = _key("kvdepot_job_timeout_s", 15.0, _number(0.1))
+    memory_path: str = _key("kvdepot_memory_path", "auto", _memory_path)
+    load_failure_backoff_s: float = _key("kvdepot_load_failure_backoff_s", 10.0, _number(0.0))
+    client_name: str = _key("kvdepot_client_name", "", _text)
+    remote_wait_s: float = _key("kvdepot_remote_wait_ms", 200.0, _number(0.0, per=1000))
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any]) -> DepotSettings:
         """Parses and validates; raises ValueError naming the key and the fix."""
+        values = {}
+        for f in dataclasses.fields(cls):
+            key, parse = f.metadata["key"], f.metadata["parse"]
+            values[f.name] = parse(key, extra.get(key, f.metadata["raw"]))
+        return cls(**values)
 
-        def number(key: str, minimum: float) -> float:
-            raw = extra.get(key, SETTINGS_KEYS[key])
-            try:
-                value = float(raw)
-            except (TypeError, ValueError):
-                raise ValueError(
-                    f"kv_connector_extra_config[{key!r}] must be a number, got {raw!r}"
-                ) from None
-            if not math.isfinite(value) or value < minimum:
-                raise ValueError(
-                    f"kv_connector_extra_config[{key!r}] must be >= {minimum}, got {raw!r}"
-                )
-            return value
 
-        socket = str(extra.get("kvdepot_socket", DEFAULT_SOCKET)).strip()
-        if not socket:
-            raise ValueError("kv_connector_extra_config['kvdepot_socket'] must not be empty")
-        memory_path = str(extra.get("kvdepot_memory_path", "auto")).lower()
-        if memory_path not in MEMORY_PATHS:
-            raise ValueError(
-                f"kv_connector_extra_config['kvdepot_memory_path'] must be one of "
-                f"{', '.join(MEMORY_PATHS)}; got {memory_path!r}"
-            )
-        pin_timeout_ms = number("kvdepot_pin_timeout_ms", 1.0)
-        return cls(
-            socket=socket,
-            namespace_salt=str(extra.get("kvdepot_namespace_salt", "") or ""),
-            pin_timeout_s=pin_timeout_ms / 1000.0,
-            startup_wait_s=number("kvdepot_startup_wait_s", 0.0),
-            job_timeout_s=number("kvdepot_job_timeout_s", 0.1),
-            memory_path=memory_path,
-            load_failure_backoff_s=number("kvdepot_load_failure_backoff_s", 0.0),
-            client_name=str(extra.get("kvdepot_client_name", "") or ""),
-        )
+#: `kv_connector_extra_config` keys this connector reads, with their defaults.
+SETTINGS_KEYS: dict[str, Any] = {
+    f.metadata["key"]: f.metadata["raw"] for f in dataclasses.fields(DepotSettings)
+}
