@@ -164,3 +164,20 @@ def test_admin_evict_skips_pinned_and_writing() -> None:
     assert ix.clear() == (0, 2)
     assert ix.namespaces["ns"].slots[key(3)].state is SlotState.WRITING
     ix.check_invariants()
+
+
+def test_events_reach_the_subscriber_as_they_happen() -> None:
+    """With on_event (the daemon's event bus), every change is announced at once;
+    nothing waits for a caller to collect it."""
+    seen: list[tuple[EventKind, bytes]] = []
+    ix = BlockIndex(
+        ExtentAllocator(2 * 4096, 4096), on_event=lambda e: seen.append((e.kind, e.keys[0]))
+    )
+    ix.declare_namespace(NamespaceLayout("ns", 1, 1, ((4096,),)))
+    store(ix, key(0))
+    assert seen == [(EventKind.STORED, key(0))]
+    store(ix, key(1))
+    store(ix, key(2))  # evicts key 0
+    assert seen[1:] == [(EventKind.STORED, key(1)), (EventKind.REMOVED, key(0)),
+                        (EventKind.STORED, key(2))]
+    assert ix.take_events() == []

@@ -195,11 +195,14 @@ class DepotState:
 
     def close(self) -> None:
         stopped = self.copy_queue.close()
+        if not stopped:
+            log.error("a copy did not end within the shutdown grace: memory stays mapped")
         if self.fd_receiver is not None:
             self.fd_receiver.close()
-        self._sessions.close_all()
+        # A copy still running keeps the regions and the pool mapped.
+        self._sessions.close_all(unmap=stopped)
         self.arena.flush()
-        self.arena.close(unmap=stopped)  # a copy still running keeps the pool mapped
+        self.arena.close(unmap=stopped)
         if self.config.pool_file:
             # After the last copy and the unmap, so the recorded file identity is final.
             pool_file.save_at_shutdown(

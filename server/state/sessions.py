@@ -257,7 +257,10 @@ class Sessions:
         self.registrations.pop(reg.id, None)
         reg.close_regions()
 
-    def close_all(self) -> None:
-        """Unmaps every registration (shutdown, after the copy threads stopped)."""
-        for reg in list(self.registrations.values()):
-            reg.close_regions()
+    def close_all(self, unmap: bool = True) -> None:
+        """Unmaps every registration (shutdown, after the copy threads stopped).
+        `unmap=False` (a copy thread would not stop) leaves the regions mapped
+        until the process exits, so that copy cannot fault."""
+        if unmap:
+            for reg in list(self.registrations.values()):
+                reg.close_regions()
