@@ -21,14 +21,13 @@ import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 
 import grpc
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
     OffloadingConnectorStats,
 )
 from vllm.v1.kv_offload.base import (
-    ConfigInfoMapping,
     LoadStoreSpec,
     LookupResult,
     Medium,
@@ -381,7 +380,9 @@ class KVDepotOffloadingManager(OffloadingManager):
         stats.set_gauge(MetricName.MIRROR_KEYS, float(len(self._ready)))
         return stats
 
-    def config_info(self) -> Sequence[ConfigInfoMapping]:
+    def config_info(self) -> Sequence[Mapping[str, object]]:
+        # vLLM 0.33's ConfigInfoMapping is a plain mapping; 0.32 has neither the type
+        # nor this call.
         return [
             {
                 "kvdepot_socket": self._settings.socket,
