@@ -15,7 +15,7 @@ private one it starts):
   CPU manager, and KVDepotConnector; the admission step (64 requests arrive, each
   with a 256-token hit) and the steady decode steps. "Added" is the difference to
   no connector. Workers are out of the picture (their jobs complete at once): this
-  is what the connector costs the scheduler thread, the budget DESIGN §2 sets.
+  is what the connector costs the scheduler thread, the budget docs/architecture.md §10 sets.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Access control (issue 6, item 6; DESIGN §7 Security): the Unix socket's mode and
+"""Access control (docs/architecture.md §11): the Unix socket's mode and
 group are the boundary, the daemon never takes over a path that is not its own
 stale socket, TCP is off unless asked for, and the admin calls that delete data
 can be switched off.

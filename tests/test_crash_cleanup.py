@@ -1,5 +1,5 @@
 """An engine killed with SIGKILL in the middle of transfers costs nothing but its own
-blocks in flight (issue 6, item 1; DESIGN §5: closing a session releases everything).
+blocks in flight (docs/architecture.md §8.2: closing a session releases everything).
 
 A real daemon, a real engine process (tests/support/soak.py victim) and a survivor
 engine in this process. The victim holds everything a session can hold:

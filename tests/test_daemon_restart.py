@@ -1,5 +1,5 @@
 """The daemon killed under load: clients degrade, reconnect, re-register, carry on
-(issue 6, item 2; DESIGN §6), and nothing blocks past its deadline.
+(docs/architecture.md §8.1), and nothing blocks past its deadline.
 
 A real daemon process and a DepotClient in this process with the pieces an engine
 uses: two ranks registered again by a session listener after every (re)connect, a

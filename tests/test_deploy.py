@@ -27,8 +27,8 @@ ENV_FILE = DEPLOY / "systemd" / "kvdepot.env"
 K8S = DEPLOY / "k8s"
 YAMLLINT_CONFIG = REPO / ".yamllint"
 
-# The settings `kvdepot serve` reads from the environment, one per flag: those of DESIGN §7
-# and the daemon's tuning knobs. test_known_settings_match_the_daemon keeps this list honest.
+# The settings `kvdepot serve` reads from the environment, one per flag (docs/architecture.md
+# §11). test_known_settings_match_the_daemon keeps this list honest.
 KNOWN_SETTINGS = frozenset(
     {
         "KVDEPOT_SOCKET",

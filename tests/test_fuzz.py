@@ -1,4 +1,4 @@
-"""Hypothesis against a live daemon (issue 6, item 4; DESIGN §5: bad input never kills
+"""Hypothesis against a live daemon (docs/architecture.md §8.2: bad input never kills
 the daemon, never corrupts another client's data, never leaks a slot).
 
 Every RPC and stream gets random and malformed input: out-of-range sizes, negative

@@ -1,4 +1,4 @@
-"""Soak (issue 6, item 5): four engine processes against a small pool, every loaded
+"""Soak: four engine processes against a small pool, every loaded
 byte checked, the daemon's memory and fds bounded.
 
 Each process (tests/support/soak.py) does random stores (some rows only half

@@ -1,4 +1,4 @@
-"""Warm restart with --pool-file (issue 6, item 3; DESIGN §3), end to end.
+"""Warm restart with --pool-file (docs/architecture.md §9), end to end.
 
 SIGTERM writes the index snapshot beside the pool file; the next `kvdepot serve`
 with the same file and size serves every block that was ready, byte-identical,

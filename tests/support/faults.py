@@ -23,7 +23,7 @@ SOAK = REPO / "tests" / "support" / "soak.py"
 T = TypeVar("T")
 DaemonFactory = Callable[..., DaemonProcess]  # the daemon_factory fixture (tests/conftest.py)
 
-# Every status a kvdepot call may end with (DESIGN §5); UNKNOWN and INTERNAL never.
+# Every status a kvdepot call may end with (docs/architecture.md §8.2); UNKNOWN and INTERNAL never.
 DOCUMENTED_CODES = frozenset({
     grpc.StatusCode.OK,
     grpc.StatusCode.INVALID_ARGUMENT,

@@ -1,5 +1,5 @@
 """KVDepotConnector against a real `kvdepot serve` process, driven by vLLM 0.33.0's
-real Scheduler and real WORKER-role connectors (issue 3, "What must be shown").
+real Scheduler and real WORKER-role connectors: what a user of the connector relies on.
 
 Every scenario compares KV bytes: the worker tensors live in a memfd the daemon
 maps, the model stand-in writes bytes that depend only on the token prefix,
