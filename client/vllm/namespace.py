@@ -121,8 +121,9 @@ def namespace_inputs(
         if kv_cache_config is not None:
             kind = type(kv_cache_config.kv_cache_groups[g.group_id].kv_cache_spec).__name__
             pages = _layer_page_bytes(kv_cache_config, g.group_id)
-        elif g.sliding_window_size_in_chunks is not None:
-            kind = f"windowed/{g.sliding_window_size_in_chunks}"
+        elif (window := getattr(g, "sliding_window_size_in_chunks", None)) is not None:
+            # vLLM 0.33 only; 0.32 does not tell the scheduler about windows here.
+            kind = f"windowed/{window}"
         groups.append(
             GroupGeometry(
                 group_id=g.group_id,
