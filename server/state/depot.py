@@ -13,7 +13,7 @@ Everything runs on the event loop except the byte copies (CopyQueue threads).
 Errors are raised as DepotError or as the core's own exceptions; the services
 map both to a status with one table (kvdepot.server.errors). Other parts plug in
 through explicit calls: `attach_fd_receiver`, `add_memory_path`,
-`add_transfer_observer`.
+`add_event_listener`, `add_transfer_observer`.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from kvdepot.server import errors
 from kvdepot.server.config import ServeConfig
 from kvdepot.server.copy_queue import CopyQueue
 from kvdepot.server.core.allocator import ExtentAllocator
-from kvdepot.server.core.index import BlockIndex, UnknownNamespace
+from kvdepot.server.core.index import BlockIndex, IndexEvent, UnknownNamespace
 from kvdepot.server.core.kinds import EvictionReason, PutOutcome, SlotState
 from kvdepot.server.core.layout import NamespaceLayout, check_key
 from kvdepot.server.core.planner import LayerRef, TensorView
@@ -161,6 +161,11 @@ class DepotState:
 
     def memory_path(self, kind: MemoryPath) -> RegionOpener | None:
         return self._sessions.memory_path(kind)
+
+    def add_event_listener(self, listener: Callable[[IndexEvent], None]) -> None:
+        """Calls `listener(event)` for every index event (a key became READY, a READY
+        key was removed), as it happens; see EventBus.add_listener."""
+        self.bus.add_listener(listener)
 
     def add_transfer_observer(self, observer: TransferObserver) -> None:
         """Calls `observer(direction, ok, bytes, copy seconds)` after every job

@@ -9,8 +9,12 @@ marked lagged and resynced with a fresh snapshot instead.
 from __future__ import annotations
 
 import asyncio
+import logging
+from collections.abc import Callable
 
 from kvdepot.server.core.index import IndexEvent
+
+log = logging.getLogger("kvdepot.state")
 
 WATCH_QUEUE_LIMIT = 65536  # events a watcher may lag behind before it is resynced
 
@@ -41,10 +45,23 @@ class EventBus:
 
     def __init__(self) -> None:
         self.watchers: dict[str, set[Watcher]] = {}
+        self._listeners: list[Callable[[IndexEvent], None]] = []
+
+    def add_listener(self, listener: Callable[[IndexEvent], None]) -> None:
+        """Calls `listener(event)` for every event of every namespace, on the event
+        loop, while the index is being changed: it must only note the event (queue
+        work for later), never call back into the index. An exception it raises
+        is logged and swallowed."""
+        self._listeners.append(listener)
 
     def publish(self, event: IndexEvent) -> None:
         for w in self.watchers.get(event.namespace, ()):
             w.push(event)
+        for listener in self._listeners:
+            try:
+                listener(event)
+            except Exception:  # a listener's bug must not break the index's change
+                log.exception("an index event listener failed")
 
     def subscribe(self, namespace_id: str) -> Watcher:
         w = Watcher(namespace_id)

@@ -200,9 +200,9 @@ class JobRunner:
         DepotError (a copy that failed is INTERNAL, or what the engine said)."""
         assert reg.memory is not None and reg.engine is not None
         plan = plan_copy(reg.layout, reg.rank, reg.memory, shape, offsets)
-        out.bytes = plan.nbytes
         if plan.runs:
             out.copy_seconds = await self._run_copy(job, reg, plan)
+        out.bytes = plan.nbytes  # only once the bytes have landed
 
     async def _run_copy(self, job: JobSpec, reg: Registration, plan: CopyPlan) -> float:
         engine, regions, pool = reg.engine, reg.regions, self._arena.address

@@ -1,0 +1,76 @@
+"""DepotState's plug-in points and its event bus, on a real state (arena, index,
+copy threads) without the gRPC layer."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+from collections.abc import Iterator
+
+import pytest
+
+from kvdepot.server import errors
+from kvdepot.server.config import ServeConfig
+from kvdepot.server.core.index import IndexEvent
+from kvdepot.server.core.kinds import EventKind, EvictionReason, PutOutcome
+from kvdepot.server.core.layout import NamespaceLayout
+from kvdepot.server.state import DepotState
+
+PAGE = 4096
+LAYOUT = NamespaceLayout("ns", world_size=1, blocks_per_chunk=2, groups=((PAGE, PAGE),))
+SECTION = 2 * 2 * PAGE
+
+
+def key(i: int) -> bytes:
+    return hashlib.sha256(i.to_bytes(8, "big")).digest() + (0).to_bytes(4, "big")
+
+
+@pytest.fixture
+def state() -> Iterator[DepotState]:
+    st = DepotState.create(ServeConfig(socket="/nonexistent/kvdepot.sock",
+                                       pool_size=8 << 20, copy_threads=2))
+    yield st
+    st.close()
+
+
+def test_listeners_and_watchers_hear_every_index_change(state: DepotState) -> None:
+    heard: list[IndexEvent] = []
+    state.add_event_listener(heard.append)
+    state.add_event_listener(lambda e: 1 / 0)  # a broken listener changes nothing
+    session = state.open_session("test", os.getpid(), "")
+    state.register(session.id, LAYOUT, 0, [], [], [])
+    watcher, ready = state.add_watcher("ns")
+    assert ready == []
+    data = os.urandom(SECTION)
+
+    async def run() -> None:
+        outcome, is_ready, _ = await state.put(session.id, "ns", key(1), 0, data)
+        assert (outcome, is_ready) == (PutOutcome.STORED, True)
+        assert await state.get("ns", key(1), 0) == data
+
+    asyncio.run(run())
+    assert state.evict("ns", [key(1)]) == (1, 0, 0)
+    assert [(e.kind, e.keys, e.reason) for e in heard] == [
+        (EventKind.STORED, (key(1),), None), (EventKind.REMOVED, (key(1),), EvictionReason.ADMIN)
+    ]
+    queued = [watcher.queue.get_nowait() for _ in range(watcher.queue.qsize())]
+    assert queued == heard
+    state.remove_watcher(watcher)
+    s = state.stats()
+    assert (s["store_jobs"], s["stored_blocks"], s["load_jobs"], s["loaded_blocks"]) == (1, 1, 1, 1)
+    assert (s["stored_bytes"], s["loaded_bytes"]) == (SECTION, SECTION)
+
+
+def test_memory_paths_are_added_explicitly(state: DepotState) -> None:
+    session = state.open_session("test", os.getpid(), "")
+    with pytest.raises(errors.DepotError, match="not available in this daemon") as exc:
+        state.register(session.id, LAYOUT, 0, [("pvm", object())], [], [])
+    assert exc.value.code is errors.Code.INVALID_ARGUMENT
+    with pytest.raises(ValueError, match="built in"):
+        state.add_memory_path("shm", lambda handle, s: (None, None))  # type: ignore[arg-type]
+    opened = []
+    state.add_memory_path("pvm", lambda handle, s: opened.append(handle) or 1 / 0)
+    with pytest.raises(ZeroDivisionError):  # the opener ran (and its error propagated)
+        state.register(session.id, LAYOUT, 0, [("pvm", "handle")], [], [])
+    assert opened == ["handle"] and not state.registrations
