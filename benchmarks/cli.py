@@ -25,7 +25,7 @@ import time
 from typing import Any
 
 import kvdepot
-from kvdepot.bench import delegate
+from kvdepot.bench import optional
 from kvdepot.bench.control import measure_control
 from kvdepot.bench.daemon import DaemonUnderTest, OwnDaemon, target_of
 from kvdepot.bench.fleet import Fleet
@@ -212,24 +212,19 @@ def run_bench(args: argparse.Namespace) -> int:
             control = {"error": f"{type(exc).__name__}: {exc}"}
         progress.step("control plane measured")
         progress.label("vLLM connector bench")
-        connector = {"skipped": "--no-connector"} if args.no_connector else delegate.run_optional(
-            "kvdepot.bench.connector_bench", delegate.need_vllm,
+        connector = {"skipped": "--no-connector"} if args.no_connector else (
             # Its own table goes to stderr beside ours (nowhere with --quiet).
-            {"target": daemon.target, "quick": args.quick,
-             "out": io.StringIO() if args.quiet else sys.stderr},
+            optional.connector_section(
+                daemon.target, args.quick, io.StringIO() if args.quiet else sys.stderr
+            )
         )
         progress.step("connector bench done")
         progress.label("GPU path bench")
         # The GPU bench sizes its own pool (GiB of pinned memory): it starts its own
         # daemon unless the user pointed the bench at one.
-        gpu_offer: dict[str, Any] = {"quick": args.quick, "sizes": plan.sizes,
-                                     "reps": plan.reps}
-        if args.socket:
-            gpu_offer["target"] = daemon.target
-        if args.copy_threads:
-            gpu_offer["copy_threads"] = args.copy_threads
-        gpu = {"skipped": "--no-gpu"} if args.no_gpu else delegate.run_optional(
-            "kvdepot.bench.gpu_bench", delegate.need_cuda, gpu_offer,
+        gpu = {"skipped": "--no-gpu"} if args.no_gpu else optional.gpu_section(
+            args.quick, plan.sizes, plan.reps,
+            target=daemon.target if args.socket else None, copy_threads=args.copy_threads,
         )
         progress.step("GPU bench done")
         result = {

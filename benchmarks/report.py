@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvdepot.bench.delegate import find_number
-
 RATIO_TARGET = 0.8
 OVERHEAD_TARGET_MS = 1.0
 LOOKUP_TARGET = 1e6
@@ -66,9 +64,6 @@ def lookup_rate(result: dict[str, Any]) -> tuple[float | None, str]:
         per_call = (conn.get("lookup_us") or {}).get("kvdepot")
         if isinstance(per_call, int | float) and per_call > 0:
             return 1e6 / per_call, "vLLM connector (KVDepotOffloadingManager.lookup)"
-        rate = find_number(conn, "lookup", "per_s")
-        if rate is not None:
-            return rate, "vLLM connector"
     ctl = result.get("control") or {}
     if "lookup_keys_per_s" in ctl:
         return ctl["lookup_keys_per_s"], "client mirror"
