@@ -35,20 +35,22 @@ class SessionEvent(_message.Message):
     def __init__(self, hello: _Optional[_Union[SessionHello, _Mapping]] = ..., keepalive: _Optional[_Union[SessionKeepalive, _Mapping]] = ...) -> None: ...
 
 class SessionHello(_message.Message):
-    __slots__ = ("session_id", "boot_id", "version", "pool_capacity_bytes", "max_job_keys", "fd_socket")
+    __slots__ = ("session_id", "boot_id", "version", "pool_capacity_bytes", "max_job_keys", "fd_socket", "remote_tier")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     BOOT_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     POOL_CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
     MAX_JOB_KEYS_FIELD_NUMBER: _ClassVar[int]
     FD_SOCKET_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_TIER_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     boot_id: str
     version: str
     pool_capacity_bytes: int
     max_job_keys: int
     fd_socket: str
-    def __init__(self, session_id: _Optional[str] = ..., boot_id: _Optional[str] = ..., version: _Optional[str] = ..., pool_capacity_bytes: _Optional[int] = ..., max_job_keys: _Optional[int] = ..., fd_socket: _Optional[str] = ...) -> None: ...
+    remote_tier: bool
+    def __init__(self, session_id: _Optional[str] = ..., boot_id: _Optional[str] = ..., version: _Optional[str] = ..., pool_capacity_bytes: _Optional[int] = ..., max_job_keys: _Optional[int] = ..., fd_socket: _Optional[str] = ..., remote_tier: _Optional[bool] = ...) -> None: ...
 
 class SessionKeepalive(_message.Message):
     __slots__ = ("uptime_seconds",)
@@ -359,3 +361,33 @@ class GetResponse(_message.Message):
     DATA_FIELD_NUMBER: _ClassVar[int]
     data: bytes
     def __init__(self, data: _Optional[bytes] = ...) -> None: ...
+
+class PrefetchRequest(_message.Message):
+    __slots__ = ("session_id", "namespace_id", "keys")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    namespace_id: str
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, session_id: _Optional[str] = ..., namespace_id: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class PrefetchResponse(_message.Message):
+    __slots__ = ("states", "remote_tier", "remote_healthy")
+    class KeyState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        KEY_STATE_UNSPECIFIED: _ClassVar[PrefetchResponse.KeyState]
+        LOCAL: _ClassVar[PrefetchResponse.KeyState]
+        FETCHING: _ClassVar[PrefetchResponse.KeyState]
+        ABSENT: _ClassVar[PrefetchResponse.KeyState]
+    KEY_STATE_UNSPECIFIED: PrefetchResponse.KeyState
+    LOCAL: PrefetchResponse.KeyState
+    FETCHING: PrefetchResponse.KeyState
+    ABSENT: PrefetchResponse.KeyState
+    STATES_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_TIER_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_HEALTHY_FIELD_NUMBER: _ClassVar[int]
+    states: _containers.RepeatedScalarFieldContainer[PrefetchResponse.KeyState]
+    remote_tier: bool
+    remote_healthy: bool
+    def __init__(self, states: _Optional[_Iterable[_Union[PrefetchResponse.KeyState, str]]] = ..., remote_tier: _Optional[bool] = ..., remote_healthy: _Optional[bool] = ...) -> None: ...

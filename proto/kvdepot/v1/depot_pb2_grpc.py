@@ -85,6 +85,11 @@ class DepotStub:
                 request_serializer=kvdepot_dot_v1_dot_depot__pb2.GetRequest.SerializeToString,
                 response_deserializer=kvdepot_dot_v1_dot_depot__pb2.GetResponse.FromString,
                 _registered_method=True)
+        self.Prefetch = channel.unary_unary(
+                '/kvdepot.v1.Depot/Prefetch',
+                request_serializer=kvdepot_dot_v1_dot_depot__pb2.PrefetchRequest.SerializeToString,
+                response_deserializer=kvdepot_dot_v1_dot_depot__pb2.PrefetchResponse.FromString,
+                _registered_method=True)
 
 
 class DepotServicer:
@@ -165,6 +170,18 @@ class DepotServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Prefetch(self, request, context):
+        """Asks the daemon to fetch keys that miss locally from its remote tier
+        (`kvdepot serve --remote`). Answers after one existence check in the tier
+        (bounded by a short deadline), never after the bytes: fetched rows are
+        verified, become ready in the pool and are announced on Watch (STORED)
+        like any stored row. Without a remote tier every key is ABSENT and
+        `remote_tier` is false.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DepotServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -217,6 +234,11 @@ def add_DepotServicer_to_server(servicer, server):
                     servicer.Get,
                     request_deserializer=kvdepot_dot_v1_dot_depot__pb2.GetRequest.FromString,
                     response_serializer=kvdepot_dot_v1_dot_depot__pb2.GetResponse.SerializeToString,
+            ),
+            'Prefetch': grpc.unary_unary_rpc_method_handler(
+                    servicer.Prefetch,
+                    request_deserializer=kvdepot_dot_v1_dot_depot__pb2.PrefetchRequest.FromString,
+                    response_serializer=kvdepot_dot_v1_dot_depot__pb2.PrefetchResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -490,6 +512,33 @@ class Depot:
             '/kvdepot.v1.Depot/Get',
             kvdepot_dot_v1_dot_depot__pb2.GetRequest.SerializeToString,
             kvdepot_dot_v1_dot_depot__pb2.GetResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Prefetch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvdepot.v1.Depot/Prefetch',
+            kvdepot_dot_v1_dot_depot__pb2.PrefetchRequest.SerializeToString,
+            kvdepot_dot_v1_dot_depot__pb2.PrefetchResponse.FromString,
             options,
             channel_credentials,
             insecure,
