@@ -127,6 +127,13 @@ def _one_of(*choices: str) -> Callable[[str], str]:
     return parse
 
 
+def _remote_url(text: str) -> str:
+    from kvdepot.server.remote.url import parse_redis_url
+
+    parse_redis_url(text)  # RemoteURLError is a ValueError that says what is wrong
+    return text.strip()
+
+
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 
@@ -274,6 +281,52 @@ class ServeConfig:
         shown="60",
         metavar="SECONDS",
         help="seconds a partly written block row may wait for its other ranks",
+    )
+    remote: str | None = setting(
+        "--remote",
+        parse=_remote_url,
+        metavar="URL",
+        shown="off",
+        help="a shared tier below the pool: redis://HOST:PORT[,HOST:PORT...] (a Redis "
+        "cluster is discovered from any seed; a standalone server works too; rediss:// for "
+        "TLS). The password comes from KVDEPOT_REMOTE_PASSWORD or --remote-password-file, "
+        "never from the URL",
+    )
+    remote_ttl: int = setting(
+        "--remote-ttl",
+        86400,
+        parse=_whole_number(0),
+        metavar="SECONDS",
+        help="time to live of rows written to the remote tier (0: no expiry)",
+    )
+    remote_write: str = setting(
+        "--remote-write",
+        "ready",
+        parse=_one_of("ready", "evict"),
+        metavar="{ready,evict}",
+        help="write a row to the remote tier when it becomes ready, or only when LRU "
+        "evicts it",
+    )
+    remote_max_inflight_bytes: int = setting(
+        "--remote-max-inflight-bytes",
+        256 << 20,
+        parse=parse_size,
+        shown="256MiB",
+        metavar="SIZE",
+        help="bytes queued or in flight to the remote tier (each way); past it, writes are "
+        "dropped and counted",
+    )
+    remote_password_file: str | None = setting(
+        "--remote-password-file",
+        metavar="PATH",
+        help="file whose first line is the remote tier's password (KVDEPOT_REMOTE_PASSWORD "
+        "wins)",
+    )
+    remote_ca_file: str | None = setting(
+        "--remote-ca-file",
+        metavar="PATH",
+        shown="the system's CAs",
+        help="CA certificates for rediss:// (PEM)",
     )
     # Not settings: fixed for the daemon, changed only by tests that build a state directly.
     slot_granularity: int = 4096

@@ -12,6 +12,7 @@ import signal
 import socket
 import stat
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -30,6 +31,9 @@ from kvdepot.server.service.admin import AdminServicer
 from kvdepot.server.service.depot import DepotServicer
 from kvdepot.server.state import DepotState
 from kvdepot.v1 import admin_pb2, admin_pb2_grpc, depot_pb2, depot_pb2_grpc
+
+if TYPE_CHECKING:
+    from kvdepot.server.remote.link import RemoteLink
 
 log = logging.getLogger("kvdepot")
 
@@ -72,6 +76,10 @@ def apply_socket_access(path: str, mode: int, group: str | None) -> None:
     os.chmod(path, mode)
 
 
+class RemoteTierError(RuntimeError):
+    """--remote cannot be used (redis-py missing, password file unreadable)."""
+
+
 class Daemon:
     def __init__(self, config: ServeConfig) -> None:
         self.config = config
@@ -81,6 +89,7 @@ class Daemon:
         self.notifier = SystemdNotifier()
         self._stop = asyncio.Event()
         self._ready = False  # READY=1 sent (read by the warm-up thread's STATUS lines)
+        self.remote: RemoteLink | None = None
 
     async def run(self) -> None:
         cfg = self.config
@@ -95,6 +104,7 @@ class Daemon:
         enable_cuda(st, st.arena)  # before the warm-up: it page-locks each warm chunk
         enable_pvm(st)  # copies from engines' plain memory (process_vm_readv/writev)
         self._start_warmup(st)
+        remote = self.remote = self._remote_tier(st)
 
         server = self.server = grpc.aio.server(
             options=[
@@ -104,8 +114,12 @@ class Daemon:
             ]
         )
         # Undecodable requests get INVALID_ARGUMENT, not grpcio's UNKNOWN (see wire.py).
-        wire.add_servicer(depot_pb2_grpc.add_DepotServicer_to_server, DepotServicer(st), server)
-        wire.add_servicer(admin_pb2_grpc.add_AdminServicer_to_server, AdminServicer(st), server)
+        wire.add_servicer(
+            depot_pb2_grpc.add_DepotServicer_to_server, DepotServicer(st, remote), server
+        )
+        wire.add_servicer(
+            admin_pb2_grpc.add_AdminServicer_to_server, AdminServicer(st, remote), server
+        )
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
             (
@@ -136,7 +150,12 @@ class Daemon:
         if cfg.metrics_port is not None:
             from kvdepot.server.metrics import Metrics
 
-            Metrics(st).serve(cfg.metrics_port)
+            metrics = Metrics(st)
+            if remote is not None:
+                from kvdepot.server.remote.metrics import RemoteCollector
+
+                metrics.registry.register(RemoteCollector(remote))
+            metrics.serve(cfg.metrics_port)
             log.info("Prometheus metrics on port %d", cfg.metrics_port)
         # SERVING only once everything (fd socket, metrics) is up.
         for name in ("", *SERVICES):
@@ -156,6 +175,30 @@ class Daemon:
         ]
         await self._stop.wait()
         await self._shutdown(st, tasks)
+
+    def _remote_tier(self, st: DepotState) -> RemoteLink | None:
+        """The remote tier (`--remote`), wired to the state's event listener hook."""
+        cfg = self.config
+        if not cfg.remote:
+            return None
+        try:
+            from kvdepot.server.remote.link import RemoteLink, RemoteSettings
+        except ImportError as exc:  # redis-py is the `remote` extra
+            raise RemoteTierError(
+                f"--remote needs redis-py ({exc}): pip install 'kvdepot[remote]'"
+            ) from None
+        settings = RemoteSettings(
+            url=cfg.remote, ttl_s=cfg.remote_ttl or None, write_mode=cfg.remote_write,
+            max_inflight_bytes=cfg.remote_max_inflight_bytes,
+            password_file=cfg.remote_password_file, ca_file=cfg.remote_ca_file,
+        )
+        try:
+            link = RemoteLink.from_settings(settings, st.index, st.arena)
+        except OSError as exc:
+            raise RemoteTierError(f"--remote-password-file: {exc}") from None
+        st.add_event_listener(link.on_event)
+        link.start()
+        return link
 
     def request_stop(self) -> None:
         self._stop.set()
@@ -194,6 +237,8 @@ class Daemon:
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        if self.remote is not None:  # its copies must end before the pool is unmapped
+            await self.remote.close()
         st.close()
         for path in (self.config.socket, self.config.fd_socket):
             with contextlib.suppress(FileNotFoundError):
@@ -215,7 +260,7 @@ def serve(config: ServeConfig) -> int:
         log.warning("uvloop is not installed; using asyncio's default loop")
     try:
         asyncio.run(Daemon(config).run())
-    except (SocketPathError, PoolFileBusy) as exc:
+    except (SocketPathError, PoolFileBusy, RemoteTierError) as exc:
         log.error("%s", exc)
         return 2
     return 0

@@ -12,6 +12,7 @@ from __future__ import annotations
 import heapq
 import time
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import grpc
 
@@ -21,6 +22,9 @@ from kvdepot.server.service.status import reports_errors
 from kvdepot.server.state import DepotState
 from kvdepot.v1 import admin_pb2 as pb
 from kvdepot.v1 import admin_pb2_grpc
+
+if TYPE_CHECKING:
+    from kvdepot.server.remote.link import RemoteLink
 
 MAX_PAGE = 10000
 DEFAULT_PAGE = 100
@@ -46,8 +50,9 @@ def _parse_page_token(token: str) -> tuple[str, bytes]:
 class AdminServicer(admin_pb2_grpc.AdminServicer):
     """The Admin service on one DepotState."""
 
-    def __init__(self, state: DepotState) -> None:
+    def __init__(self, state: DepotState, remote: RemoteLink | None = None) -> None:
         self.state = state
+        self.remote = remote  # the remote tier's counters join GetStats
 
     @reports_errors
     async def GetStats(
@@ -60,6 +65,7 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
             raise errors.internal(broken)
         return pb.GetStatsResponse(
             **self.state.stats(),
+            **(self.remote.stats_fields() if self.remote is not None else {}),
             evictions_by_reason={
                 reason.value: n for reason, n in self.state.index.stats.evictions.items()
             },

@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
 
 import grpc
 
@@ -18,10 +19,13 @@ from kvdepot.common.kinds import MemoryPath
 from kvdepot.server import errors
 from kvdepot.server.core.index import IndexEvent
 from kvdepot.server.core.kinds import EventKind
-from kvdepot.server.core.layout import LayoutError, NamespaceLayout
+from kvdepot.server.core.layout import LayoutError, NamespaceLayout, check_key
 from kvdepot.server.core.planner import LayerRef, TensorView
 from kvdepot.server.service.status import abort_with, reports_errors
 from kvdepot.server.state import DepotState, JobOutcome, JobSpec
+
+if TYPE_CHECKING:
+    from kvdepot.server.remote.link import RemoteLink
 from kvdepot.v1 import depot_pb2 as pb
 from kvdepot.v1 import depot_pb2_grpc
 
@@ -67,8 +71,9 @@ def event_reason(event: IndexEvent) -> str:
 
 
 class DepotServicer(depot_pb2_grpc.DepotServicer):
-    def __init__(self, state: DepotState) -> None:
+    def __init__(self, state: DepotState, remote: RemoteLink | None = None) -> None:
         self.state = state
+        self.remote = remote  # the remote tier (Prefetch), if the daemon has one
 
     async def Session(
         self, request: pb.SessionRequest, context: grpc.aio.ServicerContext
@@ -88,6 +93,7 @@ class DepotServicer(depot_pb2_grpc.DepotServicer):
                     pool_capacity_bytes=st.index.allocator.capacity,
                     max_job_keys=st.config.max_job_keys,
                     fd_socket=st.config.fd_socket if st.fd_receiver else "",
+                    remote_tier=self.remote is not None,
                 )
             )
             while not st.shutting_down:
@@ -291,3 +297,27 @@ class DepotServicer(depot_pb2_grpc.DepotServicer):
     ) -> pb.GetResponse:
         data = await self.state.get(request.namespace_id, request.key, request.rank)
         return pb.GetResponse(data=data)
+
+    @reports_errors
+    async def Prefetch(
+        self, request: pb.PrefetchRequest, context: grpc.aio.ServicerContext
+    ) -> pb.PrefetchResponse:
+        """Keys missing locally, fetched from the remote tier (kvdepot.server.remote)."""
+        st = self.state
+        st.session(request.session_id)
+        keys = list(request.keys)
+        limit = st.config.max_job_keys * 16
+        if len(keys) > limit:
+            raise errors.exhausted(f"{len(keys)} keys in one call; at most {limit}: split it")
+        if self.remote is None:
+            layout = st.index.namespace(request.namespace_id).layout
+            for key in keys:
+                check_key(key, layout.num_groups)
+            return pb.PrefetchResponse(
+                states=[pb.PrefetchResponse.ABSENT] * len(keys), remote_tier=False
+            )
+        states = await self.remote.prefetch(request.namespace_id, keys)
+        return pb.PrefetchResponse(
+            states=[int(s) for s in states], remote_tier=True,
+            remote_healthy=self.remote.health.up,
+        )

@@ -1,0 +1,123 @@
+"""`RemoteLink`: the remote tier attached to one daemon.
+
+It owns the tier client, the write-behind (kvdepot.server.remote.writer), the
+fetcher (kvdepot.server.remote.reader), their health and counters, and plugs
+into the daemon through its explicit hooks only: the event bus listener
+(`EventBus.add_listener`) and the index and arena APIs. The Depot/Prefetch RPC,
+Admin/GetStats and the Prometheus collector read it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvdepot.server.core.index import BlockIndex
+from kvdepot.server.memory.arena import Arena
+from kvdepot.server.remote.health import TierHealth
+from kvdepot.server.remote.reader import Fetcher, KeyState
+from kvdepot.server.remote.stats import RemoteStats
+from kvdepot.server.remote.tier import RemoteTier
+
+log = logging.getLogger("kvdepot.remote")
+
+PASSWORD_ENV = "KVDEPOT_REMOTE_PASSWORD"
+
+
+@dataclass(frozen=True)
+class RemoteSettings:
+    url: str
+    ttl_s: int | None = 86400
+    write_mode: str = "ready"  # "ready" | "evict"
+    max_inflight_bytes: int = 256 << 20
+    password_file: str | None = None
+    ca_file: str | None = None
+
+
+def read_password(password_file: str | None) -> str | None:
+    """KVDEPOT_REMOTE_PASSWORD, else the first line of `password_file`, else None."""
+    env = os.environ.get(PASSWORD_ENV, "")
+    if env:
+        return env
+    if password_file:
+        return (
+            Path(password_file).read_text().splitlines()[0].strip()
+            if Path(password_file).stat().st_size
+            else ""
+        )
+    return None
+
+
+class RemoteLink:
+    def __init__(
+        self, tier: RemoteTier, index: BlockIndex, arena: Arena, settings: RemoteSettings
+    ) -> None:
+        from kvdepot.server.remote.writer import WriteBehind
+
+        self.tier = tier
+        self.settings = settings
+        self.health = TierHealth(tier.description)
+        self.stats = RemoteStats()
+        self.writer = WriteBehind(
+            tier,
+            index,
+            arena,
+            self.health,
+            self.stats,
+            mode=settings.write_mode,
+            ttl_s=settings.ttl_s,
+            max_inflight_bytes=settings.max_inflight_bytes,
+        )
+        self.fetcher = Fetcher(
+            tier,
+            index,
+            arena,
+            self.health,
+            self.stats,
+            self.writer,
+            max_inflight_bytes=settings.max_inflight_bytes,
+        )
+
+    @classmethod
+    def from_settings(cls, settings: RemoteSettings, index: BlockIndex, arena: Arena) -> RemoteLink:
+        from kvdepot.server.remote.redis_tier import RedisTier
+
+        tier = RedisTier(
+            settings.url,
+            password=read_password(settings.password_file),
+            ca_file=settings.ca_file,
+        )
+        return cls(tier, index, arena, settings)
+
+    def start(self) -> None:
+        """Starts the workers (on the event loop). Subscribe `on_event` to the bus."""
+        self.writer.start()
+        self.fetcher.start()
+        ttl = f"{self.settings.ttl_s} s" if self.settings.ttl_s else "no expiry"
+        log.info(
+            "remote tier %s: writing rows when %s, TTL %s, at most %d MiB in flight",
+            self.tier.description,
+            "they become ready" if self.settings.write_mode == "ready" else "LRU evicts them",
+            ttl,
+            self.settings.max_inflight_bytes >> 20,
+        )
+
+    def on_event(self, event) -> None:  # type: ignore[no-untyped-def]
+        self.writer.on_event(event)
+
+    async def prefetch(self, namespace_id: str, keys: list[bytes]) -> list[KeyState]:
+        return await self.fetcher.prefetch(namespace_id, keys)
+
+    def stats_fields(self) -> dict[str, object]:
+        return self.stats.fields(
+            enabled=True,
+            healthy=self.health.up,
+            inflight_bytes=self.writer.pending_bytes + self.fetcher.pending_bytes,
+        )
+
+    async def close(self) -> None:
+        await self.writer.close()
+        await self.fetcher.close()
+        await self.tier.close()

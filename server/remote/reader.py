@@ -1,0 +1,255 @@
+"""Fetch on a local miss: rows the tier has are read, verified and made READY in
+the pool, so that Watch announces them like any stored row.
+
+`prefetch(namespace, keys)` runs on the event loop for the Depot/Prefetch RPC. It
+never waits on a row's bytes: it asks the tier which keys it has (one EXISTS
+batch under a short deadline), queues those for fetching and answers per key
+(see `KeyState`). Fetch workers read the rows (GET batches under a deadline),
+check each value on a thread (kvdepot.server.remote.codec: namespace, key,
+length, checksum) and insert it: every rank's section is claimed at once with
+`begin_store`, the row is copied into the slot on a thread, and `finish_store`
+makes it READY. A value that does not verify is discarded and counted, never
+copied into the pool. A key that an engine is storing meanwhile is left to it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import time
+from collections import deque
+from collections.abc import Sequence
+
+from kvdepot.server.core.index import BlockIndex, Namespace, UnknownNamespace
+from kvdepot.server.core.kinds import StoreOutcome
+from kvdepot.server.core.layout import LayoutError, check_key
+from kvdepot.server.memory.arena import Arena
+from kvdepot.server.remote import codec
+from kvdepot.server.remote.health import TierHealth
+from kvdepot.server.remote.stats import RemoteStats
+from kvdepot.server.remote.tier import RemoteTier, TierUnavailable
+from kvdepot.server.remote.writer import WriteBehind
+
+log = logging.getLogger("kvdepot.remote")
+
+OWNER = "remote-tier"  # the index's writer id for rows inserted from the tier
+FETCH_BATCH_BYTES = 32 << 20
+WORKERS = 4
+ABSENT_MEMORY_S = 1.0  # a key the tier lacked is not asked again for this long
+
+
+class KeyState(enum.IntEnum):
+    """Per-key answer of a prefetch (the wire values of PrefetchResponse)."""
+
+    LOCAL = 1  # in the pool already (ready or being written)
+    FETCHING = 2  # the tier has it: it becomes READY shortly (or is given up)
+    ABSENT = 3  # neither here nor in the tier (or the tier is not answering)
+
+
+class Fetcher:
+    def __init__(
+        self,
+        tier: RemoteTier,
+        index: BlockIndex,
+        arena: Arena,
+        health: TierHealth,
+        stats: RemoteStats,
+        writer: WriteBehind | None,
+        *,
+        max_inflight_bytes: int = 256 << 20,
+        exists_timeout_s: float = 0.25,
+        call_timeout_s: float = 5.0,
+    ) -> None:
+        self._tier = tier
+        self._index = index
+        self._arena = arena
+        self._health = health
+        self._stats = stats
+        self._writer = writer
+        self.max_inflight_bytes = max_inflight_bytes
+        self.exists_timeout_s = exists_timeout_s
+        self.call_timeout_s = call_timeout_s
+        self._queue: deque[tuple[str, bytes, int, float]] = deque()  # ns, key, size, asked at
+        self._fetching: set[tuple[str, bytes]] = set()
+        self._absent: dict[tuple[str, bytes], float] = {}  # -> until
+        self.pending_bytes = 0
+        self._wakeup = asyncio.Event()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._closing = False
+
+    def start(self) -> None:
+        self._tasks = [asyncio.create_task(self._worker()) for _ in range(WORKERS)]
+
+    async def close(self) -> None:
+        self._closing = True
+        self._wakeup.set()
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    # -- the RPC ------------------------------------------------------------------------------
+
+    async def prefetch(self, namespace_id: str, keys: Sequence[bytes]) -> list[KeyState]:
+        """Per key: LOCAL, FETCHING or ABSENT. Waits at most `exists_timeout_s`."""
+        self._stats.prefetch_calls += 1
+        self._stats.prefetch_keys += len(keys)
+        ns = self._index.namespace(namespace_id)  # UnknownNamespace -> NOT_FOUND
+        now = time.monotonic()
+        if len(self._absent) > 100_000 or (self._absent and len(self._absent) % 1024 == 0):
+            self._absent = {k: t for k, t in self._absent.items() if t > now}
+        unique = list(dict.fromkeys(keys))
+        states = await self._prefetch_unique(namespace_id, ns, unique, now)
+        by_key = dict(zip(unique, states, strict=True))
+        return [by_key[k] for k in keys]
+
+    async def _prefetch_unique(
+        self, namespace_id: str, ns: Namespace, keys: list[bytes], now: float
+    ) -> list[KeyState]:
+        out: list[KeyState] = []
+        ask: list[int] = []
+        for i, key in enumerate(keys):
+            check_key(key, ns.layout.num_groups)  # LayoutError -> INVALID_ARGUMENT
+            if key in ns.slots:
+                out.append(KeyState.LOCAL)
+            elif (namespace_id, key) in self._fetching:
+                out.append(KeyState.FETCHING)
+            elif self._absent.get((namespace_id, key), 0.0) > now or not self._health.usable():
+                out.append(KeyState.ABSENT)
+            else:
+                out.append(KeyState.ABSENT)
+                ask.append(i)
+        if not ask:
+            return out
+        names = [codec.remote_key(namespace_id, keys[i]) for i in ask]
+        try:
+            present = await self._tier.exists_many(names, now + self.exists_timeout_s)
+        except TierUnavailable as exc:
+            self._stats.errors += 1
+            self._health.failed(str(exc))
+            return out
+        self._health.succeeded()
+        asked_at = time.monotonic()
+        for i, has in zip(ask, present, strict=True):
+            key = keys[i]
+            if not has:
+                self._stats.misses += 1
+                self._absent[(namespace_id, key)] = asked_at + ABSENT_MEMORY_S
+                continue
+            if key in ns.slots or (namespace_id, key) in self._fetching:
+                out[i] = KeyState.LOCAL if key in ns.slots else KeyState.FETCHING
+                continue
+            size = ns.layout.slot_bytes(check_key(key, ns.layout.num_groups))
+            if self.pending_bytes + size > self.max_inflight_bytes:
+                self._stats.fetch_drops["backlog_full"] += 1
+                continue
+            self.pending_bytes += size
+            self._fetching.add((namespace_id, key))
+            self._queue.append((namespace_id, key, size, asked_at))
+            out[i] = KeyState.FETCHING
+        if self._queue:
+            self._wakeup.set()
+        return out
+
+    # -- workers ------------------------------------------------------------------------------
+
+    def _take_batch(self) -> list[tuple[str, bytes, int, float]]:
+        batch = []
+        total = 0
+        while self._queue and (not batch or total + self._queue[0][2] <= FETCH_BATCH_BYTES):
+            item = self._queue.popleft()
+            batch.append(item)
+            total += item[2]
+        return batch
+
+    async def _worker(self) -> None:
+        while not self._closing:
+            if not self._queue:
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            batch = self._take_batch()
+            try:
+                await self._fetch(batch)
+            except Exception:  # a bug must not end the worker
+                log.exception("remote fetch of %d row(s) failed", len(batch))
+                self._stats.fetch_drops["error"] += len(batch)
+            finally:
+                for ns, key, size, _ in batch:
+                    self._fetching.discard((ns, key))
+                    self.pending_bytes -= size
+
+    async def _fetch(self, batch: list[tuple[str, bytes, int, float]]) -> None:
+        names = [codec.remote_key(ns, key) for ns, key, _, _ in batch]
+        t0 = time.perf_counter()
+        try:
+            values = await self._tier.get_many(names, time.monotonic() + self.call_timeout_s)
+        except TierUnavailable as exc:
+            self._stats.errors += 1
+            self._stats.fetch_drops["tier_error"] += len(batch)
+            self._health.failed(str(exc))
+            return
+        self._health.succeeded()
+        self._stats.read_seconds.observe(time.perf_counter() - t0)
+        self._stats.reads += len(batch)
+        loop = asyncio.get_running_loop()
+        for (ns, key, size, asked_at), value in zip(batch, values, strict=True):
+            if value is None:  # expired or evicted from the tier since EXISTS
+                self._stats.misses += 1
+                continue
+            try:
+                payload = await loop.run_in_executor(None, codec.decode, value, ns, key, size)
+            except codec.VerifyError as exc:
+                self._stats.verify_failures[exc.reason] += 1
+                log.warning(
+                    "remote value for key %s… in namespace %s discarded: %s",
+                    key.hex()[:16],
+                    ns,
+                    exc,
+                )
+                continue
+            self._stats.read_bytes += size
+            if await self._insert(ns, key, payload):
+                self._stats.hits += 1
+                self._stats.miss_to_ready_seconds.observe(time.monotonic() - asked_at)
+
+    async def _insert(self, namespace_id: str, key: bytes, payload: memoryview) -> bool:
+        """Makes a verified row READY in the pool; False if it was not needed or
+        did not fit."""
+        try:
+            ns = self._index.namespace(namespace_id)
+        except UnknownNamespace:
+            self._stats.fetch_drops["namespace_gone"] += 1
+            return False
+        if key in ns.slots:  # an engine stored it meanwhile
+            self._stats.fetch_drops["stored_locally"] += 1
+            return False
+        try:
+            first = self._index.begin_store(namespace_id, key, 0, OWNER)
+        except LayoutError:
+            self._stats.fetch_drops["bad_key"] += 1
+            return False
+        if first.outcome is not StoreOutcome.WRITE or first.slot is None:
+            self._stats.fetch_drops["pool_full"] += 1
+            return False
+        slot = first.slot
+        # A fresh slot: every other rank's section is free to claim as well.
+        for rank in range(1, ns.layout.world_size):
+            self._index.begin_store(namespace_id, key, rank, OWNER)
+        if self._writer is not None:
+            self._writer.from_tier.add((namespace_id, key))
+        ok = False
+        view = self._arena.view(slot.extent.offset, len(payload))
+        try:
+            await asyncio.get_running_loop().run_in_executor(
+                None, view.__setitem__, slice(None), payload
+            )
+            ok = True
+        finally:
+            view.release()
+            ready = False
+            for rank in range(ns.layout.world_size):
+                ready = self._index.finish_store(slot, rank, ok) or ready
+            if not ready and self._writer is not None:
+                self._writer.from_tier.discard((namespace_id, key))
+        return ready

@@ -1,0 +1,204 @@
+"""`RedisTier`: the remote tier on Redis Cluster or a standalone Redis (or Valkey),
+through redis-py's asyncio clients.
+
+URL: `redis://HOST:PORT[,HOST:PORT...]` (or `rediss://` for TLS; `USER@` before
+the first host names an ACL user). The password never comes from the URL (a
+flag or URL shows in `ps`): pass it in `password` (the daemon reads
+KVDEPOT_REMOTE_PASSWORD or --remote-password-file). Whether the store is a
+cluster is asked of the first seed that answers (`INFO cluster`); a cluster is
+then discovered from the seeds by redis-py.
+
+Deadlines: every call runs under `asyncio.timeout` until its deadline, and the
+sockets have their own timeouts, so no call outlives its deadline. redis-py's
+own retries are kept small (the deadline is the budget); a failed call drops the
+client's connections and the next call reconnects. Values are checked by the
+caller (kvdepot.server.remote.codec), so even a reply mixed up by a broken
+connection could never be loaded as the wrong block.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Sequence
+
+from redis.asyncio import Redis
+from redis.asyncio.cluster import ClusterNode, RedisCluster
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import RedisError
+
+from kvdepot.server.remote.tier import RemoteTier, TierUnavailable
+from kvdepot.server.remote.url import RedisURL, parse_redis_url
+
+log = logging.getLogger("kvdepot.remote")
+
+CONNECT_TIMEOUT_S = 1.0
+SOCKET_TIMEOUT_S = 5.0  # a backstop: each call's own deadline is usually shorter
+
+
+class RedisTier(RemoteTier):
+    """Redis Cluster or standalone Redis behind the RemoteTier contract."""
+
+    def __init__(
+        self,
+        url: RedisURL | str,
+        *,
+        password: str | None = None,
+        ca_file: str | None = None,
+        max_connections: int = 32,
+    ) -> None:
+        self.url = parse_redis_url(url) if isinstance(url, str) else url
+        self._password = password
+        self._ca_file = ca_file
+        self._max_connections = max_connections
+        self._client: Redis | RedisCluster | None = None
+        self._connecting: asyncio.Lock | None = None
+        self._closed = False
+        self.cluster: bool | None = None  # known after the first connection
+        # Cluster nodes seen since: seeds too when reconnecting, should the given ones be down.
+        self._discovered: list[tuple[str, int]] = []
+        more = len(self.url.seeds) - 1
+        h, p = self.url.seeds[0]
+        self.description = f"{(self.url.tls and 'rediss') or 'redis'}://{h}:{p}" + (
+            f" (+{more} seed{'s' if more > 1 else ''})" if more else ""
+        )
+
+    # -- connections ------------------------------------------------------------------
+
+    def _common(self) -> dict[str, object]:
+        opts: dict[str, object] = {
+            "password": self._password,
+            "username": self.url.username,
+            "socket_timeout": SOCKET_TIMEOUT_S,
+            "socket_connect_timeout": CONNECT_TIMEOUT_S,
+            "retry": Retry(NoBackoff(), 0),
+            "max_connections": self._max_connections,
+            "client_name": "kvdepot",
+        }
+        if self.url.tls:
+            opts["ssl"] = True
+            if self._ca_file:
+                opts["ssl_ca_certs"] = self._ca_file
+        return opts
+
+    async def _probe_cluster(self) -> bool:
+        """Asks the first seed that answers whether cluster mode is on."""
+        errors = []
+        for host, port in dict.fromkeys((*self.url.seeds, *self._discovered)):
+            probe = Redis(host=host, port=port, **self._common())  # type: ignore[arg-type]
+            try:
+                info = await probe.info("cluster")
+                return bool(int(info.get("cluster_enabled", 0)))
+            except (RedisError, OSError) as exc:
+                errors.append(f"{host}:{port}: {exc}")
+            finally:
+                await probe.aclose()
+        raise TierUnavailable("no seed answered: " + "; ".join(errors))
+
+    async def _get_client(self) -> Redis | RedisCluster:
+        if self._closed:
+            raise TierUnavailable("the remote tier is closed")
+        if self._client is not None:
+            return self._client
+        if self._connecting is None:
+            self._connecting = asyncio.Lock()
+        async with self._connecting:
+            if self._client is not None:
+                return self._client
+            cluster = await self._probe_cluster()
+            if cluster:
+                client: Redis | RedisCluster = RedisCluster(
+                    startup_nodes=[
+                        ClusterNode(h, p)
+                        for h, p in dict.fromkeys((*self.url.seeds, *self._discovered))
+                    ],
+                    # A master down leaves its slots uncovered: keep serving the rest.
+                    require_full_coverage=False,
+                    cluster_error_retry_attempts=1,
+                    **self._common(),  # type: ignore[arg-type]
+                )
+                await client.initialize()
+                self._discovered = [(n.host, n.port) for n in client.get_nodes()]
+            else:
+                h, p = self.url.seeds[0]
+                client = Redis(host=h, port=p, **self._common())  # type: ignore[arg-type]
+            if self.cluster is None:
+                log.info(
+                    "remote tier: %s is a %s",
+                    self.url,
+                    "Redis cluster" if cluster else "standalone Redis",
+                )
+            self.cluster = cluster
+            self._client = client
+            return client
+
+    async def _reset(self) -> None:
+        """Drops the client after a failure: the next call reconnects from the seeds
+        (a restarted cluster may have new node ids and addresses)."""
+        client, self._client = self._client, None
+        if client is not None:
+            with contextlib.suppress(RedisError, OSError, TimeoutError):
+                await asyncio.wait_for(client.aclose(), 1.0)
+
+    async def _run(self, what: str, deadline: float, fn) -> list:  # type: ignore[no-untyped-def]
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TierUnavailable(f"{what}: no time left before the deadline")
+        try:
+            async with asyncio.timeout(left):
+                client = await self._get_client()
+                return await fn(client)
+        except TimeoutError:
+            await self._reset()
+            raise TierUnavailable(f"{what}: no answer within {left * 1000:.0f} ms") from None
+        except (RedisError, OSError) as exc:
+            await self._reset()
+            raise TierUnavailable(f"{what}: {type(exc).__name__}: {exc}") from None
+
+    # -- the contract -----------------------------------------------------------------------
+
+    async def put_many(
+        self, items: Sequence[tuple[bytes, bytes]], ttl_s: int | None, deadline: float
+    ) -> list[bool]:
+        if not items:
+            return []
+
+        async def go(client: Redis | RedisCluster) -> list[bool]:
+            pipe = client.pipeline(transaction=False)
+            for key, value in items:
+                pipe.set(key, value, nx=True, ex=ttl_s)
+            replies = await pipe.execute(raise_on_error=True)
+            return [bool(r) for r in replies]
+
+        return await self._run(f"writing {len(items)} value(s)", deadline, go)
+
+    async def get_many(self, keys: Sequence[bytes], deadline: float) -> list[bytes | None]:
+        if not keys:
+            return []
+
+        async def go(client: Redis | RedisCluster) -> list[bytes | None]:
+            pipe = client.pipeline(transaction=False)
+            for key in keys:
+                pipe.get(key)
+            return list(await pipe.execute(raise_on_error=True))
+
+        return await self._run(f"reading {len(keys)} value(s)", deadline, go)
+
+    async def exists_many(self, keys: Sequence[bytes], deadline: float) -> list[bool]:
+        if not keys:
+            return []
+
+        async def go(client: Redis | RedisCluster) -> list[bool]:
+            pipe = client.pipeline(transaction=False)
+            for key in keys:
+                pipe.exists(key)
+            return [bool(r) for r in await pipe.execute(raise_on_error=True)]
+
+        return await self._run(f"checking {len(keys)} key(s)", deadline, go)
+
+    async def close(self) -> None:
+        self._closed = True
+        await self._reset()

@@ -1,0 +1,249 @@
+"""Write-behind: block rows of the pool copied to the remote tier in the background.
+
+`on_event` is the event bus listener (kvdepot.server.state.events): it runs on the
+event loop, synchronously, as the index announces a change.
+
+- mode "ready": each row that becomes READY is queued. A worker later checks
+  which keys the tier has (one EXISTS batch: the fleet writes each key once),
+  reads the rows still ready out of the pool (held by begin_read against
+  eviction), frames them (kvdepot.server.remote.codec) on a thread and writes
+  them with set-if-absent and the TTL.
+- mode "evict": a row is written when LRU eviction removes it. Its bytes are
+  copied out right inside the REMOVED event, while the freed extent still holds
+  them (the index hands the extent to its next owner only after the event, and
+  that owner's copy starts later still); its offset was noted when it became READY.
+
+Back-pressure: queued plus in-flight bytes never exceed `max_inflight_bytes`;
+a row that would go past it is dropped and counted ("backlog_full"), as is every
+row while the tier is down ("tier_down"). The local path never waits on the tier.
+Rows that came from the tier (the reader's) are not written back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from kvdepot.server.core.index import BlockIndex, IndexEvent
+from kvdepot.server.core.kinds import EventKind, EvictionReason
+from kvdepot.server.core.layout import check_key
+from kvdepot.server.memory.arena import Arena
+from kvdepot.server.remote import codec
+from kvdepot.server.remote.health import TierHealth
+from kvdepot.server.remote.stats import RemoteStats
+from kvdepot.server.remote.tier import RemoteTier, TierUnavailable
+
+log = logging.getLogger("kvdepot.remote")
+
+BATCH_BYTES = 32 << 20  # one write call carries up to this much
+WORKERS = 4  # write calls in flight at once
+
+
+@dataclass
+class _Item:
+    namespace: str
+    key: bytes
+    size: int  # row bytes (the payload)
+    payload: bytes | None = None  # evict mode: copied out at eviction
+
+
+class WriteBehind:
+    def __init__(
+        self,
+        tier: RemoteTier,
+        index: BlockIndex,
+        arena: Arena,
+        health: TierHealth,
+        stats: RemoteStats,
+        *,
+        mode: str = "ready",
+        ttl_s: int | None = None,
+        max_inflight_bytes: int = 256 << 20,
+        call_timeout_s: float = 5.0,
+    ) -> None:
+        if mode not in ("ready", "evict"):
+            raise ValueError(f"write mode {mode!r}: use ready or evict")
+        self._tier = tier
+        self._index = index
+        self._arena = arena
+        self._health = health
+        self._stats = stats
+        self.mode = mode
+        self.ttl_s = ttl_s
+        self.max_inflight_bytes = max_inflight_bytes
+        self.call_timeout_s = call_timeout_s
+        self._queue: deque[_Item] = deque()
+        self.pending_bytes = 0  # queued + being written
+        self._wakeup = asyncio.Event()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._closing = False
+        # Rows the reader loaded from the tier: their STORED event is not written back.
+        self.from_tier: set[tuple[str, bytes]] = set()
+        # Evict mode: (namespace, key) -> (offset, row bytes) of READY rows.
+        self._extents: dict[tuple[str, bytes], tuple[int, int]] = {}
+        if mode == "evict":
+            for slot in index.ready_slots():  # warm-restarted rows announce nothing
+                self._note_extent(slot.namespace, slot.key)
+
+    def start(self) -> None:
+        self._tasks = [asyncio.create_task(self._worker()) for _ in range(WORKERS)]
+
+    async def close(self) -> None:
+        self._closing = True
+        self._wakeup.set()
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    # -- intake (event loop, synchronous) --------------------------------------------------
+
+    def _row_bytes(self, namespace_id: str, key: bytes) -> int:
+        layout = self._index.namespace(namespace_id).layout
+        return layout.slot_bytes(check_key(key, layout.num_groups))
+
+    def _note_extent(self, namespace_id: str, key: bytes) -> None:
+        slot = self._index.namespaces[namespace_id].slots.get(key)
+        if slot is not None:
+            self._extents[(namespace_id, key)] = (
+                slot.extent.offset,
+                self._row_bytes(namespace_id, key),
+            )
+
+    def on_event(self, event: IndexEvent) -> None:
+        ns = event.namespace
+        if event.kind is EventKind.STORED:
+            for key in event.keys:
+                if (ns, key) in self.from_tier:
+                    self.from_tier.discard((ns, key))
+                    continue
+                if self.mode == "ready":
+                    self._offer(_Item(ns, key, self._row_bytes(ns, key)))
+                else:
+                    self._note_extent(ns, key)
+        elif event.kind is EventKind.REMOVED:
+            for key in event.keys:
+                self.from_tier.discard((ns, key))
+                where = self._extents.pop((ns, key), None)
+                if where is None or event.reason is not EvictionReason.LRU:
+                    continue
+                offset, size = where
+                if self._admit(size):
+                    # The freed extent still holds the row until this event returns.
+                    payload = bytes(self._arena.view(offset, size))
+                    self._enqueue(_Item(ns, key, size, payload))
+
+    def _admit(self, size: int) -> bool:
+        if not self._health.usable():
+            self._stats.write_drops["tier_down"] += 1
+            return False
+        if self.pending_bytes + size > self.max_inflight_bytes:
+            self._stats.write_drops["backlog_full"] += 1
+            return False
+        return True
+
+    def _offer(self, item: _Item) -> None:
+        if self._admit(item.size):
+            self._enqueue(item)
+
+    def _enqueue(self, item: _Item) -> None:
+        self.pending_bytes += item.size
+        self._queue.append(item)
+        self._wakeup.set()
+
+    # -- workers ------------------------------------------------------------------------------
+
+    def _take_batch(self) -> list[_Item]:
+        batch: list[_Item] = []
+        total = 0
+        while self._queue and (not batch or total + self._queue[0].size <= BATCH_BYTES):
+            item = self._queue.popleft()
+            batch.append(item)
+            total += item.size
+        return batch
+
+    async def _worker(self) -> None:
+        while not self._closing:
+            if not self._queue:
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            batch = self._take_batch()
+            try:
+                await self._write(batch)
+            except Exception:  # a bug must not end the worker: count, log, go on
+                log.exception("remote write of %d row(s) failed", len(batch))
+                self._stats.write_drops["error"] += len(batch)
+            finally:
+                self.pending_bytes -= sum(i.size for i in batch)
+
+    async def _write(self, batch: list[_Item]) -> None:
+        if not self._health.usable():
+            self._stats.write_drops["tier_down"] += len(batch)
+            return
+        names = [codec.remote_key(i.namespace, i.key) for i in batch]
+        deadline = time.monotonic() + self.call_timeout_s
+        t0 = time.perf_counter()
+        try:
+            present = await self._tier.exists_many(names, deadline)
+        except TierUnavailable as exc:
+            self._failed(str(exc), len(batch))
+            return
+        todo = [(n, i) for n, i, p in zip(names, batch, present, strict=True) if not p]
+        self._stats.write_present += len(batch) - len(todo)
+        if not todo:
+            self._health.succeeded()
+            return
+        values = await self._frames([i for _, i in todo])
+        items = [(n, v) for (n, _), v in zip(todo, values, strict=True) if v is not None]
+        if not items:
+            return
+        try:
+            written = await self._tier.put_many(items, self.ttl_s, deadline)
+        except TierUnavailable as exc:
+            self._failed(str(exc), len(items))
+            return
+        self._health.succeeded()
+        self._stats.write_seconds.observe(time.perf_counter() - t0)
+        for (_, value), ok in zip(items, written, strict=True):
+            if ok:
+                self._stats.writes += 1
+                self._stats.write_bytes += len(value)
+            else:  # another node wrote it since our EXISTS
+                self._stats.write_present += 1
+
+    def _failed(self, why: str, rows: int) -> None:
+        self._stats.errors += 1
+        self._stats.write_drops["tier_error"] += rows
+        self._health.failed(why)
+
+    async def _frames(self, items: list[_Item]) -> list[bytes | None]:
+        """Framed values; None for a row evicted before it could be read."""
+        loop = asyncio.get_running_loop()
+        out: list[bytes | None] = []
+        for item in items:
+            if item.payload is not None:
+                p = item.payload
+                out.append(
+                    await loop.run_in_executor(None, codec.encode, item.namespace, item.key, p)
+                )
+                continue
+            try:
+                slot = self._index.begin_read(item.namespace, item.key)
+            except LookupError:  # the namespace is gone
+                slot = None
+            if slot is None:
+                self._stats.write_drops["evicted"] += 1
+                out.append(None)
+                continue
+            try:
+                view = self._arena.view(slot.extent.offset, item.size)
+                out.append(
+                    await loop.run_in_executor(None, codec.encode, item.namespace, item.key, view)
+                )
+                view.release()
+            finally:
+                self._index.end_read(slot)
+        return out

@@ -1,0 +1,113 @@
+"""Two daemons (two nodes) sharing rows through a real Redis: stored on A, fetched
+on B through Depot/Prefetch, loaded into B's engines byte for byte."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from kvdepot.client import DepotClient
+from kvdepot.v1 import depot_pb2 as pb
+from tests.remote.helpers import prefetch, stats, wait_for
+from tests.support.engine import Engine, Geometry, chunk_plan
+
+FETCHING = pb.PrefetchResponse.FETCHING
+ABSENT = pb.PrefetchResponse.ABSENT
+LOCAL = pb.PrefetchResponse.LOCAL
+
+
+def node(daemon_factory, url: str, *extra: str):
+    d = daemon_factory("--pool-size", "64MiB", "--remote", url, *extra)
+    c = DepotClient(d.target, client_name="node").start()
+    assert c.wait_connected(10)
+    return d, c
+
+
+def store_on(c: DepotClient, geo: Geometry, chunks: range) -> tuple[list[Engine], list[bytes]]:
+    engines = [Engine(c, geo, r) for r in range(geo.world_size)]
+    keys, blocks, idx = chunk_plan(geo, chunks)
+    for e in engines:
+        for g in range(len(geo.groups)):
+            n = len(chunks)
+            e.fill(g, keys[g * n : (g + 1) * n], blocks[g], idx[g])
+        res = e.job(pb.STORE, keys, blocks, idx)
+        assert res.success, res.error
+    return engines, keys
+
+
+def load_and_compare(engines: list[Engine], geo: Geometry, chunks: range, keys: list[bytes]) -> int:
+    _, blocks, idx = chunk_plan(geo, chunks, base_block=256)
+    bad = 0
+    for e in engines:
+        res = e.job(pb.LOAD, keys, blocks, idx)
+        assert res.success, res.error
+        n = len(chunks)
+        for g in range(len(geo.groups)):
+            bad += e.mismatches(g, keys[g * n : (g + 1) * n], blocks[g], idx[g])
+    return bad
+
+
+@pytest.mark.parametrize("which", ["standalone", "cluster"])
+def test_rows_stored_on_a_are_loaded_on_b_byte_for_byte(
+    which, request, daemon_factory
+) -> None:
+    """TP=2, two groups of different page sizes: every rank's section travels."""
+    server = request.getfixturevalue(
+        "redis_standalone" if which == "standalone" else "redis_cluster"
+    )
+    url = server.url if which == "standalone" else server.seed_url
+    geo = Geometry(namespace=f"share-{which}-{time.monotonic_ns()}")
+    chunks = range(0, 6)
+    _, a = node(daemon_factory, url)
+    _, b = node(daemon_factory, url)
+    assert b.hello.remote_tier
+    _, keys = store_on(a, geo, chunks)
+    wait_for(lambda: stats(a).remote_writes >= len(keys), what="A's writes")
+
+    engines_b = [Engine(b, geo, r) for r in range(geo.world_size)]  # declares the namespace
+    assert b.lookup(geo.namespace, keys) == [False] * len(keys)
+    resp = prefetch(b, geo.namespace, keys)
+    assert list(resp.states) == [FETCHING] * len(keys) and resp.remote_healthy
+    wait_for(lambda: all(b.lookup(geo.namespace, keys)), what="rows ready on B")
+    assert load_and_compare(engines_b, geo, chunks, keys) == 0
+
+    sb = stats(b)
+    assert sb.remote_hits == len(keys) and sb.remote_verify_failures == 0
+    # B does not write back what it fetched; A wrote each row once.
+    time.sleep(0.3)
+    assert stats(b).remote_writes == 0
+    assert stats(a).remote_writes == len(keys)
+    # Asked again: the rows are local now; unknown keys are absent.
+    other = [bytes(32) + b"\0\0\0\0"]
+    assert list(prefetch(b, geo.namespace, keys[:2] + other).states) == [LOCAL, LOCAL, ABSENT]
+    a.close()
+    b.close()
+
+
+def test_a_second_node_skips_rows_the_tier_has(redis_standalone, daemon_factory) -> None:
+    geo = Geometry(namespace=f"dedupe-{time.monotonic_ns()}")
+    _, a = node(daemon_factory, redis_standalone.url)
+    _, b = node(daemon_factory, redis_standalone.url)
+    _, keys = store_on(a, geo, range(0, 4))
+    wait_for(lambda: stats(a).remote_writes == len(keys), what="A's writes")
+    store_on(b, geo, range(0, 4))  # B computed the same rows itself
+    wait_for(lambda: stats(b).remote_write_present == len(keys), what="B's dedupe")
+    assert stats(b).remote_writes == 0
+    a.close()
+    b.close()
+
+
+def test_without_remote_prefetch_says_so_and_nothing_changes(daemon_factory) -> None:
+    d = daemon_factory("--pool-size", "64MiB")
+    c = DepotClient(d.target).start()
+    assert c.wait_connected(10)
+    assert not c.hello.remote_tier
+    geo = Geometry(namespace="plain")
+    engines, keys = store_on(c, geo, range(0, 2))
+    resp = prefetch(c, geo.namespace, keys + [bytes(36)])
+    assert not resp.remote_tier
+    assert list(resp.states) == [ABSENT] * (len(keys) + 1)
+    s = stats(c)
+    assert not s.remote_enabled and s.remote_writes == 0
+    c.close()
