@@ -28,9 +28,10 @@ fi
 
 # Debian packages the tests drive for real: tmux (`kvdepot status --watch` at 80 columns),
 # prometheus (the Grafana dashboard's queries), podman, runc and mmdebstrap (building and
-# starting the daemon's image from a Debian base).
+# starting the daemon's image from a Debian base), redis-server (with redis-tools'
+# redis-cli: the remote tier's cluster and standalone servers).
 missing=""
-for tool in tmux prometheus podman runc mmdebstrap; do
+for tool in tmux prometheus podman runc mmdebstrap redis-server; do
     command -v "$tool" >/dev/null 2>&1 || missing="$missing $tool"
 done
 if [ -n "$missing" ]; then
