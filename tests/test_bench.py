@@ -7,6 +7,7 @@ figures and consistent ratios, never a throughput threshold.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +15,7 @@ from typing import Any
 
 import pytest
 
+import kvdepot
 from kvdepot.bench import optional
 from kvdepot.bench.stats import median, overlap_rate, percentile
 
@@ -36,81 +38,147 @@ def quick_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any],
 
 
 def _positive(x: Any) -> bool:
-    return isinstance(x, int | float) and x > 0
+    return isinstance(x, int | float) and not isinstance(x, bool) and x > 0
+
+
+def _ratio(x: Any) -> bool:
+    # Daemon / in-process: below 0 or above 2 means one side did not measure what it says
+    # (a copy that moved nothing, a clock read in the wrong place).
+    return isinstance(x, float) and 0 < x < 2
+
+
+def _sane_gbps(x: Any) -> bool:
+    return _positive(x) and x < 1000  # no host copies a terabyte per second
+
+
+def _percentiles(p: dict[str, float]) -> bool:
+    return 0 <= p["p50"] <= p["p99"] < 60_000  # milliseconds; nothing takes a minute
 
 
 def test_every_section_is_there(quick_run: tuple[dict[str, Any], Path]) -> None:
     result, _ = quick_run
     for key in ("version", "command", "machine", "config", "verified", "throughput", "latency",
-                "aggregate", "control", "connector", "gpu", "targets", "elapsed_s"):
+                "latency_floor", "aggregate", "control", "connector", "gpu", "targets",
+                "elapsed_s"):
         assert key in result, key
-    assert result["config"]["quick"] is True
+    assert result["version"] == kvdepot.__version__
+    assert result["command"].startswith("kvdepot bench --quick")
+    config = result["config"]
+    assert config["quick"] is True and config["sizes"] == SIZES and config["engines"] == ENGINES
     assert result["machine"]["cpus"] >= 1
+    assert 0 < result["elapsed_s"] < 120
     assert result["verified"]["pages"] > 0 and result["verified"]["mismatched_pages"] == 0
     assert result["connector"] == {"skipped": "--no-connector"}
     # No CUDA on the test machines: the GPU section says why it did not run.
     assert "skipped" in result["gpu"] or "error" not in result["gpu"]
 
 
+def test_geometry_and_job_sizes_agree(quick_run: tuple[dict[str, Any], Path]) -> None:
+    result, _ = quick_run
+    geo = result["config"]["geometry"]
+    # K and V, every head, every token of a block: one layer's page of one block.
+    page = 2 * geo["kv_heads"] * geo["head_dim"] * geo["dtype_bytes"] * geo["block_size"]
+    assert geo["page_bytes"] == page
+    chunk = page * geo["layers"] * geo["blocks_per_chunk"] * geo["tp"]
+    assert geo["chunk_bytes"] == chunk
+    for r in result["throughput"]:
+        assert r["job_bytes"] == r["chunks"] * chunk
+        assert r["runs_per_rank"] == r["chunks"] * geo["layers"] * geo["blocks_per_chunk"]
+    for r in result["aggregate"]:
+        assert r["job_bytes"] == result["config"]["agg_chunks"] * chunk
+    assert result["config"]["pool_bytes"] > 0
+
+
 def test_throughput_pairs_daemon_with_in_process(quick_run: tuple[dict[str, Any], Path]) -> None:
     result, _ = quick_run
+    reps = result["config"]["reps"]
     rows = result["throughput"]
     assert [r["chunks"] for r in rows] == SIZES
     for r in rows:
-        assert _positive(r["job_bytes"]) and _positive(r["runs_per_rank"])
         for d in ("store", "load"):
             f = r[d]
-            assert _positive(f["daemon_gbps"]) and _positive(f["inproc_gbps"]), (r["chunks"], d)
-            assert _positive(f["inproc_copy_only_gbps"])
-            assert _positive(f["ratio"])
-            reps = result["config"]["reps"]
+            where = (r["chunks"], d)
+            for key in ("daemon_gbps", "inproc_gbps", "inproc_copy_only_gbps"):
+                assert _sane_gbps(f[key]), (where, key, f[key])
             assert len(f["daemon_reps_gbps"]) == len(f["inproc_reps_gbps"]) == reps
-            assert len(f["ratio_reps"]) == reps and all(_positive(x) for x in f["ratio_reps"])
-            # The ratio is the median of the paired per-repetition ratios.
+            assert len(f["ratio_reps"]) == reps
+            # Each repetition's ratio is that repetition's daemon over in-process GB/s;
+            # the headline figures are the medians.
+            for daemon, inproc, ratio in zip(f["daemon_reps_gbps"], f["inproc_reps_gbps"],
+                                             f["ratio_reps"], strict=True):
+                assert _ratio(ratio) and ratio == pytest.approx(daemon / inproc), where
             assert f["ratio"] == pytest.approx(median(f["ratio_reps"]))
-        assert r["load"]["load_sets"] >= 1
+            assert f["daemon_gbps"] == pytest.approx(median(f["daemon_reps_gbps"]))
+            assert f["inproc_gbps"] == pytest.approx(median(f["inproc_reps_gbps"]))
+            assert f["jobs_per_rep"] >= 1
+        assert r["store"]["load_sets"] is None
+        assert 1 <= r["load"]["load_sets"] <= r["load"]["jobs_per_rep"]
 
 
 def test_latency_splits_round_trip_into_copy_and_overhead(
     quick_run: tuple[dict[str, Any], Path],
 ) -> None:
     result, _ = quick_run
+    reps = result["config"]["reps"]
+    jobs = {(r["chunks"], d): r[d]["jobs_per_rep"] for r in result["throughput"]
+            for d in ("store", "load")}
     rows = result["latency"]
-    assert sorted((r["chunks"], r["direction"]) for r in rows) == sorted(
-        (c, d) for c in SIZES for d in ("store", "load")
-    )
+    assert sorted((r["chunks"], r["direction"]) for r in rows) == sorted(jobs)
     for r in rows:
-        assert r["samples"] > 0
-        assert _positive(r["rtt_ms"]["p50"]) and r["rtt_ms"]["p99"] >= r["rtt_ms"]["p50"]
+        # One sample per timed job of the throughput series (warm-up jobs excluded).
+        assert r["samples"] == reps * jobs[r["chunks"], r["direction"]], r
+        for key in ("rtt_ms", "copy_ms", "overhead_ms", "in_daemon_ms", "wire_ms"):
+            assert _percentiles(r[key]), (key, r[key])
         assert _positive(r["copy_ms"]["p50"])
-        assert r["rtt_ms"]["p50"] >= r["copy_ms"]["p50"]  # a round trip contains its copy
-        assert r["overhead_ms"]["p99"] >= r["overhead_ms"]["p50"] > 0
+        # overhead = rtt - copy sample by sample, so its median cannot exceed rtt's.
+        assert 0 < r["overhead_ms"]["p50"] <= r["rtt_ms"]["p50"]
+        assert r["rtt_ms"]["p50"] >= r["copy_ms"]["p50"]
         assert 0 < r["noncopy_share"] < 1
+    floor = result["latency_floor"]
+    assert floor["direction"] == "empty" and floor["samples"] > 0
+    assert floor["copy_ms"] == {"p50": 0.0, "p99": 0.0} and floor["noncopy_share"] == 1.0
+    assert _positive(floor["rtt_ms"]["p50"]) and _percentiles(floor["rtt_ms"])
+    assert floor["overhead_ms"]["p50"] == pytest.approx(floor["rtt_ms"]["p50"])
 
 
 def test_aggregate_covers_one_two_four_engines(quick_run: tuple[dict[str, Any], Path]) -> None:
     result, _ = quick_run
+    reps = result["config"]["reps"]
     rows = result["aggregate"]
     assert [r["engines"] for r in rows] == ENGINES
     for r in rows:
         assert r["processes"] == r["engines"]  # TP=1: one process per engine
+        assert r["chunks"] == result["config"]["agg_chunks"]
         for d in ("store", "load"):
-            assert _positive(r[d]["daemon_gbps"]) and _positive(r[d]["inproc_gbps"])
-            assert _positive(r[d]["ratio"])
-            assert r["latency"][d]["samples"] > 0
+            f = r[d]
+            assert _sane_gbps(f["daemon_gbps"]) and _sane_gbps(f["inproc_gbps"])
+            # Engines share the CPUs: one repetition may be skewed, the median may not.
+            assert _ratio(f["ratio"]) and all(_positive(x) for x in f["ratio_reps"])
+            assert f["ratio"] == pytest.approx(median(f["ratio_reps"]))
+            # Every process's jobs of every repetition are timed.
+            assert r["latency"][d]["samples"] == reps * f["jobs_per_rep"] * r["processes"]
+            assert _percentiles(r["latency"][d]["rtt_ms"])
 
 
 def test_control_plane_and_targets(quick_run: tuple[dict[str, Any], Path]) -> None:
     result, _ = quick_run
     ctl = result["control"]
+    assert ctl["ready_keys"] > 0 and ctl["pins"] > 0 and ctl["pin_keys"] >= 16
     assert _positive(ctl["lookup_keys_per_s"]) and _positive(ctl["rpc_lookup_keys_per_s"])
-    assert 0 < ctl["lookup_hit_share"] < 1
-    assert _positive(ctl["pin_ms"]["p50"]) and ctl["pin_ms"]["p99"] >= ctl["pin_ms"]["p50"]
+    assert ctl["lookup_hit_share"] == pytest.approx(0.5)  # half the keys looked up are ready
+    assert _positive(ctl["pin_ms"]["p50"]) and _percentiles(ctl["pin_ms"])
+    assert _positive(ctl["unpin_ms"]["p50"]) and _percentiles(ctl["unpin_ms"])
     assert ctl["pinned_share"] == 1.0  # every key pinned was ready
-    names = [t["name"] for t in result["targets"]]
-    assert len(names) == 4, names
-    for t in result["targets"]:
-        assert isinstance(t["met"], bool) and _positive(t["measured"])
+    targets = {t["name"]: t for t in result["targets"]}
+    assert len(targets) == 4, list(targets)
+    for t in targets.values():
+        # "met" is the comparison the target states, applied to the measured figure.
+        m = re.fullmatch(r"(>=|<) ([0-9.]+)(?: ms| keys/s)?", t["target"])
+        assert m, t["target"]
+        bound = float(m.group(2))
+        assert _positive(t["measured"]) and t["where"], t
+        assert t["met"] is (t["measured"] >= bound if m.group(1) == ">=" else
+                            t["measured"] < bound), t
 
 
 def test_plot_is_a_png(quick_run: tuple[dict[str, Any], Path]) -> None:

@@ -67,8 +67,21 @@ def test_a_row_missing_a_rank_is_never_visible(daemon, client) -> None:
     assert client.pin("half", keys) == [False] * 6
     load = eng.job(pb.LOAD, keys, blocks, idx)
     assert not load.success and load.error_code == "NOT_FOUND"
-    time.sleep(0.3)
-    assert not any(e.kind == pb.WatchEvent.STORED for e in events)
+    # Prove the watch is live before trusting the absence of an event: complete another
+    # row with both ranks and wait for its STORED event. Events of a namespace arrive in
+    # order, so a STORED event for the half row would have come before this one.
+    full_keys, full_blocks, full_idx = chunk_plan(geo, range(3, 5))
+    rank1 = Engine(client, geo, 1)
+    for e in (eng, rank1):
+        assert e.job(pb.STORE, full_keys, full_blocks, full_idx).stored_keys == 4
+    assert client.lookup("half", full_keys) == [True] * 4
+    deadline = time.monotonic() + 10
+    stored: list[bytes] = []
+    while time.monotonic() < deadline and len(stored) < 4:
+        stored = [k for e in list(events) if e.kind == pb.WatchEvent.STORED for k in e.keys]
+        time.sleep(0.02)
+    assert sorted(stored) == sorted(full_keys), "the watch never saw the complete row"
+    assert client.lookup("half", keys) == [False] * 6
     watch.stop()
 
 

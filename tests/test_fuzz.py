@@ -16,8 +16,9 @@ At the end of each test every session is closed and the daemon must hold nothing
 no pins, no reservations, no registrations, no extra fds, used bytes equal to the
 ready blocks, and a guardian client's pinned blocks load byte-identical.
 
-Short by default (fixed examples: `derandomize`); the long run:
-    KVDEPOT_LONG=1 .venv/bin/python -m pytest tests/test_fuzz.py
+Marked `slow`. Short by default (fixed examples: `derandomize`); the long run (20x the
+examples, random each run), see tests/README.md:
+    KVDEPOT_LONG=1 .venv/bin/python -m pytest -m slow tests/test_fuzz.py -s
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ from tests.support.faults import (
 )
 
 LONG = os.environ.get("KVDEPOT_LONG") == "1"
-pytestmark = [pytest.mark.timeout(3600 if LONG else 240)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(3600 if LONG else 240)]
 
 MAX_JOB_KEYS = 16  # small, so RESOURCE_EXHAUSTED is reachable
 NS = "fz"  # world size 2, two groups (the soak geometry)

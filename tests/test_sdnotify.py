@@ -175,25 +175,27 @@ def test_child_process_reads_notify_socket(path_listener: Listener) -> None:
 
 
 def test_watchdog_keeps_coming(listener: Listener) -> None:
-    usec = 100_000  # WatchdogSec=0.1 -> a keep-alive every 50 ms
+    watchdog_sec = 0.4  # systemd's WatchdogSec: a keep-alive is due every 0.2 s
     env = {
         "NOTIFY_SOCKET": listener.env_value,
-        "WATCHDOG_USEC": str(usec),
+        "WATCHDOG_USEC": str(int(watchdog_sec * 1e6)),
         "WATCHDOG_PID": str(os.getpid()),
     }
     notifier = SystemdNotifier(env)
-    assert notifier.watchdog_interval() == pytest.approx(0.05)
+    interval = notifier.watchdog_interval()
+    assert interval == pytest.approx(watchdog_sec / 2)
 
     arrivals: list[float] = []
+    pings = 7
 
     async def scenario() -> None:
         stop = asyncio.Event()
         task = asyncio.create_task(run_watchdog(notifier, stop))
         loop = asyncio.get_running_loop()
         listener.sock.setblocking(False)
-        deadline = time.monotonic() + 10
-        while len(arrivals) < 8 and time.monotonic() < deadline:
-            msg = await asyncio.wait_for(loop.sock_recv(listener.sock, 4096), 5)
+        deadline = time.monotonic() + 20
+        while len(arrivals) < pings and time.monotonic() < deadline:
+            msg = await asyncio.wait_for(loop.sock_recv(listener.sock, 4096), 10)
             assert msg == b"WATCHDOG=1"
             arrivals.append(time.monotonic())
         stop.set()
@@ -202,16 +204,16 @@ def test_watchdog_keeps_coming(listener: Listener) -> None:
 
     asyncio.run(scenario())
     notifier.close()
-    assert len(arrivals) == 8
-    gaps = [b - a for a, b in itertools.pairwise(arrivals)]
-    # At the interval: not a burst (which would starve nothing but waste wake-ups), and not
-    # so slow that systemd's timer (twice the interval) would fire. Bounds leave room for
-    # timer slack and a loaded CI machine; the mean is what systemd effectively sees.
-    mean = sum(gaps) / len(gaps)
-    assert 0.045 <= mean < 0.1, gaps
-    assert min(gaps) >= 0.02, gaps
-    # Nothing after stop.
-    time.sleep(0.15)
+    assert len(arrivals) == pings
+    gaps = sorted(b - a for a, b in itertools.pairwise(arrivals))
+    # Load can only delay a timer, never advance it, so the lower bound is safe: no burst
+    # (keep-alives sent without waiting would come microseconds apart).
+    assert gaps[0] >= interval / 2, gaps
+    # systemd restarts a daemon whose keep-alives are more than WatchdogSec apart. A loaded
+    # machine may stretch one gap; most must stay well inside the limit.
+    assert gaps[len(gaps) // 2] < watchdog_sec, gaps
+    # Nothing after stop (one more would be due within `interval`).
+    time.sleep(1.5 * interval)
     assert listener.drain() == []
 
 

@@ -4,13 +4,14 @@ byte checked, the daemon's memory and fds bounded.
 Each process (tests/support/soak.py) does random stores (some rows only half
 written), pinned and unpinned loads, lookups, pins, inline Gets and admin
 evictions (Evict, sometimes Clear) in one shared namespace, for
-KVDEPOT_SOAK_SECONDS (default 30). Every block's bytes derive from its key and
-rank, so a process checks every block it loads, whoever stored it. The daemon
-checks its invariants after every mutation (KVDEPOT_CHECK_INVARIANTS=1). This test
-samples the daemon's RSS and open fds from /proc the whole time.
+KVDEPOT_SOAK_SECONDS (default 30, or 600 with KVDEPOT_LONG=1). Every block's bytes
+derive from its key and rank, so a process checks every block it loads, whoever
+stored it. The daemon checks its invariants after every mutation
+(KVDEPOT_CHECK_INVARIANTS=1). This test samples the daemon's RSS and open fds from
+/proc the whole time.
 
-The long run (documented in tests/README.md):
-    KVDEPOT_SOAK_SECONDS=600 .venv/bin/python -m pytest tests/test_soak.py -s
+Marked `slow`; the long run (documented in tests/README.md):
+    KVDEPOT_LONG=1 .venv/bin/python -m pytest -m slow tests/test_soak.py -s
 """
 
 from __future__ import annotations
@@ -33,9 +34,10 @@ from tests.support.faults import (
     wait_for,
 )
 
-SECONDS = float(os.environ.get("KVDEPOT_SOAK_SECONDS", "30"))
+LONG = os.environ.get("KVDEPOT_LONG") == "1"
+SECONDS = float(os.environ.get("KVDEPOT_SOAK_SECONDS") or (600 if LONG else 30))
 WORKERS = 4
-pytestmark = pytest.mark.timeout(int(SECONDS) + 180)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(int(SECONDS) + 180)]
 
 # Bounds on the daemon while the workers run. Four sessions need a few sockets each;
 # the pool (8 MiB) and the workers' registered memfds (2.8 MiB each) are mapped and
