@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import stat
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -167,3 +169,15 @@ def test_a_plain_argparse_parser_fails_at_once_on_a_bad_variable(
     with pytest.raises(SystemExit) as exc:
         add_serve_arguments(argparse.ArgumentParser(prog="x"))
     assert exc.value.code == 2 and "KVDEPOT_SOCKET_MODE" in capsys.readouterr().err
+
+
+def test_every_example_in_the_env_file_is_a_valid_value() -> None:
+    # deploy/systemd/kvdepot.env shows one example per variable; each must be accepted.
+    env_file = Path(__file__).resolve().parents[1] / "deploy" / "systemd" / "kvdepot.env"
+    examples = dict(re.findall(r"^#(KVDEPOT_[A-Z_]+)=(\S+)$", env_file.read_text(), re.M))
+    by_env = {s.env: s for _, s in settings()}
+    assert examples and set(examples) <= set(by_env)  # test_deploy checks completeness
+    for env, value in examples.items():
+        if env == "KVDEPOT_SOCKET_GROUP":
+            continue  # a group of the target host, not necessarily of this one
+        by_env[env].from_env(value)  # raises ValueError naming what is wrong
