@@ -52,7 +52,9 @@ def check_key(key: bytes, num_groups: int) -> int:
 
 
 def chunks_per_group(
-    group_sizes: Sequence[int], block_indices: Sequence[int], blocks_per_chunk: int,
+    group_sizes: Sequence[int],
+    block_indices: Sequence[int],
+    blocks_per_chunk: int,
     num_groups: int | None = None,
 ) -> list[int]:
     """Keys a job must carry per group, given vLLM's group_sizes/block_indices.

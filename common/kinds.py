@@ -14,7 +14,7 @@ class Direction(enum.IntEnum):
 
     @property
     def label(self) -> str:
-        """"store" or "load" (metrics labels, log lines)."""
+        """ "store" or "load" (metrics labels, log lines)."""
         return self.name.lower()
 
 

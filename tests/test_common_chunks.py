@@ -47,13 +47,15 @@ def test_job_chunks_puts_every_block_where_the_planner_copies_it(
     num_blocks = sum(sizes) + 1
     block_ids = list(range(sum(sizes)))
     memory = MemoryMap.build(
-        layout, [num_blocks * groups],
+        layout,
+        [num_blocks * groups],
         [TensorView(0, g * num_blocks, num_blocks, 1, 1) for g in range(groups)],
         [[LayerRef(g, 0, 1)] for g in range(groups)],
     )
     slot = 1000  # slot k at pool offset k * slot: a page's pool offset names its key
-    plan = plan_job(layout, 0, memory, block_ids, sizes, firsts, [k * slot for k in
-                                                                   range(len(keys))])
+    plan = plan_job(
+        layout, 0, memory, block_ids, sizes, firsts, [k * slot for k in range(len(keys))]
+    )
     copied = {}
     for _, region_off, pool_off, n in plan.runs:
         for i in range(n):

@@ -28,8 +28,9 @@ def key(i: int) -> bytes:
 
 @pytest.fixture
 def state() -> Iterator[DepotState]:
-    st = DepotState.create(ServeConfig(socket="/nonexistent/kvdepot.sock",
-                                       pool_size=8 << 20, copy_threads=2))
+    st = DepotState.create(
+        ServeConfig(socket="/nonexistent/kvdepot.sock", pool_size=8 << 20, copy_threads=2)
+    )
     yield st
     st.close()
 
@@ -52,7 +53,8 @@ def test_listeners_and_watchers_hear_every_index_change(state: DepotState) -> No
     asyncio.run(run())
     assert state.evict("ns", [key(1)]) == (1, 0, 0)
     assert [(e.kind, e.keys, e.reason) for e in heard] == [
-        (EventKind.STORED, (key(1),), None), (EventKind.REMOVED, (key(1),), EvictionReason.ADMIN)
+        (EventKind.STORED, (key(1),), None),
+        (EventKind.REMOVED, (key(1),), EvictionReason.ADMIN),
     ]
     queued = [watcher.queue.get_nowait() for _ in range(watcher.queue.qsize())]
     assert queued == heard

@@ -78,6 +78,7 @@ class Arena:
     @property
     def warmup_started(self) -> bool:
         return self._warmup_thread is not None
+
     @property
     def warmup_complete(self) -> bool:
         return self.warmup_done_bytes >= self.size

@@ -38,8 +38,6 @@ def identity_of(path: str | os.PathLike[str]) -> PoolFileIdentity | None:
     return PoolFileIdentity(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
-
-
 def save(path: str | os.PathLike[str], snap: IndexSnapshot) -> None:
     """Writes the snapshot atomically: a temporary file, fsync, rename, fsync the
     directory. A crash in the middle leaves either no snapshot or the whole one."""
@@ -137,7 +135,8 @@ def prepare_start(pool_file: str, pool_size: int, granularity: int) -> StartPlan
         if identity is None:
             return StartPlan(pool_file, None, "new pool file", fresh=True)
         return StartPlan(
-            pool_file, None,
+            pool_file,
+            None,
             f"no index snapshot at {path}: the previous daemon did not shut down cleanly "
             f"(killed or crashed), so the pool's contents cannot be vouched for",
         )
@@ -169,7 +168,10 @@ def finish_start(plan: StartPlan, index: BlockIndex) -> RestoreReport | None:
     log.info(
         "warm restart: re-attached %d block(s) (%d bytes) in %d namespace(s) from %s "
         "(written by boot id %s)",
-        report.blocks, report.bytes, report.namespaces, plan.pool_file,
+        report.blocks,
+        report.bytes,
+        report.namespaces,
+        plan.pool_file,
         plan.snapshot.boot_id or "?",
     )
     return report
@@ -189,5 +191,9 @@ def save_at_shutdown(index: BlockIndex, pool_file: str, pool_size: int, boot_id:
     except (OSError, snapshot.SnapshotError) as exc:
         log.error("could not write the index snapshot %s: %s (the next start is cold)", path, exc)
         return
-    log.info("index snapshot written: %d block(s) (%d bytes) to %s", len(snap.slots),
-             snap.block_bytes, path)
+    log.info(
+        "index snapshot written: %d block(s) (%d bytes) to %s",
+        len(snap.slots),
+        snap.block_bytes,
+        path,
+    )

@@ -1,12 +1,12 @@
 """The daemon's state, between the sans-I/O core and the gRPC services.
 
-    depot.py       DepotState: assembles the parts; the API the services call
-    sessions.py    sessions, registrations, memory paths, fd claiming and sealing
-    jobs.py        the job runner: check once, reserve, plan once, copy, settle
-    inline.py      inline Put/Get
-    events.py      the event bus and the Watch streams' queues
-    traffic.py     job and block counters, transfer observers
-    invariants.py  what must hold between two steps of the event loop
+depot.py       DepotState: assembles the parts; the API the services call
+sessions.py    sessions, registrations, memory paths, fd claiming and sealing
+jobs.py        the job runner: check once, reserve, plan once, copy, settle
+inline.py      inline Put/Get
+events.py      the event bus and the Watch streams' queues
+traffic.py     job and block counters, transfer observers
+invariants.py  what must hold between two steps of the event loop
 """
 
 from kvdepot.server.state.depot import DepotState

@@ -102,8 +102,13 @@ class DepotState:
         self.traffic = Traffic()
         self.copy_queue = CopyQueue(config.copy_threads)
         self.jobs = JobRunner(
-            index, self._sessions, arena, self.copy_queue, self.traffic,
-            config.max_job_keys, lambda: self.shutting_down,
+            index,
+            self._sessions,
+            arena,
+            self.copy_queue,
+            self.traffic,
+            config.max_job_keys,
+            lambda: self.shutting_down,
         )
         self.inline = InlinePath(index, arena, self.copy_queue, self.traffic)
         self.shutting_down = False
@@ -113,6 +118,8 @@ class DepotState:
         # Debug only (the fuzz and fault tests): check the invariants after every
         # mutation; a failure is logged and sticks (Admin/GetStats answers INTERNAL).
         self.debug_invariants = os.environ.get("KVDEPOT_CHECK_INVARIANTS") == "1"
+        # Writer ids that are not sessions (see add_internal_writer).
+        self.internal_writers: set[str] = set()
         self.invariant_failure: str | None = None
 
     @classmethod
@@ -134,7 +141,8 @@ class DepotState:
         def new_index() -> BlockIndex:
             allocator = ExtentAllocator(arena.size, config.slot_granularity)
             return BlockIndex(
-                allocator, reservation_timeout=config.reservation_timeout,
+                allocator,
+                reservation_timeout=config.reservation_timeout,
                 on_event=bus.publish,
             )
 
@@ -166,6 +174,11 @@ class DepotState:
         """Calls `listener(event)` for every index event (a key became READY, a READY
         key was removed), as it happens; see EventBus.add_listener."""
         self.bus.add_listener(listener)
+
+    def add_internal_writer(self, owner: str) -> None:
+        """Declares a writer id that is not a session (a tier below the pool that
+        reserves rows with BlockIndex.begin_store), so the invariants accept it."""
+        self.internal_writers.add(owner)
 
     def add_transfer_observer(self, observer: TransferObserver) -> None:
         """Calls `observer(direction, ok, bytes, copy seconds)` after every job
@@ -245,7 +258,13 @@ class DepotState:
         log.info(
             "session %s (%r, pid %d) closed: released %d registration(s), %d pin(s), "
             "%d unfinished block row(s), %d pending fd(s)",
-            session_id, s.client_name, s.pid, registrations, pins, rows, fds,
+            session_id,
+            s.client_name,
+            s.pid,
+            registrations,
+            pins,
+            rows,
+            fds,
         )
 
     def session(self, session_id: str) -> Session:
@@ -271,7 +290,11 @@ class DepotState:
             raise errors.invalid(f"rank {rank} out of range [0, {layout.world_size})")
         self.declare(layout)
         return self._sessions.register(
-            session_id, layout, rank, [(MemoryPath(k), h) for k, h in regions], tensors,
+            session_id,
+            layout,
+            rank,
+            [(MemoryPath(k), h) for k, h in regions],
+            tensors,
             groups,
         )
 

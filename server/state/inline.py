@@ -80,9 +80,7 @@ class InlinePath:
         t0 = time.perf_counter()
         try:
             await self._copy_queue.run(
-                lambda: arena.view(slot.extent.offset + offset, size).__setitem__(
-                    slice(None), data
-                )
+                lambda: arena.view(slot.extent.offset + offset, size).__setitem__(slice(None), data)
             )
             ok = True
         finally:

@@ -36,7 +36,8 @@ def check_invariants(state: DepotState) -> None:
                 f"block {slot.key.hex()[:16]} pinned by a closed session"
             )
             if slot.state is SlotState.WRITING:
-                assert set(slot.writers.values()) <= sessions.keys(), (
+                writers = set(slot.writers.values()) - state.internal_writers
+                assert writers <= sessions.keys(), (
                     f"block {slot.key.hex()[:16]} reserved by a closed session"
                 )
     assert state.traffic.inflight_jobs >= 0

@@ -111,7 +111,10 @@ class JobRunner:
         out.total_seconds = time.perf_counter() - t0
         blocks = out.stored_keys if direction is Direction.STORE else len(job.keys)
         self._traffic.record(
-            direction or _counted_direction(job.direction), out.success, blocks, out.bytes,
+            direction or _counted_direction(job.direction),
+            out.success,
+            blocks,
+            out.bytes,
             out.copy_seconds,
         )
         return out
@@ -127,16 +130,18 @@ class JobRunner:
         try:
             direction = Direction(job.direction)
         except ValueError:
-            raise errors.invalid(
-                f"direction must be STORE or LOAD, got {job.direction}"
-            ) from None
+            raise errors.invalid(f"direction must be STORE or LOAD, got {job.direction}") from None
         if len(job.keys) > self._max_job_keys:
             raise errors.exhausted(
                 f"job of {len(job.keys)} keys; this daemon takes at most "
                 f"{self._max_job_keys} (--max-job-keys): split it"
             )
         shape = check_job(
-            reg.layout, reg.memory, job.block_ids, job.group_sizes, job.block_indices,
+            reg.layout,
+            reg.memory,
+            job.block_ids,
+            job.group_sizes,
+            job.block_indices,
             keys=job.keys,
         )
         return direction, reg, shape
