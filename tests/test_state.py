@@ -56,8 +56,9 @@ def test_listeners_and_watchers_hear_every_index_change(state: DepotState) -> No
         (EventKind.STORED, (key(1),), None),
         (EventKind.REMOVED, (key(1),), EvictionReason.ADMIN),
     ]
-    queued = [watcher.queue.get_nowait() for _ in range(watcher.queue.qsize())]
-    assert queued == heard
+    assert list(watcher.queue) == heard
+    assert watcher.take_run(100) == heard[0] and watcher.take_run(100) == heard[1]
+    assert watcher.take_run(100) is None
     state.remove_watcher(watcher)
     s = state.stats()
     assert (s["store_jobs"], s["stored_blocks"], s["load_jobs"], s["loaded_blocks"]) == (1, 1, 1, 1)
@@ -76,3 +77,40 @@ def test_memory_paths_are_added_explicitly(state: DepotState) -> None:
     with pytest.raises(ZeroDivisionError):  # the opener ran (and its error propagated)
         state.register(session.id, LAYOUT, 0, [("pvm", "handle")], [], [])
     assert opened == ["handle"] and not state.registrations
+
+
+def test_a_watcher_coalesces_runs_and_resyncs_when_it_falls_behind(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from kvdepot.server.state import events
+
+    def ev(kind: EventKind, i: int, reason: EvictionReason | None = None) -> IndexEvent:
+        return IndexEvent("ns", kind, (key(i),), reason)
+
+    async def run() -> None:
+        w = events.Watcher("ns")
+        stored, removed = EventKind.STORED, EventKind.REMOVED
+        for e in [
+            ev(stored, 0),
+            ev(stored, 1),
+            ev(removed, 0, EvictionReason.LRU),
+            ev(removed, 1, EvictionReason.ADMIN),
+            ev(stored, 2),
+            ev(stored, 3),
+        ]:
+            w.push(e)
+        runs = []
+        while (r := w.take_run(max_keys=10)) is not None:
+            runs.append((r.kind, len(r.keys), r.reason))
+        assert runs == [
+            (stored, 2, None),
+            (removed, 1, EvictionReason.LRU),
+            (removed, 1, EvictionReason.ADMIN),
+            (stored, 2, None),
+        ]
+        monkeypatch.setattr(events, "WATCH_QUEUE_LIMIT", 3)
+        for i in range(4):
+            w.push(ev(stored, i))
+        assert w.lagged and w.take_run(10) is None and w.wakeup.is_set()
+
+    asyncio.run(run())

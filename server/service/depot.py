@@ -177,22 +177,15 @@ class DepotServicer(depot_pb2_grpc.DepotServicer):
                 while not watcher.lagged:
                     if st.shutting_down:
                         return
-                    if watcher.queue.empty():
+                    run = watcher.take_run(SNAPSHOT_BATCH)  # runs of one kind: one message
+                    if run is None:
                         watcher.wakeup.clear()
                         await watcher.wakeup.wait()
                         continue
-                    # Coalesce runs of the same kind into one message.
-                    event = watcher.queue.get_nowait()
-                    kind, reason, batch = event.kind, event.reason, list(event.keys)
-                    while not watcher.queue.empty() and len(batch) < SNAPSHOT_BATCH:
-                        nxt = watcher.queue._queue[0]  # type: ignore[attr-defined]
-                        if nxt.kind is not kind or nxt.reason is not reason:
-                            break
-                        batch.extend(watcher.queue.get_nowait().keys)
                     yield pb.WatchEvent(
-                        kind=WATCH_KINDS[kind],
-                        keys=batch,
-                        reason=event_reason(event),
+                        kind=WATCH_KINDS[run.kind],
+                        keys=run.keys,
+                        reason=event_reason(run),
                         boot_id=st.boot_id,
                     )
                 keys = st.ready_keys(request.namespace_id)  # lagged: resync

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import deque
 from collections.abc import Callable
 
 from kvdepot.server.core.index import IndexEvent
@@ -24,20 +25,31 @@ class Watcher:
 
     def __init__(self, namespace_id: str) -> None:
         self.namespace_id = namespace_id
-        self.queue: asyncio.Queue[IndexEvent] = asyncio.Queue()
+        self.queue: deque[IndexEvent] = deque()
         self.lagged = False
         self.wakeup = asyncio.Event()
 
     def push(self, event: IndexEvent) -> None:
         if self.lagged:
             return
-        if self.queue.qsize() >= WATCH_QUEUE_LIMIT:
+        if len(self.queue) >= WATCH_QUEUE_LIMIT:
             self.lagged = True
-            while not self.queue.empty():
-                self.queue.get_nowait()
+            self.queue.clear()
         else:
-            self.queue.put_nowait(event)
+            self.queue.append(event)
         self.wakeup.set()
+
+    def take_run(self, max_keys: int) -> IndexEvent | None:
+        """The oldest queued event merged with those right behind it of the same
+        kind and reason (up to about `max_keys` keys); None when nothing is queued."""
+        q = self.queue
+        if not q:
+            return None
+        first = q.popleft()
+        keys = list(first.keys)
+        while q and len(keys) < max_keys and (q[0].kind, q[0].reason) == (first.kind, first.reason):
+            keys.extend(q.popleft().keys)
+        return IndexEvent(first.namespace, first.kind, tuple(keys), first.reason)
 
 
 class EventBus:
