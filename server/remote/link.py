@@ -9,8 +9,11 @@ Admin/GetStats and the Prometheus collector read it.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,11 +22,13 @@ from kvdepot.server.memory.arena import Arena
 from kvdepot.server.remote.health import TierHealth
 from kvdepot.server.remote.reader import Fetcher, KeyState
 from kvdepot.server.remote.stats import RemoteStats
-from kvdepot.server.remote.tier import RemoteTier
+from kvdepot.server.remote.tier import RemoteTier, TierUnavailable
 
 log = logging.getLogger("kvdepot.remote")
 
 PASSWORD_ENV = "KVDEPOT_REMOTE_PASSWORD"
+PROBE_KEY = b"kvd1:probe"
+PROBE_INTERVAL_S = 0.25
 
 
 @dataclass(frozen=True)
@@ -79,6 +84,7 @@ class RemoteLink:
             self.writer,
             max_inflight_bytes=settings.max_inflight_bytes,
         )
+        self._probe_task: asyncio.Task[None] | None = None
 
     @classmethod
     def from_settings(cls, settings: RemoteSettings, index: BlockIndex, arena: Arena) -> RemoteLink:
@@ -95,6 +101,7 @@ class RemoteLink:
         """Starts the workers (on the event loop). Subscribe `on_event` to the bus."""
         self.writer.start()
         self.fetcher.start()
+        self._probe_task = asyncio.create_task(self._probe())
         ttl = f"{self.settings.ttl_s} s" if self.settings.ttl_s else "no expiry"
         log.info(
             "remote tier %s: writing rows when %s, TTL %s, at most %d MiB in flight",
@@ -103,6 +110,20 @@ class RemoteLink:
             ttl,
             self.settings.max_inflight_bytes >> 20,
         )
+
+    async def _probe(self) -> None:
+        """While the tier is down, asks it (one EXISTS) whenever a probe is due, so
+        it comes back even when no write or fetch happens to try it."""
+        while True:
+            await asyncio.sleep(PROBE_INTERVAL_S)
+            if self.health.up or not self.health.usable():
+                continue
+            try:
+                await self.tier.exists_many([PROBE_KEY], time.monotonic() + 1.0)
+            except TierUnavailable as exc:
+                self.health.failed(str(exc))
+            else:
+                self.health.succeeded()
 
     def on_event(self, event) -> None:  # type: ignore[no-untyped-def]
         self.writer.on_event(event)
@@ -118,6 +139,10 @@ class RemoteLink:
         )
 
     async def close(self) -> None:
+        if self._probe_task is not None:
+            self._probe_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._probe_task
         await self.writer.close()
         await self.fetcher.close()
         await self.tier.close()

@@ -52,8 +52,11 @@ class RemoteCollector(Collector):
         for name, doc, counts in (
             ("write_drops", "Rows not written to the tier, by reason.", s.write_drops),
             ("fetch_drops", "Fetched rows not loaded into the pool, by reason.", s.fetch_drops),
-            ("verify_failures", "Values discarded because they did not verify, by reason.",
-             s.verify_failures),
+            (
+                "verify_failures",
+                "Values discarded because they did not verify, by reason.",
+                s.verify_failures,
+            ),
         ):
             c = CounterMetricFamily(f"kvdepot_remote_{name}", doc, labels=["reason"])
             for reason, n in sorted(counts.items()):
@@ -62,8 +65,11 @@ class RemoteCollector(Collector):
         for name, doc, h in (
             ("write_seconds", "Seconds per write call to the tier.", s.write_seconds),
             ("read_seconds", "Seconds per read call to the tier.", s.read_seconds),
-            ("miss_to_ready_seconds", "Seconds from a Prefetch to the row being ready.",
-             s.miss_to_ready_seconds),
+            (
+                "miss_to_ready_seconds",
+                "Seconds from a Prefetch to the row being ready.",
+                s.miss_to_ready_seconds,
+            ),
         ):
             yield _histogram(f"kvdepot_remote_{name}", doc, h)
 

@@ -117,7 +117,6 @@ class RedisTier(RemoteTier):
                     ],
                     # A master down leaves its slots uncovered: keep serving the rest.
                     require_full_coverage=False,
-                    cluster_error_retry_attempts=1,
                     **self._common(),  # type: ignore[arg-type]
                 )
                 await client.initialize()

@@ -80,6 +80,7 @@ class WriteBehind:
         self._wakeup = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self._closing = False
+        self._next_drop_log = 0.0
         # Rows the reader loaded from the tier: their STORED event is not written back.
         self.from_tier: set[tuple[str, bytes]] = set()
         # Evict mode: (namespace, key) -> (offset, row bytes) of READY rows.
@@ -135,12 +136,22 @@ class WriteBehind:
                     payload = bytes(self._arena.view(offset, size))
                     self._enqueue(_Item(ns, key, size, payload))
 
+    def _drop(self, reason: str, rows: int = 1) -> None:
+        self._stats.write_drops[reason] += rows
+        now = time.monotonic()
+        if now >= self._next_drop_log:  # in words, at most every 10 s
+            self._next_drop_log = now + 10.0
+            log.warning(
+                "remote tier: %d row(s) not written (%s); %d dropped so far",
+                rows, reason.replace("_", " "), sum(self._stats.write_drops.values()),
+            )
+
     def _admit(self, size: int) -> bool:
         if not self._health.usable():
-            self._stats.write_drops["tier_down"] += 1
+            self._drop("tier_down")
             return False
         if self.pending_bytes + size > self.max_inflight_bytes:
-            self._stats.write_drops["backlog_full"] += 1
+            self._drop("backlog_full")
             return False
         return True
 
@@ -175,13 +186,13 @@ class WriteBehind:
                 await self._write(batch)
             except Exception:  # a bug must not end the worker: count, log, go on
                 log.exception("remote write of %d row(s) failed", len(batch))
-                self._stats.write_drops["error"] += len(batch)
+                self._drop("error", len(batch))
             finally:
                 self.pending_bytes -= sum(i.size for i in batch)
 
     async def _write(self, batch: list[_Item]) -> None:
         if not self._health.usable():
-            self._stats.write_drops["tier_down"] += len(batch)
+            self._drop("tier_down", len(batch))
             return
         names = [codec.remote_key(i.namespace, i.key) for i in batch]
         deadline = time.monotonic() + self.call_timeout_s
@@ -216,7 +227,7 @@ class WriteBehind:
 
     def _failed(self, why: str, rows: int) -> None:
         self._stats.errors += 1
-        self._stats.write_drops["tier_error"] += rows
+        self._drop("tier_error", rows)
         self._health.failed(why)
 
     async def _frames(self, items: list[_Item]) -> list[bytes | None]:
@@ -235,7 +246,7 @@ class WriteBehind:
             except LookupError:  # the namespace is gone
                 slot = None
             if slot is None:
-                self._stats.write_drops["evicted"] += 1
+                self._drop("evicted")
                 out.append(None)
                 continue
             try:

@@ -49,9 +49,7 @@ def load_and_compare(engines: list[Engine], geo: Geometry, chunks: range, keys: 
 
 
 @pytest.mark.parametrize("which", ["standalone", "cluster"])
-def test_rows_stored_on_a_are_loaded_on_b_byte_for_byte(
-    which, request, daemon_factory
-) -> None:
+def test_rows_stored_on_a_are_loaded_on_b_byte_for_byte(which, request, daemon_factory) -> None:
     """TP=2, two groups of different page sizes: every rank's section travels."""
     server = request.getfixturevalue(
         "redis_standalone" if which == "standalone" else "redis_cluster"
@@ -105,7 +103,7 @@ def test_without_remote_prefetch_says_so_and_nothing_changes(daemon_factory) -> 
     assert not c.hello.remote_tier
     geo = Geometry(namespace="plain")
     engines, keys = store_on(c, geo, range(0, 2))
-    resp = prefetch(c, geo.namespace, keys + [bytes(36)])
+    resp = prefetch(c, geo.namespace, [*keys, bytes(36)])
     assert not resp.remote_tier
     assert list(resp.states) == [ABSENT] * (len(keys) + 1)
     s = stats(c)

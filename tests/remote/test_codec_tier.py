@@ -1,0 +1,113 @@
+"""The value framing and the RedisTier contract against real Redis servers."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+
+import pytest
+
+from kvdepot.server.remote import codec
+from kvdepot.server.remote.redis_tier import RedisTier
+from kvdepot.server.remote.tier import TierUnavailable
+from tests.support.redis_servers import RedisServer, free_ports
+
+NS = "ns-a"
+KEY = os.urandom(32) + b"\0\0\0\1"
+
+
+def test_codec_round_trip_and_every_kind_of_bad_value() -> None:
+    payload = os.urandom(100_000)
+    value = codec.encode(NS, KEY, payload)
+    assert bytes(codec.decode(value, NS, KEY, len(payload))) == payload
+    flipped = bytearray(value)
+    flipped[-5] ^= 1
+    cases = {
+        "truncated": value[:-1],
+        "bad_magic": b"XXXX" + value[4:],
+        "wrong_namespace": value,  # read as another namespace's
+        "wrong_key": value,
+        "wrong_length": value,
+        "bad_checksum": bytes(flipped),
+    }
+    for reason, bad in cases.items():
+        ns = "ns-b" if reason == "wrong_namespace" else NS
+        key = KEY[:-1] + b"\2" if reason == "wrong_key" else KEY
+        size = len(payload) - 1 if reason == "wrong_length" else len(payload)
+        with pytest.raises(codec.VerifyError) as info:
+            codec.decode(bad, ns, key, size)
+        assert info.value.reason == reason
+    with pytest.raises(codec.VerifyError):
+        codec.decode(b"short", NS, KEY, 1)
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+@pytest.mark.parametrize("which", ["standalone", "cluster"])
+def test_put_is_once_per_key_get_and_exists_answer_in_order(which, request) -> None:
+    server = request.getfixturevalue(f"redis_{which}")
+    url = server.url
+
+    async def go() -> None:
+        tier = RedisTier(url)
+        d = time.monotonic() + 5
+        keys = [codec.remote_key(NS, os.urandom(36)) for _ in range(20)]
+        assert await tier.put_many([(k, b"v" + k) for k in keys[:10]], 60, d) == [True] * 10
+        # Set-if-absent: the first writer wins, later writers are told.
+        again = await tier.put_many([(k, b"other") for k in keys], 60, d)
+        assert again == [False] * 10 + [True] * 10
+        got = await tier.get_many(keys + [b"kvd1:absent"], d)
+        assert got[:10] == [b"v" + k for k in keys[:10]] and got[10:20] == [b"other"] * 10
+        assert got[20] is None
+        assert await tier.exists_many([keys[0], b"kvd1:absent"], d) == [True, False]
+        if which == "cluster":
+            assert tier.cluster
+        await tier.close()
+
+    run(go())
+
+
+def test_ttl_is_set(redis_standalone) -> None:
+    from tests.support.redis_servers import cli
+
+    async def go() -> bytes:
+        tier = RedisTier(redis_standalone.url)
+        k = codec.remote_key(NS, os.urandom(18).hex().encode())  # printable, for redis-cli
+        await tier.put_many([(k, b"x")], 100, time.monotonic() + 5)
+        await tier.close()
+        return k
+
+    k = run(go())
+    ttl = int(cli(redis_standalone.port, "TTL", k.decode()))
+    assert 90 <= ttl <= 100
+
+
+def test_a_server_that_is_down_or_stalled_costs_at_most_the_deadline(tmp_path) -> None:
+    """Nothing listening, then a server frozen with SIGSTOP: calls raise
+    TierUnavailable by their deadline; once it answers again, calls succeed."""
+    port = free_ports(1)[0]
+
+    async def timed(tier: RedisTier, budget: float) -> float:
+        t0 = time.monotonic()
+        with pytest.raises(TierUnavailable):
+            await tier.get_many([b"kvd1:k"], time.monotonic() + budget)
+        return time.monotonic() - t0
+
+    async def go() -> None:
+        tier = RedisTier(f"redis://127.0.0.1:{port}")
+        assert await timed(tier, 0.5) < 1.0  # refused
+        s = RedisServer(tmp_path / "r", port).start()
+        try:
+            assert await tier.get_many([b"kvd1:k"], time.monotonic() + 2) == [None]
+            s.proc.send_signal(19)  # SIGSTOP: accepts nothing, answers nothing
+            assert await timed(tier, 0.3) < 0.8
+            s.proc.send_signal(18)  # SIGCONT
+            assert await tier.get_many([b"kvd1:k"], time.monotonic() + 2) == [None]
+        finally:
+            s.kill()
+        await tier.close()
+
+    run(go())
