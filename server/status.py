@@ -22,13 +22,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
+import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterator
 from typing import Any
 
 from kvdepot.server.config import default_socket_path
 from kvdepot.server.status_report import (
+    REMOTE_COUNTERS,
     Sample,
     Sampler,
     StatusError,
@@ -104,33 +107,38 @@ def _print_once(path: str, args: argparse.Namespace) -> None:
 
 
 def _watch(path: str, args: argparse.Namespace) -> int:
-    """Redraws until Ctrl-C; a daemon that goes away is shown, and picked up again."""
+    """Redraws until Ctrl-C; a daemon that goes away is shown, and picked up again.
+
+    Ctrl-C sets a flag that the loop checks between readings: a KeyboardInterrupt
+    raised inside a gRPC call can leave the process hanging at exit.
+    """
     from rich.console import Console, Group
     from rich.live import Live
     from rich.text import Text
 
     interval = args.interval if args.interval > 0 else 1.0
     console = Console(highlight=False)
+    stop = threading.Event()
     prev: Sample | None = None
     last_good: Any = None
 
-    def frames() -> Iterable[Any]:
+    def frames() -> Iterator[Any]:
         nonlocal prev, last_good
-        while True:
+        while not stop.is_set():
             try:
                 with connect(path, args.timeout) as channel:
                     sampler = Sampler(path, channel, args.timeout)
-                    while True:
+                    while not stop.is_set():
                         cur = sampler.sample()
                         report = build_report(path, prev, cur)
                         prev = cur
                         last_good = report
                         yield report
-                        time.sleep(interval)
+                        stop.wait(interval)
             except StatusError as exc:
                 prev = None  # rates restart with the next daemon
                 yield exc
-                time.sleep(interval)
+                stop.wait(interval)
 
     def view(item: Any) -> Any:
         if isinstance(item, StatusError):
@@ -141,6 +149,7 @@ def _watch(path: str, args: argparse.Namespace) -> int:
             return Group(err, Text("last reading:", style="dim"), render(last_good))
         return render(item)
 
+    previous = signal.signal(signal.SIGINT, lambda *_: stop.set())
     try:
         if args.json:
             for item in frames():
@@ -156,8 +165,8 @@ def _watch(path: str, args: argparse.Namespace) -> int:
             with Live(console=console, screen=True, auto_refresh=False) as live:
                 for item in frames():
                     live.update(view(item), refresh=True)
-    except KeyboardInterrupt:
-        return 0
+    finally:
+        signal.signal(signal.SIGINT, previous)
     return 0
 
 
@@ -210,6 +219,52 @@ def _pool_bar(capacity: int, used: int, pinned: int, width: int = BAR_WIDTH) -> 
     bar.append("█" * (n_used - n_pinned), style="cyan")
     bar.append("░" * (width - n_used), style="dim")
     return bar
+
+
+def _remote(remote: dict[str, Any] | None, rates: dict[str, Any] | None) -> list[Any]:
+    """The remote tier: off, or its health, traffic and trouble; fields this version
+    does not know are listed as they come."""
+    from rich.table import Table
+    from rich.text import Text
+
+    if not remote:
+        return []
+    g = Table.grid(padding=(0, 1))
+    g.add_column(style="bold", no_wrap=True, min_width=11)
+    g.add_column()
+    known = {"remote_enabled", "remote_healthy", "remote_inflight_bytes", *REMOTE_COUNTERS}
+    if remote.get("remote_enabled") is False:
+        g.add_row("remote", Text("off (kvdepot serve --remote URL)", style="dim"))
+        return [g]
+    if "remote_healthy" in remote:
+        health = (
+            Text("healthy", style="green")
+            if remote["remote_healthy"]
+            else Text("DOWN: not answering (lookups are local only)", style="bold red")
+        )
+        g.add_row("remote", health)
+    if rates is not None and "remote_writes_per_second" in rates:
+        reads = rates["remote_reads_per_second"]
+        asked = rates["remote_hits_per_second"] + rates["remote_misses_per_second"]
+        hit = f", {100 * rates['remote_hits_per_second'] / asked:.0f}% hit" if asked else ""
+        g.add_row(
+            "",
+            f"writes {fmt_rate(rates['remote_writes_per_second'])}/s "
+            f"{fmt_bytes(rates['remote_write_bytes_per_second'])}/s · reads {fmt_rate(reads)}/s "
+            f"{fmt_bytes(rates['remote_read_bytes_per_second'])}/s{hit}",
+        )
+    if "remote_errors" in remote:
+        drops = remote.get("remote_write_drops", 0) + remote.get("remote_fetch_drops", 0)
+        g.add_row(
+            "",
+            f"errors {remote['remote_errors']} · verify failures "
+            f"{remote.get('remote_verify_failures', 0)} · drops {drops} · in flight "
+            f"{fmt_bytes(remote.get('remote_inflight_bytes', 0))}",
+        )
+    for k, v in remote.items():
+        if k not in known:
+            g.add_row("", f"{k} {_value(v)}")
+    return [g]
 
 
 def _value(v: object) -> str:
@@ -305,6 +360,7 @@ def render(r: dict[str, Any]) -> Any:
             "", f"pins {t['pin_keys']} keys ({t['pinned_keys']} ready) · failed jobs {failed}"
         )
     parts.append(grid)
+    parts.extend(_remote(r["remote"], r["rates"]))
 
     ns_table = Table(
         title="namespaces", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, expand=False
@@ -353,14 +409,6 @@ def render(r: dict[str, Any]) -> Any:
     for path, reason in sorted(why.items()):
         parts.append(Text(f"  {path}: {reason}", style="dim"))
 
-    if r["remote"]:  # a remote tier's health and traffic, field by field
-        g = Table.grid(padding=(0, 1))
-        g.add_column(style="bold", no_wrap=True)
-        g.add_column()
-        for k, v in r["remote"].items():
-            g.add_row(k, _value(v))
-        parts.append(Text("remote tier", style="italic"))
-        parts.append(g)
     if r["other"]:  # figures of a newer daemon: one wrapped line, --json has them too
         parts.append(
             Text(

@@ -97,6 +97,12 @@ RATE_COUNTERS = {
     "hits": "hits",
     "dropped_stores": "dropped_stores",
 }
+# The remote tier's counters (`kvdepot serve --remote`), per second over the interval.
+REMOTE_COUNTERS = (
+    "remote_writes", "remote_write_bytes", "remote_write_present", "remote_write_drops",
+    "remote_reads", "remote_read_bytes", "remote_hits", "remote_misses", "remote_fetch_drops",
+    "remote_verify_failures", "remote_errors",
+)  # fmt: skip
 OPTIONAL_RATES = {
     "pin_keys": "pin_keys",
     "pinned_keys": "pinned_keys",
@@ -341,6 +347,7 @@ def rates(prev: Sample | None, cur: Sample) -> dict[str, Any] | None:
     out: dict[str, Any] = {"interval_seconds": dt}
     fields = cur.stats.DESCRIPTOR.fields_by_name
     optional = {k: f for k, f in OPTIONAL_RATES.items() if f in fields}
+    optional |= {k: k for k in REMOTE_COUNTERS if k in fields}
     for name, field in (RATE_COUNTERS | optional).items():
         out[f"{name}_per_second"] = (getattr(cur.stats, field) - getattr(prev.stats, field)) / dt
     before = prev.stats.evictions_by_reason

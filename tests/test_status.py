@@ -174,6 +174,7 @@ def _comparable(screen: str) -> list[str]:
     text = re.sub(r"\b[0-9a-f]{16}\b", "<id>", screen)
     text = re.sub(r"\b\d+(\.\d+)?[smhd]\b( \d+[smh]\b)?", "<t>", text)
     text = re.sub(r"(?<=\s)\d{3,}(?=\s)", "<n>", text)  # pids; sizes all have decimals
+    text = re.sub("─+", "─", text)  # a table's rule is as wide as its columns
     lines = [" ".join(line.split()) for line in text.splitlines()]
     while lines and not lines[-1]:
         lines.pop()
@@ -436,7 +437,9 @@ class Tmux:
         # The pane's size must come from the terminal: a LINES or COLUMNS inherited from
         # this process (some imports export them) would override it.
         self.env = {k: v for k, v in os.environ.items() if k not in ("LINES", "COLUMNS")}
-        self.run("new-session", "-d", "-x", str(WIDTH), "-y", "60", "-s", "w", " ".join(command))
+        # The command as separate arguments, which tmux runs directly (no sh -c): the
+        # pane's process is the command, and Ctrl-C reaches only it.
+        self.run("new-session", "-d", "-x", str(WIDTH), "-y", "60", "-s", "w", *command)
         self.run("set-option", "-t", "w", "remain-on-exit", "on")
 
     def run(self, *args: str) -> str:
@@ -464,6 +467,24 @@ class Tmux:
                 ).strip()
                 raise AssertionError(f"the screen ({size}) never showed {what}:\n{text}")
             time.sleep(0.2)
+
+    def exit_status(self) -> int | None:
+        """The command's exit status once it has exited, else None. tmux records it when
+        it reaps the process, which it sometimes does late: until then the kernel has
+        it, in the zombie's /proc/PID/stat (exit_code, the last field)."""
+        fmt = "#{pane_dead}|#{pane_dead_status}|#{pane_dead_signal}|#{pane_pid}"
+        dead, status, sig, pid = (
+            self.run("display-message", "-p", "-t", "w", fmt).strip().split("|")
+        )
+        if dead != "1":
+            return None
+        if status or sig:
+            return int(status) if status else -int(sig)
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except FileNotFoundError:
+            return None  # reaped a moment ago: tmux has it now
+        return os.waitstatus_to_exitcode(int(fields[-1])) if fields[0] == "Z" else None
 
     def close(self) -> None:
         subprocess.run([*self.base, "kill-server"], capture_output=True, timeout=20)
@@ -518,15 +539,9 @@ def test_watch_in_tmux_follows_the_daemon(guide_daemon: DaemonProcess) -> None:
         )
 
         tmux.run("send-keys", "-t", "w", "C-c")
-        status_line = tmux.wait_for(
-            lambda t: bool(
-                tmux.run("display-message", "-p", "-t", "w", "#{pane_dead}").strip() == "1"
-            ),
-            "the command exit",
-        )
-        assert status_line is not None
-        dead = tmux.run("display-message", "-p", "-t", "w", "#{pane_dead_status}").strip()
-        assert dead == "0", f"exit status {dead}"
+
+        tmux.wait_for(lambda _: tmux.exit_status() is not None, "the command's exit")
+        assert tmux.exit_status() == 0, tmux.screen()
     finally:
         tmux.close()
 
@@ -542,7 +557,7 @@ def _stats_class(add: dict[str, int], drop: Iterable[str] = ()) -> Any:
     kept = [f for f in msg.field if f.name not in set(drop)]
     del msg.field[:]
     msg.field.extend(kept)
-    for number, (name, kind) in enumerate(add.items(), start=100):
+    for number, (name, kind) in enumerate(add.items(), start=9000):
         msg.field.add(
             name=name,
             number=number,
@@ -579,43 +594,60 @@ def test_older_daemon_without_job_and_pin_counters(guide_daemon: DaemonProcess) 
     assert "failed jobs" not in cap.get() and "11 ready" in cap.get()
 
 
-def test_unknown_stats_fields_are_shown(guide_daemon: DaemonProcess) -> None:
-    """Fields a newer daemon adds to GetStats (a remote tier's, say) reach --json and the
-    screen without this version knowing them: GetStatsResponse rebuilt with two more
-    fields, filled from a live reading plus the new values."""
+def test_remote_tier_and_unknown_fields(guide_daemon: DaemonProcess) -> None:
+    """The remote tier: one line when off; health, rates and trouble when on. Fields a
+    newer daemon adds to GetStats reach --json and the screen without this version
+    knowing them (GetStatsResponse rebuilt with three more fields, filled from a live
+    reading plus values)."""
     from google.protobuf.descriptor_pb2 import FieldDescriptorProto as F
     from rich.console import Console
 
     from kvdepot.server.status import render
     from kvdepot.server.status_report import Sample, build_report
 
+    def screen(report: dict[str, Any]) -> str:
+        console = Console(width=WIDTH)
+        with console.capture() as cap:
+            console.print(render(report))
+        return cap.get()
+
+    off = status_json(guide_daemon.socket_path, "--interval", "0")
+    if off["remote"] is not None:  # a daemon with a remote tier, started without one
+        assert off["remote"]["remote_enabled"] is False
+        assert re.search(r"^remote\s+off\b", screen(off), re.M), screen(off)
+
     newer = _stats_class(
-        {"remote_healthy": F.TYPE_BOOL, "remote_read_bytes": F.TYPE_UINT64,
-         "spill_files": F.TYPE_UINT64}
+        {"remote_future_gauge": F.TYPE_BOOL, "remote_future_bytes": F.TYPE_UINT64,
+         "future_spill_files": F.TYPE_UINT64}
     )  # fmt: skip
     ch, stub = admin(guide_daemon)
     with ch:
         live = stub.GetStats(admin_pb2.GetStatsRequest(), timeout=10)
-    stats = newer.FromString(live.SerializeToString())
-    stats.remote_healthy, stats.remote_read_bytes, stats.spill_files = True, 12345, 7
-    report = build_report("/x.sock", None, Sample(time.time(), stats, [], []))
-    # (Containment: this daemon may already send fields this version does not know.)
-    assert report["remote"].items() >= {"remote_healthy": True, "remote_read_bytes": 12345}.items()
-    assert report["other"]["spill_files"] == 7
+    first, second = newer.FromString(live.SerializeToString()), newer()
+    first.remote_future_gauge, first.remote_future_bytes, first.future_spill_files = True, 5, 7
+    second.CopyFrom(first)
+    second.uptime_seconds += 2.0
+    has_tier = "remote_enabled" in newer.DESCRIPTOR.fields_by_name
+    if has_tier:
+        for m in (first, second):
+            m.remote_enabled = True
+        second.remote_writes, second.remote_write_bytes = 8, 8 << 20  # 4/s, 4 MiB/s
+        second.remote_hits, second.remote_misses, second.remote_errors = 3, 1, 2
+    report = build_report("/x.sock", Sample(0, first, [], []), Sample(2, second, [], []))
+    # (Containment: the daemon may already send fields this version does not know.)
+    assert report["remote"].items() >= {"remote_future_bytes": 5}.items()
+    assert report["other"]["future_spill_files"] == 7
     assert report["blocks"]["ready"] == 11  # the known fields as before
-    console = Console(width=WIDTH)
-    with console.capture() as cap:
-        console.print(render(report))
-    screen = cap.get()
-    for needle in (
-        "remote tier",
-        "remote_healthy",
-        "True",
-        "remote_read_bytes",
-        "12345",
-        "spill_files 7",
-    ):
-        assert needle in screen, screen
+    text = screen(report)
+    for needle in ("remote_future_bytes 5", "remote_future_gauge True", "future_spill_files 7"):
+        assert needle in text, text
+    if has_tier:
+        assert report["rates"]["remote_writes_per_second"] == 4
+        assert "DOWN" in text and "writes 4.0/s 4.0 MiB/s" in text and "75% hit" in text, text
+        assert "errors 2" in text
+        second.remote_healthy = True
+        text = screen(build_report("/x.sock", None, Sample(2, second, [], [])))
+        assert re.search(r"^remote\s+healthy\s*$", text, re.M), text
 
 
 if __name__ == "__main__":
