@@ -12,6 +12,13 @@ Contract with vLLM's scheduler (which calls every method from its own thread):
   in one Unpin RPC per batch. `complete_store` is local.
 - Daemon down: the mirror is empty (every lookup misses), stores are not offered,
   and no call raises.
+- Remote tier (the daemon runs with `--remote`, SessionHello.remote_tier): a key
+  missing from the mirror answers RETRY ("ask again next step") and is collected;
+  `on_schedule_end` hands the step's keys to a background thread, which sends
+  them in ONE Prefetch RPC. Keys the tier lacks become misses as soon as the
+  answer arrives; fetched keys turn into hits when Watch announces them; a key
+  still not here after `kvdepot_remote_wait_ms` counts as a miss (recomputed).
+  The scheduler thread never waits on the network for any of it.
 """
 
 from __future__ import annotations
@@ -51,6 +58,11 @@ log = logging.getLogger("kvdepot.vllm.manager")
 
 _HIT = LookupResult.HIT
 _MISS = LookupResult.MISS
+_RETRY = LookupResult.RETRY
+_ABSENT = depot_pb2.PrefetchResponse.ABSENT
+# A key the remote tier lacked (or gave up on) is not asked for again this long:
+# it is recomputed here and stored in this node's pool meanwhile.
+NO_REMOTE_S = 10.0
 _SNAPSHOT = depot_pb2.WatchEvent.SNAPSHOT
 _SNAPSHOT_END = depot_pb2.WatchEvent.SNAPSHOT_END
 _STORED = depot_pb2.WatchEvent.STORED
@@ -68,6 +80,8 @@ class MetricName:
     PIN_MISSES = "kvdepot_pin_misses"
     STORES_NOT_OFFERED = "kvdepot_stores_not_offered"
     LOAD_FAILURES = "kvdepot_load_failures"
+    REMOTE_PREFETCH_KEYS = "kvdepot_remote_prefetch_keys"
+    REMOTE_GAVE_UP = "kvdepot_remote_gave_up"
 
 
 class KVDepotOffloadingManager(OffloadingManager):
@@ -121,6 +135,25 @@ class KVDepotOffloadingManager(OffloadingManager):
             target=self._unpin_loop, name="kvdepot-unpin", daemon=True
         )
         self._unpin_thread.start()
+        # The remote tier: keys asked of it -> monotonic deadline; keys it lacked
+        # (or that took too long) -> until when they count as misses; this step's
+        # keys to ask for; (generation, namespace, keys) for the prefetch thread.
+        self._remote_on = False
+        self._remote_wait_s = float(getattr(settings, "remote_wait_s", 0.2))
+        self._fetching: dict[bytes, float] = {}
+        self._no_remote: dict[bytes, float] = {}
+        self._remote_check = 0.0
+        self._step_prefetch: list[bytes] = []
+        self._prefetches: list[tuple[int, str, list[bytes]]] = []
+        self.remote_asked = 0
+        self.remote_gave_up = 0
+        self.prefetch_rpcs = 0
+        self._prefetch_wakeup = threading.Event()
+        self._prefetch_thread = threading.Thread(
+            target=self._prefetch_loop, name="kvdepot-prefetch", daemon=True
+        )
+        self._prefetch_thread.start()
+        client.add_session_listener(self._on_session)
         client.add_disconnect_listener(self._on_disconnect)
         self._watch = client.watch(namespace_id, self._watch_handler(0))
 
@@ -171,6 +204,11 @@ class KVDepotOffloadingManager(OffloadingManager):
     def _on_disconnect(self) -> None:
         # Pins die with the session; never unpin them in the next one.
         self._pins = Counter()
+        self._remote_on = False
+
+    def _on_session(self, boot_id: str) -> None:
+        hello = self._client.hello
+        self._remote_on = bool(hello is not None and hello.remote_tier)
 
     @property
     def connected(self) -> bool:
@@ -192,7 +230,67 @@ class KVDepotOffloadingManager(OffloadingManager):
             if self._quarantine and key in self._quarantine:
                 return _MISS
             return _HIT
+        if self._remote_on:
+            return self._remote_lookup(key)
         return _MISS
+
+    def _remote_lookup(self, key: bytes) -> LookupResult:
+        """A key missing locally while the daemon has a remote tier: RETRY while it
+        may still arrive, MISS once the tier lacked it or the wait is over."""
+        now = time.monotonic()
+        until = self._fetching.get(key)
+        if until is not None:
+            if now < until:
+                return _RETRY
+            self._fetching.pop(key, None)
+            self._no_remote[key] = now + NO_REMOTE_S
+            self.remote_gave_up += 1
+            with self._stats_lock:
+                self._stats.increase_counter(MetricName.REMOTE_GAVE_UP, 1)
+            return _MISS
+        if self._no_remote.get(key, 0.0) > now or (
+            self._quarantine and key in self._quarantine
+        ):
+            return _MISS
+        self._fetching[key] = now + self._remote_wait_s
+        self._step_prefetch.append(key)
+        return _RETRY
+
+    def _prefetch_loop(self) -> None:
+        """Sends each step's keys in one Prefetch RPC (off the scheduler thread)."""
+        while not self._closed:
+            self._prefetch_wakeup.wait(1.0)
+            self._prefetch_wakeup.clear()
+            batch, self._prefetches = self._prefetches, []
+            for generation, namespace_id, keys in batch:
+                if generation == self._generation:
+                    self._prefetch(namespace_id, keys)
+
+    def _prefetch(self, namespace_id: str, keys: list[bytes]) -> None:
+        try:
+            resp = self._client.stub.Prefetch(
+                depot_pb2.PrefetchRequest(
+                    session_id=self._client.session_id, namespace_id=namespace_id, keys=keys
+                ),
+                timeout=max(self._remote_wait_s, 0.5),
+            )
+        except (DepotUnavailable, grpc.RpcError, ValueError) as exc:
+            code = exc.code() if isinstance(exc, grpc.RpcError) else None
+            if code == grpc.StatusCode.UNIMPLEMENTED:  # a daemon without the call
+                self._remote_on = False
+            log.debug("kvdepot prefetch of %d keys failed: %s", len(keys), exc)
+            states = [_ABSENT] * len(keys)
+        else:
+            self.prefetch_rpcs += 1
+            if not resp.remote_tier:
+                self._remote_on = False
+            states = list(resp.states)
+        until = time.monotonic() + NO_REMOTE_S
+        fetching, no_remote = self._fetching, self._no_remote
+        for key, state in zip(keys, states, strict=False):
+            if state == _ABSENT:  # recompute it: a miss from the next lookup on
+                no_remote[key] = until
+                fetching.pop(key, None)
 
     def get_load_source(self, key: OffloadKey, req_context: ReqContext) -> CacheHitSource:
         return CacheHitSource.HOST
@@ -328,6 +426,22 @@ class KVDepotOffloadingManager(OffloadingManager):
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
         if self._step_loads:
             self._pin_step_loads()
+        if self._step_prefetch:
+            keys, self._step_prefetch = self._step_prefetch, []
+            self.remote_asked += len(keys)
+            with self._stats_lock:
+                self._stats.increase_counter(MetricName.REMOTE_PREFETCH_KEYS, len(keys))
+            self._prefetches.append((self._generation, self.namespace_id, keys))
+            self._prefetch_wakeup.set()
+        if self._fetching or self._no_remote:
+            now = time.monotonic()
+            if now >= self._remote_check:  # forget settled keys, once a second
+                ready = self._ready
+                self._fetching = {
+                    k: t for k, t in self._fetching.items() if k not in ready and t > now - 1.0
+                }
+                self._no_remote = {k: t for k, t in self._no_remote.items() if t > now}
+                self._remote_check = now + 1.0
         if self._quarantine:
             now = time.monotonic()
             if now >= self._quarantine_check:
@@ -358,6 +472,7 @@ class KVDepotOffloadingManager(OffloadingManager):
         self._quarantine = {}
         self._storing = set()
         self._step_loads = []
+        self._fetching, self._no_remote, self._step_prefetch = {}, {}, []
         if old_pins:
             self._unpins.extend((old_namespace, k) for k in old_pins.elements())
             self._unpin_wakeup.set()
@@ -395,6 +510,7 @@ class KVDepotOffloadingManager(OffloadingManager):
             return
         self._closed = True
         self._unpin_wakeup.set()
+        self._prefetch_wakeup.set()
         try:
             self._watch.stop()
         finally:

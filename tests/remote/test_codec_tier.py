@@ -59,7 +59,7 @@ def test_put_is_once_per_key_get_and_exists_answer_in_order(which, request) -> N
         # Set-if-absent: the first writer wins, later writers are told.
         again = await tier.put_many([(k, b"other") for k in keys], 60, d)
         assert again == [False] * 10 + [True] * 10
-        got = await tier.get_many(keys + [b"kvd1:absent"], d)
+        got = await tier.get_many([*keys, b"kvd1:absent"], d)
         assert got[:10] == [b"v" + k for k in keys[:10]] and got[10:20] == [b"other"] * 10
         assert got[20] is None
         assert await tier.exists_many([keys[0], b"kvd1:absent"], d) == [True, False]

@@ -25,8 +25,12 @@ def plant(port: int, key: bytes, value: bytes) -> None:
         return '"' + "".join(f"\\x{c:02x}" for c in b) + '"'
 
     out = subprocess.run(
-        ["redis-cli", "-p", str(port)], input=f"SET {esc(key)} {esc(value)}\n",
-        capture_output=True, text=True, timeout=30, check=True,
+        ["redis-cli", "-p", str(port)],
+        input=f"SET {esc(key)} {esc(value)}\n",
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
     )
     assert "OK" in out.stdout, out.stdout + out.stderr
 
@@ -73,9 +77,7 @@ def test_values_that_do_not_verify_are_counted_and_never_loaded(
     b.close()
 
 
-def test_server_down_costs_nothing_and_recovery_needs_no_restart(
-    tmp_path, daemon_factory
-) -> None:
+def test_server_down_costs_nothing_and_recovery_needs_no_restart(tmp_path, daemon_factory) -> None:
     from tests.support.redis_servers import RedisServer, free_ports
 
     server = RedisServer(tmp_path / "r", free_ports(1)[0]).start()

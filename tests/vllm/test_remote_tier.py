@@ -1,0 +1,160 @@
+"""Two nodes (two daemons with their own pools) sharing KV through a real Redis,
+driven by vLLM 0.33.0's real Scheduler and worker connectors.
+
+Engine A (another process, node A) computes a prompt; engine B on node B finds
+nothing locally, answers RETRY, asks for the step's keys in one Prefetch RPC from
+a background thread, and gets an external hit on the next steps with A's bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm")
+pytest.importorskip("redis")
+
+from kvdepot.client.vllm.testing import (
+    EngineConfig,
+    GroupDef,
+    SyntheticEngine,
+    cpu_environment,
+    find_model_dir,
+    prompt_for,
+)
+from kvdepot.v1 import admin_pb2
+from tests.support.redis_servers import RedisServer, free_ports, require_redis
+
+pytestmark = pytest.mark.vllm
+
+REPO = Path(__file__).resolve().parents[2]
+MODEL_DIR = find_model_dir(REPO / "tests")
+
+
+@pytest.fixture
+def two_nodes(tmp_path, daemon_factory):
+    require_redis()
+    server = RedisServer(tmp_path / "redis", free_ports(1)[0]).start()
+    a = daemon_factory("--pool-size", "64MiB", "--remote", server.url)
+    b = daemon_factory("--pool-size", "64MiB", "--remote", server.url)
+    yield a, b
+    server.kill()
+
+
+@pytest.fixture
+def make_engine():
+    engines: list[SyntheticEngine] = []
+
+    def make(**kwargs) -> SyntheticEngine:
+        engine = SyntheticEngine(EngineConfig(model_dir=str(MODEL_DIR), **kwargs))
+        engines.append(engine)
+        return engine
+
+    yield make
+    for engine in engines:
+        engine.shutdown()
+
+
+def remote_writes(engine: SyntheticEngine) -> int:
+    return engine.manager._client.admin.GetStats(admin_pb2.GetStatsRequest()).remote_writes
+
+
+def test_request_on_node_b_loads_what_node_a_computed(two_nodes, make_engine) -> None:
+    a, b = two_nodes
+    env = {**os.environ, **cpu_environment(), "PYTHONPATH": str(REPO)}
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tests.vllm.engine_proc",
+            "--socket",
+            a.target,
+            "--prompt-seed",
+            "9",
+            "--length",
+            "160",
+            "--model-dir",
+            str(MODEL_DIR),
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=150,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    engine_a = json.loads(proc.stdout.strip().splitlines()[-1])
+
+    prompt = prompt_for(9, 160)
+    engine_b = make_engine(socket=b.target, num_gpu_blocks=64)
+    engine_b.wait_registered()
+    m = engine_b.manager
+    assert m.namespace_id == engine_a["namespace"]
+    keys = engine_b.offload_keys(prompt)
+    engine_b.wait_until(lambda: remote_writes(engine_b) == 0, what="B up")
+    assert not any(m.is_ready(k) for k in keys)  # nothing on node B
+
+    engine_b.add_request(prompt)
+    engine_b.step()  # RETRY for every key: nothing scheduled, nothing waited for
+    assert m.remote_asked == len(keys)
+    engine_b.run()
+    rec = next(iter(engine_b.records.values()))
+    assert rec.external_tokens == 160
+    assert m.prefetch_rpcs == 1  # the step's keys in one call
+    assert m.remote_gave_up == 0
+    assert engine_b.kv_digest(0, 0, rec.block_ids[0][:10]) == engine_a["digest"]
+
+
+@pytest.mark.parametrize("shape", ["tp2", "hybrid"])
+def test_tensor_parallel_and_hybrid_rows_travel_whole(two_nodes, make_engine, shape) -> None:
+    a, b = two_nodes
+    if shape == "tp2":
+        kwargs: dict = {"tp": 2, "num_gpu_blocks": 64}
+    else:
+        kwargs = {
+            "num_gpu_blocks": 96,
+            "groups": (
+                GroupDef("full", block_size=16, num_layers=2),
+                GroupDef(
+                    "sliding_window", block_size=32, num_layers=2, sliding_window=64, num_kv_heads=6
+                ),
+            ),
+        }
+    engine_a = make_engine(socket=a.target, **kwargs)
+    engine_a.wait_registered()
+    prompt = prompt_for(11, 300)
+    [first] = engine_a.generate([prompt])
+    keys = engine_a.offload_keys(prompt)
+    engine_a.wait_ready(keys)
+    engine_a.wait_until(lambda: remote_writes(engine_a) >= len(keys), what="A's writes")
+    want = {
+        r: engine_a.kv_digest(r, 0, first.block_ids[0][: len(keys)]) for r in range(engine_a.cfg.tp)
+    }
+
+    engine_b = make_engine(socket=b.target, **kwargs)
+    engine_b.wait_registered()
+    [rec] = engine_b.generate([prompt])
+    assert rec.external_tokens >= 256
+    n = len(keys) if shape == "tp2" else rec.external_tokens // 16
+    for r in range(engine_b.cfg.tp):
+        got = engine_b.kv_digest(r, 0, rec.block_ids[0][:n])
+        assert got == engine_a.kv_digest(r, 0, first.block_ids[0][:n])
+    assert want
+
+
+def test_a_prompt_no_node_has_is_computed_without_waiting_out_the_deadline(
+    two_nodes, make_engine
+) -> None:
+    _, b = two_nodes
+    engine = make_engine(
+        socket=b.target, num_gpu_blocks=64, extra_config={"kvdepot_remote_wait_ms": 60000}
+    )
+    engine.wait_registered()
+    [rec] = engine.generate([prompt_for(12, 100)])  # the tier says ABSENT at once
+    assert rec.external_tokens == 0
+    assert engine.manager.remote_gave_up == 0
