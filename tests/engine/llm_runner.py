@@ -63,24 +63,28 @@ def main() -> None:
             answer({"metrics": metric_values(llm)})
             continue
         params = SamplingParams(
-            temperature=0.0, max_tokens=cmd.get("max_tokens", 8),
-            logprobs=cmd.get("logprobs", 1), detokenize=False,
+            temperature=0.0,
+            max_tokens=cmd.get("max_tokens", 8),
+            logprobs=cmd.get("logprobs", 1),
+            detokenize=False,
         )
         results = llm.generate(
-            [TokensPrompt(prompt_token_ids=p) for p in cmd["prompts"]], params,
+            [TokensPrompt(prompt_token_ids=p) for p in cmd["prompts"]],
+            params,
             use_tqdm=False,
         )
         outputs = []
         for r in results:
             c = r.outputs[0]
-            chosen = [
-                float(step[tok].logprob) for tok, step in zip(c.token_ids, c.logprobs or [])
-            ]
-            outputs.append({
-                "token_ids": list(c.token_ids),
-                "logprobs": chosen,
-                "num_cached_tokens": int(r.num_cached_tokens or 0),
-            })
+            steps = c.logprobs or []
+            chosen = [float(s[t].logprob) for t, s in zip(c.token_ids, steps, strict=True)]
+            outputs.append(
+                {
+                    "token_ids": list(c.token_ids),
+                    "logprobs": chosen,
+                    "num_cached_tokens": int(r.num_cached_tokens or 0),
+                }
+            )
         answer({"outputs": outputs})
 
 

