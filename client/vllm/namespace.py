@@ -17,6 +17,7 @@ import json
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
+from kvdepot.client.vllm.model_identity import model_identity
 from kvdepot.v1 import depot_pb2
 
 if TYPE_CHECKING:
@@ -46,6 +47,7 @@ class GroupGeometry:
 class NamespaceInputs:
     """What the namespace digest is computed from."""
 
+    # The model's identity (client/vllm/model_identity.py), not its path.
     model: str
     kv_dtype: str
     kv_layout: str
@@ -61,10 +63,13 @@ class NamespaceInputs:
     # Bytes of one block on one rank across all offloaded layers, as vLLM reports
     # it; only part of the digest when per-layer page bytes are unknown.
     worker_bytes_per_block: int = 0
+    # The name the engine was started with: shown, never part of the digest.
+    model_name: str = ""
 
     def digest(self) -> str:
         """The namespace id: 'kvd1-' + 40 hex digits of a SHA-256 over the inputs."""
         fields: dict[str, Any] = asdict(self)
+        fields.pop("model_name")
         if all(g.layer_page_bytes for g in self.groups):
             fields.pop("worker_bytes_per_block")
         canonical = json.dumps(fields, sort_keys=True, separators=(",", ":"))
@@ -77,7 +82,7 @@ class NamespaceInputs:
         )
         salt = " salted" if self.salt else ""
         return (
-            f"{self.model} {self.kv_dtype} {self.kv_layout} groups=[{groups}] "
+            f"{self.model_name or self.model} {self.kv_dtype} {self.kv_layout} groups=[{groups}] "
             f"bpc={self.blocks_per_chunk} world={self.world_size} tp={self.tp_size} "
             f"pp={self.pp_size} pcp={self.pcp_size} dcp={self.dcp_size} "
             f"hash={self.hash_algo}{salt}"
@@ -135,7 +140,8 @@ def namespace_inputs(
         )
     p = config.parallel
     return NamespaceInputs(
-        model=config.model.name,
+        model=model_identity(config.model.name),
+        model_name=config.model.name,
         kv_dtype=config.model.dtype,
         kv_layout=config.kv_cache_layout or "",
         groups=tuple(groups),
