@@ -100,6 +100,9 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-connector", action="store_true",
                    help="skip the vLLM connector's bench")
     g.add_argument("--no-gpu", action="store_true", help="skip the GPU path's bench")
+    g.add_argument("--remote", metavar="URL",
+                   help="measure only the remote tier at this redis:// URL against bare "
+                        "redis-py, and the miss-to-loaded-block time (kvdepot.bench.remote_bench)")
     g = parser.add_argument_group("output")
     g.add_argument("--quick", action="store_true",
                    help="smoke run: 8 layers, 3 repetitions, small pool (seconds)")
@@ -146,6 +149,15 @@ def run_bench(args: argparse.Namespace) -> int:
     """Runs every section, prints the table (and JSON, plot); returns the exit code."""
     import json
 
+    if args.remote:  # its own figures and table (kvdepot.bench.remote_bench)
+        from kvdepot.bench.remote_bench import format_table as remote_table
+        from kvdepot.bench.remote_bench import run_remote_bench
+
+        remote = run_remote_bench(args.remote, args.quick)
+        print(remote_table(remote), file=sys.stderr if args.json else sys.stdout)
+        if args.json:
+            print(json.dumps(remote, indent=1))
+        return 1 if args.strict and not all(t["met"] for t in remote["targets"]) else 0
     started = time.monotonic()
     load_before = os.getloadavg()[0]
     try:
