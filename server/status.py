@@ -195,6 +195,10 @@ def fmt_age(seconds: float) -> str:
     return f"{s}s"
 
 
+def plural(n: int, word: str) -> str:
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
 def fmt_rate(x: float) -> str:
     return f"{x:.0f}" if x >= 100 or x == 0 else f"{x:.1f}"
 
@@ -352,12 +356,14 @@ def render(r: dict[str, Any]) -> Any:
     grid.add_row(
         "",
         f"evictions {t['evictions']} · dropped stores {t['dropped_stores']} · "
-        f"{t['sessions']} sessions · {t['registrations']} registrations",
+        f"{plural(t['sessions'], 'session')} · {plural(t['registrations'], 'registration')}",
     )
     if "pin_keys" in t:
         failed = t["failed_store_jobs"] + t["failed_load_jobs"]
         grid.add_row(
-            "", f"pins {t['pin_keys']} keys ({t['pinned_keys']} ready) · failed jobs {failed}"
+            "",
+            f"pins {plural(t['pin_keys'], 'key')} ({t['pinned_keys']} ready) · "
+            f"failed jobs {failed}",
         )
     parts.append(grid)
     parts.extend(_remote(r["remote"], r["rates"]))

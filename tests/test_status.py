@@ -312,6 +312,47 @@ def test_socket_from_the_environment_and_serve_default(daemon_factory: DaemonFac
     assert env is not None
 
 
+def test_remote_tier_health_live(daemon_factory: DaemonFactory, tmp_path: Path) -> None:
+    """A daemon with a real remote tier (redis-server): healthy while it answers, DOWN
+    (in words, and in --json) once the server is killed and a write has failed."""
+    from tests.support.redis_servers import RedisServer, free_ports, redis_available
+
+    if not redis_available():
+        pytest.fail("redis-server not found: apt-get install redis-server (scripts/test.sh does)")
+    redis = RedisServer(tmp_path / "redis", free_ports(1)[0]).start()
+    try:
+        d = daemon_factory("--pool-size", "16MiB", "--remote", redis.url)
+        client = connect(d.target, "remote-status-test")
+        try:
+            eng = Engine(
+                client,
+                Geometry(
+                    groups=[[4096, 4096]], world_size=1, num_blocks=128, namespace="remote-status"
+                ),
+                0,
+            )
+            store(eng, range(0, 2))
+            up = status_json(d.socket_path, "--interval", "0")["remote"]
+            assert up["remote_enabled"] and up["remote_healthy"], up
+            screen = status("--socket", d.socket_path, "--interval", "0").stdout
+            assert re.search(r"^remote\s+healthy\s*$", screen, re.M), screen
+
+            redis.kill()
+            deadline, chunk = time.monotonic() + 30, 2
+            while status_json(d.socket_path, "--interval", "0")["remote"]["remote_healthy"]:
+                assert time.monotonic() < deadline, "the tier's death never showed"
+                store(eng, range(chunk, chunk + 1))  # a write to the tier fails
+                chunk += 1
+                time.sleep(0.2)
+            screen = status("--socket", d.socket_path, "--interval", "0").stdout
+            assert re.search(r"^remote\s+DOWN: not answering", screen, re.M), screen
+            assert status_json(d.socket_path, "--interval", "0")["remote"]["remote_errors"] >= 1
+        finally:
+            client.close()
+    finally:
+        redis.kill()
+
+
 def test_probe(daemon_factory: DaemonFactory, tmp_path: Path) -> None:
     d = daemon_factory("--pool-size", "16MiB")
     assert status("--socket", d.socket_path, "--probe").returncode == 0
