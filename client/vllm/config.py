@@ -82,8 +82,8 @@ class DepotSettings:
     load_failure_backoff_s: after a failed load, the scheduler treats its keys as
         misses for this long, so a request is not sent to the same failure again.
     client_name: shown by `Admin/ListEngines` (default: role and engine id).
-    remote_wait_s: how long a lookup may wait for a tier below the daemon's pool
-        (read for the remote tier; nothing uses it yet).
+    remote_wait_s: how long a lookup may answer RETRY for a block the daemon's remote
+        tier is fetching before it counts as a miss (see KVDepotOffloadingManager).
     """
 
     socket: str = _key("kvdepot_socket", DEFAULT_SOCKET, _socket)
