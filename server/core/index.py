@@ -35,6 +35,7 @@ from kvdepot.server.core.kinds import (
     StoreOutcome,
 )
 from kvdepot.server.core.layout import LayoutError, NamespaceLayout, check_key
+from kvdepot.server.core.sorted_keys import SortedKeys
 
 __all__ = [
     "BlockIndex",
@@ -87,9 +88,21 @@ class Slot:
 
 @dataclass
 class Namespace:
+    """A layout and its slots, with counters kept on every state change so that
+    the figures (GetStats, ListNamespaces, metrics) cost O(namespaces), never a
+    walk over the slots."""
+
     layout: NamespaceLayout
     slots: dict[bytes, Slot] = field(default_factory=dict)
-    used_bytes: int = 0
+    used_bytes: int = 0  # slots in `slots`, and doomed ones not yet freed
+    sorted_keys: SortedKeys = field(default_factory=SortedKeys)  # keys of `slots`
+    ready_blocks: int = 0
+    ready_bytes: int = 0
+    writing_blocks: int = 0
+    writing_bytes: int = 0
+    pinned_blocks: int = 0  # READY slots with at least one pin
+    pinned_bytes: int = 0
+    group_blocks: Counter[int] = field(default_factory=Counter)  # slots by group
 
     @property
     def full_mask(self) -> int:
@@ -231,6 +244,9 @@ class BlockIndex:
             self._lru.pop(slot, None)
         if not slot.pins:
             self.pinned_bytes += slot.extent.size
+            ns = self.namespaces[slot.namespace]
+            ns.pinned_blocks += 1
+            ns.pinned_bytes += slot.extent.size
         slot.pins[owner] += 1
         self._pins_by_owner.setdefault(owner, Counter())[slot] += 1
 
@@ -246,6 +262,9 @@ class BlockIndex:
                 del self._pins_by_owner[owner]
         if not slot.pins:
             self.pinned_bytes -= slot.extent.size
+            ns = self.namespaces[slot.namespace]
+            ns.pinned_blocks -= 1
+            ns.pinned_bytes -= slot.extent.size
         self._maybe_evictable(slot)
 
     def _maybe_evictable(self, slot: Slot) -> None:
@@ -278,8 +297,7 @@ class BlockIndex:
                 self.stats.dropped_stores[reason] += 1
                 return StoreDecision(StoreOutcome.DROPPED, None, reason)
             slot = Slot(namespace_id, key, group, extent, self._clock())
-            ns.slots[key] = slot
-            ns.used_bytes += extent.size
+            self._attach(ns, slot)
             self._writing.add(slot)
         slot.copying_mask |= bit
         slot.writers[rank] = owner
@@ -299,6 +317,10 @@ class BlockIndex:
         ns = self.namespaces[slot.namespace]
         if slot.written_mask == ns.full_mask:
             slot.state = SlotState.READY
+            ns.writing_blocks -= 1
+            ns.writing_bytes -= slot.extent.size
+            ns.ready_blocks += 1
+            ns.ready_bytes += slot.extent.size
             slot.writers.clear()
             self._writing.discard(slot)
             self._lru[slot] = None
@@ -351,7 +373,7 @@ class BlockIndex:
     def _doom(self, slot: Slot, reason: AbortReason) -> None:
         ns = self.namespaces[slot.namespace]
         if ns.slots.get(slot.key) is slot:
-            del ns.slots[slot.key]
+            self._detach(ns, slot)
         self._writing.discard(slot)
         slot.doomed = True
         self.stats.aborted_writes[reason] += 1
@@ -377,11 +399,38 @@ class BlockIndex:
 
     def _remove_ready(self, slot: Slot, reason: EvictionReason) -> None:
         self._lru.pop(slot, None)
-        ns = self.namespaces[slot.namespace]
-        del ns.slots[slot.key]
+        self._detach(self.namespaces[slot.namespace], slot)
         self._release_extent(slot)
         self.stats.evictions[reason] += 1
         self._emit(IndexEvent(slot.namespace, EventKind.REMOVED, (slot.key,), reason))
+
+    @staticmethod
+    def _attach(ns: Namespace, slot: Slot) -> None:
+        """Puts `slot` into `ns` and counts it (by its state)."""
+        ns.slots[slot.key] = slot
+        ns.sorted_keys.add(slot.key)
+        ns.used_bytes += slot.extent.size
+        ns.group_blocks[slot.group] += 1
+        if slot.state is SlotState.READY:
+            ns.ready_blocks += 1
+            ns.ready_bytes += slot.extent.size
+        else:
+            ns.writing_blocks += 1
+            ns.writing_bytes += slot.extent.size
+
+    @staticmethod
+    def _detach(ns: Namespace, slot: Slot) -> None:
+        """Takes `slot` out of `ns` and its counts; used_bytes stays until the
+        extent is freed."""
+        del ns.slots[slot.key]
+        ns.sorted_keys.remove(slot.key)
+        ns.group_blocks[slot.group] -= 1
+        if slot.state is SlotState.READY:
+            ns.ready_blocks -= 1
+            ns.ready_bytes -= slot.extent.size
+        else:
+            ns.writing_blocks -= 1
+            ns.writing_bytes -= slot.extent.size
 
     def _release_extent(self, slot: Slot) -> None:
         self.namespaces[slot.namespace].used_bytes -= slot.extent.size
@@ -412,6 +461,26 @@ class BlockIndex:
                 skipped += 1
         return evicted, skipped
 
+    def evict_slice(
+        self,
+        namespace_id: str,
+        after: bytes | None,
+        limit: int,
+        reason: EvictionReason = EvictionReason.ADMIN,
+    ) -> tuple[int, int, bytes | None]:
+        """One slice of a whole-namespace eviction: the READY, unheld blocks among
+        the next `limit` keys (in key order) after `after` (None: from the first).
+
+        Returns (evicted, skipped, the last key looked at, or None when the walk
+        is done). Callers yield to the event loop between slices, so a Clear of
+        10^6 blocks never holds the loop for more than one slice; blocks stored
+        behind the walk's position meanwhile are left alone.
+        """
+        ns = self.namespace(namespace_id)
+        keys = ns.sorted_keys.after(after, limit)
+        evicted, skipped = self.evict(namespace_id, keys, reason)
+        return evicted, skipped, (keys[-1] if len(keys) == limit else None)
+
     def clear(self) -> tuple[int, int]:
         evicted = skipped = 0
         for ns_id in list(self.namespaces):
@@ -429,14 +498,12 @@ class BlockIndex:
         return events
 
     def counts(self) -> dict[str, int]:
+        """Blocks by state, from the namespaces' counters: O(namespaces)."""
         ready = writing = pinned = 0
         for ns in self.namespaces.values():
-            for slot in ns.slots.values():
-                if slot.state is SlotState.READY:
-                    ready += 1
-                    pinned += bool(slot.pins)
-                else:
-                    writing += 1
+            ready += ns.ready_blocks
+            writing += ns.writing_blocks
+            pinned += ns.pinned_blocks
         return {"ready": ready, "writing": writing, "pinned": pinned, "doomed": len(self._doomed)}
 
     def pinned_slot_count(self, owner: Owner) -> int:
@@ -476,8 +543,7 @@ class BlockIndex:
             )
         slot = Slot(namespace_id, key, group, extent, self._clock(), state=SlotState.READY,
                     written_mask=ns.full_mask)
-        ns.slots[key] = slot
-        ns.used_bytes += extent.size
+        self._attach(ns, slot)
         self._lru[slot] = None
         return slot
 
@@ -493,6 +559,20 @@ class BlockIndex:
             assert ns.used_bytes == sum(s.extent.size for s in ns.slots.values()) + sum(
                 s.extent.size for s in self._doomed if s.namespace == ns.layout.id
             )
+            ready = [s for s in ns.slots.values() if s.state is SlotState.READY]
+            writing = [s for s in ns.slots.values() if s.state is not SlotState.READY]
+            pinned = [s for s in ready if s.pins]
+            assert (ns.ready_blocks, ns.ready_bytes) == (
+                len(ready), sum(s.extent.size for s in ready)
+            ), f"namespace {ns.layout.id}: ready counters drifted"
+            assert (ns.writing_blocks, ns.writing_bytes) == (
+                len(writing), sum(s.extent.size for s in writing)
+            ), f"namespace {ns.layout.id}: writing counters drifted"
+            assert (ns.pinned_blocks, ns.pinned_bytes) == (
+                len(pinned), sum(s.extent.size for s in pinned)
+            ), f"namespace {ns.layout.id}: pinned counters drifted"
+            assert +ns.group_blocks == Counter(s.group for s in ns.slots.values())
+            assert list(ns.sorted_keys) == sorted(ns.slots), "sorted keys drifted"
         for slot in live:
             evictable = slot.state is SlotState.READY and not slot.held
             assert (slot in self._lru) == evictable, f"LRU membership wrong for {slot.key.hex()}"

@@ -9,15 +9,13 @@ runs with --no-destructive-admin.
 
 from __future__ import annotations
 
-import heapq
 import time
-from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import grpc
 
 from kvdepot.server import errors
-from kvdepot.server.core.index import Namespace, Slot, SlotState
+from kvdepot.server.core.index import Namespace, Slot
 from kvdepot.server.service.status import reports_errors
 from kvdepot.server.state import DepotState
 from kvdepot.v1 import admin_pb2 as pb
@@ -28,6 +26,7 @@ if TYPE_CHECKING:
 
 MAX_PAGE = 10000
 DEFAULT_PAGE = 100
+MAX_SCAN = 20000  # blocks one filtered ListBlocks call looks at, at most
 
 # A page token is "<namespace id>/<key hex>" of the last block of the previous page.
 # Paging by key (not by position) means blocks stored or evicted between two pages
@@ -79,12 +78,11 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         for ns_id in sorted(self.state.index.namespaces):
             ns = self.state.index.namespaces[ns_id]
             lay = ns.layout
-            ready = sum(s.state is SlotState.READY for s in ns.slots.values())
             out.append(
                 pb.NamespaceInfo(
                     id=lay.id, world_size=lay.world_size, blocks_per_chunk=lay.blocks_per_chunk,
                     slot_bytes=[lay.slot_bytes(g) for g in range(lay.num_groups)],
-                    ready_blocks=ready, writing_blocks=len(ns.slots) - ready,
+                    ready_blocks=ns.ready_blocks, writing_blocks=ns.writing_blocks,
                     used_bytes=ns.used_bytes, description=lay.description,
                 )
             )
@@ -118,31 +116,48 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
     async def ListBlocks(
         self, request: pb.ListBlocksRequest, context: grpc.aio.ServicerContext
     ) -> pb.ListBlocksResponse:
-        """Blocks ordered by (namespace, key), a page at a time, optionally filtered."""
+        """Blocks ordered by (namespace, key), a page at a time, optionally filtered.
+
+        O(log n + page) per call: each namespace keeps its keys sorted, and the page
+        token is where the last page stopped. A group filter looks at no more than
+        MAX_SCAN blocks per call; a page may then come back short (even empty) with
+        a token to go on from.
+        """
         namespaces, group, size, after = self._block_query(request)
-
-        def matching() -> Iterator[Slot]:
-            for ns in namespaces:
-                for slot in ns.slots.values():
+        page: list[Slot] = []
+        scanned = 0
+        last: Slot | None = None  # the last block looked at (the next page starts after it)
+        more = False
+        for ns in namespaces:
+            if after is not None and ns.layout.id < after[0]:
+                continue
+            cursor = after[1] if after is not None and ns.layout.id == after[0] else None
+            while not more:
+                want = min(size + 1 - len(page), MAX_SCAN - scanned) if group is None else (
+                    MAX_SCAN - scanned
+                )
+                keys = ns.sorted_keys.after(cursor, min(want, 4096))
+                if not keys:
+                    break
+                for key in keys:
+                    slot = ns.slots[key]
+                    scanned += 1
                     if group is None or slot.group == group:
-                        yield slot
-
-        def order(slot: Slot) -> tuple[str, bytes]:
-            return slot.namespace, slot.key
-
-        total = 0
-
-        def counted_after() -> Iterator[Slot]:
-            nonlocal total
-            for slot in matching():
-                total += 1
-                if after is None or order(slot) > after:
-                    yield slot
-
-        # nsmallest: O(n log page) rather than sorting every block for each page.
-        page = heapq.nsmallest(size + 1, counted_after(), key=order)
-        more = len(page) > size
-        page = page[:size]
+                        if len(page) == size:
+                            more = True  # one more matches: this page is full
+                            break
+                        page.append(slot)
+                    last = slot
+                    if scanned >= MAX_SCAN:
+                        more = True
+                        break
+                cursor = keys[-1]
+            if more:
+                break
+        if group is None:
+            total = sum(len(ns.slots) for ns in namespaces)
+        else:
+            total = sum(ns.group_blocks[group] for ns in namespaces)
         return pb.ListBlocksResponse(
             blocks=[
                 pb.BlockInfo(
@@ -152,7 +167,7 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
                 )
                 for s in page
             ],
-            next_page_token=_page_token(page[-1]) if more else "",
+            next_page_token=_page_token(last) if more and last is not None else "",
             total_blocks=total,
         )
 
@@ -198,7 +213,9 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         self, request: pb.EvictRequest, context: grpc.aio.ServicerContext
     ) -> pb.EvictResponse:
         """Evicts ready, unpinned blocks of one namespace: all of them, or the given keys."""
-        evicted, skipped, not_found = self.state.evict(request.namespace_id, list(request.keys))
+        evicted, skipped, not_found = await self.state.evict_in_slices(
+            request.namespace_id, list(request.keys)
+        )
         return pb.EvictResponse(
             evicted_blocks=evicted, skipped_blocks=skipped, not_found_blocks=not_found
         )
@@ -208,5 +225,5 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         self, request: pb.ClearRequest, context: grpc.aio.ServicerContext
     ) -> pb.ClearResponse:
         """Evicts every ready, unpinned block of every namespace."""
-        evicted, skipped = self.state.clear()
+        evicted, skipped = await self.state.clear_in_slices()
         return pb.ClearResponse(evicted_blocks=evicted, skipped_blocks=skipped)

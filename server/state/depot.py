@@ -51,6 +51,10 @@ from kvdepot.server.state.traffic import Traffic, TransferObserver
 log = logging.getLogger("kvdepot.state")
 F = TypeVar("F", bound=Callable[..., Any])
 
+# Blocks a bulk eviction (Clear, Evict of a namespace) handles between two yields
+# to the event loop: about a millisecond of work, far inside a Pin's deadline.
+EVICT_SLICE = 2000
+
 
 def mutation(fn: F) -> F:
     """Marks a state operation that may change the index, sessions or
@@ -121,6 +125,7 @@ class DepotState:
         # Writer ids that are not sessions (see add_internal_writer).
         self.internal_writers: set[str] = set()
         self.invariant_failure: str | None = None
+        self.slices_yielded = 0  # bulk-eviction slices so far (tests: the work was sliced)
 
     @classmethod
     def create(cls, config: ServeConfig) -> DepotState:
@@ -333,10 +338,8 @@ class DepotState:
                 "restart the daemon without that setting"
             )
 
-    @mutation
-    def evict(self, namespace_id: str, keys: Sequence[bytes]) -> tuple[int, int, int]:
-        """Admin/Evict: ready, unheld blocks of one namespace (all, or `keys`).
-        Returns (evicted, skipped: pinned, read or written, not found)."""
+    def _evict_request(self, namespace_id: str, keys: Sequence[bytes]) -> list[bytes]:
+        """Checks an Admin/Evict request; returns its distinct keys."""
         self._check_destructive()
         if not namespace_id:
             raise errors.invalid(
@@ -356,16 +359,74 @@ class DepotState:
                     f"{exc}. In grpcurl JSON a key is base64: copy `key` from "
                     f"Admin/ListBlocks, or convert key_hex with `xxd -r -p | base64 -w0`"
                 ) from None
+        return unique
+
+    @mutation
+    def evict(self, namespace_id: str, keys: Sequence[bytes]) -> tuple[int, int, int]:
+        """Admin/Evict in one go (direct use, tests); the service calls
+        `evict_in_slices`. Returns (evicted, skipped: pinned, read or written,
+        not found)."""
+        unique = self._evict_request(namespace_id, keys)
         if not unique:
             evicted, skipped = self.index.evict(namespace_id, None, EvictionReason.ADMIN)
             return evicted, skipped, 0
+        ns = self.index.namespace(namespace_id)
         not_found = sum(k not in ns.slots for k in unique)
         evicted, skipped = self.index.evict(namespace_id, unique, EvictionReason.ADMIN)
         return evicted, skipped, not_found
 
+    async def evict_in_slices(
+        self, namespace_id: str, keys: Sequence[bytes]
+    ) -> tuple[int, int, int]:
+        """Admin/Evict: ready, unheld blocks of one namespace (all, or `keys`),
+        EVICT_SLICE blocks at a time with the event loop free in between, so a
+        Pin never waits for more than one slice. Returns (evicted, skipped,
+        not found)."""
+        unique = self._evict_request(namespace_id, keys)
+        if not unique:
+            evicted, skipped = await self._evict_namespace(namespace_id, EvictionReason.ADMIN)
+            return evicted, skipped, 0
+        evicted = skipped = not_found = 0
+        for start in range(0, len(unique), EVICT_SLICE):
+            ns = self.index.namespaces.get(namespace_id)
+            if ns is None:  # cannot happen today (namespaces are never dropped)
+                break
+            part = unique[start : start + EVICT_SLICE]
+            not_found += sum(k not in ns.slots for k in part)
+            e, s = self.index.evict(namespace_id, part, EvictionReason.ADMIN)
+            evicted, skipped = evicted + e, skipped + s
+            self.verify_invariants()
+            await asyncio.sleep(0)
+        return evicted, skipped, not_found
+
+    async def clear_in_slices(self) -> tuple[int, int]:
+        """Admin/Clear: every ready, unheld block, a slice at a time (see
+        `evict_in_slices`). Returns (evicted, skipped)."""
+        self._check_destructive()
+        evicted = skipped = 0
+        for ns_id in list(self.index.namespaces):
+            e, s = await self._evict_namespace(ns_id, EvictionReason.CLEAR)
+            evicted, skipped = evicted + e, skipped + s
+        return evicted, skipped
+
+    async def _evict_namespace(
+        self, namespace_id: str, reason: EvictionReason
+    ) -> tuple[int, int]:
+        evicted = skipped = 0
+        after: bytes | None = None
+        while True:
+            e, s, after = self.index.evict_slice(namespace_id, after, EVICT_SLICE, reason)
+            evicted, skipped = evicted + e, skipped + s
+            self.slices_yielded += 1
+            self.verify_invariants()
+            await asyncio.sleep(0)  # let Pins, Lookups and jobs in
+            if after is None:
+                return evicted, skipped
+
     @mutation
     def clear(self) -> tuple[int, int]:
-        """Admin/Clear: every ready, unheld block. Returns (evicted, skipped)."""
+        """Admin/Clear in one go (direct use, tests); the service calls
+        `clear_in_slices`. Returns (evicted, skipped)."""
         self._check_destructive()
         return self.index.clear()
 
