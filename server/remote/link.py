@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvdepot.server.copy_queue import CopyQueue
 from kvdepot.server.core.index import BlockIndex
 from kvdepot.server.memory.arena import Arena
 from kvdepot.server.remote.health import TierHealth
@@ -57,7 +58,12 @@ def read_password(password_file: str | None) -> str | None:
 
 class RemoteLink:
     def __init__(
-        self, tier: RemoteTier, index: BlockIndex, arena: Arena, settings: RemoteSettings
+        self,
+        tier: RemoteTier,
+        index: BlockIndex,
+        arena: Arena,
+        copy_queue: CopyQueue,
+        settings: RemoteSettings,
     ) -> None:
         from kvdepot.server.remote.writer import WriteBehind
 
@@ -69,6 +75,7 @@ class RemoteLink:
             tier,
             index,
             arena,
+            copy_queue,
             self.health,
             self.stats,
             mode=settings.write_mode,
@@ -79,6 +86,7 @@ class RemoteLink:
             tier,
             index,
             arena,
+            copy_queue,
             self.health,
             self.stats,
             self.writer,
@@ -87,7 +95,9 @@ class RemoteLink:
         self._probe_task: asyncio.Task[None] | None = None
 
     @classmethod
-    def from_settings(cls, settings: RemoteSettings, index: BlockIndex, arena: Arena) -> RemoteLink:
+    def from_settings(
+        cls, settings: RemoteSettings, index: BlockIndex, arena: Arena, copy_queue: CopyQueue
+    ) -> RemoteLink:
         from kvdepot.server.remote.redis_tier import RedisTier
 
         tier = RedisTier(
@@ -95,7 +105,7 @@ class RemoteLink:
             password=read_password(settings.password_file),
             ca_file=settings.ca_file,
         )
-        return cls(tier, index, arena, settings)
+        return cls(tier, index, arena, copy_queue, settings)
 
     def start(self) -> None:
         """Starts the workers (on the event loop). Subscribe `on_event` to the bus."""

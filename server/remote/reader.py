@@ -21,6 +21,7 @@ import time
 from collections import deque
 from collections.abc import Sequence
 
+from kvdepot.server.copy_queue import CopyQueue
 from kvdepot.server.core.index import BlockIndex, Namespace, UnknownNamespace
 from kvdepot.server.core.kinds import StoreOutcome
 from kvdepot.server.core.layout import LayoutError, check_key
@@ -53,6 +54,7 @@ class Fetcher:
         tier: RemoteTier,
         index: BlockIndex,
         arena: Arena,
+        copy_queue: CopyQueue,
         health: TierHealth,
         stats: RemoteStats,
         writer: WriteBehind | None,
@@ -64,6 +66,7 @@ class Fetcher:
         self._tier = tier
         self._index = index
         self._arena = arena
+        self._copy_queue = copy_queue  # pool bytes are written on copy threads only
         self._health = health
         self._stats = stats
         self._writer = writer
@@ -73,6 +76,7 @@ class Fetcher:
         self._queue: deque[tuple[str, bytes, int, float]] = deque()  # ns, key, size, asked at
         self._fetching: set[tuple[str, bytes]] = set()
         self._absent: dict[tuple[str, bytes], float] = {}  # -> until
+        self._absent_check = 0.0
         self.pending_bytes = 0
         self._wakeup = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
@@ -96,8 +100,9 @@ class Fetcher:
         self._stats.prefetch_keys += len(keys)
         ns = self._index.namespace(namespace_id)  # UnknownNamespace -> NOT_FOUND
         now = time.monotonic()
-        if len(self._absent) > 100_000 or (self._absent and len(self._absent) % 1024 == 0):
+        if self._absent and now >= self._absent_check:  # forget old answers, once a second
             self._absent = {k: t for k, t in self._absent.items() if t > now}
+            self._absent_check = now + 1.0
         unique = list(dict.fromkeys(keys))
         states = await self._prefetch_unique(namespace_id, ns, unique, now)
         by_key = dict(zip(unique, states, strict=True))
@@ -239,14 +244,14 @@ class Fetcher:
         if self._writer is not None:
             self._writer.from_tier.add((namespace_id, key))
         ok = False
-        view = self._arena.view(slot.extent.offset, len(payload))
+        arena, offset = self._arena, slot.extent.offset
         try:
-            await asyncio.get_running_loop().run_in_executor(
-                None, view.__setitem__, slice(None), payload
+            # On a copy thread: the daemon waits for those before unmapping the pool.
+            await self._copy_queue.run(
+                lambda: arena.view(offset, len(payload)).__setitem__(slice(None), payload)
             )
             ok = True
         finally:
-            view.release()
             ready = False
             for rank in range(ns.layout.world_size):
                 ready = self._index.finish_store(slot, rank, ok) or ready

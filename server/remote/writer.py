@@ -27,6 +27,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
+from kvdepot.server.copy_queue import CopyQueue
 from kvdepot.server.core.index import BlockIndex, IndexEvent
 from kvdepot.server.core.kinds import EventKind, EvictionReason
 from kvdepot.server.core.layout import check_key
@@ -56,6 +57,7 @@ class WriteBehind:
         tier: RemoteTier,
         index: BlockIndex,
         arena: Arena,
+        copy_queue: CopyQueue,
         health: TierHealth,
         stats: RemoteStats,
         *,
@@ -69,6 +71,7 @@ class WriteBehind:
         self._tier = tier
         self._index = index
         self._arena = arena
+        self._copy_queue = copy_queue  # pool bytes are read on copy threads only
         self._health = health
         self._stats = stats
         self.mode = mode
@@ -143,7 +146,9 @@ class WriteBehind:
             self._next_drop_log = now + 10.0
             log.warning(
                 "remote tier: %d row(s) not written (%s); %d dropped so far",
-                rows, reason.replace("_", " "), sum(self._stats.write_drops.values()),
+                rows,
+                reason.replace("_", " "),
+                sum(self._stats.write_drops.values()),
             )
 
     def _admit(self, size: int) -> bool:
