@@ -193,7 +193,7 @@ class Daemon:
             password_file=cfg.remote_password_file, ca_file=cfg.remote_ca_file,
         )
         try:
-            link = RemoteLink.from_settings(settings, st.index, st.arena)
+            link = RemoteLink.from_settings(settings, st.index, st.arena, st.copy_queue)
         except OSError as exc:
             raise RemoteTierError(f"--remote-password-file: {exc}") from None
         st.add_event_listener(link.on_event)
