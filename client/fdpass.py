@@ -55,8 +55,13 @@ def _read_framed(sock: socket.socket, max_fds: int, fds: list[int]) -> dict:
     head = b""
     while len(head) < _LEN.size:
         if max_fds:
-            data, received, _flags, _addr = socket.recv_fds(sock, _LEN.size - len(head), max_fds)
+            data, received, flags, _addr = socket.recv_fds(sock, _LEN.size - len(head), max_fds)
             fds.extend(received)
+            if flags & socket.MSG_CTRUNC:  # the kernel dropped fds that did not fit
+                raise FdPassError(
+                    "the attached fd was discarded: the receiving process has no fd free "
+                    "(RLIMIT_NOFILE), or more fds were attached than one"
+                )
         else:
             data = sock.recv(_LEN.size - len(head))
         if not data:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import grp
+import ipaddress
 import math
 import os
 import re
@@ -107,6 +108,15 @@ def _host_port(text: str) -> str:
     if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
         raise ValueError(f"{text!r} is not HOST:PORT, e.g. 127.0.0.1:50051")
     return text.strip()
+
+
+def _address(text: str) -> str:
+    value = text.strip().strip("[]")
+    try:
+        ipaddress.ip_address(value)
+    except ValueError:
+        raise ValueError(f"{text!r} is not an IP address, e.g. 127.0.0.1, 0.0.0.0 or ::") from None
+    return value
 
 
 def _group(text: str) -> str:
@@ -231,6 +241,38 @@ class ServeConfig:
         metavar="PORT",
         shown="off",
         help="serve Prometheus metrics on this port",
+    )
+    metrics_addr: str = setting(
+        "--metrics-addr",
+        "127.0.0.1",
+        parse=_address,
+        metavar="ADDR",
+        help="address the metrics endpoint listens on: loopback by default, 0.0.0.0 (or "
+        "the pod IP) for a scrape from another host or pod",
+    )
+    max_sessions: int = setting(
+        "--max-sessions",
+        256,
+        parse=_whole_number(1),
+        metavar="N",
+        help="open sessions (engine processes) at most; more are refused with "
+        "RESOURCE_EXHAUSTED",
+    )
+    max_registrations_per_session: int = setting(
+        "--max-registrations-per-session",
+        64,
+        parse=_whole_number(1),
+        metavar="N",
+        help="registrations one session may hold (each holds an fd and mappings); more "
+        "are refused with RESOURCE_EXHAUSTED",
+    )
+    fd_reserve: int = setting(
+        "--fd-reserve",
+        256,
+        parse=_whole_number(16),
+        metavar="N",
+        help="file descriptors kept free below RLIMIT_NOFILE for connections and files: "
+        "fds and registrations that would eat into them are refused",
     )
     log_level: str = setting(
         "--log-level",

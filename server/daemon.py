@@ -25,6 +25,7 @@ from kvdepot.server.fd_receiver import FdReceiver
 from kvdepot.server.health import HealthServicer
 from kvdepot.server.memory.pool_file import PoolFileBusy
 from kvdepot.server.pvm import enable_pvm
+from kvdepot.server.resources import Headroom, raise_nofile_limit
 from kvdepot.server.sdnotify import SystemdNotifier, run_watchdog
 from kvdepot.server.service import wire
 from kvdepot.server.service.admin import AdminServicer
@@ -49,11 +50,13 @@ class SocketPathError(RuntimeError):
 def prepare_socket_path(path: str) -> None:
     """Creates the directory; removes a stale socket of ours; refuses anything else."""
     p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
     try:
+        p.parent.mkdir(parents=True, exist_ok=True)
         st = p.lstat()
     except FileNotFoundError:
         return
+    except OSError as exc:  # no permission, a file where a directory should be
+        raise SocketPathError(f"cannot use socket path {path}: {exc}") from None
     if not stat.S_ISSOCK(st.st_mode):
         raise SocketPathError(f"{path} exists and is not a socket: refusing to replace it")
     if st.st_uid != os.geteuid():
@@ -76,6 +79,40 @@ def apply_socket_access(path: str, mode: int, group: str | None) -> None:
     os.chmod(path, mode)
 
 
+class PoolFilePathError(RuntimeError):
+    """--pool-file names a path the daemon cannot use (a directory, no such parent
+    directory, no permission)."""
+
+
+def check_pool_file_path(path: str) -> None:
+    """Refuses an unusable --pool-file (and its `.lock` beside it) with one line that
+    says what to change, before anything is created or mapped."""
+    p = Path(path)
+    parent = p.parent
+    if not parent.exists():
+        raise PoolFilePathError(
+            f"--pool-file {path}: directory {parent} does not exist: create it or choose a "
+            f"path in an existing directory (e.g. /dev/shm/kvdepot.pool)"
+        )
+    if not parent.is_dir():
+        raise PoolFilePathError(f"--pool-file {path}: {parent} is not a directory")
+    for target, what in ((p, "the pool file"), (Path(path + ".lock"), "its lock file")):
+        if target.is_dir():
+            raise PoolFilePathError(
+                f"--pool-file {path}: {target} ({what}) is a directory: remove it or give "
+                f"a path where a file can be created"
+            )
+        if target.exists():
+            wanted, checked, verb = os.R_OK | os.W_OK, target, "read and write"
+        else:
+            wanted, checked, verb = os.W_OK | os.X_OK, parent, "create files in"
+        if not os.access(checked, wanted):
+            raise PoolFilePathError(
+                f"--pool-file {path}: no permission to {verb} {checked} as uid "
+                f"{os.geteuid()}: fix the ownership or mode, or choose another path"
+            )
+
+
 class RemoteTierError(RuntimeError):
     """--remote cannot be used (redis-py missing, password file unreadable)."""
 
@@ -95,10 +132,23 @@ class Daemon:
         cfg = self.config
         prepare_socket_path(cfg.socket)
         prepare_socket_path(cfg.fd_socket)
-        self.state = st = DepotState.create(cfg)
+        if cfg.pool_file:
+            check_pool_file_path(cfg.pool_file)
+        # Every registration holds an fd: take what the hard limit allows (the
+        # headroom checks read the limit from here on).
+        nofile, _ = raise_nofile_limit()
+        try:
+            self.state = st = DepotState.create(cfg)
+        except (IsADirectoryError, NotADirectoryError, FileNotFoundError, PermissionError) as exc:
+            if not cfg.pool_file:
+                raise
+            # What the check above could not foresee (e.g. a read-only file system).
+            raise PoolFilePathError(f"--pool-file {cfg.pool_file}: {exc}") from None
         log.info(
-            "kvdepot %s starting: pool %s in %s, boot id %s",
+            "kvdepot %s starting: pool %s in %s, boot id %s; open files up to %d (%d kept "
+            "free), at most %d sessions of %d registrations",
             kvdepot.__version__, format_size(st.arena.size), st.arena.backing, st.boot_id,
+            nofile, cfg.fd_reserve, cfg.max_sessions, cfg.max_registrations_per_session,
         )
         # Memory paths beyond shared memory; each logs whether it is on, and why.
         enable_cuda(st, st.arena)  # before the warm-up: it page-locks each warm chunk
@@ -133,7 +183,9 @@ class Daemon:
         old_umask = os.umask(0o177)  # no window where the socket is world-accessible
         try:
             server.add_insecure_port(f"unix:{cfg.socket}")
-            fd_receiver = FdReceiver(cfg.fd_socket, lambda sid: sid in st.sessions)
+            fd_receiver = FdReceiver(
+                cfg.fd_socket, lambda sid: sid in st.sessions, headroom=Headroom(cfg.fd_reserve)
+            )
             st.attach_fd_receiver(fd_receiver)
         finally:
             os.umask(old_umask)
@@ -155,8 +207,9 @@ class Daemon:
                 from kvdepot.server.remote.metrics import RemoteCollector
 
                 metrics.registry.register(RemoteCollector(remote))
-            metrics.serve(cfg.metrics_port)
-            log.info("Prometheus metrics on port %d", cfg.metrics_port)
+            metrics.serve(cfg.metrics_port, cfg.metrics_addr)
+            log.info("Prometheus metrics on http://%s:%d/metrics", cfg.metrics_addr,
+                     cfg.metrics_port)
         # SERVING only once everything (fd socket, metrics) is up.
         for name in ("", *SERVICES):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -260,7 +313,7 @@ def serve(config: ServeConfig) -> int:
         log.warning("uvloop is not installed; using asyncio's default loop")
     try:
         asyncio.run(Daemon(config).run())
-    except (SocketPathError, PoolFileBusy, RemoteTierError) as exc:
+    except (SocketPathError, PoolFileBusy, PoolFilePathError, RemoteTierError) as exc:
         log.error("%s", exc)
         return 2
     return 0

@@ -1,10 +1,17 @@
 """The daemon's fd socket: receives memfds over SCM_RIGHTS, hands out tokens.
 
-Runs on its own thread with blocking sockets (asyncio has no recvmsg for Unix
-sockets with ancillary data). A received fd waits under a random token until a
-RegisterKV of the same session claims it; unclaimed fds are closed after
-`ttl` seconds, and a session's fds are closed when it ends, so nothing leaks.
-See kvdepot.client.fdpass for the protocol.
+Blocking sockets on threads (asyncio has no recvmsg for Unix sockets with
+ancillary data): one thread accepts, and each connection is read on a thread of
+its own, so a peer that stalls never delays another. Bounds, so that no peer can
+take the socket from the others: a whole-message deadline (`message_deadline`
+seconds from accept; then the connection is shut down), at most
+`max_per_peer` connections open per peer process (SO_PEERCRED) and
+`max_connections` in all (beyond them a peer is told so at once), and no fd
+is taken while the process is near its open-file limit (`headroom`).
+
+A received fd waits under a random token until a RegisterKV of the same session
+claims it; unclaimed fds are closed after `ttl` seconds, and a session's fds are
+closed when it ends, so nothing leaks. See kvdepot.client.fdpass for the protocol.
 """
 
 from __future__ import annotations
@@ -21,10 +28,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvdepot.client.fdpass import FdPassError, encode, read_message
+from kvdepot.server.resources import Headroom, ResourceLow
 
 log = logging.getLogger("kvdepot.fd")
 
 MAX_PENDING_PER_SESSION = 64
+MESSAGE_DEADLINE = 3.0  # seconds for a whole message; a healthy client needs milliseconds
+MAX_CONNECTIONS = 64
+MAX_PER_PEER = 8
 
 
 @dataclass
@@ -36,16 +47,32 @@ class PendingFd:
 
 
 class FdReceiver:
-    def __init__(self, path: str, session_exists: Callable[[str], bool], ttl: float = 60.0):
+    def __init__(
+        self,
+        path: str,
+        session_exists: Callable[[str], bool],
+        ttl: float = 60.0,
+        *,
+        headroom: Headroom | None = None,
+        message_deadline: float = MESSAGE_DEADLINE,
+        max_connections: int = MAX_CONNECTIONS,
+        max_per_peer: int = MAX_PER_PEER,
+    ):
         self.path = path
         self.ttl = ttl
+        self.headroom = headroom
+        self.message_deadline = message_deadline
+        self.max_connections = max_connections
+        self.max_per_peer = max_per_peer
         self._session_exists = session_exists
         self._lock = threading.Lock()
         self._pending: dict[str, PendingFd] = {}
+        # Connections being read: socket -> (peer pid, deadline). Under _lock.
+        self._open: dict[socket.socket, tuple[int, float]] = {}
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._sock.bind(path)
-        self._sock.listen(64)
-        self._sock.settimeout(0.5)
+        self._sock.listen(128)
+        self._sock.settimeout(0.25)  # also the period of the deadline check
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="kvdepot-fd", daemon=True)
 
@@ -57,6 +84,9 @@ class FdReceiver:
         self._thread.join(timeout=5)
         self._sock.close()
         with self._lock:
+            for conn in self._open:  # their threads see the end of the stream
+                with contextlib.suppress(OSError):
+                    conn.shutdown(socket.SHUT_RDWR)
             for p in self._pending.values():
                 os.close(p.fd)
             self._pending.clear()
@@ -93,8 +123,14 @@ class FdReceiver:
                 os.close(self._pending.pop(t).fd)
         return len(stale)
 
+    @property
+    def open_connections(self) -> int:
+        with self._lock:
+            return len(self._open)
+
     def _serve(self) -> None:
         while not self._stop.is_set():
+            self._enforce_deadlines()
             try:
                 conn, _ = self._sock.accept()
             except TimeoutError:
@@ -105,20 +141,87 @@ class FdReceiver:
                 log.exception("fd socket accept failed")
                 time.sleep(0.1)
                 continue
-            with conn:
-                conn.settimeout(2.0)
-                self._handle(conn)
+            try:
+                creds = conn.getsockopt(
+                    socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")
+                )
+                peer_pid = struct.unpack("3i", creds)[0]
+            except OSError:
+                conn.close()
+                continue
+            refusal = self._admit(conn, peer_pid)
+            if refusal is not None:
+                self._refuse(conn, refusal)
+                continue
+            threading.Thread(
+                target=self._serve_one, args=(conn, peer_pid), name="kvdepot-fd-conn",
+                daemon=True,
+            ).start()
 
-    def _handle(self, conn: socket.socket) -> None:
+    def _admit(self, conn: socket.socket, peer_pid: int) -> str | None:
+        """Files the connection (None), or says why it is refused."""
+        with self._lock:
+            if len(self._open) >= self.max_connections:
+                return (
+                    f"the fd socket is serving {len(self._open)} connections, its limit: "
+                    f"retry in a moment"
+                )
+            mine = sum(pid == peer_pid for pid, _ in self._open.values())
+            if mine >= self.max_per_peer:
+                return (
+                    f"process {peer_pid} already has {mine} connections open on the fd "
+                    f"socket (at most {self.max_per_peer}): send one fd per connection and "
+                    f"finish each message"
+                )
+            self._open[conn] = (peer_pid, time.monotonic() + self.message_deadline)
+        return None
+
+    @staticmethod
+    def _refuse(conn: socket.socket, reason: str) -> None:
+        # Never wait on a peer we refuse: a reply that does not fit now is dropped.
+        with conn, contextlib.suppress(OSError):
+            conn.setblocking(False)
+            conn.send(encode({"error": reason}))
+
+    def _enforce_deadlines(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            late = [c for c, (_, deadline) in self._open.items() if deadline < now]
+        for conn in late:
+            # Wakes the reading thread (its recv returns b""), which closes it.
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
+
+    def _serve_one(self, conn: socket.socket, peer_pid: int) -> None:
+        try:
+            with conn:
+                conn.settimeout(self.message_deadline)
+                self._handle(conn, peer_pid)
+        except Exception:  # a bug: log it, but never lose the thread's bookkeeping
+            log.exception("fd socket connection from pid %d failed", peer_pid)
+        finally:
+            with self._lock:
+                self._open.pop(conn, None)
+
+    def _handle(self, conn: socket.socket, peer_pid: int) -> None:
         fds: list[int] = []
         try:
-            creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-            peer_pid = struct.unpack("3i", creds)[0]
+            if self.headroom is not None:
+                # Checked before the fd is received: at the limit the kernel would
+                # drop it silently and the peer would be told it attached none.
+                self.headroom.check_fds(1, "the fd")
             msg, fds = read_message(conn, max_fds=4)
             reply = self._accept(msg, fds, peer_pid)
             fds = []  # ownership moved (or closed) by _accept
+        except ResourceLow as exc:
+            reply = {"error": str(exc)}
         except (FdPassError, OSError) as exc:
-            reply = {"error": f"bad fd message: {exc}"}
+            late = isinstance(exc, TimeoutError) or str(exc).startswith("connection closed")
+            reply = {
+                "error": f"bad fd message: {exc}"
+                + (f" (a whole message must arrive within {self.message_deadline:.0f} s)"
+                   if late else "")
+            }
         finally:
             for fd in fds:
                 os.close(fd)
@@ -129,7 +232,10 @@ class FdReceiver:
         if len(fds) != 1:
             for fd in fds:
                 os.close(fd)
-            return {"error": f"attach exactly one fd with SCM_RIGHTS (got {len(fds)})"}
+            return {
+                "error": f"attach exactly one fd with SCM_RIGHTS to the message (it carried "
+                f"{len(fds)})"
+            }
         fd = fds[0]
         session_id = msg.get("session_id")
         if not isinstance(session_id, str) or not self._session_exists(session_id):

@@ -238,6 +238,6 @@ class Metrics:
             self.transfer_bytes.labels(direction.label).observe(nbytes)
             self.transfer_seconds.labels(direction.label).observe(seconds)
 
-    def serve(self, port: int, addr: str = "0.0.0.0") -> None:
+    def serve(self, port: int, addr: str = "127.0.0.1") -> None:
         """Serves http://addr:port/metrics until the process exits."""
         self._http = start_http_server(port, addr=addr, registry=self.registry)

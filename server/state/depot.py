@@ -41,6 +41,7 @@ from kvdepot.server.core.planner import LayerRef, TensorView
 from kvdepot.server.fd_receiver import FdReceiver
 from kvdepot.server.memory import pool_file
 from kvdepot.server.memory.arena import Arena
+from kvdepot.server.resources import Headroom
 from kvdepot.server.state.events import EventBus, Watcher
 from kvdepot.server.state.inline import InlinePath
 from kvdepot.server.state.invariants import check_invariants
@@ -91,9 +92,12 @@ class DepotState:
         *,
         warm_restarted: bool = False,
         pool_lock: int | None = None,
+        headroom: bool = False,
     ) -> None:
         """`index` must announce its events on `bus` (see `create`). `pool_lock`
-        is the fd holding `<pool-file>.lock`, closed after the last snapshot."""
+        is the fd holding `<pool-file>.lock`, closed after the last snapshot.
+        `headroom`: refuse registrations near the process's fd and mapping limits
+        (the daemon; tests that build a state directly leave it off)."""
         self.config = config
         self.arena = arena
         self.index = index
@@ -102,7 +106,11 @@ class DepotState:
         self.started = time.monotonic()
         self.warm_restarted = warm_restarted
         self._pool_lock = pool_lock
-        self._sessions = Sessions()
+        self._sessions = Sessions(
+            config.max_sessions,
+            config.max_registrations_per_session,
+            Headroom(config.fd_reserve) if headroom else None,
+        )
         self.traffic = Traffic()
         self.copy_queue = CopyQueue(config.copy_threads)
         self.jobs = JobRunner(
@@ -155,7 +163,9 @@ class DepotState:
         warm = plan is not None and pool_file.finish_start(plan, index) is not None
         if plan is not None and not warm:
             index = new_index()  # drop whatever a rejected snapshot half-restored
-        return cls(config, arena, index, bus, warm_restarted=warm, pool_lock=pool_lock)
+        return cls(
+            config, arena, index, bus, warm_restarted=warm, pool_lock=pool_lock, headroom=True
+        )
 
     # -- hooks -------------------------------------------------------------------------
 

@@ -30,6 +30,7 @@ from kvdepot.server.core.layout import NamespaceLayout
 from kvdepot.server.core.planner import LayerRef, MemoryMap, TensorView
 from kvdepot.server.memory.copy_engine import CopyEngine, CpuCopyEngine
 from kvdepot.server.memory.regions import MappedRegion, SharedMemoryRegion
+from kvdepot.server.resources import Headroom, ResourceLow
 
 log = logging.getLogger("kvdepot.state")
 
@@ -79,7 +80,18 @@ class Registration:
 class Sessions:
     """Every session and registration, and the memory paths that map regions."""
 
-    def __init__(self) -> None:
+    def __init__(
+        self,
+        max_sessions: int = 256,
+        max_registrations: int = 64,
+        headroom: Headroom | None = None,
+    ) -> None:
+        """Limits: open sessions, registrations per session (--max-sessions,
+        --max-registrations-per-session) and the process's fds and mappings
+        (`headroom`; None: unchecked). Beyond them: RESOURCE_EXHAUSTED."""
+        self.max_sessions = max_sessions
+        self.max_registrations = max_registrations
+        self.headroom = headroom
         self.sessions: dict[str, Session] = {}
         self.registrations: dict[int, Registration] = {}
         # Registration ids start at a random point per boot: a client still holding an
@@ -133,6 +145,11 @@ class Sessions:
     # -- sessions --------------------------------------------------------------------
 
     def open(self, client_name: str, pid: int, engine_id: str) -> Session:
+        if len(self.sessions) >= self.max_sessions:
+            raise errors.exhausted(
+                f"{len(self.sessions)} sessions are open, the most this daemon allows "
+                f"(--max-sessions, KVDEPOT_MAX_SESSIONS): end idle engines or raise the limit"
+            )
         s = Session(
             secrets.token_hex(12), client_name[:200], pid, engine_id[:200], time.monotonic()
         )
@@ -176,6 +193,18 @@ class Sessions:
         """Maps the memory and records the registration (regions: (kind, handle)).
         The caller has checked the rank and declared the namespace."""
         session = self.get(session_id)
+        if len(session.registrations) >= self.max_registrations:
+            raise errors.exhausted(
+                f"this session holds {len(session.registrations)} registrations, the most "
+                f"one session may hold (--max-registrations-per-session, "
+                f"KVDEPOT_MAX_REGISTRATIONS_PER_SESSION): UnregisterKV the ones no longer used"
+            )
+        if self.headroom is not None and regions:
+            try:  # each mapped region holds one fd and at least one mapping
+                self.headroom.check_fds(len(regions), f"{len(regions)} more region(s)")
+                self.headroom.check_mappings(len(regions), f"{len(regions)} more region(s)")
+            except ResourceLow as exc:
+                raise errors.exhausted(str(exc)) from None
         kinds = {MemoryPath(kind) for kind, _ in regions}
         if len(kinds) > 1:
             raise errors.invalid(
