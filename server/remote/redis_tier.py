@@ -57,6 +57,7 @@ class RedisTier(RemoteTier):
         self._client: Redis | RedisCluster | None = None
         self._connecting: asyncio.Lock | None = None
         self._closed = False
+        self._closing: set[asyncio.Task[None]] = set()
         self.cluster: bool | None = None  # known after the first connection
         # Cluster nodes seen since: seeds too when reconnecting, should the given ones be down.
         self._discovered: list[tuple[str, int]] = []
@@ -134,13 +135,20 @@ class RedisTier(RemoteTier):
             self._client = client
             return client
 
-    async def _reset(self) -> None:
+    def _reset(self) -> None:
         """Drops the client after a failure: the next call reconnects from the seeds
-        (a restarted cluster may have new node ids and addresses)."""
+        (a restarted cluster may have new node ids and addresses). The old client is
+        closed in the background, so the failed call still ends by its deadline."""
         client, self._client = self._client, None
         if client is not None:
-            with contextlib.suppress(RedisError, OSError, TimeoutError):
-                await asyncio.wait_for(client.aclose(), 1.0)
+            task = asyncio.get_running_loop().create_task(self._close_quietly(client))
+            self._closing.add(task)
+            task.add_done_callback(self._closing.discard)
+
+    @staticmethod
+    async def _close_quietly(client: Redis | RedisCluster) -> None:
+        with contextlib.suppress(RedisError, OSError, TimeoutError):
+            await asyncio.wait_for(client.aclose(), 1.0)
 
     async def _run(self, what: str, deadline: float, fn) -> list:  # type: ignore[no-untyped-def]
         left = deadline - time.monotonic()
@@ -151,10 +159,10 @@ class RedisTier(RemoteTier):
                 client = await self._get_client()
                 return await fn(client)
         except TimeoutError:
-            await self._reset()
+            self._reset()
             raise TierUnavailable(f"{what}: no answer within {left * 1000:.0f} ms") from None
         except (RedisError, OSError) as exc:
-            await self._reset()
+            self._reset()
             raise TierUnavailable(f"{what}: {type(exc).__name__}: {exc}") from None
 
     # -- the contract -----------------------------------------------------------------------
@@ -200,4 +208,6 @@ class RedisTier(RemoteTier):
 
     async def close(self) -> None:
         self._closed = True
-        await self._reset()
+        self._reset()
+        if self._closing:
+            await asyncio.wait(set(self._closing), timeout=2.0)

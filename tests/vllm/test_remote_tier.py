@@ -37,13 +37,18 @@ MODEL_DIR = find_model_dir(REPO / "tests")
 
 
 @pytest.fixture
-def two_nodes(tmp_path, daemon_factory):
+def redis_server(tmp_path):
     require_redis()
     server = RedisServer(tmp_path / "redis", free_ports(1)[0]).start()
-    a = daemon_factory("--pool-size", "64MiB", "--remote", server.url)
-    b = daemon_factory("--pool-size", "64MiB", "--remote", server.url)
-    yield a, b
+    yield server
     server.kill()
+
+
+@pytest.fixture
+def two_nodes(redis_server, daemon_factory):
+    a = daemon_factory("--pool-size", "64MiB", "--remote", redis_server.url)
+    b = daemon_factory("--pool-size", "64MiB", "--remote", redis_server.url)
+    return a, b
 
 
 @pytest.fixture
@@ -158,3 +163,36 @@ def test_a_prompt_no_node_has_is_computed_without_waiting_out_the_deadline(
     [rec] = engine.generate([prompt_for(12, 100)])  # the tier says ABSENT at once
     assert rec.external_tokens == 0
     assert engine.manager.remote_gave_up == 0
+
+
+def test_a_stalled_store_costs_a_recompute_and_the_tier_comes_back(
+    two_nodes, redis_server, make_engine
+) -> None:
+    """The store frozen (SIGSTOP): requests on node B are computed, none waits past
+    the deadline; thawed, node B gets node A's blocks again without restarting."""
+    import signal
+
+    a, b = two_nodes
+    engine_a = make_engine(socket=a.target, num_gpu_blocks=64)
+    engine_b = make_engine(socket=b.target, num_gpu_blocks=64)
+    engine_a.wait_registered()
+    engine_b.wait_registered()
+    redis_server.proc.send_signal(signal.SIGSTOP)
+    try:
+        [rec] = engine_b.generate([prompt_for(21, 100)], timeout=60)
+        assert rec.external_tokens == 0
+    finally:
+        redis_server.proc.send_signal(signal.SIGCONT)
+    prompt = prompt_for(22, 100)
+    [first] = engine_a.generate([prompt])
+    keys = engine_a.offload_keys(prompt)
+    engine_a.wait_ready(keys)
+    engine_a.wait_until(
+        lambda: remote_writes(engine_a) >= len(keys), timeout=30, what="A's writes after the thaw"
+    )
+    [rec] = engine_b.generate([prompt])
+    assert rec.external_tokens == 96
+    n = len(keys)
+    assert engine_b.kv_digest(0, 0, rec.block_ids[0][:n]) == engine_a.kv_digest(
+        0, 0, first.block_ids[0][:n]
+    )
