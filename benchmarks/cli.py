@@ -39,10 +39,12 @@ DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
 # --quick: the same sections on a smaller model and fewer repetitions (a smoke
 # run in seconds, not figures to publish).
 QUICK = {
+    "ceiling_jobs": 60, "ceiling_pool": "256MiB", "echo_msgs": 300,
     "layers": 8, "reps": 3, "warmup": 1, "rep_mib": 24, "min_jobs": 3, "pool_size": "256MiB",
     "arena_mib": 48, "load_set_mib": 48, "lookups": 200_000, "pins": 50, "floor_jobs": 100,
 }
 FULL = {
+    "ceiling_jobs": 400, "ceiling_pool": "4GiB", "echo_msgs": 2000,
     "layers": 32, "reps": 5, "warmup": 2, "rep_mib": 256, "min_jobs": 4, "pool_size": "1GiB",
     "arena_mib": 256, "load_set_mib": 256, "lookups": 2_000_000, "pins": 300,
     "floor_jobs": 500,
@@ -97,6 +99,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--num-blocks", type=int, default=0,
                    help="KV blocks per rank (default: four times the largest job)")
     g.add_argument("--no-aggregate", action="store_true", help="skip the engines series")
+    g.add_argument("--no-ceiling", action="store_true",
+                   help="skip the control-plane ceiling (copies off; needs its own daemon)")
     g.add_argument("--no-connector", action="store_true",
                    help="skip the vLLM connector's bench")
     g.add_argument("--no-gpu", action="store_true", help="skip the GPU path's bench")
@@ -210,10 +214,14 @@ def run_bench(args: argparse.Namespace) -> int:
         bench = ThroughputBench(plan, fleet, stats.capacity_bytes, progress)
         verified = bench.verify()
         floor = bench.floor(_pick(args, "floor_jobs"))
+        progress.label("the machine's limits: memmove bandwidth, bare gRPC echo")
+        limits = _limits(args, plan, floor)
         rows, lat_rows = bench.per_size()
         agg_rows = bench.aggregate()
         fleet.close()
         fleet = None
+        progress.label("control-plane ceiling (copies off)")
+        ceiling = _ceiling(args, geo, plan, namespace, salt)
         progress.label("control plane: lookups and pins")
         try:
             control = measure_control(
@@ -256,6 +264,9 @@ def run_bench(args: argparse.Namespace) -> int:
             "latency": lat_rows,
             "latency_floor": floor,
             "aggregate": agg_rows,
+            "machine_limits": limits,
+            "control_ceiling": ceiling.get("rows", []),
+            "control_ceiling_info": {k: v for k, v in ceiling.items() if k != "rows"},
             "control": control,
             "connector": connector,
             "gpu": gpu,
@@ -303,6 +314,46 @@ def run_bench(args: argparse.Namespace) -> int:
     if args.strict and not all(t["met"] for t in result["targets"]):
         return 1
     return 0
+
+
+def _limits(
+    args: argparse.Namespace, plan: ThroughputPlan, floor: dict[str, Any]
+) -> dict[str, Any]:
+    """Copy bandwidth and the gRPC echo (kvdepot.bench.baselines), measured now."""
+    from kvdepot.bench.baselines import echo_floor, memmove_bandwidth
+
+    out: dict[str, Any] = {}
+    try:
+        out["memmove"] = memmove_bandwidth(max(plan.geo.job_bytes(max(plan.sizes)), 64 << 20))
+    except Exception as exc:
+        out["memmove"] = {"error": f"{type(exc).__name__}: {exc}"}
+    try:
+        echo = out["grpc_echo"] = echo_floor(_pick(args, "echo_msgs"))
+        out["empty_job_over_echo"] = floor["rtt_ms"]["p50"] / echo["rtt_ms"]["p50"]
+    except Exception as exc:
+        out["grpc_echo"] = {"error": f"{type(exc).__name__}: {exc}"}
+    return out
+
+
+def _ceiling(
+    args: argparse.Namespace, geo: BenchGeometry, plan: ThroughputPlan, namespace: str,
+    salt: bytes,
+) -> dict[str, Any]:
+    """The control-plane ceiling on a daemon of its own (kvdepot.bench.ceiling)."""
+    if args.no_ceiling:
+        return {"skipped": "--no-ceiling"}
+    if args.socket:
+        return {"skipped": "needs a daemon the bench starts (copies off): not with --socket"}
+    from kvdepot.bench.ceiling import measure_ceiling
+
+    pool = _pick(args, "ceiling_pool")
+    try:
+        return measure_ceiling(
+            geo, plan.sizes, plan.num_blocks, pool, _parse_size(pool),
+            _pick(args, "ceiling_jobs"), max(plan.warmup, 3), namespace + "-ceiling", salt,
+        )
+    except Exception as exc:  # reported, not fatal: the data-path figures stand
+        return {"error": f"{type(exc).__name__}: {exc}"}
 
 
 def _argv_tail() -> list[str]:

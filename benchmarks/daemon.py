@@ -86,15 +86,18 @@ class OwnDaemon(DaemonUnderTest):
     """`kvdepot serve` on a private socket in a temporary directory."""
 
     def __init__(
-        self, pool_size: str, copy_threads: int | None = None, extra: list[str] | None = None
+        self, pool_size: str, copy_threads: int | None = None, extra: list[str] | None = None,
+        command: list[str] | None = None,
     ) -> None:
+        """`command` replaces `kvdepot` (the control-plane ceiling's launcher)."""
         # Short path: a Unix socket path must fit in 108 bytes.
         self.workdir = Path(tempfile.mkdtemp(prefix="kvdbench-"))
         self.socket_path = str(self.workdir / "kvdepot.sock")
         super().__init__(f"unix://{self.socket_path}")
         self.log_path = self.workdir / "daemon.log"
         args = [
-            *kvdepot_command(), "serve", "--socket", self.socket_path, "--pool-size", pool_size,
+            *(command or kvdepot_command()), "serve", "--socket", self.socket_path,
+            "--pool-size", pool_size,
             "--log-level", "warning", *(extra or []),
         ]
         if copy_threads:

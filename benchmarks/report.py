@@ -4,7 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
-RATIO_TARGET = 0.8
+RATIO_TARGET = 0.8  # several engines together / in-process aggregate
+SIZE_RATIO_TARGET = 0.9  # one engine, jobs of 16+ chunks / in-process
+CEILING_TARGET_GBPS = 100.0  # 2x an H200's PCIe one way
+MEMMOVE_FRACTION_TARGET = 0.6  # largest jobs / the machine's all-core memmove
+FLOOR_RATIO_TARGET = 1.3  # empty job / bare gRPC echo, p50
 OVERHEAD_TARGET_MS = 1.0
 LOOKUP_TARGET = 1e6
 
@@ -18,8 +22,8 @@ def check_targets(result: dict[str, Any]) -> list[dict[str, Any]]:
         worst, where = min(pairs)
         out.append({
             "name": "daemon / in-process, jobs of 16+ chunks, both directions",
-            "target": f">= {RATIO_TARGET}", "measured": worst, "where": where,
-            "met": worst >= RATIO_TARGET,
+            "target": f">= {SIZE_RATIO_TARGET}", "measured": worst, "where": where,
+            "met": worst >= SIZE_RATIO_TARGET,
         })
     lat = result["latency"]
     if lat:
@@ -44,6 +48,18 @@ def check_targets(result: dict[str, Any]) -> list[dict[str, Any]]:
             "name": "scheduler-side lookups", "target": f">= {LOOKUP_TARGET:.0f} keys/s",
             "measured": rate, "where": source, "met": rate >= LOOKUP_TARGET,
         })
+    ceiling = [r for r in result.get("control_ceiling", []) if r["chunks"] == 16]
+    if ceiling:
+        worst_row = min(ceiling, key=lambda r: r["equivalent_gbps"])
+        out.append({
+            "name": "control-plane ceiling, 16-chunk jobs, 2 engines x 4 in flight, copies off",
+            "target": f">= {CEILING_TARGET_GBPS} GB/s-equivalent",
+            "measured": worst_row["equivalent_gbps"],
+            "where": f"{worst_row['direction']}, {worst_row['jobs_per_s']:.0f} jobs/s of "
+                     f"{worst_row['job_bytes'] / (1 << 20):.0f} MiB",
+            "met": worst_row["equivalent_gbps"] >= CEILING_TARGET_GBPS,
+        })
+    out += _limit_targets(result)
     agg = result["aggregate"]
     if agg:
         top = max(agg, key=lambda r: r["engines"])
@@ -52,6 +68,41 @@ def check_targets(result: dict[str, Any]) -> list[dict[str, Any]]:
             "name": f"{top['engines']} engines together / in-process aggregate",
             "target": f">= {RATIO_TARGET}", "measured": worst[0], "where": worst[1],
             "met": worst[0] >= RATIO_TARGET,
+        })
+    return out
+
+
+def memory_fractions(result: dict[str, Any]) -> list[tuple[int, str, float, float]]:
+    """(chunks, direction, daemon GB/s, fraction of the all-core memmove) per row."""
+    mm = (result.get("machine_limits") or {}).get("memmove") or {}
+    if not mm.get("all_cores_gbps"):
+        return []
+    return [(r["chunks"], d, r[d]["daemon_gbps"], r[d]["daemon_gbps"] / mm["all_cores_gbps"])
+            for r in result["throughput"] for d in ("store", "load")]
+
+
+def _limit_targets(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """Copies at memory speed (largest jobs) and the empty job against gRPC's echo."""
+    out = []
+    fractions = memory_fractions(result)
+    if fractions:
+        biggest = max(c for c, *_ in fractions)
+        chunks, d, _, worst = min((f for f in fractions if f[0] == biggest),
+                                  key=lambda f: f[3])
+        out.append({
+            "name": f"daemon GB/s / all-core memmove, {chunks}-chunk jobs",
+            "target": f">= {MEMMOVE_FRACTION_TARGET}", "measured": worst, "where": d,
+            "met": worst >= MEMMOVE_FRACTION_TARGET,
+        })
+    lim = result.get("machine_limits") or {}
+    if "empty_job_over_echo" in lim:
+        value = lim["empty_job_over_echo"]
+        out.append({
+            "name": "empty-job round trip p50 / bare gRPC echo p50",
+            "target": f"<= {FLOOR_RATIO_TARGET}", "measured": value,
+            "where": f"{result['latency_floor']['rtt_ms']['p50']:.3f} ms / "
+                     f"{lim['grpc_echo']['rtt_ms']['p50']:.3f} ms",
+            "met": value <= FLOOR_RATIO_TARGET,
         })
     return out
 
@@ -123,6 +174,23 @@ def format_table(result: dict[str, Any]) -> str:
             f"{fl['rtt_ms']['p50']:.3f} ms, p99 {fl['rtt_ms']['p99']:.3f} ms (in daemon "
             f"{fl['in_daemon_ms']['p50']:.3f}, wire {fl['wire_ms']['p50']:.3f})"
         )
+    lim = result.get("machine_limits") or {}
+    mm = lim.get("memmove") or {}
+    if "all_cores_gbps" in mm:
+        lines.append(
+            f" memmove of {mm['bytes'] >> 20} MiB: {mm['one_thread_gbps']:.2f} GB/s on one "
+            f"thread, {mm['all_cores_gbps']:.2f} GB/s on {mm['threads']}; daemon / all-core: "
+            + ", ".join(f"{c} {d} {f:.2f}" for c, d, _, f in memory_fractions(result))
+        )
+    echo = lim.get("grpc_echo") or {}
+    if "rtt_ms" in echo:
+        lines.append(
+            f" bare gRPC echo ({echo['message_bytes']} B, {echo['messages']} round trips): "
+            f"p50 {echo['rtt_ms']['p50']:.3f} ms, p99 {echo['rtt_ms']['p99']:.3f} ms; "
+            f"empty job / echo {lim['empty_job_over_echo']:.2f}"
+        )
+    elif echo:
+        lines.append(f" bare gRPC echo: {echo.get('error')}")
     agg = result["aggregate"]
     if agg:
         lines += [
@@ -139,6 +207,23 @@ def format_table(result: dict[str, Any]) -> str:
                 f"       {_gbps(ld['daemon_gbps'])}   {_gbps(ld['inproc_gbps'])}  "
                 f"{ld['ratio']:5.2f}"
             )
+    ceiling = result.get("control_ceiling") or []
+    info = result.get("control_ceiling_info") or {}
+    lines += ["", "Control-plane ceiling: whole job path, copies off (CUDA descriptors "
+              "planned), 2 engines x 4 jobs in flight"]
+    if ceiling:
+        lines.append(" chunks  dir   |  jobs/s  GB/s-equiv | daemon CPU ms/job  engine CPU ms/job")
+        for r in ceiling:
+            lines.append(
+                f" {r['chunks']:6d}  {r['direction']:5s} | {r['jobs_per_s']:7.0f}  "
+                f"{r['equivalent_gbps']:10.1f} | {r['daemon_cpu_ms_per_job']:17.3f}  "
+                f"{r['engine_cpu_ms_per_job']:17.3f}"
+            )
+        if info.get("skipped_chunks"):
+            lines.append(f" not run (pool too small for 8 jobs in flight): "
+                         f"{info['skipped_chunks']} chunks")
+    else:
+        lines.append(f" {info.get('skipped') or info.get('error') or 'not measured'}")
     ctl = result.get("control") or {}
     lines += ["", "Control plane"]
     if "lookup_keys_per_s" in ctl:
@@ -157,7 +242,8 @@ def format_table(result: dict[str, Any]) -> str:
     for t in result["targets"]:
         value = t["measured"]
         shown = f"{value / 1e6:.2f} M keys/s" if "keys/s" in t["target"] else (
-            f"{value:.3f} ms" if "ms" in t["target"] else f"{value:.2f}"
+            f"{value:.3f} ms" if "ms" in t["target"] else (
+                f"{value:.1f} GB/s" if "GB/s" in t["target"] else f"{value:.2f}")
         )
         lines.append(
             f" [{'met' if t['met'] else 'MISSED'}] {t['name']}: {shown} ({t['where']}), "

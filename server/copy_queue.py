@@ -26,6 +26,11 @@ class CopyQueue:
         for t in self._threads:
             t.start()
 
+    @property
+    def threads(self) -> int:
+        """How many copies can run at once."""
+        return len(self._threads)
+
     async def run(self, fn: Callable[[], Any], expedited: bool = False) -> Any:
         """Runs `fn` on a copy thread; expedited work jumps the queue.
 

@@ -59,7 +59,7 @@ def test_every_section_is_there(quick_run: tuple[dict[str, Any], Path]) -> None:
     result, _ = quick_run
     for key in ("version", "command", "machine", "config", "verified", "throughput", "latency",
                 "latency_floor", "aggregate", "control", "connector", "gpu", "targets",
-                "elapsed_s"):
+                "elapsed_s", "machine_limits", "control_ceiling", "control_ceiling_info"):
         assert key in result, key
     assert result["version"] == kvdepot.__version__
     assert result["command"].startswith("kvdepot bench --quick")
@@ -170,15 +170,53 @@ def test_control_plane_and_targets(quick_run: tuple[dict[str, Any], Path]) -> No
     assert _positive(ctl["unpin_ms"]["p50"]) and _percentiles(ctl["unpin_ms"])
     assert ctl["pinned_share"] == 1.0  # every key pinned was ready
     targets = {t["name"]: t for t in result["targets"]}
-    assert len(targets) == 4, list(targets)
+    assert len(targets) == 7, list(targets)
     for t in targets.values():
         # "met" is the comparison the target states, applied to the measured figure.
-        m = re.fullmatch(r"(>=|<) ([0-9.]+)(?: ms| keys/s)?", t["target"])
+        m = re.fullmatch(r"(>=|<=|<) ([0-9.]+)(?: ms| keys/s| GB/s-equivalent)?", t["target"])
         assert m, t["target"]
         bound = float(m.group(2))
         assert _positive(t["measured"]) and t["where"], t
-        assert t["met"] is (t["measured"] >= bound if m.group(1) == ">=" else
-                            t["measured"] < bound), t
+        met = {">=": t["measured"] >= bound, "<=": t["measured"] <= bound,
+               "<": t["measured"] < bound}[m.group(1)]
+        assert t["met"] is met, t
+
+
+def test_control_plane_ceiling_runs_the_job_path_with_copies_off(
+    quick_run: tuple[dict[str, Any], Path],
+) -> None:
+    """Rows for every job size, both directions, 2 engines x 4 in flight; the jobs
+    really went through the daemon (bytes counted), at a rate that fits the window."""
+    result, _ = quick_run
+    rows = result["control_ceiling"]
+    info = result["control_ceiling_info"]
+    assert "NullCopyEngine" in info["copy_engine"], info
+    run = sorted({r["chunks"] for r in rows} | set(info["skipped_chunks"]))
+    assert run == SIZES and 16 in {r["chunks"] for r in rows}
+    chunk = result["config"]["geometry"]["chunk_bytes"]
+    for r in rows:
+        assert r["engines"] == 2 and r["depth"] == 4 and r["direction"] in ("store", "load")
+        assert r["job_bytes"] == r["chunks"] * chunk
+        assert _positive(r["jobs_per_s"]) and _positive(r["window_s"])
+        assert r["equivalent_gbps"] == pytest.approx(r["jobs_per_s"] * r["job_bytes"] / 1e9)
+        # More jobs per second than the window holds would mean jobs not timed.
+        assert r["jobs_per_s"] * r["window_s"] <= r["jobs"] + 1
+        assert _positive(r["daemon_cpu_ms_per_job"]) and r["engine_cpu_ms_per_job"] >= 0
+
+
+def test_machine_limits_are_measured_in_the_same_run(
+    quick_run: tuple[dict[str, Any], Path],
+) -> None:
+    result, _ = quick_run
+    lim = result["machine_limits"]
+    mm = lim["memmove"]
+    assert mm["threads"] == result["machine"]["cpus"] and mm["bytes"] >= 64 << 20
+    assert _sane_gbps(mm["one_thread_gbps"]) and _sane_gbps(mm["all_cores_gbps"])
+    echo = lim["grpc_echo"]
+    assert echo["message_bytes"] == 200 and echo["messages"] > 0
+    assert _positive(echo["rtt_ms"]["p50"]) and _percentiles(echo["rtt_ms"])
+    assert lim["empty_job_over_echo"] == pytest.approx(
+        result["latency_floor"]["rtt_ms"]["p50"] / echo["rtt_ms"]["p50"])
 
 
 def test_plot_is_a_png(quick_run: tuple[dict[str, Any], Path]) -> None:

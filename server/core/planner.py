@@ -11,7 +11,9 @@ the same plans.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+
+import numpy as np
 
 from kvdepot.common.chunks import block_positions
 from kvdepot.server.core.layout import LayoutError, NamespaceLayout, check_key
@@ -108,15 +110,66 @@ class MemoryMap:
         return tuple(t.num_blocks for t in self.tensors)
 
 
-@dataclass(slots=True)
 class CopyPlan:
-    """Runs of (region, region_offset, pool_offset, nbytes); direction-free."""
+    """Runs of (region, region_offset, pool_offset, nbytes); direction-free.
 
-    runs: list[tuple[int, int, int, int]] = field(default_factory=list)
-    nbytes: int = 0
+    Held as four int64 columns (`columns`, shape (4, n)) when the planner built
+    it, so that engines can turn it into addresses without a per-run Python
+    loop; `runs` gives the same as a list of tuples (built on first use).
+    """
+
+    __slots__ = ("_cols", "_runs", "nbytes")
+
+    def __init__(
+        self, runs: Sequence[tuple[int, int, int, int]] | None = None, nbytes: int | None = None
+    ) -> None:
+        self._runs: list[tuple[int, int, int, int]] | None = list(runs or [])
+        self._cols: np.ndarray | None = None
+        self.nbytes = sum(r[3] for r in self._runs) if nbytes is None else nbytes
+
+    @classmethod
+    def from_pages(
+        cls, region: np.ndarray, ro: np.ndarray, po: np.ndarray, n: np.ndarray
+    ) -> CopyPlan:
+        """A plan from per-page columns in copy order, merging pages that are
+        contiguous on both sides (what `add` does one run at a time)."""
+        plan = cls.__new__(cls)
+        plan._runs = None
+        plan.nbytes = int(n.sum())
+        if len(n) > 1:
+            cont = (
+                (region[1:] == region[:-1])
+                & (ro[1:] == ro[:-1] + n[:-1])
+                & (po[1:] == po[:-1] + n[:-1])
+            )
+            if cont.any():
+                starts = np.flatnonzero(np.concatenate(([True], ~cont)))
+                region, ro, po = region[starts], ro[starts], po[starts]
+                n = np.add.reduceat(n, starts)
+        plan._cols = np.stack((region, ro, po, n))
+        return plan
+
+    @property
+    def columns(self) -> np.ndarray:
+        """(4, n) int64: region, region offset, pool offset, bytes of each run."""
+        if self._cols is None:
+            runs = self._runs or []
+            self._cols = np.array(runs, dtype=np.int64).reshape(len(runs), 4).T
+        return self._cols
+
+    @property
+    def runs(self) -> list[tuple[int, int, int, int]]:
+        if self._runs is None:
+            assert self._cols is not None
+            self._runs = list(zip(*self._cols.tolist(), strict=True))
+        return self._runs
+
+    def __len__(self) -> int:
+        return self._cols.shape[1] if self._cols is not None else len(self._runs or ())
 
     def add(self, region: int, region_off: int, pool_off: int, n: int) -> None:
         runs = self.runs
+        self._cols = None
         if runs:
             r, ro, po, pn = runs[-1]
             if r == region and ro + pn == region_off and po + pn == pool_off:
@@ -125,6 +178,25 @@ class CopyPlan:
                 return
         runs.append((region, region_off, pool_off, n))
         self.nbytes += n
+
+    def split(self, parts: int, min_bytes: int) -> list[CopyPlan]:
+        """This plan cut into at most `parts` plans of about equal bytes, each of
+        at least `min_bytes` (so that copy threads can share a large job); runs
+        are not cut, and the plans together hold every run once."""
+        total = self.nbytes
+        parts = min(parts, total // max(min_bytes, 1), len(self))
+        if parts <= 1:
+            return [self]
+        cols = self.columns
+        ends = np.cumsum(cols[3])
+        cuts = np.searchsorted(ends, [total * i // parts for i in range(1, parts)], "right")
+        out = []
+        for piece in np.split(cols, np.unique(cuts), axis=1):
+            if piece.shape[1]:
+                plan = CopyPlan.__new__(CopyPlan)
+                plan._runs, plan._cols, plan.nbytes = None, piece, int(piece[3].sum())
+                out.append(plan)
+        return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -213,6 +285,46 @@ def check_job(
     return JobShape(n_keys, tuple(groups))
 
 
+@dataclass(slots=True)
+class _GroupGeometry:
+    """Per-layer constants of one group on one rank, as arrays (see `_geometry`)."""
+
+    layout: NamespaceLayout
+    region: np.ndarray  # (layers,) region index of each layer's tensor
+    base: np.ndarray  # region offset of block 0's page of each layer
+    stride: np.ndarray  # block stride of each layer's tensor
+    page: np.ndarray  # page bytes of each layer
+    slot_base: np.ndarray  # offset of each layer's page (sub-block 0) inside a slot
+
+
+def _geometry(layout: NamespaceLayout, rank: int, memory: MemoryMap, g: int) -> _GroupGeometry:
+    """The layer constants of group `g`, computed once per (memory map, layout, rank)."""
+    cache: dict[tuple[int, int, int], _GroupGeometry] = memory.__dict__.setdefault(
+        "_plan_cache", {}
+    )
+    key = (id(layout), rank, g)
+    geo = cache.get(key)
+    if geo is not None and geo.layout is layout:
+        return geo
+    refs = memory.groups[g]
+    tensors = [memory.tensors[r.tensor_index] for r in refs]
+    geo = _GroupGeometry(
+        layout,
+        np.array([t.region_index for t in tensors], dtype=np.int64),
+        np.array(
+            [t.region_offset + r.page_offset for t, r in zip(tensors, refs, strict=True)],
+            dtype=np.int64,
+        ),
+        np.array([t.block_stride for t in tensors], dtype=np.int64),
+        np.array(layout.groups[g], dtype=np.int64),
+        np.array(
+            [layout.page_offset(g, rank, layer, 0) for layer in range(len(refs))], dtype=np.int64
+        ),
+    )
+    cache[key] = geo
+    return geo
+
+
 def plan_copy(
     layout: NamespaceLayout,
     rank: int,
@@ -224,50 +336,49 @@ def plan_copy(
 
     `slot_offsets` holds the pool offset of each key's slot, in the job's key
     order (group-major, chunks ascending); None skips that key's pages (a store
-    of a key that is already present, or dropped).
+    of a key that is already present, or dropped). Runs come out group by group,
+    layer by layer, blocks in job order, merged where contiguous on both sides.
     """
     if len(slot_offsets) != shape.num_keys:
         raise ValueError(f"{len(slot_offsets)} slot offsets for {shape.num_keys} keys")
-    plan = CopyPlan()
-    runs = plan.runs
-    tensors = memory.tensors
-    # This loop runs once per page (2048 times for a 64-chunk Llama-8B job), so
-    # it is written for CPython: the run being grown lives in locals (merged in
-    # place) instead of going through CopyPlan.add.
-    cur_r = -1  # the pending run: region, region offset, pool offset, bytes
-    cur_ro = cur_po = cur_n = 0
-    nbytes = 0
+    # Column-wise with numpy: a 64-chunk Llama-8B job is 2048 pages, and a
+    # per-page Python loop on the event loop cost more than the PCIe copy.
+    slots_all = np.fromiter(
+        (-1 if s is None else s for s in slot_offsets), dtype=np.int64, count=len(slot_offsets)
+    )
+    parts: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []
     for g, ids, key_of, subs in shape.groups:
-        slots = [slot_offsets[k] for k in key_of]
-        if all(s is None for s in slots):
+        slots = slots_all[np.asarray(key_of, dtype=np.int64)]
+        keep = slots >= 0
+        if not keep.any():
             continue
-        pages = layout.groups[g]
-        for layer, ref in enumerate(memory.groups[g]):
-            t = tensors[ref.tensor_index]
-            page = pages[layer]
-            region = t.region_index
-            stride = t.block_stride
-            base = t.region_offset + ref.page_offset
-            layer_base = layout.page_offset(g, rank, layer, 0)
-            for i, block_id in enumerate(ids):
-                slot_off = slots[i]
-                if slot_off is None:
-                    continue
-                ro = base + block_id * stride
-                po = slot_off + layer_base
-                if subs is not None:
-                    po += subs[i] * page
-                if region == cur_r and cur_ro + cur_n == ro and cur_po + cur_n == po:
-                    cur_n += page
-                else:
-                    if cur_r >= 0:
-                        runs.append((cur_r, cur_ro, cur_po, cur_n))
-                    cur_r, cur_ro, cur_po, cur_n = region, ro, po, page
-                nbytes += page
-    if cur_r >= 0:
-        runs.append((cur_r, cur_ro, cur_po, cur_n))
-    plan.nbytes += nbytes
-    return plan
+        blocks = np.asarray(ids, dtype=np.int64)
+        sub = None if subs is None else np.asarray(subs, dtype=np.int64)
+        if not keep.all():
+            blocks, slots = blocks[keep], slots[keep]
+            sub = None if sub is None else sub[keep]
+        geo = _geometry(layout, rank, memory, g)
+        n_blocks = len(blocks)
+        # (layers, blocks) grids, flattened layer-major: the order of the runs.
+        ro = geo.base[:, None] + blocks[None, :] * geo.stride[:, None]
+        po = geo.slot_base[:, None] + slots[None, :]
+        if sub is not None:
+            po = po + sub[None, :] * geo.page[:, None]
+        parts.append(
+            (
+                np.repeat(geo.region, n_blocks),
+                ro.reshape(-1),
+                po.reshape(-1),
+                np.repeat(geo.page, n_blocks),
+            )
+        )
+    if not parts:
+        return CopyPlan()
+    if len(parts) == 1:
+        region, ro, po, n = parts[0]
+    else:
+        region, ro, po, n = (np.concatenate(c) for c in zip(*parts, strict=True))
+    return CopyPlan.from_pages(region, ro, po, n)
 
 
 def plan_job(

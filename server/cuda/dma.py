@@ -34,6 +34,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from kvdepot.common.kinds import MemoryPath
 from kvdepot.server import errors
 from kvdepot.server.core.planner import CopyPlan
@@ -71,14 +73,14 @@ class DmaBatch:
 
 def plan_descriptors(
     direction: int,
-    runs: Sequence[tuple[int, int, int, int]],
+    runs: CopyPlan | Sequence[tuple[int, int, int, int]],
     region_addresses: Sequence[int],
     pool_address: int,
     *,
     max_batch: int = DEFAULT_MAX_BATCH,
     host_split: int = 0,
 ) -> list[DmaBatch]:
-    """Turns planner runs into DMA batches.
+    """Turns planner runs (a CopyPlan, or its `runs`) into DMA batches.
 
     STORE copies `region_addresses[r] + region_offset` -> `pool_address + pool_offset`;
     LOAD the reverse. With `host_split` > 0 a run that crosses a multiple of
@@ -87,7 +89,7 @@ def plan_descriptors(
     region or moves no bytes (the planner never makes one).
 
     Runs on the copy thread for every job (2048 runs for 64 vLLM blocks of 32
-    layers), so it works column-wise with comprehensions rather than per run.
+    layers), so it works on the plan's int64 columns with numpy, never per run.
     """
     if direction not in (STORE, LOAD):
         raise ValueError(f"unknown direction {direction}")
@@ -95,51 +97,55 @@ def plan_descriptors(
         raise ValueError("max_batch must be at least 1")
     if host_split < 0:
         raise ValueError("host_split must not be negative")
-    if not runs:
+    cols = runs.columns if isinstance(runs, CopyPlan) else CopyPlan(runs).columns
+    if cols.shape[1] == 0:
         return []
-    regions, region_offs, pool_offs, sizes = zip(*runs, strict=True)  # columns, in C
-    if min(sizes) <= 0 or min(region_offs) < 0 or min(pool_offs) < 0:
-        bad = next(r for r in runs if r[3] <= 0 or r[1] < 0 or r[2] < 0)
-        raise ValueError(f"bad run {bad}")
-    if min(regions) < 0 or max(regions) >= len(region_addresses):
-        bad = next(r for r in runs if not 0 <= r[0] < len(region_addresses))
-        raise ValueError(f"run names region {bad[0]}; {len(region_addresses)} mapped")
-    if len(region_addresses) == 1:  # the usual case: one allocation per worker
-        base = region_addresses[0]
-        dev = [base + o for o in region_offs]
-    else:
-        dev = [region_addresses[r] + o for r, o in zip(regions, region_offs, strict=True)]
-    host = [pool_address + p for p in pool_offs]
-    sizes = list(sizes)
-    if host_split and any(p % host_split + n > host_split
-                          for p, n in zip(pool_offs, sizes, strict=True)):
-        dev, host, sizes = _split_runs(dev, host, list(pool_offs), sizes, host_split)
+    regions, region_offs, pool_offs, sizes = cols
+    if sizes.min() <= 0 or region_offs.min() < 0 or pool_offs.min() < 0:
+        i = int(np.flatnonzero((sizes <= 0) | (region_offs < 0) | (pool_offs < 0))[0])
+        raise ValueError(f"bad run {tuple(cols[:, i].tolist())}")
+    if regions.min() < 0 or regions.max() >= len(region_addresses):
+        i = int(np.flatnonzero((regions < 0) | (regions >= len(region_addresses)))[0])
+        raise ValueError(f"run names region {int(regions[i])}; {len(region_addresses)} mapped")
+    # uint64: device and host addresses may use the top bit; offsets never do.
+    bases = np.array(region_addresses, dtype=np.uint64)
+    dev = bases[regions] + region_offs.astype(np.uint64)
+    host = np.uint64(pool_address) + pool_offs.astype(np.uint64)
+    n = sizes.astype(np.uint64)
+    if host_split:
+        dev, host, n = _split_runs(dev, host, pool_offs, sizes, host_split)
     srcs, dsts = (dev, host) if direction == STORE else (host, dev)
     batches = []
-    for i in range(0, len(sizes), max_batch):
-        part = sizes[i : i + max_batch]
+    for i in range(0, len(n), max_batch):
+        part = n[i : i + max_batch]
         batches.append(DmaBatch(
-            array("Q", dsts[i : i + max_batch]), array("Q", srcs[i : i + max_batch]),
-            array("Q", part), sum(part),
+            _words(dsts[i : i + max_batch]), _words(srcs[i : i + max_batch]), _words(part),
+            int(part.sum()),
         ))
     return batches
 
 
+def _words(values: np.ndarray) -> array:
+    """A uint64 column as array('Q') (what the driver binding takes), by one memcpy."""
+    out = array("Q")
+    out.frombytes(np.ascontiguousarray(values, dtype=np.uint64).tobytes())
+    return out
+
+
 def _split_runs(
-    dev: list[int], host: list[int], pool_offs: list[int], sizes: list[int], split: int
-) -> tuple[list[int], list[int], list[int]]:
+    dev: np.ndarray, host: np.ndarray, pool_offs: np.ndarray, sizes: np.ndarray, split: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Cuts runs where their pool bytes cross a multiple of `split`."""
-    out_dev: list[int] = []
-    out_host: list[int] = []
-    out_sizes: list[int] = []
-    for d, h, p, n in zip(dev, host, pool_offs, sizes, strict=True):
-        while n > 0:
-            take = min(n, split - p % split)
-            out_dev.append(d)
-            out_host.append(h)
-            out_sizes.append(take)
-            d, h, p, n = d + take, h + take, p + take, n - take
-    return out_dev, out_host, out_sizes
+    first = split - pool_offs % split  # bytes before the run's first boundary
+    pieces = np.where(sizes > first, 1 + (sizes - first + split - 1) // split, 1)
+    if (pieces == 1).all():
+        return dev, host, sizes.astype(np.uint64)
+    run = np.repeat(np.arange(len(sizes)), pieces)
+    k = np.arange(len(run)) - np.repeat(np.cumsum(pieces) - pieces, pieces)  # piece in run
+    start = np.where(k == 0, 0, first[run] + (k - 1) * split)
+    size = np.minimum(sizes[run] - start, np.where(k == 0, first[run], split))
+    step = start.astype(np.uint64)
+    return dev[run] + step, host[run] + step, size.astype(np.uint64)
 
 
 # -- served devices and IPC mappings ------------------------------------------------
@@ -400,7 +406,7 @@ class CudaCopyEngine(CopyEngine):
     ) -> None:
         if direction not in (STORE, LOAD):
             raise ValueError(f"unknown direction {direction}")
-        if not plan.runs:
+        if not len(plan):
             return
         cregions: list[CudaIpcRegion] = []
         for r in regions:
@@ -411,7 +417,7 @@ class CudaCopyEngine(CopyEngine):
         if any(r.device is not dev for r in cregions):
             raise ValueError("one registration's regions must all be on one device")
         batches = plan_descriptors(
-            direction, plan.runs, [r.address for r in cregions], pool_address,
+            direction, plan, [r.address for r in cregions], pool_address,
             max_batch=self.max_batch, host_split=self.host_split(),
         )
         drv = self.driver

@@ -12,6 +12,8 @@ import ctypes
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
+import numpy as np
+
 from kvdepot.common.kinds import Direction
 from kvdepot.server.core.planner import CopyPlan
 from kvdepot.server.memory.regions import MappedRegion
@@ -24,6 +26,10 @@ __all__ = ["LOAD", "STORE", "CopyEngine", "CpuCopyEngine", "MappedRegion"]
 
 class CopyEngine(ABC):
     """Moves the bytes of a plan. Thread-safe: several copies may run at once."""
+
+    # Plans of at least this many bytes may be cut into parts copied on several
+    # threads at once (0: never; the CUDA engine's DMA needs no threads for speed).
+    parallel_min_bytes = 0
 
     @abstractmethod
     def copy(
@@ -42,17 +48,27 @@ _memmove = ctypes.memmove
 
 
 class CpuCopyEngine(CopyEngine):
-    """memmove per run (ctypes releases the GIL, so copies use every core)."""
+    """memmove per run (ctypes releases the GIL, so copies use every core).
+
+    Plans of at least `parallel_min_bytes` may be split by the caller across
+    copy threads (CopyPlan.split): one thread's memmove does not reach the
+    machine's copy bandwidth.
+    """
+
+    parallel_min_bytes = 4 << 20
 
     def copy(
         self, direction: int, regions: Sequence[MappedRegion], pool_address: int, plan: CopyPlan
     ) -> None:
-        bases = [r.address for r in regions]
-        if direction == STORE:
-            for region, region_off, pool_off, n in plan.runs:
-                _memmove(pool_address + pool_off, bases[region] + region_off, n)
-        elif direction == LOAD:
-            for region, region_off, pool_off, n in plan.runs:
-                _memmove(bases[region] + region_off, pool_address + pool_off, n)
-        else:
+        if direction not in (STORE, LOAD):
             raise ValueError(f"unknown direction {direction}")
+        region, region_off, pool_off, sizes = plan.columns
+        if not len(sizes):
+            return
+        # Addresses column-wise (numpy), then one memmove per run.
+        bases = np.array([r.address for r in regions], dtype=np.int64)
+        mem = (bases[region] + region_off).tolist()
+        pool = (pool_off + pool_address).tolist()
+        dsts, srcs = (pool, mem) if direction == STORE else (mem, pool)
+        for dst, src, n in zip(dsts, srcs, sizes.tolist(), strict=True):
+            _memmove(dst, src, n)
