@@ -19,6 +19,8 @@ import pytest
 pytest.importorskip("vllm")
 pytest.importorskip("redis")
 
+from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
 from kvdepot.client.vllm.testing import (
     EngineConfig,
     GroupDef,
@@ -96,7 +98,7 @@ def test_request_on_node_b_loads_what_node_a_computed(two_nodes, make_engine) ->
     engine_a = json.loads(proc.stdout.strip().splitlines()[-1])
 
     prompt = prompt_for(9, 160)
-    engine_b = make_engine(socket=b.target, num_gpu_blocks=64)
+    engine_b = make_engine(socket=b.target, num_gpu_blocks=64, enable_kv_events=True)
     engine_b.wait_registered()
     m = engine_b.manager
     assert m.namespace_id == engine_a["namespace"]
@@ -107,6 +109,15 @@ def test_request_on_node_b_loads_what_node_a_computed(two_nodes, make_engine) ->
     engine_b.add_request(prompt)
     engine_b.step()  # RETRY for every key: nothing scheduled, nothing waited for
     assert m.remote_asked == len(keys)
+    engine_b.wait_ready(keys)  # fetched into B's pool, announced on Watch
+    # Fetched blocks reach vLLM's KV events like stored ones (medium "CPU").
+    stored = [
+        e for e in engine_b.scheduler_connector.take_events() if type(e).__name__ == "BlockStored"
+    ]
+    assert {h for e in stored for h in e.block_hashes} >= {
+        maybe_convert_block_hash(k[:-4]) for k in keys
+    }
+    assert all(e.medium == "CPU" for e in stored)
     engine_b.run()
     rec = next(iter(engine_b.records.values()))
     assert rec.external_tokens == 160
