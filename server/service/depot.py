@@ -32,6 +32,8 @@ from kvdepot.v1 import depot_pb2_grpc
 log = logging.getLogger("kvdepot.depot")
 
 SNAPSHOT_BATCH = 4096
+# Jobs of one Transfer stream running or answered but not yet taken by the client.
+MAX_UNREAD_RESULTS = 1024
 
 
 def layout_from_proto(msg: pb.NamespaceLayout) -> NamespaceLayout:
@@ -221,6 +223,7 @@ class DepotServicer(depot_pb2_grpc.DepotServicer):
     ) -> AsyncIterator[pb.TransferResult]:
         results: asyncio.Queue[pb.TransferResult | None] = asyncio.Queue()
         pending: set[asyncio.Task[None]] = set()
+        drained = asyncio.Event()  # set when the client takes a result
         st = self.state
 
         async def run(job: pb.TransferJob) -> None:
@@ -242,6 +245,11 @@ class DepotServicer(depot_pb2_grpc.DepotServicer):
         async def read() -> None:
             try:
                 async for job in request_iterator:
+                    # A client that does not read its results stops being read
+                    # (HTTP/2 flow control then holds its sends): memory stays bounded.
+                    while len(pending) + results.qsize() >= MAX_UNREAD_RESULTS:
+                        drained.clear()
+                        await drained.wait()
                     task = asyncio.create_task(run(job))
                     pending.add(task)
                     task.add_done_callback(pending.discard)
@@ -257,6 +265,7 @@ class DepotServicer(depot_pb2_grpc.DepotServicer):
         try:
             while True:
                 item = await results.get()
+                drained.set()
                 if item is None:
                     break
                 yield item
