@@ -164,6 +164,9 @@ class BlockIndex:
         self._emit = self._events.append if on_event is None else on_event
         self.stats = IndexStats()
         self.pinned_bytes = 0
+        # Crash recovery: extents claimed for rows a journal lists, invisible until
+        # their bytes are verified (adopt_recovered) or dropped (drop_recovering).
+        self.recovering: dict[int, Extent] = {}
 
     # -- namespaces ------------------------------------------------------------------
 
@@ -523,6 +526,36 @@ class BlockIndex:
 
     # -- warm restart ----------------------------------------------------------------
 
+    def claim_recovering(self, offset: int, size: int) -> Extent:
+        """Claims `[offset, offset+size)` for a row that a crash journal lists, so
+        no store lands there while its bytes are verified. Raises OutOfSpace or
+        ValueError when the range is not free (the journal is inconsistent)."""
+        extent = self.allocator.allocate_at(offset, size)
+        self.recovering[extent.offset] = extent
+        return extent
+
+    def drop_recovering(self, extent: Extent) -> None:
+        """Frees a claimed extent whose row failed verification (or was stored
+        again meanwhile)."""
+        del self.recovering[extent.offset]
+        self.allocator.free(extent)
+
+    def adopt_recovered(self, namespace_id: str, key: bytes, extent: Extent) -> Slot | None:
+        """Makes a verified row READY and announces it (STORED), as a store
+        would. Returns None, freeing the extent, when the key is present already
+        (an engine stored it during the verification) or does not fit the layout."""
+        del self.recovering[extent.offset]
+        ns = self.namespaces.get(namespace_id)
+        try:
+            if ns is None or key in ns.slots:
+                raise LayoutError("present already")
+            slot = self.adopt_ready(namespace_id, key, extent)
+        except LayoutError:
+            self.allocator.free(extent)
+            return None
+        self._emit(IndexEvent(namespace_id, EventKind.STORED, (key,)))
+        return slot
+
     def adopt_ready(self, namespace_id: str, key: bytes, extent: Extent) -> Slot:
         """Inserts a READY slot over `extent`, which the caller has just claimed from
         this index's allocator (`allocate_at`): a warm restart re-creating its slots.
@@ -553,7 +586,10 @@ class BlockIndex:
         live = [s for ns in self.namespaces.values() for s in ns.slots.values()]
         extents = {s.extent.offset: s.extent.size for s in live}
         extents.update({s.extent.offset: s.extent.size for s in self._doomed})
-        assert len(extents) == len(live) + len(self._doomed), "a slot offset is used twice"
+        extents.update({e.offset: e.size for e in self.recovering.values()})
+        assert len(extents) == len(live) + len(self._doomed) + len(self.recovering), (
+            "a slot offset is used twice"
+        )
         assert extents == self.allocator.allocated_extents(), "allocator and index disagree"
         for ns in self.namespaces.values():
             assert ns.used_bytes == sum(s.extent.size for s in ns.slots.values()) + sum(

@@ -118,6 +118,7 @@ class StartPlan:
     snapshot: IndexSnapshot | None
     reason: str  # why the pool starts empty (when snapshot is None)
     fresh: bool = False  # no pool file yet: starting empty is routine, not a warning
+    crashed: bool = False  # a pool file but no snapshot: the last daemon was killed
 
 
 def prepare_start(pool_file: str, pool_size: int, granularity: int) -> StartPlan:
@@ -139,6 +140,7 @@ def prepare_start(pool_file: str, pool_size: int, granularity: int) -> StartPlan
             None,
             f"no index snapshot at {path}: the previous daemon did not shut down cleanly "
             f"(killed or crashed), so the pool's contents cannot be vouched for",
+            crashed=True,
         )
     try:
         snap = snapshot.decode(data)

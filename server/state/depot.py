@@ -33,13 +33,13 @@ from kvdepot.common.kinds import MemoryPath
 from kvdepot.server import errors
 from kvdepot.server.config import ServeConfig
 from kvdepot.server.copy_queue import CopyQueue
-from kvdepot.server.core.allocator import ExtentAllocator
+from kvdepot.server.core.allocator import Extent, ExtentAllocator
 from kvdepot.server.core.index import BlockIndex, IndexEvent, UnknownNamespace
 from kvdepot.server.core.kinds import EvictionReason, PutOutcome, SlotState
 from kvdepot.server.core.layout import NamespaceLayout, check_key
 from kvdepot.server.core.planner import LayerRef, TensorView
 from kvdepot.server.fd_receiver import FdReceiver
-from kvdepot.server.memory import pool_file
+from kvdepot.server.memory import journal_file, pool_file
 from kvdepot.server.memory.arena import Arena
 from kvdepot.server.resources import Headroom
 from kvdepot.server.state.events import EventBus, Watcher
@@ -134,6 +134,11 @@ class DepotState:
         self.internal_writers: set[str] = set()
         self.invariant_failure: str | None = None
         self.slices_yielded = 0  # bulk-eviction slices so far (tests: the work was sliced)
+        # With --pool-file: the crash journal, and the recovery of a killed daemon's rows.
+        self.journal: journal_file.Journal | None = None
+        self.recovery = journal_file.RecoveryProgress()
+        self._recovery: journal_file.Recovery | None = None
+        self._compaction: asyncio.Task[None] | None = None
 
     @classmethod
     def create(cls, config: ServeConfig) -> DepotState:
@@ -160,12 +165,71 @@ class DepotState:
             )
 
         index = new_index()
-        warm = plan is not None and pool_file.finish_start(plan, index) is not None
-        if plan is not None and not warm:
-            index = new_index()  # drop whatever a rejected snapshot half-restored
-        return cls(
+        if plan is None:
+            return cls(config, arena, index, bus, headroom=True)
+        # A killed daemon leaves no snapshot but a journal: recover from it. A
+        # snapshot that was there but does not apply voids the journal too (the
+        # pool file was replaced or changed while no daemon held it).
+        old, why_not = journal_file.read(config.pool_file)
+        crashed = plan.crashed
+        if crashed and old is not None and not arena.existed:
+            old, why_not = None, "the pool file was created or resized at this start"
+        if crashed and old is not None and (old.pool_size, old.granularity) != (
+            arena.size, config.slot_granularity
+        ):
+            old, why_not = None, "the journal is for another pool size or granularity"
+        warm = False
+        if not (crashed and old is not None):
+            if crashed:
+                plan.reason += f"; {why_not}"
+            warm = pool_file.finish_start(plan, index) is not None
+            if not warm:
+                index = new_index()  # drop whatever a rejected snapshot half-restored
+        st = cls(
             config, arena, index, bus, warm_restarted=warm, pool_lock=pool_lock, headroom=True
         )
+        st._start_journal(old if crashed else None, old if warm else None)
+        return st
+
+    def _start_journal(
+        self,
+        crashed: journal_file.JournalState | None,
+        previous: journal_file.JournalState | None,
+    ) -> None:
+        """Opens a fresh journal listing what this start serves, and starts the
+        checksums (warm restart) or the verification (crash recovery)."""
+        index, arena = self.index, self.arena
+        journal = self.journal = journal_file.Journal(
+            self.config.pool_file, index, arena, self.boot_id
+        )
+        rows: list[tuple[str, bytes, journal_file.Row]] = []
+        to_verify: list[tuple[str, bytes, Extent, int]] = []
+        if crashed is not None:
+            to_verify, rows = journal_file.begin_recovery(index, crashed, self.recovery)
+            log.info(
+                "crash recovery: the previous daemon was killed; %d block(s) in its journal, "
+                "%d to verify (%d dropped at once: %s); serving meanwhile",
+                self.recovery.total, len(to_verify), self.recovery.rejected,
+                ", ".join(f"{n} {r}" for r, n in self.recovery.reasons.items()) or "none",
+            )
+        unsealed = []
+        for slot in index.ready_slots_by_age():  # a warm restart's rows
+            known = previous.rows.get((slot.namespace, slot.key)) if previous else None
+            crc = known.crc if known and known.offset == slot.extent.offset else None
+            rows.append(
+                (slot.namespace, slot.key, journal_file.Row(slot.extent.offset,
+                                                            slot.extent.size, crc))
+            )
+            if crc is None:
+                unsealed.append((slot.namespace, slot.key))
+        journal.start(rows)
+        self.bus.add_listener(journal.on_event)
+        journal.seal(unsealed)
+        if to_verify:
+            self._recovery = journal_file.Recovery(
+                index, arena, journal, to_verify, self.recovery
+            )
+            self._recovery.start(asyncio.get_running_loop())
 
     # -- hooks -------------------------------------------------------------------------
 
@@ -227,6 +291,8 @@ class DepotState:
             q.put_nowait(None)
 
     def close(self) -> None:
+        if self._recovery is not None:
+            self._recovery.stop()  # it reads the pool: before the unmap
         stopped = self.copy_queue.close()
         if not stopped:
             log.error("a copy did not end within the shutdown grace: memory stays mapped")
@@ -234,6 +300,8 @@ class DepotState:
             self.fd_receiver.close()
         # A copy still running keeps the regions and the pool mapped.
         self._sessions.close_all(unmap=stopped)
+        if self.journal is not None:
+            self.journal.close()  # stops the checksums before the unmap
         self.arena.flush()
         self.arena.close(unmap=stopped)
         if self.config.pool_file:
@@ -241,12 +309,20 @@ class DepotState:
             pool_file.save_at_shutdown(
                 self.index, self.config.pool_file, self.arena.size, self.boot_id
             )
+            if self.journal is not None:
+                # Rows the recovery had not verified yet stay listed (still unserved).
+                self.journal.rewrite()
         if self._pool_lock is not None:  # only now may the next daemon take the pool file
             os.close(self._pool_lock)
             self._pool_lock = None
 
     @mutation
     def housekeeping(self) -> None:
+        j = self.journal
+        if j is not None and j.wants_compaction() and (
+            self._compaction is None or self._compaction.done()
+        ):
+            self._compaction = asyncio.get_running_loop().create_task(j.compact())
         expired = self.index.expire_reservations()
         if expired:
             log.warning("dropped %d block row(s) whose ranks never all stored", expired)
@@ -535,4 +611,8 @@ class DepotState:
             "pin_calls": ix.pin_calls,
             "pin_keys": ix.pin_keys,
             "pinned_keys": ix.pinned_keys,
+            "recovery_blocks_total": self.recovery.total,
+            "recovery_blocks_verified": self.recovery.verified,
+            "recovery_blocks_rejected": self.recovery.rejected,
+            "recovery_complete": self.recovery.complete,
         }

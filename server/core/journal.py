@@ -1,0 +1,157 @@
+"""The crash journal's records: what makes a pool file's blocks survive a SIGKILL.
+
+With `--pool-file`, the daemon appends a record to `<pool-file>.journal` for
+every change a restart must know about, before anyone can hear of the change:
+
+    HEADER  the pool's size and slot granularity (first record of a file)
+    LAYOUT  a namespace's layout, before its first block
+    READY   a block row became READY: namespace, key, offset, extent size, and
+            its checksum when known (compaction writes it along)
+    SUM     the checksum of a READY row, computed in the background after it
+    FREED   a READY row was removed (its extent may be reused from now on)
+
+A row being written has no record, so a restart never serves one. A row whose
+extent was freed has a FREED record before anything else can be written there.
+After a crash the daemon replays the journal (`replay`) and serves each row that
+is still live and whose checksum matches the pool's bytes; a row without a
+checksum (the crash came within moments of its store) or with one that does not
+match is dropped. The checksum is CRC-32 (zlib) over the row's bytes
+(`NamespaceLayout.slot_bytes`, not the extent's rounding).
+
+Record format (integers little-endian): u32 payload length, u32 CRC-32 of the
+payload, payload (a type byte, then the fields). Replay stops at the first torn
+or damaged record: everything before it was written whole.
+
+This module is pure (encode, decode, replay); the file and the threads are in
+kvdepot.server.memory.journal_file.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import zlib
+from dataclasses import dataclass, field
+
+from kvdepot.server.core.layout import NamespaceLayout
+from kvdepot.server.core.snapshot import SnapshotError, _layout_from_json, _layout_to_json
+
+SUFFIX = ".journal"
+FORMAT = 1
+_FRAME = struct.Struct("<II")
+_NS = struct.Struct("<H")
+_READY = struct.Struct("<HQQBI")
+_SUM = struct.Struct("<HI")
+HEADER, LAYOUT, READY, SUM, FREED = b"H", b"L", b"R", b"S", b"F"
+MAX_NAMESPACES = 0xFFFF
+
+
+class JournalError(ValueError):
+    """The journal cannot be used (another pool, unknown format)."""
+
+
+@dataclass
+class Row:
+    """A live READY row as the journal knows it."""
+
+    offset: int
+    size: int  # the extent's size
+    crc: int | None = None
+
+
+@dataclass
+class JournalState:
+    """What a journal says was READY when it ended."""
+
+    pool_size: int = 0
+    granularity: int = 0
+    layouts: dict[str, NamespaceLayout] = field(default_factory=dict)
+    rows: dict[tuple[str, bytes], Row] = field(default_factory=dict)  # oldest first
+    records: int = 0
+    torn_bytes: int = 0  # bytes after the last whole record (a write cut short)
+
+
+def _frame(payload: bytes) -> bytes:
+    return _FRAME.pack(len(payload), zlib.crc32(payload)) + payload
+
+
+def header(pool_size: int, granularity: int, boot_id: str) -> bytes:
+    body = json.dumps(
+        {"format": FORMAT, "pool_size": pool_size, "granularity": granularity, "boot_id": boot_id},
+        separators=(",", ":"),
+    ).encode()
+    return _frame(HEADER + body)
+
+
+def layout(ns_index: int, lay: NamespaceLayout) -> bytes:
+    if ns_index > MAX_NAMESPACES:
+        raise JournalError(f"more than {MAX_NAMESPACES} namespaces in one journal")
+    body = json.dumps(_layout_to_json(lay), separators=(",", ":")).encode()
+    return _frame(LAYOUT + _NS.pack(ns_index) + body)
+
+
+def ready(ns_index: int, key: bytes, offset: int, size: int, crc: int | None = None) -> bytes:
+    fields = _READY.pack(ns_index, offset, size, crc is not None, crc or 0)
+    return _frame(READY + fields + key)
+
+
+def checksum(ns_index: int, key: bytes, crc: int) -> bytes:
+    return _frame(SUM + _SUM.pack(ns_index, crc) + key)
+
+
+def freed(ns_index: int, key: bytes) -> bytes:
+    return _frame(FREED + _NS.pack(ns_index) + key)
+
+
+def replay(data: bytes | memoryview) -> JournalState:
+    """The rows a journal leaves live, oldest first. Raises JournalError only for
+    a file that is not a journal (or of another format); damage at the tail ends
+    the replay there."""
+    st = JournalState()
+    names: dict[int, str] = {}
+    view = memoryview(data)
+    pos = 0
+    while pos + _FRAME.size <= len(view):
+        length, crc = _FRAME.unpack_from(view, pos)
+        payload = view[pos + _FRAME.size : pos + _FRAME.size + length]
+        if length == 0 or len(payload) != length or zlib.crc32(payload) != crc:
+            break
+        kind, body = bytes(payload[:1]), payload[1:]
+        if st.records == 0:
+            if kind != HEADER:
+                raise JournalError("not a kvdepot journal (no header record)")
+            head = json.loads(bytes(body))
+            if head.get("format") != FORMAT:
+                raise JournalError(f"journal format {head.get('format')!r}, expected {FORMAT}")
+            st.pool_size, st.granularity = int(head["pool_size"]), int(head["granularity"])
+        elif kind == LAYOUT:
+            (i,) = _NS.unpack_from(body)
+            try:
+                lay = _layout_from_json(json.loads(bytes(body[_NS.size :])))
+            except (SnapshotError, ValueError):
+                break
+            names[i] = lay.id
+            st.layouts[lay.id] = lay
+        elif kind == READY:
+            i, offset, size, has_crc, row_crc = _READY.unpack_from(body)
+            if i not in names:
+                break
+            ident = (names[i], bytes(body[_READY.size :]))
+            st.rows.pop(ident, None)  # re-stored: it moves to the young end
+            st.rows[ident] = Row(offset, size, row_crc if has_crc else None)
+        elif kind == SUM:
+            i, row_crc = _SUM.unpack_from(body)
+            row = st.rows.get((names.get(i, ""), bytes(body[_SUM.size :])))
+            if row is not None:
+                row.crc = row_crc
+        elif kind == FREED:
+            (i,) = _NS.unpack_from(body)
+            st.rows.pop((names.get(i, ""), bytes(body[_NS.size :])), None)
+        else:
+            break
+        st.records += 1
+        pos += _FRAME.size + length
+    st.torn_bytes = len(view) - pos
+    if st.records == 0 and len(view):
+        raise JournalError("not a kvdepot journal (its first record is damaged)")
+    return st
