@@ -202,9 +202,10 @@ class Journal:
             self._loop.call_soon(self._start_seals)
 
     def _start_seals(self) -> None:
-        """On the loop, a turn after the stores: hold each row and hash it on the
-        seal thread."""
+        """On the loop, a turn after the stores: hold the queued rows against
+        eviction and hash them on the seal thread, one batch per turn."""
         self._seal_scheduled = False
+        batch: list[tuple[Slot, int]] = []
         while self._to_seal and not self._closed:
             ns_id, key = self._to_seal.popleft()
             row = self.live.get((ns_id, key))
@@ -222,25 +223,32 @@ class Journal:
                 self.unsealed += 1
                 continue
             self.seal_backlog += nbytes
-            fut = self._sealer.submit(row_crc, self.arena, row.offset, nbytes)
-            fut.add_done_callback(
-                lambda f, s=slot, n=nbytes, lp=self._loop: lp.call_soon_threadsafe(
-                    self._sealed, s, n, f
-                )
-            )
+            batch.append((slot, nbytes))
+        if not batch:
+            return
+        arena, loop = self.arena, self._loop
+        assert loop is not None
 
-    def _sealed(self, slot: Slot, nbytes: int, fut: object) -> None:
-        self.seal_backlog -= nbytes
-        try:
-            crc = fut.result()  # type: ignore[attr-defined]
-        except Exception as exc:  # the pool unmapped under it (shutdown)
-            log.debug("checksum of a row failed: %s", exc)
-            crc = None
-        row = self.live.get((slot.namespace, slot.key))
-        if crc is not None and row is not None and row.offset == slot.extent.offset:
-            row.crc = crc
-            self._append(rec.checksum(self._ns[slot.namespace], slot.key, crc))
-        self.index.end_read(slot)
+        def work() -> None:
+            crcs: list[int | None] = []
+            for slot, nbytes in batch:
+                try:
+                    crcs.append(row_crc(arena, slot.extent.offset, nbytes))
+                except (ValueError, BufferError):  # the pool closed under it (shutdown)
+                    crcs.append(None)
+            loop.call_soon_threadsafe(self._sealed, batch, crcs)
+
+        self._sealer.submit(work)
+
+    def _sealed(self, batch: list[tuple[Slot, int]], crcs: list[int | None]) -> None:
+        """On the loop: the checksums are recorded, the rows released."""
+        for (slot, nbytes), crc in zip(batch, crcs, strict=True):
+            self.seal_backlog -= nbytes
+            row = self.live.get((slot.namespace, slot.key))
+            if crc is not None and row is not None and row.offset == slot.extent.offset:
+                row.crc = crc
+                self._append(rec.checksum(self._ns[slot.namespace], slot.key, crc))
+            self.index.end_read(slot)
 
     # -- compaction --------------------------------------------------------------------
 
