@@ -109,3 +109,37 @@ def test_without_remote_prefetch_says_so_and_nothing_changes(daemon_factory) -> 
     s = stats(c)
     assert not s.remote_enabled and s.remote_writes == 0
     c.close()
+
+
+def test_prefetch_refuses_bad_input_with_reasons(redis_standalone, daemon_factory) -> None:
+    import grpc
+
+    geo = Geometry(namespace=f"bad-{time.monotonic_ns()}")
+    d, c = node(daemon_factory, redis_standalone.url, "--max-job-keys", "2")
+    Engine(c, geo, 0)  # declares the namespace
+
+    def code_of(namespace: str, keys: list[bytes], session: str | None = None):
+        with pytest.raises(grpc.RpcError) as info:
+            c.stub.Prefetch(
+                pb.PrefetchRequest(
+                    session_id=c.session_id if session is None else session,
+                    namespace_id=namespace,
+                    keys=keys,
+                ),
+                timeout=5,
+            )
+        return info.value.code(), info.value.details()
+
+    code, text = code_of("no-such-namespace", [bytes(36)])
+    assert code == grpc.StatusCode.NOT_FOUND and "namespace" in text
+    code, text = code_of(geo.namespace, [b"short"])
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+    code, text = code_of(geo.namespace, [bytes(32) + (7).to_bytes(4, "big")])  # group 7
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+    code, text = code_of(geo.namespace, [bytes(36)] * 33)
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "split" in text
+    code, text = code_of(geo.namespace, [bytes(36)], session="nope")
+    assert code == grpc.StatusCode.FAILED_PRECONDITION  # as for Pin: open a session first
+    # The daemon still answers.
+    assert list(prefetch(c, geo.namespace, [bytes(36)]).states) == [ABSENT]
+    c.close()

@@ -21,7 +21,9 @@ def test_patch_targets_the_daemonset_and_sets_known_variables() -> None:
     (patch_path,) = [p["path"] for p in kust["patches"]]
     patch = yaml.safe_load((REMOTE / patch_path).read_text())
     assert (patch["kind"], patch["metadata"]["name"], patch["metadata"]["namespace"]) == (
-        ds["kind"], ds["metadata"]["name"], ds["metadata"]["namespace"]
+        ds["kind"],
+        ds["metadata"]["name"],
+        ds["metadata"]["namespace"],
     )
     (container,) = patch["spec"]["template"]["spec"]["containers"]
     names = [c["name"] for c in ds["spec"]["template"]["spec"]["containers"]]
