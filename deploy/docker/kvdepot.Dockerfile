@@ -13,7 +13,7 @@ WORKDIR /src
 # The repository, less what .dockerignore keeps out (virtual environments, tests, .git).
 COPY . .
 RUN python3 -m venv /opt/kvdepot \
-    && /opt/kvdepot/bin/pip install --no-cache-dir --disable-pip-version-check '.[server]'
+    && /opt/kvdepot/bin/pip install --no-cache-dir --disable-pip-version-check '.[server,remote]'
 
 FROM ${BASE}
 # The uid and gid the manifests run as (deploy/k8s); the group owns the socket.
