@@ -248,3 +248,40 @@ def test_ten_kinds_of_non_memfd_fds_are_refused_without_leaks(daemon_factory, tm
     assert reg.registration_id
     buf.close()
     c.close()
+
+
+def test_unread_watch_streams_stay_bounded_however_many_stores(daemon_factory) -> None:
+    # 10 Watch streams nobody reads, over 4096-key store jobs into a 16 MiB pool (every
+    # store past the first 4096 evicts one). What the streams hold must not grow with
+    # the number of stores: a lagging watcher is resynced, not queued without end.
+    from tests.support.engine import Engine, Geometry
+
+    d = daemon_factory("--pool-size", "16MiB")
+    c = DepotClient(d.target, client_name="watched").start()
+    assert c.wait_connected(10)
+    geo = Geometry(
+        groups=[[4096]], blocks_per_chunk=1, world_size=1, num_blocks=4096, namespace="w"
+    )
+    eng = Engine(c, geo, 0)
+    ch = grpc.insecure_channel(d.target)
+    calls = [
+        depot_pb2_grpc.DepotStub(ch).Watch(pb.WatchRequest(namespace_id="w")) for _ in range(10)
+    ]
+
+    def store(jobs: range) -> None:
+        for j in jobs:
+            keys = [make_key(i, 0, salt=b"%d" % j) for i in range(4096)]
+            assert eng.job(pb.STORE, keys, [list(range(4096))], [0]).success
+
+    try:
+        store(range(24))  # 98,304 stores: past every bound (the watch queues are full)
+        middle = rss_mib(d.proc.pid)
+        store(range(24, 48))  # as many again
+        grown = rss_mib(d.proc.pid) - middle
+        assert grown < 8, f"RSS grew {grown:.1f} MiB over the second 98,304 stores"
+        assert serving(d.target)
+    finally:
+        for call in calls:
+            call.cancel()
+        ch.close()
+        c.close()

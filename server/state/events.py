@@ -2,8 +2,9 @@
 
 The block index hands each event to `EventBus.publish` as it happens (its
 `on_event`), so no index change can go unannounced; Watch streams read their
-`Watcher`'s queue. A watcher that falls WATCH_QUEUE_LIMIT events behind is
-marked lagged and resynced with a fresh snapshot instead.
+`Watcher`'s queue. A watcher that falls WATCH_QUEUE_LIMIT keys behind is
+marked lagged and resynced with a fresh snapshot instead: a stream nobody reads
+holds at most that many keys, however many stores it misses.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from kvdepot.server.core.index import IndexEvent
 
 log = logging.getLogger("kvdepot.state")
 
-WATCH_QUEUE_LIMIT = 65536  # events a watcher may lag behind before it is resynced
+WATCH_QUEUE_LIMIT = 65536  # keys a watcher may lag behind before it is resynced
 
 
 class Watcher:
@@ -26,17 +27,20 @@ class Watcher:
     def __init__(self, namespace_id: str) -> None:
         self.namespace_id = namespace_id
         self.queue: deque[IndexEvent] = deque()
+        self.queued_keys = 0  # keys in `queue` (events carry one key or many)
         self.lagged = False
         self.wakeup = asyncio.Event()
 
     def push(self, event: IndexEvent) -> None:
         if self.lagged:
             return
-        if len(self.queue) >= WATCH_QUEUE_LIMIT:
+        if self.queued_keys + len(event.keys) > WATCH_QUEUE_LIMIT:
             self.lagged = True
             self.queue.clear()
+            self.queued_keys = 0
         else:
             self.queue.append(event)
+            self.queued_keys += len(event.keys)
         self.wakeup.set()
 
     def take_run(self, max_keys: int) -> IndexEvent | None:
@@ -49,6 +53,7 @@ class Watcher:
         keys = list(first.keys)
         while q and len(keys) < max_keys and (q[0].kind, q[0].reason) == (first.kind, first.reason):
             keys.extend(q.popleft().keys)
+        self.queued_keys -= len(keys)
         return IndexEvent(first.namespace, first.kind, tuple(keys), first.reason)
 
 
