@@ -194,11 +194,15 @@ class Podman:
             if Path(p).is_file()
         ]
         args = [f"--build-arg={a}" for a in build_args]
+        before = self("image", "inspect", "--format={{.Id}}", tag, check=False).stdout.strip()
+        # No layer cache: every run builds from the tree as it is and leaves no
+        # intermediate images behind; the image the tag named before goes too.
         self(
             "build",
             "--isolation=chroot",
             "--format=docker",
             "--network=host",
+            "--layers=false",
             *lend,
             *args,
             "-f",
@@ -207,6 +211,9 @@ class Podman:
             tag,
             str(context),
         )
+        after = self("image", "inspect", "--format={{.Id}}", tag, check=False).stdout.strip()
+        if before and before != after:
+            self("rmi", before, check=False)
 
     def base_image(self) -> str:
         """A Debian bookworm image with python3, venv and useradd, from Debian's mirror."""
