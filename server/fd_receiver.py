@@ -206,11 +206,11 @@ class FdReceiver:
     def _handle(self, conn: socket.socket, peer_pid: int) -> None:
         fds: list[int] = []
         try:
-            if self.headroom is not None:
-                # Checked before the fd is received: at the limit the kernel would
-                # drop it silently and the peer would be told it attached none.
-                self.headroom.check_fds(1, "the fd")
+            # Read first (the reserve has room for it; refusing unread would break the
+            # peer's send), then refuse keeping it near the limit.
             msg, fds = read_message(conn, max_fds=4)
+            if self.headroom is not None:
+                self.headroom.check_fds(0, "the fd")
             reply = self._accept(msg, fds, peer_pid)
             fds = []  # ownership moved (or closed) by _accept
         except ResourceLow as exc:

@@ -68,6 +68,14 @@ class Headroom:
         self.nofile = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
         self.max_maps = max_map_count()
 
+    @property
+    def fds_per_client(self) -> int | None:
+        """Fds one session may hold: half of those above the reserve, so that one
+        greedy engine can never lock the others out (None: no limit)."""
+        if self.nofile == resource.RLIM_INFINITY:
+            return None
+        return max(1, (self.nofile - self.fd_reserve) // 2)
+
     def check_fds(self, wanted: int, what: str) -> None:
         if self.nofile == resource.RLIM_INFINITY:
             return

@@ -185,6 +185,19 @@ def low_nofile_daemon(daemon_factory, nofile: int, *args: str):
         support.kvdepot_command = base
 
 
+def register_until_refused(c: DepotClient, geo: Geometry) -> tuple[int, str]:
+    """Registers until the daemon refuses: (registrations made, the refusal's text)."""
+    for n in range(1000):
+        try:
+            register_small(c, geo)
+        except FdPassError as exc:
+            return n, str(exc)
+        except grpc.RpcError as exc:
+            assert exc.code() == Code.RESOURCE_EXHAUSTED, exc.details()
+            return n, exc.details()
+    raise AssertionError("1000 registrations under RLIMIT_NOFILE 400")
+
+
 def test_fd_headroom_refuses_clearly_and_keeps_the_daemon_serving(daemon_factory) -> None:
     d = low_nofile_daemon(
         daemon_factory,
@@ -197,32 +210,28 @@ def test_fd_headroom_refuses_clearly_and_keeps_the_daemon_serving(daemon_factory
         "10000",
     )
     pid = d.proc.pid
-    greedy = connect(DepotClient(d.target, client_name="greedy"))
-    other = connect(DepotClient(d.target, client_name="other"))
+    first, second, third = (
+        connect(DepotClient(d.target, client_name=name)) for name in ("first", "second", "third")
+    )
     geo = small_geometry("fds")
-    refused: Exception | None = None
-    for _ in range(400):
-        try:
-            register_small(greedy, geo)
-        except (FdPassError, grpc.RpcError) as exc:
-            refused = exc
-            break
-    assert refused is not None, "400 registrations under RLIMIT_NOFILE 400"
-    text = str(refused) if isinstance(refused, FdPassError) else refused.details()
-    assert "RLIMIT_NOFILE" in text and "--fd-reserve" in text, text
+    # One session may take half of the fds above the reserve: (400 - 100) / 2.
+    n, text = register_until_refused(first, geo)
+    assert n == 150 and "at most 150" in text and "RLIMIT_NOFILE" in text, (n, text)
+    # A second greedy one runs into the reserve itself; the refusal says so.
+    n, text = register_until_refused(second, geo)
+    assert 0 < n < 150 and "--fd-reserve" in text and "RLIMIT_NOFILE" in text, (n, text)
     assert "got 0" not in text
     assert open_fds(pid) <= 400 - 100 + 2  # the reserve was kept
-    # The daemon still answers everyone: a new session, lookups, inline Put/Get.
-    third = connect(DepotClient(d.target, client_name="third"))
-    assert other.lookup("fds", [make_key(1, 0)]) == [False]
-    third.close()
-    # Unregistering gives the fds back: the other engine registers.
-    greedy.close()
-    deadline = time.monotonic() + 10
-    while open_fds(pid) > 100 and time.monotonic() < deadline:
-        time.sleep(0.1)
-    register_small(other, geo)
-    other.close()
+    # The daemon still answers everyone: a new session, lookups; the third engine is told
+    # why it cannot register now, then registers once the first one leaves.
+    fourth = connect(DepotClient(d.target, client_name="fourth"))
+    assert third.lookup("fds", [make_key(1, 0)]) == [False]
+    with pytest.raises(FdPassError, match="RLIMIT_NOFILE"):
+        register_small(third, geo)
+    first.close()
+    assert register_until_refused(third, geo)[0] > 0
+    for c in (second, third, fourth):
+        c.close()
 
 
 def test_mapping_headroom_message() -> None:

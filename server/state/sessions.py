@@ -200,6 +200,16 @@ class Sessions:
                 f"KVDEPOT_MAX_REGISTRATIONS_PER_SESSION): UnregisterKV the ones no longer used"
             )
         if self.headroom is not None and regions:
+            share = self.headroom.fds_per_client
+            held = sum(len(self.registrations[r].regions) for r in session.registrations)
+            if share is not None and held + len(regions) > share:
+                raise errors.exhausted(
+                    f"this session's registrations hold {held} fds; one session may hold "
+                    f"at most {share}, half of the daemon's open-file limit "
+                    f"({self.headroom.nofile}, RLIMIT_NOFILE) above --fd-reserve "
+                    f"({self.headroom.fd_reserve}), so others can register too: "
+                    f"UnregisterKV the ones no longer used, or raise LimitNOFILE"
+                )
             try:  # each mapped region holds one fd and at least one mapping
                 self.headroom.check_fds(len(regions), f"{len(regions)} more region(s)")
                 self.headroom.check_mappings(len(regions), f"{len(regions)} more region(s)")
