@@ -27,6 +27,7 @@ import statistics
 import sys
 import threading
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from kvdepot.server.remote import codec
@@ -35,11 +36,13 @@ from kvdepot.server.remote.redis_tier import RedisTier
 TARGET_RATIO = 0.8
 
 
-async def _batches(fn, items: list, batch: int, in_flight: int) -> float:  # type: ignore[no-untyped-def]
+async def _batches(
+    fn: Callable[[list[int]], Awaitable[None]], items: list[int], batch: int, in_flight: int
+) -> float:
     """Seconds to run fn over `items` in batches, `in_flight` calls at once."""
     sem = asyncio.Semaphore(in_flight)
 
-    async def one(chunk: list) -> None:
+    async def one(chunk: list[int]) -> None:
         async with sem:
             await fn(chunk)
 
@@ -85,7 +88,11 @@ async def tier_throughput(
             got = await pipe.execute()
             assert all(g is not None for g in got)
 
-        async def tier_put(chunk: list[int], pairs=tier_pairs, keys=tier_keys) -> None:  # type: ignore[no-untyped-def]
+        async def tier_put(
+            chunk: list[int],
+            pairs: list[tuple[bytes, int]] = tier_pairs,
+            keys: list[bytes] = tier_keys,
+        ) -> None:
             values = [
                 await loop.run_in_executor(
                     None, codec.encode, ns, pairs[i][0], payloads[i % len(payloads)]
@@ -95,7 +102,11 @@ async def tier_throughput(
             items = [(keys[i], v) for i, v in zip(chunk, values, strict=True)]
             await tier.put_many(items, 3600, time.monotonic() + deadline)
 
-        async def tier_get(chunk: list[int], pairs=tier_pairs, keys=tier_keys) -> None:  # type: ignore[no-untyped-def]
+        async def tier_get(
+            chunk: list[int],
+            pairs: list[tuple[bytes, int]] = tier_pairs,
+            keys: list[bytes] = tier_keys,
+        ) -> None:
             values = await tier.get_many([keys[i] for i in chunk], time.monotonic() + deadline)
             for i, v in zip(chunk, values, strict=True):
                 assert v is not None

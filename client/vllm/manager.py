@@ -208,7 +208,10 @@ class KVDepotOffloadingManager(OffloadingManager):
 
     def _on_session(self, boot_id: str) -> None:
         hello = self._client.hello
-        self._remote_on = bool(hello is not None and hello.remote_tier)
+        # kvdepot_remote_wait_ms = 0: this engine never waits for the tier, nor asks it.
+        self._remote_on = bool(hello is not None and hello.remote_tier) and (
+            self._remote_wait_s > 0
+        )
 
     @property
     def connected(self) -> bool:

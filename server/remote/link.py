@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvdepot.server.copy_queue import CopyQueue
-from kvdepot.server.core.index import BlockIndex
+from kvdepot.server.core.index import BlockIndex, IndexEvent
 from kvdepot.server.memory.arena import Arena
 from kvdepot.server.remote.health import TierHealth
 from kvdepot.server.remote.reader import Fetcher, KeyState
@@ -135,7 +135,7 @@ class RemoteLink:
             else:
                 self.health.succeeded()
 
-    def on_event(self, event) -> None:  # type: ignore[no-untyped-def]
+    def on_event(self, event: IndexEvent) -> None:
         self.writer.on_event(event)
 
     async def prefetch(self, namespace_id: str, keys: list[bytes]) -> list[KeyState]:

@@ -22,7 +22,8 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeVar
 
 from redis.asyncio import Redis
 from redis.asyncio.cluster import ClusterNode, RedisCluster
@@ -34,6 +35,7 @@ from kvdepot.server.remote.tier import RemoteTier, TierUnavailable
 from kvdepot.server.remote.url import RedisURL, parse_redis_url
 
 log = logging.getLogger("kvdepot.remote")
+T = TypeVar("T")
 
 CONNECT_TIMEOUT_S = 1.0
 SOCKET_TIMEOUT_S = 5.0  # a backstop: each call's own deadline is usually shorter
@@ -69,8 +71,8 @@ class RedisTier(RemoteTier):
 
     # -- connections ------------------------------------------------------------------
 
-    def _common(self) -> dict[str, object]:
-        opts: dict[str, object] = {
+    def _common(self) -> dict[str, Any]:
+        opts: dict[str, Any] = {
             "password": self._password,
             "username": self.url.username,
             "socket_timeout": SOCKET_TIMEOUT_S,
@@ -89,7 +91,7 @@ class RedisTier(RemoteTier):
         """Asks the first seed that answers whether cluster mode is on."""
         errors = []
         for host, port in dict.fromkeys((*self.url.seeds, *self._discovered)):
-            probe = Redis(host=host, port=port, **self._common())  # type: ignore[arg-type]
+            probe = Redis(host=host, port=port, **self._common())
             try:
                 info = await probe.info("cluster")
                 return bool(int(info.get("cluster_enabled", 0)))
@@ -118,13 +120,13 @@ class RedisTier(RemoteTier):
                     ],
                     # A master down leaves its slots uncovered: keep serving the rest.
                     require_full_coverage=False,
-                    **self._common(),  # type: ignore[arg-type]
+                    **self._common(),
                 )
                 await client.initialize()
                 self._discovered = [(n.host, n.port) for n in client.get_nodes()]
             else:
                 h, p = self.url.seeds[0]
-                client = Redis(host=h, port=p, **self._common())  # type: ignore[arg-type]
+                client = Redis(host=h, port=p, **self._common())
             if self.cluster is None:
                 log.info(
                     "remote tier: %s is a %s",
@@ -150,7 +152,12 @@ class RedisTier(RemoteTier):
         with contextlib.suppress(RedisError, OSError, TimeoutError):
             await asyncio.wait_for(client.aclose(), 1.0)
 
-    async def _run(self, what: str, deadline: float, fn) -> list:  # type: ignore[no-untyped-def]
+    async def _run(
+        self,
+        what: str,
+        deadline: float,
+        fn: Callable[[Redis | RedisCluster], Awaitable[list[T]]],
+    ) -> list[T]:
         left = deadline - time.monotonic()
         if left <= 0:
             raise TierUnavailable(f"{what}: no time left before the deadline")
