@@ -28,7 +28,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from kvdepot.server.copy_queue import CopyQueue
-from kvdepot.server.core.index import BlockIndex, IndexEvent
+from kvdepot.server.core.index import BlockIndex, IndexEvent, Slot
 from kvdepot.server.core.kinds import EventKind, EvictionReason
 from kvdepot.server.core.layout import check_key
 from kvdepot.server.memory.arena import Arena
@@ -236,15 +236,14 @@ class WriteBehind:
         self._health.failed(why)
 
     async def _frames(self, items: list[_Item]) -> list[bytes | None]:
-        """Framed values; None for a row evicted before it could be read."""
-        loop = asyncio.get_running_loop()
-        out: list[bytes | None] = []
+        """Framed values; None for a row evicted before it could be read. The rows
+        still ready are held (begin_read) and framed in one go on a copy thread: the
+        daemon waits for those before it unmaps the pool."""
+        held: list[Slot] = []
+        sources: list[tuple[_Item, int | None]] = []  # (item, pool offset or None: payload)
         for item in items:
             if item.payload is not None:
-                p = item.payload
-                out.append(
-                    await loop.run_in_executor(None, codec.encode, item.namespace, item.key, p)
-                )
+                sources.append((item, None))
                 continue
             try:
                 slot = self._index.begin_read(item.namespace, item.key)
@@ -252,14 +251,21 @@ class WriteBehind:
                 slot = None
             if slot is None:
                 self._drop("evicted")
-                out.append(None)
                 continue
-            try:
-                view = self._arena.view(slot.extent.offset, item.size)
-                out.append(
-                    await loop.run_in_executor(None, codec.encode, item.namespace, item.key, view)
-                )
-                view.release()
-            finally:
+            held.append(slot)
+            sources.append((item, slot.extent.offset))
+        arena = self._arena
+
+        def frame_all() -> list[bytes]:
+            return [
+                codec.encode(i.namespace, i.key, i.payload if o is None else arena.view(o, i.size))
+                for i, o in sources
+            ]
+
+        try:
+            framed = await self._copy_queue.run(frame_all) if sources else []
+        finally:
+            for slot in held:
                 self._index.end_read(slot)
-        return out
+        by_item = {id(i): v for (i, _), v in zip(sources, framed, strict=True)}
+        return [by_item.get(id(i)) for i in items]
