@@ -470,9 +470,13 @@ class BlockIndex:
         after: bytes | None,
         limit: int,
         reason: EvictionReason = EvictionReason.ADMIN,
+        budget_s: float | None = None,
     ) -> tuple[int, int, bytes | None]:
         """One slice of a whole-namespace eviction: the READY, unheld blocks among
-        the next `limit` keys (in key order) after `after` (None: from the first).
+        the next `limit` keys (in key order) after `after` (None: from the first),
+        stopping early once `budget_s` seconds are spent (the cost of freeing an
+        extent grows with the pool's fragmentation, so a count alone does not
+        bound a slice's time).
 
         Returns (evicted, skipped, the last key looked at, or None when the walk
         is done). Callers yield to the event loop between slices, so a Clear of
@@ -481,7 +485,17 @@ class BlockIndex:
         """
         ns = self.namespace(namespace_id)
         keys = ns.sorted_keys.after(after, limit)
-        evicted, skipped = self.evict(namespace_id, keys, reason)
+        deadline = None if budget_s is None else self._clock() + budget_s
+        evicted = skipped = 0
+        for n, key in enumerate(keys):
+            slot = ns.slots.get(key)
+            if slot is not None and slot.state is SlotState.READY and not slot.held:
+                self._remove_ready(slot, reason)
+                evicted += 1
+            else:
+                skipped += slot is not None
+            if deadline is not None and n % 32 == 31 and self._clock() > deadline:
+                return evicted, skipped, key
         return evicted, skipped, (keys[-1] if len(keys) == limit else None)
 
     def clear(self) -> tuple[int, int]:

@@ -9,6 +9,7 @@ runs with --no-destructive-admin.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import TYPE_CHECKING
 
@@ -27,6 +28,11 @@ if TYPE_CHECKING:
 MAX_PAGE = 10000
 DEFAULT_PAGE = 100
 MAX_SCAN = 20000  # blocks one filtered ListBlocks call looks at, at most
+# Blocks ListBlocks scans or turns into messages between two yields to the event
+# loop: a 10,000-block page costs tens of milliseconds to build, which a Pin must
+# not wait for. (A page built across yields shows each block as it was when
+# its message was made.)
+BUILD_SLICE = 256
 
 # A page token is "<namespace id>/<key hex>" of the last block of the previous page.
 # Paging by key (not by position) means blocks stored or evicted between two pages
@@ -136,11 +142,13 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
                 want = min(size + 1 - len(page), MAX_SCAN - scanned) if group is None else (
                     MAX_SCAN - scanned
                 )
-                keys = ns.sorted_keys.after(cursor, min(want, 4096))
+                keys = ns.sorted_keys.after(cursor, min(want, BUILD_SLICE))
                 if not keys:
                     break
                 for key in keys:
-                    slot = ns.slots[key]
+                    slot = ns.slots.get(key)
+                    if slot is None:  # evicted while this call yielded
+                        continue
                     scanned += 1
                     if group is None or slot.group == group:
                         if len(page) == size:
@@ -152,21 +160,27 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
                         more = True
                         break
                 cursor = keys[-1]
+                await asyncio.sleep(0)  # a long scan must not hold the event loop
             if more:
                 break
         if group is None:
             total = sum(len(ns.slots) for ns in namespaces)
         else:
             total = sum(ns.group_blocks[group] for ns in namespaces)
-        return pb.ListBlocksResponse(
-            blocks=[
+        blocks = []
+        for start in range(0, len(page), BUILD_SLICE):
+            if start:
+                await asyncio.sleep(0)
+            blocks += [
                 pb.BlockInfo(
                     namespace_id=s.namespace, key_hex=s.key.hex(), key=s.key, group=s.group,
                     state=s.state.value, pins=s.pin_count, bytes=s.extent.size,
                     pool_offset=s.extent.offset, written_ranks_mask=s.written_mask,
                 )
-                for s in page
-            ],
+                for s in page[start : start + BUILD_SLICE]
+            ]
+        return pb.ListBlocksResponse(
+            blocks=blocks,
             next_page_token=_page_token(last) if more and last is not None else "",
             total_blocks=total,
         )

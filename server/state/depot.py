@@ -55,6 +55,7 @@ F = TypeVar("F", bound=Callable[..., Any])
 # Blocks a bulk eviction (Clear, Evict of a namespace) handles between two yields
 # to the event loop: about a millisecond of work, far inside a Pin's deadline.
 EVICT_SLICE = 2000
+EVICT_SLICE_BUDGET_S = 0.002  # and at most this long (freeing costs more when fragmented)
 
 
 def mutation(fn: F) -> F:
@@ -501,7 +502,9 @@ class DepotState:
         evicted = skipped = 0
         after: bytes | None = None
         while True:
-            e, s, after = self.index.evict_slice(namespace_id, after, EVICT_SLICE, reason)
+            e, s, after = self.index.evict_slice(
+                namespace_id, after, EVICT_SLICE, reason, EVICT_SLICE_BUDGET_S
+            )
             evicted, skipped = evicted + e, skipped + s
             self.slices_yielded += 1
             self.verify_invariants()

@@ -1,0 +1,225 @@
+"""Scale figure: Pin latency while admin calls and scrapes run on a 10^6-block index.
+
+    python benchmarks/admin_scale.py --blocks 1000000          # the figure
+    python benchmarks/admin_scale.py --blocks 20000 --seconds 1  # smoke run
+
+A daemon process (`kvdepot serve`'s own Daemon, on a private socket, metrics on)
+starts with its index filled in-process: `--blocks` READY blocks of a tiny layout
+(one 64-byte page per row, slot granularity 64) through the index's own store
+calls, so the pool stays small (64 MB for 10^6 blocks) while the index is full
+size. Then a probe pins and unpins 16 ready keys every 2 ms over the gRPC socket,
+while a second process drives one kind of admin load at a time (GetStats,
+ListNamespaces, ListBlocks paged through with its page token, a Prometheus
+scrape, all four together, and last a Clear of every block). Each phase reports
+the Pin round trip's p50, p99 and max, next to the idle phase of the same run:
+the delay an admin call adds is the difference. Not a test: figures only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+NS = "scale"
+GRAN = 64
+PIN_KEYS = 16
+
+
+def key(i: int) -> bytes:
+    return hashlib.sha256(i.to_bytes(8, "big")).digest() + (0).to_bytes(4, "big")
+
+
+def serve(socket: str, blocks: int, metrics_port: int) -> None:
+    """The daemon process: DepotState.create fills the index before serving."""
+    from kvdepot.server import daemon
+    from kvdepot.server.config import ServeConfig
+    from kvdepot.server.core.layout import NamespaceLayout
+    from kvdepot.server.state import DepotState
+
+    create = DepotState.create
+
+    def filled(config: ServeConfig) -> DepotState:
+        st = create(config)
+        layout = NamespaceLayout(NS, world_size=1, blocks_per_chunk=1, groups=((GRAN,),))
+        st.index.declare_namespace(layout)
+        t = time.perf_counter()
+        for i in range(blocks):
+            d = st.index.begin_store(NS, key(i), 0, "bench-fill")
+            st.index.finish_store(d.slot, 0, True)
+        print(f"filled {blocks} blocks in {time.perf_counter() - t:.1f} s", file=sys.stderr)
+        return st
+
+    DepotState.create = staticmethod(filled)  # type: ignore[method-assign]
+    config = ServeConfig(
+        socket=socket,
+        pool_size=(blocks + 4096) * GRAN,
+        slot_granularity=GRAN,
+        copy_threads=1,
+        metrics_port=metrics_port,
+        log_level="warning",
+    )
+    daemon.serve(config)
+
+
+def admin_load(socket: str, kind: str, seconds: float, metrics_port: int, out: mp.Queue) -> None:
+    """One kind of admin traffic for `seconds`; puts the calls' durations (s)."""
+    import grpc
+
+    from kvdepot.v1 import admin_pb2 as apb
+    from kvdepot.v1 import admin_pb2_grpc
+
+    stub = admin_pb2_grpc.AdminStub(grpc.insecure_channel(f"unix:{socket}"))
+    url = f"http://127.0.0.1:{metrics_port}/metrics"
+    token = ""
+
+    def list_page() -> None:
+        nonlocal token
+        resp = stub.ListBlocks(apb.ListBlocksRequest(page_size=1000, page_token=token), timeout=60)
+        token = resp.next_page_token
+
+    calls = {
+        "GetStats": lambda: stub.GetStats(apb.GetStatsRequest(), timeout=60),
+        "ListNamespaces": lambda: stub.ListNamespaces(apb.ListNamespacesRequest(), timeout=60),
+        "ListBlocks": list_page,
+        "metrics": lambda: urllib.request.urlopen(url, timeout=60).read(),
+    }
+    kinds = list(calls) if kind == "all" else [kind]
+    durations: list[float] = []
+    if kind == "Clear":
+        t = time.perf_counter()
+        stub.Clear(apb.ClearRequest(), timeout=600)
+        durations.append(time.perf_counter() - t)
+    else:
+        end = time.monotonic() + seconds
+        n = 0
+        while time.monotonic() < end:
+            t = time.perf_counter()
+            calls[kinds[n % len(kinds)]]()
+            durations.append(time.perf_counter() - t)
+            n += 1
+    out.put(durations)
+
+
+def pctl(values: list[float], q: float) -> float:
+    return sorted(values)[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--blocks", type=int, default=1_000_000)
+    ap.add_argument("--seconds", type=float, default=4.0, help="per phase")
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--serve", help=argparse.SUPPRESS)
+    ap.add_argument("--metrics-port", type=int, default=0, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.serve:
+        serve(args.serve, args.blocks, args.metrics_port)
+        return
+
+    import socket as so
+    import subprocess
+
+    from kvdepot.client import DepotClient
+
+    with so.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    tmp = tempfile.mkdtemp(prefix="kvdepot-scale-")
+    sock = os.path.join(tmp, "kvdepot.sock")
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            str(Path(__file__).resolve()),
+            "--serve",
+            sock,
+            "--blocks",
+            str(args.blocks),
+            "--metrics-port",
+            str(port),
+        ],
+    )
+    rows = []
+    try:
+        client = DepotClient(f"unix://{sock}", client_name="admin-scale").start()
+        assert client.wait_connected(600), "the daemon did not come up"
+        pin_keys = [key(i * 7919 % args.blocks) for i in range(PIN_KEYS)]
+        ctx = mp.get_context("spawn")
+        for kind in ("idle", "GetStats", "ListNamespaces", "ListBlocks", "metrics", "all", "Clear"):
+            lat: list[float] = []
+            stop = threading.Event()
+
+            def probe(lat: list[float] = lat, stop: threading.Event = stop) -> None:
+                while not stop.is_set():
+                    t = time.perf_counter()
+                    client.pin(NS, pin_keys, timeout=30)
+                    lat.append(time.perf_counter() - t)
+                    client.unpin(NS, pin_keys, wait=True, timeout=30)
+                    time.sleep(0.002)
+
+            q: mp.Queue = ctx.Queue()
+            th = threading.Thread(target=probe)
+            th.start()
+            admin = None
+            if kind == "idle":
+                time.sleep(args.seconds)
+                calls: list[float] = []
+            else:
+                time.sleep(0.3)  # the probe runs before the load starts
+                admin = ctx.Process(target=admin_load, args=(sock, kind, args.seconds, port, q))
+                admin.start()
+                calls = q.get(timeout=900)
+                admin.join()
+            stop.set()
+            th.join()
+            rows.append(
+                {
+                    "phase": kind,
+                    "pins": len(lat),
+                    "pin_p50_ms": 1e3 * pctl(lat, 0.5),
+                    "pin_p99_ms": 1e3 * pctl(lat, 0.99),
+                    "pin_max_ms": 1e3 * max(lat),
+                    "admin_calls": len(calls),
+                    "admin_p50_ms": 1e3 * statistics.median(calls) if calls else 0.0,
+                    "admin_max_ms": 1e3 * max(calls) if calls else 0.0,
+                }
+            )
+        client.close()
+    finally:
+        proc.terminate()
+        proc.wait(60)
+    idle = rows[0]
+    for r in rows:
+        r["pin_p99_over_idle_ms"] = r["pin_p99_ms"] - idle["pin_p99_ms"]
+    if args.json:
+        print(json.dumps({"blocks": args.blocks, "phases": rows}, indent=1))
+    print(
+        f"{args.blocks} blocks; Pin of {PIN_KEYS} keys every 2 ms during each phase "
+        f"({args.seconds:g} s; Clear: one call)",
+        file=sys.stderr,
+    )
+    print(
+        f"{'phase':<15}{'pins':>6}{'p50 ms':>9}{'p99 ms':>9}{'max ms':>9}{'p99-idle':>10}"
+        f"{'calls':>7}{'call p50':>10}{'call max':>10}",
+        file=sys.stderr,
+    )
+    for r in rows:
+        print(
+            f"{r['phase']:<15}{r['pins']:>6}{r['pin_p50_ms']:>9.2f}{r['pin_p99_ms']:>9.2f}"
+            f"{r['pin_max_ms']:>9.2f}{r['pin_p99_over_idle_ms']:>10.2f}{r['admin_calls']:>7}"
+            f"{r['admin_p50_ms']:>10.2f}{r['admin_max_ms']:>10.2f}",
+            file=sys.stderr,
+        )
+
+
+if __name__ == "__main__":
+    main()
