@@ -312,6 +312,15 @@ def render(r: dict[str, Any]) -> Any:
     )
     grid.add_row("warm-up", warm_line)
     grid.add_row("", Text("pre-fault, and page-lock on CUDA hosts (one figure)", style="dim"))
+    rec = r.get("recovery") or {}
+    if rec.get("recovery_blocks_total") or rec.get("recovery_complete") is False:
+        grid.add_row(
+            "recovery",
+            f"{rec.get('recovery_blocks_verified', 0)} of "
+            f"{rec.get('recovery_blocks_total', 0)} blocks verified and served again, "
+            f"{rec.get('recovery_blocks_rejected', 0)} dropped"
+            + (" (done)" if rec.get("recovery_complete") else " (verifying)"),
+        )
     grid.add_row(
         "blocks",
         f"{blocks['ready']} ready · {blocks['writing']} writing · "

@@ -97,6 +97,11 @@ RATE_COUNTERS = {
     "hits": "hits",
     "dropped_stores": "dropped_stores",
 }
+# Crash recovery of a --pool-file daemon: blocks its journal listed, verified, dropped.
+RECOVERY = (
+    "recovery_blocks_total", "recovery_blocks_verified", "recovery_blocks_rejected",
+    "recovery_complete",
+)  # fmt: skip
 # The remote tier's counters (`kvdepot serve --remote`), per second over the interval.
 REMOTE_COUNTERS = (
     "remote_writes", "remote_write_bytes", "remote_write_present", "remote_write_drops",
@@ -360,7 +365,7 @@ def rates(prev: Sample | None, cur: Sample) -> dict[str, Any] | None:
 
 def _extras(stats: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """GetStats fields this version does not know: (remote tier's, everything else)."""
-    known = KNOWN_STATS.union(OPTIONAL_COUNTERS)
+    known = KNOWN_STATS.union(OPTIONAL_COUNTERS, RECOVERY)
     unknown = {k: v for k, v in stats.items() if k not in known}
     remote = {k: v for k, v in unknown.items() if "remote" in k}
     return remote, {k: v for k, v in unknown.items() if k not in remote}
@@ -409,6 +414,7 @@ def build_report(path: str, prev: Sample | None, cur: Sample) -> dict[str, Any]:
         "engines": [_engine(e) for e in cur.engines],
         "rates": rates(prev, cur),
         "totals": {k: everything[k] for k in (*TOTALS, *OPTIONAL_COUNTERS) if k in everything},
+        "recovery": {k: everything[k] for k in RECOVERY if k in everything} or None,
         "remote": remote or None,
         "other": other,
     }
