@@ -217,6 +217,9 @@ class OpenAIServer:
         with urllib.request.urlopen(self.base + "/v1/models", timeout=10) as r:
             return json.loads(r.read())["data"][0]["id"]
 
+    def log(self) -> str:
+        return self.out.text()
+
     def metrics(self) -> str:
         with urllib.request.urlopen(self.base + "/metrics", timeout=10) as r:
             return r.read().decode()

@@ -46,12 +46,25 @@ def stats(daemon) -> admin_pb2.GetStatsResponse:  # type: ignore[no-untyped-def]
         return admin_pb2_grpc.AdminStub(ch).GetStats(admin_pb2.GetStatsRequest(), timeout=5)
 
 
-def wait_for(predicate, timeout: float, what: str) -> None:  # type: ignore[no-untyped-def]
+def wait_for(predicate, timeout: float, what: str, *processes) -> None:  # type: ignore[no-untyped-def]
+    """Polls; a timeout fails with the last output of the engines and daemons given."""
     deadline = time.monotonic() + timeout
     while not predicate():
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
+            logs = "\n\n".join(p.log()[-6000:] for p in processes)
+            raise AssertionError(f"timed out waiting for {what}\n{logs}")
         time.sleep(0.05)
+
+
+def connected(daemon, engine: LLMEngine) -> None:  # type: ignore[no-untyped-def]
+    """Waits until the engine's scheduler and worker are back with the daemon (both
+    reconnect by themselves, with backoff)."""
+
+    def ready() -> bool:
+        s = stats(daemon)
+        return s.sessions >= 2 and s.registrations >= 1
+
+    wait_for(ready, 90, "the scheduler and the worker to reconnect", engine, daemon)
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +87,7 @@ def test_second_engine_loads_what_the_first_stored(
     first = LLMEngine(opt_model, tmp_path, config)
     engines.append(first)
     assert_same_output(first.generate([PROMPT])[0], reference)
-    wait_for(lambda: stats(daemon).ready_blocks >= 4, 30, "four ready blocks")
+    wait_for(lambda: stats(daemon).ready_blocks >= 4, 60, "four ready blocks", first, daemon)
     first.close()
 
     second = LLMEngine(opt_model, tmp_path, config)
@@ -110,7 +123,7 @@ def test_openai_server_with_the_readme_config(
     server = OpenAIServer(opt_model, tmp_path, readme_kv_config(daemon.target))
     engines.append(server)
     assert server.complete(PROMPT) == reference["token_ids"]
-    wait_for(lambda: stats(daemon).ready_blocks >= 4, 30, "four ready blocks")
+    wait_for(lambda: stats(daemon).ready_blocks >= 4, 60, "four ready blocks", server, daemon)
     server.post("/reset_prefix_cache")  # vLLM's own cache; kvdepot keeps its blocks
     assert server.complete(PROMPT) == reference["token_ids"]
     page = server.metrics()
@@ -137,10 +150,10 @@ def test_daemon_absent_killed_mid_load_and_back(
     assert_same_output(engine.generate([PROMPT])[0], reference)  # no daemon: computed
 
     daemon.start()
-    wait_for(lambda: stats(daemon).registrations >= 1, 60, "the worker to register")
+    connected(daemon, engine)
     engine.reset_prefix_cache()
     assert_same_output(engine.generate([PROMPT])[0], reference)
-    wait_for(lambda: stats(daemon).ready_blocks >= 4, 30, "four ready blocks")
+    wait_for(lambda: stats(daemon).ready_blocks >= 4, 60, "four ready blocks", engine, daemon)
 
     # Kill the daemon while the load is in flight: the load pins the blocks first.
     engine.reset_prefix_cache()
@@ -166,10 +179,10 @@ def test_daemon_absent_killed_mid_load_and_back(
 
     # The daemon back (a new, empty one): the engine stores again and hits again.
     daemon.start()
-    wait_for(lambda: stats(daemon).registrations >= 1, 60, "the worker to re-register")
+    connected(daemon, engine)
     engine.reset_prefix_cache()
     assert_same_output(engine.generate([PROMPT])[0], reference)
-    wait_for(lambda: stats(daemon).ready_blocks >= 4, 30, "four ready blocks")
+    wait_for(lambda: stats(daemon).ready_blocks >= 4, 60, "four ready blocks", engine, daemon)
     engine.reset_prefix_cache()
     before = external_tokens(engine, opt_model)
     assert_same_output(engine.generate([PROMPT])[0], reference)
@@ -190,7 +203,7 @@ def test_hybrid_model_sliding_window_and_full_attention(
     engine = LLMEngine(hybrid_model, tmp_path, readme_kv_config(daemon.target))
     engines.append(engine)
     assert_same_output(engine.generate([PROMPT])[0], want)
-    wait_for(lambda: stats(daemon).ready_blocks >= 4, 30, "ready blocks")
+    wait_for(lambda: stats(daemon).ready_blocks >= 4, 60, "ready blocks", engine, daemon)
     with daemon.channel() as ch:
         namespaces = admin_pb2_grpc.AdminStub(ch).ListNamespaces(
             admin_pb2.ListNamespacesRequest(), timeout=5
