@@ -77,7 +77,9 @@ class RedisTier(RemoteTier):
             "username": self.url.username,
             "socket_timeout": SOCKET_TIMEOUT_S,
             "socket_connect_timeout": CONNECT_TIMEOUT_S,
-            "retry": Retry(NoBackoff(), 0),
+            # One retry: a pooled connection to a restarted server is dead; the retry
+            # takes a fresh one. The deadline still bounds the whole call.
+            "retry": Retry(NoBackoff(), 1),
             "max_connections": self._max_connections,
             "client_name": "kvdepot",
         }

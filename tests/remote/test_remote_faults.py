@@ -135,7 +135,8 @@ def test_cluster_master_killed_then_whole_cluster_restarted(own_cluster, daemon_
 
     own_cluster.kill_all()  # the whole cluster down, then back (empty)
     own_cluster.restart_all()
-    wait_for(lambda: "answers again after" in da.log(), timeout=20, what="A noticing the cluster")
+    # A's health, not a log line: one may be left from a probe during the first outage.
+    wait_for(lambda: stats(a).remote_healthy, timeout=30, what="A's tier healthy")
     _, keys3 = store_on(a, geo, range(40, 44))
 
     def fetched() -> bool:
