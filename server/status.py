@@ -360,12 +360,15 @@ def render(r: dict[str, Any]) -> Any:
     grid.add_row(
         "since start",
         f"stores {t['stores']} ({fmt_bytes(t['stored_bytes'])}) · loads {t['loads']} "
-        f"({fmt_bytes(t['loaded_bytes'])}) · lookups {t['lookups']} ({t['hits']} hits)",
+        f"({fmt_bytes(t['loaded_bytes'])})",
     )
     grid.add_row(
         "",
-        f"evictions {t['evictions']} · dropped stores {t['dropped_stores']} · "
-        f"{plural(t['sessions'], 'session')} · {plural(t['registrations'], 'registration')}",
+        f"lookups {t['lookups']} ({t['hits']} hits) · evictions {t['evictions']} · "
+        f"dropped stores {t['dropped_stores']}",
+    )
+    grid.add_row(
+        "", f"{plural(t['sessions'], 'session')} · {plural(t['registrations'], 'registration')}"
     )
     if "pin_keys" in t:
         failed = t["failed_store_jobs"] + t["failed_load_jobs"]
