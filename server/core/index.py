@@ -498,6 +498,33 @@ class BlockIndex:
                 return evicted, skipped, key
         return evicted, skipped, (keys[-1] if len(keys) == limit else None)
 
+    def evict_cold_slice(
+        self, limit: int, budget_s: float, reason: EvictionReason = EvictionReason.CLEAR
+    ) -> int:
+        """Evicts up to `limit` blocks from the LRU list's cold end, stopping early
+        after `budget_s` seconds: one slice of a Clear, which walks the LRU list
+        (the evictable blocks, every namespace) rather than the keys, because
+        blocks freed in the order they were stored coalesce in the allocator.
+        Returns how many it evicted."""
+        deadline = self._clock() + budget_s
+        n = 0
+        while self._lru and n < limit:
+            self._remove_ready(next(iter(self._lru)), reason)
+            n += 1
+            if n % 32 == 0 and self._clock() > deadline:
+                break
+        return n
+
+    @property
+    def evictable_blocks(self) -> int:
+        """READY blocks nobody pins, reads or writes (the LRU list's length)."""
+        return len(self._lru)
+
+    def unevictable_blocks(self) -> int:
+        """Blocks pinned, being read or being written: what a Clear leaves."""
+        total = sum(ns.ready_blocks + ns.writing_blocks for ns in self.namespaces.values())
+        return total - len(self._lru)
+
     def clear(self) -> tuple[int, int]:
         evicted = skipped = 0
         for ns_id in list(self.namespaces):

@@ -9,7 +9,6 @@ runs with --no-destructive-admin.
 
 from __future__ import annotations
 
-import asyncio
 import time
 from typing import TYPE_CHECKING
 
@@ -19,6 +18,7 @@ from kvdepot.server import errors
 from kvdepot.server.core.index import Namespace, Slot
 from kvdepot.server.service.status import reports_errors
 from kvdepot.server.state import DepotState
+from kvdepot.server.state.depot import admin_pause
 from kvdepot.v1 import admin_pb2 as pb
 from kvdepot.v1 import admin_pb2_grpc
 
@@ -160,7 +160,7 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
                         more = True
                         break
                 cursor = keys[-1]
-                await asyncio.sleep(0)  # a long scan must not hold the event loop
+                await admin_pause()  # a long scan must not hold the event loop
             if more:
                 break
         if group is None:
@@ -170,7 +170,7 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         blocks = []
         for start in range(0, len(page), BUILD_SLICE):
             if start:
-                await asyncio.sleep(0)
+                await admin_pause()
             blocks += [
                 pb.BlockInfo(
                     namespace_id=s.namespace, key_hex=s.key.hex(), key=s.key, group=s.group,
