@@ -155,3 +155,45 @@ def test_client_sees_remote_tier_flag(redis_standalone, daemon_factory) -> None:
     _, c = node(daemon_factory, redis_standalone.url)
     assert isinstance(c, DepotClient) and c.hello.remote_tier
     c.close()
+
+
+def test_a_master_fails_over_to_its_replica(tmp_path_factory, daemon_factory) -> None:
+    """Three masters with a replica each: a master SIGKILLed, its replica promoted;
+    rows written before are still served, new rows flow, no daemon restarted."""
+    from tests.support.redis_servers import RedisClusterProcs, require_redis
+
+    require_redis()
+    cluster = RedisClusterProcs(tmp_path_factory.mktemp("rrepl"), replicas=1).start()
+    try:
+        geo = Geometry(namespace=f"failover-{time.monotonic_ns()}")
+        _, a = node(daemon_factory, cluster.url)
+        _, b = node(daemon_factory, cluster.url)
+        engines_b = [Engine(b, geo, rk) for rk in range(geo.world_size)]
+        _, keys = store_on(a, geo, range(0, 6))
+        wait_for(lambda: stats(a).remote_writes == len(keys), what="writes")
+        time.sleep(0.5)  # replication is asynchronous
+        victim = cluster.masters()[0]
+        victim.kill()
+        # Past the node timeout the victim is marked failed and its replica promoted.
+        wait_for(
+            lambda: victim not in cluster.masters() and len(cluster.masters()) == 3,
+            timeout=30,
+            what="the replica's promotion",
+        )
+        cluster.wait_ok()
+
+        def fetched(ks: list[bytes]) -> bool:
+            prefetch(b, geo.namespace, ks)
+            return all(b.lookup(geo.namespace, ks))
+
+        wait_for(lambda: fetched(keys), timeout=30, what="rows from before the failover")
+        assert load_and_compare(engines_b, geo, range(0, 6), keys) == 0
+        wait_for(lambda: stats(a).remote_healthy, timeout=30, what="A's tier healthy")
+        _, keys2 = store_on(a, geo, range(50, 54))
+        wait_for(lambda: fetched(keys2), timeout=30, what="rows written after the failover")
+        assert load_and_compare(engines_b, geo, range(50, 54), keys2) == 0
+        assert stats(b).remote_verify_failures == 0
+        a.close()
+        b.close()
+    finally:
+        cluster.kill_all()

@@ -121,10 +121,12 @@ class RedisServer:
 
 
 class RedisClusterProcs:
-    """Three masters, no replicas, slots spread by `redis-cli --cluster create`."""
+    """Three masters (and `replicas` replicas each), slots spread by
+    `redis-cli --cluster create`."""
 
-    def __init__(self, workdir: Path, masters: int = 3) -> None:
-        ports = free_ports(masters, bus=True)
+    def __init__(self, workdir: Path, masters: int = 3, replicas: int = 0) -> None:
+        self.replicas = replicas
+        ports = free_ports(masters * (1 + replicas), bus=True)
         self.nodes = [
             RedisServer(
                 workdir / f"n{p}",
@@ -135,6 +137,11 @@ class RedisClusterProcs:
                 "nodes.conf",
                 "--cluster-node-timeout",
                 "1000",
+                # Replicas sync at once, and fail over however stale they are.
+                "--repl-diskless-sync-delay",
+                "0",
+                "--cluster-replica-validity-factor",
+                "0",
             )
             for p in ports
         ]
@@ -158,7 +165,7 @@ class RedisClusterProcs:
                 "create",
                 *(f"127.0.0.1:{n.port}" for n in self.nodes),
                 "--cluster-replicas",
-                "0",
+                str(self.replicas),
                 "--cluster-yes",
             ],
             capture_output=True,
@@ -169,12 +176,22 @@ class RedisClusterProcs:
         if out.returncode != 0:
             raise RuntimeError(f"redis-cli --cluster create failed:\n{out.stdout}{out.stderr}")
         self.wait_ok()
+        deadline = time.monotonic() + 30
+        while self.replicas and not all(  # every replica in sync with its master
+            "master_link_status:up" in cli(n.port, "INFO", "replication")
+            for n in self.nodes
+            if "role:slave" in cli(n.port, "INFO", "replication")
+        ):
+            if time.monotonic() > deadline:
+                raise TimeoutError("the replicas did not sync")
+            time.sleep(0.1)
         return self
 
     def wait_ok(self, timeout: float = 30.0) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if all("cluster_state:ok" in cli(n.port, "CLUSTER", "INFO") for n in self.nodes):
+            live = [n for n in self.nodes if n.proc is not None and n.proc.poll() is None]
+            if all("cluster_state:ok" in cli(n.port, "CLUSTER", "INFO") for n in live):
                 return
             time.sleep(0.1)
         raise TimeoutError("the cluster did not reach cluster_state:ok")
@@ -189,6 +206,17 @@ class RedisClusterProcs:
     def kill_all(self) -> None:
         for n in self.nodes:
             n.kill()
+
+    def masters(self) -> list[RedisServer]:
+        """The nodes that are masters now (a failover changes them)."""
+        out = []
+        live = next(n for n in self.nodes if n.proc is not None and n.proc.poll() is None)
+        for line in cli(live.port, "CLUSTER", "NODES").splitlines():
+            f = line.split()
+            if "master" in f[2] and "fail" not in f[2]:
+                port = int(f[1].split("@")[0].rsplit(":", 1)[1])
+                out += [n for n in self.nodes if n.port == port]
+        return out
 
     def node_of(self, key: bytes) -> RedisServer:
         """The master serving `key`'s slot."""
