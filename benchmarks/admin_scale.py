@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import hashlib
 import json
 import multiprocessing as mp
@@ -52,7 +53,19 @@ async def watch_loop(lag_file: str) -> None:
     samples: list[tuple[float, float]] = []
     loop = asyncio.get_running_loop()
 
+    gcs: list[tuple[float, int, float]] = []  # (time, generation, seconds)
+    started: list[float] = [0.0]
+
+    def on_gc(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            started[0] = time.perf_counter()
+        else:
+            gcs.append((time.time(), info["generation"], time.perf_counter() - started[0]))
+
+    gc.callbacks.append(on_gc)
+
     def dump() -> None:
+        Path(lag_file + ".gc").write_text(json.dumps(gcs))
         Path(lag_file).write_text(json.dumps(samples))
 
     loop.add_signal_handler(signal.SIGUSR1, dump)
@@ -231,10 +244,14 @@ def main() -> None:
             time.sleep(0.1)
         time.sleep(0.5)
         lag = json.loads(lag_file.read_text())
+        gc_runs = json.loads(Path(sock + ".lag.gc").read_text())
         for r, (t0, t1) in zip(rows, spans, strict=True):
             held = [h for t, h in lag if t0 <= t <= t1]
             r["loop_held_p99_ms"] = 1e3 * pctl(held, 0.99)
             r["loop_held_max_ms"] = 1e3 * max(held, default=float("nan"))
+            full = [d for t, g, d in gc_runs if t0 <= t <= t1 + 1 and g == 2]
+            r["full_gc_runs"] = len(full)
+            r["full_gc_max_ms"] = 1e3 * max(full, default=0.0)
     finally:
         proc.terminate()
         proc.wait(60)
@@ -250,7 +267,8 @@ def main() -> None:
     )
     print(
         f"{'phase':<15}{'pins':>6}{'p50 ms':>9}{'p99 ms':>9}{'max ms':>9}{'p99-idle':>10}"
-        f"{'calls':>7}{'call p50':>10}{'call max':>10}{'held p99':>10}{'held max':>10}",
+        f"{'calls':>7}{'call p50':>10}{'call max':>10}{'held p99':>10}{'held max':>10}"
+        f"{'full GCs':>10}{'GC max':>8}",
         file=sys.stderr,
     )
     for r in rows:
@@ -258,7 +276,8 @@ def main() -> None:
             f"{r['phase']:<15}{r['pins']:>6}{r['pin_p50_ms']:>9.2f}{r['pin_p99_ms']:>9.2f}"
             f"{r['pin_max_ms']:>9.2f}{r['pin_p99_over_idle_ms']:>10.2f}{r['admin_calls']:>7}"
             f"{r['admin_p50_ms']:>10.2f}{r['admin_max_ms']:>10.2f}"
-            f"{r['loop_held_p99_ms']:>10.2f}{r['loop_held_max_ms']:>10.2f}",
+            f"{r['loop_held_p99_ms']:>10.2f}{r['loop_held_max_ms']:>10.2f}"
+            f"{r['full_gc_runs']:>10}{r['full_gc_max_ms']:>8.0f}",
             file=sys.stderr,
         )
 

@@ -242,13 +242,16 @@ class Journal:
 
     def _sealed(self, batch: list[tuple[Slot, int]], crcs: list[int | None]) -> None:
         """On the loop: the checksums are recorded, the rows released."""
+        records = []
         for (slot, nbytes), crc in zip(batch, crcs, strict=True):
             self.seal_backlog -= nbytes
             row = self.live.get((slot.namespace, slot.key))
             if crc is not None and row is not None and row.offset == slot.extent.offset:
                 row.crc = crc
-                self._append(rec.checksum(self._ns[slot.namespace], slot.key, crc))
+                records.append(rec.checksum(self._ns[slot.namespace], slot.key, crc))
             self.index.end_read(slot)
+        if records:
+            self._append(b"".join(records))  # one write for the batch
 
     # -- compaction --------------------------------------------------------------------
 
