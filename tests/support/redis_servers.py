@@ -99,6 +99,7 @@ class RedisServer:
         deadline = time.monotonic() + 10
         while not any(w in cli(self.port, "PING") for w in ("PONG", "NOAUTH")):
             if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.kill()  # never leave a half-started server behind
                 raise RuntimeError(
                     f"redis-server on {self.port} did not start:\n"
                     + (self.workdir / "redis.log").read_text()
