@@ -157,6 +157,13 @@ class RedisClusterProcs:
         return f"redis://127.0.0.1:{self.nodes[0].port}"
 
     def start(self) -> RedisClusterProcs:
+        try:
+            return self._start()
+        except BaseException:
+            self.kill_all()  # never leave a half-built cluster behind
+            raise
+
+    def _start(self) -> RedisClusterProcs:
         for n in self.nodes:
             n.start()
         out = subprocess.run(
