@@ -117,7 +117,12 @@ class Journal:
         for ident, row in ((r[:2], r[2]) for r in rows):
             self.live[ident] = row
         tmp, fd = self._write_compacted()
-        os.replace(tmp, self.path)
+        try:
+            os.replace(tmp, self.path)
+        except OSError:
+            os.close(fd)
+            os.unlink(tmp)
+            raise
         self._fd = fd
 
     def _write_compacted(self) -> tuple[str, int]:

@@ -233,7 +233,19 @@ class DepotState:
             )
             if crc is None:
                 unsealed.append((slot.namespace, slot.key))
-        journal.start(rows)
+        try:
+            journal.start(rows)
+        except OSError as exc:  # a crash would now lose the cache; serving goes on
+            log.error(
+                "cannot write the journal %s: %s; crashes will lose the cache (a clean "
+                "shutdown still keeps it)", journal.path, exc,
+            )
+            for _, _, extent, _ in to_verify:
+                index.drop_recovering(extent)
+            self.recovery.rejected += len(to_verify)
+            self.recovery.complete = True
+            self.journal = None
+            return
         self.bus.add_listener(journal.on_event)
         journal.seal(unsealed)
         if to_verify:
