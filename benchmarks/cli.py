@@ -39,14 +39,35 @@ DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
 # --quick: the same sections on a smaller model and fewer repetitions (a smoke
 # run in seconds, not figures to publish).
 QUICK = {
-    "ceiling_jobs": 60, "ceiling_pool": "256MiB", "echo_msgs": 300,
-    "layers": 8, "reps": 3, "warmup": 1, "rep_mib": 24, "min_jobs": 3, "pool_size": "256MiB",
-    "arena_mib": 48, "load_set_mib": 48, "lookups": 200_000, "pins": 50, "floor_jobs": 100,
+    "ceiling_jobs": 60,
+    "ceiling_pool": "256MiB",
+    "echo_msgs": 300,
+    "layers": 8,
+    "reps": 3,
+    "warmup": 1,
+    "rep_mib": 24,
+    "min_jobs": 3,
+    "pool_size": "256MiB",
+    "arena_mib": 48,
+    "load_set_mib": 48,
+    "lookups": 200_000,
+    "pins": 50,
+    "floor_jobs": 100,
 }
 FULL = {
-    "ceiling_jobs": 400, "ceiling_pool": "4GiB", "echo_msgs": 2000,
-    "layers": 32, "reps": 5, "warmup": 2, "rep_mib": 256, "min_jobs": 4, "pool_size": "1GiB",
-    "arena_mib": 256, "load_set_mib": 256, "lookups": 2_000_000, "pins": 300,
+    "ceiling_jobs": 400,
+    "ceiling_pool": "4GiB",
+    "echo_msgs": 2000,
+    "layers": 32,
+    "reps": 5,
+    "warmup": 2,
+    "rep_mib": 256,
+    "min_jobs": 4,
+    "pool_size": "1GiB",
+    "arena_mib": 256,
+    "load_set_mib": 256,
+    "lookups": 2_000_000,
+    "pins": 300,
     "floor_jobs": 500,
 }
 
@@ -64,54 +85,94 @@ def _ints(text: str) -> list[int]:
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags of `kvdepot bench` (server/cli.py calls this)."""
     g = parser.add_argument_group("daemon")
-    g.add_argument("--socket", help="measure the daemon already running on this socket "
-                   "(default: start a private one)")
-    g.add_argument("--pool-size", help="pool of the daemon the bench starts (default 1GiB; "
-                   "--quick 256MiB)")
-    g.add_argument("--copy-threads", type=int,
-                   help="--copy-threads of the daemon the bench starts (default: its default)")
+    g.add_argument(
+        "--socket",
+        help="measure the daemon already running on this socket (default: start a private one)",
+    )
+    g.add_argument(
+        "--pool-size", help="pool of the daemon the bench starts (default 1GiB; --quick 256MiB)"
+    )
+    g.add_argument(
+        "--copy-threads",
+        type=int,
+        help="--copy-threads of the daemon the bench starts (default: its default)",
+    )
     g = parser.add_argument_group("model geometry (default: Llama-3-8B-like)")
     g.add_argument("--layers", type=int, help="layers (default 32; --quick 8)")
     g.add_argument("--kv-heads", type=int, default=8, help="KV heads (default 8)")
     g.add_argument("--head-dim", type=int, default=128, help="head size (default 128)")
-    g.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default="bf16",
-                   help="KV cache dtype (default bf16)")
+    g.add_argument(
+        "--dtype", choices=sorted(DTYPE_BYTES), default="bf16", help="KV cache dtype (default bf16)"
+    )
     g.add_argument("--block-size", type=int, default=16, help="tokens per block (default 16)")
-    g.add_argument("--blocks-per-chunk", type=int, default=1,
-                   help="GPU blocks per offloaded chunk (default 1)")
-    g.add_argument("--tp", type=int, default=1,
-                   help="tensor-parallel ranks per engine, one process each (default 1)")
-    g.add_argument("--hybrid", action="store_true",
-                   help="two KV-cache groups: half the layers with half-size pages")
+    g.add_argument(
+        "--blocks-per-chunk", type=int, default=1, help="GPU blocks per offloaded chunk (default 1)"
+    )
+    g.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        help="tensor-parallel ranks per engine, one process each (default 1)",
+    )
+    g.add_argument(
+        "--hybrid",
+        action="store_true",
+        help="two KV-cache groups: half the layers with half-size pages",
+    )
     g = parser.add_argument_group("what to measure")
-    g.add_argument("--sizes", type=_ints, default=[1, 16, 64],
-                   help="job sizes in chunks, one engine (default 1,16,64)")
-    g.add_argument("--engines", type=_ints, default=[1, 2, 4],
-                   help="engine counts for the aggregate series (default 1,2,4)")
-    g.add_argument("--agg-chunks", type=int, default=16,
-                   help="job size of the aggregate series (default 16)")
+    g.add_argument(
+        "--sizes",
+        type=_ints,
+        default=[1, 16, 64],
+        help="job sizes in chunks, one engine (default 1,16,64)",
+    )
+    g.add_argument(
+        "--engines",
+        type=_ints,
+        default=[1, 2, 4],
+        help="engine counts for the aggregate series (default 1,2,4)",
+    )
+    g.add_argument(
+        "--agg-chunks", type=int, default=16, help="job size of the aggregate series (default 16)"
+    )
     g.add_argument("--reps", type=int, help="repetitions per figure (default 5; --quick 3)")
     g.add_argument("--warmup", type=int, help="untimed jobs before each run (default 2)")
-    g.add_argument("--rep-mib", type=int,
-                   help="MiB each rank moves per repetition (default 256; --quick 24)")
-    g.add_argument("--depth", type=int, default=1,
-                   help="jobs in flight per engine rank (default 1: one at a time)")
-    g.add_argument("--num-blocks", type=int, default=0,
-                   help="KV blocks per rank (default: four times the largest job)")
+    g.add_argument(
+        "--rep-mib", type=int, help="MiB each rank moves per repetition (default 256; --quick 24)"
+    )
+    g.add_argument(
+        "--depth",
+        type=int,
+        default=1,
+        help="jobs in flight per engine rank (default 1: one at a time)",
+    )
+    g.add_argument(
+        "--num-blocks",
+        type=int,
+        default=0,
+        help="KV blocks per rank (default: four times the largest job)",
+    )
     g.add_argument("--no-aggregate", action="store_true", help="skip the engines series")
-    g.add_argument("--no-ceiling", action="store_true",
-                   help="skip the control-plane ceiling (copies off; needs its own daemon)")
-    g.add_argument("--no-connector", action="store_true",
-                   help="skip the vLLM connector's bench")
+    g.add_argument(
+        "--no-ceiling",
+        action="store_true",
+        help="skip the control-plane ceiling (copies off; needs its own daemon)",
+    )
+    g.add_argument("--no-connector", action="store_true", help="skip the vLLM connector's bench")
     g.add_argument("--no-gpu", action="store_true", help="skip the GPU path's bench")
-    g.add_argument("--remote", metavar="URL",
-                   help="measure only the remote tier at this redis:// URL against bare "
-                        "redis-py, and the miss-to-loaded-block time (kvdepot.bench.remote_bench)")
+    g.add_argument(
+        "--remote",
+        metavar="URL",
+        help="measure only the remote tier at this redis:// URL against bare "
+        "redis-py, and the miss-to-loaded-block time (kvdepot.bench.remote_bench)",
+    )
     g = parser.add_argument_group("output")
-    g.add_argument("--quick", action="store_true",
-                   help="smoke run: 8 layers, 3 repetitions, small pool (seconds)")
-    g.add_argument("--json", action="store_true",
-                   help="JSON on stdout (the table goes to stderr)")
+    g.add_argument(
+        "--quick",
+        action="store_true",
+        help="smoke run: 8 layers, 3 repetitions, small pool (seconds)",
+    )
+    g.add_argument("--json", action="store_true", help="JSON on stdout (the table goes to stderr)")
     g.add_argument("--plot", metavar="FILE.png", help="write a PNG of the figures (matplotlib)")
     g.add_argument("--quiet", action="store_true", help="no progress bar")
     g.add_argument("--strict", action="store_true", help="exit 1 when a target is missed")
@@ -137,9 +198,12 @@ def machine_info() -> dict[str, Any]:
         pass
     accelerator = "NVIDIA GPU present" if shutil.which("nvidia-smi") else "no GPU"
     return {
-        "cpus": os.cpu_count() or 1, "cpu_model": model, "memory_gib": mem,
+        "cpus": os.cpu_count() or 1,
+        "cpu_model": model,
+        "memory_gib": mem,
         "system": f"{platform.system()} {platform.release()}",
-        "python": platform.python_version(), "accelerator": accelerator,
+        "python": platform.python_version(),
+        "accelerator": accelerator,
     }
 
 
@@ -166,19 +230,30 @@ def run_bench(args: argparse.Namespace) -> int:
     load_before = os.getloadavg()[0]
     try:
         geo = BenchGeometry(
-            layers=_pick(args, "layers"), kv_heads=args.kv_heads, head_dim=args.head_dim,
-            dtype_bytes=DTYPE_BYTES[args.dtype], block_size=args.block_size,
-            blocks_per_chunk=args.blocks_per_chunk, tp=args.tp, hybrid=args.hybrid,
+            layers=_pick(args, "layers"),
+            kv_heads=args.kv_heads,
+            head_dim=args.head_dim,
+            dtype_bytes=DTYPE_BYTES[args.dtype],
+            block_size=args.block_size,
+            blocks_per_chunk=args.blocks_per_chunk,
+            tp=args.tp,
+            hybrid=args.hybrid,
         )
     except ValueError as exc:
         print(f"kvdepot bench: {exc}", file=sys.stderr)
         return 2
     engines = [] if args.no_aggregate else sorted(set(args.engines))
     plan = ThroughputPlan(
-        geo=geo, sizes=sorted(set(args.sizes)), engines=engines, agg_chunks=args.agg_chunks,
-        reps=max(1, _pick(args, "reps")), warmup=max(0, _pick(args, "warmup")),
-        rep_bytes=_pick(args, "rep_mib") << 20, min_jobs=_pick(args, "min_jobs"),
-        depth=max(1, args.depth), num_blocks=args.num_blocks,
+        geo=geo,
+        sizes=sorted(set(args.sizes)),
+        engines=engines,
+        agg_chunks=args.agg_chunks,
+        reps=max(1, _pick(args, "reps")),
+        warmup=max(0, _pick(args, "warmup")),
+        rep_bytes=_pick(args, "rep_mib") << 20,
+        min_jobs=_pick(args, "min_jobs"),
+        depth=max(1, args.depth),
+        num_blocks=args.num_blocks,
         arena_bytes=_pick(args, "arena_mib") << 20,
         load_set_bytes=_pick(args, "load_set_mib") << 20,
     )
@@ -197,19 +272,31 @@ def run_bench(args: argparse.Namespace) -> int:
             daemon_text = f"own `kvdepot serve --pool-size {pool_size}" + (
                 f" --copy-threads {args.copy_threads}`" if args.copy_threads else "` (defaults)"
             )
-        stats = daemon.wait_warm(on_progress=lambda done, total: progress.label(
-            f"daemon pool warm-up {100 * done // max(total, 1)}%"))
+        stats = daemon.wait_warm(
+            on_progress=lambda done, total: progress.label(
+                f"daemon pool warm-up {100 * done // max(total, 1)}%"
+            )
+        )
         progress.step("daemon pool warm")
         namespace = f"kvdepot-bench-{secrets.token_hex(6)}"
         salt = secrets.token_bytes(16)
         n_engines = max([1, *engines])
         fleet = Fleet(n_engines, geo.tp)
         progress.label(f"starting {len(fleet.workers)} engine process(es), pre-faulting memory")
-        fleet.call(fleet.workers, lambda w: {
-            "cmd": "setup", "target": daemon.target, "geometry": vars(geo), "rank": w.rank,
-            "engine": w.engine, "num_blocks": plan.num_blocks, "salt": salt.hex(),
-            "namespace": namespace, "arena_bytes": plan.arena_bytes,
-        })
+        fleet.call(
+            fleet.workers,
+            lambda w: {
+                "cmd": "setup",
+                "target": daemon.target,
+                "geometry": vars(geo),
+                "rank": w.rank,
+                "engine": w.engine,
+                "num_blocks": plan.num_blocks,
+                "salt": salt.hex(),
+                "namespace": namespace,
+                "arena_bytes": plan.arena_bytes,
+            },
+        )
         progress.step("engines registered")
         bench = ThroughputBench(plan, fleet, stats.capacity_bytes, progress)
         verified = bench.verify()
@@ -225,26 +312,41 @@ def run_bench(args: argparse.Namespace) -> int:
         progress.label("control plane: lookups and pins")
         try:
             control = measure_control(
-                daemon.target, namespace, salt, _pick(args, "lookups"), _pick(args, "pins"),
+                daemon.target,
+                namespace,
+                salt,
+                _pick(args, "lookups"),
+                _pick(args, "pins"),
                 pin_keys=max(plan.sizes[0], 16),
             )
         except Exception as exc:  # reported, not fatal: the data-path figures stand
             control = {"error": f"{type(exc).__name__}: {exc}"}
         progress.step("control plane measured")
         progress.label("vLLM connector bench")
-        connector = {"skipped": "--no-connector"} if args.no_connector else (
+        connector = (
+            {"skipped": "--no-connector"}
+            if args.no_connector
             # Its own table goes to stderr beside ours (nowhere with --quiet).
-            optional.connector_section(
-                daemon.target, args.quick, io.StringIO() if args.quiet else sys.stderr
+            else (
+                optional.connector_section(
+                    daemon.target, args.quick, io.StringIO() if args.quiet else sys.stderr
+                )
             )
         )
         progress.step("connector bench done")
         progress.label("GPU path bench")
         # The GPU bench sizes its own pool (GiB of pinned memory): it starts its own
         # daemon unless the user pointed the bench at one.
-        gpu = {"skipped": "--no-gpu"} if args.no_gpu else optional.gpu_section(
-            args.quick, plan.sizes, plan.reps,
-            target=daemon.target if args.socket else None, copy_threads=args.copy_threads,
+        gpu = (
+            {"skipped": "--no-gpu"}
+            if args.no_gpu
+            else optional.gpu_section(
+                args.quick,
+                plan.sizes,
+                plan.reps,
+                target=daemon.target if args.socket else None,
+                copy_threads=args.copy_threads,
+            )
         )
         progress.step("GPU bench done")
         result = {
@@ -252,12 +354,20 @@ def run_bench(args: argparse.Namespace) -> int:
             "command": " ".join(["kvdepot", "bench", *_argv_tail()]),
             "machine": machine_info(),
             "config": {
-                "geometry": geo.as_dict(), "geometry_text": geo.describe(),
-                "daemon": daemon_text, "pool_bytes": stats.capacity_bytes,
-                "sizes": plan.sizes, "engines": plan.engines, "agg_chunks": plan.agg_chunks,
-                "reps": plan.reps, "warmup_jobs": plan.warmup, "rep_bytes": plan.rep_bytes,
-                "depth": plan.depth, "num_blocks": plan.num_blocks,
-                "arena_bytes": plan.arena_bytes, "quick": args.quick,
+                "geometry": geo.as_dict(),
+                "geometry_text": geo.describe(),
+                "daemon": daemon_text,
+                "pool_bytes": stats.capacity_bytes,
+                "sizes": plan.sizes,
+                "engines": plan.engines,
+                "agg_chunks": plan.agg_chunks,
+                "reps": plan.reps,
+                "warmup_jobs": plan.warmup,
+                "rep_bytes": plan.rep_bytes,
+                "depth": plan.depth,
+                "num_blocks": plan.num_blocks,
+                "arena_bytes": plan.arena_bytes,
+                "quick": args.quick,
             },
             "verified": verified,
             "throughput": rows,
@@ -308,8 +418,10 @@ def run_bench(args: argparse.Namespace) -> int:
         try:
             plot(result, args.plot)
         except ImportError:
-            print("kvdepot bench: --plot needs matplotlib (pip install 'kvdepot[bench]')",
-                  file=sys.stderr)
+            print(
+                "kvdepot bench: --plot needs matplotlib (pip install 'kvdepot[bench]')",
+                file=sys.stderr,
+            )
             return 1
     if args.strict and not all(t["met"] for t in result["targets"]):
         return 1
@@ -336,7 +448,10 @@ def _limits(
 
 
 def _ceiling(
-    args: argparse.Namespace, geo: BenchGeometry, plan: ThroughputPlan, namespace: str,
+    args: argparse.Namespace,
+    geo: BenchGeometry,
+    plan: ThroughputPlan,
+    namespace: str,
     salt: bytes,
 ) -> dict[str, Any]:
     """The control-plane ceiling on a daemon of its own (kvdepot.bench.ceiling)."""
@@ -349,8 +464,15 @@ def _ceiling(
     pool = _pick(args, "ceiling_pool")
     try:
         return measure_ceiling(
-            geo, plan.sizes, plan.num_blocks, pool, _parse_size(pool),
-            _pick(args, "ceiling_jobs"), max(plan.warmup, 3), namespace + "-ceiling", salt,
+            geo,
+            plan.sizes,
+            plan.num_blocks,
+            pool,
+            _parse_size(pool),
+            _pick(args, "ceiling_jobs"),
+            max(plan.warmup, 3),
+            namespace + "-ceiling",
+            salt,
         )
     except Exception as exc:  # reported, not fatal: the data-path figures stand
         return {"error": f"{type(exc).__name__}: {exc}"}

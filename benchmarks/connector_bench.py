@@ -119,13 +119,23 @@ def run_connector_bench(
     groups = (GroupDef("full", block_size=16, num_layers=2, num_kv_heads=1),)
     # Room for every request's prompt and decode tokens: no preemption.
     blocks = requests * ((hit_tokens + new_tokens + decode_steps + 64) // 16 + 2) + 64
-    common = dict(groups=groups, num_gpu_blocks=blocks, max_num_seqs=requests,
-                  max_num_batched_tokens=requests * (hit_tokens + new_tokens))
+    common = dict(
+        groups=groups,
+        num_gpu_blocks=blocks,
+        max_num_seqs=requests,
+        max_num_batched_tokens=requests * (hit_tokens + new_tokens),
+    )
     hit_prefixes = [prompt_for(1000 + i, hit_tokens) for i in range(requests)]
     prompts = [p + prompt_for(5000 + i, new_tokens) for i, p in enumerate(hit_prefixes)]
     result: dict[str, Any] = {
-        "config": {"requests": requests, "hit_tokens": hit_tokens, "new_tokens": new_tokens,
-                   "block_size": 16, "decode_steps": decode_steps, "target": target},
+        "config": {
+            "requests": requests,
+            "hit_tokens": hit_tokens,
+            "new_tokens": new_tokens,
+            "block_size": 16,
+            "decode_steps": decode_steps,
+            "target": target,
+        },
     }
     engines: list[Any] = []
     try:
@@ -159,19 +169,27 @@ def run_connector_bench(
                 client.pin(ns, keys, timeout=1.0)
                 lat.append(time.perf_counter() - t)
                 client.unpin(ns, keys, wait=True)
-            pins[f"{batch}_keys"] = {"p50_ms": _pct(lat, 0.5) * 1e3,
-                                     "p99_ms": _pct(lat, 0.99) * 1e3, "n": len(lat)}
+            pins[f"{batch}_keys"] = {
+                "p50_ms": _pct(lat, 0.5) * 1e3,
+                "p99_ms": _pct(lat, 0.99) * 1e3,
+                "n": len(lat),
+            }
         result["pin"] = pins
         depot_steps = _steps(depot, prompts, decode_steps)
         result["step_ms"] = {"kvdepot": depot_steps}
         result["kvdepot_pin_rpcs_in_steps"] = manager.pin_rpcs
 
         # 3. vLLM's own CPU offloading manager, same keys and requests.
-        cpu = SyntheticEngine(EngineConfig(
-            socket=None, workers=False, connector="OffloadingConnector", connector_module=None,
-            extra_config={"spec_name": "CPUOffloadingSpec", "cpu_bytes_to_use": 1 << 30},
-            **common,
-        ))
+        cpu = SyntheticEngine(
+            EngineConfig(
+                socket=None,
+                workers=False,
+                connector="OffloadingConnector",
+                connector_module=None,
+                extra_config={"spec_name": "CPUOffloadingSpec", "cpu_bytes_to_use": 1 << 30},
+                **common,
+            )
+        )
         engines.append(cpu)
         from vllm.v1.kv_offload.base import ReqContext
 
@@ -182,8 +200,7 @@ def run_connector_bench(
         result["step_ms"]["vllm_cpu"] = _steps(cpu, prompts, decode_steps)
 
         # 4. No connector: the baseline the "added" figures subtract.
-        bare = SyntheticEngine(EngineConfig(socket=None, workers=False, connector=None,
-                                            **common))
+        bare = SyntheticEngine(EngineConfig(socket=None, workers=False, connector=None, **common))
         engines.append(bare)
         result["step_ms"]["none"] = _steps(bare, prompts, decode_steps)
     finally:
@@ -218,32 +235,44 @@ def format_table(r: dict[str, Any]) -> str:
         f"{r['lookup_us']['vllm_cpu']:>12.3f}{'-':>12}",
     ]
     s = r["step_ms"]
-    for label, key in (("admission step (ms)", "admission_step_ms"),
-                       ("decode step, mean (ms)", "decode_step_ms_mean"),
-                       ("decode step, p99 (ms)", "decode_step_ms_p99")):
-        lines.append(f"{label:34}{s['kvdepot'][key]:>12.3f}{s['vllm_cpu'][key]:>12.3f}"
-                     f"{s['none'][key]:>12.3f}")
+    for label, key in (
+        ("admission step (ms)", "admission_step_ms"),
+        ("decode step, mean (ms)", "decode_step_ms_mean"),
+        ("decode step, p99 (ms)", "decode_step_ms_p99"),
+    ):
+        lines.append(
+            f"{label:34}{s['kvdepot'][key]:>12.3f}{s['vllm_cpu'][key]:>12.3f}"
+            f"{s['none'][key]:>12.3f}"
+        )
     a = r["added_ms"]
-    lines.append(f"{'added per admission step (ms)':34}{a['kvdepot']['admission_step']:>12.3f}"
-                 f"{a['vllm_cpu']['admission_step']:>12.3f}{'0':>12}")
-    lines.append(f"{'added per decode step (ms)':34}{a['kvdepot']['decode_step']:>12.3f}"
-                 f"{a['vllm_cpu']['decode_step']:>12.3f}{'0':>12}")
+    lines.append(
+        f"{'added per admission step (ms)':34}{a['kvdepot']['admission_step']:>12.3f}"
+        f"{a['vllm_cpu']['admission_step']:>12.3f}{'0':>12}"
+    )
+    lines.append(
+        f"{'added per decode step (ms)':34}{a['kvdepot']['decode_step']:>12.3f}"
+        f"{a['vllm_cpu']['decode_step']:>12.3f}{'0':>12}"
+    )
     for batch, p in r["pin"].items():
-        lines.append(f"{'pin ' + batch.replace('_', ' ') + ' p50 / p99 (ms)':34}"
-                     f"{p['p50_ms']:>12.3f}{p['p99_ms']:>12.3f}")
+        lines.append(
+            f"{'pin ' + batch.replace('_', ' ') + ' p50 / p99 (ms)':34}"
+            f"{p['p50_ms']:>12.3f}{p['p99_ms']:>12.3f}"
+        )
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m kvdepot.bench.connector_bench",
-                                 description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m kvdepot.bench.connector_bench", description=__doc__.split("\n\n")[0]
+    )
     ap.add_argument("--socket", help="a running daemon (default: start a private one)")
     ap.add_argument("--quick", action="store_true", help="fewer repetitions")
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--json", action="store_true", help="print the figures as JSON too")
     args = ap.parse_args(argv)
-    result = run_connector_bench(args.socket, quick=args.quick, requests=args.requests,
-                                 out=sys.stdout)
+    result = run_connector_bench(
+        args.socket, quick=args.quick, requests=args.requests, out=sys.stdout
+    )
     if args.json:
         print(json.dumps(result, indent=2))
     return 0

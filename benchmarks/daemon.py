@@ -86,7 +86,10 @@ class OwnDaemon(DaemonUnderTest):
     """`kvdepot serve` on a private socket in a temporary directory."""
 
     def __init__(
-        self, pool_size: str, copy_threads: int | None = None, extra: list[str] | None = None,
+        self,
+        pool_size: str,
+        copy_threads: int | None = None,
+        extra: list[str] | None = None,
         command: list[str] | None = None,
     ) -> None:
         """`command` replaces `kvdepot` (the control-plane ceiling's launcher)."""
@@ -96,15 +99,23 @@ class OwnDaemon(DaemonUnderTest):
         super().__init__(f"unix://{self.socket_path}")
         self.log_path = self.workdir / "daemon.log"
         args = [
-            *(command or kvdepot_command()), "serve", "--socket", self.socket_path,
-            "--pool-size", pool_size,
-            "--log-level", "warning", *(extra or []),
+            *(command or kvdepot_command()),
+            "serve",
+            "--socket",
+            self.socket_path,
+            "--pool-size",
+            pool_size,
+            "--log-level",
+            "warning",
+            *(extra or []),
         ]
         if copy_threads:
             args += ["--copy-threads", str(copy_threads)]
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(
-                args, stdout=log, stderr=subprocess.STDOUT,
+                args,
+                stdout=log,
+                stderr=subprocess.STDOUT,
                 # Not the bench's service manager's business: never notify systemd.
                 env={k: v for k, v in os.environ.items() if k != "NOTIFY_SOCKET"},
             )

@@ -45,7 +45,10 @@ class Fleet:
                 with open(log_path, "w") as log:
                     proc = subprocess.Popen(
                         [sys.executable, "-m", "kvdepot.bench.worker"],
-                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True,
+                        stdin=subprocess.PIPE,
+                        stdout=subprocess.PIPE,
+                        stderr=log,
+                        text=True,
                         env=env,
                     )
                 self.workers.append(WorkerProc(e, r, proc, log_path))

@@ -37,8 +37,15 @@ class BenchGeometry:
     hybrid: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("layers", "kv_heads", "head_dim", "dtype_bytes", "block_size",
-                     "blocks_per_chunk", "tp"):
+        for name in (
+            "layers",
+            "kv_heads",
+            "head_dim",
+            "dtype_bytes",
+            "block_size",
+            "blocks_per_chunk",
+            "tp",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
         if self.kv_heads % self.tp:
@@ -99,7 +106,9 @@ class BenchGeometry:
 
 def layout_pb(geo: BenchGeometry, namespace: str) -> pb.NamespaceLayout:
     return pb.NamespaceLayout(
-        id=namespace, world_size=geo.tp, blocks_per_chunk=geo.blocks_per_chunk,
+        id=namespace,
+        world_size=geo.tp,
+        blocks_per_chunk=geo.blocks_per_chunk,
         groups=[pb.GroupLayout(layer_page_bytes=g) for g in geo.groups],
         description="kvdepot bench (synthetic)",
     )
@@ -123,15 +132,22 @@ def registration_pb(
 ) -> tuple[list[pb.KVTensor], list[pb.GroupRefs]]:
     """The tensors and per-group layer refs a rank registers (as vLLM's views give them)."""
     tensors = [
-        pb.KVTensor(region_index=0, region_offset=o, num_blocks=num_blocks,
-                    block_stride_bytes=p, page_bytes=p)
+        pb.KVTensor(
+            region_index=0,
+            region_offset=o,
+            num_blocks=num_blocks,
+            block_stride_bytes=p,
+            page_bytes=p,
+        )
         for o, p in zip(tensor_offsets(geo, num_blocks), geo.layer_pages, strict=True)
     ]
     refs, t = [], 0
     for g in geo.groups:
-        refs.append(pb.GroupRefs(layers=[
-            pb.LayerRef(tensor_index=t + i, page_bytes=p) for i, p in enumerate(g)
-        ]))
+        refs.append(
+            pb.GroupRefs(
+                layers=[pb.LayerRef(tensor_index=t + i, page_bytes=p) for i, p in enumerate(g)]
+            )
+        )
         t += len(g)
     return tensors, refs
 
@@ -145,8 +161,7 @@ def make_keys(salt: bytes, engine: int, first_seq: int, count: int, group: int) 
     suffix = group.to_bytes(4, "big")
     prefix = engine.to_bytes(4, "big")
     return [
-        hashlib.blake2b(prefix + seq.to_bytes(8, "big"), digest_size=32, key=salt).digest()
-        + suffix
+        hashlib.blake2b(prefix + seq.to_bytes(8, "big"), digest_size=32, key=salt).digest() + suffix
         for seq in range(first_seq, first_seq + count)
     ]
 
@@ -162,7 +177,12 @@ class JobShape:
 
 
 def job_shape(
-    geo: BenchGeometry, num_blocks: int, salt: bytes, engine: int, key_seq: int, chunks: int,
+    geo: BenchGeometry,
+    num_blocks: int,
+    salt: bytes,
+    engine: int,
+    key_seq: int,
+    chunks: int,
     pattern: int,
 ) -> JobShape:
     """Keys `key_seq .. key_seq+chunks` of every group, into scattered block ids.

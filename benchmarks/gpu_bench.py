@@ -65,8 +65,14 @@ class CudaEngine:
     """
 
     def __init__(
-        self, client: Any, num_blocks: int, *, layers: int = LAYERS, page: int = PAGE,
-        namespace: str | None = None, device: Any = None,
+        self,
+        client: Any,
+        num_blocks: int,
+        *,
+        layers: int = LAYERS,
+        page: int = PAGE,
+        namespace: str | None = None,
+        device: Any = None,
     ) -> None:
         import torch
 
@@ -75,8 +81,11 @@ class CudaEngine:
         self.torch = torch
         self.client = client
         self.num_blocks, self.layers, self.page = num_blocks, layers, page
-        self.device = (torch.device("cuda", torch.cuda.current_device()) if device is None
-                       else torch.device(device))
+        self.device = (
+            torch.device("cuda", torch.cuda.current_device())
+            if device is None
+            else torch.device(device)
+        )
         self.kv = torch.zeros(layers * num_blocks * page, dtype=torch.int8, device=self.device)
         self.tensors = [
             self.kv[i * num_blocks * page : (i + 1) * num_blocks * page].view(num_blocks, page)
@@ -84,13 +93,20 @@ class CudaEngine:
         ]
         self.namespace = namespace or f"gpu-{os.getpid()}-{time.monotonic_ns()}"
         self.layout = pb.NamespaceLayout(
-            id=self.namespace, world_size=1, blocks_per_chunk=1,
+            id=self.namespace,
+            world_size=1,
+            blocks_per_chunk=1,
             groups=[pb.GroupLayout(layer_page_bytes=[page] * layers)],
             description=f"kvdepot GPU bench: {layers} layers x {page} B pages",
         )
-        self.groups = [pb.GroupRefs(layers=[
-            pb.LayerRef(tensor_index=i, page_offset=0, page_bytes=page) for i in range(layers)
-        ])]
+        self.groups = [
+            pb.GroupRefs(
+                layers=[
+                    pb.LayerRef(tensor_index=i, page_offset=0, page_bytes=page)
+                    for i in range(layers)
+                ]
+            )
+        ]
         torch.cuda.synchronize(self.device)
         self.export = export_kv_tensors(self.tensors)
         self.registration = register_cuda_kv(client, self.layout, 0, self.export, self.groups)
@@ -108,8 +124,14 @@ class CudaEngine:
         g.manual_seed(seed)
         idx = torch.tensor(list(blocks), device=self.device)
         for t in self.tensors:
-            t[idx] = torch.randint(-128, 128, (len(blocks), self.page), dtype=torch.int8,
-                                   device=self.device, generator=g)
+            t[idx] = torch.randint(
+                -128,
+                128,
+                (len(blocks), self.page),
+                dtype=torch.int8,
+                device=self.device,
+                generator=g,
+            )
 
     def zero(self, blocks: Sequence[int]) -> None:
         idx = self.torch.tensor(list(blocks), device=self.device)
@@ -125,15 +147,25 @@ class CudaEngine:
         """Records the IPC event on the current stream, then sends the job (never blocks)."""
         job_id = next(self._ids)
         self.export.record()
-        self.stream.submit(pb.TransferJob(
-            job_id=job_id, direction=direction,
-            registration_id=self.registration.registration_id, keys=list(keys),
-            block_ids=list(blocks), group_sizes=[len(blocks)], block_indices=[0],
-        ))
+        self.stream.submit(
+            pb.TransferJob(
+                job_id=job_id,
+                direction=direction,
+                registration_id=self.registration.registration_id,
+                keys=list(keys),
+                block_ids=list(blocks),
+                group_sizes=[len(blocks)],
+                block_indices=[0],
+            )
+        )
         return job_id
 
     def run(
-        self, direction: int, keys: Sequence[bytes], blocks: Sequence[int], job_chunks: int,
+        self,
+        direction: int,
+        keys: Sequence[bytes],
+        blocks: Sequence[int],
+        job_chunks: int,
         timeout: float = 300.0,
     ) -> tuple[list[pb.TransferResult], float]:
         """Submits all jobs of `job_chunks` keys at once; waits for all; (results, seconds)."""
@@ -184,8 +216,13 @@ class PinnedHost:
 
 
 def _planned_batches(
-    engine: CudaEngine, direction: int, blocks: Sequence[int], host_offsets: Sequence[int],
-    dev_base: int, host_base: int, host_split: int,
+    engine: CudaEngine,
+    direction: int,
+    blocks: Sequence[int],
+    host_offsets: Sequence[int],
+    dev_base: int,
+    host_base: int,
+    host_split: int,
 ) -> list[Any]:
     """The daemon's descriptors for one job, computed in process (same planner)."""
     from kvdepot.server.core.layout import NamespaceLayout
@@ -195,7 +232,8 @@ def _planned_batches(
     nb, page, layers = engine.num_blocks, engine.page, engine.layers
     lay = NamespaceLayout("inproc", 1, 1, ((page,) * layers,))
     mem = MemoryMap.build(
-        lay, [layers * nb * page],
+        lay,
+        [layers * nb * page],
         [TensorView(0, i * nb * page, nb, page, page) for i in range(layers)],
         [[LayerRef(i, 0, page) for i in range(layers)]],
     )
@@ -246,12 +284,21 @@ def inprocess(engine: CudaEngine, job_chunks: int, chunks: int, reps: int) -> di
             # 2) and 3) the daemon's page descriptors, batched and one by one.
             # Chunk k's row sits at host offset k * block_bytes, as a pool slot would.
             batches = [
-                _planned_batches(engine, direction, j, [k * engine.block_bytes for k in j],
-                                 dev_base, host.address, host.chunk)
+                _planned_batches(
+                    engine,
+                    direction,
+                    j,
+                    [k * engine.block_bytes for k in j],
+                    dev_base,
+                    host.address,
+                    host.chunk,
+                )
                 for j in jobs
             ]
-            for key, batched in (("inproc_pages_batch_gbps", True),
-                                 ("inproc_pages_loop_gbps", False)):
+            for key, batched in (
+                ("inproc_pages_batch_gbps", True),
+                ("inproc_pages_loop_gbps", False),
+            ):
                 if batched and not drv.has_batch:
                     res[key] = float("nan")
                     continue
@@ -281,7 +328,11 @@ def inprocess(engine: CudaEngine, job_chunks: int, chunks: int, reps: int) -> di
 
 
 def through_daemon(
-    engine: CudaEngine, job_chunks: int, chunks: int, reps: int, tag: bytes,
+    engine: CudaEngine,
+    job_chunks: int,
+    chunks: int,
+    reps: int,
+    tag: bytes,
 ) -> dict[str, Any]:
     """Store and load GB/s through the daemon for jobs of `job_chunks`; checks bytes."""
     import torch
@@ -319,8 +370,7 @@ def through_daemon(
                 raise RuntimeError("loaded bytes differ from the stored ones")
             verified = True
     jobs = -(-chunks // job_chunks)
-    for name, times, copy in (("store", store_times, store_copy), ("load", load_times,
-                                                                   load_copy)):
+    for name, times, copy in (("store", store_times, store_copy), ("load", load_times, load_copy)):
         t = statistics.median(times[1:])
         out[name] = {
             "daemon_gbps": nbytes / t / 1e9,
@@ -345,9 +395,18 @@ class OwnCudaDaemon:
         self.log_path = self.workdir / "daemon.log"
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(
-                [*serve_cmd, "serve", "--socket", self.socket, "--pool-size", pool_size,
-                 "--copy-threads", str(copy_threads)],
-                stdout=log, stderr=subprocess.STDOUT,
+                [
+                    *serve_cmd,
+                    "serve",
+                    "--socket",
+                    self.socket,
+                    "--pool-size",
+                    pool_size,
+                    "--copy-threads",
+                    str(copy_threads),
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
                 env={k: v for k, v in os.environ.items() if k != "NOTIFY_SOCKET"},
             )
 
@@ -442,8 +501,10 @@ def run_gpu_bench(
             "device": props.name,
             "device_uuid": engine.export.device_uuid,
             "driver_version": drv.version(),
-            "batch_api": {2: "cuMemcpyBatchAsync (CUDA 13 ABI)",
-                          1: "cuMemcpyBatchAsync (CUDA 12.8 ABI)"}.get(drv.batch_abi, "none"),
+            "batch_api": {
+                2: "cuMemcpyBatchAsync (CUDA 13 ABI)",
+                1: "cuMemcpyBatchAsync (CUDA 12.8 ABI)",
+            }.get(drv.batch_abi, "none"),
             "torch": torch.__version__,
             "block_bytes": BLOCK,
             "layers": LAYERS,
@@ -464,8 +525,9 @@ def run_gpu_bench(
                 r = {**d[name], **ip[name]}
                 r["ratio"] = r["daemon_gbps"] / r["inproc_memcpy_gbps"]
                 r["ratio_pages"] = r["daemon_gbps"] / r["inproc_pages_batch_gbps"]
-                r["target_met"] = (r["daemon_gbps"] >= STORE_TARGET_GBPS
-                                   and r["ratio"] >= RATIO_TARGET)
+                r["target_met"] = (
+                    r["daemon_gbps"] >= STORE_TARGET_GBPS and r["ratio"] >= RATIO_TARGET
+                )
                 row[name] = r
             result["rows"].append(row)
             result[f"store_gbps_{size}"] = row["store"]["daemon_gbps"]
@@ -512,8 +574,10 @@ def format_table(result: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--target", help="a running daemon (default: start one)")
-    p.add_argument("--serve-script", help="a python script to run as `kvdepot` (default: the "
-                   "module kvdepot.server.cli)")
+    p.add_argument(
+        "--serve-script",
+        help="a python script to run as `kvdepot` (default: the module kvdepot.server.cli)",
+    )
     p.add_argument("--pool-size", default="4GiB")
     p.add_argument("--copy-threads", type=int, default=2)
     p.add_argument("--sizes", default="1,16,64", help="chunks per job, comma-separated")
@@ -530,9 +594,14 @@ def main(argv: list[str] | None = None) -> int:
         return 3
     serve_cmd = [sys.executable, args.serve_script] if args.serve_script else None
     result = run_gpu_bench(
-        args.target, serve_cmd=serve_cmd, pool_size=args.pool_size,
-        copy_threads=args.copy_threads, sizes=[int(s) for s in args.sizes.split(",")],
-        reps=args.reps, bytes_per_round=args.round_mib << 20, quick=args.quick,
+        args.target,
+        serve_cmd=serve_cmd,
+        pool_size=args.pool_size,
+        copy_threads=args.copy_threads,
+        sizes=[int(s) for s in args.sizes.split(",")],
+        reps=args.reps,
+        bytes_per_round=args.round_mib << 20,
+        quick=args.quick,
         log_dir=args.out,
     )
     table = format_table(result)

@@ -37,19 +37,26 @@ class InProcessCopier:
     """Copies jobs between one rank's KV memfd and a private, pre-faulted arena."""
 
     def __init__(
-        self, geo: BenchGeometry, rank: int, kv_address: int, kv_size: int,
-        tensor_offsets: list[int], num_blocks: int, arena_bytes: int,
+        self,
+        geo: BenchGeometry,
+        rank: int,
+        kv_address: int,
+        kv_size: int,
+        tensor_offsets: list[int],
+        num_blocks: int,
+        arena_bytes: int,
     ) -> None:
         self.geo = geo
         self.rank = rank
         self.layout = NamespaceLayout(
-            id="inproc", world_size=geo.tp, blocks_per_chunk=geo.blocks_per_chunk,
+            id="inproc",
+            world_size=geo.tp,
+            blocks_per_chunk=geo.blocks_per_chunk,
             groups=tuple(tuple(g) for g in geo.groups),
         )
         pages = geo.layer_pages
         tensors = [
-            TensorView(0, o, num_blocks, p, p)
-            for o, p in zip(tensor_offsets, pages, strict=True)
+            TensorView(0, o, num_blocks, p, p) for o, p in zip(tensor_offsets, pages, strict=True)
         ]
         refs, t = [], 0
         for g in geo.groups:
@@ -93,8 +100,13 @@ class InProcessCopier:
         if direction not in (STORE, LOAD):
             raise ValueError(f"unknown direction {direction}")
         plan = plan_job(
-            self.layout, self.rank, self.memory, shape.block_ids, shape.group_sizes,
-            shape.block_indices, self.slot_offsets(chunks, frame),
+            self.layout,
+            self.rank,
+            self.memory,
+            shape.block_ids,
+            shape.group_sizes,
+            shape.block_indices,
+            self.slot_offsets(chunks, frame),
         )
         t = time.monotonic()
         self.engine.copy(direction, self.regions, self.arena.address, plan)

@@ -15,7 +15,11 @@ class Progress:
     """Counts steps towards a known total and shows the current one."""
 
     def __init__(
-        self, total: int, *, enabled: bool = True, stream: TextIO | None = None,
+        self,
+        total: int,
+        *,
+        enabled: bool = True,
+        stream: TextIO | None = None,
         min_interval: float = 1.0,
     ) -> None:
         self.total = max(total, 1)

@@ -20,55 +20,74 @@ def check_targets(result: dict[str, Any]) -> list[dict[str, Any]]:
     if big:
         pairs = [(r[d]["ratio"], f"{d} {r['chunks']}") for r in big for d in ("store", "load")]
         worst, where = min(pairs)
-        out.append({
-            "name": "daemon / in-process, jobs of 16+ chunks, both directions",
-            "target": f">= {SIZE_RATIO_TARGET}", "measured": worst, "where": where,
-            "met": worst >= SIZE_RATIO_TARGET,
-        })
+        out.append(
+            {
+                "name": "daemon / in-process, jobs of 16+ chunks, both directions",
+                "target": f">= {SIZE_RATIO_TARGET}",
+                "measured": worst,
+                "where": where,
+                "met": worst >= SIZE_RATIO_TARGET,
+            }
+        )
     lat = result["latency"]
     if lat:
         # Per job means the fixed part: the smallest job (one key, one chunk of
         # pages). What grows with a job's keys and pages shows in the other rows
         # and in the ratio target; the worst of them is named beside it.
         smallest = min(r["chunks"] for r in lat)
-        row = max((r for r in lat if r["chunks"] == smallest),
-                  key=lambda r: r["overhead_ms"]["p50"])
+        row = max(
+            (r for r in lat if r["chunks"] == smallest), key=lambda r: r["overhead_ms"]["p50"]
+        )
         worst = max(lat, key=lambda r: r["overhead_ms"]["p50"])
         value = row["overhead_ms"]["p50"]
-        out.append({
-            "name": f"per-job overhead p50 (round trip - copy), {smallest}-chunk jobs",
-            "target": f"< {OVERHEAD_TARGET_MS} ms", "measured": value,
-            "where": f"{row['direction']}; largest: {worst['overhead_ms']['p50']:.3f} ms at "
-                     f"{worst['direction']} {worst['chunks']}",
-            "met": value < OVERHEAD_TARGET_MS,
-        })
+        out.append(
+            {
+                "name": f"per-job overhead p50 (round trip - copy), {smallest}-chunk jobs",
+                "target": f"< {OVERHEAD_TARGET_MS} ms",
+                "measured": value,
+                "where": f"{row['direction']}; largest: {worst['overhead_ms']['p50']:.3f} ms at "
+                f"{worst['direction']} {worst['chunks']}",
+                "met": value < OVERHEAD_TARGET_MS,
+            }
+        )
     rate, source = lookup_rate(result)
     if rate is not None:
-        out.append({
-            "name": "scheduler-side lookups", "target": f">= {LOOKUP_TARGET:.0f} keys/s",
-            "measured": rate, "where": source, "met": rate >= LOOKUP_TARGET,
-        })
+        out.append(
+            {
+                "name": "scheduler-side lookups",
+                "target": f">= {LOOKUP_TARGET:.0f} keys/s",
+                "measured": rate,
+                "where": source,
+                "met": rate >= LOOKUP_TARGET,
+            }
+        )
     ceiling = [r for r in result.get("control_ceiling", []) if r["chunks"] == 16]
     if ceiling:
         worst_row = min(ceiling, key=lambda r: r["equivalent_gbps"])
-        out.append({
-            "name": "control-plane ceiling, 16-chunk jobs, 2 engines x 4 in flight, copies off",
-            "target": f">= {CEILING_TARGET_GBPS} GB/s-equivalent",
-            "measured": worst_row["equivalent_gbps"],
-            "where": f"{worst_row['direction']}, {worst_row['jobs_per_s']:.0f} jobs/s of "
-                     f"{worst_row['job_bytes'] / (1 << 20):.0f} MiB",
-            "met": worst_row["equivalent_gbps"] >= CEILING_TARGET_GBPS,
-        })
+        out.append(
+            {
+                "name": "control-plane ceiling, 16-chunk jobs, 2 engines x 4 in flight, copies off",
+                "target": f">= {CEILING_TARGET_GBPS} GB/s-equivalent",
+                "measured": worst_row["equivalent_gbps"],
+                "where": f"{worst_row['direction']}, {worst_row['jobs_per_s']:.0f} jobs/s of "
+                f"{worst_row['job_bytes'] / (1 << 20):.0f} MiB",
+                "met": worst_row["equivalent_gbps"] >= CEILING_TARGET_GBPS,
+            }
+        )
     out += _limit_targets(result)
     agg = result["aggregate"]
     if agg:
         top = max(agg, key=lambda r: r["engines"])
         worst = min((top[d]["ratio"], d) for d in ("store", "load"))
-        out.append({
-            "name": f"{top['engines']} engines together / in-process aggregate",
-            "target": f">= {RATIO_TARGET}", "measured": worst[0], "where": worst[1],
-            "met": worst[0] >= RATIO_TARGET,
-        })
+        out.append(
+            {
+                "name": f"{top['engines']} engines together / in-process aggregate",
+                "target": f">= {RATIO_TARGET}",
+                "measured": worst[0],
+                "where": worst[1],
+                "met": worst[0] >= RATIO_TARGET,
+            }
+        )
     return out
 
 
@@ -77,8 +96,11 @@ def memory_fractions(result: dict[str, Any]) -> list[tuple[int, str, float, floa
     mm = (result.get("machine_limits") or {}).get("memmove") or {}
     if not mm.get("all_cores_gbps"):
         return []
-    return [(r["chunks"], d, r[d]["daemon_gbps"], r[d]["daemon_gbps"] / mm["all_cores_gbps"])
-            for r in result["throughput"] for d in ("store", "load")]
+    return [
+        (r["chunks"], d, r[d]["daemon_gbps"], r[d]["daemon_gbps"] / mm["all_cores_gbps"])
+        for r in result["throughput"]
+        for d in ("store", "load")
+    ]
 
 
 def _limit_targets(result: dict[str, Any]) -> list[dict[str, Any]]:
@@ -87,23 +109,29 @@ def _limit_targets(result: dict[str, Any]) -> list[dict[str, Any]]:
     fractions = memory_fractions(result)
     if fractions:
         biggest = max(c for c, *_ in fractions)
-        chunks, d, _, worst = min((f for f in fractions if f[0] == biggest),
-                                  key=lambda f: f[3])
-        out.append({
-            "name": f"daemon GB/s / all-core memmove, {chunks}-chunk jobs",
-            "target": f">= {MEMMOVE_FRACTION_TARGET}", "measured": worst, "where": d,
-            "met": worst >= MEMMOVE_FRACTION_TARGET,
-        })
+        chunks, d, _, worst = min((f for f in fractions if f[0] == biggest), key=lambda f: f[3])
+        out.append(
+            {
+                "name": f"daemon GB/s / all-core memmove, {chunks}-chunk jobs",
+                "target": f">= {MEMMOVE_FRACTION_TARGET}",
+                "measured": worst,
+                "where": d,
+                "met": worst >= MEMMOVE_FRACTION_TARGET,
+            }
+        )
     lim = result.get("machine_limits") or {}
     if "empty_job_over_echo" in lim:
         value = lim["empty_job_over_echo"]
-        out.append({
-            "name": "empty-job round trip p50 / bare gRPC echo p50",
-            "target": f"<= {FLOOR_RATIO_TARGET}", "measured": value,
-            "where": f"{result['latency_floor']['rtt_ms']['p50']:.3f} ms / "
-                     f"{lim['grpc_echo']['rtt_ms']['p50']:.3f} ms",
-            "met": value <= FLOOR_RATIO_TARGET,
-        })
+        out.append(
+            {
+                "name": "empty-job round trip p50 / bare gRPC echo p50",
+                "target": f"<= {FLOOR_RATIO_TARGET}",
+                "measured": value,
+                "where": f"{result['latency_floor']['rtt_ms']['p50']:.3f} ms / "
+                f"{lim['grpc_echo']['rtt_ms']['p50']:.3f} ms",
+                "met": value <= FLOOR_RATIO_TARGET,
+            }
+        )
     return out
 
 
@@ -209,8 +237,11 @@ def format_table(result: dict[str, Any]) -> str:
             )
     ceiling = result.get("control_ceiling") or []
     info = result.get("control_ceiling_info") or {}
-    lines += ["", "Control-plane ceiling: whole job path, copies off (CUDA descriptors "
-              "planned), 2 engines x 4 jobs in flight"]
+    lines += [
+        "",
+        "Control-plane ceiling: whole job path, copies off (CUDA descriptors "
+        "planned), 2 engines x 4 jobs in flight",
+    ]
     if ceiling:
         lines.append(" chunks  dir   |  jobs/s  GB/s-equiv | daemon CPU ms/job  engine CPU ms/job")
         for r in ceiling:
@@ -220,8 +251,9 @@ def format_table(result: dict[str, Any]) -> str:
                 f"{r['engine_cpu_ms_per_job']:17.3f}"
             )
         if info.get("skipped_chunks"):
-            lines.append(f" not run (pool too small for 8 jobs in flight): "
-                         f"{info['skipped_chunks']} chunks")
+            lines.append(
+                f" not run (pool too small for 8 jobs in flight): {info['skipped_chunks']} chunks"
+            )
     else:
         lines.append(f" {info.get('skipped') or info.get('error') or 'not measured'}")
     ctl = result.get("control") or {}
@@ -241,9 +273,14 @@ def format_table(result: dict[str, Any]) -> str:
     lines += ["", "Targets"]
     for t in result["targets"]:
         value = t["measured"]
-        shown = f"{value / 1e6:.2f} M keys/s" if "keys/s" in t["target"] else (
-            f"{value:.3f} ms" if "ms" in t["target"] else (
-                f"{value:.1f} GB/s" if "GB/s" in t["target"] else f"{value:.2f}")
+        shown = (
+            f"{value / 1e6:.2f} M keys/s"
+            if "keys/s" in t["target"]
+            else (
+                f"{value:.3f} ms"
+                if "ms" in t["target"]
+                else (f"{value:.1f} GB/s" if "GB/s" in t["target"] else f"{value:.2f}")
+            )
         )
         lines.append(
             f" [{'met' if t['met'] else 'MISSED'}] {t['name']}: {shown} ({t['where']}), "
@@ -261,15 +298,19 @@ def _connector_summary(conn: dict[str, Any]) -> str:
     parts = []
     lk = conn["lookup_us"]
     if "kvdepot" in lk:
-        parts.append(f"lookup {lk['kvdepot']:.3f} us/key ({1 / lk['kvdepot']:.2f} M keys/s)"
-                     + (f" vs vLLM CPU {lk['vllm_cpu']:.3f} us" if "vllm_cpu" in lk else ""))
+        parts.append(
+            f"lookup {lk['kvdepot']:.3f} us/key ({1 / lk['kvdepot']:.2f} M keys/s)"
+            + (f" vs vLLM CPU {lk['vllm_cpu']:.3f} us" if "vllm_cpu" in lk else "")
+        )
     pin = (conn.get("pin") or {}).get("16_keys")
     if pin:
         parts.append(f"pin of 16 keys p50 {pin['p50_ms']:.3f} ms p99 {pin['p99_ms']:.3f} ms")
     added = (conn.get("added_ms") or {}).get("kvdepot")
     if added:
-        parts.append(f"scheduler step +{added['decode_step']:.3f} ms (decode), "
-                     f"+{added['admission_step']:.3f} ms (admission)")
+        parts.append(
+            f"scheduler step +{added['decode_step']:.3f} ms (decode), "
+            f"+{added['admission_step']:.3f} ms (admission)"
+        )
     return "; ".join(parts) or "measured (see --json)"
 
 
@@ -299,10 +340,10 @@ def plot(result: dict[str, Any], path: str) -> None:
     sizes = [r["chunks"] for r in rows]
     ax = axes[0][0]
     for d, color in (("store", "tab:blue"), ("load", "tab:orange")):
-        ax.plot(sizes, [r[d]["daemon_gbps"] for r in rows], "o-", color=color,
-                label=f"{d}, daemon")
-        ax.plot(sizes, [r[d]["inproc_gbps"] for r in rows], "s--", color=color,
-                label=f"{d}, in-process")
+        ax.plot(sizes, [r[d]["daemon_gbps"] for r in rows], "o-", color=color, label=f"{d}, daemon")
+        ax.plot(
+            sizes, [r[d]["inproc_gbps"] for r in rows], "s--", color=color, label=f"{d}, in-process"
+        )
     ax.set_xscale("log", base=2)
     ax.set_xticks(sizes, [str(s) for s in sizes])
     ax.set_xlabel("chunks per job")
@@ -339,10 +380,10 @@ def plot(result: dict[str, Any], path: str) -> None:
     if agg:
         n = [r["engines"] for r in agg]
         for d, color in (("store", "tab:blue"), ("load", "tab:orange")):
-            ax.plot(n, [r[d]["daemon_gbps"] for r in agg], "o-", color=color,
-                    label=f"{d}, daemon")
-            ax.plot(n, [r[d]["inproc_gbps"] for r in agg], "s--", color=color,
-                    label=f"{d}, in-process")
+            ax.plot(n, [r[d]["daemon_gbps"] for r in agg], "o-", color=color, label=f"{d}, daemon")
+            ax.plot(
+                n, [r[d]["inproc_gbps"] for r in agg], "s--", color=color, label=f"{d}, in-process"
+            )
         ax.set_xticks(n)
         ax.set_xlabel("engine processes")
         ax.set_ylabel("aggregate GB/s")
@@ -352,7 +393,8 @@ def plot(result: dict[str, Any], path: str) -> None:
     fig.suptitle(
         f"kvdepot bench {result['version']}: {result['config']['geometry_text']}\n"
         f"{m['cpus']} CPU(s) {m['cpu_model']}, {m['accelerator']}, load average "
-        f"{m['loadavg_1min']['start']:.1f} at start", fontsize=10,
+        f"{m['loadavg_1min']['start']:.1f} at start",
+        fontsize=10,
     )
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -86,15 +86,32 @@ class ThroughputBench:
         return seq
 
     def _run(
-        self, workers: list[WorkerProc], mode: str, direction: str, chunks: int, jobs: int,
-        key_seq: int, key_sets: int, pattern: int, warmup: int | None = None,
+        self,
+        workers: list[WorkerProc],
+        mode: str,
+        direction: str,
+        chunks: int,
+        jobs: int,
+        key_seq: int,
+        key_sets: int,
+        pattern: int,
+        warmup: int | None = None,
     ) -> list[dict[str, Any]]:
         warm = self.plan.warmup if warmup is None else warmup
         replies = self.fleet.call(
             workers,
-            lambda w: {"cmd": "run", "mode": mode, "direction": direction, "chunks": chunks,
-                       "jobs": jobs, "warmup": warm, "key_seq": key_seq, "key_sets": key_sets,
-                       "pattern": pattern, "depth": self.plan.depth},
+            lambda w: {
+                "cmd": "run",
+                "mode": mode,
+                "direction": direction,
+                "chunks": chunks,
+                "jobs": jobs,
+                "warmup": warm,
+                "key_seq": key_seq,
+                "key_sets": key_sets,
+                "pattern": pattern,
+                "depth": self.plan.depth,
+            },
             synchronized=len(workers) > 1,
         )
         for w, r in zip(workers, replies, strict=True):
@@ -111,10 +128,12 @@ class ThroughputBench:
         workers = self.fleet.engine_workers(1)
         chunks = min(self.plan.sizes)
         seq = self._seq(chunks)
-        self.fleet.call(workers, lambda w: {"cmd": "verify_store", "key_seq": seq,
-                                             "chunks": chunks})
-        replies = self.fleet.call(workers, lambda w: {"cmd": "verify_load", "key_seq": seq,
-                                                       "chunks": chunks})
+        self.fleet.call(
+            workers, lambda w: {"cmd": "verify_store", "key_seq": seq, "chunks": chunks}
+        )
+        replies = self.fleet.call(
+            workers, lambda w: {"cmd": "verify_load", "key_seq": seq, "chunks": chunks}
+        )
         pages = sum(r["pages"] for r in replies)
         bad = sum(r["mismatched_pages"] for r in replies)
         if bad:
@@ -129,8 +148,10 @@ class ThroughputBench:
         """Round trip of a job with no pages: gRPC both ways, the client's threads and
         the daemon's job handling, no planning, no index, no copy thread."""
         self.progress.label("empty jobs")
-        (reply,) = self.fleet.call(self.fleet.workers[:1], lambda w: {
-            "cmd": "empty", "jobs": jobs, "warmup": max(self.plan.warmup, 5)})
+        (reply,) = self.fleet.call(
+            self.fleet.workers[:1],
+            lambda w: {"cmd": "empty", "jobs": jobs, "warmup": max(self.plan.warmup, 5)},
+        )
         row = latency_row(0, "empty", [(j[1] - j[0], j[3], j[4]) for j in reply["jobs"]])
         self.progress.step("empty jobs measured")
         return row
@@ -149,8 +170,9 @@ class ThroughputBench:
         sets = max(1, min(budget // job_bytes, frames, plan.jobs_for(chunks)))
         seq = self._seq(sets * chunks)
         self.progress.label(f"storing the load set ({sets} x {chunks} chunks)")
-        replies = self._run(workers, "daemon", "store", chunks, sets, seq, 0,
-                            self._patterns(sets), warmup=0)
+        replies = self._run(
+            workers, "daemon", "store", chunks, sets, seq, 0, self._patterns(sets), warmup=0
+        )
         dropped = sum(r["dropped"] for r in replies)
         if dropped:
             raise RuntimeError(
@@ -195,8 +217,9 @@ class ThroughputBench:
                     self.progress.label(f"{label}: {direction} {rep + 1}/{plan.reps}")
                     if direction == "store":
                         seq = self._seq((jobs + plan.warmup) * chunks)
-                    (reply,) = self._run(workers, "paired", direction, chunks, jobs, seq,
-                                         key_sets, pattern)
+                    (reply,) = self._run(
+                        workers, "paired", direction, chunks, jobs, seq, key_sets, pattern
+                    )
                     runs = {"daemon": [reply["jobs"]], "inproc": [reply["inproc_jobs"]]}
                     dropped += reply["dropped"]
                     for mode in MODES:
@@ -207,8 +230,9 @@ class ThroughputBench:
                         self.progress.label(f"{label}: {direction} {mode} {rep + 1}/{plan.reps}")
                         if direction == "store":
                             seq = self._seq((jobs + plan.warmup) * chunks)
-                        replies = self._run(workers, mode, direction, chunks, jobs, seq,
-                                            key_sets, pattern)
+                        replies = self._run(
+                            workers, mode, direction, chunks, jobs, seq, key_sets, pattern
+                        )
                         runs[mode] = [r["jobs"] for r in replies]
                         if mode == "daemon":
                             dropped += sum(r["dropped"] for r in replies)
@@ -249,10 +273,14 @@ class ThroughputBench:
         rows, lat_rows = [], []
         for chunks in self.plan.sizes:
             figures, samples = self._series(workers, 1, chunks, f"{chunks}-chunk jobs")
-            rows.append({
-                "chunks": chunks, "job_bytes": geo.job_bytes(chunks),
-                "runs_per_rank": geo.runs_per_job(chunks), **figures,
-            })
+            rows.append(
+                {
+                    "chunks": chunks,
+                    "job_bytes": geo.job_bytes(chunks),
+                    "runs_per_rank": geo.runs_per_job(chunks),
+                    **figures,
+                }
+            )
             for direction in DIRECTIONS:
                 lat_rows.append(latency_row(chunks, direction, samples[direction]))
         return rows, lat_rows
@@ -264,11 +292,16 @@ class ThroughputBench:
         for n in self.plan.engines:
             workers = self.fleet.engine_workers(n)
             figures, samples = self._series(workers, n, chunks, f"{n} engine(s)")
-            rows.append({
-                "engines": n, "processes": len(workers), "chunks": chunks,
-                "job_bytes": self.plan.geo.job_bytes(chunks), **figures,
-                "latency": {d: latency_row(chunks, d, samples[d]) for d in DIRECTIONS},
-            })
+            rows.append(
+                {
+                    "engines": n,
+                    "processes": len(workers),
+                    "chunks": chunks,
+                    "job_bytes": self.plan.geo.job_bytes(chunks),
+                    **figures,
+                    "latency": {d: latency_row(chunks, d, samples[d]) for d in DIRECTIONS},
+                }
+            )
         return rows
 
 
@@ -294,7 +327,9 @@ def latency_row(
     in_daemon = [(s[2] - s[1]) * ms for s in samples]
     wire = [(s[0] - s[2]) * ms for s in samples]
     return {
-        "chunks": chunks, "direction": direction, "samples": len(samples),
+        "chunks": chunks,
+        "direction": direction,
+        "samples": len(samples),
         "rtt_ms": {"p50": percentile(rtt, 50), "p99": percentile(rtt, 99)},
         "copy_ms": {"p50": percentile(copy, 50), "p99": percentile(copy, 99)},
         "overhead_ms": {"p50": percentile(overhead, 50), "p99": percentile(overhead, 99)},

@@ -87,21 +87,31 @@ class Worker:
             self.registration_id = reg.registration_id
             self.stream = client.transfer_stream()
         self.copier.wait_warm()
-        return {"kv_bytes": size, "arena_bytes": self.copier.arena.size,
-                "registration_id": self.registration_id}
+        return {
+            "kv_bytes": size,
+            "arena_bytes": self.copier.arena.size,
+            "registration_id": self.registration_id,
+        }
 
     def _shapes(self, cmd: dict[str, Any]) -> list[tuple[JobShape, int]]:
         """Every job of a run, built before the clock starts: (shape, key set)."""
         assert self.geo is not None
         chunks, total = int(cmd["chunks"]), int(cmd["warmup"]) + int(cmd["jobs"])
-        key_sets, seq0, pattern0 = int(cmd.get("key_sets", 0)), int(cmd["key_seq"]), int(
-            cmd["pattern"]
+        key_sets, seq0, pattern0 = (
+            int(cmd.get("key_sets", 0)),
+            int(cmd["key_seq"]),
+            int(cmd["pattern"]),
         )
         out = []
         for j in range(total):
             s = j % key_sets if key_sets else j  # loads cycle over stored sets; stores are fresh
             shape = job_shape(
-                self.geo, self.num_blocks, self.salt, self.engine, seq0 + s * chunks, chunks,
+                self.geo,
+                self.num_blocks,
+                self.salt,
+                self.engine,
+                seq0 + s * chunks,
+                chunks,
                 pattern0 + j,
             )
             out.append((shape, s))
@@ -149,8 +159,13 @@ class Worker:
                     jobs, f, d, e = self._run_daemon(direction, [item], 1)
                     daemon += jobs
                     failed, dropped, error = failed + f, dropped + d, error or e
-        return {"jobs": daemon[warmup:], "inproc_jobs": inproc[warmup:], "failed": failed,
-                "dropped": dropped, "error": error}
+        return {
+            "jobs": daemon[warmup:],
+            "inproc_jobs": inproc[warmup:],
+            "failed": failed,
+            "dropped": dropped,
+            "error": error,
+        }
 
     def _run_inproc(
         self, direction: int, shapes: list[tuple[JobShape, int]], chunks: int
@@ -182,8 +197,12 @@ class Worker:
                 job_id = self.next_job
                 self.next_job += 1
                 msg = pb.TransferJob(
-                    job_id=job_id, direction=direction, registration_id=self.registration_id,
-                    keys=shape.keys, block_ids=shape.block_ids, group_sizes=shape.group_sizes,
+                    job_id=job_id,
+                    direction=direction,
+                    registration_id=self.registration_id,
+                    keys=shape.keys,
+                    block_ids=shape.block_ids,
+                    group_sizes=shape.group_sizes,
                     block_indices=shape.block_indices,
                 )
                 pending[job_id] = time.monotonic()
@@ -212,7 +231,7 @@ class Worker:
         )
         if failed:
             raise RuntimeError(f"empty jobs failed: {error}")
-        return {"jobs": jobs[int(cmd["warmup"]):]}
+        return {"jobs": jobs[int(cmd["warmup"]) :]}
 
     def verify_store(self, cmd: dict[str, Any]) -> dict[str, Any]:
         """Fills one job's source pages with random bytes and stores them."""
@@ -230,8 +249,12 @@ class Worker:
         shape = self._verify_shape(cmd, pattern=-2)
         if set(shape.block_ids) & set(store_shape.block_ids):
             # The check proves nothing if the load lands where the bytes already are.
-            shape = JobShape(shape.keys, [(b + 1) % self.num_blocks for b in store_shape.block_ids],
-                             shape.group_sizes, shape.block_indices)
+            shape = JobShape(
+                shape.keys,
+                [(b + 1) % self.num_blocks for b in store_shape.block_ids],
+                shape.group_sizes,
+                shape.block_indices,
+            )
         self._fill(shape, random_bytes=False)
         _, failed, _, error = self._run_daemon(pb.LOAD, [(shape, 0)], 1)
         if failed:
@@ -244,8 +267,15 @@ class Worker:
 
     def _verify_shape(self, cmd: dict[str, Any], pattern: int) -> JobShape:
         assert self.geo is not None
-        return job_shape(self.geo, self.num_blocks, self.salt, self.engine, int(cmd["key_seq"]),
-                         int(cmd["chunks"]), pattern)
+        return job_shape(
+            self.geo,
+            self.num_blocks,
+            self.salt,
+            self.engine,
+            int(cmd["key_seq"]),
+            int(cmd["chunks"]),
+            pattern,
+        )
 
     def _page_spans(self, shape: JobShape) -> list[tuple[int, int]]:
         """(offset, size) in the memfd of every page of a job, in job order."""
@@ -287,7 +317,9 @@ def main() -> int:
     sys.stdout = sys.stderr
     worker = Worker()
     handlers = {
-        "setup": worker.setup, "run": worker.run, "empty": worker.empty,
+        "setup": worker.setup,
+        "run": worker.run,
+        "empty": worker.empty,
         "verify_store": worker.verify_store,
         "verify_load": worker.verify_load,
     }

@@ -162,7 +162,9 @@ class CudaKVExport:
 
 
 def export_kv_tensors(
-    kv_tensors: Sequence[torch.Tensor], *, with_event: bool = True,
+    kv_tensors: Sequence[torch.Tensor],
+    *,
+    with_event: bool = True,
     env: dict[str, str] | None = None,
 ) -> CudaKVExport:
     """Exports CUDA KV tensors (vLLM's canonical int8 (num_blocks, page_bytes) views).
@@ -197,9 +199,11 @@ def export_kv_tensors(
             size = drv.pointer_attribute(p.ptr, cuda_driver.CU_POINTER_ATTRIBUTE_RANGE_SIZE)
             allocations.append((base, size))
             if base not in capable:
-                capable[base] = bool(drv.pointer_attribute(
-                    base, cuda_driver.CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE
-                ))
+                capable[base] = bool(
+                    drv.pointer_attribute(
+                        base, cuda_driver.CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE
+                    )
+                )
         if not all(capable.values()):
             raise UnexportableMemory(unexportable_message(env, where=f"on {device}"))
         ordinal = drv.pointer_attribute(
@@ -215,13 +219,25 @@ def export_kv_tensors(
         regions = []
         for base, offset, size in spans:
             spec = validate(drv.ipc_get_mem_handle(base), uuid, offset, size, event_handle or b"")
-            regions.append(depot_pb2.MemoryRegion(cuda_ipc=depot_pb2.CudaIpcHandle(
-                ipc_handle=spec.mem_handle, device_uuid=uuid, offset=offset, size=size,
-                event_handle=event_handle or b"",
-            )))
+            regions.append(
+                depot_pb2.MemoryRegion(
+                    cuda_ipc=depot_pb2.CudaIpcHandle(
+                        ipc_handle=spec.mem_handle,
+                        device_uuid=uuid,
+                        offset=offset,
+                        size=size,
+                        event_handle=event_handle or b"",
+                    )
+                )
+            )
     return CudaKVExport(
-        regions=regions, tensors=tensors, device=device, device_uuid=uuid, event=event,
-        registered_bytes=sum(s for _, _, s in spans), _keep=list(kv_tensors),
+        regions=regions,
+        tensors=tensors,
+        device=device,
+        device_uuid=uuid,
+        event=event,
+        registered_bytes=sum(s for _, _, s in spans),
+        _keep=list(kv_tensors),
     )
 
 
@@ -240,8 +256,12 @@ def register_cuda_kv(
     """
     return client.stub.RegisterKV(
         depot_pb2.RegisterKVRequest(
-            session_id=client.session_id, namespace=layout, rank=rank, regions=export.regions,
-            tensors=export.tensors, groups=groups,
+            session_id=client.session_id,
+            namespace=layout,
+            rank=rank,
+            regions=export.regions,
+            tensors=export.tensors,
+            groups=groups,
         ),
         timeout=timeout,
     )

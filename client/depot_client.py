@@ -114,7 +114,8 @@ class DepotClient:
             if call is not None and self.connected and silent > self.keepalive_timeout:
                 log.warning(
                     "the kvdepot daemon at %s sent nothing for %.1f s; dropping the session",
-                    self.target, silent,
+                    self.target,
+                    silent,
                 )
                 call.cancel()
 
@@ -168,8 +169,11 @@ class DepotClient:
                         self._connected.set()
                         delay = self._backoff[0]
                         if previous is not None and previous != event.hello.boot_id:
-                            log.warning("kvdepot daemon restarted (boot id %s -> %s)",
-                                        previous, event.hello.boot_id)
+                            log.warning(
+                                "kvdepot daemon restarted (boot id %s -> %s)",
+                                previous,
+                                event.hello.boot_id,
+                            )
                         log.info("kvdepot session %s open", event.hello.session_id)
                         for fn in list(self._listeners):
                             self._call_listener(fn, event.hello.boot_id)
@@ -234,8 +238,12 @@ class DepotClient:
             )
         return self.stub.RegisterKV(
             depot_pb2.RegisterKVRequest(
-                session_id=session_id, namespace=layout, rank=rank, regions=regions,
-                tensors=tensors, groups=groups,
+                session_id=session_id,
+                namespace=layout,
+                rank=rank,
+                regions=regions,
+                tensors=tensors,
+                groups=groups,
             ),
             timeout=timeout,
         )
@@ -252,8 +260,9 @@ class DepotClient:
         self, namespace_id: str, keys: Sequence[bytes], timeout: float = DEFAULT_TIMEOUT
     ) -> list[bool]:
         resp = self.stub.Lookup(
-            depot_pb2.LookupRequest(session_id=self.session_id, namespace_id=namespace_id,
-                                    keys=keys),
+            depot_pb2.LookupRequest(
+                session_id=self.session_id, namespace_id=namespace_id, keys=keys
+            ),
             timeout=timeout,
         )
         return list(resp.ready)
@@ -268,7 +277,10 @@ class DepotClient:
         return list(resp.pinned)
 
     def unpin(
-        self, namespace_id: str, keys: Sequence[bytes], timeout: float = DEFAULT_TIMEOUT,
+        self,
+        namespace_id: str,
+        keys: Sequence[bytes],
+        timeout: float = DEFAULT_TIMEOUT,
         wait: bool = False,
     ) -> None:
         """Drops one pin per key. With wait=False it does not block (fire and forget);
@@ -285,12 +297,17 @@ class DepotClient:
             self.stub.Unpin.future(req, timeout=timeout)
 
     def put(
-        self, namespace_id: str, key: bytes, rank: int, data: bytes,
+        self,
+        namespace_id: str,
+        key: bytes,
+        rank: int,
+        data: bytes,
         timeout: float = DEFAULT_TIMEOUT,
     ) -> depot_pb2.PutResponse:
         return self.stub.Put(
-            depot_pb2.PutRequest(session_id=self.session_id, namespace_id=namespace_id, key=key,
-                                 rank=rank, data=data),
+            depot_pb2.PutRequest(
+                session_id=self.session_id, namespace_id=namespace_id, key=key, rank=rank, data=data
+            ),
             timeout=timeout,
         )
 
@@ -298,17 +315,16 @@ class DepotClient:
         self, namespace_id: str, key: bytes, rank: int, timeout: float = DEFAULT_TIMEOUT
     ) -> bytes:
         resp = self.stub.Get(
-            depot_pb2.GetRequest(session_id=self.session_id, namespace_id=namespace_id, key=key,
-                                 rank=rank),
+            depot_pb2.GetRequest(
+                session_id=self.session_id, namespace_id=namespace_id, key=key, rank=rank
+            ),
             timeout=timeout,
         )
         return resp.data
 
     # -- streams ---------------------------------------------------------------------
 
-    def watch(
-        self, namespace_id: str, on_event: Callable[[depot_pb2.WatchEvent], None]
-    ) -> Watch:
+    def watch(self, namespace_id: str, on_event: Callable[[depot_pb2.WatchEvent], None]) -> Watch:
         """Follows the namespace's ready keys; see `Watch`."""
         return Watch(self, namespace_id, on_event).start()
 
@@ -326,7 +342,9 @@ class Watch:
     """
 
     def __init__(
-        self, client: DepotClient, namespace_id: str,
+        self,
+        client: DepotClient,
+        namespace_id: str,
         on_event: Callable[[depot_pb2.WatchEvent], None],
     ) -> None:
         self.client = client
@@ -407,7 +425,9 @@ class TransferStream:
         return q
 
     def _read(
-        self, call: Iterable[depot_pb2.TransferResult], q: queue.SimpleQueue[object],
+        self,
+        call: Iterable[depot_pb2.TransferResult],
+        q: queue.SimpleQueue[object],
         generation: int,
     ) -> None:
         error = "the Transfer stream ended"

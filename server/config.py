@@ -255,8 +255,7 @@ class ServeConfig:
         256,
         parse=_whole_number(1),
         metavar="N",
-        help="open sessions (engine processes) at most; more are refused with "
-        "RESOURCE_EXHAUSTED",
+        help="open sessions (engine processes) at most; more are refused with RESOURCE_EXHAUSTED",
     )
     max_registrations_per_session: int = setting(
         "--max-registrations-per-session",
@@ -346,8 +345,7 @@ class ServeConfig:
         "ready",
         parse=_one_of("ready", "evict"),
         metavar="{ready,evict}",
-        help="write a row to the remote tier when it becomes ready, or only when LRU "
-        "evicts it",
+        help="write a row to the remote tier when it becomes ready, or only when LRU evicts it",
     )
     remote_max_inflight_bytes: int = setting(
         "--remote-max-inflight-bytes",
@@ -361,8 +359,7 @@ class ServeConfig:
     remote_password_file: str | None = setting(
         "--remote-password-file",
         metavar="PATH",
-        help="file whose first line is the remote tier's password (KVDEPOT_REMOTE_PASSWORD "
-        "wins)",
+        help="file whose first line is the remote tier's password (KVDEPOT_REMOTE_PASSWORD wins)",
     )
     remote_ca_file: str | None = setting(
         "--remote-ca-file",

@@ -147,8 +147,14 @@ class Daemon:
         log.info(
             "kvdepot %s starting: pool %s in %s, boot id %s; open files up to %d (%d kept "
             "free), at most %d sessions of %d registrations",
-            kvdepot.__version__, format_size(st.arena.size), st.arena.backing, st.boot_id,
-            nofile, cfg.fd_reserve, cfg.max_sessions, cfg.max_registrations_per_session,
+            kvdepot.__version__,
+            format_size(st.arena.size),
+            st.arena.backing,
+            st.boot_id,
+            nofile,
+            cfg.fd_reserve,
+            cfg.max_sessions,
+            cfg.max_registrations_per_session,
         )
         # Memory paths beyond shared memory; each logs whether it is on, and why.
         enable_cuda(st, st.arena)  # before the warm-up: it page-locks each warm chunk
@@ -191,8 +197,9 @@ class Daemon:
             os.umask(old_umask)
         if cfg.listen:
             server.add_insecure_port(cfg.listen)
-            log.warning("also listening on TCP %s: anyone who reaches it can use the pool",
-                        cfg.listen)
+            log.warning(
+                "also listening on TCP %s: anyone who reaches it can use the pool", cfg.listen
+            )
         # grpcio's health servicer starts with "" SERVING: not before we are.
         await self.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
         await server.start()
@@ -208,13 +215,15 @@ class Daemon:
 
                 metrics.registry.register(RemoteCollector(remote))
             metrics.serve(cfg.metrics_port, cfg.metrics_addr)
-            log.info("Prometheus metrics on http://%s:%d/metrics", cfg.metrics_addr,
-                     cfg.metrics_port)
+            log.info(
+                "Prometheus metrics on http://%s:%d/metrics", cfg.metrics_addr, cfg.metrics_port
+            )
         # SERVING only once everything (fd socket, metrics) is up.
         for name in ("", *SERVICES):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        log.info("serving on unix:%s (fd socket %s, mode %o)", cfg.socket, cfg.fd_socket,
-                 cfg.socket_mode)
+        log.info(
+            "serving on unix:%s (fd socket %s, mode %o)", cfg.socket, cfg.fd_socket, cfg.socket_mode
+        )
         self.notifier.ready()
         self._ready = True
         self.notifier.status(f"serving; pool warm-up {self._warmup_percent(st)}%")
@@ -241,9 +250,12 @@ class Daemon:
                 f"--remote needs redis-py ({exc}): pip install 'kvdepot[remote]'"
             ) from None
         settings = RemoteSettings(
-            url=cfg.remote, ttl_s=cfg.remote_ttl or None, write_mode=cfg.remote_write,
+            url=cfg.remote,
+            ttl_s=cfg.remote_ttl or None,
+            write_mode=cfg.remote_write,
             max_inflight_bytes=cfg.remote_max_inflight_bytes,
-            password_file=cfg.remote_password_file, ca_file=cfg.remote_ca_file,
+            password_file=cfg.remote_password_file,
+            ca_file=cfg.remote_ca_file,
         )
         try:
             link = RemoteLink.from_settings(settings, st.index, st.arena, st.copy_queue)
@@ -267,8 +279,9 @@ class Daemon:
             pct = int(100 * done / total)
             if pct // 10 != last[0] // 10 or done == total:
                 last[0] = pct
-                log.info("pool warm-up: %s of %s (%d%%)", format_size(done), format_size(total),
-                         pct)
+                log.info(
+                    "pool warm-up: %s of %s (%d%%)", format_size(done), format_size(total), pct
+                )
                 phase = "serving" if self._ready else "starting"
                 self.notifier.status(f"{phase}; pool warm-up {pct}%")
 

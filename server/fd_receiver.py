@@ -154,7 +154,9 @@ class FdReceiver:
                 self._refuse(conn, refusal)
                 continue
             threading.Thread(
-                target=self._serve_one, args=(conn, peer_pid), name="kvdepot-fd-conn",
+                target=self._serve_one,
+                args=(conn, peer_pid),
+                name="kvdepot-fd-conn",
                 daemon=True,
             ).start()
 
@@ -219,8 +221,11 @@ class FdReceiver:
             late = isinstance(exc, TimeoutError) or str(exc).startswith("connection closed")
             reply = {
                 "error": f"bad fd message: {exc}"
-                + (f" (a whole message must arrive within {self.message_deadline:.0f} s)"
-                   if late else "")
+                + (
+                    f" (a whole message must arrive within {self.message_deadline:.0f} s)"
+                    if late
+                    else ""
+                )
             }
         finally:
             for fd in fds:

@@ -107,8 +107,11 @@ class _StateCollector(Collector):
             return CounterMetricFamily(f"kvdepot_{name}", doc, value=_number(value))
 
         def by_label(
-            kind: type[CounterMetricFamily] | type[GaugeMetricFamily], name: str, doc: str,
-            label: str, values: Mapping[str, object],
+            kind: type[CounterMetricFamily] | type[GaugeMetricFamily],
+            name: str,
+            doc: str,
+            label: str,
+            values: Mapping[str, object],
         ) -> CounterMetricFamily | GaugeMetricFamily:
             family = kind(f"kvdepot_{name}", doc, labels=[label])
             for value_label, value in values.items():
@@ -116,9 +119,11 @@ class _StateCollector(Collector):
             return family
 
         yield InfoMetricFamily(
-            "kvdepot_build", "The daemon's version, boot id and pool backing.",
+            "kvdepot_build",
+            "The daemon's version, boot id and pool backing.",
             value={
-                "version": str(s["version"]), "boot_id": str(s["boot_id"]),
+                "version": str(s["version"]),
+                "boot_id": str(s["boot_id"]),
                 "pool_backing": str(s["pool_backing"]),
             },
         )
@@ -132,54 +137,85 @@ class _StateCollector(Collector):
             s["largest_free_extent_bytes"],
         )
         yield gauge(
-            "pool_warmup_done_bytes", "Pool bytes pre-faulted (and page-locked) so far.",
+            "pool_warmup_done_bytes",
+            "Pool bytes pre-faulted (and page-locked) so far.",
             s["warmup_done_bytes"],
         )
         yield gauge(
-            "pool_warmup_complete", "1 once the whole pool is pre-faulted.",
+            "pool_warmup_complete",
+            "1 once the whole pool is pre-faulted.",
             bool(s["warmup_complete"]),
         )
         yield by_label(
-            GaugeMetricFamily, "blocks",
+            GaugeMetricFamily,
+            "blocks",
             "Blocks by state: ready (readable), writing (reserved, not all ranks written), "
             "freeing (dropped, waiting for a copy in flight).",
             "state",
-            {"ready": s["ready_blocks"], "writing": s["writing_blocks"],
-             "freeing": snap.doomed_blocks},
+            {
+                "ready": s["ready_blocks"],
+                "writing": s["writing_blocks"],
+                "freeing": snap.doomed_blocks,
+            },
         )
-        yield gauge("pinned_blocks", "Ready blocks pinned by an engine (a subset of ready).",
-                    s["pinned_blocks"])
+        yield gauge(
+            "pinned_blocks",
+            "Ready blocks pinned by an engine (a subset of ready).",
+            s["pinned_blocks"],
+        )
         yield gauge("engines", "Open engine sessions.", s["sessions"])
-        yield gauge("registrations", "KV memory registrations (one per engine rank).",
-                    s["registrations"])
+        yield gauge(
+            "registrations", "KV memory registrations (one per engine rank).", s["registrations"]
+        )
         yield gauge("namespaces", "Namespaces (model and layout).", s["namespaces"])
-        yield gauge("inflight_jobs", "Transfer jobs being validated or copied.",
-                    s["inflight_jobs"])
+        yield gauge("inflight_jobs", "Transfer jobs being validated or copied.", s["inflight_jobs"])
 
         yield counter("lookups", "Keys looked up (Lookup RPC).", s["lookups"])
         yield counter("lookup_hits", "Keys looked up and found ready.", s["hits"])
         yield counter("lookup_misses", "Keys looked up and not ready.", s["misses"])
-        yield counter("pin_keys", "Keys named in Pin calls (the vLLM connector's lookups).",
-                      s["pin_keys"])
-        yield counter("pinned_keys", "Keys pinned: named in a Pin call and ready.",
-                      s["pinned_keys"])
-        yield by_label(CounterMetricFamily, "transfer_blocks",
-                       "Blocks (one key's section of a rank) written by successful store jobs "
-                       "and read by successful load jobs, inline Put/Get included.",
-                       "direction", {"store": s["stored_blocks"], "load": s["loaded_blocks"]})
-        yield by_label(CounterMetricFamily, "evictions",
-                       "Blocks evicted: lru (room for a store), admin (Evict), clear (Clear).",
-                       "reason", snap.evictions)
-        yield by_label(CounterMetricFamily, "dropped_stores",
-                       "Key stores dropped: pool_full (every block pinned or in flight), "
-                       "row_too_large (a block row larger than the pool).",
-                       "reason", snap.dropped_stores)
-        yield by_label(CounterMetricFamily, "aborted_writes",
-                       "Block rows dropped before they became ready.", "reason",
-                       snap.aborted_writes)
-        yield by_label(CounterMetricFamily, "failed_transfers",
-                       "Transfer jobs that failed (the engine recomputes).", "direction",
-                       snap.failed_jobs)
+        yield counter(
+            "pin_keys", "Keys named in Pin calls (the vLLM connector's lookups).", s["pin_keys"]
+        )
+        yield counter(
+            "pinned_keys", "Keys pinned: named in a Pin call and ready.", s["pinned_keys"]
+        )
+        yield by_label(
+            CounterMetricFamily,
+            "transfer_blocks",
+            "Blocks (one key's section of a rank) written by successful store jobs "
+            "and read by successful load jobs, inline Put/Get included.",
+            "direction",
+            {"store": s["stored_blocks"], "load": s["loaded_blocks"]},
+        )
+        yield by_label(
+            CounterMetricFamily,
+            "evictions",
+            "Blocks evicted: lru (room for a store), admin (Evict), clear (Clear).",
+            "reason",
+            snap.evictions,
+        )
+        yield by_label(
+            CounterMetricFamily,
+            "dropped_stores",
+            "Key stores dropped: pool_full (every block pinned or in flight), "
+            "row_too_large (a block row larger than the pool).",
+            "reason",
+            snap.dropped_stores,
+        )
+        yield by_label(
+            CounterMetricFamily,
+            "aborted_writes",
+            "Block rows dropped before they became ready.",
+            "reason",
+            snap.aborted_writes,
+        )
+        yield by_label(
+            CounterMetricFamily,
+            "failed_transfers",
+            "Transfer jobs that failed (the engine recomputes).",
+            "direction",
+            snap.failed_jobs,
+        )
 
 
 def _number(value: object) -> float:
@@ -219,12 +255,16 @@ class Metrics:
         self.transfer_bytes = Histogram(
             "kvdepot_transfer_size_bytes",
             "Bytes per successful transfer (a job, or one inline Put/Get), by direction.",
-            ["direction"], buckets=SIZE_BUCKETS, registry=self.registry,
+            ["direction"],
+            buckets=SIZE_BUCKETS,
+            registry=self.registry,
         )
         self.transfer_seconds = Histogram(
             "kvdepot_transfer_copy_seconds",
             "Copy seconds per successful transfer (a job, or one inline Put/Get), by direction.",
-            ["direction"], buckets=SECONDS_BUCKETS, registry=self.registry,
+            ["direction"],
+            buckets=SECONDS_BUCKETS,
+            registry=self.registry,
         )
         for direction in DIRECTIONS:  # series exist (at 0) before the first transfer
             self.transfer_bytes.labels(direction)

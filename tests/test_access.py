@@ -38,7 +38,9 @@ def serve_refused(socket_path: str, *args: str) -> str:
     """Runs `kvdepot serve` expecting it to refuse (exit 2); returns its output."""
     proc = subprocess.run(
         [*kvdepot_command(), "serve", "--socket", socket_path, "--pool-size", "8MiB", *args],
-        capture_output=True, text=True, timeout=30,
+        capture_output=True,
+        text=True,
+        timeout=30,
     )
     assert proc.returncode == 2, (proc.returncode, proc.stdout, proc.stderr)
     return proc.stdout + proc.stderr
@@ -46,7 +48,7 @@ def serve_refused(socket_path: str, *args: str) -> str:
 
 def tcp_listeners(pid: int) -> list[int]:
     """Local ports on which `pid` has a TCP socket in LISTEN state."""
-    inodes = {t[len("socket:["):-1] for t in fd_targets(pid) if t.startswith("socket:[")}
+    inodes = {t[len("socket:[") : -1] for t in fd_targets(pid) if t.startswith("socket:[")}
     ports = []
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         try:
@@ -83,14 +85,18 @@ def test_socket_mode_and_group_are_honoured(daemon_factory: DaemonFactory) -> No
     d = daemon_factory("--pool-size", "8MiB", "--socket-mode", "600")
     for path in (d.socket_path, d.socket_path + ".fd"):
         assert mode_of(path) == 0o600
-    d2 = daemon_factory("--pool-size", "8MiB", "--socket-group", OTHER_GROUP,
-                        "--socket-mode", "640")
+    d2 = daemon_factory(
+        "--pool-size", "8MiB", "--socket-group", OTHER_GROUP, "--socket-mode", "640"
+    )
     for path in (d2.socket_path, d2.socket_path + ".fd"):
         assert os.stat(path).st_gid == gid
         assert mode_of(path) == 0o640
     # The environment fallbacks do the same.
-    d3 = daemon_factory("--pool-size", "8MiB",
-                        env={"KVDEPOT_SOCKET_MODE": "600", "KVDEPOT_SOCKET_GROUP": OTHER_GROUP})
+    d3 = daemon_factory(
+        "--pool-size",
+        "8MiB",
+        env={"KVDEPOT_SOCKET_MODE": "600", "KVDEPOT_SOCKET_GROUP": OTHER_GROUP},
+    )
     assert mode_of(d3.socket_path) == 0o600 and os.stat(d3.socket_path).st_gid == gid
 
 

@@ -29,9 +29,21 @@ def quick_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any],
     out = tmp_path_factory.mktemp("bench")
     png = out / "bench.png"
     proc = subprocess.run(
-        [sys.executable, "-m", "kvdepot.server.cli", "bench", "--quick", "--json", "--quiet",
-         "--no-connector", "--plot", str(png)],
-        capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "kvdepot.server.cli",
+            "bench",
+            "--quick",
+            "--json",
+            "--quiet",
+            "--no-connector",
+            "--plot",
+            str(png),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode == 0, f"bench failed ({proc.returncode}):\n{proc.stderr[-4000:]}"
     return json.loads(proc.stdout), png
@@ -57,9 +69,25 @@ def _percentiles(p: dict[str, float]) -> bool:
 
 def test_every_section_is_there(quick_run: tuple[dict[str, Any], Path]) -> None:
     result, _ = quick_run
-    for key in ("version", "command", "machine", "config", "verified", "throughput", "latency",
-                "latency_floor", "aggregate", "control", "connector", "gpu", "targets",
-                "elapsed_s", "machine_limits", "control_ceiling", "control_ceiling_info"):
+    for key in (
+        "version",
+        "command",
+        "machine",
+        "config",
+        "verified",
+        "throughput",
+        "latency",
+        "latency_floor",
+        "aggregate",
+        "control",
+        "connector",
+        "gpu",
+        "targets",
+        "elapsed_s",
+        "machine_limits",
+        "control_ceiling",
+        "control_ceiling_info",
+    ):
         assert key in result, key
     assert result["version"] == kvdepot.__version__
     assert result["command"].startswith("kvdepot bench --quick")
@@ -104,8 +132,9 @@ def test_throughput_pairs_daemon_with_in_process(quick_run: tuple[dict[str, Any]
             assert len(f["ratio_reps"]) == reps
             # Each repetition's ratio is that repetition's daemon over in-process GB/s;
             # the headline figures are the medians.
-            for daemon, inproc, ratio in zip(f["daemon_reps_gbps"], f["inproc_reps_gbps"],
-                                             f["ratio_reps"], strict=True):
+            for daemon, inproc, ratio in zip(
+                f["daemon_reps_gbps"], f["inproc_reps_gbps"], f["ratio_reps"], strict=True
+            ):
                 assert _ratio(ratio) and ratio == pytest.approx(daemon / inproc), where
             assert f["ratio"] == pytest.approx(median(f["ratio_reps"]))
             assert f["daemon_gbps"] == pytest.approx(median(f["daemon_reps_gbps"]))
@@ -120,8 +149,11 @@ def test_latency_splits_round_trip_into_copy_and_overhead(
 ) -> None:
     result, _ = quick_run
     reps = result["config"]["reps"]
-    jobs = {(r["chunks"], d): r[d]["jobs_per_rep"] for r in result["throughput"]
-            for d in ("store", "load")}
+    jobs = {
+        (r["chunks"], d): r[d]["jobs_per_rep"]
+        for r in result["throughput"]
+        for d in ("store", "load")
+    }
     rows = result["latency"]
     assert sorted((r["chunks"], r["direction"]) for r in rows) == sorted(jobs)
     for r in rows:
@@ -177,8 +209,11 @@ def test_control_plane_and_targets(quick_run: tuple[dict[str, Any], Path]) -> No
         assert m, t["target"]
         bound = float(m.group(2))
         assert _positive(t["measured"]) and t["where"], t
-        met = {">=": t["measured"] >= bound, "<=": t["measured"] <= bound,
-               "<": t["measured"] < bound}[m.group(1)]
+        met = {
+            ">=": t["measured"] >= bound,
+            "<=": t["measured"] <= bound,
+            "<": t["measured"] < bound,
+        }[m.group(1)]
         assert t["met"] is met, t
 
 
@@ -216,7 +251,8 @@ def test_machine_limits_are_measured_in_the_same_run(
     assert echo["message_bytes"] == 200 and echo["messages"] > 0
     assert _positive(echo["rtt_ms"]["p50"]) and _percentiles(echo["rtt_ms"])
     assert lim["empty_job_over_echo"] == pytest.approx(
-        result["latency_floor"]["rtt_ms"]["p50"] / echo["rtt_ms"]["p50"])
+        result["latency_floor"]["rtt_ms"]["p50"] / echo["rtt_ms"]["p50"]
+    )
 
 
 def test_plot_is_a_png(quick_run: tuple[dict[str, Any], Path]) -> None:
@@ -256,9 +292,7 @@ def test_an_optional_section_says_why_it_did_not_run() -> None:
     # No CUDA on the test machines: the GPU section is a reason, not an error.
     if optional.need_cuda() is None:
         pytest.skip("this machine has CUDA")
-    assert optional.gpu_section(quick=True, sizes=[1], reps=1) == {
-        "skipped": optional.need_cuda()
-    }
+    assert optional.gpu_section(quick=True, sizes=[1], reps=1) == {"skipped": optional.need_cuda()}
 
 
 def test_an_error_inside_a_section_is_reported_not_raised() -> None:

@@ -53,11 +53,17 @@ def test_abort_fails_jobs_in_flight_and_the_stream_reopens(daemon) -> None:
     keys, blocks, idx = chunk_plan(geo, range(0, 4))
     os.kill(daemon.proc.pid, signal.SIGSTOP)
     try:
-        eng.stream.submit(pb.TransferJob(
-            job_id=100, direction=pb.STORE, registration_id=eng.registration.registration_id,
-            keys=keys, block_ids=[b for bl in blocks for b in bl],
-            group_sizes=[len(b) for b in blocks], block_indices=idx,
-        ))
+        eng.stream.submit(
+            pb.TransferJob(
+                job_id=100,
+                direction=pb.STORE,
+                registration_id=eng.registration.registration_id,
+                keys=keys,
+                block_ids=[b for bl in blocks for b in bl],
+                group_sizes=[len(b) for b in blocks],
+                block_indices=idx,
+            )
+        )
         assert not eng.stream.wait({100}, timeout=0.3)  # frozen: no answer
         t = time.monotonic()
         eng.stream.abort("gave up on a frozen daemon")
@@ -69,7 +75,7 @@ def test_abort_fails_jobs_in_flight_and_the_stream_reopens(daemon) -> None:
         os.kill(daemon.proc.pid, signal.SIGCONT)
     # The same client carries on over a new stream.
     for g, bl in enumerate(blocks):
-        eng.fill(g, keys[g * 4:(g + 1) * 4], bl, idx[g])
+        eng.fill(g, keys[g * 4 : (g + 1) * 4], bl, idx[g])
     eng._next_job = 200
     res = eng.job(pb.STORE, keys, blocks, idx)
     assert res.success and res.stored_keys + res.present_keys == 8

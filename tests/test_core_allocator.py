@@ -70,8 +70,9 @@ def test_allocate_at_claims_exact_ranges_for_reattaching() -> None:
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.tuples(st.booleans(), st.integers(1, 40_000)), max_size=200),
-       st.integers(0, 2**32))
+@given(
+    st.lists(st.tuples(st.booleans(), st.integers(1, 40_000)), max_size=200), st.integers(0, 2**32)
+)
 def test_random_alloc_free_keeps_invariants(ops: list[tuple[bool, int]], seed: int) -> None:
     rng = random.Random(seed)
     a = ExtentAllocator(256 * 4096)

@@ -70,7 +70,8 @@ def test_lru_evicts_oldest_ready_unpinned_and_never_pinned() -> None:
     assert ix.lookup("ns", [key(0), key(1), key(2), key(3)]) == [True, False, True, True]
     events = ix.take_events()
     assert [(e.kind, e.keys, e.reason) for e in events] == [
-        (EventKind.REMOVED, (key(1),), EvictionReason.LRU), (EventKind.STORED, (key(3),), None)
+        (EventKind.REMOVED, (key(1),), EvictionReason.LRU),
+        (EventKind.STORED, (key(3),), None),
     ]
     ix.check_invariants()
 
@@ -178,6 +179,9 @@ def test_events_reach_the_subscriber_as_they_happen() -> None:
     assert seen == [(EventKind.STORED, key(0))]
     store(ix, key(1))
     store(ix, key(2))  # evicts key 0
-    assert seen[1:] == [(EventKind.STORED, key(1)), (EventKind.REMOVED, key(0)),
-                        (EventKind.STORED, key(2))]
+    assert seen[1:] == [
+        (EventKind.STORED, key(1)),
+        (EventKind.REMOVED, key(0)),
+        (EventKind.STORED, key(2)),
+    ]
     assert ix.take_events() == []

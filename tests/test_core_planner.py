@@ -61,11 +61,19 @@ def test_bad_layouts_and_keys_are_refused_with_reasons() -> None:
 def test_memory_map_checks_page_sizes_and_bounds() -> None:
     lay = layout()
     with pytest.raises(LayoutError, match="namespace layout says 4096"):
-        MemoryMap.build(lay, [1 << 20], [TensorView(0, 0, 8, 2048, 2048)] * 5,
-                        [[LayerRef(0, 0, 2048)] * 2, [LayerRef(0, 0, 1024)] * 3])
+        MemoryMap.build(
+            lay,
+            [1 << 20],
+            [TensorView(0, 0, 8, 2048, 2048)] * 5,
+            [[LayerRef(0, 0, 2048)] * 2, [LayerRef(0, 0, 1024)] * 3],
+        )
     with pytest.raises(LayoutError, match="spans bytes"):
-        MemoryMap.build(lay, [1000], [TensorView(0, 0, 8, 4096, 4096)],
-                        [[LayerRef(0, 0, 4096)] * 2, [LayerRef(0, 0, 1024)] * 3])
+        MemoryMap.build(
+            lay,
+            [1000],
+            [TensorView(0, 0, 8, 4096, 4096)],
+            [[LayerRef(0, 0, 4096)] * 2, [LayerRef(0, 0, 1024)] * 3],
+        )
 
 
 def test_plan_merges_contiguous_pages_and_rejects_out_of_range_blocks() -> None:
@@ -108,10 +116,11 @@ def test_store_then_load_round_trips_bytes_for_both_ranks(first_index: int) -> N
         engine.copy(LOAD, [ArrayRegion(dst)], pool.ctypes.data, plan)
         for layer, t in enumerate(mm.tensors):
             g = 0 if layer < 2 else 1
-            for s, d in zip(src_blocks[g * n:(g + 1) * n], dst_blocks[g * n:(g + 1) * n],
-                            strict=True):
-                a = src[rank][t.region_offset + s * t.block_stride:][: t.page_bytes]
-                b = dst[t.region_offset + d * t.block_stride:][: t.page_bytes]
+            for s, d in zip(
+                src_blocks[g * n : (g + 1) * n], dst_blocks[g * n : (g + 1) * n], strict=True
+            ):
+                a = src[rank][t.region_offset + s * t.block_stride :][: t.page_bytes]
+                b = dst[t.region_offset + d * t.block_stride :][: t.page_bytes]
                 assert np.array_equal(a, b), (rank, layer, s, d)
 
 
@@ -127,8 +136,13 @@ def test_skipped_keys_leave_their_slots_untouched() -> None:
 
 
 def reference_runs(
-    lay: NamespaceLayout, rank: int, mm: MemoryMap, block_ids: list[int], sizes: list[int],
-    first: list[int], slots: list[int | None],
+    lay: NamespaceLayout,
+    rank: int,
+    mm: MemoryMap,
+    block_ids: list[int],
+    sizes: list[int],
+    first: list[int],
+    slots: list[int | None],
 ) -> list[tuple[int, int, int, int]]:
     """The plan written the obvious way: page by page, merged greedily."""
     from kvdepot.common.chunks import block_positions
@@ -147,8 +161,12 @@ def reference_runs(
                     continue
                 ro = t.region_offset + ref.page_offset + block * t.block_stride
                 po = slot + lay.page_offset(g, rank, layer, j)
-                if runs and runs[-1][0] == t.region_index and runs[-1][1] + runs[-1][3] == ro \
-                        and runs[-1][2] + runs[-1][3] == po:
+                if (
+                    runs
+                    and runs[-1][0] == t.region_index
+                    and runs[-1][1] + runs[-1][3] == ro
+                    and runs[-1][2] + runs[-1][3] == po
+                ):
                     runs[-1] = (*runs[-1][:3], runs[-1][3] + ref.page_bytes)
                 else:
                     runs.append((t.region_index, ro, po, ref.page_bytes))

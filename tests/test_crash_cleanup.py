@@ -87,12 +87,23 @@ def test_sigkilled_engine_releases_everything_within_five_seconds(
     base_maps = memfd_mappings(pid, "kvdepot-kv")
     assert (base.sessions, base.registrations, base.pinned_blocks) == (1, 2, ROWS)
 
-    victim = soak_process("victim", "--target", debug_daemon.target, "--namespace", NS,
-                          "--salt", "victim", "--pin-salt", "survivor", "--rows", str(ROWS))
+    victim = soak_process(
+        "victim",
+        "--target",
+        debug_daemon.target,
+        "--namespace",
+        NS,
+        "--salt",
+        "victim",
+        "--pin-salt",
+        "survivor",
+        "--rows",
+        str(ROWS),
+    )
     try:
         line = victim.stdout.readline()  # type: ignore[union-attr]
         assert line.startswith("READY "), (line, victim.stderr.read())  # type: ignore[union-attr]
-        ready = json.loads(line[len("READY "):])
+        ready = json.loads(line[len("READY ") :])
         assert "fd_token" in ready["fd_reply"]
 
         # What the victim holds, seen from the daemon.
@@ -105,9 +116,11 @@ def test_sigkilled_engine_releases_everything_within_five_seconds(
         assert memfd_mappings(pid, "kvdepot-kv") == base_maps + 2
         assert any("kvdepot-victim-pending" in t for t in fd_targets(pid))
         # Transfers are flowing: both counters move while we watch.
-        wait_for("the victim's jobs to run",
-                 lambda: (s := stats(stub)).stores > held.stores + 20
-                 and s.loads > held.loads + 20, timeout=10)
+        wait_for(
+            "the victim's jobs to run",
+            lambda: (s := stats(stub)).stores > held.stores + 20 and s.loads > held.loads + 20,
+            timeout=10,
+        )
     finally:
         victim.send_signal(signal.SIGKILL)
         killed = time.monotonic()
@@ -119,28 +132,37 @@ def test_sigkilled_engine_releases_everything_within_five_seconds(
         return (
             [e.client_name for e in engines_now] == ["survivor"]
             and (s.sessions, s.registrations) == (1, 2)
-            and s.pinned_blocks == ROWS and s.writing_blocks == 0 and s.inflight_jobs == 0
+            and s.pinned_blocks == ROWS
+            and s.writing_blocks == 0
+            and s.inflight_jobs == 0
             and memfd_mappings(pid, "kvdepot-kv") == base_maps
             and sorted(fd_targets(pid)) == base_fds
         )
 
-    wait_for("the daemon to release the victim's session", back_to_baseline,
-             timeout=CLEANUP_SECONDS)
+    wait_for(
+        "the daemon to release the victim's session", back_to_baseline, timeout=CLEANUP_SECONDS
+    )
     took = time.monotonic() - killed
     print(f"victim cleaned up {took:.3f}s after SIGKILL")
     assert took < CLEANUP_SECONDS
 
     s = assert_pool_accounting(stub)
     assert s.pinned_bytes == sum(
-        b.bytes for b in stub.ListBlocks(apb.ListBlocksRequest(namespace_id=NS, page_size=10000),
-                                         timeout=5).blocks if b.pins
+        b.bytes
+        for b in stub.ListBlocks(
+            apb.ListBlocksRequest(namespace_id=NS, page_size=10000), timeout=5
+        ).blocks
+        if b.pins
     )
     survivor_info = stub.ListEngines(apb.ListEnginesRequest(), timeout=5).engines[0]
     assert survivor_info.pinned_blocks == ROWS  # the victim's pins on them are gone
 
     # The daemon says what it released, in one line.
-    m = re.search(r"'crash-victim'.*closed: released 2 registration\(s\), (\d+) pin\(s\), "
-                  r"(\d+) unfinished block row\(s\), 1 pending fd\(s\)", debug_daemon.log())
+    m = re.search(
+        r"'crash-victim'.*closed: released 2 registration\(s\), (\d+) pin\(s\), "
+        r"(\d+) unfinished block row\(s\), 1 pending fd\(s\)",
+        debug_daemon.log(),
+    )
     assert m, debug_daemon.log()[-3000:]
     assert int(m.group(1)) == ready["pins"] and int(m.group(2)) >= ROWS
 

@@ -67,8 +67,13 @@ EVENT = bytes(range(100, 164))
 def test_uuid_forms_parse_to_the_same_bytes_and_format_canonically() -> None:
     raw = parse_uuid(UUID0)
     assert len(raw) == 16
-    for text in (UUID0.upper(), UUID0[4:], UUID0.replace("-", "").replace("GPU", "GPU-"),
-                 "  " + UUID0 + " ", "MIG-" + UUID0[4:]):
+    for text in (
+        UUID0.upper(),
+        UUID0[4:],
+        UUID0.replace("-", "").replace("GPU", "GPU-"),
+        "  " + UUID0 + " ",
+        "MIG-" + UUID0[4:],
+    ):
         assert parse_uuid(text) == raw, text
     assert format_uuid(raw) == UUID0
     with pytest.raises(HandleError, match="never a device index"):
@@ -108,7 +113,10 @@ def test_a_valid_handle_round_trips_through_the_wire_message() -> None:
 )
 def test_bad_handles_are_refused_with_what_to_send(kwargs: dict[str, Any], message: str) -> None:
     args: dict[str, Any] = {
-        "mem_handle": HANDLE, "device_uuid": UUID0, "offset": 0, "size": 4096,
+        "mem_handle": HANDLE,
+        "device_uuid": UUID0,
+        "offset": 0,
+        "size": 4096,
         "event_handle": b"",
     }
     args.update(kwargs)
@@ -130,9 +138,7 @@ def test_unexportable_memory_names_the_setting_to_change() -> None:
     assert expandable_segments_enabled(
         {"PYTORCH_ALLOC_CONF": "max_split_size_mb:512, expandable_segments:true"}
     )
-    assert not expandable_segments_enabled(
-        {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"}
-    )
+    assert not expandable_segments_enabled({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"})
     assert not expandable_segments_enabled({})
     msg = unexportable_message({"PYTORCH_ALLOC_CONF": "expandable_segments:True"}, where="cuda:0")
     assert "PYTORCH_ALLOC_CONF" in msg and "expandable_segments:False" in msg and "cuda:0" in msg
@@ -173,8 +179,12 @@ def test_runs_are_cut_at_page_locking_chunk_boundaries() -> None:
     )
     d = batches[0].descriptors()
     assert d == [
-        (10_000, 900, 124), (10_124, 1024, 176),
-        (15_000, 1000, 24), (15_024, 1024, 1024), (16_048, 2048, 1024), (17_072, 3072, 928),
+        (10_000, 900, 124),
+        (10_124, 1024, 176),
+        (15_000, 1000, 24),
+        (15_024, 1024, 1024),
+        (16_048, 2048, 1024),
+        (17_072, 3072, 928),
     ]
     assert sum(s for _, _, s in d) == 3300
 
@@ -191,8 +201,9 @@ def test_descriptor_planning_refuses_nonsense() -> None:
     assert plan_descriptors(STORE, [], [0], 0) == []
 
 
-def vllm_geometry(num_blocks: int, layers: int = 32, page: int = 64 << 10, bpc: int = 1,
-                  world: int = 1) -> tuple[NamespaceLayout, MemoryMap, int]:
+def vllm_geometry(
+    num_blocks: int, layers: int = 32, page: int = 64 << 10, bpc: int = 1, world: int = 1
+) -> tuple[NamespaceLayout, MemoryMap, int]:
     """vLLM's canonical layout: one region, each layer a (num_blocks, page) tensor in it."""
     lay = NamespaceLayout("vllm", world, bpc, ((page,) * layers,))
     tensors = [TensorView(0, i * num_blocks * page, num_blocks, page, page) for i in range(layers)]
@@ -225,16 +236,27 @@ def test_descriptors_move_exactly_the_bytes_the_cpu_engine_moves(
     pool_a = np.zeros((2 * chunks + 2) * slot, np.uint8)
     pool_b = pool_a.copy()
     CpuCopyEngine().copy(STORE, [ArrayRegion(src)], pool_a.ctypes.data, plan)
-    apply(plan_descriptors(STORE, plan.runs, [src.ctypes.data], pool_b.ctypes.data,
-                           max_batch=7, host_split=3 * 4096))
+    apply(
+        plan_descriptors(
+            STORE,
+            plan.runs,
+            [src.ctypes.data],
+            pool_b.ctypes.data,
+            max_batch=7,
+            host_split=3 * 4096,
+        )
+    )
     assert pool_a.any() and np.array_equal(pool_a, pool_b)
     # Load into other blocks: both ways agree, and the pages equal the stored ones.
     load_ids = [b + 1 for b in block_ids]
     lplan = plan_job(lay, rank, mem, load_ids, [len(load_ids)], [3], offsets)
     dst_a, dst_b = np.zeros(size, np.uint8), np.zeros(size, np.uint8)
     CpuCopyEngine().copy(LOAD, [ArrayRegion(dst_a)], pool_a.ctypes.data, lplan)
-    apply(plan_descriptors(LOAD, lplan.runs, [dst_b.ctypes.data], pool_b.ctypes.data,
-                           max_batch=5, host_split=4096))
+    apply(
+        plan_descriptors(
+            LOAD, lplan.runs, [dst_b.ctypes.data], pool_b.ctypes.data, max_batch=5, host_split=4096
+        )
+    )
     assert np.array_equal(dst_a, dst_b)
     for t in mem.tensors:
         for s, d in zip(block_ids, load_ids, strict=True):
@@ -314,8 +336,12 @@ class FakeDriver:
             raise self.fail_open
         buf = self.exports.get(handle)
         if buf is None:
-            raise CudaError("cuIpcOpenMemHandle", CUDA_ERROR_INVALID_HANDLE,
-                            "CUDA_ERROR_INVALID_HANDLE", "invalid resource handle")
+            raise CudaError(
+                "cuIpcOpenMemHandle",
+                CUDA_ERROR_INVALID_HANDLE,
+                "CUDA_ERROR_INVALID_HANDLE",
+                "invalid resource handle",
+            )
         base = ctypes.addressof(buf)
         with self._lock:
             self.open_counts[base] = self.open_counts.get(base, 0) + 1
@@ -335,8 +361,12 @@ class FakeDriver:
             base = ctypes.addressof(buf)
             if base <= ptr < base + ctypes.sizeof(buf):
                 return base, ctypes.sizeof(buf)
-        raise CudaError("cuMemGetAddressRange", CUDA_ERROR_INVALID_VALUE,
-                        "CUDA_ERROR_INVALID_VALUE", "invalid argument")
+        raise CudaError(
+            "cuMemGetAddressRange",
+            CUDA_ERROR_INVALID_VALUE,
+            "CUDA_ERROR_INVALID_VALUE",
+            "invalid argument",
+        )
 
     def ipc_open_event(self, handle: bytes) -> int:
         self._need_ctx()
@@ -392,10 +422,12 @@ class FakeDriver:
         self.log.append(("batch", stream, len(sizes)))
 
 
-def ipc_msg(handle: bytes, size: int, offset: int = 0, uuid: str = UUID0,
-            event: bytes = EVENT) -> pb.CudaIpcHandle:
-    return pb.CudaIpcHandle(ipc_handle=handle, device_uuid=uuid, offset=offset, size=size,
-                            event_handle=event)
+def ipc_msg(
+    handle: bytes, size: int, offset: int = 0, uuid: str = UUID0, event: bytes = EVENT
+) -> pb.CudaIpcHandle:
+    return pb.CudaIpcHandle(
+        ipc_handle=handle, device_uuid=uuid, offset=offset, size=size, event_handle=event
+    )
 
 
 def test_engine_maps_once_per_handle_and_unmaps_with_the_last_region() -> None:
@@ -457,8 +489,9 @@ def test_copy_waits_on_the_event_issues_batches_and_synchronises() -> None:
     assert len(streams) == 1  # one stream for this thread and device
     got = pool.tobytes()
     src = ctypes.string_at(region.address, 64 * 1024)
-    assert all(got[(7 - i) * 8192 : (8 - i) * 8192] == src[i * 8192 : (i + 1) * 8192]
-               for i in range(8))
+    assert all(
+        got[(7 - i) * 8192 : (8 - i) * 8192] == src[i * 8192 : (i + 1) * 8192] for i in range(8)
+    )
     # A load waits on the event too (the worker's queued kernels may still use the
     # pages), and writes the bytes back.
     ctypes.memset(region.address, 0, 64 * 1024)
@@ -506,12 +539,20 @@ def test_batch_failures_fall_back_to_one_copy_per_run() -> None:
     plan = CopyPlan()
     plan.add(0, 0, 4096, 4096)
     plan.add(0, 4096, 0, 4096)
-    drv.fail_batch = CudaError("cuMemcpyBatchAsync", CUDA_ERROR_INVALID_VALUE,
-                               "CUDA_ERROR_INVALID_VALUE", "invalid argument")
+    drv.fail_batch = CudaError(
+        "cuMemcpyBatchAsync",
+        CUDA_ERROR_INVALID_VALUE,
+        "CUDA_ERROR_INVALID_VALUE",
+        "invalid argument",
+    )
     eng.copy(STORE, [region], pool.ctypes.data, plan)
     assert (pool == 0x5A).all() and eng.use_batch  # a transient failure keeps batching on
-    drv.fail_batch = CudaError("cuMemcpyBatchAsync", CUDA_ERROR_NOT_SUPPORTED,
-                               "CUDA_ERROR_NOT_SUPPORTED", "operation not supported")
+    drv.fail_batch = CudaError(
+        "cuMemcpyBatchAsync",
+        CUDA_ERROR_NOT_SUPPORTED,
+        "CUDA_ERROR_NOT_SUPPORTED",
+        "operation not supported",
+    )
     pool[:] = 0
     eng.copy(STORE, [region], pool.ctypes.data, plan)
     assert (pool == 0x5A).all() and not eng.use_batch
@@ -548,27 +589,35 @@ def make_key(i: int) -> bytes:
 
 @pytest.fixture
 def state() -> Iterator[DepotState]:
-    st = DepotState.create(ServeConfig(socket="/nonexistent/kvdepot.sock",
-                                       pool_size=64 << 20, copy_threads=2))
+    st = DepotState.create(
+        ServeConfig(socket="/nonexistent/kvdepot.sock", pool_size=64 << 20, copy_threads=2)
+    )
     yield st
     st.close()
 
 
-def register_fake_engine(st: DepotState, drv: FakeDriver, nb: int = 16, layers: int = 8,
-                         page: int = 16384) -> tuple[Any, Any, Any, NamespaceLayout, Any]:
+def register_fake_engine(
+    st: DepotState, drv: FakeDriver, nb: int = 16, layers: int = 8, page: int = 16384
+) -> tuple[Any, Any, Any, NamespaceLayout, Any]:
     handle, buf = drv.export(layers * nb * page + 4096)
     session = st.open_session("fake-engine", 1234, "e0")
     lay = NamespaceLayout("cuda-ns", 1, 1, ((page,) * layers,))
     tensors = [TensorView(0, i * nb * page, nb, page, page) for i in range(layers)]
     refs = [[LayerRef(i, 0, page) for i in range(layers)]]
-    reg = st.register(session.id, lay, 0, [("cuda_ipc", ipc_msg(handle, layers * nb * page,
-                                                                 offset=4096))],
-                      tensors, refs)
+    reg = st.register(
+        session.id,
+        lay,
+        0,
+        [("cuda_ipc", ipc_msg(handle, layers * nb * page, offset=4096))],
+        tensors,
+        refs,
+    )
     return session, reg, buf, lay, tensors
 
 
-def job(reg: Any, session: Any, jid: int, direction: int, keys: list[bytes],
-        blocks: list[int]) -> JobSpec:
+def job(
+    reg: Any, session: Any, jid: int, direction: int, keys: list[bytes], blocks: list[int]
+) -> JobSpec:
     return JobSpec(jid, direction, reg.id, keys, blocks, [len(blocks)], [0], False, session.id)
 
 
@@ -611,9 +660,7 @@ def test_a_session_closed_mid_copy_unmaps_only_after_the_copy(state: DepotState)
     drv.copy_gate = threading.Event()
 
     async def run() -> None:
-        task = asyncio.ensure_future(
-            state.run_job(job(reg, session, 1, STORE, [make_key(0)], [0]))
-        )
+        task = asyncio.ensure_future(state.run_job(job(reg, session, 1, STORE, [make_key(0)], [0])))
         while not state.traffic.inflight_jobs or reg.inflight == 0:
             await asyncio.sleep(0.01)
         state.close_session(session.id)
@@ -636,8 +683,9 @@ def test_unregister_closes_the_mapping_and_bad_handles_leave_no_registration(
     assert not drv.open_counts and not state.registrations
     refs = [[LayerRef(i, 0, 16384) for i in range(8)]]
     with pytest.raises(ValueError) as exc:  # tensors beyond the registered size
-        state.register(session.id, lay, 0, [("cuda_ipc", ipc_msg(*drv.export(8192)[:1], 8192))],
-                       tensors, refs)
+        state.register(
+            session.id, lay, 0, [("cuda_ipc", ipc_msg(*drv.export(8192)[:1], 8192))], tensors, refs
+        )
     err = errors.as_depot_error(exc.value)  # the status the service answers with
     assert err is not None and err.code.name == "INVALID_ARGUMENT"
     assert not drv.open_counts and not state.registrations
@@ -670,8 +718,14 @@ def test_enabling_cuda_without_cuda_leaves_the_cpu_path(
     session = state.open_session("x", 1, "")
     lay = NamespaceLayout("ns", 1, 1, ((4096,),))
     with pytest.raises(errors.DepotError) as exc:
-        state.register(session.id, lay, 0, [("cuda_ipc", ipc_msg(HANDLE, 4096))],
-                       [TensorView(0, 0, 1, 4096, 4096)], [[LayerRef(0, 0, 4096)]])
+        state.register(
+            session.id,
+            lay,
+            0,
+            [("cuda_ipc", ipc_msg(HANDLE, 4096))],
+            [TensorView(0, 0, 1, 4096, 4096)],
+            [[LayerRef(0, 0, 4096)]],
+        )
     assert exc.value.code.name == "INVALID_ARGUMENT" and "not available" in exc.value.message
     # The shared-memory path still has its CPU engine.
     assert isinstance(state.cpu_engine, CpuCopyEngine)
@@ -696,9 +750,14 @@ def test_only_served_devices_get_a_context(state: DepotState) -> None:
     assert drv.contexts == [1]  # the pinning context, on the served device only
     handle, _ = drv.export(8192)
     with pytest.raises(errors.DepotError) as exc:
-        state.register(state.open_session("x", 1, "").id, NamespaceLayout("n", 1, 1, ((8192,),)),
-                       0, [("cuda_ipc", ipc_msg(handle, 8192))],
-                       [TensorView(0, 0, 1, 8192, 8192)], [[LayerRef(0, 0, 8192)]])
+        state.register(
+            state.open_session("x", 1, "").id,
+            NamespaceLayout("n", 1, 1, ((8192,),)),
+            0,
+            [("cuda_ipc", ipc_msg(handle, 8192))],
+            [TensorView(0, 0, 1, 8192, 8192)],
+            [[LayerRef(0, 0, 8192)]],
+        )
     assert exc.value.code.name == "FAILED_PRECONDITION"
     assert drv.contexts == [1]
     assert enable_cuda(state, state.arena, driver=drv, env={})  # once per pool
@@ -710,8 +769,9 @@ def test_cuda_stays_off_when_no_device_is_selected(spec: str) -> None:
     from types import SimpleNamespace
 
     added: list[object] = []
-    st = SimpleNamespace(memory_path=lambda kind: None,
-                         add_memory_path=lambda kind, opener: added.append(kind))
+    st = SimpleNamespace(
+        memory_path=lambda kind: None, add_memory_path=lambda kind, opener: added.append(kind)
+    )
     arena = SimpleNamespace(address=0, size=1 << 20, warmup_done_bytes=0)
     drv = FakeDriver([DeviceInfo(0, parse_uuid(UUID0), "a")])
     assert not enable_cuda(st, arena, driver=drv, env={"KVDEPOT_CUDA_DEVICES": spec})
@@ -735,8 +795,11 @@ def test_pinner_registers_chunks_and_unregisters_them_at_close() -> None:
     for off in range(0, 10 << 20, 4 << 20):
         p.after_chunk(off, min(4 << 20, (10 << 20) - off))
     assert p.complete and p.split_bytes == 4 << 20
-    assert drv.registered == {(1 << 30): 4 << 20, (1 << 30) + (4 << 20): 4 << 20,
-                              (1 << 30) + (8 << 20): 2 << 20}
+    assert drv.registered == {
+        (1 << 30): 4 << 20,
+        (1 << 30) + (4 << 20): 4 << 20,
+        (1 << 30) + (8 << 20): 2 << 20,
+    }
     p.close()
     p.close()
     assert drv.registered == {}
@@ -763,8 +826,12 @@ def test_pinner_stops_at_the_first_failure_and_never_raises(
 def test_pinner_counts_memory_someone_else_registered_but_leaves_it_alone() -> None:
     class Already(FakeDriver):
         def host_register(self, ptr: int, size: int, flags: int = 1) -> None:
-            raise CudaError("cuMemHostRegister", CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED,
-                            "CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED", "already registered")
+            raise CudaError(
+                "cuMemHostRegister",
+                CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED,
+                "CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED",
+                "already registered",
+            )
 
     drv = Already()
     p = PoolPinner(drv, FakeDevice(drv), base=0, size=4096)
@@ -1059,8 +1126,22 @@ def fake_libcuda(tmp_path_factory: pytest.TempPathFactory) -> str:
     d = tmp_path_factory.mktemp("fakecuda")
     src, lib = d / "fake_libcuda.c", d / "libcuda.so.1"
     src.write_text(FAKE_LIBCUDA_C)
-    subprocess.run([cc, "-shared", "-fPIC", "-O1", "-Wall", "-Werror", f"-I{include}",
-                    "-o", str(lib), str(src)], check=True, capture_output=True)
+    subprocess.run(
+        [
+            cc,
+            "-shared",
+            "-fPIC",
+            "-O1",
+            "-Wall",
+            "-Werror",
+            f"-I{include}",
+            "-o",
+            str(lib),
+            str(src),
+        ],
+        check=True,
+        capture_output=True,
+    )
     return str(lib)
 
 
@@ -1087,11 +1168,14 @@ def test_real_bindings_marshal_every_call_right(fake_libcuda: str) -> None:
     assert drv.pointer_attribute(inner, cuda_driver.CU_POINTER_ATTRIBUTE_RANGE_START_ADDR) == base
     assert drv.pointer_attribute(inner, cuda_driver.CU_POINTER_ATTRIBUTE_RANGE_SIZE) == 1 << 20
     assert drv.pointer_attribute(inner, cuda_driver.CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL) == 0
-    assert drv.pointer_attribute(
-        inner, cuda_driver.CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE) == 1
+    assert (
+        drv.pointer_attribute(inner, cuda_driver.CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE)
+        == 1
+    )
     vmm = fake.fake_alloc(4096, 1)
-    assert drv.pointer_attribute(
-        vmm, cuda_driver.CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE) == 0
+    assert (
+        drv.pointer_attribute(vmm, cuda_driver.CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE) == 0
+    )
     # IPC: the handle goes by value both ways.
     handle = drv.ipc_get_mem_handle(base)
     assert len(handle) == 64 and handle.startswith(b"FAKEIPC")
@@ -1170,10 +1254,23 @@ def test_depot_state_end_to_end_through_the_real_bindings(
     tensors = [TensorView(0, i * nb * page, nb, page, page) for i in range(layers)]
     refs = [[LayerRef(i, 0, page) for i in range(layers)]]
     reg = state.register(
-        session.id, lay, 0,
-        [("cuda_ipc", ipc_msg(handle, size, offset=65536, uuid=format_uuid(bytes(range(160, 176))),
-                              event=b"FAKEEVT" + b"\x00" * 57))],
-        tensors, refs,
+        session.id,
+        lay,
+        0,
+        [
+            (
+                "cuda_ipc",
+                ipc_msg(
+                    handle,
+                    size,
+                    offset=65536,
+                    uuid=format_uuid(bytes(range(160, 176))),
+                    event=b"FAKEEVT" + b"\x00" * 57,
+                ),
+            )
+        ],
+        tensors,
+        refs,
     )
     keys = [make_key(100 + i) for i in range(4)]
     batches, waits = fake.fake_count(b"batch"), fake.fake_count(b"waits")
@@ -1223,7 +1320,8 @@ def test_a_daemon_process_turns_cuda_on_and_refuses_bad_handles_over_grpc(
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
             [sys.executable, str(serve), "serve", "--socket", sock, "--pool-size", "64MiB"],
-            stdout=log, stderr=subprocess.STDOUT,
+            stdout=log,
+            stderr=subprocess.STDOUT,
             env={**os.environ, "KVDEPOT_LIBCUDA": fake_libcuda},
         )
     client = DepotClient(f"unix://{sock}").start()
@@ -1238,21 +1336,38 @@ def test_a_daemon_process_turns_cuda_on_and_refuses_bad_handles_over_grpc(
         assert "CUDA is on" in text and "GPU-a0a1a2a3-a4a5-a6a7-a8a9-aaabacadaeaf" in text, text
         assert "pool page-locked: 64.0 MiB of 64.0 MiB (100%" in text, text
         fake_uuid = format_uuid(bytes(range(160, 176)))
-        layout = pb.NamespaceLayout(id="n", world_size=1, blocks_per_chunk=1,
-                                    groups=[pb.GroupLayout(layer_page_bytes=[4096])])
+        layout = pb.NamespaceLayout(
+            id="n",
+            world_size=1,
+            blocks_per_chunk=1,
+            groups=[pb.GroupLayout(layer_page_bytes=[4096])],
+        )
         for handle, code, words in [
             (ipc_msg(b"\x01" * 64, 4096, uuid=fake_uuid), "INVALID_ARGUMENT", "cannot open"),
             (ipc_msg(HANDLE, 4096, uuid=UUID1), "FAILED_PRECONDITION", "not served"),
             (ipc_msg(HANDLE[:60], 4096, uuid=fake_uuid), "INVALID_ARGUMENT", "60 bytes"),
         ]:
             with pytest.raises(grpc.RpcError) as exc:
-                client.stub.RegisterKV(pb.RegisterKVRequest(
-                    session_id=client.session_id, namespace=layout, rank=0,
-                    regions=[pb.MemoryRegion(cuda_ipc=handle)],
-                    tensors=[pb.KVTensor(region_index=0, num_blocks=1, block_stride_bytes=4096,
-                                         page_bytes=4096)],
-                    groups=[pb.GroupRefs(layers=[pb.LayerRef(tensor_index=0, page_bytes=4096)])],
-                ), timeout=10)
+                client.stub.RegisterKV(
+                    pb.RegisterKVRequest(
+                        session_id=client.session_id,
+                        namespace=layout,
+                        rank=0,
+                        regions=[pb.MemoryRegion(cuda_ipc=handle)],
+                        tensors=[
+                            pb.KVTensor(
+                                region_index=0,
+                                num_blocks=1,
+                                block_stride_bytes=4096,
+                                page_bytes=4096,
+                            )
+                        ],
+                        groups=[
+                            pb.GroupRefs(layers=[pb.LayerRef(tensor_index=0, page_bytes=4096)])
+                        ],
+                    ),
+                    timeout=10,
+                )
             assert exc.value.code().name == code and words in exc.value.details()
         assert admin.GetStats(admin_pb2.GetStatsRequest(), timeout=5).registrations == 0
     finally:

@@ -91,11 +91,17 @@ def run_job(eng: Engine, direction: int, keys: list[bytes], base: int) -> pb.Tra
     blocks, indices = soak.group_job(eng.geo, 0, keys, base)
     job_id = eng._next_job
     eng._next_job += 1
-    eng.stream.submit(pb.TransferJob(
-        job_id=job_id, direction=direction, registration_id=eng.registration.registration_id,
-        keys=keys, block_ids=[b for g in blocks for b in g],
-        group_sizes=[len(g) for g in blocks], block_indices=indices,
-    ))
+    eng.stream.submit(
+        pb.TransferJob(
+            job_id=job_id,
+            direction=direction,
+            registration_id=eng.registration.registration_id,
+            keys=keys,
+            block_ids=[b for g in blocks for b in g],
+            group_sizes=[len(g) for g in blocks],
+            block_indices=indices,
+        )
+    )
     if not eng.stream.wait({job_id}, timeout=JOB_DEADLINE):
         return None
     (res,) = [r for r in eng.stream.poll() if r.job_id == job_id]
@@ -177,13 +183,18 @@ def test_clients_survive_a_daemon_sigkill_and_carry_on(rig: tuple[DaemonProcess,
     watch = client.watch(NS, on_watch)
     rec = Recorder()
     stop = threading.Event()
-    threads = [threading.Thread(target=load_loop, args=(r, rec, stop), daemon=True),
-               threading.Thread(target=lookup_loop, args=(client, rec, stop), daemon=True)]
+    threads = [
+        threading.Thread(target=load_loop, args=(r, rec, stop), daemon=True),
+        threading.Thread(target=lookup_loop, args=(client, rec, stop), daemon=True),
+    ]
     for t in threads:
         t.start()
     try:
-        wait_for("loads before the kill",
-                 lambda: sum(o.ok for o in rec.between("load", 0, 1e18)) >= 20, timeout=20)
+        wait_for(
+            "loads before the kill",
+            lambda: sum(o.ok for o in rec.between("load", 0, 1e18)) >= 20,
+            timeout=20,
+        )
         first_boot = client.boot_id
         with mirror_lock:
             assert mirror, "the Watch mirror saw the stored rows"
@@ -192,8 +203,11 @@ def test_clients_survive_a_daemon_sigkill_and_carry_on(rig: tuple[DaemonProcess,
         daemon.kill()
         wait_for("the client to notice", lambda: not client.connected, timeout=2)
         noticed = time.monotonic() - killed
-        wait_for("the watch reset",
-                 lambda: any(t >= killed and e.reset for t, e in list(events)), timeout=2)
+        wait_for(
+            "the watch reset",
+            lambda: any(t >= killed and e.reset for t, e in list(events)),
+            timeout=2,
+        )
         with mirror_lock:
             assert not mirror, "after the reset the mirror must be empty (lookups miss)"
 
@@ -213,20 +227,26 @@ def test_clients_survive_a_daemon_sigkill_and_carry_on(rig: tuple[DaemonProcess,
         daemon.start()
         back = time.monotonic()
         with r.lock:
-            assert r.registered.wait_for(lambda: len(r.boot_ids) >= 2, timeout=10), \
+            assert r.registered.wait_for(lambda: len(r.boot_ids) >= 2, timeout=10), (
                 "no re-registration after the daemon came back"
+            )
         reconnected = time.monotonic() - back
         assert client.boot_id != first_boot
-        wait_for("loads after the restart",
-                 lambda: sum(o.ok for o in rec.between("load", back, 1e18)) >= 20, timeout=20)
+        wait_for(
+            "loads after the restart",
+            lambda: sum(o.ok for o in rec.between("load", back, 1e18)) >= 20,
+            timeout=20,
+        )
     finally:
         stop.set()
         for t in threads:
             t.join(JOB_DEADLINE * 4)
         watch.stop()
 
-    print(f"client noticed the kill in {noticed:.3f}s; re-registered {reconnected:.3f}s after "
-          f"the daemon was back")
+    print(
+        f"client noticed the kill in {noticed:.3f}s; re-registered {reconnected:.3f}s after "
+        f"the daemon was back"
+    )
     assert not any(t.is_alive() for t in threads), "a client thread hung"
     assert rec.mismatches == 0
     outage = rec.between("load", killed, back) + rec.between("store", killed, back)
@@ -272,11 +292,17 @@ def test_deadlines_hold_when_the_daemon_is_frozen(rig: tuple[DaemonProcess, Rig]
             assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
             assert took < 1.5, took
         blocks, indices = soak.group_job(eng.geo, 0, key, soak.STORE_BASE)
-        eng.stream.submit(pb.TransferJob(
-            job_id=999, direction=pb.STORE, registration_id=eng.registration.registration_id,
-            keys=key, block_ids=blocks[0], group_sizes=[len(g) for g in blocks],
-            block_indices=indices,
-        ))
+        eng.stream.submit(
+            pb.TransferJob(
+                job_id=999,
+                direction=pb.STORE,
+                registration_id=eng.registration.registration_id,
+                keys=key,
+                block_ids=blocks[0],
+                group_sizes=[len(g) for g in blocks],
+                block_indices=indices,
+            )
+        )
         t0 = time.monotonic()
         assert not eng.stream.wait({999}, timeout=0.5)
         assert time.monotonic() - t0 < 1.0

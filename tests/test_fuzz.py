@@ -74,8 +74,11 @@ def fuzz_settings(examples: int) -> settings:
         derandomize=not LONG,
         database=None,
         deadline=None,
-        suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
-                               HealthCheck.data_too_large],
+        suppress_health_check=[
+            HealthCheck.function_scoped_fixture,
+            HealthCheck.too_slow,
+            HealthCheck.data_too_large,
+        ],
     )
 
 
@@ -122,8 +125,9 @@ class Rig:
         return self.session_id if session == "HOME" else session
 
     def registrations(self) -> list[tuple[int, Geometry]]:
-        return [(e.registration.registration_id, e.geo) for e in [*self.home_engines,
-                                                                   self.ns1_engine]]
+        return [
+            (e.registration.registration_id, e.geo) for e in [*self.home_engines, self.ns1_engine]
+        ]
 
     def note(self, code: grpc.StatusCode | str) -> None:
         name = code if isinstance(code, str) else code.name
@@ -142,8 +146,9 @@ class Rig:
 
     def check(self) -> None:
         """After each example: alive, and the invariants hold (INTERNAL otherwise)."""
-        assert self.daemon.proc is not None and self.daemon.proc.poll() is None, \
-            self.daemon.log()[-3000:]
+        assert self.daemon.proc is not None and self.daemon.proc.poll() is None, self.daemon.log()[
+            -3000:
+        ]
         try:
             stats(self.admin)
         except grpc.RpcError as exc:
@@ -167,11 +172,15 @@ class Rig:
         assert (s.pinned_blocks, s.pinned_bytes, s.registrations, s.inflight_jobs) == (0, 0, 0, 0)
         pid = self.daemon.proc.pid  # type: ignore[union-attr]
         try:
-            wait_for("the daemon's fds to return to the baseline",
-                     lambda: len(fd_targets(pid)) <= self.base_fds, timeout=10)
+            wait_for(
+                "the daemon's fds to return to the baseline",
+                lambda: len(fd_targets(pid)) <= self.base_fds,
+                timeout=10,
+            )
         except AssertionError as exc:
-            raise AssertionError(f"{exc}: {self.base_fds} at the start, now "
-                                 f"{sorted(fd_targets(pid))}") from None
+            raise AssertionError(
+                f"{exc}: {self.base_fds} at the start, now {sorted(fd_targets(pid))}"
+            ) from None
         print(f"status codes seen: {dict(sorted(self.codes.items()))}")
 
 
@@ -186,8 +195,15 @@ def settled_fd_count(pid: int) -> int:
 
 @pytest.fixture
 def rig(daemon_factory: DaemonFactory) -> Iterator[Rig]:
-    d = daemon_factory("--pool-size", "16MiB", "--max-job-keys", str(MAX_JOB_KEYS),
-                       "--reservation-timeout", "3", env={"KVDEPOT_CHECK_INVARIANTS": "1"})
+    d = daemon_factory(
+        "--pool-size",
+        "16MiB",
+        "--max-job-keys",
+        str(MAX_JOB_KEYS),
+        "--reservation-timeout",
+        "3",
+        env={"KVDEPOT_CHECK_INVARIANTS": "1"},
+    )
     pid = d.proc.pid  # type: ignore[union-attr]
     channel = d.channel()
     stats(admin(channel))  # connected: the baseline includes this channel, nothing else
@@ -211,11 +227,20 @@ def rig(daemon_factory: DaemonFactory) -> Iterator[Rig]:
         for g, b in enumerate(blocks_):
             eng.fill(g, keys[g * 8 : (g + 1) * 8], b, indices_[g])
         assert eng.job(pb.STORE, keys, blocks_, indices_).success
-    geo1 = Geometry(groups=[[2048]], blocks_per_chunk=1, world_size=1, num_blocks=64,
-                    namespace=NS1)
+    geo1 = Geometry(groups=[[2048]], blocks_per_chunk=1, world_size=1, num_blocks=64, namespace=NS1)
     ns1_engine = Engine(home, geo1, 0)
-    r = Rig(d, channel, home.stub, admin(channel), home, guardian, home_engines, ns1_engine,
-            guard_keys, base_fds)
+    r = Rig(
+        d,
+        channel,
+        home.stub,
+        admin(channel),
+        home,
+        guardian,
+        home_engines,
+        ns1_engine,
+        guard_keys,
+        base_fds,
+    )
     yield r
     home.close()
     guardian.close()
@@ -226,9 +251,11 @@ def rig(daemon_factory: DaemonFactory) -> Iterator[Rig]:
 
 
 def extremes(lo: int, hi: int, small: int = 70) -> st.SearchStrategy[int]:
-    return st.one_of(st.integers(lo, min(hi, small)),
-                     st.sampled_from(sorted({lo, hi, hi - 1, max(lo, 0), min(hi, 2**31)})),
-                     st.integers(lo, hi))
+    return st.one_of(
+        st.integers(lo, min(hi, small)),
+        st.sampled_from(sorted({lo, hi, hi - 1, max(lo, 0), min(hi, 2**31)})),
+        st.integers(lo, hi),
+    )
 
 
 valid_keys = st.builds(make_key, st.integers(0, 12), st.integers(0, 1))
@@ -244,19 +271,23 @@ key_lists = st.one_of(
     st.lists(any_key, max_size=10),
     st.lists(valid_keys, max_size=6).map(lambda ks: ks + ks),  # duplicates
     st.integers(MAX_JOB_KEYS * 16 + 1, MAX_JOB_KEYS * 16 + 40).map(
-        lambda n: [make_key(i, 0) for i in range(n)]),  # too large a batch
+        lambda n: [make_key(i, 0) for i in range(n)]
+    ),  # too large a batch
 )
-sessions = st.one_of(st.just("HOME"), st.just("HOME"), st.sampled_from(["", "nope"]),
-                     st.text(max_size=40))
-namespaces = st.one_of(st.sampled_from([NS, NS, NS1, "", "unknown-ns", "x" * 300]),
-                       st.text(max_size=40))
+sessions = st.one_of(
+    st.just("HOME"), st.just("HOME"), st.sampled_from(["", "nope"]), st.text(max_size=40)
+)
+namespaces = st.one_of(
+    st.sampled_from([NS, NS, NS1, "", "unknown-ns", "x" * 300]), st.text(max_size=40)
+)
 ranks = extremes(0, U32, small=4)
 section_sizes = st.sampled_from([0, 1, 2047, 2048, 6143, 6144, 6145, 16383, 16384, 16385])
 
 
 def layouts(ids: st.SearchStrategy[str] | None = None) -> st.SearchStrategy[pb.NamespaceLayout]:
-    page = st.one_of(st.sampled_from([1024, 2048, 4096]), extremes(0, 2**31, small=8),
-                     st.just(2**30 + 1))
+    page = st.one_of(
+        st.sampled_from([1024, 2048, 4096]), extremes(0, 2**31, small=8), st.just(2**30 + 1)
+    )
     groups = st.one_of(
         st.lists(st.lists(page, min_size=0, max_size=4), min_size=0, max_size=3),
         st.just([[1024] * 4097]),  # too many layers
@@ -265,10 +296,17 @@ def layouts(ids: st.SearchStrategy[str] | None = None) -> st.SearchStrategy[pb.N
     )
     return st.builds(
         lambda i, w, b, g, d: pb.NamespaceLayout(
-            id=i, world_size=w, blocks_per_chunk=b,
-            groups=[pb.GroupLayout(layer_page_bytes=x) for x in g], description=d),
-        ids or st.one_of(st.sampled_from([NS, NS1, "fzr-1", "fzr-2", "", "\x00bad", "y" * 129]),
-                         st.text(max_size=20)),
+            id=i,
+            world_size=w,
+            blocks_per_chunk=b,
+            groups=[pb.GroupLayout(layer_page_bytes=x) for x in g],
+            description=d,
+        ),
+        ids
+        or st.one_of(
+            st.sampled_from([NS, NS1, "fzr-1", "fzr-2", "", "\x00bad", "y" * 129]),
+            st.text(max_size=20),
+        ),
         st.one_of(st.sampled_from([1, 2, 3]), extremes(0, U32, small=70)),
         st.one_of(st.sampled_from([1, 2]), extremes(0, U32, small=5000)),
         groups,
@@ -281,10 +319,25 @@ def unary_calls(draw: st.DrawFn) -> tuple[str, str, Any]:
     """(service, method, request) with the home session as "HOME"."""
     s, ns, keys = draw(sessions), draw(namespaces), draw(key_lists)
     key, rank = draw(any_key), draw(ranks)
-    method = draw(st.sampled_from([
-        "Lookup", "Pin", "Unpin", "Put", "Get", "UnregisterKV", "RegisterKV", "GetStats",
-        "ListNamespaces", "ListEngines", "ListBlocks", "Evict", "Clear",
-    ]))
+    method = draw(
+        st.sampled_from(
+            [
+                "Lookup",
+                "Pin",
+                "Unpin",
+                "Put",
+                "Get",
+                "UnregisterKV",
+                "RegisterKV",
+                "GetStats",
+                "ListNamespaces",
+                "ListEngines",
+                "ListBlocks",
+                "Evict",
+                "Clear",
+            ]
+        )
+    )
     if method == "Lookup":
         return "depot", method, pb.LookupRequest(session_id=s, namespace_id=ns, keys=keys)
     if method == "Pin":
@@ -292,32 +345,73 @@ def unary_calls(draw: st.DrawFn) -> tuple[str, str, Any]:
     if method == "Unpin":
         return "depot", method, pb.UnpinRequest(session_id=s, namespace_id=ns, keys=keys)
     if method == "Put":
-        return "depot", method, pb.PutRequest(session_id=s, namespace_id=ns, key=key, rank=rank,
-                                              data=bytes(draw(section_sizes)))
+        return (
+            "depot",
+            method,
+            pb.PutRequest(
+                session_id=s, namespace_id=ns, key=key, rank=rank, data=bytes(draw(section_sizes))
+            ),
+        )
     if method == "Get":
         return "depot", method, pb.GetRequest(session_id=s, namespace_id=ns, key=key, rank=rank)
     if method == "UnregisterKV":
-        return "depot", method, pb.UnregisterKVRequest(session_id=s,
-                                                       registration_id=draw(extremes(0, U64)))
+        return (
+            "depot",
+            method,
+            pb.UnregisterKVRequest(session_id=s, registration_id=draw(extremes(0, U64))),
+        )
     if method == "RegisterKV":  # inline (no memory): only the layout and the rank matter
-        return "depot", method, pb.RegisterKVRequest(session_id=s, namespace=draw(layouts()),
-                                                     rank=rank)
+        return (
+            "depot",
+            method,
+            pb.RegisterKVRequest(session_id=s, namespace=draw(layouts()), rank=rank),
+        )
     if method == "ListBlocks":
-        return "admin", method, apb.ListBlocksRequest(
-            namespace_id=ns, has_group=draw(st.booleans()), group=draw(extremes(0, U32, 3)),
-            page_size=draw(extremes(0, U32, 20)),
-            page_token=draw(st.one_of(st.text(max_size=30), st.just(f"{NS}/00"),
-                                      st.just(f"{NS}/zz"), st.just("-5"))))
+        return (
+            "admin",
+            method,
+            apb.ListBlocksRequest(
+                namespace_id=ns,
+                has_group=draw(st.booleans()),
+                group=draw(extremes(0, U32, 3)),
+                page_size=draw(extremes(0, U32, 20)),
+                page_token=draw(
+                    st.one_of(
+                        st.text(max_size=30),
+                        st.just(f"{NS}/00"),
+                        st.just(f"{NS}/zz"),
+                        st.just("-5"),
+                    )
+                ),
+            ),
+        )
     if method == "Evict":
         return "admin", method, apb.EvictRequest(namespace_id=ns, keys=keys[:20])
-    request_type = {"GetStats": apb.GetStatsRequest, "ListNamespaces": apb.ListNamespacesRequest,
-                    "ListEngines": apb.ListEnginesRequest, "Clear": apb.ClearRequest}[method]
+    request_type = {
+        "GetStats": apb.GetStatsRequest,
+        "ListNamespaces": apb.ListNamespacesRequest,
+        "ListEngines": apb.ListEnginesRequest,
+        "Clear": apb.ClearRequest,
+    }[method]
     return "admin", method, request_type()
 
 
-MUTATIONS = ["neg_block", "huge_block", "drop_key", "extra_key", "dup_key", "wrong_group_key",
-             "empty_key", "group_sizes_len", "group_sizes_huge", "block_indices_huge",
-             "bad_session", "too_many_keys", "bad_registration", "bad_direction"]
+MUTATIONS = [
+    "neg_block",
+    "huge_block",
+    "drop_key",
+    "extra_key",
+    "dup_key",
+    "wrong_group_key",
+    "empty_key",
+    "group_sizes_len",
+    "group_sizes_huge",
+    "block_indices_huge",
+    "bad_session",
+    "too_many_keys",
+    "bad_registration",
+    "bad_direction",
+]
 
 
 @st.composite
@@ -340,14 +434,21 @@ def transfer_jobs(draw: st.DrawFn, regs: list[tuple[int, Geometry]]) -> pb.Trans
         sizes.append(n)
         firsts.append(first)
     job = pb.TransferJob(
-        job_id=draw(st.integers(0, U64)), direction=draw(st.sampled_from([1, 1, 2, 2])),
-        registration_id=reg_id, keys=keys, block_ids=block_ids, group_sizes=sizes,
-        block_indices=firsts, expedited=draw(st.booleans()), session_id="HOME",
+        job_id=draw(st.integers(0, U64)),
+        direction=draw(st.sampled_from([1, 1, 2, 2])),
+        registration_id=reg_id,
+        keys=keys,
+        block_ids=block_ids,
+        group_sizes=sizes,
+        block_indices=firsts,
+        expedited=draw(st.booleans()),
+        session_id="HOME",
     )
     for m in draw(st.lists(st.sampled_from(MUTATIONS), max_size=2)):
         if m == "neg_block" and job.block_ids:
             job.block_ids[draw(st.integers(0, len(job.block_ids) - 1))] = draw(
-                st.sampled_from([-1, I64_MIN]))
+                st.sampled_from([-1, I64_MIN])
+            )
         elif m == "huge_block" and job.block_ids:
             job.block_ids[0] = draw(st.sampled_from([geo.num_blocks, I64_MAX]))
         elif m == "drop_key" and job.keys:
@@ -409,9 +510,10 @@ def test_transfer_streams(rig: Rig) -> None:
     regs = rig.registrations()
 
     @fuzz_settings(300)
-    @given(st.lists(transfer_jobs(regs), min_size=1, max_size=8),
-           st.sampled_from(["read_all", "read_all", "cancel_now", "cancel_after_one",
-                            "half_close"]))
+    @given(
+        st.lists(transfer_jobs(regs), min_size=1, max_size=8),
+        st.sampled_from(["read_all", "read_all", "cancel_now", "cancel_after_one", "half_close"]),
+    )
     def run(jobs: list[pb.TransferJob], cut: str) -> None:
         requests: queue.SimpleQueue[pb.TransferJob | None] = queue.SimpleQueue()
         for job in jobs:
@@ -459,10 +561,30 @@ def test_transfer_streams(rig: Rig) -> None:
 
 
 # The fd socket: what a client may send, and what it may then register.
-FD_KINDS = ["sealable", "sealable", "unsealable", "pipe", "devnull", "file", "readonly",
-            "small", "closed_after_send"]
-FD_PROTOCOL = ["good", "good", "good", "bad_session", "no_fd", "two_fds", "garbage",
-               "huge_length", "early_close", "not_json", "json_list"]
+FD_KINDS = [
+    "sealable",
+    "sealable",
+    "unsealable",
+    "pipe",
+    "devnull",
+    "file",
+    "readonly",
+    "small",
+    "closed_after_send",
+]
+FD_PROTOCOL = [
+    "good",
+    "good",
+    "good",
+    "bad_session",
+    "no_fd",
+    "two_fds",
+    "garbage",
+    "huge_length",
+    "early_close",
+    "not_json",
+    "json_list",
+]
 SHM_BYTES = 64 * (4096 + 4096 + 1024 * 3)
 
 
@@ -509,8 +631,10 @@ def fd_exchange(path: str, session_id: str, fd: int, protocol: str) -> str | Non
             elif protocol == "no_fd":
                 s.sendall(encode({"session_id": session_id}))
             elif protocol == "two_fds":
-                s.sendmsg([encode({"session_id": session_id})],
-                          [(socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack("ii", fd, fd))])
+                s.sendmsg(
+                    [encode({"session_id": session_id})],
+                    [(socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack("ii", fd, fd))],
+                )
             elif protocol == "garbage":
                 s.sendmsg([b"\x00\x00\x00\x05hello"], rights)
             elif protocol == "huge_length":
@@ -536,22 +660,51 @@ def registrations(draw: st.DrawFn) -> dict[str, Any]:
     tensors = []
     off = 0
     for p in pages:
-        tensors.append(pb.KVTensor(region_index=0, region_offset=off, num_blocks=64,
-                                   block_stride_bytes=p, page_bytes=p))
+        tensors.append(
+            pb.KVTensor(
+                region_index=0, region_offset=off, num_blocks=64, block_stride_bytes=p, page_bytes=p
+            )
+        )
         off += 64 * p
     refs, t = [], 0
     for g in geo.groups:
-        refs.append(pb.GroupRefs(layers=[pb.LayerRef(tensor_index=t + i, page_bytes=p)
-                                         for i, p in enumerate(g)]))
+        refs.append(
+            pb.GroupRefs(
+                layers=[pb.LayerRef(tensor_index=t + i, page_bytes=p) for i, p in enumerate(g)]
+            )
+        )
         t += len(g)
-    layout = draw(st.one_of(st.just(geo.layout()), st.just(geo.layout()), layouts(),
-                            st.builds(lambda w: pb.NamespaceLayout(  # same id, other world size
-                                id=NS, world_size=w, blocks_per_chunk=2,
-                                groups=geo.layout().groups), st.sampled_from([1, 3, 64]))))
-    for m in draw(st.lists(st.sampled_from([
-        "page_bytes", "region_index", "num_blocks", "stride", "offset", "tensor_index",
-        "layer_count", "group_count", "page_offset",
-    ]), max_size=2)):
+    layout = draw(
+        st.one_of(
+            st.just(geo.layout()),
+            st.just(geo.layout()),
+            layouts(),
+            st.builds(
+                lambda w: pb.NamespaceLayout(  # same id, other world size
+                    id=NS, world_size=w, blocks_per_chunk=2, groups=geo.layout().groups
+                ),
+                st.sampled_from([1, 3, 64]),
+            ),
+        )
+    )
+    for m in draw(
+        st.lists(
+            st.sampled_from(
+                [
+                    "page_bytes",
+                    "region_index",
+                    "num_blocks",
+                    "stride",
+                    "offset",
+                    "tensor_index",
+                    "layer_count",
+                    "group_count",
+                    "page_offset",
+                ]
+            ),
+            max_size=2,
+        )
+    ):
         if m == "page_bytes":
             refs[0].layers[0].page_bytes = draw(st.sampled_from([0, 4095, 4097, U64]))
         elif m == "region_index":
@@ -571,10 +724,16 @@ def registrations(draw: st.DrawFn) -> dict[str, Any]:
         elif m == "page_offset":
             refs[1].layers[0].page_offset = draw(st.sampled_from([1, U64]))
     return {
-        "layout": layout, "tensors": tensors, "groups": refs, "rank": draw(ranks),
+        "layout": layout,
+        "tensors": tensors,
+        "groups": refs,
+        "rank": draw(ranks),
         "size": draw(st.sampled_from([SHM_BYTES, SHM_BYTES, 0, 1, SHM_BYTES + 1, U64])),
-        "token": draw(st.sampled_from(["received", "received", "received", "random", "reused",
-                                       "other_session"])),
+        "token": draw(
+            st.sampled_from(
+                ["received", "received", "received", "random", "reused", "other_session"]
+            )
+        ),
         "fd_kind": draw(st.sampled_from(FD_KINDS)),
         "fd_protocol": draw(st.sampled_from(FD_PROTOCOL)),
         "then": draw(st.sampled_from(["store_load", "unregister", "end_session", "keep"])),
@@ -609,12 +768,22 @@ def test_registrations_and_the_fd_socket(rig: Rig, tmp_path: Any) -> None:
             last_token = token
             # "other_session": the token belongs to `session`, the call names another.
             session_id = rig.session_id if spec["token"] == "other_session" else session.id
-            regions = [] if token is None else [pb.MemoryRegion(
-                shm=pb.SharedMemoryHandle(fd_token=token, size=spec["size"]))]
-            reply = rig.call(rig.stub.RegisterKV, pb.RegisterKVRequest(
-                session_id=session_id, namespace=spec["layout"], rank=spec["rank"],
-                regions=regions, tensors=spec["tensors"] if regions else [],
-                groups=spec["groups"] if regions else []))
+            regions = (
+                []
+                if token is None
+                else [pb.MemoryRegion(shm=pb.SharedMemoryHandle(fd_token=token, size=spec["size"]))]
+            )
+            reply = rig.call(
+                rig.stub.RegisterKV,
+                pb.RegisterKVRequest(
+                    session_id=session_id,
+                    namespace=spec["layout"],
+                    rank=spec["rank"],
+                    regions=regions,
+                    tensors=spec["tensors"] if regions else [],
+                    groups=spec["groups"] if regions else [],
+                ),
+            )
             # A reused token may still stand for an earlier (unclaimed) fd.
             kind = fd_kind_of.get(token or "", "none")
             if reply is not None and regions:
@@ -622,16 +791,26 @@ def test_registrations_and_the_fd_socket(rig: Rig, tmp_path: Any) -> None:
                 if spec["then"] == "store_load" and reply.memory_path == "shm":
                     keys, blocks, indices = chunk_plan(geo, range(2), salt=b"fz-reg")
                     for direction in (pb.STORE, pb.LOAD):
-                        rig.call(lambda req, **kw: list(rig.stub.Transfer(iter([req]), **kw)),
-                                 pb.TransferJob(
-                                     job_id=1, direction=direction,
-                                     registration_id=reply.registration_id, keys=keys,
-                                     block_ids=[b for g in blocks for b in g],
-                                     group_sizes=[len(g) for g in blocks],
-                                     block_indices=indices, session_id=session_id))
+                        rig.call(
+                            lambda req, **kw: list(rig.stub.Transfer(iter([req]), **kw)),
+                            pb.TransferJob(
+                                job_id=1,
+                                direction=direction,
+                                registration_id=reply.registration_id,
+                                keys=keys,
+                                block_ids=[b for g in blocks for b in g],
+                                group_sizes=[len(g) for g in blocks],
+                                block_indices=indices,
+                                session_id=session_id,
+                            ),
+                        )
                 elif spec["then"] == "unregister":
-                    rig.call(rig.stub.UnregisterKV, pb.UnregisterKVRequest(
-                        session_id=session_id, registration_id=reply.registration_id))
+                    rig.call(
+                        rig.stub.UnregisterKV,
+                        pb.UnregisterKVRequest(
+                            session_id=session_id, registration_id=reply.registration_id
+                        ),
+                    )
             if spec["then"] == "end_session":
                 session.close()
                 session = RawSession.open(rig.stub, name="fuzz-register")
@@ -647,18 +826,28 @@ def test_registrations_and_the_fd_socket(rig: Rig, tmp_path: Any) -> None:
 
 
 DEPOT_METHODS = {
-    "Session": "unary_stream", "RegisterKV": "unary", "UnregisterKV": "unary",
-    "Watch": "unary_stream", "Lookup": "unary", "Pin": "unary", "Unpin": "unary",
-    "Transfer": "stream_stream", "Put": "unary", "Get": "unary",
+    "Session": "unary_stream",
+    "RegisterKV": "unary",
+    "UnregisterKV": "unary",
+    "Watch": "unary_stream",
+    "Lookup": "unary",
+    "Pin": "unary",
+    "Unpin": "unary",
+    "Transfer": "stream_stream",
+    "Put": "unary",
+    "Get": "unary",
 }
 ADMIN_METHODS = ["GetStats", "ListNamespaces", "ListEngines", "ListBlocks", "Evict", "Clear"]
 ALL_METHODS = [(f"/kvdepot.v1.Depot/{m}", kind) for m, kind in DEPOT_METHODS.items()] + [
-    (f"/kvdepot.v1.Admin/{m}", "unary") for m in ADMIN_METHODS]
+    (f"/kvdepot.v1.Admin/{m}", "unary") for m in ADMIN_METHODS
+]
 
 
 def _raw(channel: grpc.Channel, method: str, kind: str, payloads: list[bytes]) -> grpc.StatusCode:
-    ident: dict[str, Any] = {"request_serializer": lambda b: b,
-                             "response_deserializer": lambda b: b}
+    ident: dict[str, Any] = {
+        "request_serializer": lambda b: b,
+        "response_deserializer": lambda b: b,
+    }
     try:
         if kind == "unary":
             channel.unary_unary(method, **ident)(payloads[0], timeout=10)
@@ -696,9 +885,12 @@ def test_undecodable_and_random_bytes_on_every_method(rig: Rig) -> None:
 def test_sessions_and_watches_cut_half_way(rig: Rig) -> None:
     @fuzz_settings(150)
     @given(
-        st.text(max_size=300), st.integers(I64_MIN, I64_MAX), st.text(max_size=50),
-        st.lists(st.sampled_from(["pin", "put_half", "watch", "watch_unknown", "lookup"]),
-                 max_size=4),
+        st.text(max_size=300),
+        st.integers(I64_MIN, I64_MAX),
+        st.text(max_size=50),
+        st.lists(
+            st.sampled_from(["pin", "put_half", "watch", "watch_unknown", "lookup"]), max_size=4
+        ),
         st.sampled_from(["cancel", "keep"]),
     )
     def run(name: str, pid: int, engine_id: str, actions: list[str], end: str) -> None:
@@ -708,18 +900,30 @@ def test_sessions_and_watches_cut_half_way(rig: Rig) -> None:
             if a == "pin":
                 rig.call(rig.stub.Pin, pb.PinRequest(session_id=s.id, namespace_id=NS, keys=keys))
             elif a == "put_half":  # rank 0 of a fresh row: a reservation of this session
-                rig.call(rig.stub.Put, pb.PutRequest(
-                    session_id=s.id, namespace_id=NS, key=make_key(pid % 1000, 1, b"half"),
-                    rank=0, data=bytes(6144)))
+                rig.call(
+                    rig.stub.Put,
+                    pb.PutRequest(
+                        session_id=s.id,
+                        namespace_id=NS,
+                        key=make_key(pid % 1000, 1, b"half"),
+                        rank=0,
+                        data=bytes(6144),
+                    ),
+                )
             elif a in ("watch", "watch_unknown"):
-                call = rig.stub.Watch(pb.WatchRequest(
-                    session_id=s.id, namespace_id=NS if a == "watch" else "nowhere"), timeout=10)
+                call = rig.stub.Watch(
+                    pb.WatchRequest(
+                        session_id=s.id, namespace_id=NS if a == "watch" else "nowhere"
+                    ),
+                    timeout=10,
+                )
                 first = next(call)
                 assert first.kind == pb.WatchEvent.SNAPSHOT and first.reset
                 call.cancel()
             else:
-                rig.call(rig.stub.Lookup, pb.LookupRequest(session_id=s.id, namespace_id=NS,
-                                                           keys=keys))
+                rig.call(
+                    rig.stub.Lookup, pb.LookupRequest(session_id=s.id, namespace_id=NS, keys=keys)
+                )
         if end == "cancel":
             s.close()
         rig.check()  # with "keep", the session is still open here

@@ -22,7 +22,9 @@ def run(daemon, *command: str, options: tuple[str, ...] = ()) -> str:
     """grpcurl [options] SOCKET command... (options must precede the address)."""
     out = subprocess.run(
         [grpcurl(), "-plaintext", "-unix", *options, daemon.socket_path, *command],
-        capture_output=True, text=True, timeout=30,
+        capture_output=True,
+        text=True,
+        timeout=30,
     )
     assert out.returncode == 0, out.stderr
     return out.stdout
@@ -38,8 +40,9 @@ def test_list_shows_every_service_through_reflection(daemon) -> None:
 
 def test_health_answers_serving(daemon) -> None:
     assert json.loads(run(daemon, "grpc.health.v1.Health/Check")) == {"status": "SERVING"}
-    reply = run(daemon, "grpc.health.v1.Health/Check",
-                options=("-d", '{"service":"kvdepot.v1.Depot"}'))
+    reply = run(
+        daemon, "grpc.health.v1.Health/Check", options=("-d", '{"service":"kvdepot.v1.Depot"}')
+    )
     assert json.loads(reply) == {"status": "SERVING"}
 
 

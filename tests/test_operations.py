@@ -62,8 +62,15 @@ GUIDE = REPO / "docs" / "operations.md"
 GUIDE_SOCKET = "/run/kvdepot/kvdepot.sock"
 GUIDE_METRICS = "localhost:9477"
 # Fields whose values differ from run to run; the guide's keys must still be there.
-VOLATILE_FIELDS = {"boot_id", "uptime_seconds", "session_id", "pid", "connected_seconds",
-                   "version", "registration_id"}  # registration ids start at random per boot
+VOLATILE_FIELDS = {
+    "boot_id",
+    "uptime_seconds",
+    "session_id",
+    "pid",
+    "connected_seconds",
+    "version",
+    "registration_id",
+}  # registration ids start at random per boot
 HEALTH = health_pb2.HealthCheckResponse
 DaemonFactory = Callable[..., DaemonProcess]  # conftest's daemon_factory
 
@@ -159,7 +166,10 @@ GEO_A = DescribedGeometry(
     description="synthetic engine A: 2 groups (2 and 3 layers), bpc=2, world=2",
 )
 GEO_B = DescribedGeometry(
-    groups=[[2048, 2048, 2048, 2048]], blocks_per_chunk=4, world_size=1, num_blocks=64,
+    groups=[[2048, 2048, 2048, 2048]],
+    blocks_per_chunk=4,
+    world_size=1,
+    num_blocks=64,
     namespace=_namespace_id("operations guide: engine B"),
     description="synthetic engine B: 1 group (4 layers), bpc=4, world=1",
 )
@@ -211,8 +221,10 @@ def check_guide_state(d: DaemonProcess) -> None:
     ch, stub = admin(d)
     with ch:
         s = stub.GetStats(admin_pb2.GetStatsRequest(), timeout=10)
-    row = {g: GEO_A.world_size * GEO_A.blocks_per_chunk * sum(pages)
-           for g, pages in enumerate(GEO_A.groups)}
+    row = {
+        g: GEO_A.world_size * GEO_A.blocks_per_chunk * sum(pages)
+        for g, pages in enumerate(GEO_A.groups)
+    }
     assert (s.namespaces, s.sessions, s.registrations) == (2, 2, 3)
     assert (s.ready_blocks, s.writing_blocks, s.pinned_blocks) == (8 + 3, 2, 1)
     assert (s.lookups, s.hits, s.misses) == (6, 4, 2)
@@ -282,11 +294,16 @@ def parse_guide(text: str) -> list[GuideCommand]:
             out_start = i
             while i < len(lines) and lines[i].strip() != "```" and not lines[i].startswith("$ "):
                 i += 1
-            commands.append(GuideCommand(
-                line=start + 1, command=" ".join(p.strip() for p in parts),
-                expected="\n".join(lines[out_start:i]), daemon=daemon,
-                out_start=out_start, out_end=i,
-            ))
+            commands.append(
+                GuideCommand(
+                    line=start + 1,
+                    command=" ".join(p.strip() for p in parts),
+                    expected="\n".join(lines[out_start:i]),
+                    daemon=daemon,
+                    out_start=out_start,
+                    out_end=i,
+                )
+            )
         i += 1  # the closing fence
         daemon = "main"
     return commands
@@ -298,13 +315,18 @@ def guide_env() -> dict[str, str]:
     return {**os.environ, "PATH": f"{bindir}{os.pathsep}{os.environ.get('PATH', '')}"}
 
 
-def run_guide_command(cmd: GuideCommand, daemons: dict[str, DaemonProcess], metrics: str,
-                      env: dict[str, str]) -> tuple[int, str]:
+def run_guide_command(
+    cmd: GuideCommand, daemons: dict[str, DaemonProcess], metrics: str, env: dict[str, str]
+) -> tuple[int, str]:
     live = cmd.command.replace(GUIDE_SOCKET, daemons[cmd.daemon].socket_path)
     live = live.replace(GUIDE_METRICS, metrics)
     out = subprocess.run(
-        ["bash", "-o", "pipefail", "-c", live], stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True, timeout=60, env=env,
+        ["bash", "-o", "pipefail", "-c", live],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=60,
+        env=env,
     )
     return out.returncode, out.stdout.rstrip("\n")
 
@@ -328,8 +350,9 @@ def output_mismatch(expected: str, actual: str) -> str | None:
         return f"expected:\n{expected}\ngot:\n{actual}"
     if _mask(want) == _mask(got):
         return None
-    return (f"expected:\n{json.dumps(_mask(want), indent=1)}\n"
-            f"got:\n{json.dumps(_mask(got), indent=1)}")
+    return (
+        f"expected:\n{json.dumps(_mask(want), indent=1)}\ngot:\n{json.dumps(_mask(got), indent=1)}"
+    )
 
 
 def needs_tool(command: str) -> str | None:
@@ -388,8 +411,10 @@ def test_guide_commands_answer_as_printed(daemon_factory: DaemonFactory) -> None
         diff = output_mismatch(cmd.expected, out)
         if diff:
             problems.append(f"line {cmd.line}: `{cmd.command}`\n{diff}")
-    assert not problems, "docs/operations.md is out of date (python tests/test_operations.py " \
+    assert not problems, (
+        "docs/operations.md is out of date (python tests/test_operations.py "
         "--write-docs regenerates the outputs; review the diff):\n\n" + "\n\n".join(problems)
+    )
 
 
 def test_guide_covers_every_operation() -> None:
@@ -403,8 +428,16 @@ def test_guide_covers_every_operation() -> None:
     methods = admin_pb2.DESCRIPTOR.services_by_name["Admin"].methods
     for m in methods:
         assert f"kvdepot.v1.Admin/{m.name}" in text, f"the guide never calls Admin/{m.name}"
-    for needle in (" list", " describe ", "grpc.health.v1.Health/Check", '"page_token"',
-                   '"has_group"', '"group"', '"keys"', "-emit-defaults"):
+    for needle in (
+        " list",
+        " describe ",
+        "grpc.health.v1.Health/Check",
+        '"page_token"',
+        '"has_group"',
+        '"group"',
+        '"keys"',
+        "-emit-defaults",
+    ):
         assert needle in text, f"the guide shows no grpcurl command with {needle!r}"
     evicts = [c for c in grpcurl if c.command.endswith("kvdepot.v1.Admin/Evict")]
     assert any('"keys"' not in c.command for c in evicts), "no Evict of a whole namespace"
@@ -417,8 +450,13 @@ def test_guide_covers_every_operation() -> None:
 
 # --- metrics ---------------------------------------------------------------------------------
 
-GEO_M = Geometry(groups=[[4096, 4096]], blocks_per_chunk=2, world_size=1, num_blocks=128,
-                 namespace="metrics-test")
+GEO_M = Geometry(
+    groups=[[4096, 4096]],
+    blocks_per_chunk=2,
+    world_size=1,
+    num_blocks=128,
+    namespace="metrics-test",
+)
 SLOT_M = GEO_M.blocks_per_chunk * sum(GEO_M.layer_pages)  # 16 KiB: 16 slots in 256 KiB
 
 
@@ -513,14 +551,16 @@ def test_metrics_show_exactly_what_happened(daemon_factory: DaemonFactory) -> No
         assert sample(m, "kvdepot_transfer_size_bytes_count", direction=direction) == len(sizes)
         assert sample(m, "kvdepot_transfer_size_bytes_sum", direction=direction) == sum(sizes)
         for (name, labels), value in m.items():
-            if name == "kvdepot_transfer_size_bytes_bucket" and dict(labels)["direction"] == \
-                    direction:
+            if (
+                name == "kvdepot_transfer_size_bytes_bucket"
+                and dict(labels)["direction"] == direction
+            ):
                 le = float(dict(labels)["le"])
                 assert value == sum(s <= le for s in sizes), (direction, le)
-        assert sample(m, "kvdepot_transfer_copy_seconds_count", direction=direction) == len(
-            sizes)
-    seconds = sum(sample(m, "kvdepot_transfer_copy_seconds_sum", direction=d)
-                  for d in ("store", "load"))
+        assert sample(m, "kvdepot_transfer_copy_seconds_count", direction=direction) == len(sizes)
+    seconds = sum(
+        sample(m, "kvdepot_transfer_copy_seconds_sum", direction=d) for d in ("store", "load")
+    )
     assert copy_seconds <= seconds + 1e-9 <= copy_seconds + inline_wall + 1e-6
     assert sample(m, "kvdepot_failed_transfers_total", direction="load") == 1
     assert sample(m, "kvdepot_failed_transfers_total", direction="store") == 0
@@ -567,9 +607,7 @@ def test_guide_lists_every_metric(daemon_factory: DaemonFactory) -> None:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
         families = {f.name for f in text_string_to_metric_families(resp.read().decode())}
     guide = GUIDE.read_text()
-    missing = sorted(
-        f for f in families if f.startswith("kvdepot_") and f"`{f}" not in guide
-    )
+    missing = sorted(f for f in families if f.startswith("kvdepot_") and f"`{f}" not in guide)
     assert not missing, f"docs/operations.md does not list {missing}"
     assert any(f.startswith("process_") for f in families)  # memory, CPU, fds of the daemon
 
@@ -605,7 +643,9 @@ def test_systemd_notify_sequence() -> None:
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
             [*kvdepot_command(), "serve", "--socket", sock_path, "--pool-size", "64MiB"],
-            stdout=log, stderr=subprocess.STDOUT, env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
         )
     got: list[Datagram] = []
 
@@ -621,8 +661,10 @@ def test_systemd_notify_sequence() -> None:
         deadline = time.monotonic() + timeout
         while True:
             left = deadline - time.monotonic()
-            assert left > 0, f"no {what} within {timeout}s; got {[g.text for g in got]}\n" \
+            assert left > 0, (
+                f"no {what} within {timeout}s; got {[g.text for g in got]}\n"
                 f"{log_path.read_text(errors='replace')}"
+            )
             try:
                 dg = receive(min(left, 0.5))
             except TimeoutError:
@@ -639,8 +681,9 @@ def test_systemd_notify_sequence() -> None:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
             probe.connect(sock_path)
         with grpc.insecure_channel(f"unix://{sock_path}") as ch:
-            status = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(),
-                                                          timeout=5)
+            status = health_pb2_grpc.HealthStub(ch).Check(
+                health_pb2.HealthCheckRequest(), timeout=5
+            )
         assert status.status == HEALTH.SERVING
         before = got[:-1]
         assert not any("WATCHDOG=1" in g.fields for g in before), "keep-alive before READY=1"
@@ -658,8 +701,12 @@ def test_systemd_notify_sequence() -> None:
                 keepalives.append(dg.at)
         gaps = [b - a for a, b in itertools.pairwise(keepalives)]
         assert 0.03 < sum(gaps) / len(gaps) < 0.3, gaps  # every 0.1 s, give or take
-        assert all(f.startswith("STATUS=") and "pool warm-up" in f
-                   for g in got for f in g.fields if f.startswith("STATUS="))
+        assert all(
+            f.startswith("STATUS=") and "pool warm-up" in f
+            for g in got
+            for f in g.fields
+            if f.startswith("STATUS=")
+        )
 
         proc.send_signal(signal.SIGTERM)
         stopping = until(lambda dg: "STOPPING=1" in dg.fields, 20, "STOPPING=1")
@@ -706,7 +753,8 @@ def test_health_reports_not_serving_during_shutdown(daemon_factory: DaemonFactor
                         for channel in (ch, fresh):
                             try:
                                 r = health_pb2_grpc.HealthStub(channel).Check(
-                                    health_pb2.HealthCheckRequest(), timeout=2)
+                                    health_pb2.HealthCheckRequest(), timeout=2
+                                )
                                 checks.append(HEALTH.ServingStatus.Name(r.status))
                             except grpc.RpcError as exc:
                                 checks.append(exc.code().name)
@@ -735,8 +783,10 @@ def test_no_destructive_admin_refuses_evict_and_clear(daemon_factory: DaemonFact
         with ch:
             for call, req in (
                 (stub.Evict, admin_pb2.EvictRequest(namespace_id=GEO_M.namespace)),
-                (stub.Evict, admin_pb2.EvictRequest(namespace_id=GEO_M.namespace,
-                                                    keys=keys_m([0]))),
+                (
+                    stub.Evict,
+                    admin_pb2.EvictRequest(namespace_id=GEO_M.namespace, keys=keys_m([0])),
+                ),
                 (stub.Clear, admin_pb2.ClearRequest()),
             ):
                 with pytest.raises(grpc.RpcError) as err:
@@ -772,14 +822,17 @@ def test_list_blocks_paging_filters_and_evict_validation(daemon_factory: DaemonF
             token = ""
             evicted_mid_way: list[bytes] = []
             while True:
-                page = stub.ListBlocks(admin_pb2.ListBlocksRequest(page_size=3,
-                                                                   page_token=token))
+                page = stub.ListBlocks(admin_pb2.ListBlocksRequest(page_size=3, page_token=token))
                 seen += [b.key for b in page.blocks]
                 if len(seen) == 6:  # evict two blocks not yet listed and the first one
-                    evicted_mid_way = [every.blocks[0].key, every.blocks[10].key,
-                                       every.blocks[11].key]
-                    ev = stub.Evict(admin_pb2.EvictRequest(namespace_id="paging-test",
-                                                           keys=evicted_mid_way))
+                    evicted_mid_way = [
+                        every.blocks[0].key,
+                        every.blocks[10].key,
+                        every.blocks[11].key,
+                    ]
+                    ev = stub.Evict(
+                        admin_pb2.EvictRequest(namespace_id="paging-test", keys=evicted_mid_way)
+                    )
                     assert ev.evicted_blocks == 3
                 token = page.next_page_token
                 if not token:
@@ -787,35 +840,61 @@ def test_list_blocks_paging_filters_and_evict_validation(daemon_factory: DaemonF
             want = [b.key for b in every.blocks if b.key not in evicted_mid_way[1:]]
             assert seen == want  # no block twice, none skipped, in order
 
-            for req, group in ((admin_pb2.ListBlocksRequest(has_group=True, group=0), 0),
-                               (admin_pb2.ListBlocksRequest(group=1), 1)):
+            for req, group in (
+                (admin_pb2.ListBlocksRequest(has_group=True, group=0), 0),
+                (admin_pb2.ListBlocksRequest(group=1), 1),
+            ):
                 blocks = stub.ListBlocks(req).blocks
                 assert blocks and all(b.group == group for b in blocks)
 
             # Duplicated keys count once; unknown ones are reported.
             key = next(b.key for b in stub.ListBlocks(admin_pb2.ListBlocksRequest()).blocks)
-            ev = stub.Evict(admin_pb2.EvictRequest(
-                namespace_id="paging-test", keys=[key, key, make_key(99, 0)]))
+            ev = stub.Evict(
+                admin_pb2.EvictRequest(namespace_id="paging-test", keys=[key, key, make_key(99, 0)])
+            )
             assert (ev.evicted_blocks, ev.skipped_blocks, ev.not_found_blocks) == (1, 0, 1)
 
             bad = [
-                (stub.ListBlocks, admin_pb2.ListBlocksRequest(page_token="garbage"),
-                 grpc.StatusCode.INVALID_ARGUMENT, "page_token"),
-                (stub.ListBlocks, admin_pb2.ListBlocksRequest(page_size=10001),
-                 grpc.StatusCode.INVALID_ARGUMENT, "page_size"),
-                (stub.ListBlocks, admin_pb2.ListBlocksRequest(namespace_id="paging-test",
-                                                              group=7),
-                 grpc.StatusCode.INVALID_ARGUMENT, "group 7"),
-                (stub.ListBlocks, admin_pb2.ListBlocksRequest(namespace_id="nope"),
-                 grpc.StatusCode.NOT_FOUND, "ListNamespaces"),
-                (stub.Evict, admin_pb2.EvictRequest(),
-                 grpc.StatusCode.INVALID_ARGUMENT, "Clear"),
-                (stub.Evict, admin_pb2.EvictRequest(namespace_id="nope"),
-                 grpc.StatusCode.NOT_FOUND, "ListNamespaces"),
+                (
+                    stub.ListBlocks,
+                    admin_pb2.ListBlocksRequest(page_token="garbage"),
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    "page_token",
+                ),
+                (
+                    stub.ListBlocks,
+                    admin_pb2.ListBlocksRequest(page_size=10001),
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    "page_size",
+                ),
+                (
+                    stub.ListBlocks,
+                    admin_pb2.ListBlocksRequest(namespace_id="paging-test", group=7),
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    "group 7",
+                ),
+                (
+                    stub.ListBlocks,
+                    admin_pb2.ListBlocksRequest(namespace_id="nope"),
+                    grpc.StatusCode.NOT_FOUND,
+                    "ListNamespaces",
+                ),
+                (stub.Evict, admin_pb2.EvictRequest(), grpc.StatusCode.INVALID_ARGUMENT, "Clear"),
+                (
+                    stub.Evict,
+                    admin_pb2.EvictRequest(namespace_id="nope"),
+                    grpc.StatusCode.NOT_FOUND,
+                    "ListNamespaces",
+                ),
                 # A hex key pasted where base64 belongs decodes to the wrong length.
-                (stub.Evict, admin_pb2.EvictRequest(
-                    namespace_id="paging-test", keys=[base64.b64decode(key.hex())]),
-                 grpc.StatusCode.INVALID_ARGUMENT, "base64"),
+                (
+                    stub.Evict,
+                    admin_pb2.EvictRequest(
+                        namespace_id="paging-test", keys=[base64.b64decode(key.hex())]
+                    ),
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    "base64",
+                ),
             ]
             for call, req, code, hint in bad:
                 with pytest.raises(grpc.RpcError) as err:
@@ -840,11 +919,12 @@ def test_list_engines_reports_registrations_and_pins(daemon_factory: DaemonFacto
         ch, stub = admin(d)
         with ch:
             (e,) = stub.ListEngines(admin_pb2.ListEnginesRequest()).engines
-        assert (e.client_name, e.engine_id, e.pid) == ("engines-test", "engines-test",
-                                                       os.getpid())
+        assert (e.client_name, e.engine_id, e.pid) == ("engines-test", "engines-test", os.getpid())
         assert e.pinned_blocks == 2
         assert [(r.rank, r.memory_path, r.namespace_id) for r in e.registrations] == [
-            (0, "shm", GEO_A.namespace), (1, "shm", GEO_A.namespace)]
+            (0, "shm", GEO_A.namespace),
+            (1, "shm", GEO_A.namespace),
+        ]
         assert all(r.registered_bytes == r0.buffer.size for r in e.registrations)
     finally:
         client.close()

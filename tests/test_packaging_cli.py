@@ -20,9 +20,21 @@ REPO = Path(__file__).resolve().parents[1]
 
 def test_wheel_maps_the_top_level_folders_onto_one_namespace(tmp_path: Path) -> None:
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-         "-w", str(tmp_path), str(REPO)],
-        check=True, capture_output=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(tmp_path),
+            str(REPO),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=300,
     )
     (wheel,) = tmp_path.glob("kvdepot-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
@@ -42,8 +54,13 @@ def test_wheel_maps_the_top_level_folders_onto_one_namespace(tmp_path: Path) -> 
 
 @pytest.mark.parametrize(
     ("text", "value"),
-    [("512MiB", 512 << 20), ("64GiB", 64 << 30), ("1.5GB", 1_500_000_000), ("4096", 4096),
-     ("2 kib", 2048)],
+    [
+        ("512MiB", 512 << 20),
+        ("64GiB", 64 << 30),
+        ("1.5GB", 1_500_000_000),
+        ("4096", 4096),
+        ("2 kib", 2048),
+    ],
 )
 def test_human_sizes(text: str, value: int) -> None:
     assert parse_size(text) == value
@@ -61,8 +78,9 @@ def test_version() -> None:
 
 
 def test_a_bad_pool_size_is_a_usage_error() -> None:
-    out = subprocess.run([*kvdepot_command(), "serve", "--pool-size", "lots"],
-                         capture_output=True, text=True)
+    out = subprocess.run(
+        [*kvdepot_command(), "serve", "--pool-size", "lots"], capture_output=True, text=True
+    )
     assert out.returncode == 2 and "512MiB" in out.stderr
 
 

@@ -31,8 +31,9 @@ GRAN = 4096
 IDENTITY = PoolFileIdentity(device=1, inode=2, size=POOL, mtime_ns=3, ctime_ns=4)
 LAYOUTS = [
     NamespaceLayout("ns-a", world_size=2, blocks_per_chunk=2, groups=((1024, 1024), (512,))),
-    NamespaceLayout("ns-b", world_size=1, blocks_per_chunk=4, groups=((3000,),),
-                    description="model b"),
+    NamespaceLayout(
+        "ns-b", world_size=1, blocks_per_chunk=4, groups=((3000,),), description="model b"
+    ),
 ]
 
 
@@ -74,8 +75,9 @@ def populated() -> BlockIndex:
 
 
 def ready_view(index: BlockIndex) -> list[tuple[str, bytes, int, int]]:
-    return [(s.namespace, s.key, s.extent.offset, s.extent.size)
-            for s in index.ready_slots_by_age()]
+    return [
+        (s.namespace, s.key, s.extent.offset, s.extent.size) for s in index.ready_slots_by_age()
+    ]
 
 
 def test_roundtrip_keeps_ready_slots_offsets_and_lru_order() -> None:
@@ -108,15 +110,19 @@ def test_lru_order_survives_so_the_oldest_block_is_evicted_first() -> None:
     assert slot is not None
     index.end_read(slot)
     fresh = new_index()
-    snapshot.restore(fresh, snapshot.decode(snapshot.encode(
-        snapshot.capture(index, POOL, IDENTITY))))
-    assert [s.key for s in fresh.ready_slots_by_age()] == [key(1), key(2), key(3), key(4),
-                                                           key(0)]
+    snapshot.restore(
+        fresh, snapshot.decode(snapshot.encode(snapshot.capture(index, POOL, IDENTITY)))
+    )
+    assert [s.key for s in fresh.ready_slots_by_age()] == [key(1), key(2), key(3), key(4), key(0)]
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.tuples(st.sampled_from(["store", "half", "evict", "read", "pin"]),
-                          st.integers(0, 40)), max_size=120))
+@given(
+    st.lists(
+        st.tuples(st.sampled_from(["store", "half", "evict", "read", "pin"]), st.integers(0, 40)),
+        max_size=120,
+    )
+)
 def test_any_index_history_restores_to_an_equivalent_index(ops: list[tuple[str, int]]) -> None:
     index = new_index()
     for layout in LAYOUTS:

@@ -47,8 +47,9 @@ RSS_GROWTH_LIMIT = 24 << 20
 
 
 def test_four_engines_soak(daemon_factory: DaemonFactory) -> None:
-    d = daemon_factory("--pool-size", "8MiB", "--reservation-timeout", "5",
-                       env={"KVDEPOT_CHECK_INVARIANTS": "1"})
+    d = daemon_factory(
+        "--pool-size", "8MiB", "--reservation-timeout", "5", env={"KVDEPOT_CHECK_INVARIANTS": "1"}
+    )
     pid = d.proc.pid  # type: ignore[union-attr]
     stub = admin(d.channel())
     stats(stub)
@@ -63,9 +64,20 @@ def test_four_engines_soak(daemon_factory: DaemonFactory) -> None:
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
-    procs = [soak_process("soak", "--target", d.target, "--seconds", str(SECONDS),
-                          "--seed", str(seed), "--key-space", "300")
-             for seed in range(1, WORKERS + 1)]
+    procs = [
+        soak_process(
+            "soak",
+            "--target",
+            d.target,
+            "--seconds",
+            str(SECONDS),
+            "--seed",
+            str(seed),
+            "--key-space",
+            "300",
+        )
+        for seed in range(1, WORKERS + 1)
+    ]
     reports = []
     try:
         for p in procs:
@@ -83,8 +95,10 @@ def test_four_engines_soak(daemon_factory: DaemonFactory) -> None:
     for r in reports:
         for k, v in r["ops"].items():
             totals[k] = totals.get(k, 0) + v
-    print(f"soak {SECONDS:.0f}s x {WORKERS}: {dict(sorted(totals.items()))}; "
-          f"verified pages {sum(r['verified_pages'] for r in reports)}")
+    print(
+        f"soak {SECONDS:.0f}s x {WORKERS}: {dict(sorted(totals.items()))}; "
+        f"verified pages {sum(r['verified_pages'] for r in reports)}"
+    )
     # Zero wrong bytes, zero unexpected failures, and real work on every path.
     assert [r["mismatches"] for r in reports] == [0] * WORKERS
     assert [r["errors"] for r in reports] == [[]] * WORKERS
@@ -102,8 +116,10 @@ def test_four_engines_soak(daemon_factory: DaemonFactory) -> None:
     rss_warm = warm[0][1]
     rss_max = max(s[1] for s in warm)
     fds_max = max(s[2] for s in samples)
-    print(f"daemon RSS {rss_warm >> 20} MiB after warm-up, max {rss_max >> 20} MiB; "
-          f"fds {base_fds} idle, max {fds_max}")
+    print(
+        f"daemon RSS {rss_warm >> 20} MiB after warm-up, max {rss_max >> 20} MiB; "
+        f"fds {base_fds} idle, max {fds_max}"
+    )
     assert rss_max - rss_warm <= RSS_GROWTH_LIMIT
     assert fds_max <= base_fds + FD_HEADROOM
 
@@ -111,5 +127,6 @@ def test_four_engines_soak(daemon_factory: DaemonFactory) -> None:
     wait_for("the workers' sessions to end", lambda: stats(stub).sessions == 0, timeout=10)
     s = assert_pool_accounting(stub)
     assert (s.pinned_blocks, s.registrations, s.inflight_jobs) == (0, 0, 0)
-    wait_for("the daemon's fds to return to idle",
-             lambda: len(fd_targets(pid)) <= base_fds, timeout=10)
+    wait_for(
+        "the daemon's fds to return to idle", lambda: len(fd_targets(pid)) <= base_fds, timeout=10
+    )

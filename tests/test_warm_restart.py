@@ -190,8 +190,19 @@ def test_a_second_daemon_on_the_same_pool_file_is_refused(
     first = daemon_factory("--pool-size", "16MiB", "--pool-file", pool)
     other_socket = str(tmp_path / "other.sock")
     proc = subprocess.run(
-        [*kvdepot_command(), "serve", "--socket", other_socket, "--pool-size", "16MiB",
-         "--pool-file", pool], capture_output=True, text=True, timeout=30,
+        [
+            *kvdepot_command(),
+            "serve",
+            "--socket",
+            other_socket,
+            "--pool-size",
+            "16MiB",
+            "--pool-file",
+            pool,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=30,
     )
     assert proc.returncode == 2, proc.stderr
     assert "in use by another kvdepot daemon" in proc.stderr

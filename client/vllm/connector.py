@@ -175,8 +175,9 @@ class KVDepotConnector(OffloadingConnector):
         if transfer_config.kv_load_failure_policy != "recompute":
             log.warning(
                 "kvdepot: kv_load_failure_policy is %r, so a request whose KV load fails "
-                "(the daemon restarting, for example) fails; set it to \"recompute\" to "
-                "recompute the blocks instead", transfer_config.kv_load_failure_policy,
+                '(the daemon restarting, for example) fails; set it to "recompute" to '
+                "recompute the blocks instead",
+                transfer_config.kv_load_failure_policy,
             )
         token = connector_context.set(ConnectorContext(vllm_config, kv_cache_config))
         try:
@@ -186,7 +187,9 @@ class KVDepotConnector(OffloadingConnector):
         if role == KVConnectorRole.WORKER:
             assert self.connector_worker is not None
             self.connector_worker = KVDepotConnectorWorker(
-                self.connector_worker.spec, vllm_config, kv_cache_config,
+                self.connector_worker.spec,
+                vllm_config,
+                kv_cache_config,
                 report_block_ids=not multi_group,
             )
 

@@ -251,9 +251,7 @@ class KVDepotOffloadingManager(OffloadingManager):
             with self._stats_lock:
                 self._stats.increase_counter(MetricName.REMOTE_GAVE_UP, 1)
             return _MISS
-        if self._no_remote.get(key, 0.0) > now or (
-            self._quarantine and key in self._quarantine
-        ):
+        if self._no_remote.get(key, 0.0) > now or (self._quarantine and key in self._quarantine):
             return _MISS
         self._fetching[key] = now + self._remote_wait_s
         self._step_prefetch.append(key)
@@ -357,9 +355,7 @@ class KVDepotOffloadingManager(OffloadingManager):
             return
         start = time.perf_counter()
         try:
-            pinned = self._client.pin(
-                self.namespace_id, keys, timeout=self._settings.pin_timeout_s
-            )
+            pinned = self._client.pin(self.namespace_id, keys, timeout=self._settings.pin_timeout_s)
         except (DepotUnavailable, grpc.RpcError) as exc:
             # The loads go ahead unpinned: a key evicted meanwhile fails its load,
             # which vLLM recomputes. Never worse than a miss.
@@ -402,7 +398,8 @@ class KVDepotOffloadingManager(OffloadingManager):
             with self._stats_lock:
                 self._stats.increase_counter(MetricName.STORES_NOT_OFFERED, len(keys))
             return PrepareStoreOutput(
-                keys_to_store=[], store_spec=KVDepotStoreSpec(self.namespace_id, []),
+                keys_to_store=[],
+                store_spec=KVDepotStoreSpec(self.namespace_id, []),
                 evicted_keys=[],
             )
         ready, storing = self._ready, self._storing

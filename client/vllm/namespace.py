@@ -77,9 +77,7 @@ class NamespaceInputs:
 
     def description(self) -> str:
         """A human-readable summary, shown by Admin/ListNamespaces."""
-        groups = ",".join(
-            f"{g.kind}/{g.tokens_per_block}tok/{g.num_layers}L" for g in self.groups
-        )
+        groups = ",".join(f"{g.kind}/{g.tokens_per_block}tok/{g.num_layers}L" for g in self.groups)
         salt = " salted" if self.salt else ""
         return (
             f"{self.model_name or self.model} {self.kv_dtype} {self.kv_layout} groups=[{groups}] "

@@ -140,15 +140,17 @@ class KVDepotOffloadingSpec(OffloadingSpec):
         name = self.settings.client_name or (
             f"vllm-{role} engine={self.config.engine_id} pid={os.getpid()}"
         )
-        client = DepotClient(self.settings.socket, client_name=name,
-                             engine_id=self.config.engine_id)
+        client = DepotClient(
+            self.settings.socket, client_name=name, engine_id=self.config.engine_id
+        )
         client.start()
         if self.settings.startup_wait_s > 0 and not client.wait_connected(
             self.settings.startup_wait_s
         ):
             log.warning(
                 "kvdepot daemon at %s is not reachable yet; running without it (lookups "
-                "miss) and reconnecting in the background", self.settings.socket,
+                "miss) and reconnecting in the background",
+                self.settings.socket,
             )
         return client
 

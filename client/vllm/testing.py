@@ -184,8 +184,7 @@ class _Rank:
                 nbytes = page * engine.num_blocks
                 region = raw[offset : offset + nbytes]
                 offset += nbytes
-                shape = (engine.num_blocks, spec.num_kv_heads, spec.block_size,
-                         2 * spec.head_size)
+                shape = (engine.num_blocks, spec.num_kv_heads, spec.block_size, 2 * spec.head_size)
                 self.u8[name] = region.view(
                     engine.num_blocks, spec.num_kv_heads, spec.block_size, -1
                 )
@@ -195,7 +194,8 @@ class _Rank:
 
         with set_current_vllm_config(self.vllm_config):
             self.connector = KVConnectorFactory.create_connector(
-                config=self.vllm_config, role=KVConnectorRole.WORKER,
+                config=self.vllm_config,
+                role=KVConnectorRole.WORKER,
                 kv_cache_config=engine.kv_cache_config,
             )
             self.connector.register_kv_caches(kv_caches)
@@ -278,19 +278,26 @@ class SyntheticEngine:
             **cfg.extra_config,
         }
         model = ModelConfig(
-            model=model_dir, skip_tokenizer_init=True, max_model_len=cfg.max_model_len,
+            model=model_dir,
+            skip_tokenizer_init=True,
+            max_model_len=cfg.max_model_len,
             dtype=cfg.dtype,
         )
         cache = CacheConfig(block_size=cfg.groups[0].block_size, enable_prefix_caching=True)
         sched = SchedulerConfig(
-            max_num_batched_tokens=cfg.max_num_batched_tokens, max_num_seqs=cfg.max_num_seqs,
-            max_model_len=cfg.max_model_len, is_encoder_decoder=False, async_scheduling=False,
+            max_num_batched_tokens=cfg.max_num_batched_tokens,
+            max_num_seqs=cfg.max_num_seqs,
+            max_model_len=cfg.max_model_len,
+            is_encoder_decoder=False,
+            async_scheduling=False,
         )
         transfer = None
         if cfg.connector is not None:
             transfer = KVTransferConfig(
-                kv_connector=cfg.connector, kv_connector_module_path=cfg.connector_module,
-                kv_role="kv_both", kv_load_failure_policy="recompute",
+                kv_connector=cfg.connector,
+                kv_connector_module_path=cfg.connector_module,
+                kv_role="kv_both",
+                kv_load_failure_policy="recompute",
                 kv_connector_extra_config=extra,
             )
         kwargs: dict[str, Any] = {}
@@ -301,7 +308,9 @@ class SyntheticEngine:
                 enable_kv_cache_events=True, publisher="null"
             )
         return VllmConfig(
-            model_config=model, cache_config=cache, scheduler_config=sched,
+            model_config=model,
+            cache_config=cache,
+            scheduler_config=sched,
             kv_transfer_config=transfer,
             parallel_config=ParallelConfig(tensor_parallel_size=cfg.tp),
             **kwargs,
@@ -346,12 +355,15 @@ class SyntheticEngine:
         page = pages[0]
         total = page * self.num_blocks * len(names)
         tensors = [
-            KVCacheTensor(size=total, layers=names, layer_stride=page * self.num_blocks,
-                          block_stride=page)
+            KVCacheTensor(
+                size=total, layers=names, layer_stride=page * self.num_blocks, block_stride=page
+            )
         ]
         self.vllm_config.cache_config.num_gpu_blocks = self.num_blocks
         return KVCacheConfig(
-            num_blocks=self.num_blocks, kv_cache_tensors=tensors, kv_cache_groups=groups,
+            num_blocks=self.num_blocks,
+            kv_cache_tensors=tensors,
+            kv_cache_groups=groups,
             kv_cache_layout="LBHNC",
         )
 
@@ -370,8 +382,11 @@ class SyntheticEngine:
         self._next_id += 1
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
         req = Request(
-            request_id=req_id, prompt_token_ids=list(prompt), sampling_params=params,
-            pooling_params=None, block_hasher=self._hasher,
+            request_id=req_id,
+            prompt_token_ids=list(prompt),
+            sampling_params=params,
+            pooling_params=None,
+            block_hasher=self._hasher,
         )
         self._requests[req_id] = req
         self.records[req_id] = RequestRecord(req_id, list(prompt))
@@ -398,12 +413,14 @@ class SyntheticEngine:
         lid = self.layer_index[layer]
         head = torch.arange(heads, dtype=torch.int64) + rank * heads
         col = torch.arange(row, dtype=torch.int64)
-        vals = (h[:, None, None] * 31 + lid * 1009 + head[None, :, None] * 131
-                + col[None, None, :] * 7) % 251
+        vals = (
+            h[:, None, None] * 31 + lid * 1009 + head[None, :, None] * 131 + col[None, None, :] * 7
+        ) % 251
         return vals.to(torch.uint8)
 
-    def expected_page(self, prompt: Sequence[int], group: int, logical_block: int,
-                      layer: str, rank: int) -> torch.Tensor:
+    def expected_page(
+        self, prompt: Sequence[int], group: int, logical_block: int, layer: str, rank: int
+    ) -> torch.Tensor:
         """The bytes one full block of a prompt must hold: (heads, tokens, row)."""
         bs = self.kv_cache_config.kv_cache_groups[group].kv_cache_spec.block_size
         h = 0x9E3779B1
@@ -518,8 +535,9 @@ class SyntheticEngine:
         jobs = {**meta.load_jobs, **meta.store_jobs}
         done = OffloadingWorkerMetadata(completed_jobs={j: self.cfg.tp for j in jobs})
         recving = {job.req_id for job in meta.load_jobs.values() if not job.sync}
-        return KVConnectorOutput(finished_recving=recving or None,
-                                 kv_connector_worker_meta=done if jobs else None)
+        return KVConnectorOutput(
+            finished_recving=recving or None, kv_connector_worker_meta=done if jobs else None
+        )
 
     def _model_output(
         self, out: SchedulerOutput, kv_out: KVConnectorOutput | None
@@ -533,8 +551,10 @@ class SyntheticEngine:
             else:
                 sampled.append([])
         return ModelRunnerOutput(
-            req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
-            sampled_token_ids=sampled, kv_connector_output=kv_out,
+            req_ids=req_ids,
+            req_id_to_index={r: i for i, r in enumerate(req_ids)},
+            sampled_token_ids=sampled,
+            kv_connector_output=kv_out,
         )
 
     def busy(self) -> bool:
@@ -557,8 +577,9 @@ class SyntheticEngine:
             if out.total_num_scheduled_tokens == 0:
                 time.sleep(idle_sleep)
 
-    def generate(self, prompts: Sequence[Sequence[int]], max_tokens: int = 1,
-                 timeout: float = 30.0) -> list[RequestRecord]:
+    def generate(
+        self, prompts: Sequence[Sequence[int]], max_tokens: int = 1, timeout: float = 30.0
+    ) -> list[RequestRecord]:
         ids = [self.add_request(p, max_tokens) for p in prompts]
         self.run(timeout)
         return [self.records[i] for i in ids]
@@ -569,17 +590,23 @@ class SyntheticEngine:
         """The OffloadKeys of a prompt's full chunks in one group (as vLLM makes them)."""
         from vllm.v1.kv_offload.base import make_offload_key
 
-        req = Request(request_id="keys", prompt_token_ids=list(prompt),
-                      sampling_params=SamplingParams(max_tokens=1), pooling_params=None,
-                      block_hasher=self._hasher)
+        req = Request(
+            request_id="keys",
+            prompt_token_ids=list(prompt),
+            sampling_params=SamplingParams(max_tokens=1),
+            pooling_params=None,
+            block_hasher=self._hasher,
+        )
         spec = self.kv_cache_config.kv_cache_groups[group].kv_cache_spec
         per_chunk = spec.block_size * self.cfg.blocks_per_chunk // self.hash_block_size
         hashes = req.block_hashes
-        return [make_offload_key(hashes[i], group)
-                for i in range(per_chunk - 1, len(hashes), per_chunk)]
+        return [
+            make_offload_key(hashes[i], group) for i in range(per_chunk - 1, len(hashes), per_chunk)
+        ]
 
-    def wait_until(self, predicate: Callable[[], bool], timeout: float = 10.0,
-                   what: str = "condition") -> None:
+    def wait_until(
+        self, predicate: Callable[[], bool], timeout: float = 10.0, what: str = "condition"
+    ) -> None:
         deadline = time.monotonic() + timeout
         while not predicate():
             if time.monotonic() > deadline:
@@ -588,8 +615,11 @@ class SyntheticEngine:
 
     def wait_ready(self, keys: Sequence[bytes], timeout: float = 10.0) -> None:
         """Until the scheduler's mirror holds every key (the Watch stream delivered)."""
-        self.wait_until(lambda: all(self.manager.is_ready(k) for k in keys), timeout,
-                        f"{len(keys)} keys in the scheduler's mirror")
+        self.wait_until(
+            lambda: all(self.manager.is_ready(k) for k in keys),
+            timeout,
+            f"{len(keys)} keys in the scheduler's mirror",
+        )
 
     def wait_registered(self, timeout: float = 20.0) -> None:
         for rank in self.ranks:

@@ -452,9 +452,11 @@ class BlockIndex:
         """
         ns = self.namespace(namespace_id)
         # dict.fromkeys: a key named twice must not be removed (and freed) twice.
-        candidates = list(ns.slots.values()) if keys is None else [
-            s for k in dict.fromkeys(keys) if (s := ns.slots.get(k)) is not None
-        ]
+        candidates = (
+            list(ns.slots.values())
+            if keys is None
+            else [s for k in dict.fromkeys(keys) if (s := ns.slots.get(k)) is not None]
+        )
         evicted = skipped = 0
         for slot in candidates:
             if slot.state is SlotState.READY and not slot.held:
@@ -556,7 +558,9 @@ class BlockIndex:
 
     def ready_slots(self) -> list[Slot]:
         return [
-            s for ns in self.namespaces.values() for s in ns.slots.values()
+            s
+            for ns in self.namespaces.values()
+            for s in ns.slots.values()
             if s.state is SlotState.READY
         ]
 
@@ -615,8 +619,15 @@ class BlockIndex:
             raise LayoutError(
                 f"slot of {extent.size} bytes for a group-{group} row of {want} bytes"
             )
-        slot = Slot(namespace_id, key, group, extent, self._clock(), state=SlotState.READY,
-                    written_mask=ns.full_mask)
+        slot = Slot(
+            namespace_id,
+            key,
+            group,
+            extent,
+            self._clock(),
+            state=SlotState.READY,
+            written_mask=ns.full_mask,
+        )
         self._attach(ns, slot)
         self._lru[slot] = None
         return slot
@@ -640,13 +651,16 @@ class BlockIndex:
             writing = [s for s in ns.slots.values() if s.state is not SlotState.READY]
             pinned = [s for s in ready if s.pins]
             assert (ns.ready_blocks, ns.ready_bytes) == (
-                len(ready), sum(s.extent.size for s in ready)
+                len(ready),
+                sum(s.extent.size for s in ready),
             ), f"namespace {ns.layout.id}: ready counters drifted"
             assert (ns.writing_blocks, ns.writing_bytes) == (
-                len(writing), sum(s.extent.size for s in writing)
+                len(writing),
+                sum(s.extent.size for s in writing),
             ), f"namespace {ns.layout.id}: writing counters drifted"
             assert (ns.pinned_blocks, ns.pinned_bytes) == (
-                len(pinned), sum(s.extent.size for s in pinned)
+                len(pinned),
+                sum(s.extent.size for s in pinned),
             ), f"namespace {ns.layout.id}: pinned counters drifted"
             assert +ns.group_blocks == Counter(s.group for s in ns.slots.values())
             assert list(ns.sorted_keys) == sorted(ns.slots), "sorted keys drifted"

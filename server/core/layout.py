@@ -50,13 +50,10 @@ class NamespaceLayout:
         if not 1 <= len(self.id) <= 128 or not self.id.isprintable():
             raise LayoutError("namespace id must be 1 to 128 printable characters")
         if not 1 <= self.world_size <= MAX_WORLD_SIZE:
-            raise LayoutError(
-                f"world_size {self.world_size} out of range [1, {MAX_WORLD_SIZE}]"
-            )
+            raise LayoutError(f"world_size {self.world_size} out of range [1, {MAX_WORLD_SIZE}]")
         if not 1 <= self.blocks_per_chunk <= MAX_BLOCKS_PER_CHUNK:
             raise LayoutError(
-                f"blocks_per_chunk {self.blocks_per_chunk} out of range "
-                f"[1, {MAX_BLOCKS_PER_CHUNK}]"
+                f"blocks_per_chunk {self.blocks_per_chunk} out of range [1, {MAX_BLOCKS_PER_CHUNK}]"
             )
         if not 1 <= len(self.groups) <= MAX_GROUPS:
             raise LayoutError(f"a namespace needs 1 to {MAX_GROUPS} groups, got {len(self.groups)}")
@@ -66,8 +63,7 @@ class NamespaceLayout:
             for page in pages:
                 if not 1 <= page <= MAX_PAGE_BYTES:
                     raise LayoutError(
-                        f"group {g} has a layer page of {page} bytes; pages are 1 byte "
-                        f"to 1 GiB"
+                        f"group {g} has a layer page of {page} bytes; pages are 1 byte to 1 GiB"
                     )
 
     def same_bytes_as(self, other: NamespaceLayout) -> bool:
@@ -95,9 +91,7 @@ class NamespaceLayout:
 
     def page_offset(self, group: int, rank: int, layer: int, sub_block: int) -> int:
         """Offset inside a slot of (rank, layer, sub-block j of the chunk)."""
-        return chunks.page_offset(
-            self.groups[group], self.blocks_per_chunk, rank, layer, sub_block
-        )
+        return chunks.page_offset(self.groups[group], self.blocks_per_chunk, rank, layer, sub_block)
 
     def chunks_per_group(
         self, group_sizes: list[int] | tuple[int, ...], block_indices: list[int] | tuple[int, ...]

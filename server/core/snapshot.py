@@ -79,7 +79,8 @@ class PoolFileIdentity:
     def differences(self, other: PoolFileIdentity) -> list[str]:
         """Names of the fields that differ (empty when the files are the same)."""
         return [
-            name for name in ("device", "inode", "size", "mtime_ns", "ctime_ns")
+            name
+            for name in ("device", "inode", "size", "mtime_ns", "ctime_ns")
             if getattr(self, name) != getattr(other, name)
         ]
 
@@ -217,7 +218,10 @@ def decode(data: bytes) -> IndexSnapshot:
             raise SnapshotError(f"snapshot format {header.get('format')!r}, expected {FORMAT}")
         pf = header["pool_file"]
         identity = PoolFileIdentity(
-            int(pf["device"]), int(pf["inode"]), int(pf["size"]), int(pf["mtime_ns"]),
+            int(pf["device"]),
+            int(pf["inode"]),
+            int(pf["size"]),
+            int(pf["mtime_ns"]),
             int(pf["ctime_ns"]),
         )
         layouts = [_layout_from_json(obj) for obj in header["namespaces"]]

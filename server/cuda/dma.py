@@ -118,10 +118,14 @@ def plan_descriptors(
     batches = []
     for i in range(0, len(n), max_batch):
         part = n[i : i + max_batch]
-        batches.append(DmaBatch(
-            _words(dsts[i : i + max_batch]), _words(srcs[i : i + max_batch]), _words(part),
-            int(part.sum()),
-        ))
+        batches.append(
+            DmaBatch(
+                _words(dsts[i : i + max_batch]),
+                _words(srcs[i : i + max_batch]),
+                _words(part),
+                int(part.sum()),
+            )
+        )
     return batches
 
 
@@ -170,8 +174,12 @@ class ServedDevice:
             with self._lock:
                 if self._ctx is None:
                     self._ctx = self.driver.primary_context(self.info.ordinal)
-                    log.info("CUDA context ready on %s (%s, device %d in this process)",
-                             self.uuid, self.info.name, self.info.ordinal)
+                    log.info(
+                        "CUDA context ready on %s (%s, device %d in this process)",
+                        self.uuid,
+                        self.info.name,
+                        self.info.ordinal,
+                    )
         return self._ctx
 
     @property
@@ -210,7 +218,10 @@ class CudaIpcRegion(MappedRegion):
     kind = MemoryPath.CUDA_IPC
 
     def __init__(
-        self, engine: CudaCopyEngine, spec: IpcRegionSpec, mapping: _Mapping,
+        self,
+        engine: CudaCopyEngine,
+        spec: IpcRegionSpec,
+        mapping: _Mapping,
         event: _Event | None,
     ) -> None:
         self.engine = engine
@@ -364,8 +375,9 @@ class CudaCopyEngine(CopyEngine):
                         event.device.make_current()
                         self.driver.event_destroy(event.event)
                     except CudaError as exc:
-                        log.warning("destroying an IPC event on %s failed: %s",
-                                    event.device.uuid, exc)
+                        log.warning(
+                            "destroying an IPC event on %s failed: %s", event.device.uuid, exc
+                        )
             mapping.refs -= 1
             if mapping.refs == 0:
                 self._mappings.pop((mapping.device.info.uuid, mapping.handle), None)
@@ -417,8 +429,12 @@ class CudaCopyEngine(CopyEngine):
         if any(r.device is not dev for r in cregions):
             raise ValueError("one registration's regions must all be on one device")
         batches = plan_descriptors(
-            direction, plan, [r.address for r in cregions], pool_address,
-            max_batch=self.max_batch, host_split=self.host_split(),
+            direction,
+            plan,
+            [r.address for r in cregions],
+            pool_address,
+            max_batch=self.max_batch,
+            host_split=self.host_split(),
         )
         drv = self.driver
         dev.make_current()
@@ -451,8 +467,10 @@ class CudaCopyEngine(CopyEngine):
                     self.use_batch = False
                 if not self._batch_failures_logged:
                     self._batch_failures_logged = True
-                    log.warning("cuMemcpyBatchAsync failed (%s); copying one run per "
-                                "cuMemcpyAsync instead", exc)
+                    log.warning(
+                        "cuMemcpyBatchAsync failed (%s); copying one run per cuMemcpyAsync instead",
+                        exc,
+                    )
                 self.counters["loop_fallbacks"] += 1
         for dst, src, size in zip(batch.dsts, batch.srcs, batch.sizes, strict=True):
             drv.memcpy_async(dst, src, size, stream)

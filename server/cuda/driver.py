@@ -111,7 +111,8 @@ _PROTOTYPES: dict[str, tuple[tuple[str, ...], list[Any]]] = {
     "cuDeviceGetUuid": (("cuDeviceGetUuid_v2", "cuDeviceGetUuid"), [_P(CUuuid), c_int]),
     "cuDevicePrimaryCtxRetain": (("cuDevicePrimaryCtxRetain",), [_P(CUcontext), c_int]),
     "cuDevicePrimaryCtxRelease": (
-        ("cuDevicePrimaryCtxRelease_v2", "cuDevicePrimaryCtxRelease"), [c_int],
+        ("cuDevicePrimaryCtxRelease_v2", "cuDevicePrimaryCtxRelease"),
+        [c_int],
     ),
     "cuCtxSetCurrent": (("cuCtxSetCurrent",), [CUcontext]),
     "cuIpcGetMemHandle": (("cuIpcGetMemHandle",), [_P(CUipcMemHandle), CUdeviceptr]),
@@ -123,7 +124,8 @@ _PROTOTYPES: dict[str, tuple[tuple[str, ...], list[Any]]] = {
     "cuIpcOpenEventHandle": (("cuIpcOpenEventHandle",), [_P(CUevent), CUipcEventHandle]),
     "cuEventDestroy": (("cuEventDestroy_v2", "cuEventDestroy"), [CUevent]),
     "cuMemGetAddressRange": (
-        ("cuMemGetAddressRange_v2",), [_P(CUdeviceptr), _P(c_size_t), CUdeviceptr],
+        ("cuMemGetAddressRange_v2",),
+        [_P(CUdeviceptr), _P(c_size_t), CUdeviceptr],
     ),
     "cuPointerGetAttribute": (("cuPointerGetAttribute",), [c_void_p, c_int, CUdeviceptr]),
     "cuMemHostRegister": (("cuMemHostRegister_v2",), [c_void_p, c_size_t, c_uint]),
@@ -139,13 +141,30 @@ _PROTOTYPES: dict[str, tuple[tuple[str, ...], list[Any]]] = {
 # failIdx out-parameter, and 12.8's unversioned symbol with it (before the stream).
 _BATCH_V2 = (
     "cuMemcpyBatchAsync_v2",
-    [_P(CUdeviceptr), _P(CUdeviceptr), _P(c_size_t), c_size_t, _P(CUmemcpyAttributes),
-     _P(c_size_t), c_size_t, CUstream],
+    [
+        _P(CUdeviceptr),
+        _P(CUdeviceptr),
+        _P(c_size_t),
+        c_size_t,
+        _P(CUmemcpyAttributes),
+        _P(c_size_t),
+        c_size_t,
+        CUstream,
+    ],
 )
 _BATCH_V1 = (
     "cuMemcpyBatchAsync",
-    [_P(CUdeviceptr), _P(CUdeviceptr), _P(c_size_t), c_size_t, _P(CUmemcpyAttributes),
-     _P(c_size_t), c_size_t, _P(c_size_t), CUstream],
+    [
+        _P(CUdeviceptr),
+        _P(CUdeviceptr),
+        _P(c_size_t),
+        c_size_t,
+        _P(CUmemcpyAttributes),
+        _P(c_size_t),
+        c_size_t,
+        _P(c_size_t),
+        CUstream,
+    ],
 )
 
 assert ctypes.sizeof(c_size_t) == 8 and ctypes.sizeof(CUdeviceptr) == 8, "64-bit hosts only"
@@ -222,7 +241,8 @@ class CudaDriver:
         self._fn["cuGetErrorName"](code, byref(name))
         self._fn["cuGetErrorString"](code, byref(text))
         return CudaError(
-            call, code,
+            call,
+            code,
             (name.value or b"CUDA_ERROR_UNKNOWN").decode(),
             (text.value or b"unknown error").decode(),
         )
@@ -360,8 +380,12 @@ class CudaDriver:
             raise ValueError("dsts, srcs and sizes must be non-empty and of equal length")
         fn = self._fn.get("cuMemcpyBatchAsync")
         if fn is None:
-            raise CudaError("cuMemcpyBatchAsync", CUDA_ERROR_NOT_SUPPORTED,
-                            "CUDA_ERROR_NOT_SUPPORTED", "the driver has no batch copy API")
+            raise CudaError(
+                "cuMemcpyBatchAsync",
+                CUDA_ERROR_NOT_SUPPORTED,
+                "CUDA_ERROR_NOT_SUPPORTED",
+                "the driver has no batch copy API",
+            )
         d = (CUdeviceptr * n).from_buffer(dsts)
         s = (CUdeviceptr * n).from_buffer(srcs)
         z = (c_size_t * n).from_buffer(sizes)

@@ -40,7 +40,6 @@ DEVICES_ENV = "KVDEPOT_CUDA_DEVICES"
 FOLLOW_CHUNK_BYTES = 256 << 20  # page-locking pieces when following a running warm-up
 
 
-
 class CudaPath:
     """The CUDA IPC memory path of one daemon: its copy engine and the pool's
     page-locking. Called as the state's region opener for "cuda_ipc"."""
@@ -99,7 +98,11 @@ def select_devices(devices: Sequence[Any], spec: str | None) -> list[Any]:
 
 
 def enable_cuda(
-    state: Any, arena: Any, *, driver: Any = None, env: dict[str, str] | None = None,
+    state: Any,
+    arena: Any,
+    *,
+    driver: Any = None,
+    env: dict[str, str] | None = None,
     max_batch: int | None = None,
 ) -> bool:
     """Serves cuda_ipc registrations and page-locks the pool when CUDA is usable.
@@ -129,8 +132,11 @@ def enable_cuda(
             log.error("CUDA is off: %s", exc)
             return False
         if not served:
-            log.info("CUDA is off: %s=%s. Serving shared-memory (CPU) registrations only",
-                     DEVICES_ENV, env.get(DEVICES_ENV))
+            log.info(
+                "CUDA is off: %s=%s. Serving shared-memory (CPU) registrations only",
+                DEVICES_ENV,
+                env.get(DEVICES_ENV),
+            )
             return False
         engine = CudaCopyEngine(driver, served, max_batch=max_batch or DEFAULT_MAX_BATCH)
         first = engine.devices[served[0].uuid]
@@ -138,8 +144,11 @@ def enable_cuda(
         engine.host_split_source = lambda: pinner.split_bytes
         first.make_current()  # creates the context that page-locks the pool, now
     except Exception as exc:
-        log.warning("CUDA is off: setting it up failed (%s). Serving shared-memory (CPU) "
-                    "registrations only", exc)
+        log.warning(
+            "CUDA is off: setting it up failed (%s). Serving shared-memory (CPU) "
+            "registrations only",
+            exc,
+        )
         return False
 
     path = CudaPath(engine, pinner)
@@ -156,10 +165,13 @@ def enable_cuda(
         "CUDA is on (driver %d.%d): serving cuda_ipc registrations on %d device(s): %s; "
         "copies by %s on the daemon's own streams; the %s pool is page-locked in the "
         "background (cuMemHostRegister, from %s's context)",
-        version // 1000, (version % 1000) // 10, len(served),
+        version // 1000,
+        (version % 1000) // 10,
+        len(served),
         ", ".join(f"{format_uuid(d.uuid)} ({d.name})" for d in served),
         "cuMemcpyBatchAsync batches" if engine.use_batch else "one cuMemcpyAsync per run",
-        fmt_bytes(arena.size), first.uuid,
+        fmt_bytes(arena.size),
+        first.uuid,
     )
     return True
 

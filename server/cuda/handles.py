@@ -199,7 +199,10 @@ def expandable_segments_enabled(env: Mapping[str, str]) -> bool:
         for option in env.get(var, "").split(","):
             key, _, value = option.partition(":")
             if key.strip() == "expandable_segments" and value.strip().lower() in (
-                "true", "1", "yes", "on",
+                "true",
+                "1",
+                "yes",
+                "on",
             ):
                 return True
     return False

@@ -81,7 +81,9 @@ class PoolPinner:
                         "page-locking the pool stopped at %s of %s: %s. Copies still work, "
                         "slower (staged). For a non-root daemon raise the locked-memory limit "
                         "(systemd LimitMEMLOCK=infinity, docker --ulimit memlock=-1)",
-                        fmt_bytes(self.pinned_bytes), fmt_bytes(self.size), exc,
+                        fmt_bytes(self.pinned_bytes),
+                        fmt_bytes(self.size),
+                        exc,
                     )
                     return
                 # Someone registered it already: pinned all the same, but not ours to undo.
@@ -101,8 +103,13 @@ class PoolPinner:
         if pct // 10 != self._last_decile:  # a line per 10%, not per chunk
             self._last_decile = pct // 10
             took = time.monotonic() - (self._started or time.monotonic())
-            log.info("pool page-locked: %s of %s (%d%%, %.1fs)", fmt_bytes(self.pinned_bytes),
-                     fmt_bytes(self.size), pct, took)
+            log.info(
+                "pool page-locked: %s of %s (%d%%, %.1fs)",
+                fmt_bytes(self.pinned_bytes),
+                fmt_bytes(self.size),
+                pct,
+                took,
+            )
 
     def close(self) -> None:
         """Stops pinning and unregisters every chunk. Idempotent; never raises."""

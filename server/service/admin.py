@@ -86,10 +86,14 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
             lay = ns.layout
             out.append(
                 pb.NamespaceInfo(
-                    id=lay.id, world_size=lay.world_size, blocks_per_chunk=lay.blocks_per_chunk,
+                    id=lay.id,
+                    world_size=lay.world_size,
+                    blocks_per_chunk=lay.blocks_per_chunk,
                     slot_bytes=[lay.slot_bytes(g) for g in range(lay.num_groups)],
-                    ready_blocks=ns.ready_blocks, writing_blocks=ns.writing_blocks,
-                    used_bytes=ns.used_bytes, description=lay.description,
+                    ready_blocks=ns.ready_blocks,
+                    writing_blocks=ns.writing_blocks,
+                    used_bytes=ns.used_bytes,
+                    description=lay.description,
                 )
             )
         return pb.ListNamespacesResponse(namespaces=out)
@@ -104,16 +108,23 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         for s in sorted(st.sessions.values(), key=lambda s: s.opened):
             regs = [
                 pb.RegistrationInfo(
-                    registration_id=r.id, namespace_id=r.layout.id, rank=r.rank,
-                    memory_path=r.memory_path.value, registered_bytes=r.registered_bytes,
+                    registration_id=r.id,
+                    namespace_id=r.layout.id,
+                    rank=r.rank,
+                    memory_path=r.memory_path.value,
+                    registered_bytes=r.registered_bytes,
                 )
                 for r in (st.registrations[i] for i in sorted(s.registrations))
             ]
             engines.append(
                 pb.EngineInfo(
-                    session_id=s.id, client_name=s.client_name, pid=s.pid,
-                    engine_id=s.engine_id, connected_seconds=now - s.opened,
-                    registrations=regs, pinned_blocks=st.index.pinned_slot_count(s.id),
+                    session_id=s.id,
+                    client_name=s.client_name,
+                    pid=s.pid,
+                    engine_id=s.engine_id,
+                    connected_seconds=now - s.opened,
+                    registrations=regs,
+                    pinned_blocks=st.index.pinned_slot_count(s.id),
                 )
             )
         return pb.ListEnginesResponse(engines=engines)
@@ -139,8 +150,10 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
                 continue
             cursor = after[1] if after is not None and ns.layout.id == after[0] else None
             while not more:
-                want = min(size + 1 - len(page), MAX_SCAN - scanned) if group is None else (
-                    MAX_SCAN - scanned
+                want = (
+                    min(size + 1 - len(page), MAX_SCAN - scanned)
+                    if group is None
+                    else (MAX_SCAN - scanned)
                 )
                 keys = ns.sorted_keys.after(cursor, min(want, BUILD_SLICE))
                 if not keys:
@@ -173,9 +186,15 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
                 await admin_pause()
             blocks += [
                 pb.BlockInfo(
-                    namespace_id=s.namespace, key_hex=s.key.hex(), key=s.key, group=s.group,
-                    state=s.state.value, pins=s.pin_count, bytes=s.extent.size,
-                    pool_offset=s.extent.offset, written_ranks_mask=s.written_mask,
+                    namespace_id=s.namespace,
+                    key_hex=s.key.hex(),
+                    key=s.key,
+                    group=s.group,
+                    state=s.state.value,
+                    pins=s.pin_count,
+                    bytes=s.extent.size,
+                    pool_offset=s.extent.offset,
+                    written_ranks_mask=s.written_mask,
                 )
                 for s in page[start : start + BUILD_SLICE]
             ]

@@ -320,6 +320,7 @@ class DepotServicer(depot_pb2_grpc.DepotServicer):
             )
         states = await self.remote.prefetch(request.namespace_id, keys)
         return pb.PrefetchResponse(
-            states=[int(s) for s in states], remote_tier=True,
+            states=[int(s) for s in states],
+            remote_tier=True,
             remote_healthy=self.remote.health.up,
         )

@@ -60,7 +60,8 @@ def _wrap(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
             return await inner_uu(request, context)
 
         return grpc.unary_unary_rpc_method_handler(
-            unary_unary, request_deserializer=parse,
+            unary_unary,
+            request_deserializer=parse,
             response_serializer=handler.response_serializer,
         )
 
@@ -80,7 +81,8 @@ def _wrap(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
                 await responses.aclose()
 
         return grpc.unary_stream_rpc_method_handler(
-            unary_stream, request_deserializer=parse,
+            unary_stream,
+            request_deserializer=parse,
             response_serializer=handler.response_serializer,
         )
 
@@ -113,7 +115,8 @@ def _wrap(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
                 )
 
         return grpc.stream_stream_rpc_method_handler(
-            stream_stream, request_deserializer=parse,
+            stream_stream,
+            request_deserializer=parse,
             response_serializer=handler.response_serializer,
         )
 

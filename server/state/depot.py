@@ -185,8 +185,10 @@ class DepotState:
         crashed = plan.crashed
         if crashed and old is not None and not arena.existed:
             old, why_not = None, "the pool file was created or resized at this start"
-        if crashed and old is not None and (old.pool_size, old.granularity) != (
-            arena.size, config.slot_granularity
+        if (
+            crashed
+            and old is not None
+            and (old.pool_size, old.granularity) != (arena.size, config.slot_granularity)
         ):
             old, why_not = None, "the journal is for another pool size or granularity"
         warm = False
@@ -196,9 +198,7 @@ class DepotState:
             warm = pool_file.finish_start(plan, index) is not None
             if not warm:
                 index = new_index()  # drop whatever a rejected snapshot half-restored
-        st = cls(
-            config, arena, index, bus, warm_restarted=warm, pool_lock=pool_lock, headroom=True
-        )
+        st = cls(config, arena, index, bus, warm_restarted=warm, pool_lock=pool_lock, headroom=True)
         st._start_journal(old if crashed else None, old if warm else None)
         return st
 
@@ -220,7 +220,9 @@ class DepotState:
             log.info(
                 "crash recovery: the previous daemon was killed; %d block(s) in its journal, "
                 "%d to verify (%d dropped at once: %s); serving meanwhile",
-                self.recovery.total, len(to_verify), self.recovery.rejected,
+                self.recovery.total,
+                len(to_verify),
+                self.recovery.rejected,
                 ", ".join(f"{n} {r}" for r, n in self.recovery.reasons.items()) or "none",
             )
         unsealed = []
@@ -228,8 +230,11 @@ class DepotState:
             known = previous.rows.get((slot.namespace, slot.key)) if previous else None
             crc = known.crc if known and known.offset == slot.extent.offset else None
             rows.append(
-                (slot.namespace, slot.key, journal_file.Row(slot.extent.offset,
-                                                            slot.extent.size, crc))
+                (
+                    slot.namespace,
+                    slot.key,
+                    journal_file.Row(slot.extent.offset, slot.extent.size, crc),
+                )
             )
             if crc is None:
                 unsealed.append((slot.namespace, slot.key))
@@ -238,7 +243,9 @@ class DepotState:
         except OSError as exc:  # a crash would now lose the cache; serving goes on
             log.error(
                 "cannot write the journal %s: %s; crashes will lose the cache (a clean "
-                "shutdown still keeps it)", journal.path, exc,
+                "shutdown still keeps it)",
+                journal.path,
+                exc,
             )
             for _, _, extent, _ in to_verify:
                 index.drop_recovering(extent)
@@ -249,9 +256,7 @@ class DepotState:
         self.bus.add_listener(journal.on_event)
         journal.seal(unsealed)
         if to_verify:
-            self._recovery = journal_file.Recovery(
-                index, arena, journal, to_verify, self.recovery
-            )
+            self._recovery = journal_file.Recovery(index, arena, journal, to_verify, self.recovery)
             self._recovery.start(asyncio.get_running_loop())
 
     # -- hooks -------------------------------------------------------------------------
@@ -342,8 +347,10 @@ class DepotState:
     @mutation
     def housekeeping(self) -> None:
         j = self.journal
-        if j is not None and j.wants_compaction() and (
-            self._compaction is None or self._compaction.done()
+        if (
+            j is not None
+            and j.wants_compaction()
+            and (self._compaction is None or self._compaction.done())
         ):
             self._compaction = asyncio.get_running_loop().create_task(j.compact())
         expired = self.index.expire_reservations()
@@ -528,9 +535,7 @@ class DepotState:
                 break
         return evicted, self.index.unevictable_blocks()
 
-    async def _evict_namespace(
-        self, namespace_id: str, reason: EvictionReason
-    ) -> tuple[int, int]:
+    async def _evict_namespace(self, namespace_id: str, reason: EvictionReason) -> tuple[int, int]:
         evicted = skipped = 0
         after: bytes | None = None
         while True:

@@ -235,8 +235,10 @@ class JobRunner:
                 # Every part ends before the job does (return_exceptions): a
                 # failed part must not release slots another part still writes.
                 spans = await asyncio.gather(
-                    *(self._copy_queue.run(functools.partial(work, p), job.expedited)
-                      for p in parts),
+                    *(
+                        self._copy_queue.run(functools.partial(work, p), job.expedited)
+                        for p in parts
+                    ),
                     return_exceptions=True,
                 )
                 for span in spans:

@@ -65,9 +65,17 @@ def cuda_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator:
             self.starts += 1
             log = open(self.log_path, "ab")  # noqa: SIM115 (the child owns it)
             self.proc = subprocess.Popen(
-                [sys.executable, str(SERVE_CUDA), "serve", "--socket", self.socket_path,
-                 *self.args],
-                stdout=log, stderr=subprocess.STDOUT, env=self.env,
+                [
+                    sys.executable,
+                    str(SERVE_CUDA),
+                    "serve",
+                    "--socket",
+                    self.socket_path,
+                    *self.args,
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=self.env,
             )
             log.close()
             self.wait_serving(timeout)

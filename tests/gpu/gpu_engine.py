@@ -43,8 +43,10 @@ def roundtrip(args: argparse.Namespace) -> dict[str, object]:
     torch.cuda.synchronize()
     expected = eng.pages(src)
     keys = [make_key(b"roundtrip", i) for i in range(n)]
-    out: dict[str, object] = {"registration": eng.registration.memory_path,
-                              "device_uuid": eng.export.device_uuid}
+    out: dict[str, object] = {
+        "registration": eng.registration.memory_path,
+        "device_uuid": eng.export.device_uuid,
+    }
     res, _ = eng.run(pb.STORE, keys, src, args.job_chunks)
     out["store_failed"] = [r.error for r in res if not r.success]
     out["stored_keys"] = sum(r.stored_keys for r in res)
@@ -63,8 +65,9 @@ def roundtrip(args: argparse.Namespace) -> dict[str, object]:
     order_src, order_dst = list(range(2 * n, 2 * n + 16)), list(range(2 * n + 16, 2 * n + 32))
     eng.zero(order_src + order_dst)
     torch.cuda.synchronize()
-    pattern = torch.randint(-128, 128, (len(eng.tensors), 16, eng.page), dtype=torch.int8,
-                            device=eng.device)
+    pattern = torch.randint(
+        -128, 128, (len(eng.tensors), 16, eng.page), dtype=torch.int8, device=eng.device
+    )
     torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time before the write lands
     idx = torch.tensor(order_src, device=eng.device)
     for layer, t in enumerate(eng.tensors):
@@ -91,8 +94,17 @@ def hold(args: argparse.Namespace) -> None:
     eng.fill_random(range(8), seed=3)
     torch.cuda.synchronize()
     res, _ = eng.run(pb.STORE, [make_key(b"hold", i) for i in range(8)], list(range(8)), 8)
-    print(json.dumps({"ready": True, "pid": os.getpid(), "ok": all(r.success for r in res),
-                      "kv_bytes": eng.kv.numel()}), flush=True)
+    print(
+        json.dumps(
+            {
+                "ready": True,
+                "pid": os.getpid(),
+                "ok": all(r.success for r in res),
+                "kv_bytes": eng.kv.numel(),
+            }
+        ),
+        flush=True,
+    )
     while True:  # until SIGKILL
         time.sleep(3600)
 

@@ -24,8 +24,11 @@ def wire_cuda_if_missing() -> bool:
 
 if __name__ == "__main__":
     if wire_cuda_if_missing():
-        print("serve_cuda.py: daemon.py does not call enable_cuda yet; wired it here",
-              file=sys.stderr, flush=True)
+        print(
+            "serve_cuda.py: daemon.py does not call enable_cuda yet; wired it here",
+            file=sys.stderr,
+            flush=True,
+        )
     from kvdepot.server.cli import main
 
     sys.exit(main())

@@ -24,7 +24,9 @@ from tests.gpu.conftest import GPU_ENGINE
 def engine(action: str, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
     return subprocess.Popen(
         [sys.executable, str(GPU_ENGINE), action, *args],
-        stdout=subprocess.PIPE, text=True, env={**os.environ, **(env or {})},
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, **(env or {})},
     )
 
 
@@ -102,23 +104,38 @@ def test_garbage_handles_are_refused_and_the_daemon_survives(cuda_daemon) -> Non
     uuid = format_uuid(cuda_driver.load().device_info(0).uuid)
     c = DepotClient(d.target).start()
     assert c.wait_connected(10)
-    layout = pb.NamespaceLayout(id="bad", world_size=1, blocks_per_chunk=1,
-                                groups=[pb.GroupLayout(layer_page_bytes=[4096])])
+    layout = pb.NamespaceLayout(
+        id="bad", world_size=1, blocks_per_chunk=1, groups=[pb.GroupLayout(layer_page_bytes=[4096])]
+    )
     cases = [
         (pb.CudaIpcHandle(ipc_handle=b"\x01" * 64, device_uuid=uuid, size=4096), "INVALID"),
         (pb.CudaIpcHandle(ipc_handle=b"\x01" * 63, device_uuid=uuid, size=4096), "INVALID"),
-        (pb.CudaIpcHandle(ipc_handle=b"\x01" * 64, device_uuid="GPU-" + "0" * 8 + "-0000-0000"
-                          "-0000-" + "0" * 12, size=4096), "FAILED_PRECONDITION"),
+        (
+            pb.CudaIpcHandle(
+                ipc_handle=b"\x01" * 64,
+                device_uuid="GPU-" + "0" * 8 + "-0000-0000-0000-" + "0" * 12,
+                size=4096,
+            ),
+            "FAILED_PRECONDITION",
+        ),
     ]
     for handle, code in cases:
         with pytest.raises(grpc.RpcError) as exc:
-            c.stub.RegisterKV(pb.RegisterKVRequest(
-                session_id=c.session_id, namespace=layout, rank=0,
-                regions=[pb.MemoryRegion(cuda_ipc=handle)],
-                tensors=[pb.KVTensor(region_index=0, num_blocks=1, block_stride_bytes=4096,
-                                     page_bytes=4096)],
-                groups=[pb.GroupRefs(layers=[pb.LayerRef(tensor_index=0, page_bytes=4096)])],
-            ), timeout=10)
+            c.stub.RegisterKV(
+                pb.RegisterKVRequest(
+                    session_id=c.session_id,
+                    namespace=layout,
+                    rank=0,
+                    regions=[pb.MemoryRegion(cuda_ipc=handle)],
+                    tensors=[
+                        pb.KVTensor(
+                            region_index=0, num_blocks=1, block_stride_bytes=4096, page_bytes=4096
+                        )
+                    ],
+                    groups=[pb.GroupRefs(layers=[pb.LayerRef(tensor_index=0, page_bytes=4096)])],
+                ),
+                timeout=10,
+            )
         assert code in exc.value.code().name, exc.value.details()
     st = admin(d.target).GetStats(admin_pb2.GetStatsRequest(), timeout=5)
     assert st.registrations == 0

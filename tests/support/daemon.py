@@ -40,7 +40,9 @@ class DaemonProcess:
         log = open(self.log_path, "ab")  # noqa: SIM115 (the child owns it)
         self.proc = subprocess.Popen(
             [*kvdepot_command(), "serve", "--socket", self.socket_path, *self.args],
-            stdout=log, stderr=subprocess.STDOUT, env=self.env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=self.env,
         )
         log.close()
         self.wait_serving(timeout)

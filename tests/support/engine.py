@@ -42,7 +42,9 @@ class Geometry:
 
     def layout(self) -> pb.NamespaceLayout:
         return pb.NamespaceLayout(
-            id=self.namespace, world_size=self.world_size, blocks_per_chunk=self.blocks_per_chunk,
+            id=self.namespace,
+            world_size=self.world_size,
+            blocks_per_chunk=self.blocks_per_chunk,
             groups=[pb.GroupLayout(layer_page_bytes=g) for g in self.groups],
         )
 
@@ -80,15 +82,22 @@ class Engine:
             self.tensor_offsets.append(off)
             off += geo.num_blocks * p
         tensors = [
-            pb.KVTensor(region_index=0, region_offset=o, num_blocks=geo.num_blocks,
-                        block_stride_bytes=p, page_bytes=p)
+            pb.KVTensor(
+                region_index=0,
+                region_offset=o,
+                num_blocks=geo.num_blocks,
+                block_stride_bytes=p,
+                page_bytes=p,
+            )
             for o, p in zip(self.tensor_offsets, pages, strict=True)
         ]
         refs, t = [], 0
         for g in geo.groups:
-            refs.append(pb.GroupRefs(layers=[
-                pb.LayerRef(tensor_index=t + i, page_bytes=p) for i, p in enumerate(g)
-            ]))
+            refs.append(
+                pb.GroupRefs(
+                    layers=[pb.LayerRef(tensor_index=t + i, page_bytes=p) for i, p in enumerate(g)]
+                )
+            )
             t += len(g)
         self.registration = client.register_kv(geo.layout(), rank, self.buffer, tensors, refs)
         self.stream = client.transfer_stream()
@@ -114,7 +123,11 @@ class Engine:
                 )
 
     def mismatches(
-        self, group: int, keys: list[bytes], block_ids: list[int], first_index: int,
+        self,
+        group: int,
+        keys: list[bytes],
+        block_ids: list[int],
+        first_index: int,
         rank: int | None = None,
     ) -> int:
         """Pages whose bytes differ from what `rank` stored for `keys`."""
@@ -122,25 +135,35 @@ class Engine:
         bad = 0
         for (c, j), block_id in zip(positions, block_ids, strict=True):
             for layer, p in self._layers(group):
-                want = page_bytes(self.geo.namespace, keys[c], self.rank if rank is None else rank,
-                                  layer, j, p)
+                want = page_bytes(
+                    self.geo.namespace, keys[c], self.rank if rank is None else rank, layer, j, p
+                )
                 bad += self.page(layer, block_id).tobytes() != want
         return bad
 
     def job(
-        self, direction: int, keys: list[bytes], group_blocks: list[list[int]],
-        block_indices: list[int], expedited: bool = False,
+        self,
+        direction: int,
+        keys: list[bytes],
+        group_blocks: list[list[int]],
+        block_indices: list[int],
+        expedited: bool = False,
     ) -> pb.TransferResult:
         """Submits one job and waits for its result."""
         job_id = self._next_job
         self._next_job += 1
-        self.stream.submit(pb.TransferJob(
-            job_id=job_id, direction=direction,
-            registration_id=self.registration.registration_id, keys=keys,
-            block_ids=[b for blocks in group_blocks for b in blocks],
-            group_sizes=[len(b) for b in group_blocks], block_indices=block_indices,
-            expedited=expedited,
-        ))
+        self.stream.submit(
+            pb.TransferJob(
+                job_id=job_id,
+                direction=direction,
+                registration_id=self.registration.registration_id,
+                keys=keys,
+                block_ids=[b for blocks in group_blocks for b in blocks],
+                group_sizes=[len(b) for b in group_blocks],
+                block_indices=block_indices,
+                expedited=expedited,
+            )
+        )
         assert self.stream.wait({job_id}, timeout=60), f"job {job_id} timed out"
         (result,) = [r for r in self.stream.poll() if r.job_id == job_id]
         return result
@@ -189,8 +212,11 @@ def _main() -> None:
                 res = eng.job(pb.LOAD, keys, group_blocks, indices)
                 for g, blocks in enumerate(group_blocks):
                     n = len(chunks)
-                    report["mismatched_pages"] = int(report["mismatched_pages"]) + eng.mismatches(  # type: ignore[arg-type]
-                        g, keys[g * n : (g + 1) * n], blocks, indices[g]
+                    report["mismatched_pages"] = (
+                        int(report["mismatched_pages"])
+                        + eng.mismatches(  # type: ignore[arg-type]
+                            g, keys[g * n : (g + 1) * n], blocks, indices[g]
+                        )
                     )
             report["jobs"] = int(report["jobs"]) + 1  # type: ignore[arg-type]
             report["failed"] = int(report["failed"]) + (not res.success)  # type: ignore[arg-type]

@@ -24,15 +24,17 @@ T = TypeVar("T")
 DaemonFactory = Callable[..., DaemonProcess]  # the daemon_factory fixture (tests/conftest.py)
 
 # Every status a kvdepot call may end with (docs/architecture.md §8.2); UNKNOWN and INTERNAL never.
-DOCUMENTED_CODES = frozenset({
-    grpc.StatusCode.OK,
-    grpc.StatusCode.INVALID_ARGUMENT,
-    grpc.StatusCode.NOT_FOUND,
-    grpc.StatusCode.FAILED_PRECONDITION,
-    grpc.StatusCode.RESOURCE_EXHAUSTED,
-    grpc.StatusCode.UNAVAILABLE,
-    grpc.StatusCode.PERMISSION_DENIED,
-})
+DOCUMENTED_CODES = frozenset(
+    {
+        grpc.StatusCode.OK,
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.NOT_FOUND,
+        grpc.StatusCode.FAILED_PRECONDITION,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.PERMISSION_DENIED,
+    }
+)
 DOCUMENTED_CODE_NAMES = frozenset(c.name for c in DOCUMENTED_CODES)
 
 
@@ -110,6 +112,8 @@ def wait_for(what: str, fn: Callable[[], T | None], timeout: float, interval: fl
 
 def soak_process(*args: str) -> subprocess.Popen[str]:
     return subprocess.Popen(
-        [sys.executable, str(SOAK), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        [sys.executable, str(SOAK), *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
     )

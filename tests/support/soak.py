@@ -76,8 +76,7 @@ def section_bytes(geo: Geometry, key: bytes, rank: int) -> bytes:
 class Worker:
     """One soak process: two ranks' KV memory on one session."""
 
-    def __init__(self, target: str, geo: Geometry, seed: int, key_space: int,
-                 name: str) -> None:
+    def __init__(self, target: str, geo: Geometry, seed: int, key_space: int, name: str) -> None:
         self.geo = geo
         self.rng = random.Random(seed)
         self.key_space = key_space
@@ -177,8 +176,12 @@ class Worker:
 
     def run(self, seconds: float) -> dict[str, object]:
         actions = [
-            (0.40, self.store), (0.20, lambda: self.load(True)), (0.10, lambda: self.load(False)),
-            (0.15, self.lookup), (0.07, self.get), (0.08, self.evict),
+            (0.40, self.store),
+            (0.20, lambda: self.load(True)),
+            (0.10, lambda: self.load(False)),
+            (0.15, self.lookup),
+            (0.07, self.get),
+            (0.08, self.evict),
         ]
         weights = [w for w, _ in actions]
         deadline = time.monotonic() + seconds
@@ -191,8 +194,10 @@ class Worker:
             self.ops["ops"] += 1
         self.client.close()
         return {
-            "ops": dict(self.ops), "mismatches": self.mismatches,
-            "verified_pages": self.verified_pages, "errors": self.errors,
+            "ops": dict(self.ops),
+            "mismatches": self.mismatches,
+            "verified_pages": self.verified_pages,
+            "errors": self.errors,
         }
 
 
@@ -201,8 +206,10 @@ def send_unclaimed_fd(fd_socket: str, session_id: str) -> str:
     buf = SharedKVBuffer.allocate(4096, name="kvdepot-victim-pending")
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
         s.connect(fd_socket)
-        s.sendmsg([encode({"session_id": session_id})],
-                  [(socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack("i", buf.fd))])
+        s.sendmsg(
+            [encode({"session_id": session_id})],
+            [(socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack("i", buf.fd))],
+        )
         reply = s.recv(4096)
     return reply[4:].decode()
 
@@ -227,8 +234,18 @@ def victim(target: str, geo: Geometry, salt: bytes, pin_salt: bytes | None, rows
         pinned += sum(client.pin(geo.namespace, foreign))
         pinned += sum(client.pin(geo.namespace, foreign))  # twice: pins are counted
     token = send_unclaimed_fd(client.hello.fd_socket, client.session_id)  # type: ignore[union-attr]
-    print("READY " + json.dumps({"session_id": client.session_id, "pins": pinned,
-                                 "half_rows": len(half), "fd_reply": token}), flush=True)
+    print(
+        "READY "
+        + json.dumps(
+            {
+                "session_id": client.session_id,
+                "pins": pinned,
+                "half_rows": len(half),
+                "fd_reply": token,
+            }
+        ),
+        flush=True,
+    )
     # Keep copies in flight until SIGKILL: fresh full rows stored by both ranks (the
     # pool evicts old ones by LRU) and loads of the victim's own rows, without waiting.
     # (Refilling the store blocks may race with a store still reading them: nobody
@@ -239,8 +256,9 @@ def victim(target: str, geo: Geometry, salt: bytes, pin_salt: bytes | None, rows
         while max(e.stream.inflight for e in engines) > 32:
             time.sleep(0.0005)
         n += 1
-        fresh = [make_key(rows + n * MAX_CHUNKS_PER_JOB + i, 0, salt)
-                 for i in range(MAX_CHUNKS_PER_JOB)]
+        fresh = [
+            make_key(rows + n * MAX_CHUNKS_PER_JOB + i, 0, salt) for i in range(MAX_CHUNKS_PER_JOB)
+        ]
         fblocks, findices = group_job(geo, 0, fresh, STORE_BASE)
         for eng in engines:
             eng.fill(0, fresh, fblocks[0], 0)
@@ -249,12 +267,17 @@ def victim(target: str, geo: Geometry, salt: bytes, pin_salt: bytes | None, rows
                 (pb.LOAD, own[:MAX_CHUNKS_PER_JOB], lblocks, lindices),
             ):
                 job_id += 1
-                eng.stream.submit(pb.TransferJob(
-                    job_id=job_id, direction=direction,
-                    registration_id=eng.registration.registration_id, keys=keys,
-                    block_ids=[b for g in blk for b in g], group_sizes=[len(g) for g in blk],
-                    block_indices=idx,
-                ))
+                eng.stream.submit(
+                    pb.TransferJob(
+                        job_id=job_id,
+                        direction=direction,
+                        registration_id=eng.registration.registration_id,
+                        keys=keys,
+                        block_ids=[b for g in blk for b in g],
+                        group_sizes=[len(g) for g in blk],
+                        block_indices=idx,
+                    )
+                )
             eng.stream.poll()
 
 
@@ -272,8 +295,13 @@ def main() -> None:
     args = parser.parse_args()
     geo = geometry(args.namespace)
     if args.mode == "victim":
-        victim(args.target, geo, args.salt.encode(),
-               args.pin_salt.encode() if args.pin_salt is not None else None, args.rows)
+        victim(
+            args.target,
+            geo,
+            args.salt.encode(),
+            args.pin_salt.encode() if args.pin_salt is not None else None,
+            args.rows,
+        )
         return
     worker = Worker(args.target, geo, args.seed, args.key_space, f"soak seed={args.seed}")
     print(json.dumps(worker.run(args.seconds)), flush=True)

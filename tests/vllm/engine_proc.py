@@ -15,8 +15,11 @@ import json
 import os
 import sys
 
-for _k, _v in (("VLLM_TARGET_DEVICE", "cpu"), ("HF_HUB_OFFLINE", "1"),
-               ("VLLM_LOGGING_LEVEL", "WARNING")):
+for _k, _v in (
+    ("VLLM_TARGET_DEVICE", "cpu"),
+    ("HF_HUB_OFFLINE", "1"),
+    ("VLLM_LOGGING_LEVEL", "WARNING"),
+):
     os.environ.setdefault(_k, _v)
 
 
@@ -32,8 +35,15 @@ def main(argv: list[str] | None = None) -> int:
 
     from kvdepot.client.vllm.testing import EngineConfig, SyntheticEngine, prompt_for
 
-    engine = SyntheticEngine(EngineConfig(socket=args.socket, dtype=args.dtype, salt=args.salt,
-                                          model_dir=args.model_dir, num_gpu_blocks=64))
+    engine = SyntheticEngine(
+        EngineConfig(
+            socket=args.socket,
+            dtype=args.dtype,
+            salt=args.salt,
+            model_dir=args.model_dir,
+            num_gpu_blocks=64,
+        )
+    )
     try:
         engine.wait_registered()
         prompt = prompt_for(args.prompt_seed, args.length)
@@ -42,13 +52,18 @@ def main(argv: list[str] | None = None) -> int:
         engine.wait_ready(keys)
         full = len(prompt) // 16
         digest = engine.kv_digest(0, 0, rec.block_ids[0][:full])
-        print(json.dumps({
-            "namespace": engine.manager.namespace_id,
-            "keys": [k.hex() for k in keys],
-            "external_tokens": rec.external_tokens,
-            "digest": digest,
-            "pid": os.getpid(),
-        }), flush=True)
+        print(
+            json.dumps(
+                {
+                    "namespace": engine.manager.namespace_id,
+                    "keys": [k.hex() for k in keys],
+                    "external_tokens": rec.external_tokens,
+                    "digest": digest,
+                    "pid": os.getpid(),
+                }
+            ),
+            flush=True,
+        )
     finally:
         engine.shutdown()
     return 0

@@ -65,8 +65,14 @@ def assert_same_bytes(before: list, after: list) -> None:
         assert bool((a == b).all()), f"page {i} differs"
 
 
-def assert_expected(engine: SyntheticEngine, prompt: list[int], rank: int, group: int,
-                    block_ids: list[int], first_logical: int = 0) -> None:
+def assert_expected(
+    engine: SyntheticEngine,
+    prompt: list[int],
+    rank: int,
+    group: int,
+    block_ids: list[int],
+    first_logical: int = 0,
+) -> None:
     """Every byte of these blocks is what the model computes for the prompt."""
     for name in engine.group_layers(group):
         for i, b in enumerate(block_ids):
@@ -83,7 +89,8 @@ def load_jobs(engine: SyntheticEngine) -> list:
 
 
 @pytest.mark.parametrize(
-    ("path", "sync"), [("shm", False), ("pvm", False), ("inline", False), ("shm", True)],
+    ("path", "sync"),
+    [("shm", False), ("pvm", False), ("inline", False), ("shm", True)],
     ids=["shm", "pvm", "inline", "shm-in-step"],
 )
 def test_store_reset_load_same_bytes(daemon, make_engine, path: str, sync: bool) -> None:
@@ -92,8 +99,9 @@ def test_store_reset_load_same_bytes(daemon, make_engine, path: str, sync: bool)
     if path == "inline":
         extra["kvdepot_memory_path"] = "inline"
     # pvm and inline: the KV cache is plain process memory, as in a real CPU engine.
-    engine = make_engine(socket=daemon.target, num_gpu_blocks=64, shm=path == "shm",
-                         extra_config=extra)
+    engine = make_engine(
+        socket=daemon.target, num_gpu_blocks=64, shm=path == "shm", extra_config=extra
+    )
     engine.wait_registered()
     assert engine.ranks[0].offloading_worker.memory.path == path
     prompt = prompt_for(1, 150)  # 9 full blocks of 16 tokens + 6
@@ -127,8 +135,7 @@ def test_hybrid_sliding_window_loads_only_window(daemon, make_engine) -> None:
     # Equal page bytes (vLLM's hybrid allocator): 16 tok x 12 heads = 32 tok x 6 heads.
     groups = (
         GroupDef("full", block_size=16, num_layers=2),
-        GroupDef("sliding_window", block_size=32, num_layers=2, sliding_window=64,
-                 num_kv_heads=6),
+        GroupDef("sliding_window", block_size=32, num_layers=2, sliding_window=64, num_kv_heads=6),
     )
     engine = make_engine(socket=daemon.target, groups=groups, num_gpu_blocks=96)
     engine.wait_registered()
@@ -137,8 +144,10 @@ def test_hybrid_sliding_window_loads_only_window(daemon, make_engine) -> None:
     full_keys, swa_keys = engine.offload_keys(prompt, 0), engine.offload_keys(prompt, 1)
     assert len(full_keys) == 18 and len(swa_keys) == 9
     engine.wait_ready(full_keys)
-    engine.wait_until(lambda: sum(engine.manager.is_ready(k) for k in swa_keys) >= 2,
-                      what="the sliding-window chunks")
+    engine.wait_until(
+        lambda: sum(engine.manager.is_ready(k) for k in swa_keys) >= 2,
+        what="the sliding-window chunks",
+    )
     engine.reset_gpu_prefix_cache()
     [second] = engine.generate([prompt])
 
@@ -166,8 +175,7 @@ def test_hybrid_failed_load_is_recomputed(daemon, make_engine) -> None:
     per request (failed_recving) and vLLM recomputes the whole request."""
     groups = (
         GroupDef("full", block_size=16, num_layers=1),
-        GroupDef("sliding_window", block_size=32, num_layers=1, sliding_window=64,
-                 num_kv_heads=6),
+        GroupDef("sliding_window", block_size=32, num_layers=1, sliding_window=64, num_kv_heads=6),
     )
     engine = make_engine(socket=daemon.target, groups=groups, num_gpu_blocks=64)
     engine.wait_registered()
@@ -215,8 +223,10 @@ def test_blocks_per_chunk_unaligned_first_block(daemon, make_engine) -> None:
     assert len(job.src_spec.keys) == 4 and job.src_spec.keys == keys[1:]
     assert len(spec.block_ids) == 7
     assert_expected(engine, prompt, 0, 0, [int(b) for b in spec.block_ids], first_logical=3)
-    assert_same_bytes(pages(engine, 0, 0, [int(b) for b in spec.block_ids]),
-                      pages(engine, 0, 0, second.block_ids[0][3:10]))
+    assert_same_bytes(
+        pages(engine, 0, 0, [int(b) for b in spec.block_ids]),
+        pages(engine, 0, 0, second.block_ids[0][3:10]),
+    )
 
 
 # -- 4. tensor parallelism: two ranks, a chunk is ready only when both stored -----------------
@@ -262,9 +272,24 @@ def test_tensor_parallel_two_ranks(daemon, make_engine) -> None:
 def test_two_engine_processes_share_prefix(daemon, make_engine) -> None:
     env = {**os.environ, **cpu_environment(), "PYTHONPATH": str(REPO)}
     proc = subprocess.run(
-        [sys.executable, "-m", "tests.vllm.engine_proc", "--socket", daemon.target,
-         "--prompt-seed", "5", "--length", "160", "--model-dir", str(MODEL_DIR)],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=150,
+        [
+            sys.executable,
+            "-m",
+            "tests.vllm.engine_proc",
+            "--socket",
+            daemon.target,
+            "--prompt-seed",
+            "5",
+            "--length",
+            "160",
+            "--model-dir",
+            str(MODEL_DIR),
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=150,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     engine_a = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -278,8 +303,9 @@ def test_two_engine_processes_share_prefix(daemon, make_engine) -> None:
     assert [k.hex() for k in keys] == engine_a["keys"]
     engine_b.wait_ready(keys)  # B's mirror learnt A's blocks from the Watch stream
     # ...and B's KV events show them as the node's CPU tier.
-    stored = [e for e in engine_b.scheduler_connector.take_events()
-              if type(e).__name__ == "BlockStored"]
+    stored = [
+        e for e in engine_b.scheduler_connector.take_events() if type(e).__name__ == "BlockStored"
+    ]
     announced = {h for e in stored for h in e.block_hashes}
     assert announced >= {maybe_convert_block_hash(k[:-4]) for k in keys}
     assert all(e.medium == "CPU" for e in stored)
@@ -308,8 +334,9 @@ def test_two_engine_processes_share_prefix(daemon, make_engine) -> None:
 
 
 def test_daemon_killed_mid_run(daemon, make_engine) -> None:
-    engine = make_engine(socket=daemon.target, num_gpu_blocks=96,
-                         extra_config={"kvdepot_pin_timeout_ms": 50})
+    engine = make_engine(
+        socket=daemon.target, num_gpu_blocks=96, extra_config={"kvdepot_pin_timeout_ms": 50}
+    )
     engine.wait_registered()
     prompt = prompt_for(6, 130)
     [first] = engine.generate([prompt])
@@ -374,7 +401,8 @@ def test_frozen_daemon_cannot_hang_an_in_step_load(daemon, make_engine) -> None:
     """A daemon that stops answering: wait() gives up after kvdepot_job_timeout_s,
     the load becomes a load error and vLLM recomputes (never a hang)."""
     engine = make_engine(
-        socket=daemon.target, num_gpu_blocks=64,
+        socket=daemon.target,
+        num_gpu_blocks=64,
         extra_config={"sync_load_budget_bytes": 1 << 30, "kvdepot_job_timeout_s": 0.5},
     )
     engine.wait_registered()
@@ -406,8 +434,11 @@ def test_frozen_daemon_cannot_hang_an_in_step_load(daemon, make_engine) -> None:
 
 def test_daemon_absent_from_the_start(tmp_path, make_engine) -> None:
     """No daemon at all: vLLM runs, every lookup misses, nothing raises."""
-    engine = make_engine(socket=f"unix://{tmp_path}/none.sock", num_gpu_blocks=32,
-                         extra_config={"kvdepot_startup_wait_s": 0})
+    engine = make_engine(
+        socket=f"unix://{tmp_path}/none.sock",
+        num_gpu_blocks=32,
+        extra_config={"kvdepot_startup_wait_s": 0},
+    )
     prompt = prompt_for(8, 70)
     [a] = engine.generate([prompt])
     engine.reset_gpu_prefix_cache()

@@ -73,6 +73,6 @@ def test_front_end_metrics_accept_every_kvdepot_metric() -> None:
     prom.observe(stats.data, engine_idx=0)
 
     assert registry.get_sample_value("kvdepot_connected", {"model_name": "m", "engine": "0"}) == 1
-    assert registry.get_sample_value(
-        "kvdepot_pin_rpcs_total", {"model_name": "m", "engine": "0"}
-    ) == 2
+    assert (
+        registry.get_sample_value("kvdepot_pin_rpcs_total", {"model_name": "m", "engine": "0"}) == 2
+    )

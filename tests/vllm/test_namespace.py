@@ -24,19 +24,26 @@ pytestmark = pytest.mark.vllm
 
 def offloading_config(**changes) -> OffloadingConfig:
     parallel = OffloadingParallelConfig(
-        rank=0, world_size=2, tp_size=2, pp_size=1, pcp_size=1, dcp_size=1,
-        data_parallel_index=0, data_parallel_size=1, data_parallel_rank_local=None,
+        rank=0,
+        world_size=2,
+        tp_size=2,
+        pp_size=1,
+        pcp_size=1,
+        dcp_size=1,
+        data_parallel_index=0,
+        data_parallel_size=1,
+        data_parallel_rank_local=None,
         is_parallelism_agnostic=True,
     )
     config = OffloadingConfig(
-        groups=(OffloadingGroupConfig(tokens_per_block=16, layer_names=("l0", "l1"),
-                                      group_id=0),),
+        groups=(OffloadingGroupConfig(tokens_per_block=16, layer_names=("l0", "l1"), group_id=0),),
         worker_kv_bytes_per_block=2 * 65536,
         enable_kv_cache_events=False,
         extra_config={},
         engine_id="engine-a",
-        model=OffloadingModelConfig(name="meta-llama/Llama-3-8B", dtype="bfloat16",
-                                    max_model_len=8192),
+        model=OffloadingModelConfig(
+            name="meta-llama/Llama-3-8B", dtype="bfloat16", max_model_len=8192
+        ),
         cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),
         parallel=parallel,
         kv_cache_layout="LBHNC",
@@ -79,8 +86,11 @@ def test_same_configuration_same_namespace_across_engines_and_ranks() -> None:
         {"dcp_size": 2},
         {"pcp_size": 2},
         {"worker_kv_bytes_per_block": 65536},
-        {"groups": (OffloadingGroupConfig(tokens_per_block=32, layer_names=("l0", "l1"),
-                                          group_id=0),)},
+        {
+            "groups": (
+                OffloadingGroupConfig(tokens_per_block=32, layer_names=("l0", "l1"), group_id=0),
+            )
+        },
     ],
     ids=lambda c: ",".join(c),
 )
@@ -106,11 +116,19 @@ def test_settings_defaults_and_validation() -> None:
     s = DepotSettings.from_extra_config({})
     assert s.socket == DEFAULT_SOCKET and s.pin_timeout_s == pytest.approx(0.05)
     s = DepotSettings.from_extra_config(
-        {"kvdepot_socket": "/tmp/x.sock", "kvdepot_pin_timeout_ms": "20",
-         "kvdepot_memory_path": "INLINE", "kvdepot_namespace_salt": "v2"}
+        {
+            "kvdepot_socket": "/tmp/x.sock",
+            "kvdepot_pin_timeout_ms": "20",
+            "kvdepot_memory_path": "INLINE",
+            "kvdepot_namespace_salt": "v2",
+        }
     )
     assert (s.socket, s.pin_timeout_s, s.memory_path, s.namespace_salt) == (
-        "/tmp/x.sock", 0.02, "inline", "v2")
+        "/tmp/x.sock",
+        0.02,
+        "inline",
+        "v2",
+    )
     with pytest.raises(ValueError, match="kvdepot_pin_timeout_ms"):
         DepotSettings.from_extra_config({"kvdepot_pin_timeout_ms": "soon"})
     with pytest.raises(ValueError, match="kvdepot_pin_timeout_ms"):
