@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+# vLLM picks its platform once, on first use, and some modules outside tests/vllm
+# import it at collection time: the CPU settings must be in place before any of them.
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 

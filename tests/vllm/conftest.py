@@ -1,14 +1,32 @@
 """vLLM tests: the real vLLM 0.33.0 Scheduler and worker connectors, on CPU.
 
-vLLM decides its platform when first imported, so the CPU settings go into the
-environment here, before any test module imports vllm.
+The CPU environment for vLLM is set in tests/conftest.py, before anything imports it.
 """
 
 from __future__ import annotations
 
-import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
-os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+import pytest
+
+pytest.importorskip("vllm")
+
+from kvdepot.client.vllm.testing import EngineConfig, SyntheticEngine, find_model_dir
+
+MODEL_DIR = find_model_dir(Path(__file__).resolve().parents[1])
+
+
+@pytest.fixture
+def make_engine() -> Iterator[Callable[..., SyntheticEngine]]:
+    """make_engine(**EngineConfig fields) -> a SyntheticEngine, shut down after the test."""
+    engines: list[SyntheticEngine] = []
+
+    def make(**kwargs) -> SyntheticEngine:
+        engine = SyntheticEngine(EngineConfig(model_dir=str(MODEL_DIR), **kwargs))
+        engines.append(engine)
+        return engine
+
+    yield make
+    for engine in engines:
+        engine.shutdown()

@@ -25,7 +25,6 @@ from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
 from kvdepot.client.vllm.connector import KVDepotConnector
 from kvdepot.client.vllm.testing import (
-    EngineConfig,
     GroupDef,
     SyntheticEngine,
     cpu_environment,
@@ -37,20 +36,6 @@ pytestmark = pytest.mark.vllm
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL_DIR = find_model_dir(REPO / "tests")
-
-
-@pytest.fixture
-def make_engine():
-    engines: list[SyntheticEngine] = []
-
-    def make(**kwargs) -> SyntheticEngine:
-        engine = SyntheticEngine(EngineConfig(model_dir=str(MODEL_DIR), **kwargs))
-        engines.append(engine)
-        return engine
-
-    yield make
-    for engine in engines:
-        engine.shutdown()
 
 
 def pages(engine: SyntheticEngine, rank: int, group: int, block_ids: list[int]) -> list:

@@ -22,7 +22,6 @@ pytest.importorskip("redis")
 from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
 from kvdepot.client.vllm.testing import (
-    EngineConfig,
     GroupDef,
     SyntheticEngine,
     cpu_environment,
@@ -51,20 +50,6 @@ def two_nodes(redis_server, daemon_factory):
     a = daemon_factory("--pool-size", "64MiB", "--remote", redis_server.url)
     b = daemon_factory("--pool-size", "64MiB", "--remote", redis_server.url)
     return a, b
-
-
-@pytest.fixture
-def make_engine():
-    engines: list[SyntheticEngine] = []
-
-    def make(**kwargs) -> SyntheticEngine:
-        engine = SyntheticEngine(EngineConfig(model_dir=str(MODEL_DIR), **kwargs))
-        engines.append(engine)
-        return engine
-
-    yield make
-    for engine in engines:
-        engine.shutdown()
 
 
 def remote_writes(engine: SyntheticEngine) -> int:

@@ -11,36 +11,16 @@ from __future__ import annotations
 import os
 import signal
 import time
-from pathlib import Path
 
 import pytest
 
 pytest.importorskip("vllm")
 
 from kvdepot.client.vllm.testing import (
-    EngineConfig,
-    SyntheticEngine,
-    find_model_dir,
     prompt_for,
 )
 
 pytestmark = pytest.mark.vllm
-
-MODEL_DIR = find_model_dir(Path(__file__).resolve().parents[2] / "tests")
-
-
-@pytest.fixture
-def make_engine():
-    engines: list[SyntheticEngine] = []
-
-    def make(**kwargs) -> SyntheticEngine:
-        engine = SyntheticEngine(EngineConfig(model_dir=str(MODEL_DIR), **kwargs))
-        engines.append(engine)
-        return engine
-
-    yield make
-    for engine in engines:
-        engine.shutdown()
 
 
 def test_first_store_after_a_connector_reset_is_stored(daemon, make_engine) -> None:
