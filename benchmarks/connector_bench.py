@@ -103,7 +103,7 @@ def run_connector_bench(
     the figures as a dict. `target` is the daemon ("unix:///path"); None starts one."""
     _cpu_env()
     from kvdepot.bench.daemon import OwnDaemon, target_of
-    from kvdepot.client.vllm.testing import EngineConfig, GroupDef, SyntheticEngine, prompt_for
+    from kvdepot.testing.vllm_engine import EngineConfig, GroupDef, SyntheticEngine, prompt_for
 
     out = out if out is not None else sys.stderr
     lookup_rounds = 20 if quick else 200

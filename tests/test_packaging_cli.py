@@ -47,8 +47,11 @@ def test_wheel_maps_the_top_level_folders_onto_one_namespace(tmp_path: Path) -> 
         "kvdepot/client/depot_client.py",
         "kvdepot/client/vllm/__init__.py",
         "kvdepot/bench/__init__.py",
+        "kvdepot/testing/vllm_engine.py",
     ):
         assert path in names, f"{path} missing from the wheel"
+    # The test engine is its own package: the connector's package ships only the connector.
+    assert "kvdepot/client/vllm/testing.py" not in names
     assert not any(n.startswith("tests/") for n in names)
 
 

@@ -20,7 +20,7 @@ import urllib.request
 from pathlib import Path
 
 from kvdepot.bench import pvm_bench
-from kvdepot.client.vllm.testing import prompt_for
+from kvdepot.testing.environment import prompt_for
 from tests.engine.models import build_model
 from tests.engine.runner import LLMEngine, free_port, prometheus_value, readme_kv_config
 from tests.support.daemon import DaemonProcess

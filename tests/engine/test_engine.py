@@ -15,7 +15,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from kvdepot.client.vllm.testing import prompt_for
+from kvdepot.testing.environment import prompt_for
 from kvdepot.v1 import admin_pb2, admin_pb2_grpc
 from tests.engine.runner import (
     LLMEngine,

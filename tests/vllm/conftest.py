@@ -12,7 +12,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from kvdepot.client.vllm.testing import EngineConfig, SyntheticEngine, find_model_dir
+from kvdepot.testing.vllm_engine import EngineConfig, SyntheticEngine, find_model_dir
 
 MODEL_DIR = find_model_dir(Path(__file__).resolve().parents[1])
 

@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model-dir", default=None)
     args = ap.parse_args(argv)
 
-    from kvdepot.client.vllm.testing import EngineConfig, SyntheticEngine, prompt_for
+    from kvdepot.testing.vllm_engine import EngineConfig, SyntheticEngine, prompt_for
 
     engine = SyntheticEngine(
         EngineConfig(

@@ -24,7 +24,7 @@ pytest.importorskip("vllm")
 from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
 from kvdepot.client.vllm.connector import KVDepotConnector
-from kvdepot.client.vllm.testing import (
+from kvdepot.testing.vllm_engine import (
     GroupDef,
     SyntheticEngine,
     cpu_environment,

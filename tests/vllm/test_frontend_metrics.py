@@ -22,7 +22,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
 
 from kvdepot.client.vllm.manager import MetricName
 from kvdepot.client.vllm.spec import KVDepotOffloadingSpec
-from kvdepot.client.vllm.testing import find_model_dir
+from kvdepot.testing.environment import find_model_dir
 
 pytestmark = pytest.mark.vllm
 

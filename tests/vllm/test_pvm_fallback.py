@@ -11,7 +11,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from kvdepot.client.vllm.testing import EngineConfig, SyntheticEngine, find_model_dir, prompt_for
+from kvdepot.testing.vllm_engine import EngineConfig, SyntheticEngine, find_model_dir, prompt_for
 from tests.support.unprivileged import unprivileged_daemon
 
 pytestmark = pytest.mark.vllm

@@ -16,7 +16,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from kvdepot.client.vllm.testing import (
+from kvdepot.testing.vllm_engine import (
     prompt_for,
 )
 

@@ -14,31 +14,22 @@ check every loaded byte against `expected_page()` or against an earlier run.
 The worker KV tensors live in a memfd (`SharedKVBuffer`) by default, so the
 connector's shm path is what runs. Used by the test suite and `kvdepot bench`.
 Needs `VLLM_TARGET_DEVICE=cpu` in the environment before vLLM is imported when
-there is no GPU (see `cpu_environment()`).
+there is no GPU (see `cpu_environment()`). What the engine is built from lives in
+`vllm_config.py`; prompts and the model config in `environment.py`.
 """
 
 from __future__ import annotations
 
 import copy
 import hashlib
-import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
 from vllm import SamplingParams
-from vllm.config import (
-    CacheConfig,
-    KVTransferConfig,
-    ModelConfig,
-    ParallelConfig,
-    SchedulerConfig,
-    VllmConfig,
-    set_current_vllm_config,
-)
+from vllm.config import VllmConfig, set_current_vllm_config
 from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
 from vllm.forward_context import ForwardContext
@@ -51,97 +42,31 @@ from vllm.v1.core.kv_cache_utils import (
 )
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.kv_cache_interface import (
-    FullAttentionSpec,
-    KVCacheConfig,
-    KVCacheGroupSpec,
-    KVCacheTensor,
-    SlidingWindowSpec,
-)
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
 from kvdepot.client.shm import SharedKVBuffer
+from kvdepot.testing.environment import cpu_environment, find_model_dir, prompt_for
+from kvdepot.testing.vllm_config import (
+    DTYPES,
+    EngineConfig,
+    GroupDef,
+    make_kv_cache_config,
+    make_vllm_config,
+    worker_config,
+)
 
-_CPU_ENV = {"VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-
-
-def prompt_for(seed: int, length: int) -> list[int]:
-    """A deterministic prompt of `length` token ids (the same in every process)."""
-    x = seed * 7919 + 1
-    out = []
-    for _ in range(length):
-        x = (x * 1103515245 + 12345) % (1 << 31)
-        out.append(10 + x % 30000)
-    return out
-
-
-def cpu_environment() -> dict[str, str]:
-    """Environment variables vLLM needs to schedule on a machine without a GPU. They
-    must be set before vllm is first imported (vLLM picks its platform then), so set
-    them in the environment of the process, or before importing this module's package."""
-    return dict(_CPU_ENV)
-
-
-_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
-
-
-def find_model_dir(start: Path | None = None) -> Path:
-    """The OPT-125m model config the tests use (`tests/data/hf-config-opt-125m` in the
-    repository), or the directory named by `KVDEPOT_TEST_MODEL_DIR`."""
-    env = os.environ.get("KVDEPOT_TEST_MODEL_DIR")
-    if env:
-        return Path(env)
-    here = (start or Path(__file__)).resolve()
-    for parent in [here, *here.parents]:
-        candidate = parent / "tests" / "data" / "hf-config-opt-125m"
-        if (candidate / "config.json").is_file():
-            return candidate
-    raise FileNotFoundError(
-        "tests/data/hf-config-opt-125m not found (run from a kvdepot checkout, or set "
-        "KVDEPOT_TEST_MODEL_DIR to a directory holding a Hugging Face config.json)"
-    )
-
-
-@dataclass(frozen=True)
-class GroupDef:
-    """One KV-cache group of the synthetic model (per-rank geometry)."""
-
-    kind: str = "full"  # "full" or "sliding_window"
-    block_size: int = 16
-    num_layers: int = 2
-    sliding_window: int | None = None
-    # Per rank; None: the model's KV heads divided by TP.
-    num_kv_heads: int | None = None
-    head_size: int | None = None
-
-
-@dataclass
-class EngineConfig:
-    """What a SyntheticEngine is built from."""
-
-    socket: str | None
-    groups: Sequence[GroupDef] = (GroupDef(),)
-    model_dir: str | None = None
-    blocks_per_chunk: int = 1
-    tp: int = 1
-    num_gpu_blocks: int = 128
-    dtype: str = "float16"
-    salt: str = ""
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 4096
-    max_model_len: int = 2048
-    # None: no KV connector at all (a baseline).
-    connector: str | None = "KVDepotConnector"
-    connector_module: str | None = "kvdepot.client.vllm"
-    extra_config: dict[str, Any] = field(default_factory=dict)
-    # False: plain process memory (exercises the inline path).
-    shm: bool = True
-    enable_kv_events: bool = False
-    # False: scheduler only; transfer jobs complete at once (benchmarks of the
-    # scheduler side, and connectors whose workers need a GPU).
-    workers: bool = True
+# What tests and benchmarks import from here (the environment helpers import no vLLM).
+__all__ = [
+    "EngineConfig",
+    "GroupDef",
+    "RequestRecord",
+    "SyntheticEngine",
+    "cpu_environment",
+    "find_model_dir",
+    "prompt_for",
+]
 
 
 @dataclass
@@ -219,10 +144,10 @@ class SyntheticEngine:
 
     def __init__(self, cfg: EngineConfig) -> None:
         self.cfg = cfg
-        self.torch_dtype = _DTYPES[cfg.dtype]
+        self.torch_dtype = DTYPES[cfg.dtype]
         self.num_blocks = cfg.num_gpu_blocks
-        self.vllm_config = self._make_vllm_config()
-        self.kv_cache_config = self._make_kv_cache_config()
+        self.vllm_config = make_vllm_config(cfg)
+        self.kv_cache_config = make_kv_cache_config(cfg, self.vllm_config, self.num_blocks)
         sched_bs, hash_bs = resolve_kv_cache_block_sizes(self.kv_cache_config, self.vllm_config)
         self.kv_cache_config.hash_block_size = hash_bs
         self.kv_cache_config.cache_hit_alignment_tokens = resolve_cache_hit_alignment_tokens(
@@ -267,105 +192,8 @@ class SyntheticEngine:
 
     # -- construction ---------------------------------------------------------------------
 
-    def _make_vllm_config(self) -> VllmConfig:
-        cfg = self.cfg
-        model_dir = cfg.model_dir or str(find_model_dir())
-        extra = {
-            "kvdepot_socket": cfg.socket or "",
-            "kvdepot_namespace_salt": cfg.salt,
-            "kvdepot_startup_wait_s": 5.0,
-            **({"blocks_per_chunk": cfg.blocks_per_chunk} if cfg.blocks_per_chunk > 1 else {}),
-            **cfg.extra_config,
-        }
-        model = ModelConfig(
-            model=model_dir,
-            skip_tokenizer_init=True,
-            max_model_len=cfg.max_model_len,
-            dtype=cfg.dtype,
-        )
-        cache = CacheConfig(block_size=cfg.groups[0].block_size, enable_prefix_caching=True)
-        sched = SchedulerConfig(
-            max_num_batched_tokens=cfg.max_num_batched_tokens,
-            max_num_seqs=cfg.max_num_seqs,
-            max_model_len=cfg.max_model_len,
-            is_encoder_decoder=False,
-            async_scheduling=False,
-        )
-        transfer = None
-        if cfg.connector is not None:
-            transfer = KVTransferConfig(
-                kv_connector=cfg.connector,
-                kv_connector_module_path=cfg.connector_module,
-                kv_role="kv_both",
-                kv_load_failure_policy="recompute",
-                kv_connector_extra_config=extra,
-            )
-        kwargs: dict[str, Any] = {}
-        if cfg.enable_kv_events:
-            from vllm.config import KVEventsConfig
-
-            kwargs["kv_events_config"] = KVEventsConfig(
-                enable_kv_cache_events=True, publisher="null"
-            )
-        return VllmConfig(
-            model_config=model,
-            cache_config=cache,
-            scheduler_config=sched,
-            kv_transfer_config=transfer,
-            parallel_config=ParallelConfig(tensor_parallel_size=cfg.tp),
-            **kwargs,
-        )
-
     def worker_config(self, rank: int) -> VllmConfig:
-        if rank == 0 and self.cfg.tp == 1:
-            return self.vllm_config
-        config = copy.copy(self.vllm_config)
-        config.parallel_config = copy.copy(self.vllm_config.parallel_config)
-        config.parallel_config.rank = rank
-        return config
-
-    def _make_kv_cache_config(self) -> KVCacheConfig:
-        cfg = self.cfg
-        model = self.vllm_config.model_config
-        heads = model.get_total_num_kv_heads() // cfg.tp
-        head_size = model.get_head_size()
-        groups: list[KVCacheGroupSpec] = []
-        names: list[str] = []
-        pages: list[int] = []
-        for g, gd in enumerate(cfg.groups):
-            common = dict(
-                block_size=gd.block_size,
-                num_kv_heads=gd.num_kv_heads or heads,
-                head_size=gd.head_size or head_size,
-                dtype=self.torch_dtype,
-            )
-            if gd.kind == "full":
-                spec = FullAttentionSpec(**common)
-            elif gd.kind == "sliding_window":
-                assert gd.sliding_window is not None
-                spec = SlidingWindowSpec(**common, sliding_window=gd.sliding_window)
-            else:
-                raise ValueError(f"unknown group kind {gd.kind!r}")
-            layer_names = [f"model.layers.{len(names) + i}.g{g}.attn" for i in range(gd.num_layers)]
-            names.extend(layer_names)
-            pages.extend([spec.page_size_bytes] * gd.num_layers)
-            groups.append(KVCacheGroupSpec(layer_names, spec))
-        if len(set(pages)) != 1:
-            raise ValueError(f"all layers need one page size (vLLM's hybrid allocator): {pages}")
-        page = pages[0]
-        total = page * self.num_blocks * len(names)
-        tensors = [
-            KVCacheTensor(
-                size=total, layers=names, layer_stride=page * self.num_blocks, block_stride=page
-            )
-        ]
-        self.vllm_config.cache_config.num_gpu_blocks = self.num_blocks
-        return KVCacheConfig(
-            num_blocks=self.num_blocks,
-            kv_cache_tensors=tensors,
-            kv_cache_groups=groups,
-            kv_cache_layout="LBHNC",
-        )
+        return worker_config(self.vllm_config, rank)
 
     # -- requests ----------------------------------------------------------------------
 

@@ -1,0 +1,7 @@
+"""The test engine: vLLM's real Scheduler and real WORKER-role connectors, driven by a
+synthetic model, without a GPU (`kvdepot.testing.vllm_engine.SyntheticEngine`).
+
+Used by the test suite and `kvdepot bench`; the connector (`kvdepot.client.vllm`) never
+imports it. This package's `__init__` and `environment` import no vLLM, so
+`cpu_environment()` can be read before vLLM picks its platform.
+"""
