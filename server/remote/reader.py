@@ -18,8 +18,8 @@ import asyncio
 import enum
 import logging
 import time
-from collections import deque
 from collections.abc import Sequence
+from typing import NamedTuple
 
 from kvdepot.server.copy_queue import CopyQueue
 from kvdepot.server.core.index import BlockIndex, Namespace, UnknownNamespace
@@ -27,6 +27,7 @@ from kvdepot.server.core.kinds import StoreOutcome
 from kvdepot.server.core.layout import LayoutError, check_key
 from kvdepot.server.memory.arena import Arena
 from kvdepot.server.remote import codec
+from kvdepot.server.remote.batches import BatchWorkers
 from kvdepot.server.remote.health import TierHealth
 from kvdepot.server.remote.stats import RemoteStats
 from kvdepot.server.remote.tier import RemoteTier, TierUnavailable
@@ -46,6 +47,13 @@ class KeyState(enum.IntEnum):
     LOCAL = 1  # in the pool already (ready or being written)
     FETCHING = 2  # the tier has it: it becomes READY shortly (or is given up)
     ABSENT = 3  # neither here nor in the tier (or the tier is not answering)
+
+
+class _Fetch(NamedTuple):
+    namespace: str
+    key: bytes
+    size: int  # row bytes
+    asked_at: float  # monotonic time of the prefetch that queued it
 
 
 class Fetcher:
@@ -73,24 +81,29 @@ class Fetcher:
         self.max_inflight_bytes = max_inflight_bytes
         self.exists_timeout_s = exists_timeout_s
         self.call_timeout_s = call_timeout_s
-        self._queue: deque[tuple[str, bytes, int, float]] = deque()  # ns, key, size, asked at
-        self._fetching: set[tuple[str, bytes]] = set()
+        self._fetches = BatchWorkers(
+            self._fetch,
+            size_of=lambda f: f.size,
+            batch_bytes=FETCH_BATCH_BYTES,
+            workers=WORKERS,
+            what="remote fetch",
+            on_error=self._fetch_failed,
+            on_done=self._fetch_done,
+        )
+        self._fetching: set[tuple[str, bytes]] = set()  # queued or being fetched
         self._absent: dict[tuple[str, bytes], float] = {}  # -> until
         self._absent_check = 0.0
-        self.pending_bytes = 0
-        self._wakeup = asyncio.Event()
-        self._tasks: list[asyncio.Task[None]] = []
-        self._closing = False
+
+    @property
+    def pending_bytes(self) -> int:
+        """Row bytes queued or being fetched (bounded by `max_inflight_bytes`)."""
+        return self._fetches.pending_bytes
 
     def start(self) -> None:
-        self._tasks = [asyncio.create_task(self._worker()) for _ in range(WORKERS)]
+        self._fetches.start()
 
     async def close(self) -> None:
-        self._closing = True
-        self._wakeup.set()
-        for t in self._tasks:
-            t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._fetches.close()
 
     # -- the RPC ------------------------------------------------------------------------------
 
@@ -148,43 +161,21 @@ class Fetcher:
             if self.pending_bytes + size > self.max_inflight_bytes:
                 self._stats.fetch_drops["backlog_full"] += 1
                 continue
-            self.pending_bytes += size
             self._fetching.add((namespace_id, key))
-            self._queue.append((namespace_id, key, size, asked_at))
+            self._fetches.put(_Fetch(namespace_id, key, size, asked_at))
             out[i] = KeyState.FETCHING
-        if self._queue:
-            self._wakeup.set()
         return out
 
     # -- workers ------------------------------------------------------------------------------
 
-    def _take_batch(self) -> list[tuple[str, bytes, int, float]]:
-        batch = []
-        total = 0
-        while self._queue and (not batch or total + self._queue[0][2] <= FETCH_BATCH_BYTES):
-            item = self._queue.popleft()
-            batch.append(item)
-            total += item[2]
-        return batch
+    def _fetch_failed(self, batch: list[_Fetch]) -> None:
+        self._stats.fetch_drops["error"] += len(batch)
 
-    async def _worker(self) -> None:
-        while not self._closing:
-            if not self._queue:
-                self._wakeup.clear()
-                await self._wakeup.wait()
-                continue
-            batch = self._take_batch()
-            try:
-                await self._fetch(batch)
-            except Exception:  # a bug must not end the worker
-                log.exception("remote fetch of %d row(s) failed", len(batch))
-                self._stats.fetch_drops["error"] += len(batch)
-            finally:
-                for ns, key, size, _ in batch:
-                    self._fetching.discard((ns, key))
-                    self.pending_bytes -= size
+    def _fetch_done(self, batch: list[_Fetch]) -> None:
+        for f in batch:
+            self._fetching.discard((f.namespace, f.key))
 
-    async def _fetch(self, batch: list[tuple[str, bytes, int, float]]) -> None:
+    async def _fetch(self, batch: list[_Fetch]) -> None:
         names = [codec.remote_key(ns, key) for ns, key, _, _ in batch]
         t0 = time.perf_counter()
         try:

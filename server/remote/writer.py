@@ -21,10 +21,8 @@ Rows that came from the tier (the reader's) are not written back.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
-from collections import deque
 from dataclasses import dataclass
 
 from kvdepot.server.copy_queue import CopyQueue
@@ -33,6 +31,7 @@ from kvdepot.server.core.kinds import EventKind, EvictionReason
 from kvdepot.server.core.layout import check_key
 from kvdepot.server.memory.arena import Arena
 from kvdepot.server.remote import codec
+from kvdepot.server.remote.batches import BatchWorkers
 from kvdepot.server.remote.health import TierHealth
 from kvdepot.server.remote.stats import RemoteStats
 from kvdepot.server.remote.tier import RemoteTier, TierUnavailable
@@ -78,11 +77,14 @@ class WriteBehind:
         self.ttl_s = ttl_s
         self.max_inflight_bytes = max_inflight_bytes
         self.call_timeout_s = call_timeout_s
-        self._queue: deque[_Item] = deque()
-        self.pending_bytes = 0  # queued + being written
-        self._wakeup = asyncio.Event()
-        self._tasks: list[asyncio.Task[None]] = []
-        self._closing = False
+        self._writes = BatchWorkers(
+            self._write,
+            size_of=lambda i: i.size,
+            batch_bytes=BATCH_BYTES,
+            workers=WORKERS,
+            what="remote write",
+            on_error=lambda batch: self._drop("error", len(batch)),
+        )
         self._next_drop_log = 0.0
         # Rows the reader loaded from the tier: their STORED event is not written back.
         self.from_tier: set[tuple[str, bytes]] = set()
@@ -92,15 +94,16 @@ class WriteBehind:
             for slot in index.ready_slots():  # warm-restarted rows announce nothing
                 self._note_extent(slot.namespace, slot.key)
 
+    @property
+    def pending_bytes(self) -> int:
+        """Row bytes queued or being written (bounded by `max_inflight_bytes`)."""
+        return self._writes.pending_bytes
+
     def start(self) -> None:
-        self._tasks = [asyncio.create_task(self._worker()) for _ in range(WORKERS)]
+        self._writes.start()
 
     async def close(self) -> None:
-        self._closing = True
-        self._wakeup.set()
-        for t in self._tasks:
-            t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._writes.close()
 
     # -- intake (event loop, synchronous) --------------------------------------------------
 
@@ -137,7 +140,7 @@ class WriteBehind:
                 if self._admit(size):
                     # The freed extent still holds the row until this event returns.
                     payload = bytes(self._arena.view(offset, size))
-                    self._enqueue(_Item(ns, key, size, payload))
+                    self._writes.put(_Item(ns, key, size, payload))
 
     def _drop(self, reason: str, rows: int = 1) -> None:
         self._stats.write_drops[reason] += rows
@@ -162,38 +165,9 @@ class WriteBehind:
 
     def _offer(self, item: _Item) -> None:
         if self._admit(item.size):
-            self._enqueue(item)
-
-    def _enqueue(self, item: _Item) -> None:
-        self.pending_bytes += item.size
-        self._queue.append(item)
-        self._wakeup.set()
+            self._writes.put(item)
 
     # -- workers ------------------------------------------------------------------------------
-
-    def _take_batch(self) -> list[_Item]:
-        batch: list[_Item] = []
-        total = 0
-        while self._queue and (not batch or total + self._queue[0].size <= BATCH_BYTES):
-            item = self._queue.popleft()
-            batch.append(item)
-            total += item.size
-        return batch
-
-    async def _worker(self) -> None:
-        while not self._closing:
-            if not self._queue:
-                self._wakeup.clear()
-                await self._wakeup.wait()
-                continue
-            batch = self._take_batch()
-            try:
-                await self._write(batch)
-            except Exception:  # a bug must not end the worker: count, log, go on
-                log.exception("remote write of %d row(s) failed", len(batch))
-                self._drop("error", len(batch))
-            finally:
-                self.pending_bytes -= sum(i.size for i in batch)
 
     async def _write(self, batch: list[_Item]) -> None:
         if not self._health.usable():
