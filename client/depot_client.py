@@ -30,6 +30,8 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 import grpc
 
 from kvdepot.client.fdpass import send_fd
+from kvdepot.client.job_lane import LaneKeeper
+from kvdepot.client.job_lane import enabled_by_env as job_lane_enabled_by_env
 from kvdepot.client.shm import SharedKVBuffer
 from kvdepot.v1 import admin_pb2_grpc, depot_pb2, depot_pb2_grpc
 
@@ -328,8 +330,9 @@ class DepotClient:
         """Follows the namespace's ready keys; see `Watch`."""
         return Watch(self, namespace_id, on_event).start()
 
-    def transfer_stream(self) -> TransferStream:
-        return TransferStream(self)
+    def transfer_stream(self, job_lane: bool | None = None) -> TransferStream:
+        """`job_lane`: None follows KVDEPOT_JOB_LANE (default on); see TransferStream."""
+        return TransferStream(self, job_lane)
 
 
 class Watch:
@@ -396,16 +399,50 @@ class TransferStream:
     blocks until the named jobs have results (or the timeout passes). When the
     stream breaks, every job in flight gets a failed result; the next `submit`
     opens a new stream.
+
+    Where the daemon offers one, jobs go on a job lane instead (kvdepot.client.job_lane:
+    a Unix socket pair, the same messages, no gRPC and no thread hand-off on the
+    way out), opened with the stream (or in the background when the client was not
+    connected yet, or after a break); until it is open, for jobs that do not fit
+    in a datagram, and with `job_lane=False` or KVDEPOT_JOB_LANE=0, they go on the
+    gRPC stream. A lane that breaks fails its jobs in flight like a broken stream.
     """
 
-    def __init__(self, client: DepotClient) -> None:
+    def __init__(self, client: DepotClient, job_lane: bool | None = None) -> None:
         self.client = client
         self._lock = threading.Condition()
-        self._inflight: dict[int, int] = {}  # job id -> stream generation
+        # job id -> generation: > 0 a gRPC stream's, < 0 a lane's (LaneKeeper)
+        self._inflight: dict[int, int] = {}
         self._done: dict[int, depot_pb2.TransferResult] = {}
         self._requests: queue.SimpleQueue[object] | None = None
         self._call: grpc.Future | None = None
         self._generation = 0
+        wanted = job_lane_enabled_by_env() if job_lane is None else job_lane
+        self._lanes = LaneKeeper(client, self._lock, wanted, self._lane_result, self._lane_broke)
+        # Connected: open the lane now (a few ms, once) so that every job takes it;
+        # later (re)opens happen in the background while jobs use the gRPC stream.
+        self._lanes.maybe_open(background=False)
+
+    @property
+    def uses_lane(self) -> bool:
+        """True while jobs go on a job lane (informational; results arrive alike)."""
+        with self._lock:
+            return self._lanes.lane is not None
+
+    def _lane_result(self, result: depot_pb2.TransferResult, generation: int) -> None:
+        # A job aborted meanwhile already has its (CANCELLED) result.
+        if self._inflight.get(result.job_id) == generation:
+            del self._inflight[result.job_id]
+            self._done[result.job_id] = result
+            self._lock.notify_all()
+
+    def _lane_broke(self, generation: int, error: str) -> None:
+        for job_id, gen in list(self._inflight.items()):
+            if gen == generation:
+                self._fail(job_id, error)
+        self._lock.notify_all()
+
+    # -- the gRPC stream ---------------------------------------------------------------
 
     def _requests_iter(self, q: queue.SimpleQueue[object]) -> Iterator[depot_pb2.TransferJob]:
         while True:
@@ -461,11 +498,12 @@ class TransferStream:
         The daemon skips the cancelled jobs it has not started; a copy already
         running cannot be stopped and finishes in the daemon, so memory a LOAD
         targets must not be handed out again unless the daemon is known to be
-        frozen or gone. The next `submit` opens a new stream.
+        frozen or gone. The next `submit` opens a new stream (and lane).
         """
         with self._lock:
             call, self._call = self._call, None
             requests, self._requests = self._requests, None
+            self._lanes.cancel()
             for job_id in list(self._inflight):
                 self._fail(job_id, reason, "CANCELLED")
             self._lock.notify_all()
@@ -481,6 +519,9 @@ class TransferStream:
             try:
                 if not job.session_id:
                     job.session_id = self.client.session_id
+                if self._lanes.send(job):
+                    self._inflight[job.job_id] = self._lanes.generation
+                    return
                 if self._requests is None:
                     self._requests = self._open()
             except (DepotUnavailable, grpc.RpcError, ValueError) as exc:
@@ -515,7 +556,9 @@ class TransferStream:
             return len(self._inflight)
 
     def close(self) -> None:
+        """Ends the stream (and lane): the daemon answers the jobs it has, then closes."""
         with self._lock:
+            self._lanes.finish()
             if self._requests is not None:
                 self._requests.put(_STREAM_END)
                 self._requests = None

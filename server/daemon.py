@@ -127,6 +127,7 @@ class Daemon:
         self._stop = asyncio.Event()
         self._ready = False  # READY=1 sent (read by the warm-up thread's STATUS lines)
         self.remote: RemoteLink | None = None
+        self.depot: DepotServicer | None = None
 
     async def run(self) -> None:
         cfg = self.config
@@ -170,11 +171,12 @@ class Daemon:
             ]
         )
         # Undecodable requests get INVALID_ARGUMENT, not grpcio's UNKNOWN (see wire.py).
+        depot = self.depot = DepotServicer(st, remote)
+        wire.add_servicer(depot_pb2_grpc.add_DepotServicer_to_server, depot, server)
         wire.add_servicer(
-            depot_pb2_grpc.add_DepotServicer_to_server, DepotServicer(st, remote), server
-        )
-        wire.add_servicer(
-            admin_pb2_grpc.add_AdminServicer_to_server, AdminServicer(st, remote), server
+            admin_pb2_grpc.add_AdminServicer_to_server,
+            AdminServicer(st, remote, depot.lanes),
+            server,
         )
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
@@ -297,6 +299,8 @@ class Daemon:
         log.info("shutting down")
         self.notifier.stopping()
         st.begin_shutdown()
+        if self.depot is not None:  # job lanes answer what runs, then close
+            await self.depot.lanes.shutdown(SHUTDOWN_GRACE_SECONDS)
         await self.health.enter_graceful_shutdown()
         assert self.server is not None
         await self.server.stop(SHUTDOWN_GRACE_SECONDS)

@@ -24,6 +24,7 @@ from kvdepot.v1 import admin_pb2_grpc
 
 if TYPE_CHECKING:
     from kvdepot.server.remote.link import RemoteLink
+    from kvdepot.server.service.job_lane import JobLanes
 
 MAX_PAGE = 10000
 DEFAULT_PAGE = 100
@@ -55,9 +56,12 @@ def _parse_page_token(token: str) -> tuple[str, bytes]:
 class AdminServicer(admin_pb2_grpc.AdminServicer):
     """The Admin service on one DepotState."""
 
-    def __init__(self, state: DepotState, remote: RemoteLink | None = None) -> None:
+    def __init__(
+        self, state: DepotState, remote: RemoteLink | None = None, lanes: JobLanes | None = None
+    ) -> None:
         self.state = state
         self.remote = remote  # the remote tier's counters join GetStats
+        self.lanes = lanes  # the job lanes' counters join GetStats and ListEngines
 
     @reports_errors
     async def GetStats(
@@ -71,6 +75,7 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         return pb.GetStatsResponse(
             **self.state.stats(),
             **(self.remote.stats_fields() if self.remote is not None else {}),
+            **(self.lanes.stats_fields() if self.lanes is not None else {}),
             evictions_by_reason={
                 reason.value: n for reason, n in self.state.index.stats.evictions.items()
             },
@@ -125,6 +130,7 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
                     connected_seconds=now - s.opened,
                     registrations=regs,
                     pinned_blocks=st.index.pinned_slot_count(s.id),
+                    job_lanes=self.lanes.count(s.id) if self.lanes is not None else 0,
                 )
             )
         return pb.ListEnginesResponse(engines=engines)

@@ -21,6 +21,7 @@ from kvdepot.server.core.index import IndexEvent
 from kvdepot.server.core.kinds import EventKind
 from kvdepot.server.core.layout import LayoutError, NamespaceLayout, check_key
 from kvdepot.server.core.planner import LayerRef, TensorView
+from kvdepot.server.service.job_lane import MAX_JOB_BYTES, JobLanes
 from kvdepot.server.service.status import abort_with, reports_errors
 from kvdepot.server.state import DepotState, JobOutcome, JobSpec
 
@@ -65,6 +66,20 @@ def outcome_to_proto(o: JobOutcome) -> pb.TransferResult:
     )
 
 
+def job_spec(job: pb.TransferJob) -> JobSpec:
+    return JobSpec(
+        job_id=job.job_id,
+        direction=job.direction,
+        registration_id=job.registration_id,
+        keys=list(job.keys),
+        block_ids=list(job.block_ids),
+        group_sizes=list(job.group_sizes),
+        block_indices=list(job.block_indices),
+        expedited=job.expedited,
+        session_id=job.session_id,
+    )
+
+
 WATCH_KINDS = {EventKind.STORED: pb.WatchEvent.STORED, EventKind.REMOVED: pb.WatchEvent.REMOVED}
 
 
@@ -76,6 +91,12 @@ class DepotServicer(depot_pb2_grpc.DepotServicer):
     def __init__(self, state: DepotState, remote: RemoteLink | None = None) -> None:
         self.state = state
         self.remote = remote  # the remote tier (Prefetch), if the daemon has one
+        # Job lanes (OpenJobLane) run their jobs through the same `answer_job`.
+        self.lanes = JobLanes(state, self.answer_job, MAX_UNREAD_RESULTS)
+
+    async def answer_job(self, job: pb.TransferJob) -> pb.TransferResult:
+        """One Transfer job, from a stream or a lane. Never raises (failures are results)."""
+        return outcome_to_proto(await self.state.run_job(job_spec(job)))
 
     async def Session(
         self, request: pb.SessionRequest, context: grpc.aio.ServicerContext
@@ -106,6 +127,7 @@ class DepotServicer(depot_pb2_grpc.DepotServicer):
                 yield pb.SessionEvent(keepalive=pb.SessionKeepalive(uptime_seconds=st.uptime))
         finally:
             # Runs when the client goes away (stream cancelled) or we shut down.
+            self.lanes.close_session(session.id)
             st.close_session(session.id)
 
     @reports_errors
@@ -227,20 +249,7 @@ class DepotServicer(depot_pb2_grpc.DepotServicer):
         st = self.state
 
         async def run(job: pb.TransferJob) -> None:
-            outcome = await st.run_job(
-                JobSpec(
-                    job_id=job.job_id,
-                    direction=job.direction,
-                    registration_id=job.registration_id,
-                    keys=list(job.keys),
-                    block_ids=list(job.block_ids),
-                    group_sizes=list(job.group_sizes),
-                    block_indices=list(job.block_indices),
-                    expedited=job.expedited,
-                    session_id=job.session_id,
-                )
-            )
-            results.put_nowait(outcome_to_proto(outcome))
+            results.put_nowait(await self.answer_job(job))
 
         async def read() -> None:
             try:
@@ -283,6 +292,14 @@ class DepotServicer(depot_pb2_grpc.DepotServicer):
             # skipped (CopyQueue), so nothing lands in memory it no longer expects.
             for task in pending:
                 task.cancel()
+
+    @reports_errors
+    async def OpenJobLane(
+        self, request: pb.OpenJobLaneRequest, context: grpc.aio.ServicerContext
+    ) -> pb.OpenJobLaneResponse:
+        """Attaches a job lane (kvdepot.server.service.job_lane)."""
+        lane = self.lanes.open(request.session_id, request.fd_token)
+        return pb.OpenJobLaneResponse(lane_id=lane.id, max_job_bytes=MAX_JOB_BYTES)
 
     @reports_errors
     async def Put(

@@ -11,7 +11,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetStatsResponse(_message.Message):
-    __slots__ = ("version", "boot_id", "uptime_seconds", "capacity_bytes", "used_bytes", "pinned_bytes", "largest_free_extent_bytes", "warmup_done_bytes", "warmup_complete", "ready_blocks", "writing_blocks", "pinned_blocks", "sessions", "registrations", "namespaces", "lookups", "hits", "misses", "evictions", "stores", "loads", "stored_bytes", "loaded_bytes", "dropped_stores", "inflight_jobs", "pool_backing", "warm_restarted", "evictions_by_reason", "store_jobs", "load_jobs", "stored_blocks", "loaded_blocks", "failed_store_jobs", "failed_load_jobs", "pin_calls", "pin_keys", "pinned_keys", "recovery_blocks_total", "recovery_blocks_verified", "recovery_blocks_rejected", "recovery_complete", "remote_enabled", "remote_healthy", "remote_writes", "remote_write_bytes", "remote_write_present", "remote_write_drops", "remote_reads", "remote_read_bytes", "remote_hits", "remote_misses", "remote_fetch_drops", "remote_verify_failures", "remote_errors", "remote_inflight_bytes")
+    __slots__ = ("version", "boot_id", "uptime_seconds", "capacity_bytes", "used_bytes", "pinned_bytes", "largest_free_extent_bytes", "warmup_done_bytes", "warmup_complete", "ready_blocks", "writing_blocks", "pinned_blocks", "sessions", "registrations", "namespaces", "lookups", "hits", "misses", "evictions", "stores", "loads", "stored_bytes", "loaded_bytes", "dropped_stores", "inflight_jobs", "pool_backing", "warm_restarted", "evictions_by_reason", "store_jobs", "load_jobs", "stored_blocks", "loaded_blocks", "failed_store_jobs", "failed_load_jobs", "pin_calls", "pin_keys", "pinned_keys", "recovery_blocks_total", "recovery_blocks_verified", "recovery_blocks_rejected", "recovery_complete", "job_lanes_open", "lane_jobs", "remote_enabled", "remote_healthy", "remote_writes", "remote_write_bytes", "remote_write_present", "remote_write_drops", "remote_reads", "remote_read_bytes", "remote_hits", "remote_misses", "remote_fetch_drops", "remote_verify_failures", "remote_errors", "remote_inflight_bytes")
     class EvictionsByReasonEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -60,6 +60,8 @@ class GetStatsResponse(_message.Message):
     RECOVERY_BLOCKS_VERIFIED_FIELD_NUMBER: _ClassVar[int]
     RECOVERY_BLOCKS_REJECTED_FIELD_NUMBER: _ClassVar[int]
     RECOVERY_COMPLETE_FIELD_NUMBER: _ClassVar[int]
+    JOB_LANES_OPEN_FIELD_NUMBER: _ClassVar[int]
+    LANE_JOBS_FIELD_NUMBER: _ClassVar[int]
     REMOTE_ENABLED_FIELD_NUMBER: _ClassVar[int]
     REMOTE_HEALTHY_FIELD_NUMBER: _ClassVar[int]
     REMOTE_WRITES_FIELD_NUMBER: _ClassVar[int]
@@ -115,6 +117,8 @@ class GetStatsResponse(_message.Message):
     recovery_blocks_verified: int
     recovery_blocks_rejected: int
     recovery_complete: bool
+    job_lanes_open: int
+    lane_jobs: int
     remote_enabled: bool
     remote_healthy: bool
     remote_writes: int
@@ -129,7 +133,7 @@ class GetStatsResponse(_message.Message):
     remote_verify_failures: int
     remote_errors: int
     remote_inflight_bytes: int
-    def __init__(self, version: _Optional[str] = ..., boot_id: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., pinned_bytes: _Optional[int] = ..., largest_free_extent_bytes: _Optional[int] = ..., warmup_done_bytes: _Optional[int] = ..., warmup_complete: _Optional[bool] = ..., ready_blocks: _Optional[int] = ..., writing_blocks: _Optional[int] = ..., pinned_blocks: _Optional[int] = ..., sessions: _Optional[int] = ..., registrations: _Optional[int] = ..., namespaces: _Optional[int] = ..., lookups: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ..., stores: _Optional[int] = ..., loads: _Optional[int] = ..., stored_bytes: _Optional[int] = ..., loaded_bytes: _Optional[int] = ..., dropped_stores: _Optional[int] = ..., inflight_jobs: _Optional[int] = ..., pool_backing: _Optional[str] = ..., warm_restarted: _Optional[bool] = ..., evictions_by_reason: _Optional[_Mapping[str, int]] = ..., store_jobs: _Optional[int] = ..., load_jobs: _Optional[int] = ..., stored_blocks: _Optional[int] = ..., loaded_blocks: _Optional[int] = ..., failed_store_jobs: _Optional[int] = ..., failed_load_jobs: _Optional[int] = ..., pin_calls: _Optional[int] = ..., pin_keys: _Optional[int] = ..., pinned_keys: _Optional[int] = ..., recovery_blocks_total: _Optional[int] = ..., recovery_blocks_verified: _Optional[int] = ..., recovery_blocks_rejected: _Optional[int] = ..., recovery_complete: _Optional[bool] = ..., remote_enabled: _Optional[bool] = ..., remote_healthy: _Optional[bool] = ..., remote_writes: _Optional[int] = ..., remote_write_bytes: _Optional[int] = ..., remote_write_present: _Optional[int] = ..., remote_write_drops: _Optional[int] = ..., remote_reads: _Optional[int] = ..., remote_read_bytes: _Optional[int] = ..., remote_hits: _Optional[int] = ..., remote_misses: _Optional[int] = ..., remote_fetch_drops: _Optional[int] = ..., remote_verify_failures: _Optional[int] = ..., remote_errors: _Optional[int] = ..., remote_inflight_bytes: _Optional[int] = ...) -> None: ...
+    def __init__(self, version: _Optional[str] = ..., boot_id: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., pinned_bytes: _Optional[int] = ..., largest_free_extent_bytes: _Optional[int] = ..., warmup_done_bytes: _Optional[int] = ..., warmup_complete: _Optional[bool] = ..., ready_blocks: _Optional[int] = ..., writing_blocks: _Optional[int] = ..., pinned_blocks: _Optional[int] = ..., sessions: _Optional[int] = ..., registrations: _Optional[int] = ..., namespaces: _Optional[int] = ..., lookups: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ..., stores: _Optional[int] = ..., loads: _Optional[int] = ..., stored_bytes: _Optional[int] = ..., loaded_bytes: _Optional[int] = ..., dropped_stores: _Optional[int] = ..., inflight_jobs: _Optional[int] = ..., pool_backing: _Optional[str] = ..., warm_restarted: _Optional[bool] = ..., evictions_by_reason: _Optional[_Mapping[str, int]] = ..., store_jobs: _Optional[int] = ..., load_jobs: _Optional[int] = ..., stored_blocks: _Optional[int] = ..., loaded_blocks: _Optional[int] = ..., failed_store_jobs: _Optional[int] = ..., failed_load_jobs: _Optional[int] = ..., pin_calls: _Optional[int] = ..., pin_keys: _Optional[int] = ..., pinned_keys: _Optional[int] = ..., recovery_blocks_total: _Optional[int] = ..., recovery_blocks_verified: _Optional[int] = ..., recovery_blocks_rejected: _Optional[int] = ..., recovery_complete: _Optional[bool] = ..., job_lanes_open: _Optional[int] = ..., lane_jobs: _Optional[int] = ..., remote_enabled: _Optional[bool] = ..., remote_healthy: _Optional[bool] = ..., remote_writes: _Optional[int] = ..., remote_write_bytes: _Optional[int] = ..., remote_write_present: _Optional[int] = ..., remote_write_drops: _Optional[int] = ..., remote_reads: _Optional[int] = ..., remote_read_bytes: _Optional[int] = ..., remote_hits: _Optional[int] = ..., remote_misses: _Optional[int] = ..., remote_fetch_drops: _Optional[int] = ..., remote_verify_failures: _Optional[int] = ..., remote_errors: _Optional[int] = ..., remote_inflight_bytes: _Optional[int] = ...) -> None: ...
 
 class ListNamespacesRequest(_message.Message):
     __slots__ = ()
@@ -180,7 +184,7 @@ class RegistrationInfo(_message.Message):
     def __init__(self, registration_id: _Optional[int] = ..., namespace_id: _Optional[str] = ..., rank: _Optional[int] = ..., memory_path: _Optional[str] = ..., registered_bytes: _Optional[int] = ...) -> None: ...
 
 class EngineInfo(_message.Message):
-    __slots__ = ("session_id", "client_name", "pid", "engine_id", "connected_seconds", "registrations", "pinned_blocks")
+    __slots__ = ("session_id", "client_name", "pid", "engine_id", "connected_seconds", "registrations", "pinned_blocks", "job_lanes")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     CLIENT_NAME_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
@@ -188,6 +192,7 @@ class EngineInfo(_message.Message):
     CONNECTED_SECONDS_FIELD_NUMBER: _ClassVar[int]
     REGISTRATIONS_FIELD_NUMBER: _ClassVar[int]
     PINNED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    JOB_LANES_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     client_name: str
     pid: int
@@ -195,7 +200,8 @@ class EngineInfo(_message.Message):
     connected_seconds: float
     registrations: _containers.RepeatedCompositeFieldContainer[RegistrationInfo]
     pinned_blocks: int
-    def __init__(self, session_id: _Optional[str] = ..., client_name: _Optional[str] = ..., pid: _Optional[int] = ..., engine_id: _Optional[str] = ..., connected_seconds: _Optional[float] = ..., registrations: _Optional[_Iterable[_Union[RegistrationInfo, _Mapping]]] = ..., pinned_blocks: _Optional[int] = ...) -> None: ...
+    job_lanes: int
+    def __init__(self, session_id: _Optional[str] = ..., client_name: _Optional[str] = ..., pid: _Optional[int] = ..., engine_id: _Optional[str] = ..., connected_seconds: _Optional[float] = ..., registrations: _Optional[_Iterable[_Union[RegistrationInfo, _Mapping]]] = ..., pinned_blocks: _Optional[int] = ..., job_lanes: _Optional[int] = ...) -> None: ...
 
 class ListEnginesResponse(_message.Message):
     __slots__ = ("engines",)

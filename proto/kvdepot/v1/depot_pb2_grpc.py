@@ -75,6 +75,11 @@ class DepotStub:
                 request_serializer=kvdepot_dot_v1_dot_depot__pb2.TransferJob.SerializeToString,
                 response_deserializer=kvdepot_dot_v1_dot_depot__pb2.TransferResult.FromString,
                 _registered_method=True)
+        self.OpenJobLane = channel.unary_unary(
+                '/kvdepot.v1.Depot/OpenJobLane',
+                request_serializer=kvdepot_dot_v1_dot_depot__pb2.OpenJobLaneRequest.SerializeToString,
+                response_deserializer=kvdepot_dot_v1_dot_depot__pb2.OpenJobLaneResponse.FromString,
+                _registered_method=True)
         self.Put = channel.unary_unary(
                 '/kvdepot.v1.Depot/Put',
                 request_serializer=kvdepot_dot_v1_dot_depot__pb2.PutRequest.SerializeToString,
@@ -155,6 +160,20 @@ class DepotServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def OpenJobLane(self, request, context):
+        """Attaches a job lane, an optional fast path for Transfer jobs on the same
+        host: one end of a SOCK_SEQPACKET Unix socket pair, first sent to the fd
+        socket (fd_token). Each datagram the client sends is one serialized
+        TransferJob and each datagram the daemon sends back one serialized
+        TransferResult; jobs run exactly as on a Transfer stream. Closing the
+        socket cancels the lane's jobs not started yet (as cancelling a Transfer
+        stream does); a half-close (SHUT_WR) lets them finish and be answered.
+        The lane also closes when its session ends.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Put(self, request, context):
         """Inline bytes: one rank's section of one key, carried in the message.
         Slow (protobuf copies every byte); for clients without shared memory,
@@ -224,6 +243,11 @@ def add_DepotServicer_to_server(servicer, server):
                     servicer.Transfer,
                     request_deserializer=kvdepot_dot_v1_dot_depot__pb2.TransferJob.FromString,
                     response_serializer=kvdepot_dot_v1_dot_depot__pb2.TransferResult.SerializeToString,
+            ),
+            'OpenJobLane': grpc.unary_unary_rpc_method_handler(
+                    servicer.OpenJobLane,
+                    request_deserializer=kvdepot_dot_v1_dot_depot__pb2.OpenJobLaneRequest.FromString,
+                    response_serializer=kvdepot_dot_v1_dot_depot__pb2.OpenJobLaneResponse.SerializeToString,
             ),
             'Put': grpc.unary_unary_rpc_method_handler(
                     servicer.Put,
@@ -458,6 +482,33 @@ class Depot:
             '/kvdepot.v1.Depot/Transfer',
             kvdepot_dot_v1_dot_depot__pb2.TransferJob.SerializeToString,
             kvdepot_dot_v1_dot_depot__pb2.TransferResult.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def OpenJobLane(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvdepot.v1.Depot/OpenJobLane',
+            kvdepot_dot_v1_dot_depot__pb2.OpenJobLaneRequest.SerializeToString,
+            kvdepot_dot_v1_dot_depot__pb2.OpenJobLaneResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,255 @@
+"""The client's end of a job lane: Transfer jobs as datagrams on a Unix socket pair.
+
+`ClientLane.open(client)` makes `socketpair(AF_UNIX, SOCK_SEQPACKET)`, sends one
+end to the daemon's fd socket (kvdepot.client.fdpass) and attaches it with
+Depot/OpenJobLane. Then one datagram is one serialized TransferJob (sent from
+the caller's thread, never blocking) and one datagram back one serialized
+TransferResult. `TransferStream` uses a lane when it can and the gRPC stream
+otherwise; see kvdepot.server.service.job_lane for the daemon's side.
+
+Set KVDEPOT_JOB_LANE=0 in the environment (or pass `job_lane=False` to
+DepotClient) to keep every job on the gRPC stream.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import grpc
+
+from kvdepot.client.fdpass import FdPassError, send_fd
+from kvdepot.v1 import depot_pb2
+
+if TYPE_CHECKING:
+    from kvdepot.client.depot_client import DepotClient
+
+log = logging.getLogger("kvdepot.client")
+
+ENV = "KVDEPOT_JOB_LANE"
+# Socket buffers: a 1024-key job (~50 KiB) fits many times over. The kernel caps
+# them at net.core.{w,r}mem_max; a job larger than what it allows goes on gRPC.
+BUFFER_BYTES = 4 << 20
+RESULT_BYTES = 1 << 16  # a TransferResult is a few hundred bytes at most
+OPEN_TIMEOUT = 2.0  # the first open runs in transfer_stream(): never long
+
+
+def enabled_by_env() -> bool:
+    """False when KVDEPOT_JOB_LANE is 0/false/no/off."""
+    return os.environ.get(ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+class LaneUnavailable(RuntimeError):
+    """No lane now. `permanent`: the daemon has none (older daemon, no fd socket)."""
+
+    def __init__(self, message: str, permanent: bool = False) -> None:
+        super().__init__(message)
+        self.permanent = permanent
+
+
+class ClientLane:
+    """An attached lane. `send` from any thread; `recv` from one reader thread."""
+
+    def __init__(self, sock: socket.socket, lane_id: int, max_job_bytes: int) -> None:
+        self.sock = sock
+        self.lane_id = lane_id
+        self.max_job_bytes = max_job_bytes
+
+    @classmethod
+    def open(
+        cls, client: DepotClient, session_id: str, timeout: float = OPEN_TIMEOUT
+    ) -> ClientLane:
+        hello = client.hello
+        if hello is None or not hello.fd_socket:
+            raise LaneUnavailable("the daemon takes no fds (no fd socket)", permanent=True)
+        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            for s in (mine, theirs):
+                for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+                    s.setsockopt(socket.SOL_SOCKET, opt, BUFFER_BYTES)
+            try:
+                token = send_fd(hello.fd_socket, session_id, theirs.fileno(), timeout=timeout)
+            except FdPassError as exc:
+                raise LaneUnavailable(f"the fd socket refused the lane: {exc}") from None
+            finally:
+                theirs.close()  # the daemon has its own copy now (or none)
+            try:
+                resp = client.stub.OpenJobLane(
+                    depot_pb2.OpenJobLaneRequest(session_id=session_id, fd_token=token),
+                    timeout=timeout,
+                )
+            except grpc.RpcError as exc:
+                code = exc.code() if hasattr(exc, "code") else None
+                details = exc.details() if hasattr(exc, "details") else str(exc)
+                raise LaneUnavailable(
+                    f"OpenJobLane: {code}: {details}",
+                    permanent=code == grpc.StatusCode.UNIMPLEMENTED,
+                ) from None
+        except BaseException:
+            mine.close()
+            raise
+        return cls(mine, resp.lane_id, resp.max_job_bytes)
+
+    def send(self, data: bytes) -> bool:
+        """Sends one job datagram without blocking. False: it did not go (the lane
+        is full, or the job is larger than a datagram may be): send it elsewhere.
+        Raises OSError when the lane is broken."""
+        if not data or len(data) > self.max_job_bytes:
+            # An empty datagram would read as the end of the lane.
+            return False
+        try:
+            self.sock.send(data, socket.MSG_DONTWAIT)
+        except (BlockingIOError, InterruptedError):
+            return False
+        except OSError as exc:
+            if exc.errno == errno.EMSGSIZE:  # above what the socket buffers allow
+                return False
+            raise
+        return True
+
+    def recv(self) -> depot_pb2.TransferResult | None:
+        """Blocks for the next result; None when the lane ended."""
+        data = self.sock.recv(RESULT_BYTES)
+        if not data:
+            return None
+        return depot_pb2.TransferResult.FromString(data)
+
+    def finish(self) -> None:
+        """Half-close: the daemon answers the jobs it has, then closes the lane."""
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_WR)
+
+    def cancel(self) -> None:
+        """Closes both ways: the daemon skips the jobs it has not started. The reader
+        thread's `recv` returns (None) and it closes the socket."""
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+class LaneKeeper:
+    """The lane of one TransferStream: opens it in the background, reads its results
+    on a thread of its own, reopens it after a break (not before `retry_s`).
+
+    Shares the stream's lock (a Condition); methods without a leading underscore
+    are called with it held. Lane generations are negative, so that they never
+    collide with the stream's (positive) gRPC stream generations.
+    """
+
+    def __init__(
+        self,
+        client: DepotClient,
+        lock: threading.Condition,
+        wanted: bool,
+        deliver: Callable[[depot_pb2.TransferResult, int], None],
+        broken: Callable[[int, str], None],
+        retry_s: float = 5.0,
+    ) -> None:
+        self.client = client
+        self.lock = lock
+        self.wanted = wanted
+        self.deliver = deliver  # (result, generation): a result came
+        self.broken = broken  # (generation, why): fail that lane's jobs in flight
+        self.retry_s = retry_s
+        self.lane: ClientLane | None = None
+        self.generation = 0
+        self._opening = False
+        self._retry_at = 0.0
+        self._fallback_logged = False
+
+    def maybe_open(self, background: bool = True) -> None:
+        """Starts opening a lane if one is wanted and none is open: in the background,
+        or (background=False, called WITHOUT the lock) now, so that every job of a
+        new stream takes the same path."""
+        with contextlib.nullcontext() if background else self.lock:
+            if (
+                not self.wanted
+                or self.lane is not None
+                or self._opening
+                or time.monotonic() < self._retry_at
+                or not self.client.connected
+            ):
+                return
+            self._opening = True
+        if background:
+            threading.Thread(target=self._open, name="kvdepot-lane-open", daemon=True).start()
+        else:
+            self._open()
+
+    def send(self, job: depot_pb2.TransferJob) -> bool:
+        """True if the job went on the lane (its generation is `self.generation`)."""
+        lane = self.lane
+        if lane is None:
+            self.maybe_open()
+            return False
+        try:
+            return lane.send(job.SerializeToString())
+        except OSError:
+            # Broken: its reader fails the jobs in flight on it; this one goes elsewhere.
+            self.lane = None
+            lane.cancel()
+            return False
+
+    def cancel(self) -> None:
+        """abort(): the daemon skips the lane's jobs not started; the next send reopens."""
+        lane, self.lane = self.lane, None
+        if lane is not None:
+            lane.cancel()
+
+    def finish(self) -> None:
+        """close(): the daemon answers the lane's jobs, then closes it; no new lane."""
+        self.wanted = False
+        lane, self.lane = self.lane, None
+        if lane is not None:
+            lane.finish()
+
+    def _open(self) -> None:
+        try:
+            lane = ClientLane.open(self.client, self.client.session_id)
+        except (LaneUnavailable, OSError, RuntimeError) as exc:  # RuntimeError: no session
+            with self.lock:
+                self._opening = False
+                if isinstance(exc, LaneUnavailable) and exc.permanent:
+                    self.wanted = False
+                else:
+                    self._retry_at = time.monotonic() + self.retry_s
+                if not self._fallback_logged:
+                    self._fallback_logged = True
+                    log.info("kvdepot: no job lane (%s); jobs use the Transfer stream", exc)
+            return
+        with self.lock:
+            self._opening = False
+            if not self.wanted:  # the stream closed meanwhile
+                lane.close()
+                return
+            self.generation -= 1
+            self.lane, generation = lane, self.generation
+        threading.Thread(
+            target=self._read, args=(lane, generation), name="kvdepot-lane", daemon=True
+        ).start()
+
+    def _read(self, lane: ClientLane, generation: int) -> None:
+        error = "the job lane closed"
+        try:
+            while True:
+                result = lane.recv()
+                if result is None:
+                    break
+                with self.lock:
+                    self.deliver(result, generation)
+        except Exception as exc:  # OSError, or a result that does not parse
+            error = f"the job lane broke: {exc}"
+        with self.lock:
+            if self.lane is lane:
+                self.lane = None
+            self.broken(generation, error)
+        lane.close()

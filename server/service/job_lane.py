@@ -1,0 +1,353 @@
+"""Job lanes: Transfer jobs over a SOCK_SEQPACKET socket pair, read on the event loop.
+
+A lane is an optional fast path beside the Transfer stream (Depot/OpenJobLane):
+the client sends one end of `socketpair(AF_UNIX, SOCK_SEQPACKET)` to the fd
+socket and names its token. Then one datagram is one serialized TransferJob and
+one datagram back is one serialized TransferResult. It skips gRPC's per-message
+cost and the client's thread hand-offs; the job itself runs exactly as a
+Transfer stream's (the same `answer` coroutine: validation, JobRunner,
+expedited handling, error codes).
+
+Contract, per lane:
+- never blocks the loop: the socket is non-blocking, read with `add_reader`;
+  results that do not fit in the socket now wait in a backlog drained with
+  `add_writer`;
+- bounded: while `max_unread` jobs are running or answered-but-unsent the lane
+  is not read (the client's sends then fill the socket and fail with EAGAIN), so
+  a client that never reads its results cannot grow the daemon's memory;
+- a datagram that is not a TransferJob fails with INVALID_ARGUMENT when its
+  job_id can be read, else the lane is closed with a log line;
+- the peer closes its end (or dies) or the session ends: the lane closes and
+  its jobs not started yet are skipped, exactly as when a Transfer stream is
+  cancelled; a half-close (SHUT_WR) instead lets the running jobs finish and
+  be answered first, as a Transfer stream's half-close does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import itertools
+import logging
+import os
+import select
+import socket
+from collections.abc import Awaitable, Callable
+
+from kvdepot.server import errors
+from kvdepot.server.state import DepotState
+from kvdepot.v1 import depot_pb2 as pb
+
+log = logging.getLogger("kvdepot.lane")
+
+MAX_JOB_BYTES = 4 << 20  # the largest job datagram read; larger ones go on a Transfer stream
+MAX_LANES_PER_SESSION = 8
+READ_BATCH = 64  # datagrams per wake-up, so one busy lane cannot hold the loop
+
+Answer = Callable[[pb.TransferJob], Awaitable[pb.TransferResult]]
+
+# One receive buffer for every lane: they are all read on the loop thread.
+_RECV_BUFFER = bytearray(MAX_JOB_BYTES + 1)
+
+
+def leading_job_id(data: bytes) -> int | None:
+    """The job_id (field 1, varint) of a datagram that does not parse as a whole,
+    read from the well-formed fields before the damage; None if there is none."""
+    pos, n = 0, len(data)
+
+    def varint() -> int | None:
+        nonlocal pos
+        value = shift = 0
+        while pos < n and shift < 64:
+            b = data[pos]
+            pos += 1
+            value |= (b & 0x7F) << shift
+            if not b & 0x80:
+                return value
+            shift += 7
+        return None
+
+    while pos < n:
+        tag = varint()
+        if tag is None:
+            return None
+        field, wire = tag >> 3, tag & 7
+        if wire == 0:
+            value = varint()
+            if value is None:
+                return None
+            if field == 1:
+                return value
+        elif wire == 1:
+            pos += 8
+        elif wire == 2:
+            length = varint()
+            if length is None:
+                return None
+            pos += length
+        elif wire == 5:
+            pos += 4
+        else:
+            return None
+    return None
+
+
+class JobLane:
+    """One attached lane (see the module docstring). Lives on the event loop."""
+
+    def __init__(
+        self,
+        lanes: JobLanes,
+        lane_id: int,
+        session_id: str,
+        sock: socket.socket,
+        answer: Answer,
+        max_unread: int,
+    ) -> None:
+        self.lanes = lanes
+        self.id = lane_id
+        self.session_id = session_id
+        self.sock = sock
+        self.fd = sock.fileno()
+        self._answer = answer
+        self._max_unread = max_unread
+        self._loop = asyncio.get_running_loop()
+        self._pending: set[asyncio.Task[None]] = set()
+        self._backlog: collections.deque[bytes] = collections.deque()
+        self._reading = False
+        self._writing = False
+        self._draining = False  # the peer half-closed: answer what runs, then close
+        self.closed = False
+
+    def start(self) -> None:
+        self._resume_reading()
+
+    # -- reading -----------------------------------------------------------------------
+
+    def _resume_reading(self) -> None:
+        if not self._reading and not self.closed and not self._draining:
+            self._loop.add_reader(self.fd, self._on_readable)
+            self._reading = True
+
+    def _pause_reading(self) -> None:
+        if self._reading:
+            self._loop.remove_reader(self.fd)
+            self._reading = False
+
+    def _full(self) -> bool:
+        return len(self._pending) + len(self._backlog) >= self._max_unread
+
+    def _on_readable(self) -> None:
+        for _ in range(READ_BATCH):
+            if self.closed or self._full():
+                break
+            try:
+                n = self.sock.recv_into(_RECV_BUFFER, len(_RECV_BUFFER), socket.MSG_TRUNC)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:
+                self.close(f"reading failed: {exc}")
+                return
+            if n == 0:
+                self._on_eof()
+                return
+            if n > MAX_JOB_BYTES:
+                self._reject(
+                    bytes(_RECV_BUFFER[:64]),
+                    f"a job datagram of {n} bytes is larger than {MAX_JOB_BYTES}: send it on "
+                    f"a Transfer stream",
+                )
+                continue
+            self._take(bytes(_RECV_BUFFER[:n]))
+        if self._full():
+            self._pause_reading()  # resumed when results go out
+
+    def _take(self, data: bytes) -> None:
+        try:
+            job = pb.TransferJob.FromString(data)
+        except Exception as exc:  # DecodeError, or anything a parser may raise
+            self._reject(data, f"the datagram is not a valid kvdepot.v1.TransferJob: {exc}")
+            return
+        self.lanes.lane_jobs += 1
+        task = self._loop.create_task(self._run(job))
+        self._pending.add(task)
+        task.add_done_callback(self._job_done)
+
+    def _reject(self, data: bytes, why: str) -> None:
+        job_id = leading_job_id(data)
+        if job_id is None:
+            self.close(f"{why}; no job_id could be read from it")
+            return
+        self._send(
+            pb.TransferResult(
+                job_id=job_id, success=False, error=why, error_code="INVALID_ARGUMENT"
+            ).SerializeToString()
+        )
+
+    async def _run(self, job: pb.TransferJob) -> None:
+        result = await self._answer(job)
+        if not self.closed:
+            self._send(result.SerializeToString())
+
+    def _job_done(self, task: asyncio.Task[None]) -> None:
+        self._pending.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("lane %d: a job failed unexpectedly", self.id, exc_info=task.exception())
+        self._after_progress()
+
+    def _on_eof(self) -> None:
+        self._pause_reading()
+        # POLLHUP: both directions are shut (the peer closed or died): nobody will
+        # read the results, so skip the jobs not started yet. Without it the peer
+        # only half-closed and waits for its answers.
+        poller = select.poll()
+        poller.register(self.fd, select.POLLOUT)
+        hung_up = any(ev & (select.POLLHUP | select.POLLERR) for _, ev in poller.poll(0))
+        if hung_up:
+            self.close("the client closed it")
+            return
+        self._draining = True
+        self._after_progress()
+
+    # -- writing -----------------------------------------------------------------------
+
+    def _send(self, data: bytes) -> None:
+        if self.closed:
+            return
+        if not self._backlog:
+            try:
+                self.sock.send(data)
+                return
+            except (BlockingIOError, InterruptedError):
+                pass
+            except OSError as exc:
+                self.close(f"sending a result failed: {exc}")
+                return
+        self._backlog.append(data)
+        if not self._writing:
+            self._loop.add_writer(self.fd, self._on_writable)
+            self._writing = True
+
+    def _on_writable(self) -> None:
+        while self._backlog and not self.closed:
+            try:
+                self.sock.send(self._backlog[0])
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:
+                self.close(f"sending a result failed: {exc}")
+                return
+            self._backlog.popleft()
+        if self._writing and not self.closed:
+            self._loop.remove_writer(self.fd)
+            self._writing = False
+        self._after_progress()
+
+    def _after_progress(self) -> None:
+        if self.closed:
+            return
+        if self._draining:
+            if not self._pending and not self._backlog:
+                self.close("the client half-closed it and every job was answered")
+        elif not self._full():
+            self._resume_reading()
+
+    # -- closing -----------------------------------------------------------------------
+
+    def stop_reading(self) -> None:
+        """Shutdown: take no more jobs; the running ones finish and are answered."""
+        self._pause_reading()
+        self._draining = True
+        self._after_progress()
+
+    async def wait_pending(self, timeout: float) -> None:
+        if self._pending:
+            await asyncio.wait(set(self._pending), timeout=timeout)
+
+    def close(self, why: str) -> None:
+        """Idempotent. Jobs whose copy has not started are skipped (CopyQueue)."""
+        if self.closed:
+            return
+        self.closed = True
+        self._pause_reading()
+        if self._writing:
+            self._loop.remove_writer(self.fd)
+            self._writing = False
+        for task in self._pending:
+            task.cancel()
+        self._backlog.clear()
+        self.sock.close()
+        self.lanes.forget(self)
+        log.info("job lane %d of session %s closed: %s", self.id, self.session_id, why)
+
+
+class JobLanes:
+    """Every open lane of the daemon, by session; the figures Admin shows."""
+
+    def __init__(self, state: DepotState, answer: Answer, max_unread: int) -> None:
+        self.state = state
+        self._answer = answer
+        self._max_unread = max_unread
+        self._ids = itertools.count(1)
+        self._lanes: dict[int, JobLane] = {}
+        self.lane_jobs = 0  # jobs that came by a lane, since start
+
+    def open(self, session_id: str, fd_token: str) -> JobLane:
+        """Attaches the socket behind `fd_token`; raises a DepotError with why not."""
+        st = self.state
+        if st.shutting_down:
+            raise errors.unavailable("the daemon is shutting down")
+        st.session(session_id)
+        if self.count(session_id) >= MAX_LANES_PER_SESSION:
+            raise errors.exhausted(
+                f"session {session_id} has {MAX_LANES_PER_SESSION} job lanes open, the most "
+                f"allowed: close one (or use the Transfer stream)"
+            )
+        receiver = st.fd_receiver
+        if receiver is None:
+            raise errors.precondition("this daemon takes no fds (no fd socket)")
+        try:
+            fd = receiver.claim(fd_token, session_id)
+        except KeyError as exc:
+            raise errors.invalid(exc.args[0]) from None
+        try:
+            sock = socket.socket(fileno=fd)
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+            raise errors.invalid(f"the job lane's fd is not a socket: {exc}") from None
+        if sock.family != socket.AF_UNIX or sock.type != socket.SOCK_SEQPACKET:
+            sock.close()
+            raise errors.invalid(
+                "the job lane's fd must be one end of socketpair(AF_UNIX, SOCK_SEQPACKET)"
+            )
+        sock.setblocking(False)
+        lane = JobLane(self, next(self._ids), session_id, sock, self._answer, self._max_unread)
+        self._lanes[lane.id] = lane
+        lane.start()
+        log.info("job lane %d of session %s open", lane.id, session_id)
+        return lane
+
+    def forget(self, lane: JobLane) -> None:
+        self._lanes.pop(lane.id, None)
+
+    def count(self, session_id: str) -> int:
+        return sum(lane.session_id == session_id for lane in self._lanes.values())
+
+    def close_session(self, session_id: str) -> None:
+        for lane in [x for x in self._lanes.values() if x.session_id == session_id]:
+            lane.close("its session ended")
+
+    async def shutdown(self, grace: float) -> None:
+        """Stops reading every lane, answers the jobs running (within `grace`), closes."""
+        lanes = list(self._lanes.values())
+        for lane in lanes:
+            lane.stop_reading()
+        await asyncio.gather(*(lane.wait_pending(grace) for lane in lanes))
+        for lane in lanes:
+            lane.close("the daemon is shutting down")
+
+    def stats_fields(self) -> dict[str, int]:
+        """Admin/GetStats' lane fields (see admin.proto)."""
+        return {"job_lanes_open": len(self._lanes), "lane_jobs": self.lane_jobs}
