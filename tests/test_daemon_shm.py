@@ -49,7 +49,14 @@ def test_two_rank_processes_store_and_a_third_loads_every_byte(daemon) -> None:
     loader = spawn("verify", daemon.target, "0,1", chunks=100, base_block=300)
     out, _ = loader.communicate(timeout=120)
     rep = json.loads(out)
-    assert rep == {"jobs": 20, "failed": 0, "mismatched_pages": 0, "stored": 0}, rep
+    assert rep == {
+        "memory_path": "shm",
+        "jobs": 20,
+        "failed": 0,
+        "mismatched_pages": 0,
+        "stored": 0,
+        "errors": [],
+    }, rep
     for w in writers:
         w.communicate("go\n", timeout=30)
         assert w.returncode == 0

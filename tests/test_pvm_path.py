@@ -1,7 +1,7 @@
 """The pvm memory path against a real `kvdepot serve`: engines whose KV cache is
 ordinary process memory, copied by the daemon with process_vm_readv/writev.
 
-Engines are real processes (tests/support/pvm_engine.py); the daemon verifies who
+Engines are real processes (tests/support/engine.py --memory pvm); the daemon verifies who
 registers from the kernel's credentials, so a registration naming another process
 is refused, and a daemon without ptrace access says what to change.
 """
@@ -33,12 +33,14 @@ from tests.support.engine import Geometry
 pytestmark = pytest.mark.timeout(120)
 
 REPO = Path(__file__).resolve().parents[1]
-ENGINE = REPO / "tests" / "support" / "pvm_engine.py"
+ENGINE = REPO / "tests" / "support" / "engine.py"
+# One rank, KV in a private anonymous mapping: only process_vm_readv/writev reach it.
+PVM = ("--memory", "pvm", "--world-size", "1", "--namespace", "pvm-ns", "--num-blocks", "256")
 
 
 def engine(action: str, target: str, *args: str) -> subprocess.Popen[str]:
     return subprocess.Popen(
-        [sys.executable, str(ENGINE), action, "--target", target, *args],
+        [sys.executable, str(ENGINE), action, "--target", target, *PVM, "--chunks", "40", *args],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

@@ -1,11 +1,23 @@
-"""A synthetic engine for tests: memfd-backed KV tensors, deterministic page bytes,
-store and load jobs through the real client library.
+"""A synthetic engine for tests: KV tensors in one memory region, deterministic page
+bytes, store and load jobs through the real client library.
 
-Usable in-process, or as a separate process:
+The memory source is a parameter (`Engine(..., memory=...)`, `--memory`):
+- "shm": a memfd (`SharedKVBuffer`), registered by passing its fd: the shm path.
+- "pvm": one anonymous private mapping (what `torch.zeros` gets for a large tensor),
+  registered with `kvdepot.client.pvm.register_process_kv`: the daemon copies with
+  process_vm_readv/writev.
 
-    python tests/support/engine.py store  --target T --rank R ... (prints JSON, then
-                                          waits for a line on stdin before exiting)
+Usable in-process, or as a separate process that prints one JSON report:
+
+    python tests/support/engine.py store  --target T --ranks R ... [--loop]
     python tests/support/engine.py verify --target T --ranks 0,1 ...
+    python tests/support/engine.py unmap  --target T --memory pvm ...
+
+`store` stores the chunks, prints its report and waits for a line on stdin (keeping
+its session, and the blocks' writer); with `--loop` it keeps storing fresh chunks
+until killed. `verify` loads them into its own memory and counts pages that differ.
+`unmap` (pvm only) unmaps half of its memory after registering and reports what the
+daemon answered for stores and loads there.
 
 Page bytes derive from (namespace, key, rank, layer, sub-block), so a loader can
 check every byte without talking to the writer.
@@ -14,11 +26,15 @@ check every byte without talking to the writer.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import hashlib
 import json
+import mmap
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -26,6 +42,7 @@ if __package__ in (None, ""):  # run as a script
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from kvdepot.client import DepotClient, SharedKVBuffer
+from kvdepot.client.pvm import register_process_kv
 from kvdepot.common.chunks import block_positions
 from kvdepot.v1 import depot_pb2 as pb
 
@@ -66,16 +83,56 @@ def page_bytes(namespace: str, key: bytes, rank: int, layer: int, sub: int, size
     return np.random.default_rng(int.from_bytes(seed, "big")).bytes(size)
 
 
-class Engine:
-    """One rank's KV memory in a memfd, registered with the daemon."""
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [
+    ctypes.c_void_p,
+    ctypes.c_size_t,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_long,
+]
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 
-    def __init__(self, client: DepotClient, geo: Geometry, rank: int) -> None:
+MEMORY_SOURCES = ("shm", "pvm")
+
+
+def _private_mapping(size: int) -> int:
+    """The address of a fresh anonymous private mapping (no fd: only pvm can reach it)."""
+    addr = _libc.mmap(
+        None,
+        size,
+        mmap.PROT_READ | mmap.PROT_WRITE,
+        mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS,
+        -1,
+        0,
+    )
+    if addr in (None, ctypes.c_void_p(-1).value):
+        raise OSError(ctypes.get_errno(), "mmap failed")
+    return addr
+
+
+class Engine:
+    """One rank's KV memory (from `memory`: "shm" or "pvm"), registered with the daemon."""
+
+    def __init__(self, client: DepotClient, geo: Geometry, rank: int, memory: str = "shm") -> None:
+        if memory not in MEMORY_SOURCES:
+            raise ValueError(f"memory {memory!r}: one of {MEMORY_SOURCES}")
         self.client = client
         self.geo = geo
         self.rank = rank
+        self.memory = memory
         pages = geo.layer_pages
-        self.buffer = SharedKVBuffer.allocate(geo.num_blocks * sum(pages))
-        self.mem = np.frombuffer(self.buffer.memoryview(), dtype=np.uint8)
+        self.size = geo.num_blocks * sum(pages)
+        if memory == "shm":
+            self.buffer = SharedKVBuffer.allocate(self.size)
+            self.mem = np.frombuffer(self.buffer.memoryview(), dtype=np.uint8)
+        else:
+            self.address = _private_mapping(self.size)
+            self.mem = np.ctypeslib.as_array(
+                (ctypes.c_uint8 * self.size).from_address(self.address)
+            )
         self.tensor_offsets: list[int] = []
         off = 0
         for p in pages:
@@ -99,9 +156,22 @@ class Engine:
                 )
             )
             t += len(g)
-        self.registration = client.register_kv(geo.layout(), rank, self.buffer, tensors, refs)
+        if memory == "shm":
+            self.registration = client.register_kv(geo.layout(), rank, self.buffer, tensors, refs)
+        else:
+            self.registration, self.access = register_process_kv(
+                client, geo.layout(), rank, [(self.address, self.size)], tensors, refs
+            )
         self.stream = client.transfer_stream()
         self._next_job = 1
+
+    def unmap_tail(self) -> int:
+        """pvm only: unmaps the second half of the memory; returns the first unmapped
+        offset. The pages there must not be touched from Python afterwards."""
+        assert self.memory == "pvm", "only a private mapping can be unmapped under the daemon"
+        half = (self.size // 2) & ~(mmap.PAGESIZE - 1)
+        assert _libc.munmap(self.address + half, self.size - half) == 0
+        return half
 
     def _layers(self, group: int) -> list[tuple[int, int]]:
         """(global layer index, page bytes) of a group's layers."""
@@ -183,49 +253,89 @@ def chunk_plan(geo: Geometry, chunks: range, salt: bytes = b"", base_block: int 
 
 def _main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("action", choices=["store", "verify"])
+    parser.add_argument("action", choices=["store", "verify", "unmap"])
     parser.add_argument("--target", required=True)
+    parser.add_argument("--memory", choices=MEMORY_SOURCES, default="shm")
     parser.add_argument("--ranks", default="0")
     parser.add_argument("--chunks", type=int, default=100)
     parser.add_argument("--per-job", type=int, default=10)
     parser.add_argument("--base-block", type=int, default=0)
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--namespace", default="test-ns")
+    parser.add_argument("--num-blocks", type=int, default=512)
+    parser.add_argument(
+        "--loop", action="store_true", help="store: store fresh chunks until killed"
+    )
     args = parser.parse_args()
-    geo = Geometry(world_size=args.world_size, namespace=args.namespace)
-    client = DepotClient(args.target, client_name=f"test-engine {args.action}").start()
+    if args.action == "unmap" and args.memory != "pvm":
+        parser.error("unmap needs --memory pvm")
+    geo = Geometry(world_size=args.world_size, namespace=args.namespace, num_blocks=args.num_blocks)
+    client = DepotClient(args.target, client_name=f"{args.memory}-engine {args.action}").start()
     if not client.wait_connected(10):
         raise SystemExit("no daemon")
-    report: dict[str, object] = {"jobs": 0, "failed": 0, "mismatched_pages": 0, "stored": 0}
-    for rank in (int(r) for r in args.ranks.split(",")):
-        eng = Engine(client, geo, rank)
+    engines = [Engine(client, geo, int(r), args.memory) for r in args.ranks.split(",")]
+    report: dict[str, Any] = {
+        "memory_path": engines[0].registration.memory_path,
+        "jobs": 0,
+        "failed": 0,
+        "mismatched_pages": 0,
+        "stored": 0,
+        "errors": [],
+    }
+
+    def run(eng: Engine, direction: int, chunks: range, salt: bytes = b"") -> pb.TransferResult:
+        keys, group_blocks, indices = chunk_plan(geo, chunks, salt, args.base_block)
+        n = len(chunks)
+        if direction == pb.STORE:
+            for g, blocks in enumerate(group_blocks):
+                eng.fill(g, keys[g * n : (g + 1) * n], blocks, indices[g])
+        res = eng.job(direction, keys, group_blocks, indices)
+        report["jobs"] += 1
+        report["stored"] += res.stored_keys
+        if not res.success:
+            report["failed"] += 1
+            report["errors"].append(res.error)
+        if direction == pb.LOAD:  # a failed load counts its pages too: nothing came back
+            for g, blocks in enumerate(group_blocks):
+                report["mismatched_pages"] += eng.mismatches(
+                    g, keys[g * n : (g + 1) * n], blocks, indices[g]
+                )
+        return res
+
+    if args.action == "unmap":
+        _unmap(engines[0], run, report)
+        print(json.dumps(report), flush=True)
+        client.close()
+        return
+    direction = pb.STORE if args.action == "store" else pb.LOAD
+    for eng in engines:
         for start in range(0, args.chunks, args.per_job):
-            chunks = range(start, min(start + args.per_job, args.chunks))
-            keys, group_blocks, indices = chunk_plan(geo, chunks, base_block=args.base_block)
-            if args.action == "store":
-                for g, blocks in enumerate(group_blocks):
-                    n = len(chunks)
-                    eng.fill(g, keys[g * n : (g + 1) * n], blocks, indices[g])
-                res = eng.job(pb.STORE, keys, group_blocks, indices)
-                report["stored"] = int(report["stored"]) + res.stored_keys  # type: ignore[arg-type]
-            else:
-                res = eng.job(pb.LOAD, keys, group_blocks, indices)
-                for g, blocks in enumerate(group_blocks):
-                    n = len(chunks)
-                    report["mismatched_pages"] = (
-                        int(report["mismatched_pages"])
-                        + eng.mismatches(  # type: ignore[arg-type]
-                            g, keys[g * n : (g + 1) * n], blocks, indices[g]
-                        )
-                    )
-            report["jobs"] = int(report["jobs"]) + 1  # type: ignore[arg-type]
-            report["failed"] = int(report["failed"]) + (not res.success)  # type: ignore[arg-type]
-            if not res.success:
-                report["error"] = res.error
+            run(eng, direction, range(start, min(start + args.per_job, args.chunks)))
     print(json.dumps(report), flush=True)
+    if args.action == "store" and args.loop:
+        salt = 0
+        while True:  # until killed: store fresh chunks over and over
+            salt += 1
+            for eng in engines:
+                run(eng, pb.STORE, range(0, args.per_job), salt.to_bytes(4, "big"))
     if args.action == "store":
         sys.stdin.readline()  # stay alive (and keep the session) until told to go
     client.close()
+
+
+def _unmap(eng: Engine, run: Callable[..., pb.TransferResult], report: dict[str, Any]) -> None:
+    """Store two chunks, then unmap the second half of the memory: every job touches
+    group 1's layers, which now lie (partly) in the hole."""
+    geo, client = eng.geo, eng.client
+    report["store_before"] = run(eng, pb.STORE, range(0, 2), b"a").success
+    eng.unmap_tail()
+    keys, group_blocks, indices = chunk_plan(geo, range(2, 4), salt=b"u")
+    res = eng.job(pb.STORE, keys, group_blocks, indices)  # no fill: it would fault here
+    report["store_after"], report["store_error"] = res.success, res.error
+    report["keys_ready_after_failed_store"] = sum(client.lookup(geo.namespace, keys))
+    keys, group_blocks, indices = chunk_plan(geo, range(0, 2), salt=b"a")
+    res = eng.job(pb.LOAD, keys, group_blocks, indices)
+    report["load_after"], report["load_error"] = res.success, res.error
 
 
 if __name__ == "__main__":
