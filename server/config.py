@@ -65,16 +65,24 @@ def default_socket_path() -> str:
 # --- parsers: text -> value, or ValueError with a message that says what is allowed ------
 
 
+def _read(text: str, convert: Callable[[str], Any], complaint: str) -> Any:
+    """`convert(text.strip())`; when it cannot, ValueError(complaint) instead of the
+    converter's own exception (which says nothing a user can act on). The parsers that
+    convert text (numbers, modes, addresses, groups) read it through this, then check
+    the value's range."""
+    try:
+        return convert(text.strip())
+    except (ValueError, KeyError):
+        raise ValueError(complaint) from None
+
+
 def _text(text: str) -> str:
     return text
 
 
 def _whole_number(minimum: int, maximum: int | None = None) -> Callable[[str], int]:
     def parse(text: str) -> int:
-        try:
-            value = int(text.strip())
-        except ValueError:
-            raise ValueError(f"{text!r} is not a whole number") from None
+        value = _read(text, int, f"{text!r} is not a whole number")
         if value < minimum or (maximum is not None and value > maximum):
             upper = f" and <= {maximum}" if maximum is not None else ""
             raise ValueError(f"{value} is out of range: must be >= {minimum}{upper}")
@@ -84,20 +92,16 @@ def _whole_number(minimum: int, maximum: int | None = None) -> Callable[[str], i
 
 
 def _seconds(text: str) -> float:
-    try:
-        value = float(text.strip())
-    except ValueError:
-        raise ValueError(f"{text!r} is not a number of seconds") from None
+    value = _read(text, float, f"{text!r} is not a number of seconds")
     if not math.isfinite(value) or value <= 0:
         raise ValueError(f"{text!r} must be a positive number of seconds")
     return value
 
 
 def _octal_mode(text: str) -> int:
-    try:
-        value = int(text.strip(), 8)
-    except ValueError:
-        raise ValueError(f"{text!r} is not an octal file mode such as 660 or 0600") from None
+    value = _read(
+        text, lambda t: int(t, 8), f"{text!r} is not an octal file mode such as 660 or 0600"
+    )
     if not 0 <= value <= 0o777:
         raise ValueError(f"{text!r} is not a file mode: use three octal digits, e.g. 660")
     return value
@@ -112,18 +116,14 @@ def _host_port(text: str) -> str:
 
 def _address(text: str) -> str:
     value = text.strip().strip("[]")
-    try:
-        ipaddress.ip_address(value)
-    except ValueError:
-        raise ValueError(f"{text!r} is not an IP address, e.g. 127.0.0.1, 0.0.0.0 or ::") from None
+    _read(
+        value, ipaddress.ip_address, f"{text!r} is not an IP address, e.g. 127.0.0.1, 0.0.0.0 or ::"
+    )
     return value
 
 
 def _group(text: str) -> str:
-    try:
-        grp.getgrnam(text.strip())
-    except KeyError:
-        raise ValueError(f"no group named {text!r} on this host") from None
+    _read(text, grp.getgrnam, f"no group named {text!r} on this host")
     return text.strip()
 
 
@@ -134,6 +134,7 @@ def _one_of(*choices: str) -> Callable[[str], str]:
             raise ValueError(f"{text!r} is not one of {', '.join(choices)}")
         return value
 
+    parse.metavar = "{" + ",".join(choices) + "}"  # type: ignore[attr-defined]
     return parse
 
 
@@ -193,9 +194,11 @@ def setting(
     switch: bool = False,
     metavar: str | None = None,
 ) -> Any:
-    """A `ServeConfig` field that is also a setting (one row of the table)."""
+    """A `ServeConfig` field that is also a setting (one row of the table). A parser
+    that names its own value in --help (`_one_of`: its choices) gives the metavar."""
     if shown is None:
         shown = "" if default is None or switch else str(default)
+    metavar = metavar or getattr(parse, "metavar", None)
     meta = {"setting": Setting(flag, help, parse, shown, switch, metavar)}
     if default_factory is not None:
         return field(default_factory=default_factory, metadata=meta)
@@ -277,7 +280,6 @@ class ServeConfig:
         "--log-level",
         "info",
         parse=_one_of("debug", "info", "warning", "error"),
-        metavar="{debug,info,warning,error}",
         help="log level",
     )
     socket_mode: int = setting(
@@ -344,7 +346,6 @@ class ServeConfig:
         "--remote-write",
         "ready",
         parse=_one_of("ready", "evict"),
-        metavar="{ready,evict}",
         help="write a row to the remote tier when it becomes ready, or only when LRU evicts it",
     )
     remote_max_inflight_bytes: int = setting(
@@ -446,25 +447,15 @@ def add_serve_arguments(parser: argparse.ArgumentParser, only: Sequence[str] = (
             except ValueError as exc:
                 errors.append(f"{s.env}: {exc} (the environment fallback of {s.flag})")
         shown = f"; default {s.shown}" if s.shown else ""
-        help_text = f"{s.help} ({s.env}{shown})"
-        if s.switch:
-            parser.add_argument(
-                s.flag,
-                dest=name,
-                action="store_const",
-                const=not _builtin_default(name),
-                default=default,
-                help=help_text,
-            )
-        else:
-            parser.add_argument(
-                s.flag,
-                dest=name,
-                type=_argparse_type(s),
-                default=default,
-                metavar=s.metavar,
-                help=help_text,
-            )
+        # A switch stores the opposite of the table's default; the others parse a value.
+        kind: dict[str, Any] = (
+            {"action": "store_const", "const": not _builtin_default(name)}
+            if s.switch
+            else {"type": _argparse_type(s), "metavar": s.metavar}
+        )
+        parser.add_argument(
+            s.flag, dest=name, default=default, help=f"{s.help} ({s.env}{shown})", **kind
+        )
     if not errors:
         return
     if isinstance(parser, SettingsParser):
