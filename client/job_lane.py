@@ -38,7 +38,10 @@ ENV = "KVDEPOT_JOB_LANE"
 # them at net.core.{w,r}mem_max; a job larger than what it allows goes on gRPC.
 BUFFER_BYTES = 4 << 20
 RESULT_BYTES = 1 << 16  # a TransferResult is a few hundred bytes at most
-OPEN_TIMEOUT = 2.0  # the first open runs in transfer_stream(): never long
+OPEN_TIMEOUT = 5.0  # in the background
+# The first open runs inside transfer_stream(), maybe on an engine's hot path (a new
+# stream after the daemon stopped answering): a healthy daemon needs a few ms.
+SYNC_OPEN_TIMEOUT = 0.5
 
 
 def enabled_by_env() -> bool:
@@ -183,7 +186,7 @@ class LaneKeeper:
         if background:
             threading.Thread(target=self._open, name="kvdepot-lane-open", daemon=True).start()
         else:
-            self._open()
+            self._open(SYNC_OPEN_TIMEOUT)
 
     def send(self, job: depot_pb2.TransferJob) -> bool:
         """True if the job went on the lane (its generation is `self.generation`)."""
@@ -212,9 +215,9 @@ class LaneKeeper:
         if lane is not None:
             lane.finish()
 
-    def _open(self) -> None:
+    def _open(self, timeout: float = OPEN_TIMEOUT) -> None:
         try:
-            lane = ClientLane.open(self.client, self.client.session_id)
+            lane = ClientLane.open(self.client, self.client.session_id, timeout)
         except (LaneUnavailable, OSError, RuntimeError) as exc:  # RuntimeError: no session
             with self.lock:
                 self._opening = False

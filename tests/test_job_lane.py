@@ -200,9 +200,14 @@ def test_engine_killed_with_lane_jobs_in_flight_releases_everything(daemon) -> N
     try:
         assert json.loads(victim.stdout.readline()) == {"lane": True}  # type: ignore[union-attr]
         # Jobs queue up in the daemon, all by the lane.
-        assert wait_for(lambda: stats(daemon.target).lane_jobs > 300, 30)
-        s = stats(daemon.target)
-        assert s.job_lanes_open == 1 and s.inflight_jobs > 0, s
+        assert wait_for(
+            lambda: (
+                (s := stats(daemon.target)).lane_jobs > 300
+                and s.inflight_jobs > 0
+                and s.job_lanes_open == 1
+            ),
+            30,
+        ), stats(daemon.target)
         victim.send_signal(signal.SIGKILL)
         victim.wait(10)
     finally:
@@ -312,3 +317,37 @@ def test_unread_lane_results_keep_the_daemon_bounded(daemon_factory) -> None:
         lane.close()
         c.close()
     assert wait_for(lambda: stats(d.target).job_lanes_open == 0)
+
+
+def test_daemon_shutdown_answers_lane_jobs_and_exits(daemon_factory) -> None:
+    d = daemon_factory("--pool-size", "64MiB")
+    c = DepotClient(d.target, client_name="shutdown").start()
+    try:
+        assert c.wait_connected(10)
+        geo = Geometry(world_size=1, namespace="lane-shutdown")
+        eng = lane_engine(c, geo)
+        keys, blocks, idx = chunk_plan(geo, range(0, 20))
+        assert eng.job(pb.STORE, keys, blocks, idx).success  # job 1: the loads find them
+        ids = list(range(2, 102))
+        for j in ids:
+            eng.stream.submit(
+                pb.TransferJob(
+                    job_id=j,
+                    direction=pb.STORE if j % 2 else pb.LOAD,
+                    registration_id=eng.registration.registration_id,
+                    keys=keys,
+                    block_ids=[b for g in blocks for b in g],
+                    group_sizes=[len(g) for g in blocks],
+                    block_indices=idx,
+                )
+            )
+        assert d.stop() == 0  # SIGTERM: a clean exit
+        # Every job has an answer: done before the shutdown, refused, or UNAVAILABLE.
+        assert eng.stream.wait(ids, timeout=20)
+        results = eng.stream.poll()
+        assert sorted(r.job_id for r in results) == ids
+        assert all(r.success or r.error_code == "UNAVAILABLE" for r in results), [
+            (r.error_code, r.error) for r in results if not r.success
+        ]
+    finally:
+        c.close()
