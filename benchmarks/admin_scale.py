@@ -10,7 +10,10 @@ calls, so the pool stays small (64 MB for 10^6 blocks) while the index is full
 size. Then a probe pins and unpins 16 ready keys every 2 ms over the gRPC socket,
 while a second process drives one kind of admin load at a time (GetStats,
 ListNamespaces, ListBlocks paged through with its page token, a Prometheus
-scrape, all four together, and last a Clear of every block). Each phase reports
+scrape, all four together, then "churn": new blocks stored as fast as 1 ms slices allow,
+each evicting the coldest (the index and the garbage collector under turnover), and last
+a Clear of every block). `KVDEPOT_GC_FREEZE=0` in the environment gives the "before"
+figures of the daemon's garbage-collection policy (server/gc_policy.py). Each phase reports
 the Pin round trip's p50, p99 and max, next to the idle phase of the same run:
 the delay an admin call adds is the difference. Next to it, "held": the event
 loop thread's CPU time between two wake-ups of a 0.5 ms timer in the daemon (the
@@ -75,6 +78,32 @@ async def watch_loop(lag_file: str) -> None:
         samples.append((time.time(), time.thread_time() - c))
 
 
+CHURN: list[asyncio.Task[None]] = []
+
+
+def toggle_churn(st: object, first_key: int) -> None:
+    """SIGUSR2 in the daemon: starts (or stops) storing new blocks as fast as 1 ms
+    slices allow, each store evicting the coldest block once the pool is full:
+    the index and the garbage collector under a steady turnover."""
+    if CHURN:
+        CHURN.pop().cancel()
+        return
+
+    async def churn() -> None:
+        index = st.index  # type: ignore[attr-defined]
+        i = first_key
+        while True:
+            end = time.perf_counter() + 0.001
+            while time.perf_counter() < end:
+                d = index.begin_store(NS, key(i), 0, "bench-churn")
+                if d.slot is not None:
+                    index.finish_store(d.slot, 0, True)
+                i += 1
+            await asyncio.sleep(0.001)
+
+    CHURN.append(asyncio.get_running_loop().create_task(churn()))
+
+
 def serve(socket: str, blocks: int, metrics_port: int, lag_file: str) -> None:
     """The daemon process: DepotState.create fills the index before serving."""
     from kvdepot.server import daemon
@@ -96,6 +125,7 @@ def serve(socket: str, blocks: int, metrics_port: int, lag_file: str) -> None:
             d = st.index.begin_store(NS, key(i), 0, "bench-fill")
             st.index.finish_store(d.slot, 0, True)
         print(f"filled {blocks} blocks in {time.perf_counter() - t:.1f} s", file=sys.stderr)
+        loop.add_signal_handler(signal.SIGUSR2, toggle_churn, st, blocks)
         return st
 
     DepotState.create = staticmethod(filled)  # type: ignore[method-assign]
@@ -194,7 +224,8 @@ def main() -> None:
         assert client.wait_connected(600), "the daemon did not come up"
         pin_keys = [key(i * 7919 % args.blocks) for i in range(PIN_KEYS)]
         ctx = mp.get_context("spawn")
-        for kind in ("idle", "GetStats", "ListNamespaces", "ListBlocks", "metrics", "all", "Clear"):
+        phases = ("idle", "GetStats", "ListNamespaces", "ListBlocks", "metrics", "all", "churn")
+        for kind in (*phases, "Clear"):
             lat: list[float] = []
             stop = threading.Event()
             t_start = time.time()
@@ -211,8 +242,12 @@ def main() -> None:
             th = threading.Thread(target=probe)
             th.start()
             admin = None
-            if kind == "idle":
+            if kind in ("idle", "churn"):
+                if kind == "churn":
+                    os.kill(proc.pid, signal.SIGUSR2)
                 time.sleep(args.seconds)
+                if kind == "churn":
+                    os.kill(proc.pid, signal.SIGUSR2)
                 calls: list[float] = []
             else:
                 time.sleep(0.3)  # the probe runs before the load starts

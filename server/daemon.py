@@ -22,6 +22,7 @@ import kvdepot
 from kvdepot.server.config import ServeConfig, format_size
 from kvdepot.server.cuda import enable_cuda
 from kvdepot.server.fd_receiver import FdReceiver
+from kvdepot.server.gc_policy import GcPolicy
 from kvdepot.server.health import HealthServicer
 from kvdepot.server.memory.pool_file import PoolFileBusy
 from kvdepot.server.pvm import enable_pvm
@@ -128,6 +129,7 @@ class Daemon:
         self._ready = False  # READY=1 sent (read by the warm-up thread's STATUS lines)
         self.remote: RemoteLink | None = None
         self.depot: DepotServicer | None = None
+        self.gc = GcPolicy()  # keeps the index out of full collections
 
     async def run(self) -> None:
         cfg = self.config
@@ -211,7 +213,7 @@ class Daemon:
         if cfg.metrics_port is not None:
             from kvdepot.server.metrics import Metrics
 
-            metrics = Metrics(st)
+            metrics = Metrics(st, gc=self.gc.stats)
             if remote is not None:
                 from kvdepot.server.remote.metrics import RemoteCollector
 
@@ -235,6 +237,7 @@ class Daemon:
             loop.add_signal_handler(sig, self._stop.set)
         tasks = [
             asyncio.create_task(self._housekeeping(st)),
+            asyncio.create_task(self.gc.run(self._stop)),
             asyncio.create_task(run_watchdog(self.notifier, self._stop)),
         ]
         await self._stop.wait()

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 from prometheus_client import (
     CollectorRegistry,
+    GCCollector,
     Histogram,
     ProcessCollector,
     disable_created_metrics,
@@ -34,6 +35,7 @@ from prometheus_client.registry import Collector
 
 from kvdepot.common.kinds import Direction
 from kvdepot.server.core.kinds import AbortReason, DropReason, EvictionReason
+from kvdepot.server.gc_policy import GcStats
 from kvdepot.server.state import DepotState
 
 SCRAPE_TIMEOUT_S = 5.0
@@ -60,9 +62,10 @@ class _Snapshot:
     dropped_stores: dict[str, int]
     aborted_writes: dict[str, int]
     failed_jobs: dict[str, int]
+    gc: GcStats | None
 
 
-def _read(state: DepotState) -> _Snapshot:
+def _read(state: DepotState, gc: GcStats | None) -> _Snapshot:
     ix = state.index.stats
     return _Snapshot(
         stats=state.stats(),
@@ -71,21 +74,25 @@ def _read(state: DepotState) -> _Snapshot:
         dropped_stores=by_reason(ix.dropped_stores, DropReason),
         aborted_writes=by_reason(ix.aborted_writes, AbortReason),
         failed_jobs={d.label: state.traffic.of(d).failed_jobs for d in Direction},
+        gc=None if gc is None else GcStats(**vars(gc)),
     )
 
 
 class _StateCollector(Collector):
-    def __init__(self, state: DepotState, loop: asyncio.AbstractEventLoop | None) -> None:
+    def __init__(
+        self, state: DepotState, loop: asyncio.AbstractEventLoop | None, gc: GcStats | None
+    ) -> None:
         self.state = state
         self.loop = loop
+        self.gc = gc
 
     def snapshot(self) -> _Snapshot:
         loop = self.loop
         if loop is None or _on_loop_thread(loop):
-            return _read(self.state)
+            return _read(self.state, self.gc)
 
         async def on_loop() -> _Snapshot:
-            return _read(self.state)
+            return _read(self.state, self.gc)
 
         fut = asyncio.run_coroutine_threadsafe(on_loop(), loop)
         try:
@@ -216,6 +223,40 @@ class _StateCollector(Collector):
             "direction",
             snap.failed_jobs,
         )
+        yield gauge(
+            "recovery_journal_blocks",
+            "Blocks the journal listed as ready when the daemon started after a crash "
+            "(--pool-file); 0 after a clean start.",
+            s["recovery_blocks_total"],
+        )
+        yield by_label(
+            CounterMetricFamily,
+            "recovery_blocks",
+            "Journal blocks checked after a crash: verified (bytes matched, served again) "
+            "or rejected (dropped).",
+            "outcome",
+            {
+                "verified": s["recovery_blocks_verified"],
+                "rejected": s["recovery_blocks_rejected"],
+            },
+        )
+        yield gauge(
+            "recovery_complete",
+            "0 while blocks from the journal are still being verified, else 1.",
+            bool(s["recovery_complete"]),
+        )
+        if snap.gc is not None:
+            yield counter(
+                "gc_frozen_objects",
+                "Objects moved out of the garbage collector's walks (the index's, mostly); "
+                "they leave that set again when freed.",
+                snap.gc.frozen,
+            )
+            yield gauge(
+                "gc_tick_max_seconds",
+                "Longest collection of the objects not yet frozen (it holds the event loop).",
+                snap.gc.max_tick_seconds,
+            )
 
 
 def _number(value: object) -> float:
@@ -239,7 +280,12 @@ class Metrics:
     there); `serve(port)` starts the HTTP endpoint on a background thread.
     """
 
-    def __init__(self, state: DepotState, loop: asyncio.AbstractEventLoop | None = None) -> None:
+    def __init__(
+        self,
+        state: DepotState,
+        loop: asyncio.AbstractEventLoop | None = None,
+        gc: GcStats | None = None,
+    ) -> None:
         if loop is None:
             try:
                 loop = asyncio.get_running_loop()
@@ -250,8 +296,9 @@ class Metrics:
         # daemon's only registry.)
         disable_created_metrics()
         self.registry = CollectorRegistry()
-        self.registry.register(_StateCollector(state, loop))
+        self.registry.register(_StateCollector(state, loop, gc))
         ProcessCollector(registry=self.registry)  # memory, CPU, open fds of the daemon
+        GCCollector(registry=self.registry)  # python_gc_*: collections by generation
         self.transfer_bytes = Histogram(
             "kvdepot_transfer_size_bytes",
             "Bytes per successful transfer (a job, or one inline Put/Get), by direction.",

@@ -23,6 +23,7 @@ from kvdepot.v1 import depot_pb2 as pb
 from tests.support import soak
 from tests.support.engine import Engine, chunk_plan
 from tests.support.faults import DaemonFactory, admin, all_blocks, stats
+from tests.test_operations import free_port, sample, scrape
 from tests.test_warm_restart import NS, connect, store_rows, verify_rows, wait_recovered
 
 pytestmark = pytest.mark.timeout(180)
@@ -131,7 +132,10 @@ def test_sigkill_mid_store_and_load_keeps_every_ready_block(
 
 def test_a_damaged_block_is_not_served(daemon_factory: DaemonFactory, tmp_path: Path) -> None:
     pool = tmp_path / "kvdepot.pool"
-    d = daemon_factory("--pool-size", "32MiB", "--pool-file", str(pool))
+    port = free_port()
+    d = daemon_factory(
+        "--pool-size", "32MiB", "--pool-file", str(pool), "--metrics-port", str(port)
+    )  # fmt: skip
     client = connect(d, "writer")
     keys, _ = store_rows(client)
     wait_sealed(pool, keys)
@@ -153,6 +157,12 @@ def test_a_damaged_block_is_not_served(daemon_factory: DaemonFactory, tmp_path: 
         1,
     )
     assert "does not match its checksum" in d.log()
+    # Prometheus tells the same story.
+    m = scrape(port)
+    assert sample(m, "kvdepot_recovery_journal_blocks") == len(keys)
+    assert sample(m, "kvdepot_recovery_blocks_total", outcome="verified") == len(keys) - 1
+    assert sample(m, "kvdepot_recovery_blocks_total", outcome="rejected") == 1
+    assert sample(m, "kvdepot_recovery_complete") == 1
     client = connect(d, "reader")
     assert client.lookup(NS, keys) == [k != keys[3] for k in keys]
     geo = soak.geometry(NS)

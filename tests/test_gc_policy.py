@@ -1,0 +1,85 @@
+"""The daemon's garbage-collection policy (server/gc_policy.py), on the real
+collector: young garbage is still collected, survivors leave the collector's
+walks, and a frozen object freed by reference counting is really freed."""
+
+from __future__ import annotations
+
+import gc
+import time
+import weakref
+from collections.abc import Iterator
+
+import pytest
+
+from kvdepot.server.gc_policy import GcPolicy
+from tests.support.daemon import DaemonProcess
+from tests.test_operations import free_port, sample, scrape
+
+
+class Node:
+    def __init__(self) -> None:
+        self.other: Node | None = None
+
+
+@pytest.fixture
+def policy() -> Iterator[GcPolicy]:
+    p = GcPolicy()
+    gc.disable()  # no automatic collection between a test's steps: only the ticks
+    try:
+        yield p
+    finally:
+        gc.enable()
+        p.stop()  # leave pytest's collector unfrozen
+
+
+def test_a_tick_collects_cyclic_garbage_made_since_the_last(policy: GcPolicy) -> None:
+    policy.start()
+    a, b = Node(), Node()
+    a.other, b.other = b, a
+    gone = weakref.ref(a)
+    del a, b  # a cycle: only the collector can free it
+    assert gone() is not None
+    policy.tick()
+    assert gone() is None
+    assert policy.stats.collected >= 2 and policy.stats.ticks == 1
+
+
+def test_survivors_leave_the_collectors_walks(policy: GcPolicy) -> None:
+    policy.start()
+    index = [Node() for _ in range(10_000)]  # long-lived, like the index's slots
+    frozen_before = gc.get_freeze_count()
+    policy.tick()
+    assert gc.get_freeze_count() >= frozen_before + len(index)
+    assert policy.stats.frozen >= len(index)
+    # A full collection no longer walks them: none is in any generation.
+    walked = {id(o) for g in range(3) for o in gc.get_objects(generation=g)}
+    assert not any(id(n) in walked for n in index)
+
+
+def test_a_frozen_object_is_freed_when_its_last_reference_goes(policy: GcPolicy) -> None:
+    policy.start()
+    slot = Node()
+    policy.tick()
+    gone = weakref.ref(slot)
+    frozen = gc.get_freeze_count()
+    del slot
+    assert gone() is None
+    assert gc.get_freeze_count() <= frozen - 1
+
+
+def test_a_serving_daemon_freezes_and_says_so(tmp_path) -> None:
+    port = free_port()
+    d = DaemonProcess(tmp_path, "--pool-size", "16MiB", "--metrics-port", str(port)).start()
+    try:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            m = scrape(port)
+            if sample(m, "kvdepot_gc_frozen_objects_total") > 0:
+                break
+            time.sleep(0.2)
+        # Start-up's objects are frozen and the ticks are short.
+        assert sample(m, "kvdepot_gc_frozen_objects_total") > 1000
+        assert sample(m, "kvdepot_gc_tick_max_seconds") < 1.0
+        assert sample(m, "python_gc_collections_total", generation="0") > 0
+    finally:
+        d.stop()
