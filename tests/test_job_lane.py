@@ -351,3 +351,36 @@ def test_daemon_shutdown_answers_lane_jobs_and_exits(daemon_factory) -> None:
         ]
     finally:
         c.close()
+
+
+def test_no_lane_to_be_had_means_the_grpc_stream(daemon, client) -> None:
+    # The session already has the most lanes a session may open: a new stream is
+    # refused one (RESOURCE_EXHAUSTED) and its jobs go on the gRPC stream instead.
+    held = [raw_lane(client) for _ in range(8)]
+    try:
+        token_sock, other = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        token = send_fd(client.hello.fd_socket, client.session_id, other.fileno())  # type: ignore[union-attr]
+        other.close()
+        with pytest.raises(grpc.RpcError) as info:
+            client.stub.OpenJobLane(
+                pb.OpenJobLaneRequest(session_id=client.session_id, fd_token=token), timeout=10
+            )
+        token_sock.close()
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        geo = Geometry(world_size=1, namespace="lane-refused")
+        eng = Engine(client, geo, 0)
+        assert not eng.stream.uses_lane
+        before = stats(daemon.target).lane_jobs
+        keys, blocks, idx = chunk_plan(geo, range(0, 3))
+        for g, b in enumerate(blocks):
+            eng.fill(g, keys[g * 3 : (g + 1) * 3], b, idx[g])
+        assert eng.job(pb.STORE, keys, blocks, idx).success
+        eng.mem[:] = 0
+        assert eng.job(pb.LOAD, keys, blocks, idx).success
+        for g, b in enumerate(blocks):
+            assert eng.mismatches(g, keys[g * 3 : (g + 1) * 3], b, idx[g]) == 0
+        assert stats(daemon.target).lane_jobs == before
+    finally:
+        for s in held:
+            s.close()
+    assert wait_for(lambda: stats(daemon.target).job_lanes_open == 0)
