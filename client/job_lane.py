@@ -112,7 +112,9 @@ class ClientLane:
         except (BlockingIOError, InterruptedError):
             return False
         except OSError as exc:
-            if exc.errno == errno.EMSGSIZE:  # above what the socket buffers allow
+            # Larger than the socket buffers allow, or than the kernel could allocate
+            # now (a datagram is one allocation): this job only goes elsewhere.
+            if exc.errno in (errno.EMSGSIZE, errno.ENOBUFS):
                 return False
             raise
         return True

@@ -384,3 +384,31 @@ def test_no_lane_to_be_had_means_the_grpc_stream(daemon, client) -> None:
         for s in held:
             s.close()
     assert wait_for(lambda: stats(daemon.target).job_lanes_open == 0)
+
+
+def test_a_job_too_large_for_a_datagram_goes_on_grpc(daemon, client) -> None:
+    geo = Geometry(world_size=1, namespace="lane-large")
+    eng = lane_engine(client, geo)
+    before = stats(daemon.target).lane_jobs
+    # 120,000 keys (~5 MiB): more than a lane datagram, and than a job may name.
+    keys = [make_key(i, 0) for i in range(120_000)]
+    eng.stream.submit(
+        pb.TransferJob(
+            job_id=1,
+            direction=pb.STORE,
+            registration_id=eng.registration.registration_id,
+            keys=keys,
+            block_ids=list(range(len(keys))),
+            group_sizes=[len(keys), 0],
+            block_indices=[0, 0],
+        )
+    )
+    assert eng.stream.wait({1}, timeout=30)
+    (res,) = eng.stream.poll()
+    assert not res.success and res.error_code == "RESOURCE_EXHAUSTED", res
+    assert stats(daemon.target).lane_jobs == before  # it went on the gRPC stream
+    assert eng.stream.uses_lane  # and the lane stays open for the next jobs
+    eng._next_job = 2
+    ks, blocks, idx = chunk_plan(geo, range(0, 2))
+    assert eng.job(pb.STORE, ks, blocks, idx).success
+    assert stats(daemon.target).lane_jobs == before + 1
