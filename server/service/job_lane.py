@@ -138,7 +138,18 @@ class JobLane:
     def _full(self) -> bool:
         return len(self._pending) + len(self._backlog) >= self._max_unread
 
+    def _hung_up(self) -> bool:
+        """Both directions shut: the peer closed its end (abort, exit, death)."""
+        poller = select.poll()
+        poller.register(self.fd, select.POLLOUT)
+        return any(ev & (select.POLLHUP | select.POLLERR) for _, ev in poller.poll(0))
+
     def _on_readable(self) -> None:
+        # Jobs still queued in the socket when the peer hung up are never started
+        # (as a cancelled Transfer stream's): nobody would read their results.
+        if self._hung_up():
+            self.close("the client closed it")
+            return
         for _ in range(READ_BATCH):
             if self.closed or self._full():
                 break
@@ -198,13 +209,9 @@ class JobLane:
 
     def _on_eof(self) -> None:
         self._pause_reading()
-        # POLLHUP: both directions are shut (the peer closed or died): nobody will
-        # read the results, so skip the jobs not started yet. Without it the peer
-        # only half-closed and waits for its answers.
-        poller = select.poll()
-        poller.register(self.fd, select.POLLOUT)
-        hung_up = any(ev & (select.POLLHUP | select.POLLERR) for _, ev in poller.poll(0))
-        if hung_up:
+        # Hung up (closed or died): nobody will read the results, so skip the jobs
+        # not started yet. Otherwise the peer only half-closed and awaits its answers.
+        if self._hung_up():
             self.close("the client closed it")
             return
         self._draining = True
