@@ -330,9 +330,13 @@ class DepotClient:
         """Follows the namespace's ready keys; see `Watch`."""
         return Watch(self, namespace_id, on_event).start()
 
-    def transfer_stream(self, job_lane: bool | None = None) -> TransferStream:
-        """`job_lane`: None follows KVDEPOT_JOB_LANE (default on); see TransferStream."""
-        return TransferStream(self, job_lane)
+    def transfer_stream(
+        self, job_lane: bool | None = None, *, open_lane_now: bool = True
+    ) -> TransferStream:
+        """`job_lane`: None follows KVDEPOT_JOB_LANE (default on); see TransferStream.
+        `open_lane_now=False`: never wait for the lane here (a daemon that just
+        stopped answering would cost up to 0.5 s); it opens in the background."""
+        return TransferStream(self, job_lane, open_lane_now=open_lane_now)
 
 
 class Watch:
@@ -408,7 +412,9 @@ class TransferStream:
     gRPC stream. A lane that breaks fails its jobs in flight like a broken stream.
     """
 
-    def __init__(self, client: DepotClient, job_lane: bool | None = None) -> None:
+    def __init__(
+        self, client: DepotClient, job_lane: bool | None = None, *, open_lane_now: bool = True
+    ) -> None:
         self.client = client
         self._lock = threading.Condition()
         # job id -> generation: > 0 a gRPC stream's, < 0 a lane's (LaneKeeper)
@@ -421,7 +427,7 @@ class TransferStream:
         self._lanes = LaneKeeper(client, self._lock, wanted, self._lane_result, self._lane_broke)
         # Connected: open the lane now (a few ms, once) so that every job takes it;
         # later (re)opens happen in the background while jobs use the gRPC stream.
-        self._lanes.maybe_open(background=False)
+        self._lanes.maybe_open(background=not open_lane_now)
 
     @property
     def uses_lane(self) -> bool:

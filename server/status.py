@@ -324,7 +324,8 @@ def render(r: dict[str, Any]) -> Any:
     grid.add_row(
         "blocks",
         f"{blocks['ready']} ready · {blocks['writing']} writing · "
-        f"{blocks['pinned']} pinned · {blocks['inflight_jobs']} jobs in flight",
+        f"{blocks['pinned']} pinned · {blocks['inflight_jobs']} jobs in flight "
+        f"({blocks['job_lanes_open']} job lanes)",
     )
     rates = r["rates"]
     if rates is None:

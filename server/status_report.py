@@ -59,6 +59,7 @@ KNOWN_STATS = frozenset(
         "loaded_bytes",
         "dropped_stores",
         "inflight_jobs",
+        "job_lanes_open",
         "pool_backing",
         "warm_restarted",
         "evictions_by_reason",
@@ -68,7 +69,7 @@ KNOWN_STATS = frozenset(
 # them; the report then leaves them out): job, block and pin counters.
 OPTIONAL_COUNTERS = (
     "store_jobs", "load_jobs", "stored_blocks", "loaded_blocks", "failed_store_jobs",
-    "failed_load_jobs", "pin_calls", "pin_keys", "pinned_keys",
+    "failed_load_jobs", "pin_calls", "pin_keys", "pinned_keys", "lane_jobs",
 )  # fmt: skip
 # Counts since start, shown as they are.
 TOTALS = (
@@ -409,6 +410,7 @@ def build_report(path: str, prev: Sample | None, cur: Sample) -> dict[str, Any]:
             "writing": s.writing_blocks,
             "pinned": s.pinned_blocks,
             "inflight_jobs": s.inflight_jobs,
+            "job_lanes_open": s.job_lanes_open,
         },
         "namespaces": [plain(ns) for ns in cur.namespaces],
         "engines": [_engine(e) for e in cur.engines],

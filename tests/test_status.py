@@ -99,7 +99,13 @@ def test_json_is_the_daemons_own_figures(guide_daemon: DaemonProcess) -> None:
     assert pool["free_bytes"] == s.capacity_bytes - s.used_bytes
     assert pool["largest_free_extent_bytes"] == s.largest_free_extent_bytes
     assert report["warmup"]["complete"] and report["warmup"]["fraction"] == 1.0
-    assert report["blocks"] == {"ready": 11, "writing": 2, "pinned": 1, "inflight_jobs": 0}
+    assert report["blocks"] == {
+        "ready": 11,
+        "writing": 2,
+        "pinned": 1,
+        "inflight_jobs": 0,
+        "job_lanes_open": 3,
+    }
 
     ns = {n["id"]: n for n in report["namespaces"]}
     assert set(ns) == {GEO_A.namespace, GEO_B.namespace}

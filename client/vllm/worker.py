@@ -453,7 +453,8 @@ class KVDepotOffloadingWorker(OffloadingWorker):
         report them failed, and start a new stream."""
         with self._lock:
             stale = set(self._on_stream)
-            old, self._stream = self._stream, self._client.transfer_stream()
+            # The daemon may be frozen: the new stream's lane opens in the background.
+            old, self._stream = self._stream, self._client.transfer_stream(open_lane_now=False)
         self._registrar.suspend()
         log.error(
             "kvdepot: %d transfer job(s) got no answer within %.1fs; abandoning %d job(s) "
