@@ -3,8 +3,10 @@
 Sans-I/O: no sockets, threads or clocks of its own (the clock is injected). Every
 change that others must hear about (a key became READY, a READY key was removed)
 is handed to `on_event` as it happens, so a subscriber (the daemon's event bus)
-never misses one. The daemon calls the index from its event loop only; copies
-run elsewhere, bracketed by `begin_store`/`finish_store` and
+never misses one; a call that changes many keys (`begin_store_many`,
+`finish_store_many`) hands over its events, one per namespace, before it
+returns. The daemon calls the index from its event loop only; copies run
+elsewhere, bracketed by `begin_store[_many]`/`finish_store[_many]` and
 `begin_read`/`end_read`, which keep a slot's extent allocated for as long as any
 copy touches it.
 
@@ -22,10 +24,10 @@ from __future__ import annotations
 
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 
-from kvdepot.server.core.allocator import Extent, ExtentAllocator, OutOfSpace
+from kvdepot.server.core.allocator import Extent, ExtentAllocator
 from kvdepot.server.core.kinds import (
     AbortReason,
     DropReason,
@@ -45,6 +47,7 @@ __all__ = [
     "Namespace",
     "Slot",
     "SlotState",
+    "StoreClaim",
     "StoreDecision",
     "StoreOutcome",
     "UnknownNamespace",
@@ -61,7 +64,7 @@ class LayoutMismatch(Exception):
     """A namespace id was declared again with other bytes (FAILED_PRECONDITION)."""
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Slot:
     namespace: str
     key: bytes
@@ -72,7 +75,7 @@ class Slot:
     written_mask: int = 0  # ranks whose section is complete
     copying_mask: int = 0  # ranks whose store copy is in flight
     writers: dict[int, Owner] = field(default_factory=dict)  # rank -> session
-    pins: Counter = field(default_factory=Counter)  # session -> pin count
+    pins: dict[Owner, int] = field(default_factory=dict)  # session -> pin count (> 0)
     readers: int = 0  # load copies in flight
     doomed: bool = False  # detached from its namespace; freed when no copy is in flight
 
@@ -114,6 +117,17 @@ class StoreDecision:
     outcome: StoreOutcome
     slot: Slot | None = None
     reason: DropReason | None = None  # when DROPPED
+
+
+@dataclass
+class StoreClaim:
+    """What `begin_store_many` decided for a job's keys, in one piece."""
+
+    offsets: list[int | None]  # per key, in order: its slot's offset to copy into, or None
+    slots: list[Slot]  # the WRITE keys' slots, in key order: settle each once
+    present: int = 0  # keys ready, or whose section this rank has written or is writing
+    dropped: int = 0  # keys with no room
+    drop_reason: DropReason | None = None  # the last drop's
 
 
 @dataclass(frozen=True)
@@ -250,7 +264,7 @@ class BlockIndex:
             ns = self.namespaces[slot.namespace]
             ns.pinned_blocks += 1
             ns.pinned_bytes += slot.extent.size
-        slot.pins[owner] += 1
+        slot.pins[owner] = slot.pins.get(owner, 0) + 1
         self._pins_by_owner.setdefault(owner, Counter())[slot] += 1
 
     def _drop_pin(self, slot: Slot, owner: Owner) -> None:
@@ -278,58 +292,152 @@ class BlockIndex:
     # -- stores ----------------------------------------------------------------------
 
     def begin_store(self, namespace_id: str, key: bytes, rank: int, owner: Owner) -> StoreDecision:
-        """Claims `rank`'s section of `key` for writing, reserving a slot if needed."""
+        """Claims `rank`'s section of `key` for writing, reserving a slot if needed:
+        `begin_store_many` for one key. A PRESENT decision carries the key's slot."""
+        claim = self.begin_store_many(namespace_id, (key,), rank, owner)
+        if claim.slots:
+            return StoreDecision(StoreOutcome.WRITE, claim.slots[0])
+        if claim.present:
+            return StoreDecision(StoreOutcome.PRESENT, self.namespaces[namespace_id].slots[key])
+        return StoreDecision(StoreOutcome.DROPPED, None, claim.drop_reason)
+
+    def begin_store_many(
+        self, namespace_id: str, keys: Sequence[bytes], rank: int, owner: Owner
+    ) -> StoreClaim:
+        """Claims `rank`'s section of each of `keys` for writing (a store job's keys).
+
+        Promises:
+        - The namespace, the rank and every key are checked before anything
+          changes: UnknownNamespace or LayoutError leaves the index as it was.
+        - Key by key, in order, the decision one `begin_store` per key would make:
+          WRITE (a fresh WRITING slot, or this rank's part of a row other ranks
+          are writing), PRESENT (READY, or this rank's section written or in
+          flight, so a key named twice is written once), DROPPED (no room though
+          every evictable row was evicted; counted in stats.dropped_stores).
+        - Room comes from the LRU list's cold end, as ever; an evicted row whose
+          extent is exactly the size wanted hands that extent on (no free and
+          allocate), otherwise it is freed and allocation retried.
+        - The rows evicted are announced before it returns (REMOVED, reason LRU,
+          one event per namespace, keys in eviction order), when no copy into
+          the claimed slots can have started: a listener still finds an evicted
+          row's bytes in its former extent.
+        - If it raises anyway, whatever it had claimed is settled as failed.
+
+        The caller copies into `claim.offsets` and then settles `claim.slots`,
+        each once, success or not (finish_store_many).
+        """
         ns = self.namespace(namespace_id)
-        group = check_key(key, ns.layout.num_groups)
-        if not 0 <= rank < ns.layout.world_size:
-            raise LayoutError(f"rank {rank} out of range [0, {ns.layout.world_size})")
+        layout = ns.layout
+        if not 0 <= rank < layout.world_size:
+            raise LayoutError(f"rank {rank} out of range [0, {layout.world_size})")
+        num_groups = layout.num_groups
+        groups = [check_key(key, num_groups) for key in keys]  # all, before any change
         bit = 1 << rank
-        slot = ns.slots.get(key)
-        if slot is not None:
-            if slot.state is SlotState.READY or (slot.written_mask | slot.copying_mask) & bit:
-                return StoreDecision(StoreOutcome.PRESENT, slot)
-        else:
-            size = ns.layout.slot_bytes(group)
-            extent = self._allocate(size)
-            if extent is None:
-                reason = (
-                    DropReason.POOL_FULL
-                    if self.allocator.capacity >= size
-                    else DropReason.ROW_TOO_LARGE
-                )
-                self.stats.dropped_stores[reason] += 1
-                return StoreDecision(StoreOutcome.DROPPED, None, reason)
-            slot = Slot(namespace_id, key, group, extent, self._clock())
-            self._attach(ns, slot)
-            self._writing.add(slot)
-        slot.copying_mask |= bit
-        slot.writers[rank] = owner
-        return StoreDecision(StoreOutcome.WRITE, slot)
+        slots = ns.slots
+        ready = SlotState.READY
+        sizes: dict[int, int] = {}  # group -> slot bytes
+        claim = StoreClaim([], [])
+        offsets, writing = claim.offsets, claim.slots
+        removed: list[Slot] = []
+        now = self._clock()
+        try:
+            for key, group in zip(keys, groups, strict=True):
+                slot = slots.get(key)
+                if slot is None:
+                    size = sizes.get(group)
+                    if size is None:
+                        size = sizes[group] = layout.slot_bytes(group)
+                    extent = self._reserve(size, removed)
+                    if extent is None:
+                        reason = (
+                            DropReason.POOL_FULL
+                            if self.allocator.capacity >= size
+                            else DropReason.ROW_TOO_LARGE
+                        )
+                        self.stats.dropped_stores[reason] += 1
+                        claim.dropped += 1
+                        claim.drop_reason = reason
+                        offsets.append(None)
+                        continue
+                    slot = Slot(namespace_id, key, group, extent, now)
+                    self._attach(ns, slot)
+                    self._writing.add(slot)
+                elif slot.state is ready or (slot.written_mask | slot.copying_mask) & bit:
+                    claim.present += 1
+                    offsets.append(None)
+                    continue
+                slot.copying_mask |= bit
+                slot.writers[rank] = owner
+                writing.append(slot)
+                offsets.append(slot.extent.offset)
+        except BaseException:
+            self.finish_store_many(writing, rank, False)  # the claim never reaches a caller
+            raise
+        finally:
+            if removed:
+                self._announce(EventKind.REMOVED, removed, EvictionReason.LRU)
+        return claim
 
     def finish_store(self, slot: Slot, rank: int, ok: bool) -> bool:
         """Ends `rank`'s copy into `slot`. Returns True if the slot became READY."""
+        return self.finish_store_many((slot,), rank, ok) == 1
+
+    def finish_store_many(self, slots: Iterable[Slot], rank: int, ok: bool) -> int:
+        """Ends `rank`'s copy into each of `slots` (each named once, each claimed
+        by this rank and not yet finished). Returns how many became READY.
+
+        Per slot: a doomed slot's extent is freed once no copy is left on it; on
+        failure (`ok` False) the row is dropped (AbortReason.COPY_FAILED), the
+        other ranks' sections with it; on success this rank's section counts as
+        written, and the row becomes READY (evictable, at the LRU list's young
+        end) when every rank's has. The rows that became READY are announced
+        before it returns (STORED, one event per namespace, keys in order).
+        """
         bit = 1 << rank
-        slot.copying_mask &= ~bit
-        if slot.doomed:
-            self._maybe_free_doomed(slot)
-            return False
-        if not ok:
-            self._doom(slot, AbortReason.COPY_FAILED)
-            return False
-        slot.written_mask |= bit
-        ns = self.namespaces[slot.namespace]
-        if slot.written_mask == ns.full_mask:
-            slot.state = SlotState.READY
-            ns.writing_blocks -= 1
-            ns.writing_bytes -= slot.extent.size
-            ns.ready_blocks += 1
-            ns.ready_bytes += slot.extent.size
-            slot.writers.clear()
-            self._writing.discard(slot)
-            self._lru[slot] = None
-            self._emit(IndexEvent(slot.namespace, EventKind.STORED, (slot.key,)))
-            return True
-        return False
+        keep = ~bit
+        became_ready: list[Slot] = []
+        ns: Namespace | None = None
+        try:
+            for slot in slots:
+                slot.copying_mask &= keep
+                if slot.doomed:
+                    self._maybe_free_doomed(slot)
+                    continue
+                if not ok:
+                    self._doom(slot, AbortReason.COPY_FAILED)
+                    continue
+                slot.written_mask |= bit
+                if ns is None or ns.layout.id != slot.namespace:
+                    ns = self.namespaces[slot.namespace]
+                if slot.written_mask == ns.full_mask:
+                    size = slot.extent.size
+                    slot.state = SlotState.READY
+                    ns.writing_blocks -= 1
+                    ns.writing_bytes -= size
+                    ns.ready_blocks += 1
+                    ns.ready_bytes += size
+                    slot.writers.clear()
+                    self._writing.discard(slot)
+                    self._lru[slot] = None
+                    became_ready.append(slot)
+        finally:
+            if became_ready:
+                self._announce(EventKind.STORED, became_ready)
+        return len(became_ready)
+
+    def _announce(
+        self, kind: EventKind, slots: list[Slot], reason: EvictionReason | None = None
+    ) -> None:
+        """One event per namespace for `slots`, keys in the order given."""
+        by_ns: dict[str, list[bytes]] = {}
+        for slot in slots:
+            keys = by_ns.get(slot.namespace)
+            if keys is None:
+                by_ns[slot.namespace] = [slot.key]
+            else:
+                keys.append(slot.key)
+        for namespace_id, keys in by_ns.items():
+            self._emit(IndexEvent(namespace_id, kind, tuple(keys), reason))
 
     # -- loads -----------------------------------------------------------------------
 
@@ -390,22 +498,34 @@ class BlockIndex:
 
     # -- eviction --------------------------------------------------------------------
 
-    def _allocate(self, size: int) -> Extent | None:
-        while True:
-            try:
-                return self.allocator.allocate(size)
-            except OutOfSpace:
-                if not self._lru:
-                    return None
-                victim = next(iter(self._lru))
-                self._remove_ready(victim, EvictionReason.LRU)
+    def _reserve(self, size: int, removed: list[Slot]) -> Extent | None:
+        """An extent of `size` bytes (rounded up), evicting LRU rows until one
+        fits; each row evicted is appended to `removed` for the caller to
+        announce. None when no room is left to make."""
+        alloc, lru = self.allocator, self._lru
+        need = alloc.round_up(size)
+        while alloc.largest_free_extent < need:
+            if not lru:
+                return None
+            victim = next(iter(lru))
+            self._unlink_ready(victim, EvictionReason.LRU)
+            removed.append(victim)
+            if victim.extent.size == need:  # hand the extent on: no free, no allocate
+                self.namespaces[victim.namespace].used_bytes -= need
+                return victim.extent
+            self._release_extent(victim)
+        return alloc.allocate(need)
 
     def _remove_ready(self, slot: Slot, reason: EvictionReason) -> None:
+        self._unlink_ready(slot, reason)
+        self._release_extent(slot)
+        self._emit(IndexEvent(slot.namespace, EventKind.REMOVED, (slot.key,), reason))
+
+    def _unlink_ready(self, slot: Slot, reason: EvictionReason) -> None:
+        """Takes an unheld READY slot out of the index; its extent stays allocated."""
         self._lru.pop(slot, None)
         self._detach(self.namespaces[slot.namespace], slot)
-        self._release_extent(slot)
         self.stats.evictions[reason] += 1
-        self._emit(IndexEvent(slot.namespace, EventKind.REMOVED, (slot.key,), reason))
 
     @staticmethod
     def _attach(ns: Namespace, slot: Slot) -> None:

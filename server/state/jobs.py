@@ -3,14 +3,15 @@
     check   the registration, the direction, the size, and the job's shape against
             the namespace and the rank's memory (core.planner.check_job): once,
             before anything is reserved
-    claim   STORE: reserve each key's slot (BlockIndex.begin_store), skipping keys
-            already present and those dropped for lack of room; LOAD: hold each
+    claim   STORE: reserve each key's slot (BlockIndex.begin_store_many, one call for
+            the job), skipping keys already present and those dropped for lack
+            of room; LOAD: hold each
             key's READY slot against eviction (begin_read), NOT_FOUND if one is gone
     plan    the checked shape and the slot offsets become byte runs (plan_copy)
     copy    on a copy thread (CopyQueue), by the registration's copy engine, with
             the registration held mapped (Sessions.in_use)
-    settle  finish_store / end_read for every claimed slot, success or not; the
-            index announces what became READY on the event bus by itself
+    settle  finish_store_many / end_read for every claimed slot, success or not;
+            the index announces what became READY on the event bus by itself
 
 A job never raises: every failure becomes a JobOutcome with the status code name
 that the error table (kvdepot.server.errors) gives it.
@@ -29,7 +30,6 @@ from kvdepot.common.kinds import Direction
 from kvdepot.server import errors
 from kvdepot.server.copy_queue import CopyQueue
 from kvdepot.server.core.index import BlockIndex, Slot
-from kvdepot.server.core.kinds import StoreOutcome
 from kvdepot.server.core.planner import CopyPlan, JobShape, check_job, plan_copy
 from kvdepot.server.memory.arena import Arena
 from kvdepot.server.state.sessions import Registration, Sessions
@@ -151,30 +151,20 @@ class JobRunner:
     async def _store(
         self, job: JobSpec, reg: Registration, shape: JobShape, out: JobOutcome
     ) -> None:
-        ns_id, rank, index = reg.layout.id, reg.rank, self._index
-        offsets: list[int | None] = []
-        writing: list[Slot] = []
+        rank, index = reg.rank, self._index
+        # One index call each way for the whole job: the per-key work, the
+        # namespace lookup and the events (one per job) are paid once.
+        claim = index.begin_store_many(reg.layout.id, job.keys, rank, job.session_id)
+        out.present_keys, out.dropped_keys = claim.present, claim.dropped
+        if claim.drop_reason is not None:
+            out.drop_reason = claim.drop_reason.text
         ok = False
         try:
-            for key in job.keys:
-                d = index.begin_store(ns_id, key, rank, job.session_id)
-                if d.outcome is StoreOutcome.WRITE:
-                    assert d.slot is not None
-                    writing.append(d.slot)
-                    offsets.append(d.slot.extent.offset)
-                else:
-                    offsets.append(None)
-                    if d.outcome is StoreOutcome.PRESENT:
-                        out.present_keys += 1
-                    else:
-                        out.dropped_keys += 1
-                        out.drop_reason = d.reason.text if d.reason else ""
-            await self._copy(job, reg, shape, offsets, out)
+            await self._copy(job, reg, shape, claim.offsets, out)
             ok = True
         finally:
-            for slot in writing:
-                index.finish_store(slot, rank, ok)
-        out.stored_keys = len(writing)
+            index.finish_store_many(claim.slots, rank, ok)
+        out.stored_keys = len(claim.slots)
 
     async def _load(
         self, job: JobSpec, reg: Registration, shape: JobShape, out: JobOutcome

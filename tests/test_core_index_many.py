@@ -1,0 +1,187 @@
+"""BlockIndex.begin_store_many / finish_store_many: a store job's keys in one call
+each way, with the decisions, evictions, events and rollback they promise."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvdepot.server.core.allocator import ExtentAllocator
+from kvdepot.server.core.index import BlockIndex, IndexEvent, SlotState
+from kvdepot.server.core.kinds import AbortReason, DropReason, EventKind, EvictionReason
+from kvdepot.server.core.layout import LayoutError, NamespaceLayout
+
+SLOT = 4096
+
+
+def key(i: int, group: int = 0) -> bytes:
+    return i.to_bytes(32, "big") + group.to_bytes(4, "big")
+
+
+def make(slots: int = 4, world: int = 1) -> BlockIndex:
+    ix = BlockIndex(ExtentAllocator(slots * SLOT))
+    ix.declare_namespace(NamespaceLayout("ns", world, 1, ((SLOT // world,),)))
+    return ix
+
+
+def fill(ix: BlockIndex, keys: list[bytes]) -> None:
+    """Stores `keys` READY, one job, and forgets the events."""
+    claim = ix.begin_store_many("ns", keys, 0, "filler")
+    assert ix.finish_store_many(claim.slots, 0, True) == len(keys)
+    ix.take_events()
+
+
+def events(ix: BlockIndex) -> list[tuple[EventKind, tuple[bytes, ...], EvictionReason | None]]:
+    return [(e.kind, e.keys, e.reason) for e in ix.take_events()]
+
+
+def test_a_job_is_claimed_and_settled_in_one_call_each_way() -> None:
+    ix = make(slots=4)
+    fill(ix, [key(0)])
+    claim = ix.begin_store_many("ns", [key(1), key(0), key(2), key(1)], 0, "s1")
+    # key(0) is READY, the second key(1) is this rank's section already in flight.
+    assert claim.present == 2 and claim.dropped == 0 and claim.drop_reason is None
+    assert [s.key for s in claim.slots] == [key(1), key(2)]
+    offsets = [s.extent.offset for s in claim.slots]
+    assert claim.offsets == [offsets[0], None, offsets[1], None]
+    assert len(set(offsets)) == 2
+    assert ix.lookup("ns", [key(1), key(2)]) == [False, False]  # WRITING: invisible
+    assert events(ix) == []
+    ix.check_invariants()
+    assert ix.finish_store_many(claim.slots, 0, True) == 2
+    assert ix.lookup("ns", [key(0), key(1), key(2)]) == [True, True, True]
+    assert events(ix) == [(EventKind.STORED, (key(1), key(2)), None)]  # one event, key order
+    ix.check_invariants()
+
+
+def test_room_is_made_from_the_lru_end_and_announced_before_the_call_returns() -> None:
+    ix = make(slots=4)
+    fill(ix, [key(i) for i in range(4)])
+    assert ix.begin_read("ns", key(0)) is not None  # held: not evictable
+    old = {k: s.extent.offset for k, s in ix.namespaces["ns"].slots.items()}
+    claim = ix.begin_store_many("ns", [key(10), key(11)], 0, "s1")
+    # Announced now, before any copy could land in the extents handed on.
+    assert events(ix) == [(EventKind.REMOVED, (key(1), key(2)), EvictionReason.LRU)]
+    assert claim.offsets == [old[key(1)], old[key(2)]]  # same size: the extents handed on
+    assert ix.stats.evictions[EvictionReason.LRU] == 2
+    ix.check_invariants()
+    ix.finish_store_many(claim.slots, 0, True)
+    assert ix.lookup("ns", [key(i) for i in (0, 1, 2, 3, 10, 11)]) == [
+        True,
+        False,
+        False,
+        True,
+        True,
+        True,
+    ]
+    ix.check_invariants()
+
+
+def test_a_smaller_victim_is_freed_and_the_allocation_retried() -> None:
+    # Group 0 rows are one unit, group 1 rows two: a group-1 store needs two
+    # adjacent group-0 rows gone (freed and coalesced, not handed on).
+    ix = BlockIndex(ExtentAllocator(4 * SLOT))
+    ix.declare_namespace(NamespaceLayout("ns", 1, 1, ((SLOT,), (2 * SLOT,))))
+    fill(ix, [key(i) for i in range(4)])
+    claim = ix.begin_store_many("ns", [key(9, group=1)], 0, "s1")
+    assert len(claim.slots) == 1 and claim.slots[0].extent.size == 2 * SLOT
+    assert events(ix) == [(EventKind.REMOVED, (key(0), key(1)), EvictionReason.LRU)]
+    ix.check_invariants()
+    ix.finish_store_many(claim.slots, 0, True)
+    ix.check_invariants()
+
+
+def test_keys_with_no_room_are_dropped_and_counted() -> None:
+    ix = make(slots=2)
+    fill(ix, [key(0), key(1)])
+    assert ix.pin("ns", [key(0), key(1)], "pinner") == [True, True]
+    claim = ix.begin_store_many("ns", [key(5), key(1), key(6)], 0, "s1")
+    assert (claim.slots, claim.offsets) == ([], [None, None, None])
+    assert (claim.present, claim.dropped) == (1, 2)
+    assert claim.drop_reason is DropReason.POOL_FULL
+    assert ix.stats.dropped_stores[DropReason.POOL_FULL] == 2
+    assert events(ix) == []
+    assert ix.finish_store_many(claim.slots, 0, True) == 0
+    ix.check_invariants()
+
+
+def test_a_bad_key_or_rank_changes_nothing() -> None:
+    ix = make(slots=2)
+    fill(ix, [key(0), key(1)])  # a full pool: a claim would evict
+    for keys, rank in (([key(5), b"abc"], 0), ([key(5), key(6, group=3)], 0), ([key(5)], 1)):
+        with pytest.raises(LayoutError):
+            ix.begin_store_many("ns", keys, rank, "s1")
+    assert ix.lookup("ns", [key(0), key(1), key(5)]) == [True, True, False]
+    assert events(ix) == [] and ix.stats.evictions[EvictionReason.LRU] == 0
+    ix.check_invariants()
+
+
+def test_rows_of_several_ranks_become_ready_when_the_last_rank_settles() -> None:
+    ix = make(slots=4, world=2)
+    first = ix.begin_store_many("ns", [key(1), key(2)], 0, "rank0")
+    second = ix.begin_store_many("ns", [key(3), key(1), key(2)], 1, "rank1")
+    assert second.slots[1:] == first.slots  # the rows rank 0 reserved
+    assert second.offsets[1:] == first.offsets
+    assert ix.begin_store_many("ns", [key(1)], 0, "rank0").present == 1  # in flight
+    assert ix.finish_store_many(first.slots, 0, True) == 0
+    assert ix.finish_store_many(second.slots, 1, True) == 2
+    assert events(ix) == [(EventKind.STORED, (key(1), key(2)), None)]
+    assert ix.namespaces["ns"].slots[key(3)].state is SlotState.WRITING  # rank 0 missing
+    ix.check_invariants()
+
+
+def test_a_failed_copy_drops_the_rows_and_frees_their_extents() -> None:
+    ix = make(slots=4, world=2)
+    other = ix.begin_store_many("ns", [key(1)], 1, "rank1")
+    ix.finish_store_many(other.slots, 1, True)  # rank 1's half is written
+    claim = ix.begin_store_many("ns", [key(1), key(2)], 0, "rank0")
+    assert ix.finish_store_many(claim.slots, 0, False) == 0
+    assert ix.namespaces["ns"].slots == {}
+    assert ix.allocator.free_bytes == ix.allocator.capacity
+    assert ix.stats.aborted_writes[AbortReason.COPY_FAILED] == 2
+    assert events(ix) == []
+    ix.check_invariants()
+
+
+def test_a_row_doomed_during_the_copy_is_freed_when_the_copy_settles() -> None:
+    ix = make(slots=4)
+    claim = ix.begin_store_many("ns", [key(1), key(2)], 0, "gone")
+    assert ix.release_owner("gone") == (0, 2)  # the session ended mid-copy
+    assert ix.allocator.free_bytes < ix.allocator.capacity  # copies still in flight
+    assert ix.finish_store_many(claim.slots, 0, True) == 0
+    assert ix.allocator.free_bytes == ix.allocator.capacity
+    assert ix.counts()["doomed"] == 0 and events(ix) == []
+    ix.check_invariants()
+
+
+class _Unhashable(bytes):
+    """A key that passes the checks and then fails mid-claim (a stand-in for a bug)."""
+
+    def __hash__(self) -> int:
+        raise RuntimeError("boom")
+
+
+def test_a_claim_that_fails_midway_settles_what_it_had_claimed() -> None:
+    ix = make(slots=2)
+    fill(ix, [key(0), key(1)])
+    with pytest.raises(RuntimeError, match="boom"):
+        ix.begin_store_many("ns", [key(5), _Unhashable(key(6))], 0, "s1")
+    # key(5) was claimed (evicting key(0)); the failure dropped it again, and
+    # the eviction that did happen was still announced.
+    assert ix.lookup("ns", [key(0), key(1), key(5)]) == [False, True, False]
+    assert ix.counts() == {"ready": 1, "writing": 0, "pinned": 0, "doomed": 0}
+    assert events(ix) == [(EventKind.REMOVED, (key(0),), EvictionReason.LRU)]
+    assert ix.stats.aborted_writes[AbortReason.COPY_FAILED] == 1
+    ix.check_invariants()
+
+
+def test_single_key_calls_keep_their_decisions() -> None:
+    ix = make(slots=1)
+    d = ix.begin_store("ns", key(1), 0, "s1")
+    assert d.outcome == "write" and d.slot is not None
+    again = ix.begin_store("ns", key(1), 0, "s1")
+    assert again.outcome == "present" and again.slot is d.slot  # the slot, for Put
+    assert ix.begin_store("ns", key(2), 0, "s1").reason is DropReason.POOL_FULL
+    assert ix.finish_store(d.slot, 0, True) is True
+    heard: list[IndexEvent] = ix.take_events()
+    assert [(e.kind, e.keys) for e in heard] == [(EventKind.STORED, (key(1),))]
+    ix.check_invariants()
