@@ -185,3 +185,22 @@ def test_single_key_calls_keep_their_decisions() -> None:
     heard: list[IndexEvent] = ix.take_events()
     assert [(e.kind, e.keys) for e in heard] == [(EventKind.STORED, (key(1),))]
     ix.check_invariants()
+
+
+def test_evictions_across_namespaces_are_announced_per_namespace() -> None:
+    ix = BlockIndex(ExtentAllocator(3 * SLOT))
+    for ns_id in ("a", "b"):
+        ix.declare_namespace(NamespaceLayout(ns_id, 1, 1, ((SLOT,),)))
+    for ns_id, k in (("a", key(0)), ("b", key(1)), ("a", key(2))):
+        claim = ix.begin_store_many(ns_id, [k], 0, "filler")
+        ix.finish_store_many(claim.slots, 0, True)
+    ix.take_events()
+    claim = ix.begin_store_many("b", [key(7), key(8), key(9)], 0, "s1")
+    assert len(claim.slots) == 3
+    assert sorted(events(ix)) == [
+        (EventKind.REMOVED, (key(0), key(2)), EvictionReason.LRU),
+        (EventKind.REMOVED, (key(1),), EvictionReason.LRU),
+    ]
+    assert ix.finish_store_many(claim.slots, 0, True) == 3
+    assert events(ix) == [(EventKind.STORED, (key(7), key(8), key(9)), None)]
+    ix.check_invariants()

@@ -36,7 +36,13 @@ from kvdepot.server.core.kinds import (
     SlotState,
     StoreOutcome,
 )
-from kvdepot.server.core.layout import LayoutError, NamespaceLayout, check_key
+from kvdepot.server.core.layout import (
+    MAX_KEY_BYTES,
+    MIN_KEY_BYTES,
+    LayoutError,
+    NamespaceLayout,
+    check_key,
+)
 from kvdepot.server.core.sorted_keys import SortedKeys
 
 __all__ = [
@@ -331,27 +337,34 @@ class BlockIndex:
         if not 0 <= rank < layout.world_size:
             raise LayoutError(f"rank {rank} out of range [0, {layout.world_size})")
         num_groups = layout.num_groups
-        groups = [check_key(key, num_groups) for key in keys]  # all, before any change
+        groups: list[int] = []
+        for key in keys:  # all of them, before any change
+            group = int.from_bytes(key[-4:], "big")  # check_key's test, without two calls a key
+            if not MIN_KEY_BYTES <= len(key) <= MAX_KEY_BYTES or group >= num_groups:
+                group = check_key(key, num_groups)  # raises, with the reason
+            groups.append(group)
         bit = 1 << rank
-        slots = ns.slots
+        slots, sorted_keys, group_blocks = ns.slots, ns.sorted_keys, ns.group_blocks
         ready = SlotState.READY
-        sizes: dict[int, int] = {}  # group -> slot bytes
+        needs: dict[int, tuple[int, int]] = {}  # group -> (slot bytes, rounded up)
         claim = StoreClaim([], [])
         offsets, writing = claim.offsets, claim.slots
         removed: list[Slot] = []
         now = self._clock()
         try:
+            # The per-key path inlined (this runs for every key a store job names).
             for key, group in zip(keys, groups, strict=True):
                 slot = slots.get(key)
                 if slot is None:
-                    size = sizes.get(group)
-                    if size is None:
-                        size = sizes[group] = layout.slot_bytes(group)
-                    extent = self._reserve(size, removed)
+                    sizes = needs.get(group)
+                    if sizes is None:
+                        size = layout.slot_bytes(group)
+                        sizes = needs[group] = (size, self.allocator.round_up(size))
+                    extent = self._reserve(sizes[1], removed)
                     if extent is None:
                         reason = (
                             DropReason.POOL_FULL
-                            if self.allocator.capacity >= size
+                            if self.allocator.capacity >= sizes[0]
                             else DropReason.ROW_TOO_LARGE
                         )
                         self.stats.dropped_stores[reason] += 1
@@ -360,7 +373,14 @@ class BlockIndex:
                         offsets.append(None)
                         continue
                     slot = Slot(namespace_id, key, group, extent, now)
-                    self._attach(ns, slot)
+                    # _attach, for a WRITING slot
+                    slots[key] = slot
+                    sorted_keys.add(key)
+                    group_blocks[group] += 1
+                    size = extent.size
+                    ns.used_bytes += size
+                    ns.writing_blocks += 1
+                    ns.writing_bytes += size
                     self._writing.add(slot)
                 elif slot.state is ready or (slot.written_mask | slot.copying_mask) & bit:
                     claim.present += 1
@@ -375,6 +395,7 @@ class BlockIndex:
             raise
         finally:
             if removed:
+                self.stats.evictions[EvictionReason.LRU] += len(removed)
                 self._announce(EventKind.REMOVED, removed, EvictionReason.LRU)
         return claim
 
@@ -429,15 +450,16 @@ class BlockIndex:
         self, kind: EventKind, slots: list[Slot], reason: EvictionReason | None = None
     ) -> None:
         """One event per namespace for `slots`, keys in the order given."""
+        namespaces = {slot.namespace for slot in slots}
+        if len(namespaces) == 1:  # a job's keys: the usual case
+            keys = tuple([slot.key for slot in slots])
+            self._emit(IndexEvent(namespaces.pop(), kind, keys, reason))
+            return
         by_ns: dict[str, list[bytes]] = {}
         for slot in slots:
-            keys = by_ns.get(slot.namespace)
-            if keys is None:
-                by_ns[slot.namespace] = [slot.key]
-            else:
-                keys.append(slot.key)
-        for namespace_id, keys in by_ns.items():
-            self._emit(IndexEvent(namespace_id, kind, tuple(keys), reason))
+            by_ns.setdefault(slot.namespace, []).append(slot.key)
+        for namespace_id, keys_of_ns in by_ns.items():
+            self._emit(IndexEvent(namespace_id, kind, tuple(keys_of_ns), reason))
 
     # -- loads -----------------------------------------------------------------------
 
@@ -498,34 +520,30 @@ class BlockIndex:
 
     # -- eviction --------------------------------------------------------------------
 
-    def _reserve(self, size: int, removed: list[Slot]) -> Extent | None:
-        """An extent of `size` bytes (rounded up), evicting LRU rows until one
-        fits; each row evicted is appended to `removed` for the caller to
-        announce. None when no room is left to make."""
+    def _reserve(self, need: int, removed: list[Slot]) -> Extent | None:
+        """An extent of `need` bytes (a multiple of the granularity), evicting LRU
+        rows until one fits; each row evicted is appended to `removed`, for the
+        caller to count and announce. None when no room is left to make."""
         alloc, lru = self.allocator, self._lru
-        need = alloc.round_up(size)
         while alloc.largest_free_extent < need:
             if not lru:
                 return None
-            victim = next(iter(lru))
-            self._unlink_ready(victim, EvictionReason.LRU)
+            victim = lru.popitem(last=False)[0]  # the least recently used
+            ns = self.namespaces[victim.namespace]
+            self._detach(ns, victim)
             removed.append(victim)
             if victim.extent.size == need:  # hand the extent on: no free, no allocate
-                self.namespaces[victim.namespace].used_bytes -= need
+                ns.used_bytes -= need
                 return victim.extent
             self._release_extent(victim)
         return alloc.allocate(need)
 
     def _remove_ready(self, slot: Slot, reason: EvictionReason) -> None:
-        self._unlink_ready(slot, reason)
-        self._release_extent(slot)
-        self._emit(IndexEvent(slot.namespace, EventKind.REMOVED, (slot.key,), reason))
-
-    def _unlink_ready(self, slot: Slot, reason: EvictionReason) -> None:
-        """Takes an unheld READY slot out of the index; its extent stays allocated."""
         self._lru.pop(slot, None)
         self._detach(self.namespaces[slot.namespace], slot)
+        self._release_extent(slot)
         self.stats.evictions[reason] += 1
+        self._emit(IndexEvent(slot.namespace, EventKind.REMOVED, (slot.key,), reason))
 
     @staticmethod
     def _attach(ns: Namespace, slot: Slot) -> None:
