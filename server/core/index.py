@@ -24,10 +24,21 @@ from __future__ import annotations
 
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Hashable, Iterable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Sequence
 
 from kvdepot.server.core.allocator import Extent, ExtentAllocator
+from kvdepot.server.core.index_check import check_index
+from kvdepot.server.core.index_types import (
+    IndexEvent,
+    IndexStats,
+    LayoutMismatch,
+    Namespace,
+    Owner,
+    Slot,
+    StoreClaim,
+    StoreDecision,
+    UnknownNamespace,
+)
 from kvdepot.server.core.kinds import (
     AbortReason,
     DropReason,
@@ -43,7 +54,6 @@ from kvdepot.server.core.layout import (
     NamespaceLayout,
     check_key,
 )
-from kvdepot.server.core.sorted_keys import SortedKeys
 
 __all__ = [
     "BlockIndex",
@@ -58,105 +68,6 @@ __all__ = [
     "StoreOutcome",
     "UnknownNamespace",
 ]
-
-Owner = Hashable  # a session id
-
-
-class UnknownNamespace(LookupError):
-    """No engine has declared this namespace (maps to NOT_FOUND)."""
-
-
-class LayoutMismatch(Exception):
-    """A namespace id was declared again with other bytes (FAILED_PRECONDITION)."""
-
-
-@dataclass(eq=False, slots=True)
-class Slot:
-    namespace: str
-    key: bytes
-    group: int
-    extent: Extent
-    created: float
-    state: SlotState = SlotState.WRITING
-    written_mask: int = 0  # ranks whose section is complete
-    copying_mask: int = 0  # ranks whose store copy is in flight
-    writers: dict[int, Owner] = field(default_factory=dict)  # rank -> session
-    pins: dict[Owner, int] = field(default_factory=dict)  # session -> pin count (> 0)
-    readers: int = 0  # load copies in flight
-    doomed: bool = False  # detached from its namespace; freed when no copy is in flight
-
-    @property
-    def pin_count(self) -> int:
-        return sum(self.pins.values())
-
-    @property
-    def held(self) -> bool:
-        """Pinned or being read: not evictable."""
-        return self.readers > 0 or bool(self.pins)
-
-
-@dataclass
-class Namespace:
-    """A layout and its slots, with counters kept on every state change so that
-    the figures (GetStats, ListNamespaces, metrics) cost O(namespaces), never a
-    walk over the slots."""
-
-    layout: NamespaceLayout
-    slots: dict[bytes, Slot] = field(default_factory=dict)
-    used_bytes: int = 0  # slots in `slots`, and doomed ones not yet freed
-    sorted_keys: SortedKeys = field(default_factory=SortedKeys)  # keys of `slots`
-    ready_blocks: int = 0
-    ready_bytes: int = 0
-    writing_blocks: int = 0
-    writing_bytes: int = 0
-    pinned_blocks: int = 0  # READY slots with at least one pin
-    pinned_bytes: int = 0
-    group_blocks: Counter[int] = field(default_factory=Counter)  # slots by group
-
-    @property
-    def full_mask(self) -> int:
-        return (1 << self.layout.world_size) - 1
-
-
-@dataclass(frozen=True)
-class StoreDecision:
-    outcome: StoreOutcome
-    slot: Slot | None = None
-    reason: DropReason | None = None  # when DROPPED
-
-
-@dataclass
-class StoreClaim:
-    """What `begin_store_many` decided for a job's keys, in one piece."""
-
-    offsets: list[int | None]  # per key, in order: its slot's offset to copy into, or None
-    slots: list[Slot]  # the WRITE keys' slots, in key order: settle each once
-    present: int = 0  # keys ready, or whose section this rank has written or is writing
-    dropped: int = 0  # keys with no room
-    drop_reason: DropReason | None = None  # the last drop's
-
-
-@dataclass(frozen=True)
-class IndexEvent:
-    namespace: str
-    kind: EventKind
-    keys: tuple[bytes, ...]
-    reason: EvictionReason | None = None  # REMOVED events
-
-
-@dataclass
-class IndexStats:
-    """Counters since start, for Admin/GetStats and Prometheus."""
-
-    lookups: int = 0  # keys looked up
-    hits: int = 0
-    misses: int = 0
-    pin_calls: int = 0
-    pin_keys: int = 0  # keys asked to pin
-    pinned_keys: int = 0  # keys pinned (ready)
-    evictions: Counter[EvictionReason] = field(default_factory=Counter)  # blocks
-    dropped_stores: Counter[DropReason] = field(default_factory=Counter)  # keys
-    aborted_writes: Counter[AbortReason] = field(default_factory=Counter)  # rows
 
 
 class BlockIndex:
@@ -418,6 +329,7 @@ class BlockIndex:
         keep = ~bit
         became_ready: list[Slot] = []
         ns: Namespace | None = None
+        full = 0  # ns.full_mask
         try:
             for slot in slots:
                 slot.copying_mask &= keep
@@ -430,7 +342,8 @@ class BlockIndex:
                 slot.written_mask |= bit
                 if ns is None or ns.layout.id != slot.namespace:
                     ns = self.namespaces[slot.namespace]
-                if slot.written_mask == ns.full_mask:
+                    full = ns.full_mask
+                if slot.written_mask == full:
                     size = slot.extent.size
                     slot.state = SlotState.READY
                     ns.writing_blocks -= 1
@@ -771,45 +684,6 @@ class BlockIndex:
         return slot
 
     def check_invariants(self) -> None:
-        """Raises AssertionError when index and allocator disagree."""
-        self.allocator.check_invariants()
-        live = [s for ns in self.namespaces.values() for s in ns.slots.values()]
-        extents = {s.extent.offset: s.extent.size for s in live}
-        extents.update({s.extent.offset: s.extent.size for s in self._doomed})
-        extents.update({e.offset: e.size for e in self.recovering.values()})
-        assert len(extents) == len(live) + len(self._doomed) + len(self.recovering), (
-            "a slot offset is used twice"
-        )
-        assert extents == self.allocator.allocated_extents(), "allocator and index disagree"
-        for ns in self.namespaces.values():
-            assert ns.used_bytes == sum(s.extent.size for s in ns.slots.values()) + sum(
-                s.extent.size for s in self._doomed if s.namespace == ns.layout.id
-            )
-            ready = [s for s in ns.slots.values() if s.state is SlotState.READY]
-            writing = [s for s in ns.slots.values() if s.state is not SlotState.READY]
-            pinned = [s for s in ready if s.pins]
-            assert (ns.ready_blocks, ns.ready_bytes) == (
-                len(ready),
-                sum(s.extent.size for s in ready),
-            ), f"namespace {ns.layout.id}: ready counters drifted"
-            assert (ns.writing_blocks, ns.writing_bytes) == (
-                len(writing),
-                sum(s.extent.size for s in writing),
-            ), f"namespace {ns.layout.id}: writing counters drifted"
-            assert (ns.pinned_blocks, ns.pinned_bytes) == (
-                len(pinned),
-                sum(s.extent.size for s in pinned),
-            ), f"namespace {ns.layout.id}: pinned counters drifted"
-            assert +ns.group_blocks == Counter(s.group for s in ns.slots.values())
-            assert list(ns.sorted_keys) == sorted(ns.slots), "sorted keys drifted"
-        for slot in live:
-            evictable = slot.state is SlotState.READY and not slot.held
-            assert (slot in self._lru) == evictable, f"LRU membership wrong for {slot.key.hex()}"
-            assert (slot in self._writing) == (slot.state is SlotState.WRITING)
-        assert not any(s.doomed for s in live)
-        owner_pins = Counter()
-        for owned in self._pins_by_owner.values():
-            owner_pins.update(owned)
-        for slot in live:
-            assert owner_pins[slot] == slot.pin_count, "pin counts unbalanced"
-        assert self.pinned_bytes == sum(s.extent.size for s in live if s.pins)
+        """Raises AssertionError when index and allocator disagree (see
+        kvdepot.server.core.index_check)."""
+        check_index(self)

@@ -1,0 +1,65 @@
+"""BlockIndex.check_invariants: the index and its allocator agree.
+
+The whole walk (O(blocks)), for tests and for the daemon under
+KVDEPOT_CHECK_INVARIANTS=1; it reads the index's private lists (the LRU list,
+the doomed and writing sets, the pins by owner), which is why it sits beside the
+index rather than with the daemon's own invariants (kvdepot.server.state.invariants).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import TYPE_CHECKING
+
+from kvdepot.server.core.kinds import SlotState
+
+if TYPE_CHECKING:
+    from kvdepot.server.core.index import BlockIndex
+
+
+def check_index(ix: BlockIndex) -> None:
+    """Raises AssertionError when index and allocator disagree: every extent is
+    a live, doomed or recovering slot's, once; the namespaces' counters match
+    their slots; the LRU list holds exactly the unheld READY slots; the pins by
+    owner match the slots' pins."""
+    ix.allocator.check_invariants()
+    live = [s for ns in ix.namespaces.values() for s in ns.slots.values()]
+    extents = {s.extent.offset: s.extent.size for s in live}
+    extents.update({s.extent.offset: s.extent.size for s in ix._doomed})
+    extents.update({e.offset: e.size for e in ix.recovering.values()})
+    assert len(extents) == len(live) + len(ix._doomed) + len(ix.recovering), (
+        "a slot offset is used twice"
+    )
+    assert extents == ix.allocator.allocated_extents(), "allocator and index disagree"
+    for ns in ix.namespaces.values():
+        assert ns.used_bytes == sum(s.extent.size for s in ns.slots.values()) + sum(
+            s.extent.size for s in ix._doomed if s.namespace == ns.layout.id
+        )
+        ready = [s for s in ns.slots.values() if s.state is SlotState.READY]
+        writing = [s for s in ns.slots.values() if s.state is not SlotState.READY]
+        pinned = [s for s in ready if s.pins]
+        assert (ns.ready_blocks, ns.ready_bytes) == (
+            len(ready),
+            sum(s.extent.size for s in ready),
+        ), f"namespace {ns.layout.id}: ready counters drifted"
+        assert (ns.writing_blocks, ns.writing_bytes) == (
+            len(writing),
+            sum(s.extent.size for s in writing),
+        ), f"namespace {ns.layout.id}: writing counters drifted"
+        assert (ns.pinned_blocks, ns.pinned_bytes) == (
+            len(pinned),
+            sum(s.extent.size for s in pinned),
+        ), f"namespace {ns.layout.id}: pinned counters drifted"
+        assert +ns.group_blocks == Counter(s.group for s in ns.slots.values())
+        assert list(ns.sorted_keys) == sorted(ns.slots), "sorted keys drifted"
+    for slot in live:
+        evictable = slot.state is SlotState.READY and not slot.held
+        assert (slot in ix._lru) == evictable, f"LRU membership wrong for {slot.key.hex()}"
+        assert (slot in ix._writing) == (slot.state is SlotState.WRITING)
+    assert not any(s.doomed for s in live)
+    owner_pins = Counter()
+    for owned in ix._pins_by_owner.values():
+        owner_pins.update(owned)
+    for slot in live:
+        assert owner_pins[slot] == slot.pin_count, "pin counts unbalanced"
+    assert ix.pinned_bytes == sum(s.extent.size for s in live if s.pins)

@@ -1,0 +1,122 @@
+"""The block index's records: slots, namespaces, store decisions, events, counters.
+
+Plain data, kept apart from `kvdepot.server.core.index` (which re-exports them)
+so that the index module holds its operations only.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+
+from kvdepot.server.core.allocator import Extent
+from kvdepot.server.core.kinds import (
+    AbortReason,
+    DropReason,
+    EventKind,
+    EvictionReason,
+    SlotState,
+    StoreOutcome,
+)
+from kvdepot.server.core.layout import NamespaceLayout
+from kvdepot.server.core.sorted_keys import SortedKeys
+
+Owner = Hashable  # a session id
+
+
+class UnknownNamespace(LookupError):
+    """No engine has declared this namespace (maps to NOT_FOUND)."""
+
+
+class LayoutMismatch(Exception):
+    """A namespace id was declared again with other bytes (FAILED_PRECONDITION)."""
+
+
+@dataclass(eq=False, slots=True)
+class Slot:
+    namespace: str
+    key: bytes
+    group: int
+    extent: Extent
+    created: float
+    state: SlotState = SlotState.WRITING
+    written_mask: int = 0  # ranks whose section is complete
+    copying_mask: int = 0  # ranks whose store copy is in flight
+    writers: dict[int, Owner] = field(default_factory=dict)  # rank -> session
+    pins: dict[Owner, int] = field(default_factory=dict)  # session -> pin count (> 0)
+    readers: int = 0  # load copies in flight
+    doomed: bool = False  # detached from its namespace; freed when no copy is in flight
+
+    @property
+    def pin_count(self) -> int:
+        return sum(self.pins.values())
+
+    @property
+    def held(self) -> bool:
+        """Pinned or being read: not evictable."""
+        return self.readers > 0 or bool(self.pins)
+
+
+@dataclass
+class Namespace:
+    """A layout and its slots, with counters kept on every state change so that
+    the figures (GetStats, ListNamespaces, metrics) cost O(namespaces), never a
+    walk over the slots."""
+
+    layout: NamespaceLayout
+    slots: dict[bytes, Slot] = field(default_factory=dict)
+    used_bytes: int = 0  # slots in `slots`, and doomed ones not yet freed
+    sorted_keys: SortedKeys = field(default_factory=SortedKeys)  # keys of `slots`
+    ready_blocks: int = 0
+    ready_bytes: int = 0
+    writing_blocks: int = 0
+    writing_bytes: int = 0
+    pinned_blocks: int = 0  # READY slots with at least one pin
+    pinned_bytes: int = 0
+    group_blocks: Counter[int] = field(default_factory=Counter)  # slots by group
+
+    @property
+    def full_mask(self) -> int:
+        return (1 << self.layout.world_size) - 1
+
+
+@dataclass(frozen=True)
+class StoreDecision:
+    outcome: StoreOutcome
+    slot: Slot | None = None
+    reason: DropReason | None = None  # when DROPPED
+
+
+@dataclass
+class StoreClaim:
+    """What `begin_store_many` decided for a job's keys, in one piece."""
+
+    offsets: list[int | None]  # per key, in order: its slot's offset to copy into, or None
+    slots: list[Slot]  # the WRITE keys' slots, in key order: settle each once
+    present: int = 0  # keys ready, or whose section this rank has written or is writing
+    dropped: int = 0  # keys with no room
+    drop_reason: DropReason | None = None  # the last drop's
+
+
+@dataclass(frozen=True)
+class IndexEvent:
+    namespace: str
+    kind: EventKind
+    keys: tuple[bytes, ...]
+    reason: EvictionReason | None = None  # REMOVED events
+
+
+@dataclass
+class IndexStats:
+    """Counters since start, for Admin/GetStats and Prometheus."""
+
+    lookups: int = 0  # keys looked up
+    hits: int = 0
+    misses: int = 0
+    pin_calls: int = 0
+    pin_keys: int = 0  # keys asked to pin
+    pinned_keys: int = 0  # keys pinned (ready)
+    evictions: Counter[EvictionReason] = field(default_factory=Counter)  # blocks
+    dropped_stores: Counter[DropReason] = field(default_factory=Counter)  # keys
+    aborted_writes: Counter[AbortReason] = field(default_factory=Counter)  # rows
