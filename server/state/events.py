@@ -44,8 +44,10 @@ class Watcher:
         self.wakeup.set()
 
     def take_run(self, max_keys: int) -> IndexEvent | None:
-        """The oldest queued event merged with those right behind it of the same
-        kind and reason (up to about `max_keys` keys); None when nothing is queued."""
+        """The oldest queued keys, merged with the events right behind them of
+        the same kind and reason, at most `max_keys` of them (one Watch message);
+        None when nothing is queued. An event of more keys (a whole store job's)
+        is split: the rest stays first in the queue."""
         q = self.queue
         if not q:
             return None
@@ -53,6 +55,10 @@ class Watcher:
         keys = list(first.keys)
         while q and len(keys) < max_keys and (q[0].kind, q[0].reason) == (first.kind, first.reason):
             keys.extend(q.popleft().keys)
+        if len(keys) > max_keys:
+            rest = IndexEvent(first.namespace, first.kind, tuple(keys[max_keys:]), first.reason)
+            q.appendleft(rest)
+            del keys[max_keys:]
         self.queued_keys -= len(keys)
         return IndexEvent(first.namespace, first.kind, tuple(keys), first.reason)
 

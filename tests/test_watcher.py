@@ -1,0 +1,35 @@
+"""A Watch stream's queue (kvdepot.server.state.events.Watcher) with the events a
+store job now brings: one event carrying every key of the job."""
+
+from __future__ import annotations
+
+import asyncio
+
+from kvdepot.server.core.index import IndexEvent
+from kvdepot.server.core.kinds import EventKind, EvictionReason
+from kvdepot.server.state.events import Watcher
+
+
+def key(i: int) -> bytes:
+    return i.to_bytes(32, "big") + bytes(4)
+
+
+def test_a_job_sized_event_is_sent_in_messages_of_at_most_max_keys() -> None:
+    async def run() -> None:
+        w = Watcher("ns")
+        stored, removed = EventKind.STORED, EventKind.REMOVED
+        w.push(IndexEvent("ns", removed, tuple(key(i) for i in range(3)), EvictionReason.LRU))
+        w.push(IndexEvent("ns", stored, tuple(key(i) for i in range(10, 20))))
+        w.push(IndexEvent("ns", stored, (key(20), key(21))))
+        assert w.queued_keys == 15
+        runs = []
+        while (r := w.take_run(max_keys=4)) is not None:
+            runs.append((r.kind, r.keys, r.reason))
+        # Every key once, in order, no message over 4 keys, kinds never mixed.
+        assert [len(k) for _, k, _ in runs] == [3, 4, 4, 4]
+        assert runs[0] == (removed, (key(0), key(1), key(2)), EvictionReason.LRU)
+        stored_keys = [k for kind, ks, _ in runs[1:] for k in ks if kind is stored]
+        assert stored_keys == [key(i) for i in range(10, 22)]
+        assert w.queued_keys == 0 and not w.queue
+
+    asyncio.run(run())
