@@ -5,8 +5,8 @@
             before anything is reserved
     claim   STORE: reserve each key's slot (BlockIndex.begin_store_many, one call for
             the job), skipping keys already present and those dropped for lack
-            of room; LOAD: hold each
-            key's READY slot against eviction (begin_read), NOT_FOUND if one is gone
+            of room; LOAD: hold each key's READY slot against eviction
+            (begin_read), NOT_FOUND if one is gone
     plan    the checked shape and the slot offsets become byte runs (plan_copy)
     copy    on a copy thread (CopyQueue), by the registration's copy engine, with
             the registration held mapped (Sessions.in_use)
