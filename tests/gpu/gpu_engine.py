@@ -18,7 +18,7 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from kvdepot.bench.gpu_bench import CudaEngine, make_key
+from kvdepot.bench.cuda_engine import CudaEngine, make_key
 from kvdepot.v1 import depot_pb2 as pb
 
 
