@@ -21,7 +21,7 @@ from kvdepot.server.config import ServeConfig
 from kvdepot.server.core.layout import NamespaceLayout
 from kvdepot.server.core.sorted_keys import SortedKeys
 from kvdepot.server.state import DepotState
-from kvdepot.server.state.depot import EVICT_SLICE
+from kvdepot.server.state.admin_evict import EVICT_SLICE
 
 GRAN = 64
 LAYOUT = NamespaceLayout("ns", world_size=1, blocks_per_chunk=1, groups=((GRAN,),))

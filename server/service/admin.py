@@ -18,7 +18,7 @@ from kvdepot.server import errors
 from kvdepot.server.core.index import Namespace, Slot
 from kvdepot.server.service.status import reports_errors
 from kvdepot.server.state import DepotState
-from kvdepot.server.state.depot import admin_pause
+from kvdepot.server.state.admin_evict import admin_pause
 from kvdepot.v1 import admin_pb2 as pb
 from kvdepot.v1 import admin_pb2_grpc
 

@@ -7,6 +7,7 @@ It assembles the parts and owns their life:
     Sessions             sessions, registrations, memory paths, fd claiming
     JobRunner            Transfer jobs: check once, reserve, plan once, copy
     InlinePath           Put/Get
+    AdminEviction        Admin/Evict and Admin/Clear, in slices
     Traffic              job and block counters, transfer observers (metrics)
 
 Everything runs on the event loop except the byte copies (CopyQueue threads).
@@ -34,14 +35,15 @@ from kvdepot.server import errors
 from kvdepot.server.config import ServeConfig
 from kvdepot.server.copy_queue import CopyQueue
 from kvdepot.server.core.allocator import Extent, ExtentAllocator
-from kvdepot.server.core.index import BlockIndex, IndexEvent, UnknownNamespace
-from kvdepot.server.core.kinds import EvictionReason, PutOutcome, SlotState
-from kvdepot.server.core.layout import NamespaceLayout, check_key
+from kvdepot.server.core.index import BlockIndex, IndexEvent
+from kvdepot.server.core.kinds import PutOutcome, SlotState
+from kvdepot.server.core.layout import NamespaceLayout
 from kvdepot.server.core.planner import LayerRef, TensorView
 from kvdepot.server.fd_receiver import FdReceiver
 from kvdepot.server.memory import journal_file, pool_file
 from kvdepot.server.memory.arena import Arena
 from kvdepot.server.resources import Headroom
+from kvdepot.server.state.admin_evict import AdminEviction
 from kvdepot.server.state.events import EventBus, Watcher
 from kvdepot.server.state.inline import InlinePath
 from kvdepot.server.state.invariants import check_invariants
@@ -51,21 +53,6 @@ from kvdepot.server.state.traffic import Traffic, TransferObserver
 
 log = logging.getLogger("kvdepot.state")
 F = TypeVar("F", bound=Callable[..., Any])
-
-# Blocks a bulk eviction (Clear, Evict of a namespace) handles between two yields
-# to the event loop: about a millisecond of work, far inside a Pin's deadline.
-EVICT_SLICE = 2000
-EVICT_SLICE_BUDGET_S = 0.001  # and at most this long (freeing costs more when fragmented)
-ADMIN_PAUSE_S = 0.001
-
-
-async def admin_pause() -> None:
-    """Between two slices of admin work: a real pause, not just a turn of the
-    loop. A gRPC call takes several loop iterations from its bytes to its answer;
-    with only `sleep(0)` between 1 ms slices a Pin would wait a slice per
-    iteration. Pausing as long as a slice halves the admin call's pace and keeps
-    the data path's delay to about one slice."""
-    await asyncio.sleep(ADMIN_PAUSE_S)
 
 
 def mutation(fn: F) -> F:
@@ -144,7 +131,7 @@ class DepotState:
         # Writer ids that are not sessions (see add_internal_writer).
         self.internal_writers: set[str] = set()
         self.invariant_failure: str | None = None
-        self.slices_yielded = 0  # bulk-eviction slices so far (tests: the work was sliced)
+        self.admin = AdminEviction(index, config, self.verify_invariants)
         # With --pool-file: the crash journal, and the recovery of a killed daemon's rows.
         self.journal: journal_file.Journal | None = None
         self.recovery = journal_file.RecoveryProgress()
@@ -446,115 +433,32 @@ class DepotState:
         self._check_batch(keys)
         return self.index.unpin(namespace_id, keys, session_id)
 
-    def _check_destructive(self) -> None:
-        if not self.config.destructive_admin:
-            raise errors.denied(
-                "Evict and Clear are disabled on this daemon (--no-destructive-admin, or "
-                "KVDEPOT_NO_DESTRUCTIVE_ADMIN=1): blocks age out by LRU; to evict by hand, "
-                "restart the daemon without that setting"
-            )
-
-    def _evict_request(self, namespace_id: str, keys: Sequence[bytes]) -> list[bytes]:
-        """Checks an Admin/Evict request; returns its distinct keys."""
-        self._check_destructive()
-        if not namespace_id:
-            raise errors.invalid(
-                "namespace_id is empty: name the namespace (see Admin/ListNamespaces), or "
-                "call Admin/Clear to evict from every namespace"
-            )
-        try:
-            ns = self.index.namespace(namespace_id)
-        except UnknownNamespace as exc:  # the operator's next step added
-            raise errors.not_found(f"{exc}; see Admin/ListNamespaces") from None
-        unique = list(dict.fromkeys(keys))  # a key named twice counts once
-        for key in unique:
-            try:
-                check_key(key, ns.layout.num_groups)
-            except ValueError as exc:
-                raise errors.invalid(
-                    f"{exc}. In grpcurl JSON a key is base64: copy `key` from "
-                    f"Admin/ListBlocks, or convert key_hex with `xxd -r -p | base64 -w0`"
-                ) from None
-        return unique
+    # -- admin: Evict and Clear (kvdepot.server.state.admin_evict) ---------------------
 
     @mutation
     def evict(self, namespace_id: str, keys: Sequence[bytes]) -> tuple[int, int, int]:
-        """Admin/Evict in one go (direct use, tests); the service calls
-        `evict_in_slices`. Returns (evicted, skipped: pinned, read or written,
-        not found)."""
-        unique = self._evict_request(namespace_id, keys)
-        if not unique:
-            evicted, skipped = self.index.evict(namespace_id, None, EvictionReason.ADMIN)
-            return evicted, skipped, 0
-        ns = self.index.namespace(namespace_id)
-        not_found = sum(k not in ns.slots for k in unique)
-        evicted, skipped = self.index.evict(namespace_id, unique, EvictionReason.ADMIN)
-        return evicted, skipped, not_found
+        """Admin/Evict in one go (direct use, tests): see AdminEviction.evict."""
+        return self.admin.evict(namespace_id, keys)
 
     async def evict_in_slices(
         self, namespace_id: str, keys: Sequence[bytes]
     ) -> tuple[int, int, int]:
-        """Admin/Evict: ready, unheld blocks of one namespace (all, or `keys`),
-        EVICT_SLICE blocks at a time with the event loop free in between, so a
-        Pin never waits for more than one slice. Returns (evicted, skipped,
-        not found)."""
-        unique = self._evict_request(namespace_id, keys)
-        if not unique:
-            evicted, skipped = await self._evict_namespace(namespace_id, EvictionReason.ADMIN)
-            return evicted, skipped, 0
-        evicted = skipped = not_found = 0
-        for start in range(0, len(unique), EVICT_SLICE):
-            ns = self.index.namespaces.get(namespace_id)
-            if ns is None:  # cannot happen today (namespaces are never dropped)
-                break
-            part = unique[start : start + EVICT_SLICE]
-            not_found += sum(k not in ns.slots for k in part)
-            e, s = self.index.evict(namespace_id, part, EvictionReason.ADMIN)
-            evicted, skipped = evicted + e, skipped + s
-            self.verify_invariants()
-            await admin_pause()
-        return evicted, skipped, not_found
+        """Admin/Evict, a slice at a time: see AdminEviction.evict_in_slices."""
+        return await self.admin.evict_in_slices(namespace_id, keys)
 
     async def clear_in_slices(self) -> tuple[int, int]:
-        """Admin/Clear: every ready, unheld block, a slice at a time (see
-        `evict_in_slices`), coldest first. Blocks stored while it runs join the
-        LRU list's young end; the walk stops after as many blocks as the list
-        held at the start. Returns (evicted, skipped: pinned, read or written)."""
-        self._check_destructive()
-        evicted = 0
-        todo = self.index.evictable_blocks
-        while evicted < todo:
-            n = self.index.evict_cold_slice(
-                min(EVICT_SLICE, todo - evicted), EVICT_SLICE_BUDGET_S, EvictionReason.CLEAR
-            )
-            evicted += n
-            self.slices_yielded += 1
-            self.verify_invariants()
-            await admin_pause()
-            if n == 0:
-                break
-        return evicted, self.index.unevictable_blocks()
-
-    async def _evict_namespace(self, namespace_id: str, reason: EvictionReason) -> tuple[int, int]:
-        evicted = skipped = 0
-        after: bytes | None = None
-        while True:
-            e, s, after = self.index.evict_slice(
-                namespace_id, after, EVICT_SLICE, reason, EVICT_SLICE_BUDGET_S
-            )
-            evicted, skipped = evicted + e, skipped + s
-            self.slices_yielded += 1
-            self.verify_invariants()
-            await admin_pause()
-            if after is None:
-                return evicted, skipped
+        """Admin/Clear, a slice at a time: see AdminEviction.clear_in_slices."""
+        return await self.admin.clear_in_slices()
 
     @mutation
     def clear(self) -> tuple[int, int]:
-        """Admin/Clear in one go (direct use, tests); the service calls
-        `clear_in_slices`. Returns (evicted, skipped)."""
-        self._check_destructive()
-        return self.index.clear()
+        """Admin/Clear in one go (direct use, tests): see AdminEviction.clear."""
+        return self.admin.clear()
+
+    @property
+    def slices_yielded(self) -> int:
+        """Bulk-eviction slices so far (tests: the work was sliced)."""
+        return self.admin.slices_yielded
 
     # -- transfers ---------------------------------------------------------------------
 
