@@ -1,0 +1,81 @@
+"""What a busy event loop costs the copy threads: the GIL, taken back after every memmove.
+
+    python -m kvdepot.bench.gil_copy
+
+`CpuCopyEngine` copies a job run by run (one ctypes memmove per 64 KiB page of a
+Llama-3-8B-shaped job, the GIL released during each). This moves 40 jobs of 512
+scattered pages with 1 and 2 copy threads, first alone, then beside a thread that
+runs Python without pause (the event loop at its busiest), and prints GB/s for each.
+The gap between the two is the time copy threads spend waiting to take the GIL
+back. A figure, not a test.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import random
+import threading
+import time
+from collections.abc import Callable
+
+PAGE = 64 << 10
+PAGES = 4096
+JOBS = 40
+RUNS_PER_JOB = 512  # a 16-chunk job: 16 keys x 32 layers
+
+
+def main() -> None:
+    client = mmap.mmap(-1, PAGE * PAGES)
+    pool = mmap.mmap(-1, PAGE * PAGES)
+    client.write(random.randbytes(PAGE) * PAGES)
+    client_base = ctypes.addressof(ctypes.c_char.from_buffer(client))
+    pool_base = ctypes.addressof(ctypes.c_char.from_buffer(pool))
+    jobs = [
+        [(pool_base + i * PAGE, client_base + p * PAGE) for i, p in enumerate(pages)]
+        for pages in (random.sample(range(PAGES), RUNS_PER_JOB) for _ in range(JOBS))
+    ]
+
+    def copy(job: list[tuple[int, int]]) -> None:
+        for dst, src in job:
+            ctypes.memmove(dst, src, PAGE)
+
+    busy = threading.Event()
+
+    def python_work() -> None:
+        while busy.is_set():
+            total = 0
+            for i in range(20000):
+                total += i
+
+    def run(threads: int, with_busy_loop: bool, fn: Callable[[list], None] = copy) -> float:
+        if with_busy_loop:
+            busy.set()
+        spinner = threading.Thread(target=python_work)
+        spinner.start()
+        t = time.perf_counter()
+        workers = [
+            threading.Thread(target=lambda k=k: [fn(j) for j in jobs[k::threads]])
+            for k in range(threads)
+        ]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+        seconds = time.perf_counter() - t
+        busy.clear()
+        spinner.join()
+        return JOBS * RUNS_PER_JOB * PAGE / seconds / 1e9
+
+    print(f"{JOBS} jobs of {RUNS_PER_JOB} scattered {PAGE >> 10} KiB pages, one memmove per page")
+    for threads in (1, 2):
+        alone = run(threads, False)
+        beside = run(threads, True)
+        print(
+            f"  {threads} copy thread(s): {alone:5.1f} GB/s alone, "
+            f"{beside:5.1f} GB/s beside a thread running Python"
+        )
+
+
+if __name__ == "__main__":
+    main()
