@@ -1,4 +1,5 @@
-"""Shared fixtures: a real daemon process on a temporary Unix socket."""
+"""Shared fixtures: a real daemon process on a temporary Unix socket, and one in the
+operations guide's state (tests/support/guide.py)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tests.support.daemon import DaemonProcess
+from tests.support.faults import DaemonFactory
+from tests.support.guide import run_guide_scenario
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -45,3 +48,14 @@ def daemon_factory(tmp_path_factory: pytest.TempPathFactory) -> Iterator:
 def daemon(daemon_factory) -> DaemonProcess:
     """A daemon with a 64 MiB pool."""
     return daemon_factory("--pool-size", "64MiB")
+
+
+@pytest.fixture
+def guide_daemon(daemon_factory: DaemonFactory) -> Iterator[DaemonProcess]:
+    """A daemon in the operations guide's state, its two engines connected."""
+    d = daemon_factory("--pool-size", "64MiB")
+    scenario = run_guide_scenario(d.target)
+    try:
+        yield d
+    finally:
+        scenario.close()

@@ -23,6 +23,7 @@ from tests.support import soak
 from tests.support.daemon import DaemonProcess, kvdepot_command
 from tests.support.engine import Engine, chunk_plan
 from tests.support.faults import DaemonFactory, admin, fd_targets, stats
+from tests.support.ops import free_port
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -61,12 +62,6 @@ def tcp_listeners(pid: int) -> list[int]:
             if state == "0A" and inode in inodes:  # 0A = TCP_LISTEN
                 ports.append(int(local.rsplit(":", 1)[1], 16))
     return ports
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_sockets_are_0660_by_default(daemon: DaemonProcess) -> None:

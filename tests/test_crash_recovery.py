@@ -23,7 +23,7 @@ from kvdepot.v1 import depot_pb2 as pb
 from tests.support import soak
 from tests.support.engine import Engine, chunk_plan
 from tests.support.faults import DaemonFactory, admin, all_blocks, stats
-from tests.test_operations import free_port, sample, scrape
+from tests.support.ops import free_port, sample, scrape
 from tests.test_warm_restart import NS, connect, store_rows, verify_rows, wait_recovered
 
 pytestmark = pytest.mark.timeout(180)

@@ -13,7 +13,7 @@ import pytest
 
 from kvdepot.server.gc_policy import GcPolicy
 from tests.support.daemon import DaemonProcess
-from tests.test_operations import free_port, sample, scrape
+from tests.support.ops import free_port, sample, scrape
 
 
 class Node:

@@ -28,8 +28,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.support.daemon import DaemonProcess
 from tests.support.engine import Engine, Geometry
+from tests.support.ops import connect, free_port, load, store
 from tests.support.redis_servers import RedisServer, free_ports, redis_available
-from tests.test_operations import connect, free_port, load, store
 
 REPO = Path(__file__).resolve().parents[1]
 DASHBOARD = REPO / "deploy" / "grafana" / "kvdepot.json"

@@ -34,7 +34,7 @@ import yaml
 
 from tests.support.daemon import kvdepot_command
 from tests.support.engine import Engine, Geometry
-from tests.test_operations import connect, load, store
+from tests.support.ops import connect, load, store
 
 REPO = Path(__file__).resolve().parents[1]
 DOCKER = REPO / "deploy" / "docker"

@@ -23,6 +23,7 @@ from kvdepot.v1 import depot_pb2 as pb
 from kvdepot.v1 import depot_pb2_grpc
 from tests.support.daemon import kvdepot_command
 from tests.support.engine import Engine, Geometry, make_key
+from tests.support.ops import free_port
 
 Code = grpc.StatusCode
 
@@ -348,12 +349,6 @@ def listening_addresses(port: int) -> set[str]:
             if state == "0A" and int(hexport, 16) == port:
                 found.add(addr)
     return found
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_metrics_bind_loopback_by_default(daemon_factory) -> None:

@@ -1,0 +1,91 @@
+"""The registration lifecycle through the real DepotState and the fake driver: every
+byte stored and loaded, unmapping after the last copy, bad handles leave nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import threading
+
+import numpy as np
+import pytest
+
+from kvdepot.server import errors
+from kvdepot.server.core.planner import LayerRef
+from kvdepot.server.cuda import cuda_path, enable_cuda
+from kvdepot.server.memory.copy_engine import LOAD, STORE
+from kvdepot.server.state import DepotState
+from tests.support.fake_cuda import FakeDriver, ipc_msg, job, make_key, register_fake_engine
+
+# -- registration lifecycle through the real DepotState --------------------------------
+
+
+def test_depot_state_stores_and_loads_every_byte_through_the_cuda_engine(
+    state: DepotState,
+) -> None:
+    drv = FakeDriver()
+    assert enable_cuda(state, state.arena, driver=drv, env={})
+    assert cuda_path(state) is not None
+    session, reg, buf, lay, tensors = register_fake_engine(state, drv)
+    assert reg.memory_path == "cuda_ipc" and reg.registered_bytes == 8 * 16 * 16384
+    base = ctypes.addressof(buf) + 4096
+    rng = np.random.default_rng(1)
+    gpu = np.frombuffer(buf, np.uint8)[4096:]
+    gpu[:] = rng.integers(0, 256, gpu.size, dtype=np.uint8)
+    keys = [make_key(i) for i in range(5)]
+
+    async def run() -> None:
+        out = await state.run_job(job(reg, session, 1, STORE, keys, [1, 2, 3, 4, 5]))
+        assert out.success and out.stored_keys == 5, out
+        assert out.bytes == 5 * 8 * 16384
+        out = await state.run_job(job(reg, session, 2, LOAD, keys, [10, 11, 12, 13, 14]))
+        assert out.success and out.bytes == 5 * 8 * 16384, out
+
+    asyncio.run(run())
+    for t in tensors:
+        for s, d in zip([1, 2, 3, 4, 5], [10, 11, 12, 13, 14], strict=True):
+            a, b = t.region_offset + s * t.block_stride, t.region_offset + d * t.block_stride
+            assert np.array_equal(gpu[a : a + t.page_bytes], gpu[b : b + t.page_bytes])
+    assert ctypes.addressof(buf) in drv.open_counts and base
+    # The session ends (the engine died): the mapping and the event go.
+    state.close_session(session.id)
+    assert not state.registrations and not drv.open_counts and not drv.opened_events
+
+
+def test_a_session_closed_mid_copy_unmaps_only_after_the_copy(state: DepotState) -> None:
+    drv = FakeDriver()
+    assert enable_cuda(state, state.arena, driver=drv, env={})
+    session, reg, buf, _, _ = register_fake_engine(state, drv)
+    drv.copy_gate = threading.Event()
+
+    async def run() -> None:
+        task = asyncio.ensure_future(state.run_job(job(reg, session, 1, STORE, [make_key(0)], [0])))
+        while not state.traffic.inflight_jobs or reg.inflight == 0:
+            await asyncio.sleep(0.01)
+        state.close_session(session.id)
+        assert drv.open_counts, "unmapped while a copy was running"
+        drv.copy_gate.set()
+        out = await task
+        assert out.success
+        assert not drv.open_counts and not state.registrations
+
+    asyncio.run(run())
+
+
+def test_unregister_closes_the_mapping_and_bad_handles_leave_no_registration(
+    state: DepotState,
+) -> None:
+    drv = FakeDriver()
+    assert enable_cuda(state, state.arena, driver=drv, env={})
+    session, reg, _, lay, tensors = register_fake_engine(state, drv)
+    state.unregister(session.id, reg.id)
+    assert not drv.open_counts and not state.registrations
+    refs = [[LayerRef(i, 0, 16384) for i in range(8)]]
+    with pytest.raises(ValueError) as exc:  # tensors beyond the registered size
+        state.register(
+            session.id, lay, 0, [("cuda_ipc", ipc_msg(*drv.export(8192)[:1], 8192))], tensors, refs
+        )
+    err = errors.as_depot_error(exc.value)  # the status the service answers with
+    assert err is not None and err.code.name == "INVALID_ARGUMENT"
+    assert not drv.open_counts and not state.registrations

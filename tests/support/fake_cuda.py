@@ -1,0 +1,204 @@
+"""A fake CUDA driver whose "device memory" is host memory, and helpers to register a
+fake engine with a real DepotState through it (tests/cuda/).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import itertools
+import threading
+from array import array
+from typing import Any
+
+from kvdepot.server.core.layout import NamespaceLayout
+from kvdepot.server.core.planner import LayerRef, TensorView
+from kvdepot.server.cuda.driver import (
+    CUDA_ERROR_INVALID_HANDLE,
+    CUDA_ERROR_INVALID_VALUE,
+    CudaError,
+    DeviceInfo,
+)
+from kvdepot.server.cuda.handles import parse_uuid
+from kvdepot.server.state import DepotState, JobSpec
+from kvdepot.v1 import depot_pb2 as pb
+
+UUID0 = "GPU-8f5e2a1c-0b3d-4e6f-9a7b-1c2d3e4f5a6b"
+UUID1 = "GPU-00112233-4455-6677-8899-aabbccddeeff"
+HANDLE = bytes(range(1, 65))
+EVENT = bytes(range(100, 164))
+
+
+class FakeDriver:
+    """Implements the CudaDriver methods the engine and pinner use, on host memory."""
+
+    def __init__(self, devices: list[DeviceInfo] | None = None, has_batch: bool = True) -> None:
+        self.device_list = devices or [DeviceInfo(0, parse_uuid(UUID0), "Fake H200")]
+        self.has_batch = has_batch
+        self.batch_abi = 2 if has_batch else 0
+        self.exports: dict[bytes, Any] = {}  # handle -> ctypes buffer (the "allocation")
+        self.open_counts: dict[int, int] = {}  # mapped base -> refs
+        self.opened_events: dict[int, bytes] = {}
+        self.contexts: list[int] = []  # ordinals whose primary context was created
+        self.current = threading.local()
+        self.log: list[tuple[Any, ...]] = []
+        self.registered: dict[int, int] = {}  # host ptr -> size
+        self.fail_batch: CudaError | None = None
+        self.fail_memcpy: CudaError | None = None
+        self.fail_register_after: int | None = None
+        self.fail_open: CudaError | None = None
+        self.copy_gate: threading.Event | None = None
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()
+
+    # exporting side (what the worker would do)
+    def export(self, size: int) -> tuple[bytes, Any]:
+        buf = (ctypes.c_char * size)()
+        handle = hashlib.sha256(b"h%d" % next(self._ids)).digest() * 2
+        self.exports[handle] = buf
+        return handle, buf
+
+    def devices(self) -> list[DeviceInfo]:
+        return list(self.device_list)
+
+    def version(self) -> int:
+        return 13000
+
+    def primary_context(self, ordinal: int) -> int:
+        if ordinal not in self.contexts:
+            self.contexts.append(ordinal)
+        return 1000 + ordinal
+
+    def set_current(self, ctx: int) -> None:
+        self.current.ctx = ctx
+
+    def _need_ctx(self) -> None:
+        assert getattr(self.current, "ctx", None), "no current context on this thread"
+
+    def ipc_open_mem(self, handle: bytes) -> int:
+        self._need_ctx()
+        if self.fail_open is not None:
+            raise self.fail_open
+        buf = self.exports.get(handle)
+        if buf is None:
+            raise CudaError(
+                "cuIpcOpenMemHandle",
+                CUDA_ERROR_INVALID_HANDLE,
+                "CUDA_ERROR_INVALID_HANDLE",
+                "invalid resource handle",
+            )
+        base = ctypes.addressof(buf)
+        with self._lock:
+            self.open_counts[base] = self.open_counts.get(base, 0) + 1
+        self.log.append(("open", base))
+        return base
+
+    def ipc_close_mem(self, ptr: int) -> None:
+        self._need_ctx()
+        with self._lock:
+            self.open_counts[ptr] -= 1
+            if self.open_counts[ptr] == 0:
+                del self.open_counts[ptr]
+        self.log.append(("close", ptr))
+
+    def address_range(self, ptr: int) -> tuple[int, int]:
+        for buf in self.exports.values():
+            base = ctypes.addressof(buf)
+            if base <= ptr < base + ctypes.sizeof(buf):
+                return base, ctypes.sizeof(buf)
+        raise CudaError(
+            "cuMemGetAddressRange",
+            CUDA_ERROR_INVALID_VALUE,
+            "CUDA_ERROR_INVALID_VALUE",
+            "invalid argument",
+        )
+
+    def ipc_open_event(self, handle: bytes) -> int:
+        self._need_ctx()
+        ev = next(self._ids) + 5000
+        self.opened_events[ev] = handle
+        return ev
+
+    def event_destroy(self, event: int) -> None:
+        del self.opened_events[event]
+
+    def host_register(self, ptr: int, size: int, flags: int = 1) -> None:
+        self._need_ctx()
+        if self.fail_register_after is not None and len(self.registered) >= (
+            self.fail_register_after
+        ):
+            raise CudaError("cuMemHostRegister", 2, "CUDA_ERROR_OUT_OF_MEMORY", "out of memory")
+        self.registered[ptr] = size
+
+    def host_unregister(self, ptr: int) -> None:
+        del self.registered[ptr]
+
+    def stream_create(self) -> int:
+        self._need_ctx()
+        return next(self._ids) + 9000
+
+    def stream_destroy(self, stream: int) -> None:
+        self.log.append(("destroy", stream))
+
+    def stream_wait_event(self, stream: int, event: int) -> None:
+        assert event in self.opened_events
+        self.log.append(("wait", stream, event))
+
+    def stream_synchronize(self, stream: int) -> None:
+        self.log.append(("sync", stream))
+
+    def memcpy_async(self, dst: int, src: int, n: int, stream: int) -> None:
+        self._need_ctx()
+        if self.fail_memcpy is not None:
+            raise self.fail_memcpy
+        if self.copy_gate is not None:
+            self.copy_gate.wait(10)
+        ctypes.memmove(dst, src, n)
+        self.log.append(("copy", stream, n))
+
+    def memcpy_batch_async(self, dsts: array, srcs: array, sizes: array, stream: int) -> None:
+        self._need_ctx()
+        if self.fail_batch is not None:
+            raise self.fail_batch
+        if self.copy_gate is not None:
+            self.copy_gate.wait(10)
+        for d, s, n in zip(dsts, srcs, sizes, strict=True):
+            ctypes.memmove(d, s, n)
+        self.log.append(("batch", stream, len(sizes)))
+
+
+def ipc_msg(
+    handle: bytes, size: int, offset: int = 0, uuid: str = UUID0, event: bytes = EVENT
+) -> pb.CudaIpcHandle:
+    return pb.CudaIpcHandle(
+        ipc_handle=handle, device_uuid=uuid, offset=offset, size=size, event_handle=event
+    )
+
+
+def make_key(i: int) -> bytes:
+    return hashlib.sha256(i.to_bytes(8, "big")).digest() + (0).to_bytes(4, "big")
+
+
+def register_fake_engine(
+    st: DepotState, drv: FakeDriver, nb: int = 16, layers: int = 8, page: int = 16384
+) -> tuple[Any, Any, Any, NamespaceLayout, Any]:
+    handle, buf = drv.export(layers * nb * page + 4096)
+    session = st.open_session("fake-engine", 1234, "e0")
+    lay = NamespaceLayout("cuda-ns", 1, 1, ((page,) * layers,))
+    tensors = [TensorView(0, i * nb * page, nb, page, page) for i in range(layers)]
+    refs = [[LayerRef(i, 0, page) for i in range(layers)]]
+    reg = st.register(
+        session.id,
+        lay,
+        0,
+        [("cuda_ipc", ipc_msg(handle, layers * nb * page, offset=4096))],
+        tensors,
+        refs,
+    )
+    return session, reg, buf, lay, tensors
+
+
+def job(
+    reg: Any, session: Any, jid: int, direction: int, keys: list[bytes], blocks: list[int]
+) -> JobSpec:
+    return JobSpec(jid, direction, reg.id, keys, blocks, [len(blocks)], [0], False, session.id)

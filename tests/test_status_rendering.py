@@ -1,0 +1,119 @@
+"""`kvdepot status` rendering reports from other daemon versions: counters an older daemon
+lacks, fields it does not know, the remote tier's health.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Iterable
+from typing import Any
+
+from kvdepot.v1 import admin_pb2
+from tests.support.daemon import DaemonProcess
+from tests.support.ops import admin
+from tests.support.status_cli import WIDTH, status_json
+
+
+def _stats_class(add: dict[str, int], drop: Iterable[str] = ()) -> Any:
+    """GetStatsResponse as another daemon version would have it: fields added (name ->
+    FieldDescriptorProto type) and dropped, in a descriptor pool of its own."""
+    from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+
+    proto = descriptor_pb2.FileDescriptorProto()
+    admin_pb2.DESCRIPTOR.CopyToProto(proto)
+    (msg,) = [m for m in proto.message_type if m.name == "GetStatsResponse"]
+    kept = [f for f in msg.field if f.name not in set(drop)]
+    del msg.field[:]
+    msg.field.extend(kept)
+    for number, (name, kind) in enumerate(add.items(), start=9000):
+        msg.field.add(
+            name=name,
+            number=number,
+            type=kind,  # type: ignore[arg-type]
+            label=descriptor_pb2.FieldDescriptorProto.LABEL_OPTIONAL,
+        )
+    pool = descriptor_pool.DescriptorPool()
+    pool.Add(proto)
+    return message_factory.GetMessageClass(
+        pool.FindMessageTypeByName("kvdepot.v1.GetStatsResponse")
+    )
+
+
+def test_older_daemon_without_job_and_pin_counters(guide_daemon: DaemonProcess) -> None:
+    """A daemon that predates the job, block and pin counters: shown without them."""
+    from rich.console import Console
+
+    from kvdepot.server.status import render
+    from kvdepot.server.status_report import OPTIONAL_COUNTERS, Sample, build_report
+
+    older = _stats_class({}, drop=OPTIONAL_COUNTERS)
+    ch, stub = admin(guide_daemon)
+    with ch:
+        first = older.FromString(stub.GetStats(admin_pb2.GetStatsRequest()).SerializeToString())
+        time.sleep(0.1)
+        second = older.FromString(stub.GetStats(admin_pb2.GetStatsRequest()).SerializeToString())
+    report = build_report("/x.sock", Sample(0, first, [], []), Sample(1, second, [], []))
+    assert not set(OPTIONAL_COUNTERS) & set(report["totals"])
+    assert "pin_keys_per_second" not in report["rates"]
+    assert not set(report["other"]) & set(OPTIONAL_COUNTERS) and report["totals"]["stores"] == 4
+    console = Console(width=WIDTH)
+    with console.capture() as cap:
+        console.print(render(report))
+    assert "failed jobs" not in cap.get() and "11 ready" in cap.get()
+
+
+def test_remote_tier_and_unknown_fields(guide_daemon: DaemonProcess) -> None:
+    """The remote tier: one line when off; health, rates and trouble when on. Fields a
+    newer daemon adds to GetStats reach --json and the screen without this version
+    knowing them (GetStatsResponse rebuilt with three more fields, filled from a live
+    reading plus values)."""
+    from google.protobuf.descriptor_pb2 import FieldDescriptorProto as F
+    from rich.console import Console
+
+    from kvdepot.server.status import render
+    from kvdepot.server.status_report import Sample, build_report
+
+    def screen(report: dict[str, Any]) -> str:
+        console = Console(width=WIDTH)
+        with console.capture() as cap:
+            console.print(render(report))
+        return cap.get()
+
+    off = status_json(guide_daemon.socket_path, "--interval", "0")
+    if off["remote"] is not None:  # a daemon with a remote tier, started without one
+        assert off["remote"]["remote_enabled"] is False
+        assert re.search(r"^remote\s+off\b", screen(off), re.M), screen(off)
+
+    newer = _stats_class(
+        {"remote_future_gauge": F.TYPE_BOOL, "remote_future_bytes": F.TYPE_UINT64,
+         "future_spill_files": F.TYPE_UINT64}
+    )  # fmt: skip
+    ch, stub = admin(guide_daemon)
+    with ch:
+        live = stub.GetStats(admin_pb2.GetStatsRequest(), timeout=10)
+    first, second = newer.FromString(live.SerializeToString()), newer()
+    first.remote_future_gauge, first.remote_future_bytes, first.future_spill_files = True, 5, 7
+    second.CopyFrom(first)
+    second.uptime_seconds += 2.0
+    has_tier = "remote_enabled" in newer.DESCRIPTOR.fields_by_name
+    if has_tier:
+        for m in (first, second):
+            m.remote_enabled = True
+        second.remote_writes, second.remote_write_bytes = 8, 8 << 20  # 4/s, 4 MiB/s
+        second.remote_hits, second.remote_misses, second.remote_errors = 3, 1, 2
+    report = build_report("/x.sock", Sample(0, first, [], []), Sample(2, second, [], []))
+    # (Containment: the daemon may already send fields this version does not know.)
+    assert report["remote"].items() >= {"remote_future_bytes": 5}.items()
+    assert report["other"]["future_spill_files"] == 7
+    assert report["blocks"]["ready"] == 11  # the known fields as before
+    text = screen(report)
+    for needle in ("remote_future_bytes 5", "remote_future_gauge True", "future_spill_files 7"):
+        assert needle in text, text
+    if has_tier:
+        assert report["rates"]["remote_writes_per_second"] == 4
+        assert "DOWN" in text and "writes 4.0/s 4.0 MiB/s" in text and "75% hit" in text, text
+        assert "errors 2" in text
+        second.remote_healthy = True
+        text = screen(build_report("/x.sock", None, Sample(2, second, [], [])))
+        assert re.search(r"^remote\s+healthy\s*$", text, re.M), text
