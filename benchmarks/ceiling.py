@@ -79,20 +79,7 @@ def measure_ceiling(
     try:
         daemon.wait_warm()
         fleet = Fleet(ENGINES, geo.tp)
-        fleet.call(
-            fleet.workers,
-            lambda w: {
-                "cmd": "setup",
-                "target": daemon.target,
-                "geometry": vars(geo),
-                "rank": w.rank,
-                "engine": w.engine,
-                "num_blocks": num_blocks,
-                "salt": salt.hex(),
-                "namespace": namespace,
-                "arena_bytes": 1 << 20,
-            },
-        )
+        fleet.setup(daemon.target, vars(geo), num_blocks, salt, namespace, arena_bytes=1 << 20)
         seq = 1 << 40  # key numbers apart from the data-path series' keys
         pattern = 1 << 20
         for chunks in sizes:

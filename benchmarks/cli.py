@@ -283,20 +283,7 @@ def run_bench(args: argparse.Namespace) -> int:
         n_engines = max([1, *engines])
         fleet = Fleet(n_engines, geo.tp)
         progress.label(f"starting {len(fleet.workers)} engine process(es), pre-faulting memory")
-        fleet.call(
-            fleet.workers,
-            lambda w: {
-                "cmd": "setup",
-                "target": daemon.target,
-                "geometry": vars(geo),
-                "rank": w.rank,
-                "engine": w.engine,
-                "num_blocks": plan.num_blocks,
-                "salt": salt.hex(),
-                "namespace": namespace,
-                "arena_bytes": plan.arena_bytes,
-            },
-        )
+        fleet.setup(daemon.target, vars(geo), plan.num_blocks, salt, namespace, plan.arena_bytes)
         progress.step("engines registered")
         bench = ThroughputBench(plan, fleet, stats.capacity_bytes, progress)
         verified = bench.verify()

@@ -73,6 +73,31 @@ class Fleet:
             self._send(w, cmd)
         return [self._receive(w) for w in workers]
 
+    def setup(
+        self,
+        target: str,
+        geometry: dict[str, Any],
+        num_blocks: int,
+        salt: bytes,
+        namespace: str,
+        arena_bytes: int,
+    ) -> None:
+        """Every worker builds its KV memory and registers it with the daemon at `target`."""
+        self.call(
+            self.workers,
+            lambda w: {
+                "cmd": "setup",
+                "target": target,
+                "geometry": geometry,
+                "rank": w.rank,
+                "engine": w.engine,
+                "num_blocks": num_blocks,
+                "salt": salt.hex(),
+                "namespace": namespace,
+                "arena_bytes": arena_bytes,
+            },
+        )
+
     def _send(self, w: WorkerProc, cmd: dict[str, Any]) -> None:
         assert w.proc.stdin is not None
         try:

@@ -89,23 +89,7 @@ class Recorder:
 def run_job(eng: Engine, direction: int, keys: list[bytes], base: int) -> pb.TransferResult | None:
     """One job, waited for at most JOB_DEADLINE; None if no result came in time."""
     blocks, indices = soak.group_job(eng.geo, 0, keys, base)
-    job_id = eng._next_job
-    eng._next_job += 1
-    eng.stream.submit(
-        pb.TransferJob(
-            job_id=job_id,
-            direction=direction,
-            registration_id=eng.registration.registration_id,
-            keys=keys,
-            block_ids=[b for g in blocks for b in g],
-            group_sizes=[len(g) for g in blocks],
-            block_indices=indices,
-        )
-    )
-    if not eng.stream.wait({job_id}, timeout=JOB_DEADLINE):
-        return None
-    (res,) = [r for r in eng.stream.poll() if r.job_id == job_id]
-    return res
+    return eng.result(eng.submit(direction, keys, blocks, indices), JOB_DEADLINE)
 
 
 def load_loop(rig: Rig, rec: Recorder, stop: threading.Event) -> None:

@@ -211,15 +211,15 @@ class Engine:
                 bad += self.page(layer, block_id).tobytes() != want
         return bad
 
-    def job(
+    def submit(
         self,
         direction: int,
         keys: list[bytes],
         group_blocks: list[list[int]],
         block_indices: list[int],
         expedited: bool = False,
-    ) -> pb.TransferResult:
-        """Submits one job and waits for its result."""
+    ) -> int:
+        """Submits one job on the stream without waiting; returns its job id."""
         job_id = self._next_job
         self._next_job += 1
         self.stream.submit(
@@ -234,8 +234,27 @@ class Engine:
                 expedited=expedited,
             )
         )
-        assert self.stream.wait({job_id}, timeout=60), f"job {job_id} timed out"
+        return job_id
+
+    def result(self, job_id: int, timeout: float) -> pb.TransferResult | None:
+        """Waits for `job_id`'s result (results of other jobs are dropped); None on timeout."""
+        if not self.stream.wait({job_id}, timeout=timeout):
+            return None
         (result,) = [r for r in self.stream.poll() if r.job_id == job_id]
+        return result
+
+    def job(
+        self,
+        direction: int,
+        keys: list[bytes],
+        group_blocks: list[list[int]],
+        block_indices: list[int],
+        expedited: bool = False,
+    ) -> pb.TransferResult:
+        """Submits one job and waits for its result."""
+        job_id = self.submit(direction, keys, group_blocks, block_indices, expedited)
+        result = self.result(job_id, timeout=60)
+        assert result is not None, f"job {job_id} timed out"
         return result
 
 

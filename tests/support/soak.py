@@ -251,7 +251,7 @@ def victim(target: str, geo: Geometry, salt: bytes, pin_salt: bytes | None, rows
     # (Refilling the store blocks may race with a store still reading them: nobody
     # verifies these rows; the soak workers, which do, wait for every job.)
     lblocks, lindices = group_job(geo, 0, own[:MAX_CHUNKS_PER_JOB], LOAD_BASE)
-    job_id, n = 1 << 32, 0
+    n = 0
     while True:
         while max(e.stream.inflight for e in engines) > 32:
             time.sleep(0.0005)
@@ -266,18 +266,7 @@ def victim(target: str, geo: Geometry, salt: bytes, pin_salt: bytes | None, rows
                 (pb.STORE, fresh, fblocks, findices),
                 (pb.LOAD, own[:MAX_CHUNKS_PER_JOB], lblocks, lindices),
             ):
-                job_id += 1
-                eng.stream.submit(
-                    pb.TransferJob(
-                        job_id=job_id,
-                        direction=direction,
-                        registration_id=eng.registration.registration_id,
-                        keys=keys,
-                        block_ids=[b for g in blk for b in g],
-                        group_sizes=[len(g) for g in blk],
-                        block_indices=idx,
-                    )
-                )
+                eng.submit(direction, keys, blk, idx)
             eng.stream.poll()
 
 

@@ -13,7 +13,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
+from pathlib import Path
+from typing import Any
 
 for _k, _v in (
     ("VLLM_TARGET_DEVICE", "cpu"),
@@ -67,6 +70,30 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         engine.shutdown()
     return 0
+
+
+def run_engine_process(socket: str, prompt_seed: int, length: int = 160) -> dict[str, Any]:
+    """Runs this module in a new process against the daemon at `socket` (the test's
+    model config, the CPU environment) and returns the JSON line it printed."""
+    from kvdepot.testing.environment import cpu_environment, find_model_dir
+
+    repo = Path(__file__).resolve().parents[2]
+    proc = subprocess.run(
+        [
+            sys.executable, "-m", "tests.vllm.engine_proc",
+            "--socket", socket,
+            "--prompt-seed", str(prompt_seed),
+            "--length", str(length),
+            "--model-dir", str(find_model_dir(repo / "tests")),
+        ],
+        cwd=repo,
+        env={**os.environ, **cpu_environment(), "PYTHONPATH": str(repo)},
+        capture_output=True,
+        text=True,
+        timeout=150,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 if __name__ == "__main__":

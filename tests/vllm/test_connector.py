@@ -9,13 +9,9 @@ daemon can bring the bytes back.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 
@@ -27,15 +23,11 @@ from kvdepot.client.vllm.connector import KVDepotConnector
 from kvdepot.testing.vllm_engine import (
     GroupDef,
     SyntheticEngine,
-    cpu_environment,
-    find_model_dir,
     prompt_for,
 )
+from tests.vllm.engine_proc import run_engine_process
 
 pytestmark = pytest.mark.vllm
-
-REPO = Path(__file__).resolve().parents[2]
-MODEL_DIR = find_model_dir(REPO / "tests")
 
 
 def pages(engine: SyntheticEngine, rank: int, group: int, block_ids: list[int]) -> list:
@@ -255,29 +247,7 @@ def test_tensor_parallel_two_ranks(daemon, make_engine) -> None:
 
 
 def test_two_engine_processes_share_prefix(daemon, make_engine) -> None:
-    env = {**os.environ, **cpu_environment(), "PYTHONPATH": str(REPO)}
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "tests.vllm.engine_proc",
-            "--socket",
-            daemon.target,
-            "--prompt-seed",
-            "5",
-            "--length",
-            "160",
-            "--model-dir",
-            str(MODEL_DIR),
-        ],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=150,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    engine_a = json.loads(proc.stdout.strip().splitlines()[-1])
+    engine_a = run_engine_process(daemon.target, prompt_seed=5)
     assert engine_a["pid"] != os.getpid()
 
     prompt = prompt_for(5, 160)

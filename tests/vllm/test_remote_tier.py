@@ -8,12 +8,6 @@ a background thread, and gets an external hit on the next steps with A's bytes.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
 pytest.importorskip("vllm")
@@ -24,17 +18,13 @@ from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 from kvdepot.testing.vllm_engine import (
     GroupDef,
     SyntheticEngine,
-    cpu_environment,
-    find_model_dir,
     prompt_for,
 )
 from kvdepot.v1 import admin_pb2
 from tests.support.redis_servers import RedisServer, free_ports, require_redis
+from tests.vllm.engine_proc import run_engine_process
 
 pytestmark = pytest.mark.vllm
-
-REPO = Path(__file__).resolve().parents[2]
-MODEL_DIR = find_model_dir(REPO / "tests")
 
 
 @pytest.fixture
@@ -58,29 +48,7 @@ def remote_writes(engine: SyntheticEngine) -> int:
 
 def test_request_on_node_b_loads_what_node_a_computed(two_nodes, make_engine) -> None:
     a, b = two_nodes
-    env = {**os.environ, **cpu_environment(), "PYTHONPATH": str(REPO)}
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "tests.vllm.engine_proc",
-            "--socket",
-            a.target,
-            "--prompt-seed",
-            "9",
-            "--length",
-            "160",
-            "--model-dir",
-            str(MODEL_DIR),
-        ],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=150,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    engine_a = json.loads(proc.stdout.strip().splitlines()[-1])
+    engine_a = run_engine_process(a.target, prompt_seed=9)
 
     prompt = prompt_for(9, 160)
     engine_b = make_engine(socket=b.target, num_gpu_blocks=64, enable_kv_events=True)
