@@ -46,7 +46,6 @@ class GcStats:
     ticks: int = 0
     collected: int = 0  # unreachable objects the ticks' collections freed
     frozen: int = 0  # objects the ticks moved into the permanent generation, in all
-    last_tick_seconds: float = 0.0
     max_tick_seconds: float = 0.0
 
 
@@ -91,7 +90,6 @@ class GcPolicy:
         s.ticks += 1
         s.collected += collected
         s.frozen += survivors
-        s.last_tick_seconds = took
         s.max_tick_seconds = max(s.max_tick_seconds, took)
         if took > SLOW_TICK_S:
             log.info(
