@@ -72,7 +72,10 @@ def load_jobs(engine: SyntheticEngine) -> list:
 )
 def test_store_reset_load_same_bytes(daemon, make_engine, path: str, sync: bool) -> None:
     # in-step: vLLM loads within the step (expedited job, then wait()).
-    extra = {"sync_load_budget_bytes": 1 << 30} if sync else {}
+    extra: dict = {"sync_load_budget_bytes": 1 << 30} if sync else {}
+    # This test counts the step's one Pin RPC, not its latency: the 50 ms default deadline can
+    # pass on a loaded 2-core CI machine (the load then goes unpinned, and pin_rpcs stays 0).
+    extra["kvdepot_pin_timeout_ms"] = 10_000
     if path == "inline":
         extra["kvdepot_memory_path"] = "inline"
     # pvm and inline: the KV cache is plain process memory, as in a real CPU engine.
