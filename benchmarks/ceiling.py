@@ -27,7 +27,7 @@ from kvdepot.bench.geometry import BenchGeometry
 from kvdepot.bench.stats import GB, overlap_rate
 from kvdepot.server.core.planner import CopyPlan
 from kvdepot.server.cuda.dma import plan_descriptors
-from kvdepot.server.memory.copy_engine import CopyEngine, MappedRegion
+from kvdepot.server.memory.copy_engine import CopyEngine, MappedRegion, PreparedCopy, no_copy
 
 HOST_SPLIT = 8 << 20  # the CUDA engine's page-locking chunk of the pool (its default)
 ENGINES = 2
@@ -35,18 +35,23 @@ DEPTH = 4
 
 
 class NullCopyEngine(CopyEngine):
-    """Plans a CUDA job's DMA descriptors and copies nothing (benchmark only)."""
+    """Plans a CUDA job's DMA descriptors and copies nothing (benchmark only).
+
+    Its `prepare` does what the CUDA engine's does on the event loop; the copy
+    it returns, run on a copy thread like the CUDA engine's DMA, moves nothing.
+    """
 
     def __init__(self) -> None:
         self.descriptors = 0
 
-    def copy(
+    def prepare(
         self, direction: int, regions: Sequence[MappedRegion], pool_address: int, plan: CopyPlan
-    ) -> None:
+    ) -> PreparedCopy:
         batches = plan_descriptors(
             direction, plan, [r.address for r in regions], pool_address, host_split=HOST_SPLIT
         )
         self.descriptors += sum(len(b) for b in batches)
+        return no_copy
 
 
 def serve_with_null_engine(argv: list[str]) -> int:

@@ -39,6 +39,7 @@ from __future__ import annotations
 import array
 import ctypes
 import errno
+import functools
 import logging
 import os
 import select
@@ -52,7 +53,7 @@ from kvdepot.client.pvm import ptrace_scope
 from kvdepot.common.kinds import MemoryPath
 from kvdepot.server import errors
 from kvdepot.server.core.planner import CopyPlan
-from kvdepot.server.memory.copy_engine import LOAD, STORE, CopyEngine, MappedRegion
+from kvdepot.server.memory.copy_engine import LOAD, STORE, CopyEngine, MappedRegion, PreparedCopy
 
 log = logging.getLogger("kvdepot.pvm")
 
@@ -256,20 +257,30 @@ class PvmCopyEngine(CopyEngine):
             else None
         )
 
-    def copy(
+    def prepare(
         self, direction: int, regions: Sequence[MappedRegion], pool_address: int, plan: CopyPlan
-    ) -> None:
+    ) -> PreparedCopy:
         procs = [r for r in regions if isinstance(r, ProcessMemoryRegion)]
         if len(procs) != len(regions) or not procs:
             raise ValueError("the pvm engine copies only process-memory regions")
         pid = procs[0].pid
         if any(r.pid != pid for r in procs):
             raise ValueError("one registration's regions belong to one process")
-        self._check_alive(procs)
         pieces = _pieces(plan.runs, [r.address for r in procs], pool_address)
         shares = [pieces]
         if self._pool is not None and plan.nbytes >= PARALLEL_MIN_BYTES:
             shares = split_pieces(pieces, self.threads)
+        return functools.partial(self._copy_shares, pid, direction, procs, shares)
+
+    def _copy_shares(
+        self,
+        pid: int,
+        direction: int,
+        procs: Sequence[ProcessMemoryRegion],
+        shares: list[list[tuple[int, int, int]]],
+    ) -> None:
+        """Copies the shares side by side, this thread taking the first (a copy thread)."""
+        self._check_alive(procs)
         futures = [self._pool.submit(copy_runs, pid, direction, s) for s in shares[1:]]  # type: ignore[union-attr]
         failure: BaseException | None = None
         try:

@@ -348,13 +348,17 @@ def plan_copy(
     )
     parts: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []
     for g, ids, key_of, subs in shape.groups:
-        slots = slots_all[np.asarray(key_of, dtype=np.int64)]
+        if isinstance(key_of, range):  # one block per key: a slice, not a gather
+            slots = slots_all[key_of.start : key_of.stop]
+        else:
+            slots = slots_all[np.asarray(key_of, dtype=np.int64)]
         keep = slots >= 0
-        if not keep.any():
+        kept = np.count_nonzero(keep)
+        if not kept:
             continue
         blocks = np.asarray(ids, dtype=np.int64)
         sub = None if subs is None else np.asarray(subs, dtype=np.int64)
-        if not keep.all():
+        if kept < len(keep):
             blocks, slots = blocks[keep], slots[keep]
             sub = None if sub is None else sub[keep]
         geo = _geometry(layout, rank, memory, g)

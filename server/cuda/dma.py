@@ -27,6 +27,7 @@ copies host memory.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from array import array
@@ -47,7 +48,14 @@ from kvdepot.server.cuda.driver import (
     DeviceInfo,
 )
 from kvdepot.server.cuda.handles import HandleError, IpcRegionSpec, decode, format_uuid
-from kvdepot.server.memory.copy_engine import LOAD, STORE, CopyEngine, MappedRegion
+from kvdepot.server.memory.copy_engine import (
+    LOAD,
+    STORE,
+    CopyEngine,
+    MappedRegion,
+    PreparedCopy,
+    no_copy,
+)
 
 log = logging.getLogger("kvdepot.cuda")
 
@@ -101,10 +109,11 @@ def plan_descriptors(
     if cols.shape[1] == 0:
         return []
     regions, region_offs, pool_offs, sizes = cols
-    if sizes.min() <= 0 or region_offs.min() < 0 or pool_offs.min() < 0:
+    low = cols.min(axis=1).tolist()  # one reduction for the four columns' minima
+    if low[3] <= 0 or low[1] < 0 or low[2] < 0:
         i = int(np.flatnonzero((sizes <= 0) | (region_offs < 0) | (pool_offs < 0))[0])
         raise ValueError(f"bad run {tuple(cols[:, i].tolist())}")
-    if regions.min() < 0 or regions.max() >= len(region_addresses):
+    if low[0] < 0 or regions.max() >= len(region_addresses):
         i = int(np.flatnonzero((regions < 0) | (regions >= len(region_addresses)))[0])
         raise ValueError(f"run names region {int(regions[i])}; {len(region_addresses)} mapped")
     # uint64: device and host addresses may use the top bit; offsets never do.
@@ -140,10 +149,11 @@ def _split_runs(
     dev: np.ndarray, host: np.ndarray, pool_offs: np.ndarray, sizes: np.ndarray, split: int
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Cuts runs where their pool bytes cross a multiple of `split`."""
-    first = split - pool_offs % split  # bytes before the run's first boundary
-    pieces = np.where(sizes > first, 1 + (sizes - first + split - 1) // split, 1)
-    if (pieces == 1).all():
+    into = pool_offs % split  # where each run starts inside its `split`-sized piece
+    if (into + sizes <= split).all():  # the common case: no run crosses a boundary
         return dev, host, sizes.astype(np.uint64)
+    first = split - into  # bytes before the run's first boundary
+    pieces = np.where(sizes > first, 1 + (sizes - first + split - 1) // split, 1)
     run = np.repeat(np.arange(len(sizes)), pieces)
     k = np.arange(len(run)) - np.repeat(np.cumsum(pieces) - pieces, pieces)  # piece in run
     start = np.where(k == 0, 0, first[run] + (k - 1) * split)
@@ -253,8 +263,8 @@ class CudaIpcRegion(MappedRegion):
 class CudaCopyEngine(CopyEngine):
     """Copies plans between CUDA IPC regions and the pool by (batched) DMA.
 
-    Thread-safe: every copy thread gets its own stream per device. `copy` blocks
-    until its DMA has completed (the stream is synchronised even when a call
+    Thread-safe: every copy thread gets its own stream per device. A prepared
+    copy blocks until its DMA has completed (the stream is synchronised even when a call
     fails), so the caller may close regions or hand pool slots on right after.
     """
 
@@ -413,13 +423,15 @@ class CudaCopyEngine(CopyEngine):
                 self._streams.append((dev, s))
         return s
 
-    def copy(
+    def prepare(
         self, direction: int, regions: Sequence[MappedRegion], pool_address: int, plan: CopyPlan
-    ) -> None:
+    ) -> PreparedCopy:
+        """Checks the regions and builds the DMA batches (on the event loop); the
+        copy thread then only makes driver calls, which release the GIL."""
         if direction not in (STORE, LOAD):
             raise ValueError(f"unknown direction {direction}")
         if not len(plan):
-            return
+            return no_copy
         cregions: list[CudaIpcRegion] = []
         for r in regions:
             if not isinstance(r, CudaIpcRegion) or r.closed:
@@ -436,6 +448,11 @@ class CudaCopyEngine(CopyEngine):
             max_batch=self.max_batch,
             host_split=self.host_split(),
         )
+        events = list({r.event for r in cregions if r.event is not None})
+        return functools.partial(self._dma, dev, events, batches)
+
+    def _dma(self, dev: ServedDevice, events: list[int], batches: list[DmaBatch]) -> None:
+        """Issues `batches` on this thread's stream and waits for them (a copy thread)."""
         drv = self.driver
         dev.make_current()
         stream = self._stream(dev)
@@ -443,7 +460,7 @@ class CudaCopyEngine(CopyEngine):
             # A store must not read GPU pages before the worker's work that wrote them is
             # done, and a load must not overwrite pages the worker's queued kernels still
             # read: the worker records this event on its stream before sending any job.
-            for ev in {r.event for r in cregions if r.event is not None}:
+            for ev in events:
                 drv.stream_wait_event(stream, ev)
             for batch in batches:
                 self._issue(batch, stream)

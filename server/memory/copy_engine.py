@@ -2,15 +2,19 @@
 
 One small interface, so that the CPU engine (shared-memory path), the CUDA
 engine (IPC path) and the process-memory engine share the planner and its tests.
-`copy` blocks until the bytes have moved; the daemon calls it on worker threads,
-never on its event loop.
+A copy is made in two steps: `prepare` runs on the daemon's event loop and does
+the CPU work (checks, addresses, DMA descriptors); the callable it returns runs
+on a copy thread and blocks until the bytes have moved. Keeping the Python work
+on the loop leaves the copy threads almost nothing to take the GIL for: when a
+copy thread had to plan too, the two threads traded the GIL back and forth for
+every job, and that cost more than the planning itself.
 """
 
 from __future__ import annotations
 
 import ctypes
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -21,7 +25,22 @@ from kvdepot.server.memory.regions import MappedRegion
 STORE = Direction.STORE  # registered memory -> pool (kvdepot.v1.Direction.STORE)
 LOAD = Direction.LOAD  # pool -> registered memory (kvdepot.v1.Direction.LOAD)
 
-__all__ = ["LOAD", "STORE", "CopyEngine", "CpuCopyEngine", "MappedRegion"]
+__all__ = [
+    "LOAD",
+    "STORE",
+    "CopyEngine",
+    "CpuCopyEngine",
+    "MappedRegion",
+    "PreparedCopy",
+    "no_copy",
+]
+
+# A copy ready to run: called once, on a copy thread; returns when the bytes have landed.
+PreparedCopy = Callable[[], None]
+
+
+def no_copy() -> None:
+    """The prepared copy of a plan with no runs."""
 
 
 class CopyEngine(ABC):
@@ -32,16 +51,28 @@ class CopyEngine(ABC):
     parallel_min_bytes = 0
 
     @abstractmethod
+    def prepare(
+        self, direction: int, regions: Sequence[MappedRegion], pool_address: int, plan: CopyPlan
+    ) -> PreparedCopy:
+        """Checks and plans the copy of every run of `plan`; returns the copy itself.
+
+        Runs on the event loop: CPU work only, it never blocks and never touches
+        the memory. Raises (ValueError, DepotError) on a plan or region it cannot
+        copy; nothing has moved then. The caller keeps `regions` open until the
+        returned callable has returned.
+
+        The returned callable runs once, on a copy thread, and returns when the
+        bytes have landed. STORE reads `regions[r].address + region_offset` and
+        writes `pool_address + pool_offset`; LOAD the reverse. It raises on
+        failure; a failed LOAD leaves the destination pages undefined (the caller
+        reports the job failed, and vLLM recomputes them).
+        """
+
     def copy(
         self, direction: int, regions: Sequence[MappedRegion], pool_address: int, plan: CopyPlan
     ) -> None:
-        """Copies every run of `plan` and returns when the bytes have landed.
-
-        STORE reads `regions[r].address + region_offset` and writes
-        `pool_address + pool_offset`; LOAD the reverse. Raises on failure; a
-        failed LOAD leaves the destination pages undefined (the caller reports
-        the job failed, and vLLM recomputes them).
-        """
+        """`prepare`, then the copy, both on the calling thread (tests, benchmarks)."""
+        self.prepare(direction, regions, pool_address, plan)()
 
 
 _memmove = ctypes.memmove
@@ -57,18 +88,21 @@ class CpuCopyEngine(CopyEngine):
 
     parallel_min_bytes = 4 << 20
 
-    def copy(
+    def prepare(
         self, direction: int, regions: Sequence[MappedRegion], pool_address: int, plan: CopyPlan
-    ) -> None:
+    ) -> PreparedCopy:
         if direction not in (STORE, LOAD):
             raise ValueError(f"unknown direction {direction}")
         region, region_off, pool_off, sizes = plan.columns
-        if not len(sizes):
-            return
-        # Addresses column-wise (numpy), then one memmove per run.
+        # Addresses column-wise (numpy) here; the copy thread only calls memmove.
         bases = np.array([r.address for r in regions], dtype=np.int64)
         mem = (bases[region] + region_off).tolist()
         pool = (pool_off + pool_address).tolist()
         dsts, srcs = (pool, mem) if direction == STORE else (mem, pool)
-        for dst, src, n in zip(dsts, srcs, sizes.tolist(), strict=True):
-            _memmove(dst, src, n)
+        runs = list(zip(dsts, srcs, sizes.tolist(), strict=True))
+
+        def copy_runs() -> None:
+            for dst, src, n in runs:
+                _memmove(dst, src, n)
+
+        return copy_runs

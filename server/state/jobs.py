@@ -32,6 +32,7 @@ from kvdepot.server.copy_queue import CopyQueue
 from kvdepot.server.core.index import BlockIndex, Slot
 from kvdepot.server.core.planner import CopyPlan, JobShape, check_job, plan_copy
 from kvdepot.server.memory.arena import Arena
+from kvdepot.server.memory.copy_engine import PreparedCopy
 from kvdepot.server.state.sessions import Registration, Sessions
 from kvdepot.server.state.traffic import Traffic
 
@@ -212,22 +213,24 @@ class JobRunner:
         if engine.parallel_min_bytes:
             parts = plan.split(self._copy_queue.threads, engine.parallel_min_bytes)
 
-        def work(part: CopyPlan) -> tuple[float, float]:
+        def work(copy: PreparedCopy) -> tuple[float, float]:
             t = time.perf_counter()
-            engine.copy(direction, regions, pool, part)
+            copy()
             return t, time.perf_counter()
 
         with self._sessions.in_use(reg):
             try:
-                if len(parts) == 1:
-                    t0, t1 = await self._copy_queue.run(lambda: work(plan), job.expedited)
+                # Planned here, on the loop: the copy threads then hardly need the GIL.
+                copies = [engine.prepare(direction, regions, pool, p) for p in parts]
+                if len(copies) == 1:
+                    t0, t1 = await self._copy_queue.run(lambda: work(copies[0]), job.expedited)
                     return t1 - t0
                 # Every part ends before the job does (return_exceptions): a
                 # failed part must not release slots another part still writes.
                 spans = await asyncio.gather(
                     *(
-                        self._copy_queue.run(functools.partial(work, p), job.expedited)
-                        for p in parts
+                        self._copy_queue.run(functools.partial(work, c), job.expedited)
+                        for c in copies
                     ),
                     return_exceptions=True,
                 )
