@@ -145,13 +145,24 @@ class _StateCollector(Collector):
         )
         yield gauge(
             "pool_warmup_done_bytes",
-            "Pool bytes pre-faulted (and page-locked) so far.",
+            "Pool bytes pre-faulted so far.",
             s["warmup_done_bytes"],
         )
         yield gauge(
             "pool_warmup_complete",
             "1 once the whole pool is pre-faulted.",
             bool(s["warmup_complete"]),
+        )
+        yield gauge(
+            "pool_page_locked_bytes",
+            "Pool bytes page-locked for DMA (cuMemHostRegister); 0 without a CUDA device.",
+            s["page_locked_bytes"],
+        )
+        yield gauge(
+            "pool_page_locking_failed",
+            "1 when page-locking the pool stopped (see the log: a locked-memory limit, "
+            "say); copies still work, slower.",
+            bool(s["page_locking_error"]),
         )
         yield by_label(
             GaugeMetricFamily,

@@ -3,9 +3,10 @@
     kvdepot status [--socket PATH] [--watch] [--json] [--interval S] [--probe]
 
 One screen (rendered with rich, 80 columns is enough): the pool with a bar (used,
-pinned, free, largest free extent), warm-up progress, blocks, traffic rates over the
-last interval, namespaces, engines (pid, ranks, memory path and what it means, age),
-the remote tier when the daemon reports one, and boot id, version and uptime.
+pinned, free, largest free extent), warm-up progress and, on CUDA hosts, page-locking
+progress, blocks, traffic rates over the last interval, namespaces, engines (pid, ranks,
+memory path and what it means, age), the remote tier when the daemon reports one, and
+boot id, version and uptime.
 
 Rates need two readings: a one-shot status reads twice, `--interval` apart (default
 1 s; `--interval 0` reads once and shows no rates). `--watch` redraws every interval
@@ -311,7 +312,23 @@ def render(r: dict[str, Any]) -> Any:
         f"{100 * warm['fraction']:.0f}%" + (" done" if warm["complete"] else ""),
     )
     grid.add_row("warm-up", warm_line)
-    grid.add_row("", Text("pre-fault, and page-lock on CUDA hosts (one figure)", style="dim"))
+    lock = r.get("page_locking")
+    if lock is not None:  # a CUDA host: DMA wants the pool page-locked
+        lock_line = Table.grid(padding=(0, 1))
+        lock_line.add_row(
+            ProgressBar(total=max(1, cap), completed=lock["locked_bytes"], width=BAR_WIDTH),
+            f"{100 * lock['fraction']:.0f}%" + (" done" if lock["complete"] else ""),
+        )
+        grid.add_row("page-lock", lock_line)
+        if lock["error"]:
+            grid.add_row(
+                "",
+                Text(
+                    f"stopped: {lock['error']} (copies still work, slower; raise the "
+                    f"locked-memory limit)",
+                    style="yellow",
+                ),
+            )
     rec = r.get("recovery") or {}
     if rec.get("recovery_blocks_total") or rec.get("recovery_complete") is False:
         grid.add_row(

@@ -60,6 +60,9 @@ KNOWN_STATS = frozenset(
         "dropped_stores",
         "inflight_jobs",
         "job_lanes_open",
+        "page_locking",
+        "page_locked_bytes",
+        "page_locking_error",
         "pool_backing",
         "warm_restarted",
         "evictions_by_reason",
@@ -397,14 +400,21 @@ def build_report(path: str, prev: Sample | None, cur: Sample) -> dict[str, Any]:
             "used_fraction": s.used_bytes / capacity if capacity else 0.0,
         },
         "warmup": {
-            # Pre-faulting, and on CUDA hosts page-locking too: the daemon reports one
-            # figure for both (a chunk counts once it is faulted and, there, locked).
             "done_bytes": s.warmup_done_bytes,
             "capacity_bytes": capacity,
             "fraction": s.warmup_done_bytes / capacity if capacity else 1.0,
             "complete": s.warmup_complete,
-            "page_locking_reported_separately": False,
         },
+        # None on a daemon that serves no CUDA device (nothing to page-lock), or one
+        # older than the page-locking fields.
+        "page_locking": {
+            "locked_bytes": s.page_locked_bytes,
+            "fraction": s.page_locked_bytes / capacity if capacity else 1.0,
+            "complete": s.page_locked_bytes >= capacity,
+            "error": s.page_locking_error or None,
+        }
+        if getattr(s, "page_locking", False)
+        else None,
         "blocks": {
             "ready": s.ready_blocks,
             "writing": s.writing_blocks,

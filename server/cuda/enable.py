@@ -51,6 +51,14 @@ class CudaPath:
     def __call__(self, handle: Any, session: Any) -> tuple[Any, Any]:
         return self.engine.open_region(handle, session)
 
+    def page_locking_fields(self) -> dict[str, object]:
+        """GetStats' page-locking fields (admin.proto: page_locking and after)."""
+        return {
+            "page_locking": True,
+            "page_locked_bytes": self.pinner.pinned_bytes,
+            "page_locking_error": self.pinner.failed or "",
+        }
+
     def close(self) -> None:
         # Unregister while the mapping still exists (an arena close hook).
         self.pinner.close()

@@ -559,4 +559,13 @@ class DepotState:
             "recovery_blocks_verified": self.recovery.verified,
             "recovery_blocks_rejected": self.recovery.rejected,
             "recovery_complete": self.recovery.complete,
+            **self._page_locking_fields(),
         }
+
+    def _page_locking_fields(self) -> dict[str, object]:
+        """The CUDA path's page-locking figures (server/cuda/enable.py), when it serves."""
+        path = self.memory_path(MemoryPath.CUDA_IPC)
+        report = getattr(path, "page_locking_fields", None)
+        if report is None:
+            return {"page_locking": False, "page_locked_bytes": 0, "page_locking_error": ""}
+        return report()

@@ -5,6 +5,7 @@ first failure, and the arena warm-up hook pins the whole pool.
 from __future__ import annotations
 
 import logging
+import re
 import threading
 
 import pytest
@@ -104,3 +105,47 @@ def test_enabling_after_the_warmup_began_follows_it(state: DepotState) -> None:
             break
         deadline.wait(0.02)
     assert sum(drv.registered.values()) == arena.size
+
+
+def test_page_locking_is_reported_apart_from_warmup(state: DepotState) -> None:
+    """GetStats, `kvdepot status` and Prometheus show page-locking on its own: here it
+    stops at 16 of 64 MiB (a locked-memory limit) while the warm-up completes."""
+    from rich.console import Console
+
+    from kvdepot.server.metrics import Metrics
+    from kvdepot.server.status import render
+    from kvdepot.server.status_report import Sample, build_report
+    from kvdepot.v1 import admin_pb2
+
+    def report() -> dict:
+        stats = admin_pb2.GetStatsResponse(**state.stats())
+        return build_report("/x.sock", None, Sample(0, stats, [], []))
+
+    def screen(r: dict) -> str:
+        console = Console(width=100)
+        with console.capture() as cap:
+            console.print(render(r))
+        return cap.get()
+
+    assert state.stats()["page_locking"] is False  # no CUDA: nothing to lock, no line
+    assert report()["page_locking"] is None and "page-lock" not in screen(report())
+
+    drv = FakeDriver()
+    drv.fail_register_after = 2
+    arena = state.arena
+    assert enable_cuda(state, arena, driver=drv, env={})
+    arena.start_warmup(chunk_bytes=8 << 20)
+    assert arena.wait_warmup(30)
+    stats = state.stats()
+    assert stats["warmup_complete"] and stats["warmup_done_bytes"] == arena.size
+    assert stats["page_locking"] is True and stats["page_locked_bytes"] == 16 << 20
+    assert stats["page_locking_error"]  # the driver's refusal, in words
+    r = report()
+    assert r["page_locking"]["fraction"] == 0.25 and not r["page_locking"]["complete"]
+    text = screen(r)
+    assert re.search(r"^page-lock\b.* 25%", text, re.M), text
+    assert "stopped:" in text and "locked-memory limit" in text, text
+
+    registry = Metrics(state).registry
+    assert registry.get_sample_value("kvdepot_pool_page_locked_bytes") == 16 << 20
+    assert registry.get_sample_value("kvdepot_pool_page_locking_failed") == 1
