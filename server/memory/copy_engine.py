@@ -12,7 +12,7 @@ every job, and that cost more than the planning itself.
 
 from __future__ import annotations
 
-import ctypes
+import functools
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 
@@ -21,6 +21,7 @@ import numpy as np
 from kvdepot.common.kinds import Direction
 from kvdepot.server.core.planner import CopyPlan
 from kvdepot.server.memory.regions import MappedRegion
+from kvdepot.server.memory.strided import copy_ops, run_ops
 
 STORE = Direction.STORE  # registered memory -> pool (kvdepot.v1.Direction.STORE)
 LOAD = Direction.LOAD  # pool -> registered memory (kvdepot.v1.Direction.LOAD)
@@ -75,11 +76,9 @@ class CopyEngine(ABC):
         self.prepare(direction, regions, pool_address, plan)()
 
 
-_memmove = ctypes.memmove
-
-
 class CpuCopyEngine(CopyEngine):
-    """memmove per run (ctypes releases the GIL, so copies use every core).
+    """memmove per run, or one numpy copyto per progression of runs (both release
+    the GIL, so copies use every core; see kvdepot.server.memory.strided).
 
     Plans of at least `parallel_min_bytes` may be split by the caller across
     copy threads (CopyPlan.split): one thread's memmove does not reach the
@@ -94,15 +93,10 @@ class CpuCopyEngine(CopyEngine):
         if direction not in (STORE, LOAD):
             raise ValueError(f"unknown direction {direction}")
         region, region_off, pool_off, sizes = plan.columns
-        # Addresses column-wise (numpy) here; the copy thread only calls memmove.
+        # Addresses column-wise (numpy) and the copies' views here; the copy thread
+        # only calls memmove and copyto.
         bases = np.array([r.address for r in regions], dtype=np.int64)
-        mem = (bases[region] + region_off).tolist()
-        pool = (pool_off + pool_address).tolist()
-        dsts, srcs = (pool, mem) if direction == STORE else (mem, pool)
-        runs = list(zip(dsts, srcs, sizes.tolist(), strict=True))
-
-        def copy_runs() -> None:
-            for dst, src, n in runs:
-                _memmove(dst, src, n)
-
-        return copy_runs
+        mem = bases[region] + region_off
+        pool = pool_off + pool_address
+        dst, src = (pool, mem) if direction == STORE else (mem, pool)
+        return functools.partial(run_ops, copy_ops(dst, src, sizes, pool))
