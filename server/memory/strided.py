@@ -37,16 +37,21 @@ def copy_ops(dst: np.ndarray, src: np.ndarray, n: np.ndarray, pool: np.ndarray) 
     """What a copy thread runs for runs of `n` bytes from `src` to `dst` (absolute
     addresses, int64 columns); `pool` is each run's pool address (the other order
     tried). Destination runs must not overlap one another."""
-    orders: list[np.ndarray | None] = [None, np.argsort(pool, kind="stable")]
-    best, fewest = None, len(n) // MIN_AVERAGE_RUNS + 1
-    for order in orders:
-        d, s_, k = (dst, src, n) if order is None else (dst[order], src[order], n[order])
-        count = _progression_count(d, s_, k)
-        if count < fewest:
-            best, fewest = (d, s_, k), count
+    best = None
+    fewest = len(n) // MIN_AVERAGE_RUNS + 1
+    if len(n) >= 2:
+        for order in (None, np.argsort(pool, kind="stable")):
+            cols = (dst, src, n) if order is None else (dst[order], src[order], n[order])
+            links = _links(*cols)
+            # A step change between two progressions breaks two pairs (the one across
+            # and the first one after): about half the breaks start a progression.
+            count = (int(np.count_nonzero(~links[1])) + 1) // 2
+            if count < fewest:
+                best, fewest = (cols, links), count
     if best is None:
         return list(zip(dst.tolist(), src.tolist(), n.tolist(), strict=True))
-    return strided_ops(find_progressions(*best))
+    cols, links = best
+    return strided_ops(_greedy(*cols, *links))
 
 
 def _links(dst: np.ndarray, src: np.ndarray, n: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -59,73 +64,84 @@ def _links(dst: np.ndarray, src: np.ndarray, n: np.ndarray) -> tuple[np.ndarray,
     return link, cont
 
 
-def _progression_count(dst: np.ndarray, src: np.ndarray, n: np.ndarray) -> int:
-    """About how many progressions `find_progressions` makes of these runs: a step
-    change between two progressions breaks two pairs (the one across and the first
-    one after), so half the breaks, rounded up."""
-    if len(n) < 2:
-        return len(n)
-    _, cont = _links(dst, src, n)
-    return (int(np.count_nonzero(~cont)) + 1) // 2  # cont[0] is False: the first pair
-
-
 def find_progressions(dst: np.ndarray, src: np.ndarray, n: np.ndarray) -> list[Progression]:
     """The runs (absolute addresses and sizes, in copy order) cut greedily into
-    maximal progressions, in order; a run that starts none is a progression of 1.
+    maximal progressions, in order; a run in none is a progression of 1.
 
     Within a progression the destination rows never overlap (|dst_step| >= nbytes)
     and the source step is not 0, so copying it row by row in any order writes what
     copying the runs one by one does.
     """
+    if len(n) < 2:
+        return [(int(d), int(s), 1, 0, 0, int(k)) for d, s, k in zip(dst, src, n, strict=True)]
+    return _greedy(dst, src, n, *_links(dst, src, n))
+
+
+def _greedy(
+    dst: np.ndarray, src: np.ndarray, n: np.ndarray, link: np.ndarray, cont: np.ndarray
+) -> list[Progression]:
+    """find_progressions' cut, one Python step per block of equal-step links (not
+    per run): block b is links j..k, runs j..k+1; a run the block before took is
+    left to it, so the block then starts one run later."""
     runs = len(n)
-    if runs == 0:
-        return []
-    if runs == 1:
-        return [(int(dst[0]), int(src[0]), 1, 0, 0, int(n[0]))]
-    # Link i joins run i to run i + 1; it continues the progression of the link
-    # before it when both are links with the same steps.
-    link, cont = _links(dst, src, n)
-    stops = np.flatnonzero(~cont)  # links that do not continue: where a progression may start
-    d, s, nn = dst.tolist(), src.tolist(), n.tolist()
+    starts = np.flatnonzero(link & ~cont)  # first link of each block
+    stops = np.flatnonzero(~cont)
+    # Each block's last link: the one before the next link that does not continue.
+    nxt = np.searchsorted(stops, starts, side="right")
+    ends = np.where(nxt < len(stops), stops[np.minimum(nxt, len(stops) - 1)], runs - 1) - 1
+    d, s, k = dst.tolist(), src.tolist(), n.tolist()
     out: list[Progression] = []
-    p = 0
-    while p < runs:
-        if p == runs - 1 or not link[p]:
-            out.append((d[p], s[p], 1, 0, 0, nn[p]))
-            p += 1
+    free = 0  # the first run no progression has taken yet
+    for j, last in zip(starts.tolist(), ends.tolist(), strict=True):
+        first = max(j, free)
+        if first > last:  # the block's runs but its last were taken: leave that one
             continue
-        # The links p+1, p+2, ... continue it up to the next stop after p.
-        k = int(np.searchsorted(stops, p, side="right"))
-        last_link = (int(stops[k]) if k < len(stops) else runs - 1) - 1
-        count = last_link - p + 2
-        out.append((d[p], s[p], count, d[p + 1] - d[p], s[p + 1] - s[p], nn[p]))
-        p += count
+        out.extend((d[r], s[r], 1, 0, 0, k[r]) for r in range(free, first))
+        count = last - first + 2
+        out.append(
+            (d[first], s[first], count, d[first + 1] - d[first], s[first + 1] - s[first], k[first])
+        )
+        free = first + count
+    out.extend((d[r], s[r], 1, 0, 0, k[r]) for r in range(free, runs))
     return out
 
 
-def _view(start: int, count: int, step: int, nbytes: int) -> np.ndarray:
-    """`count` rows of `nbytes` at `start + k * step` (step may be negative)."""
-    span = (count - 1) * abs(step) + nbytes
-    low = start if step > 0 else start + (count - 1) * step
-    buf = (ctypes.c_char * span).from_address(low)
-    return np.ndarray(
-        shape=(count, nbytes),
-        dtype=np.uint8,
-        buffer=buf,
-        offset=start - low,
-        strides=(step, 1),
-    )
-
-
 def strided_ops(progressions: list[Progression]) -> list[CopyOp]:
-    """What a copy thread runs for `progressions` (see CopyOp)."""
+    """What a copy thread runs for `progressions` (see CopyOp): a lone run as it is,
+    a progression as two views into one byte array per side, spanning every run."""
+    rows = [p for p in progressions if p[2] > 1]
+    if rows:
+        dst_side = _span([(p[0], p[2], p[3], p[5]) for p in rows])
+        src_side = _span([(p[1], p[2], p[4], p[5]) for p in rows])
     ops: list[CopyOp] = []
     for d, s, count, d_step, s_step, nbytes in progressions:
         if count == 1:
             ops.append((d, s, nbytes))
         else:
-            ops.append((_view(d, count, d_step, nbytes), _view(s, count, s_step, nbytes)))
+            ops.append(
+                (
+                    _view(dst_side, d, count, d_step, nbytes),
+                    _view(src_side, s, count, s_step, nbytes),
+                )
+            )
     return ops
+
+
+def _span(rows: list[tuple[int, int, int, int]]) -> tuple[int, np.ndarray]:
+    """(low address, uint8 array from it) covering every (start, count, step, nbytes) row set."""
+    low = min(start + min(0, (count - 1) * step) for start, count, step, _ in rows)
+    high = max(start + max(0, (count - 1) * step) + nbytes for start, count, step, nbytes in rows)
+    return low, np.frombuffer((ctypes.c_char * (high - low)).from_address(low), dtype=np.uint8)
+
+
+def _view(
+    side: tuple[int, np.ndarray], start: int, count: int, step: int, nbytes: int
+) -> np.ndarray:
+    """`count` rows of `nbytes` at `start + k * step` (step may be negative)."""
+    low, array = side
+    return np.ndarray(
+        shape=(count, nbytes), dtype=np.uint8, buffer=array, offset=start - low, strides=(step, 1)
+    )
 
 
 def run_ops(ops: list[CopyOp]) -> None:
