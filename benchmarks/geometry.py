@@ -15,9 +15,21 @@ from __future__ import annotations
 
 import hashlib
 import random
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from typing import Protocol
 
 from kvdepot.v1 import depot_pb2 as pb
+
+
+class LayerPages(Protocol):
+    """What registering a rank's KV tensors needs of a geometry (the bench's, a test's)."""
+
+    @property
+    def groups(self) -> Sequence[Sequence[int]]: ...
+
+    @property
+    def layer_pages(self) -> list[int]: ...
 
 
 @dataclass(frozen=True)
@@ -114,7 +126,7 @@ def layout_pb(geo: BenchGeometry, namespace: str) -> pb.NamespaceLayout:
     )
 
 
-def tensor_offsets(geo: BenchGeometry, num_blocks: int) -> list[int]:
+def tensor_offsets(geo: LayerPages, num_blocks: int) -> list[int]:
     """Each layer is its own (num_blocks, page) tensor, back to back in one memfd."""
     offsets, off = [], 0
     for p in geo.layer_pages:
@@ -128,7 +140,7 @@ def kv_bytes(geo: BenchGeometry, num_blocks: int) -> int:
 
 
 def registration_pb(
-    geo: BenchGeometry, num_blocks: int
+    geo: LayerPages, num_blocks: int
 ) -> tuple[list[pb.KVTensor], list[pb.GroupRefs]]:
     """The tensors and per-group layer refs a rank registers (as vLLM's views give them)."""
     tensors = [

@@ -13,6 +13,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from kvdepot.bench.geometry import registration_pb
 from kvdepot.client import SharedKVBuffer
 from kvdepot.client.fdpass import FdPassError, encode, read_message, send_fd
 from kvdepot.v1 import depot_pb2 as pb
@@ -119,24 +120,7 @@ def fd_exchange(path: str, session_id: str, fd: int, protocol: str) -> str | Non
 @st.composite
 def registrations(draw: st.DrawFn) -> dict[str, Any]:
     geo = soak.geometry(NS)
-    pages = geo.layer_pages
-    tensors = []
-    off = 0
-    for p in pages:
-        tensors.append(
-            pb.KVTensor(
-                region_index=0, region_offset=off, num_blocks=64, block_stride_bytes=p, page_bytes=p
-            )
-        )
-        off += 64 * p
-    refs, t = [], 0
-    for g in geo.groups:
-        refs.append(
-            pb.GroupRefs(
-                layers=[pb.LayerRef(tensor_index=t + i, page_bytes=p) for i, p in enumerate(g)]
-            )
-        )
-        t += len(g)
+    tensors, refs = registration_pb(geo, 64)  # each layer its own 64-block tensor
     layout = draw(
         st.one_of(
             st.just(geo.layout()),

@@ -41,6 +41,7 @@ import numpy as np
 if __package__ in (None, ""):  # run as a script
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from kvdepot.bench.geometry import registration_pb, tensor_offsets
 from kvdepot.client import DepotClient, SharedKVBuffer
 from kvdepot.client.pvm import register_process_kv
 from kvdepot.common.chunks import block_positions
@@ -133,29 +134,8 @@ class Engine:
             self.mem = np.ctypeslib.as_array(
                 (ctypes.c_uint8 * self.size).from_address(self.address)
             )
-        self.tensor_offsets: list[int] = []
-        off = 0
-        for p in pages:
-            self.tensor_offsets.append(off)
-            off += geo.num_blocks * p
-        tensors = [
-            pb.KVTensor(
-                region_index=0,
-                region_offset=o,
-                num_blocks=geo.num_blocks,
-                block_stride_bytes=p,
-                page_bytes=p,
-            )
-            for o, p in zip(self.tensor_offsets, pages, strict=True)
-        ]
-        refs, t = [], 0
-        for g in geo.groups:
-            refs.append(
-                pb.GroupRefs(
-                    layers=[pb.LayerRef(tensor_index=t + i, page_bytes=p) for i, p in enumerate(g)]
-                )
-            )
-            t += len(g)
+        self.tensor_offsets = tensor_offsets(geo, geo.num_blocks)
+        tensors, refs = registration_pb(geo, geo.num_blocks)
         if memory == "shm":
             self.registration = client.register_kv(geo.layout(), rank, self.buffer, tensors, refs)
         else:
