@@ -266,13 +266,19 @@ def fake_libcuda(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(lib)
 
 
-def test_real_bindings_marshal_every_call_right(fake_libcuda: str) -> None:
-    drv = cuda_driver.load(fake_libcuda)
-    fake = ctypes.CDLL(fake_libcuda)
+def _fake_controls(path: str) -> ctypes.CDLL:
+    """The fake libcuda's test controls (allocations, call counts), typed for ctypes."""
+    fake = ctypes.CDLL(path)
     fake.fake_alloc.restype = ctypes.c_uint64
     fake.fake_alloc.argtypes = [ctypes.c_size_t, ctypes.c_int]
     fake.fake_count.restype = ctypes.c_long
     fake.fake_count.argtypes = [ctypes.c_char_p]
+    return fake
+
+
+def test_real_bindings_marshal_every_call_right(fake_libcuda: str) -> None:
+    drv = cuda_driver.load(fake_libcuda)
+    fake = _fake_controls(fake_libcuda)
     assert drv.batch_abi == 2 and drv.has_batch and drv.version() == 13000
     (dev,) = drv.devices()
     assert dev.ordinal == 0 and dev.name == "Fake H200"
@@ -354,11 +360,7 @@ def test_depot_state_end_to_end_through_the_real_bindings(
     """enable_cuda + register + store + load + session end + pool pinning, with the
     real CudaDriver on the fake libcuda: every ctypes path the daemon takes."""
     drv = cuda_driver.load(fake_libcuda)
-    fake = ctypes.CDLL(fake_libcuda)
-    fake.fake_alloc.restype = ctypes.c_uint64
-    fake.fake_alloc.argtypes = [ctypes.c_size_t, ctypes.c_int]
-    fake.fake_count.restype = ctypes.c_long
-    fake.fake_count.argtypes = [ctypes.c_char_p]
+    fake = _fake_controls(fake_libcuda)
     assert enable_cuda(state, state.arena, driver=drv, env={})
     state.arena.start_warmup(chunk_bytes=16 << 20)
     assert state.arena.wait_warmup(30)
