@@ -19,6 +19,7 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from kvdepot.client import DepotClient
 from tests.support.daemon import DaemonProcess
 from tests.support.faults import DaemonFactory
 from tests.support.guide import run_guide_scenario
@@ -48,6 +49,15 @@ def daemon_factory(tmp_path_factory: pytest.TempPathFactory) -> Iterator:
 def daemon(daemon_factory) -> DaemonProcess:
     """A daemon with a 64 MiB pool."""
     return daemon_factory("--pool-size", "64MiB")
+
+
+@pytest.fixture
+def client(daemon: DaemonProcess) -> Iterator[DepotClient]:
+    """A connected DepotClient of `daemon`, closed after the test."""
+    c = DepotClient(daemon.target, client_name="pytest").start()
+    assert c.wait_connected(10)
+    yield c
+    c.close()
 
 
 @pytest.fixture

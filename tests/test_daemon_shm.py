@@ -13,8 +13,6 @@ import threading
 import time
 from pathlib import Path
 
-import pytest
-
 from kvdepot.client import DepotClient
 from kvdepot.v1 import admin_pb2
 from kvdepot.v1 import depot_pb2 as pb
@@ -28,14 +26,6 @@ def spawn(action: str, target: str, ranks: str, **opts: object) -> subprocess.Po
     for k, v in opts.items():
         args += [f"--{k.replace('_', '-')}", str(v)]
     return subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-
-
-@pytest.fixture
-def client(daemon):
-    c = DepotClient(daemon.target, client_name="pytest").start()
-    assert c.wait_connected(10)
-    yield c
-    c.close()
 
 
 def test_two_rank_processes_store_and_a_third_loads_every_byte(daemon) -> None:

@@ -51,14 +51,6 @@ def rss_mib(pid: int) -> float:
     raise AssertionError("no VmRSS")
 
 
-@pytest.fixture
-def client(daemon):
-    c = DepotClient(daemon.target, client_name="lane-test").start()
-    assert c.wait_connected(10)
-    yield c
-    c.close()
-
-
 def raw_lane(client: DepotClient, bufsize: int | None = None) -> socket.socket:
     """A lane opened by hand (no TransferStream): the test plays the client's end."""
     mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)

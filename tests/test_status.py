@@ -14,6 +14,7 @@ tests/test_status_errors.py, tests/test_status_watch.py and tests/test_status_re
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -36,7 +37,7 @@ from tests.support.daemon import DaemonProcess, kvdepot_command
 from tests.support.engine import Engine, Geometry, make_key
 from tests.support.faults import DaemonFactory
 from tests.support.guide import GEO_A, GEO_B, GUIDE, run_guide_scenario
-from tests.support.ops import admin, connect, store
+from tests.support.ops import GEO_M, admin, connect, store
 from tests.support.status_cli import WIDTH, one_line_error, status, status_json
 
 # --- content -----------------------------------------------------------------------------
@@ -185,13 +186,7 @@ def test_rates_add_up_to_the_traffic(daemon_factory: DaemonFactory) -> None:
     """--watch --json: the per-second rates times their intervals sum to exactly the
     stores, bytes and evictions made while it watched."""
     d = daemon_factory("--pool-size", "16MiB")
-    geo = Geometry(
-        groups=[[4096, 4096]],
-        blocks_per_chunk=2,
-        world_size=1,
-        num_blocks=128,
-        namespace="rates-test",
-    )
+    geo = dataclasses.replace(GEO_M, namespace="rates-test")
     client = connect(d.target, "rates-test")
     proc = subprocess.Popen(
         [
