@@ -119,6 +119,9 @@ class JobLane:
         self._writing = False
         self._draining = False  # the peer half-closed: answer what runs, then close
         self.closed = False
+        # Asked at every wake-up (see _hung_up): registered once, not per call.
+        self._hangup_poll = select.poll()
+        self._hangup_poll.register(self.fd, select.POLLOUT)
 
     def start(self) -> None:
         self._resume_reading()
@@ -140,9 +143,8 @@ class JobLane:
 
     def _hung_up(self) -> bool:
         """Both directions shut: the peer closed its end (abort, exit, death)."""
-        poller = select.poll()
-        poller.register(self.fd, select.POLLOUT)
-        return any(ev & (select.POLLHUP | select.POLLERR) for _, ev in poller.poll(0))
+        events = self._hangup_poll.poll(0)
+        return any(ev & (select.POLLHUP | select.POLLERR) for _, ev in events)
 
     def _on_readable(self) -> None:
         # Jobs still queued in the socket when the peer hung up are never started
