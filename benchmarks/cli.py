@@ -33,6 +33,7 @@ from kvdepot.bench.geometry import BenchGeometry
 from kvdepot.bench.progress import Progress
 from kvdepot.bench.report import check_targets, format_table, plot
 from kvdepot.bench.throughput import ThroughputBench, ThroughputPlan
+from kvdepot.server.memory.copy_engine import copier
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
 
@@ -344,6 +345,8 @@ def run_bench(args: argparse.Namespace) -> int:
                 "geometry": geo.as_dict(),
                 "geometry_text": geo.describe(),
                 "daemon": daemon_text,
+                # This install's CPU copier: the in-process side's, and an own daemon's.
+                "copier": copier(),
                 "pool_bytes": stats.capacity_bytes,
                 "sizes": plan.sizes,
                 "engines": plan.engines,

@@ -166,6 +166,7 @@ def format_table(result: dict[str, Any]) -> str:
         f"daemon: {cfg['daemon']}; GB = 10^9 bytes; median of {cfg['reps']} repetitions "
         f"(warm-up jobs excluded); in-process = same planner + copy engine in the engine "
         f"process",
+        f"copies: {cfg.get('copier', 'not recorded')}",
         f"content check: {result['verified']['pages']} pages stored and loaded back, "
         f"{result['verified']['mismatched_pages']} mismatched",
         "",

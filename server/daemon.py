@@ -24,6 +24,7 @@ from kvdepot.server.cuda import enable_cuda
 from kvdepot.server.fd_receiver import FdReceiver
 from kvdepot.server.gc_policy import GcPolicy
 from kvdepot.server.health import HealthServicer
+from kvdepot.server.memory.copy_engine import copier
 from kvdepot.server.memory.pool_file import PoolFileBusy
 from kvdepot.server.pvm import enable_pvm
 from kvdepot.server.resources import Headroom, raise_nofile_limit
@@ -159,6 +160,7 @@ class Daemon:
             cfg.max_sessions,
             cfg.max_registrations_per_session,
         )
+        log.info("shared-memory copies: %s", copier())
         # Memory paths beyond shared memory; each logs whether it is on, and why.
         enable_cuda(st, st.arena)  # before the warm-up: it page-locks each warm chunk
         enable_pvm(st)  # copies from engines' plain memory (process_vm_readv/writev)

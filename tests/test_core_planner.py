@@ -89,14 +89,15 @@ def test_plan_merges_contiguous_pages_and_rejects_out_of_range_blocks() -> None:
 
 
 @pytest.mark.parametrize("first_index", [0, 1, 3])
-def test_store_then_load_round_trips_bytes_for_both_ranks(first_index: int) -> None:
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "numpy"])
+def test_store_then_load_round_trips_bytes_for_both_ranks(first_index: int, compiled: bool) -> None:
     """Two ranks store into shared slots; loads into other blocks get each rank's bytes."""
     lay = layout(world=2, bpc=2)
     mm, size = memmap(lay)
     rng = np.random.default_rng(first_index)
     pool = np.zeros(1 << 20, np.uint8)
     src = [rng.integers(0, 256, size, dtype=np.uint8) for _ in range(2)]
-    engine = CpuCopyEngine()
+    engine = CpuCopyEngine(compiled)
     n = 5  # blocks per group
     chunks = lay.chunks_per_group([n, n], [first_index, first_index])
     slot_offsets = []

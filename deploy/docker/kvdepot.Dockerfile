@@ -9,6 +9,12 @@
 ARG BASE=docker.io/library/python:3.11-slim-bookworm
 
 FROM ${BASE} AS build
+# A C compiler for the copy engine's run copier (server/memory/_runcopy.c); only this
+# stage has it. Without one the install goes on and the daemon copies with numpy, slower.
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends gcc libc6-dev \
+    && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
 # The repository, less what .dockerignore keeps out (virtual environments, tests, .git).
 COPY . .

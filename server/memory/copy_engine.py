@@ -23,6 +23,11 @@ from kvdepot.server.core.planner import CopyPlan
 from kvdepot.server.memory.regions import MappedRegion
 from kvdepot.server.memory.strided import copy_ops, run_ops
 
+try:  # built from _runcopy.c when the install had a C compiler (pyproject.toml)
+    from kvdepot.server.memory._runcopy import copy_runs
+except ImportError:
+    copy_runs = None
+
 STORE = Direction.STORE  # registered memory -> pool (kvdepot.v1.Direction.STORE)
 LOAD = Direction.LOAD  # pool -> registered memory (kvdepot.v1.Direction.LOAD)
 
@@ -76,9 +81,24 @@ class CopyEngine(ABC):
         self.prepare(direction, regions, pool_address, plan)()
 
 
+def copier() -> str:
+    """Which copier CpuCopyEngine uses, in words (the daemon logs it at start)."""
+    if copy_runs is not None:
+        return "compiled run copier (one call per copy, without the GIL)"
+    return (
+        "numpy progressions (kvdepot.server.memory._runcopy was not built: "
+        "reinstall kvdepot where a C compiler is available for faster copies)"
+    )
+
+
 class CpuCopyEngine(CopyEngine):
-    """memmove per run, or one numpy copyto per progression of runs (both release
-    the GIL, so copies use every core; see kvdepot.server.memory.strided).
+    """Copies between two mappings of this process, with the GIL released.
+
+    With the compiled run copier (`_runcopy.c`), a copy is one call that holds the
+    GIL only to start and end; `prepare` computes the address columns and nothing
+    else. Without it, memmove per run or one numpy copyto per progression of runs
+    (kvdepot.server.memory.strided), which plans more on the loop and takes the GIL
+    back between progressions. `compiled=False` picks that path (tests, benchmarks).
 
     Plans of at least `parallel_min_bytes` may be split by the caller across
     copy threads (CopyPlan.split): one thread's memmove does not reach the
@@ -86,6 +106,11 @@ class CpuCopyEngine(CopyEngine):
     """
 
     parallel_min_bytes = 4 << 20
+
+    def __init__(self, compiled: bool = True) -> None:
+        if compiled and copy_runs is None:
+            compiled = False
+        self.compiled = compiled
 
     def prepare(
         self, direction: int, regions: Sequence[MappedRegion], pool_address: int, plan: CopyPlan
@@ -99,4 +124,6 @@ class CpuCopyEngine(CopyEngine):
         mem = bases[region] + region_off
         pool = pool_off + pool_address
         dst, src = (pool, mem) if direction == STORE else (mem, pool)
+        if self.compiled:
+            return functools.partial(copy_runs, dst, src, np.ascontiguousarray(sizes, np.int64))
         return functools.partial(run_ops, copy_ops(dst, src, sizes, pool))
