@@ -3,7 +3,9 @@
 A CPU engine's KV cache is one plain allocation (`torch.zeros(int8)`), which no
 other process can map. The daemon reaches it with `process_vm_readv` (STORE:
 engine -> pool) and `process_vm_writev` (LOAD: pool -> engine), one system call
-per batch of up to IOV_MAX runs, with the GIL released.
+per batch of up to IOV_MAX runs, with the GIL released. The batches' iovec arrays
+are built with numpy when the copy is prepared, on the event loop, so a copy
+thread only makes the system calls.
 
     enable_pvm(state)      # at start-up: adds the "pvm" memory path
 
@@ -36,10 +38,10 @@ because the kernel checks every address for it.
 
 from __future__ import annotations
 
-import array
 import ctypes
 import errno
 import functools
+import itertools
 import logging
 import os
 import select
@@ -48,6 +50,8 @@ import struct
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
+
+import numpy as np
 
 from kvdepot.client.pvm import ptrace_scope
 from kvdepot.common.kinds import MemoryPath
@@ -135,22 +139,74 @@ def access_advice(target_uid: int | None) -> str:
 # -- the copies ---------------------------------------------------------------------------
 
 
-def _pieces(
-    runs: Sequence[tuple[int, int, int, int]], bases: Sequence[int], pool: int
-) -> list[tuple[int, int, int]]:
-    """(pool address, remote address, bytes) per run, runs over MAX_CALL_BYTES split."""
-    out = [(pool + po, bases[r] + ro, n) for r, ro, po, n in runs]
-    if any(n > MAX_CALL_BYTES for _, _, n in out):
-        split = []
-        for lo, rem, n in out:
-            for off in range(0, n, MAX_CALL_BYTES):
-                split.append((lo + off, rem + off, min(MAX_CALL_BYTES, n - off)))
-        out = split
+# One process_vm_* call: the local and the remote iovec arrays ((count, 2) uint64:
+# struct iovec is {void *base; size_t len}), the iovec count, and the bytes it moves.
+Batch = tuple[np.ndarray, np.ndarray, int, int]
+
+
+def plan_batches(
+    local: np.ndarray, remote: np.ndarray, nbytes: np.ndarray, parts: int = 1
+) -> list[list[Batch]]:
+    """The runs (int64 columns: local address, remote address, bytes) as `parts`
+    shares of about equal bytes, each a list of system-call batches in run order.
+
+    A run longer than a share (or than MAX_CALL_BYTES) is cut, so a job of one
+    large run still spreads over the shares; shares then end at run boundaries.
+    A batch holds at most IOV_MAX runs and MAX_CALL_BYTES bytes. Pure numpy: it
+    runs on the event loop (CopyEngine.prepare), not on a copy thread.
+    """
+    total = int(nbytes.sum())
+    cap = min(MAX_CALL_BYTES, max(1, -(-total // max(parts, 1))))
+    pieces = -(-nbytes // cap)
+    if (pieces > 1).any():  # cut long runs into pieces of at most `cap` bytes
+        run = np.repeat(np.arange(len(nbytes)), pieces)
+        first = np.repeat(np.cumsum(pieces) - pieces, pieces)
+        off = (np.arange(len(run)) - first) * cap
+        local, remote = local[run] + off, remote[run] + off
+        nbytes = np.minimum(nbytes[run] - off, cap)
+    keep = nbytes > 0
+    if not keep.all():
+        local, remote, nbytes = local[keep], remote[keep], nbytes[keep]
+    ends = np.cumsum(nbytes)  # bytes up to and including each run
+    cuts = np.searchsorted(ends, [total * k // parts for k in range(1, parts)], side="left") + 1
+    bounds = [0, *sorted(set(min(int(c), len(ends)) for c in cuts)), len(ends)]
+    shares: list[list[Batch]] = []
+    for lo, hi in itertools.pairwise(bounds):
+        if hi > lo:
+            shares.append(_batches(local[lo:hi], remote[lo:hi], nbytes[lo:hi]))
+    return shares
+
+
+def _batches(local: np.ndarray, remote: np.ndarray, nbytes: np.ndarray) -> list[Batch]:
+    """One share's runs (each at most MAX_CALL_BYTES) cut into system-call batches."""
+    ends = np.cumsum(nbytes)
+    out: list[Batch] = []
+    i, count = 0, len(nbytes)
+    while i < count:
+        before = int(ends[i - 1]) if i else 0
+        fit = int(np.searchsorted(ends, before + MAX_CALL_BYTES, side="right"))
+        j = max(i + 1, min(i + IOV_MAX, fit))
+        out.append(
+            (
+                _iovecs(local[i:j], nbytes[i:j]),
+                _iovecs(remote[i:j], nbytes[i:j]),
+                j - i,
+                int(ends[j - 1]) - before,
+            )
+        )
+        i = j
     return out
 
 
-def copy_runs(pid: int, direction: int, pieces: Sequence[tuple[int, int, int]]) -> int:
-    """Moves every piece between this process (the pool) and `pid`; returns the bytes.
+def _iovecs(base: np.ndarray, nbytes: np.ndarray) -> np.ndarray:
+    iov = np.empty((len(base), 2), dtype=np.uint64)
+    iov[:, 0] = base
+    iov[:, 1] = nbytes
+    return iov
+
+
+def copy_batches(pid: int, direction: int, batches: Sequence[Batch]) -> int:
+    """Moves every batch between this process (the pool) and `pid`; returns the bytes.
 
     STORE reads the remote ranges into the pool (process_vm_readv); LOAD writes
     the pool into them (process_vm_writev). Raises ProcessGone when the kernel
@@ -164,18 +220,8 @@ def copy_runs(pid: int, direction: int, pieces: Sequence[tuple[int, int, int]]) 
     else:
         raise ValueError(f"unknown direction {direction}")
     done = 0
-    i, total = 0, len(pieces)
-    while i < total:
-        # One batch: at most IOV_MAX pieces and MAX_CALL_BYTES bytes.
-        j, want = i, 0
-        while j < total and j - i < IOV_MAX and want + pieces[j][2] <= MAX_CALL_BYTES:
-            want += pieces[j][2]
-            j += 1
-        batch = pieces[i:j]
-        # struct iovec is {void *base; size_t len}: two machine words per entry.
-        local = array.array("Q", [x for lo, _, n in batch for x in (lo, n)])
-        remote = array.array("Q", [x for _, rem, n in batch for x in (rem, n)])
-        got = fn(pid, local.buffer_info()[0], len(batch), remote.buffer_info()[0], len(batch), 0)
+    for local, remote, count, want in batches:
+        got = fn(pid, local.ctypes.data, count, remote.ctypes.data, count, 0)
         if got < 0:
             err = ctypes.get_errno()
             if err == errno.EPERM:
@@ -190,7 +236,6 @@ def copy_runs(pid: int, direction: int, pieces: Sequence[tuple[int, int, int]]) 
                 f"unmapped part of its KV memory"
             )
         done += got
-        i = j
     return done
 
 
@@ -220,25 +265,6 @@ class ProcessMemoryRegion(MappedRegion):
             os.close(fd)
 
 
-def split_pieces(
-    pieces: Sequence[tuple[int, int, int]], parts: int
-) -> list[list[tuple[int, int, int]]]:
-    """`pieces` cut into up to `parts` lists of about equal bytes, in order."""
-    total = sum(n for _, _, n in pieces)
-    share = -(-total // max(parts, 1))
-    out: list[list[tuple[int, int, int]]] = [[]]
-    room = share
-    for lo, rem, n in pieces:
-        while n > 0:
-            if room == 0:
-                out.append([])
-                room = share
-            take = min(n, room)
-            out[-1].append((lo, rem, take))
-            lo, rem, n, room = lo + take, rem + take, n - take, room - take
-    return [p for p in out if p]
-
-
 class PvmCopyEngine(CopyEngine):
     """Executes plans with process_vm_readv/writev, IOV_MAX runs per system call.
 
@@ -266,10 +292,12 @@ class PvmCopyEngine(CopyEngine):
         pid = procs[0].pid
         if any(r.pid != pid for r in procs):
             raise ValueError("one registration's regions belong to one process")
-        pieces = _pieces(plan.runs, [r.address for r in procs], pool_address)
-        shares = [pieces]
-        if self._pool is not None and plan.nbytes >= PARALLEL_MIN_BYTES:
-            shares = split_pieces(pieces, self.threads)
+        if direction not in (STORE, LOAD):
+            raise ValueError(f"unknown direction {direction}")
+        region, region_off, pool_off, sizes = plan.columns
+        bases = np.array([r.address for r in procs], dtype=np.int64)
+        parts = self.threads if self._pool is not None and plan.nbytes >= PARALLEL_MIN_BYTES else 1
+        shares = plan_batches(pool_off + pool_address, bases[region] + region_off, sizes, parts)
         return functools.partial(self._copy_shares, pid, direction, procs, shares)
 
     def _copy_shares(
@@ -277,14 +305,16 @@ class PvmCopyEngine(CopyEngine):
         pid: int,
         direction: int,
         procs: Sequence[ProcessMemoryRegion],
-        shares: list[list[tuple[int, int, int]]],
+        shares: list[list[Batch]],
     ) -> None:
         """Copies the shares side by side, this thread taking the first (a copy thread)."""
         self._check_alive(procs)
-        futures = [self._pool.submit(copy_runs, pid, direction, s) for s in shares[1:]]  # type: ignore[union-attr]
+        if not shares:
+            return
+        futures = [self._pool.submit(copy_batches, pid, direction, s) for s in shares[1:]]  # type: ignore[union-attr]
         failure: BaseException | None = None
         try:
-            copy_runs(pid, direction, shares[0])
+            copy_batches(pid, direction, shares[0])
         except (ProcessGone, PermissionError) as exc:
             failure = exc
         for f in futures:  # wait for every share, failed or not
@@ -363,7 +393,8 @@ def probe(pid: int, address: int, size: int, uid: int | None) -> None:
     base = ctypes.addressof(buf)
     for at in sorted({address, address + size - n}):
         try:
-            copy_runs(pid, STORE, [(base, at, n)])
+            one = np.array([base]), np.array([at]), np.array([n])
+            copy_batches(pid, STORE, plan_batches(*one)[0])
         except PermissionError:
             raise errors.denied(
                 f"the daemon may not read process {pid}'s memory (process_vm_readv: EPERM). "
