@@ -14,8 +14,11 @@ private one it starts):
   with 64 running requests, for no connector, vLLM's OffloadingConnector with its
   CPU manager, and KVDepotConnector; the admission step (64 requests arrive, each
   with a 256-token hit) and the steady decode steps. "Added" is the difference to
-  no connector. Workers are out of the picture (their jobs complete at once): this
-  is what the connector costs the scheduler thread, the budget docs/architecture.md §10 sets.
+  no connector in the same round; rounds (5, or 1 with --quick) build a fresh engine
+  per setup in a rotating order, and the figures are medians over rounds (one
+  admission step per engine is too few to judge on a noisy machine). Workers are
+  out of the picture (their jobs complete at once): this is what the connector
+  costs the scheduler thread, the budget docs/architecture.md §10 sets.
 """
 
 from __future__ import annotations
@@ -98,6 +101,7 @@ def run_connector_bench(
     hit_tokens: int = 256,
     new_tokens: int = 256,
     out: TextIO | None = None,
+    rounds: int | None = None,
 ) -> dict[str, Any]:
     """Runs the measurements; prints a table to `out` (default stderr) and returns
     the figures as a dict. `target` is the daemon ("unix:///path"); None starts one."""
@@ -109,6 +113,7 @@ def run_connector_bench(
     lookup_rounds = 20 if quick else 200
     pin_reps = 50 if quick else 400
     decode_steps = 20 if quick else 100
+    rounds = rounds or (1 if quick else 5)
     own = None
     if target is None:
         own = OwnDaemon("256MiB")
@@ -134,6 +139,7 @@ def run_connector_bench(
             "new_tokens": new_tokens,
             "block_size": 16,
             "decode_steps": decode_steps,
+            "rounds": rounds,
             "target": target,
         },
     }
@@ -151,10 +157,41 @@ def run_connector_bench(
         engines.remove(writer)
         writer.shutdown()
 
-        # 2. kvdepot, scheduler side only.
-        depot = SyntheticEngine(EngineConfig(socket=target, workers=False, **common))
+        def make_depot() -> Any:  # kvdepot, scheduler side only
+            engine = SyntheticEngine(EngineConfig(socket=target, workers=False, **common))
+            try:
+                engine.wait_ready(hit_keys, timeout=60)
+            except BaseException:
+                engine.shutdown()
+                raise
+            return engine
+
+        def make_cpu() -> Any:  # vLLM's CPU manager, holding the same hit keys
+            from vllm.v1.kv_offload.base import ReqContext
+
+            engine = SyntheticEngine(
+                EngineConfig(
+                    socket=None,
+                    workers=False,
+                    connector="OffloadingConnector",
+                    connector_module=None,
+                    extra_config={"spec_name": "CPUOffloadingSpec", "cpu_bytes_to_use": 1 << 30},
+                    **common,
+                )
+            )
+            ctx = ReqContext(req_id="bench-fill")
+            engine.manager.prepare_store(hit_keys, ctx)
+            engine.manager.complete_store(hit_keys, ctx)
+            return engine
+
+        def make_bare() -> Any:  # no connector: the baseline "added" subtracts
+            return SyntheticEngine(
+                EngineConfig(socket=None, workers=False, connector=None, **common)
+            )
+
+        # 2. kvdepot's lookups and pins.
+        depot = make_depot()
         engines.append(depot)
-        depot.wait_ready(hit_keys, timeout=60)
         manager = depot.manager
         lookup_keys = hit_keys + miss_keys[: len(hit_keys)]
         result["lookup_us"] = {"kvdepot": _time_lookups(manager, lookup_keys, lookup_rounds)}
@@ -175,34 +212,38 @@ def run_connector_bench(
                 "n": len(lat),
             }
         result["pin"] = pins
-        depot_steps = _steps(depot, prompts, decode_steps)
-        result["step_ms"] = {"kvdepot": depot_steps}
-        result["kvdepot_pin_rpcs_in_steps"] = manager.pin_rpcs
+        engines.remove(depot)
+        depot.shutdown()
 
-        # 3. vLLM's own CPU offloading manager, same keys and requests.
-        cpu = SyntheticEngine(
-            EngineConfig(
-                socket=None,
-                workers=False,
-                connector="OffloadingConnector",
-                connector_module=None,
-                extra_config={"spec_name": "CPUOffloadingSpec", "cpu_bytes_to_use": 1 << 30},
-                **common,
-            )
-        )
+        # 3. vLLM's own CPU offloading manager, same keys.
+        cpu = make_cpu()
         engines.append(cpu)
-        from vllm.v1.kv_offload.base import ReqContext
-
-        ctx = ReqContext(req_id="bench-fill")
-        cpu.manager.prepare_store(hit_keys, ctx)
-        cpu.manager.complete_store(hit_keys, ctx)
         result["lookup_us"]["vllm_cpu"] = _time_lookups(cpu.manager, lookup_keys, lookup_rounds)
-        result["step_ms"]["vllm_cpu"] = _steps(cpu, prompts, decode_steps)
+        engines.remove(cpu)
+        cpu.shutdown()
 
-        # 4. No connector: the baseline the "added" figures subtract.
-        bare = SyntheticEngine(EngineConfig(socket=None, workers=False, connector=None, **common))
-        engines.append(bare)
-        result["step_ms"]["none"] = _steps(bare, prompts, decode_steps)
+        # 4. Scheduler steps: each round builds one engine per setup, in an order that
+        # rotates, so that every setup meets the machine's slow moments alike; the
+        # "added" figures compare a setup with no connector in the same round.
+        setups = {"kvdepot": make_depot, "vllm_cpu": make_cpu, "none": make_bare}
+        names = list(setups)
+        per_round: dict[str, list[dict[str, float]]] = {n: [] for n in names}
+        pin_rpcs = 0
+        for r in range(rounds):
+            for name in names[r % 3 :] + names[: r % 3]:
+                engine = setups[name]()
+                engines.append(engine)
+                per_round[name].append(_steps(engine, prompts, decode_steps))
+                if name == "kvdepot":
+                    pin_rpcs += engine.manager.pin_rpcs
+                engines.remove(engine)
+                engine.shutdown()
+        result["kvdepot_pin_rpcs_in_steps"] = pin_rpcs
+        result["step_ms"] = {
+            n: {k: statistics.median(x[k] for x in per_round[n]) for k in per_round[n][0]}
+            for n in names
+        }
+        result["step_rounds"] = per_round
     finally:
         for engine in engines:
             with contextlib.suppress(Exception):  # a broken engine must not hide the figures
@@ -210,18 +251,30 @@ def run_connector_bench(
         if own is not None:
             own.stop()
 
-    none = result["step_ms"]["none"]
-    result["added_ms"] = {
-        name: {
-            "admission_step": result["step_ms"][name]["admission_step_ms"]
-            - none["admission_step_ms"],
-            "decode_step": result["step_ms"][name]["decode_step_ms_mean"]
-            - none["decode_step_ms_mean"],
-        }
-        for name in ("kvdepot", "vllm_cpu")
-    }
+    result["added_ms"], result["added_rounds"] = _added(result["step_rounds"])
     print(format_table(result), file=out)
     return result
+
+
+def _added(
+    per_round: dict[str, list[dict[str, float]]],
+) -> tuple[dict[str, dict[str, float]], dict[str, list[dict[str, float]]]]:
+    """What each connector adds to a step over no connector in the same round:
+    (the median over rounds, every round's figure)."""
+    rounds: dict[str, list[dict[str, float]]] = {}
+    for name in ("kvdepot", "vllm_cpu"):
+        rounds[name] = [
+            {
+                "admission_step": mine["admission_step_ms"] - none["admission_step_ms"],
+                "decode_step": mine["decode_step_ms_mean"] - none["decode_step_ms_mean"],
+            }
+            for mine, none in zip(per_round[name], per_round["none"], strict=True)
+        ]
+    median = {
+        name: {k: statistics.median(x[k] for x in rs) for k in ("admission_step", "decode_step")}
+        for name, rs in rounds.items()
+    }
+    return median, rounds
 
 
 def format_table(r: dict[str, Any]) -> str:
@@ -229,7 +282,7 @@ def format_table(r: dict[str, Any]) -> str:
     lines = [
         f"vLLM connector, scheduler side ({cfg['requests']} requests, "
         f"{cfg['hit_tokens']}-token hits + {cfg['new_tokens']} new tokens, "
-        f"{cfg['decode_steps']} decode steps)",
+        f"{cfg['decode_steps']} decode steps; medians of {cfg['rounds']} round(s))",
         f"{'':34}{'kvdepot':>12}{'vLLM CPU':>12}{'none':>12}",
         f"{'lookup (us per key)':34}{r['lookup_us']['kvdepot']:>12.3f}"
         f"{r['lookup_us']['vllm_cpu']:>12.3f}{'-':>12}",
@@ -253,6 +306,14 @@ def format_table(r: dict[str, Any]) -> str:
         f"{'added per decode step (ms)':34}{a['kvdepot']['decode_step']:>12.3f}"
         f"{a['vllm_cpu']['decode_step']:>12.3f}{'0':>12}"
     )
+    rounds = r["added_rounds"]
+    for step, label in (("admission_step", "admission"), ("decode_step", "decode")):
+        lower = sum(
+            mine[step] <= theirs[step]
+            for mine, theirs in zip(rounds["kvdepot"], rounds["vllm_cpu"], strict=True)
+        )
+        count = f"{lower} of {len(rounds['kvdepot'])} rounds"
+        lines.append(f"{'kvdepot <= vLLM CPU, ' + label:34}{count:>12}")
     for batch, p in r["pin"].items():
         lines.append(
             f"{'pin ' + batch.replace('_', ' ') + ' p50 / p99 (ms)':34}"
@@ -268,10 +329,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--socket", help="a running daemon (default: start a private one)")
     ap.add_argument("--quick", action="store_true", help="fewer repetitions")
     ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument(
+        "--rounds", type=int, help="rounds of scheduler steps (default 5; 1 with --quick)"
+    )
     ap.add_argument("--json", action="store_true", help="print the figures as JSON too")
     args = ap.parse_args(argv)
     result = run_connector_bench(
-        args.socket, quick=args.quick, requests=args.requests, out=sys.stdout
+        args.socket, quick=args.quick, requests=args.requests, out=sys.stdout, rounds=args.rounds
     )
     if args.json:
         print(json.dumps(result, indent=2))

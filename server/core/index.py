@@ -148,18 +148,40 @@ class BlockIndex(IndexEviction):
         return out
 
     def pin(self, namespace_id: str, keys: Iterable[bytes], owner: Owner) -> list[bool]:
+        """Pins each READY key once more for `owner` (not evictable while pinned);
+        returns, per key, whether it was pinned (False: absent or not READY)."""
         ns = self.namespace(namespace_id)
+        # The per-key work inlined: a step's Pin names up to thousands of keys, and
+        # the scheduler waits for it.
+        get, ready, lru_pop = ns.slots.get, SlotState.READY, self._lru.pop
+        owned = self._pins_by_owner.get(owner)
+        if owned is None:
+            owned = Counter()
         out = []
+        first_pins = first_bytes = 0
         for key in keys:
-            slot = ns.slots.get(key)
-            if slot is None or slot.state is not SlotState.READY:
+            slot = get(key)
+            if slot is None or slot.state is not ready:
                 out.append(False)
                 continue
-            self._add_pin(slot, owner)
+            pins = slot.pins
+            if not pins:
+                if not slot.readers:  # not held: it is on the LRU list
+                    lru_pop(slot, None)
+                first_pins += 1
+                first_bytes += slot.extent.size
+            pins[owner] = pins.get(owner, 0) + 1
+            owned[slot] += 1
             out.append(True)
+        if owned:
+            self._pins_by_owner[owner] = owned
+        self.pinned_bytes += first_bytes
+        ns.pinned_blocks += first_pins
+        ns.pinned_bytes += first_bytes
+        pinned = len(out) - out.count(False)
         self.stats.pin_calls += 1
         self.stats.pin_keys += len(out)
-        self.stats.pinned_keys += sum(out)
+        self.stats.pinned_keys += pinned
         return out
 
     def unpin(self, namespace_id: str, keys: Iterable[bytes], owner: Owner) -> int:
@@ -174,17 +196,6 @@ class BlockIndex(IndexEviction):
                 continue
             self._drop_pin(slot, owner)
         return missing
-
-    def _add_pin(self, slot: Slot, owner: Owner) -> None:
-        if not slot.held:
-            self._lru.pop(slot, None)
-        if not slot.pins:
-            self.pinned_bytes += slot.extent.size
-            ns = self.namespaces[slot.namespace]
-            ns.pinned_blocks += 1
-            ns.pinned_bytes += slot.extent.size
-        slot.pins[owner] = slot.pins.get(owner, 0) + 1
-        self._pins_by_owner.setdefault(owner, Counter())[slot] += 1
 
     def _drop_pin(self, slot: Slot, owner: Owner) -> None:
         slot.pins[owner] -= 1

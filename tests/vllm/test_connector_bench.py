@@ -1,0 +1,40 @@
+"""`python -m kvdepot.bench.connector_bench --quick`: the scheduler-side figures are all
+there, per round, and the kvdepot scheduler made one Pin RPC per admission step (the
+steps it times are real vLLM Scheduler steps against a real daemon). No speed threshold."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+
+def test_quick_connector_bench_reports_every_setup_per_round() -> None:
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvdepot.bench.connector_bench",
+            "--quick",
+            "--rounds",
+            "2",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads(proc.stdout[proc.stdout.index("{\n") :])
+    assert result["config"]["rounds"] == 2
+    for name in ("kvdepot", "vllm_cpu", "none"):
+        rounds = result["step_rounds"][name]
+        assert len(rounds) == 2
+        assert all(r["admission_step_ms"] > 0 and r["decode_step_ms_mean"] > 0 for r in rounds)
+    for name in ("kvdepot", "vllm_cpu"):
+        assert len(result["added_rounds"][name]) == 2
+        assert set(result["added_ms"][name]) == {"admission_step", "decode_step"}
+    # One Pin RPC in each round's admission step, none in the decode steps.
+    assert result["kvdepot_pin_rpcs_in_steps"] == 2
+    assert result["lookup_us"]["kvdepot"] > 0 and result["lookup_us"]["vllm_cpu"] > 0
+    assert "kvdepot <= vLLM CPU, admission" in proc.stdout
