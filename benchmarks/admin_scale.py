@@ -68,8 +68,11 @@ async def watch_loop(lag_file: str) -> None:
     gc.callbacks.append(on_gc)
 
     def dump() -> None:
+        # The GC runs first, then the samples by rename: the reader waits for the
+        # samples file, which must never be seen half written (it can be 100s of MB).
         Path(lag_file + ".gc").write_text(json.dumps(gcs))
-        Path(lag_file).write_text(json.dumps(samples))
+        Path(lag_file + ".tmp").write_text(json.dumps(samples))
+        os.replace(lag_file + ".tmp", lag_file)
 
     loop.add_signal_handler(signal.SIGUSR1, dump)
     while True:
@@ -274,10 +277,9 @@ def main() -> None:
         os.kill(proc.pid, signal.SIGUSR1)
         lag_file = Path(sock + ".lag")
         for _ in range(600):
-            if lag_file.exists() and lag_file.stat().st_size:
+            if lag_file.exists():
                 break
             time.sleep(0.1)
-        time.sleep(0.5)
         lag = json.loads(lag_file.read_text())
         gc_runs = json.loads(Path(sock + ".lag.gc").read_text())
         for r, (t0, t1) in zip(rows, spans, strict=True):
