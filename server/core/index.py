@@ -171,7 +171,7 @@ class BlockIndex(IndexEviction):
                 first_pins += 1
                 first_bytes += slot.extent.size
             pins[owner] = pins.get(owner, 0) + 1
-            owned[slot] += 1
+            owned[slot] = owned.get(slot, 0) + 1  # not +=: Counter.__missing__ is Python
             out.append(True)
         if owned:
             self._pins_by_owner[owner] = owned
