@@ -294,10 +294,9 @@ class PvmCopyEngine(CopyEngine):
             raise ValueError("one registration's regions belong to one process")
         if direction not in (STORE, LOAD):
             raise ValueError(f"unknown direction {direction}")
-        region, region_off, pool_off, sizes = plan.columns
-        bases = np.array([r.address for r in procs], dtype=np.int64)
+        mem, pool, sizes = plan.addresses([r.address for r in procs], pool_address)
         parts = self.threads if self._pool is not None and plan.nbytes >= PARALLEL_MIN_BYTES else 1
-        shares = plan_batches(pool_off + pool_address, bases[region] + region_off, sizes, parts)
+        shares = plan_batches(pool, mem, sizes, parts)
         return functools.partial(self._copy_shares, pid, direction, procs, shares)
 
     def _copy_shares(

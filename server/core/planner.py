@@ -157,6 +157,15 @@ class CopyPlan:
             self._cols = np.array(runs, dtype=np.int64).reshape(len(runs), 4).T
         return self._cols
 
+    def addresses(
+        self, region_addresses: Sequence[int], pool_address: int
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(memory address, pool address, bytes) of each run, as int64 columns:
+        the offsets plus the base address of the run's region and of the pool."""
+        region, region_off, pool_off, sizes = self.columns
+        bases = np.array(region_addresses, dtype=np.int64)
+        return bases[region] + region_off, pool_off + pool_address, np.ascontiguousarray(sizes)
+
     @property
     def runs(self) -> list[tuple[int, int, int, int]]:
         if self._runs is None:

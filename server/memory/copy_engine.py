@@ -16,8 +16,6 @@ import functools
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 
-import numpy as np
-
 from kvdepot.common.kinds import Direction
 from kvdepot.server.core.planner import CopyPlan
 from kvdepot.server.memory.regions import MappedRegion
@@ -117,13 +115,10 @@ class CpuCopyEngine(CopyEngine):
     ) -> PreparedCopy:
         if direction not in (STORE, LOAD):
             raise ValueError(f"unknown direction {direction}")
-        region, region_off, pool_off, sizes = plan.columns
-        # Addresses column-wise (numpy) and the copies' views here; the copy thread
-        # only calls memmove and copyto.
-        bases = np.array([r.address for r in regions], dtype=np.int64)
-        mem = bases[region] + region_off
-        pool = pool_off + pool_address
+        # Addresses column-wise (numpy), and any progressions' views, here: the copy
+        # thread only runs the copy.
+        mem, pool, sizes = plan.addresses([r.address for r in regions], pool_address)
         dst, src = (pool, mem) if direction == STORE else (mem, pool)
         if self.compiled:
-            return functools.partial(copy_runs, dst, src, np.ascontiguousarray(sizes, np.int64))
+            return functools.partial(copy_runs, dst, src, sizes)
         return functools.partial(run_ops, copy_ops(dst, src, sizes, pool))
