@@ -19,6 +19,7 @@ import random
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -53,10 +54,9 @@ def main() -> None:
         )
         for job in jobs
     ]
-    by_job = {id(job): cols for job, cols in zip(jobs, columns, strict=True)}
 
-    def copy_compiled(job: list[tuple[int, int]]) -> None:
-        copy_runs(*by_job[id(job)])
+    def copy_compiled(job: tuple[np.ndarray, np.ndarray, np.ndarray]) -> None:
+        copy_runs(*job)
 
     busy = threading.Event()
 
@@ -66,14 +66,15 @@ def main() -> None:
             for i in range(20000):
                 total += i
 
-    def run(threads: int, with_busy_loop: bool, fn: Callable[[list], None] = copy) -> float:
+    def run(threads: int, with_busy_loop: bool, fn: Callable[[Any], None], work: list) -> float:
+        """GB/s of `fn` over the jobs in `work` (one form or the other of `jobs`)."""
         if with_busy_loop:
             busy.set()
         spinner = threading.Thread(target=python_work)
         spinner.start()
         t = time.perf_counter()
         workers = [
-            threading.Thread(target=lambda k=k: [fn(j) for j in jobs[k::threads]])
+            threading.Thread(target=lambda k=k: [fn(j) for j in work[k::threads]])
             for k in range(threads)
         ]
         for w in workers:
@@ -86,14 +87,16 @@ def main() -> None:
         return JOBS * RUNS_PER_JOB * PAGE / seconds / 1e9
 
     print(f"{JOBS} jobs of {RUNS_PER_JOB} scattered {PAGE >> 10} KiB pages")
-    variants = [("one ctypes memmove per page", copy)]
+    variants: list[tuple[str, Callable[[Any], None], list]] = [
+        ("one ctypes memmove per page", copy, jobs)
+    ]
     if copy_runs is not None:
-        variants.append(("compiled run copier, one call per job", copy_compiled))
-    for name, fn in variants:
+        variants.append(("compiled run copier, one call per job", copy_compiled, columns))
+    for name, fn, work in variants:
         print(f" {name}:")
         for threads in (1, 2):
-            alone = run(threads, False, fn)
-            beside = run(threads, True, fn)
+            alone = run(threads, False, fn, work)
+            beside = run(threads, True, fn, work)
             print(
                 f"  {threads} copy thread(s): {alone:5.1f} GB/s alone, "
                 f"{beside:5.1f} GB/s beside a thread running Python"
