@@ -276,11 +276,23 @@ def _value(v: object) -> str:
     return json.dumps(v) if isinstance(v, dict | list) else str(v)
 
 
+def _progress(total: int, done: int, fraction: float, complete: bool) -> Any:
+    """A pool-wide progress line: a bar, the percentage, "done" at the end."""
+    from rich.progress_bar import ProgressBar
+    from rich.table import Table
+
+    line = Table.grid(padding=(0, 1))
+    line.add_row(
+        ProgressBar(total=max(1, total), completed=done, width=BAR_WIDTH),
+        f"{100 * fraction:.0f}%" + (" done" if complete else ""),
+    )
+    return line
+
+
 def render(r: dict[str, Any]) -> Any:
     """The screen for one report (see build_report)."""
     from rich import box
     from rich.console import Group
-    from rich.progress_bar import ProgressBar
     from rich.table import Table
     from rich.text import Text
 
@@ -306,20 +318,13 @@ def render(r: dict[str, Any]) -> Any:
         f"· free {fmt_bytes(pool['free_bytes'])} ({backing})",
     )
     grid.add_row("", f"largest free extent {fmt_bytes(pool['largest_free_extent_bytes'])}")
-    warm_line = Table.grid(padding=(0, 1))
-    warm_line.add_row(
-        ProgressBar(total=max(1, cap), completed=warm["done_bytes"], width=BAR_WIDTH),
-        f"{100 * warm['fraction']:.0f}%" + (" done" if warm["complete"] else ""),
-    )
-    grid.add_row("warm-up", warm_line)
+    grid.add_row("warm-up", _progress(cap, warm["done_bytes"], warm["fraction"], warm["complete"]))
     lock = r.get("page_locking")
     if lock is not None:  # a CUDA host: DMA wants the pool page-locked
-        lock_line = Table.grid(padding=(0, 1))
-        lock_line.add_row(
-            ProgressBar(total=max(1, cap), completed=lock["locked_bytes"], width=BAR_WIDTH),
-            f"{100 * lock['fraction']:.0f}%" + (" done" if lock["complete"] else ""),
+        grid.add_row(
+            "page-lock",
+            _progress(cap, lock["locked_bytes"], lock["fraction"], lock["complete"]),
         )
-        grid.add_row("page-lock", lock_line)
         if lock["error"]:
             grid.add_row(
                 "",
