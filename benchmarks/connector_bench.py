@@ -230,7 +230,7 @@ def run_connector_bench(
         per_round: dict[str, list[dict[str, float]]] = {n: [] for n in names}
         pin_rpcs = 0
         for r in range(rounds):
-            for name in names[r % 3 :] + names[: r % 3]:
+            for name in names[r % len(names) :] + names[: r % len(names)]:
                 engine = setups[name]()
                 engines.append(engine)
                 per_round[name].append(_steps(engine, prompts, decode_steps))
