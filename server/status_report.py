@@ -120,9 +120,11 @@ OPTIONAL_RATES = {
 }
 # What each memory path means, for daemons whose RegistrationInfo carries no reason.
 MEMORY_PATH_MEANING = {
-    "shm": "KV tensors in shared memory (memfd), daemon copies pages",
+    "shm": "KV tensors in shared memory (a memfd; a CPU engine's KV cache is moved into "
+    "one), daemon copies pages",
     "cuda_ipc": "GPU tensors via CUDA IPC, daemon's DMA engine copies",
-    "inline": "bytes inside gRPC messages (slow): tensors neither memfd nor CUDA, "
+    "pvm": "plain CPU memory, daemon copies it in place with process_vm_readv/writev",
+    "inline": "bytes inside gRPC messages (slow): memory the daemon cannot reach, "
     "or kvdepot_memory_path=inline",
 }
 

@@ -65,7 +65,7 @@ class EngineConfig:
     connector: str | None = "KVDepotConnector"
     connector_module: str | None = "kvdepot.client.vllm"
     extra_config: dict[str, Any] = field(default_factory=dict)
-    # False: plain process memory (exercises the inline path).
+    # False: plain process memory, as in a real CPU engine ("auto" moves it into a memfd).
     shm: bool = True
     enable_kv_events: bool = False
     # False: scheduler only; transfer jobs complete at once (benchmarks of the

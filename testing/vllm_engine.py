@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import mmap
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -95,7 +96,10 @@ class _Rank:
             self.buffer = SharedKVBuffer.allocate(total, name=f"kvdepot-test-r{rank}")
             raw = self.buffer.tensor()
         else:
-            raw = torch.zeros(total, dtype=torch.uint8)
+            # Private anonymous memory, as malloc gives a real engine's large
+            # torch.zeros KV cache (a small torch.zeros would come from the heap).
+            self.plain = mmap.mmap(-1, total, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            raw = torch.frombuffer(self.plain, dtype=torch.uint8)
         self.raw = raw
         # layer name -> uint8 view (blocks, heads, tokens, row bytes) for the model.
         self.u8: dict[str, torch.Tensor] = {}

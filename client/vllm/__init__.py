@@ -12,9 +12,12 @@ from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 
 from kvdepot.client.vllm.config import DepotSettings
 from kvdepot.client.vllm.connector import KVDepotConnector, KVDepotWorkerMetadata
+from kvdepot.client.vllm.logs import follow_vllm_logging
 from kvdepot.client.vllm.manager import KVDepotOffloadingManager
 from kvdepot.client.vllm.spec import SPEC_NAME, KVDepotOffloadingSpec
 from kvdepot.client.vllm.worker import KVDepotOffloadingWorker
+
+follow_vllm_logging()
 
 # So that `"spec_name": "KVDepotOffloadingSpec"` works without `spec_module_path`
 # (vLLM imports this module by the connector's module path first).

@@ -75,10 +75,11 @@ class DepotSettings:
         when they start (never fails start-up; 0 = do not wait).
     job_timeout_s: the longest `wait()` blocks for a transfer before the worker
         abandons the Transfer stream and reports the jobs as failed.
-    memory_path: "auto" (shm when the KV tensors live in a memfd, cuda_ipc for CUDA
-        tensors, pvm for plain CPU memory the daemon may read, else inline), "shm"
-        (same, but warn loudly when it cannot be used), "pvm" (plain CPU memory
-        copied with process_vm_readv/writev, even when it is a memfd) or "inline".
+    memory_path: "auto" (shm when the KV tensors live in a memfd or plain CPU
+        memory can be moved into one, cuda_ipc for CUDA tensors, pvm for CPU memory
+        the daemon may read, else inline), "shm" (same, but warn loudly when it
+        cannot be used), "pvm" (CPU memory copied in place with
+        process_vm_readv/writev, even when it is a memfd) or "inline".
     load_failure_backoff_s: after a failed load, the scheduler treats its keys as
         misses for this long, so a request is not sent to the same failure again.
     client_name: shown by `Admin/ListEngines` (default: role and engine id).

@@ -2,11 +2,14 @@
 
 Paths, cheapest first (what `kvdepot_memory_path = "auto"` picks):
 - shm: the KV tensors live in one memfd (`SharedKVBuffer`); the fd is passed to
-  the daemon, which maps it and copies pages itself.
+  the daemon, which maps it and copies pages itself. Plain CPU memory (a real CPU
+  engine's `torch.zeros` KV cache) is first moved into a memfd in place
+  (`SharedKVBuffer.adopt`): this runs while the worker is built, inside vLLM's
+  `register_kv_caches`, before anything writes the cache.
 - cuda_ipc: CUDA tensors exported with `kvdepot.client.cuda_ipc` (one IPC handle
   per allocation, an inter-process event recorded before every job).
-- pvm: plain CPU memory (a real CPU engine's `torch.zeros` KV cache); the daemon
-  copies it with process_vm_readv/process_vm_writev (`kvdepot.client.pvm`). It
+- pvm: plain CPU memory that cannot be moved (or "pvm" asked for); the daemon
+  copies it in place with process_vm_readv/process_vm_writev (`kvdepot.client.pvm`). It
   needs ptrace access; whether the daemon has it is known only when it answers
   the registration, so a refusal turns the plan into `inline` (see
   `inline_fallback`), with the daemon's reason in the log.
@@ -19,13 +22,14 @@ met the plan says why and the log says it at ERROR level.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from vllm.v1.kv_offload.base import CanonicalKVCaches
 
 from kvdepot.client import pvm
-from kvdepot.client.shm import SharedKVBuffer
+from kvdepot.client.shm import AdoptError, SharedKVBuffer
 from kvdepot.common.kinds import MemoryPath
 from kvdepot.v1 import depot_pb2
 
@@ -109,6 +113,30 @@ def _shm_plan(tensors: list[torch.Tensor], groups: list) -> MemoryPlan | str:
     )
 
 
+def _adopted_shm_plan(tensors: list[torch.Tensor], groups: list) -> MemoryPlan | str:
+    """The shm plan after moving plain CPU KV memory into a memfd in place
+    (`SharedKVBuffer.adopt`), or why it cannot be moved."""
+    try:
+        regions, _ = pvm.describe_tensors(tensors)
+    except ValueError as exc:
+        return str(exc)
+    if len(regions) != 1:
+        return f"the KV tensors are {len(regions)} separate allocations; one can be moved"
+    (address, size) = regions[0]
+    began = time.perf_counter()
+    try:
+        buffer = SharedKVBuffer.adopt(address, size)  # the plan keeps it alive
+    except AdoptError as exc:
+        return f"the KV memory cannot be moved into a memfd: {exc}"
+    found = _shm_plan(tensors, groups)
+    if isinstance(found, MemoryPlan) and found.shm is buffer:
+        found.reason = (
+            f"plain CPU memory moved into a memfd in place: {size / 2**30:.2f} GiB in "
+            f"{time.perf_counter() - began:.2f} s"
+        )
+    return found
+
+
 def _pvm_plan(tensors: list[torch.Tensor], groups: list) -> MemoryPlan | str:
     """The pvm plan, or why this host cannot use it."""
     reason = pvm.unusable_reason()
@@ -168,6 +196,9 @@ def _choose(kv_caches: CanonicalKVCaches, memory_path: str) -> MemoryPlan:
         found = _pvm_plan(tensors, groups)
         return found if isinstance(found, MemoryPlan) else MemoryPlan(MemoryPath.INLINE, found)
     shm = _shm_plan(tensors, groups)
+    if isinstance(shm, MemoryPlan):
+        return shm
+    shm = _adopted_shm_plan(tensors, groups)
     if isinstance(shm, MemoryPlan):
         return shm
     found = _pvm_plan(tensors, groups)

@@ -27,6 +27,7 @@ from vllm.v1.kv_offload.config import OffloadingConfig
 
 from kvdepot.client import DepotClient
 from kvdepot.client.vllm.config import DepotSettings
+from kvdepot.client.vllm.logs import follow_vllm_logging
 from kvdepot.client.vllm.manager import KVDepotOffloadingManager, MetricName
 from kvdepot.client.vllm.namespace import NamespaceInputs, namespace_inputs, namespace_layout
 from kvdepot.client.vllm.worker import KVDepotOffloadingWorker
@@ -108,6 +109,7 @@ class KVDepotOffloadingSpec(OffloadingSpec):
 
     def __init__(self, config: OffloadingConfig) -> None:
         super().__init__(config)
+        follow_vllm_logging()  # vLLM 0.33 configures its logging after our import
         self.settings = DepotSettings.from_extra_config(self.extra_config)
         ctx = connector_context.get()
         if ctx is None:

@@ -22,7 +22,13 @@ RUNNER = Path(__file__).with_name("llm_runner.py")
 #: What every engine here runs with: a small CPU KV cache, no hub, and room for the
 #: other processes of a 2-core, shared machine (vLLM's CPU backend otherwise insists on
 #: 92% of the RAM being free).
-ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+ENGINE_ENV = {
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    # vLLM's default level (the suite's conftest lowers it for in-process vLLM).
+    "VLLM_LOGGING_LEVEL": "INFO",
+}
 LLM_ARGS = {"max_model_len": 1024, "gpu_memory_utilization": 0.3}
 
 
@@ -52,6 +58,7 @@ class _Output:
         with open(self.log_path, "a", errors="replace") as log:
             for line in stream:
                 log.write(line)
+                log.flush()  # whole() reads the file
                 if line.startswith(MARK):
                     with self.cond:
                         self.answers.append(json.loads(line[len(MARK) :]))
@@ -73,6 +80,10 @@ class _Output:
 
     def text(self) -> str:
         return "\n".join(self.tail)
+
+    def whole(self) -> str:
+        """Everything the process printed so far."""
+        return self.log_path.read_text(errors="replace")
 
 
 class LLMEngine:
@@ -122,7 +133,7 @@ class LLMEngine:
         self._ask({"op": "reset_prefix_cache"})
 
     def log(self) -> str:
-        return self.out.text()
+        return self.out.whole()
 
     def close(self) -> None:
         if self.proc.poll() is None:
@@ -218,7 +229,7 @@ class OpenAIServer:
             return json.loads(r.read())["data"][0]["id"]
 
     def log(self) -> str:
-        return self.out.text()
+        return self.out.whole()
 
     def metrics(self) -> str:
         with urllib.request.urlopen(self.base + "/metrics", timeout=10) as r:

@@ -9,6 +9,7 @@ prove the KV came from kvdepot.
 from __future__ import annotations
 
 import math
+import re
 import time
 from pathlib import Path
 
@@ -39,6 +40,13 @@ def assert_same_output(got: dict, want: dict) -> None:
 
 def external_tokens(engine: LLMEngine, model: Path) -> float:
     return engine.metrics().get(EXTERNAL % model, 0.0)
+
+
+def memory_path(engine) -> str:  # type: ignore[no-untyped-def]
+    """The memory path the engine's worker says (in vLLM's log) that it took."""
+    found = re.search(r"kvdepot: rank 0 uses the (\w+) memory path \(([^)]*)", engine.log())
+    assert found, "the worker did not log its memory path:\n" + engine.log()[-6000:]
+    return f"{found.group(1)}: {found.group(2)}"
 
 
 def stats(daemon) -> admin_pb2.GetStatsResponse:  # type: ignore[no-untyped-def]
@@ -88,9 +96,23 @@ def test_second_engine_loads_what_the_first_stored(
     engines.append(first)
     assert_same_output(first.generate([PROMPT])[0], reference)
     wait_for(lambda: stats(daemon).ready_blocks >= 4, 60, "four ready blocks", first, daemon)
+    # The README's config: the engine's plain KV memory was moved into a memfd.
+    assert memory_path(first).startswith("shm: plain CPU memory moved into a memfd")
     first.close()
 
-    second = LLMEngine(opt_model, tmp_path, config)
+    # The second engine asks for the pvm path: the daemon reads and writes its memory
+    # in place, and shares blocks with an engine on the other path.
+    second = LLMEngine(
+        opt_model,
+        tmp_path,
+        {
+            **config,
+            "kv_connector_extra_config": {
+                **config["kv_connector_extra_config"],
+                "kvdepot_memory_path": "pvm",
+            },
+        },
+    )
     engines.append(second)
     out = second.generate([PROMPT])[0]
     assert_same_output(out, reference)
@@ -107,6 +129,7 @@ def test_second_engine_loads_what_the_first_stored(
     assert used > 0
     with open(pool, "r+b") as f:
         f.write(bytes(reversed(range(256))) * (used // 256))
+    assert memory_path(second).startswith("pvm:")
     second.reset_prefix_cache()
     before = external_tokens(second, opt_model)
     damaged = second.generate([PROMPT])[0]
@@ -125,6 +148,7 @@ def test_openai_server_with_the_readme_config(
     server = OpenAIServer(opt_model, tmp_path, readme_kv_config(daemon.target))
     engines.append(server)
     assert server.complete(PROMPT) == reference["token_ids"]
+    assert memory_path(server).startswith("shm: plain CPU memory moved into a memfd")
     wait_for(lambda: stats(daemon).ready_blocks >= 4, 60, "four ready blocks", server, daemon)
     server.post("/reset_prefix_cache")  # vLLM's own cache; kvdepot keeps its blocks
     assert server.complete(PROMPT) == reference["token_ids"]

@@ -66,21 +66,31 @@ def load_jobs(engine: SyntheticEngine) -> list:
 
 
 @pytest.mark.parametrize(
-    ("path", "sync"),
-    [("shm", False), ("pvm", False), ("inline", False), ("shm", True)],
-    ids=["shm", "pvm", "inline", "shm-in-step"],
+    ("memory", "path", "sync"),
+    [
+        ("memfd", "shm", False),
+        ("plain", "shm", False),
+        ("plain", "pvm", False),
+        ("plain", "inline", False),
+        ("memfd", "shm", True),
+    ],
+    ids=["shm", "moved-to-memfd", "pvm", "inline", "shm-in-step"],
 )
-def test_store_reset_load_same_bytes(daemon, make_engine, path: str, sync: bool) -> None:
+def test_store_reset_load_same_bytes(
+    daemon, make_engine, memory: str, path: str, sync: bool
+) -> None:
+    """`memory` is where the engine's KV cache lives: a memfd from the start, or plain
+    process memory as in a real CPU engine (which "auto" moves into a memfd; "pvm" and
+    "inline" are asked for by name)."""
     # in-step: vLLM loads within the step (expedited job, then wait()).
     extra: dict = {"sync_load_budget_bytes": 1 << 30} if sync else {}
     # This test counts the step's one Pin RPC, not its latency: the 50 ms default deadline can
     # pass on a loaded 2-core CI machine (the load then goes unpinned, and pin_rpcs stays 0).
     extra["kvdepot_pin_timeout_ms"] = 10_000
-    if path == "inline":
-        extra["kvdepot_memory_path"] = "inline"
-    # pvm and inline: the KV cache is plain process memory, as in a real CPU engine.
+    if path in ("pvm", "inline"):
+        extra["kvdepot_memory_path"] = path
     engine = make_engine(
-        socket=daemon.target, num_gpu_blocks=64, shm=path == "shm", extra_config=extra
+        socket=daemon.target, num_gpu_blocks=64, shm=memory == "memfd", extra_config=extra
     )
     engine.wait_registered()
     assert engine.ranks[0].offloading_worker.memory.path == path
