@@ -85,6 +85,7 @@ def measure_ceiling(
         daemon.wait_warm()
         fleet = Fleet(ENGINES, geo.tp)
         fleet.setup(daemon.target, vars(geo), num_blocks, salt, namespace, arena_bytes=1 << 20)
+        daemon.wait_mapped()
         seq = 1 << 40  # key numbers apart from the data-path series' keys
         pattern = 1 << 20
         for chunks in sizes:

@@ -285,6 +285,8 @@ def run_bench(args: argparse.Namespace) -> int:
         fleet = Fleet(n_engines, geo.tp)
         progress.label(f"starting {len(fleet.workers)} engine process(es), pre-faulting memory")
         fleet.setup(daemon.target, vars(geo), plan.num_blocks, salt, namespace, plan.arena_bytes)
+        progress.label("the daemon maps the engines' memory")
+        daemon.wait_mapped()
         progress.step("engines registered")
         bench = ThroughputBench(plan, fleet, stats.capacity_bytes, progress)
         verified = bench.verify()

@@ -319,6 +319,8 @@ def render(r: dict[str, Any]) -> Any:
     )
     grid.add_row("", f"largest free extent {fmt_bytes(pool['largest_free_extent_bytes'])}")
     grid.add_row("warm-up", _progress(cap, warm["done_bytes"], warm["fraction"], warm["complete"]))
+    if warm.get("populating_bytes"):
+        grid.add_row("", f"engine memory being mapped: {fmt_bytes(warm['populating_bytes'])}")
     lock = r.get("page_locking")
     if lock is not None:  # a CUDA host: DMA wants the pool page-locked
         grid.add_row(

@@ -63,6 +63,7 @@ KNOWN_STATS = frozenset(
         "page_locking",
         "page_locked_bytes",
         "page_locking_error",
+        "populating_bytes",
         "pool_backing",
         "warm_restarted",
         "evictions_by_reason",
@@ -406,6 +407,8 @@ def build_report(path: str, prev: Sample | None, cur: Sample) -> dict[str, Any]:
             "capacity_bytes": capacity,
             "fraction": s.warmup_done_bytes / capacity if capacity else 1.0,
             "complete": s.warmup_complete,
+            # Engine memory (shm registrations) the daemon is still mapping.
+            "populating_bytes": getattr(s, "populating_bytes", 0),
         },
         # None on a daemon that serves no CUDA device (nothing to page-lock), or one
         # older than the page-locking fields.

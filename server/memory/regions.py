@@ -66,6 +66,11 @@ class MappedRegion(ABC):
     def close(self) -> None:
         """Releases the region (unmaps it). Idempotent."""
 
+    @property
+    def populating_bytes(self) -> int:
+        """Bytes of the region the daemon is still preparing for copies (0: ready)."""
+        return 0
+
 
 class SharedMemoryRegion(MappedRegion):
     """A memfd (or file) the client passed over SCM_RIGHTS, mapped shared."""
@@ -103,6 +108,10 @@ class SharedMemoryRegion(MappedRegion):
         The caller keeps ownership of `fd` (the mapping does not need it)."""
         seal_against_shrinking(fd)
         return cls(fd, size)
+
+    @property
+    def populating_bytes(self) -> int:
+        return 0 if self.populated.is_set() else self.size
 
     def _populate(self) -> None:
         """Fills this mapping's page tables ahead of the first copies, in the

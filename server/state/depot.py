@@ -533,6 +533,9 @@ class DepotState:
             "pinned_blocks": counts["pinned"],
             "sessions": len(self.sessions),
             "registrations": len(self.registrations),
+            "populating_bytes": sum(
+                r.populating_bytes for reg in self.registrations.values() for r in reg.regions
+            ),
             "namespaces": len(self.index.namespaces),
             "lookups": ix.lookups,
             "hits": ix.hits,
