@@ -1,4 +1,5 @@
-"""CopyQueue.run under cancellation (found while building the fault tests).
+"""CopyQueue: order, shutdown, and CopyQueue.run under cancellation (found while
+building the fault tests).
 
 A handler whose RPC is cancelled (a Put past its client's deadline, a Transfer job
 at shutdown) releases the slot its copy writes in a `finally`. If the copy thread
@@ -93,5 +94,31 @@ def test_results_and_errors_pass_through() -> None:
         with pytest.raises(OSError, match="copy failed"):
             await q.run(boom, expedited=True)
         q.close()
+
+    asyncio.run(main())
+
+
+def test_expedited_copies_jump_the_queue_and_close_runs_what_was_queued() -> None:
+    async def main() -> None:
+        q, gate, blocker = await _blocked_queue()
+        order: list[str] = []
+        normal = [asyncio.ensure_future(q.run(lambda i=i: order.append(f"n{i}"))) for i in range(3)]
+        await asyncio.sleep(0.02)
+        urgent = asyncio.ensure_future(q.run(lambda: order.append("e"), expedited=True))
+        await asyncio.sleep(0.02)
+        gate.set()
+        await asyncio.gather(blocker, urgent, *normal)
+        assert order == ["e", "n0", "n1", "n2"]
+
+        # close() after queued work: every queued copy runs, then the threads stop.
+        gate.clear()
+        blocker = asyncio.ensure_future(q.run(lambda: gate.wait(10)))
+        later = [asyncio.ensure_future(q.run(lambda i=i: order.append(f"c{i}"))) for i in range(2)]
+        await asyncio.sleep(0.02)
+        gate.set()
+        loop = asyncio.get_running_loop()
+        assert await loop.run_in_executor(None, q.close)
+        await asyncio.gather(blocker, *later)
+        assert order[-2:] == ["c0", "c1"]
 
     asyncio.run(main())
