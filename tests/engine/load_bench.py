@@ -20,11 +20,13 @@ import argparse
 import json
 import re
 import tempfile
+import time
 import urllib.request
 from pathlib import Path
 
 from kvdepot.bench import pvm_bench
 from kvdepot.testing.environment import prompt_for
+from kvdepot.v1 import admin_pb2, admin_pb2_grpc
 from tests.engine.models import build_model
 from tests.engine.runner import LLMEngine, free_port, prometheus_value, readme_kv_config
 from tests.support.daemon import DaemonProcess
@@ -42,6 +44,7 @@ def engine_loads(workdir: Path, reps: int, memory_path: str) -> dict[str, float 
     try:
         prompt = prompt_for(7, 600)
         engine.generate([prompt])
+        wait_mapped(daemon)
         for _ in range(reps):
             engine.reset_prefix_cache()
             engine.generate([prompt])
@@ -59,6 +62,18 @@ def engine_loads(workdir: Path, reps: int, memory_path: str) -> dict[str, float 
         "load_jobs": jobs,
         "gb_per_s": nbytes / seconds / 1e9,
     }
+
+
+def wait_mapped(daemon: DaemonProcess, timeout: float = 60.0) -> None:
+    """Waits until the daemon has mapped the engine's memory in full (GetStats
+    `populating_bytes` 0): loads timed before that would time page faults."""
+    deadline = time.monotonic() + timeout
+    with daemon.channel() as ch:
+        admin = admin_pb2_grpc.AdminStub(ch)
+        while admin.GetStats(admin_pb2.GetStatsRequest(), timeout=5).populating_bytes:
+            if time.monotonic() > deadline:
+                raise TimeoutError("the daemon did not finish mapping the engine's memory")
+            time.sleep(0.05)
 
 
 def main() -> None:
