@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvdepot.client.fdpass import FdPassError, encode, read_message
+from kvdepot.common.libc import libc
 from kvdepot.v1 import depot_pb2
 
 if TYPE_CHECKING:
@@ -80,7 +81,6 @@ def allow_ptracer(daemon_pid: int) -> str:
     was done, for the log ("" when nothing was needed)."""
     if ptrace_scope() != 1:
         return ""
-    libc = ctypes.CDLL(None, use_errno=True)
     target = daemon_pid if daemon_pid > 0 else PR_SET_PTRACER_ANY
     if libc.prctl(PR_SET_PTRACER, ctypes.c_ulong(target), 0, 0, 0) != 0:
         err = ctypes.get_errno()
@@ -103,8 +103,6 @@ def use_huge_pages(regions: Sequence[tuple[int, int]]) -> str:
     concurrent use of the memory is safe (khugepaged does the same in the
     background). Returns a note for the log; never raises.
     """
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     collapsed = failed = 0
     why = ""
     for address, size in regions:

@@ -26,6 +26,8 @@ import threading
 import weakref
 from typing import TYPE_CHECKING
 
+from kvdepot.common.libc import libc
+
 if TYPE_CHECKING:
     import torch
 
@@ -177,18 +179,6 @@ def _move(fd: int, start: int, length: int) -> None:
     are allocated here (so they follow this process's NUMA policy, as the original
     pages did), the piece's non-zero parts are copied in, and the memfd's piece is
     mapped over the original, which frees its anonymous pages."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mmap.restype = ctypes.c_void_p
-    libc.mmap.argtypes = [
-        ctypes.c_void_p,
-        ctypes.c_size_t,
-        ctypes.c_int,
-        ctypes.c_int,
-        ctypes.c_int,
-        ctypes.c_long,
-    ]
-    libc.memcmp.restype = ctypes.c_int
-    libc.memcmp.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t]
     zeros = bytes(_ZERO_CHECK)
     prot = mmap.PROT_READ | mmap.PROT_WRITE
     for offset in range(0, length, _MOVE_STEP):

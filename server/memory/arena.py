@@ -14,7 +14,6 @@ unregisters the page-locked memory there).
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import mmap
 import os
@@ -22,14 +21,10 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
+from kvdepot.common.libc import MADV_POPULATE_WRITE, libc
 from kvdepot.server.memory.regions import buffer_address
 
 log = logging.getLogger("kvdepot.arena")
-
-_MADV_POPULATE_WRITE = 23  # linux >= 5.14
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-_libc.madvise.restype = ctypes.c_int
 
 
 class Arena:
@@ -124,7 +119,7 @@ class Arena:
         return self.warmup_complete
 
     def _populate(self, off: int, n: int) -> None:
-        if _libc.madvise(self.address + off, n, _MADV_POPULATE_WRITE) == 0:
+        if libc.madvise(self.address + off, n, MADV_POPULATE_WRITE) == 0:
             return
         # Older kernels: touch one byte per page, preserving its value (a pool file
         # may hold blocks that a warm restart serves).

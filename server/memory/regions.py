@@ -16,10 +16,10 @@ import threading
 from abc import ABC, abstractmethod
 
 from kvdepot.common.kinds import MemoryPath
+from kvdepot.common.libc import MADV_POPULATE_WRITE, libc
 
 log = logging.getLogger("kvdepot.memory")
 
-MADV_POPULATE_WRITE = 23  # Linux >= 5.14
 _POPULATE_STEP = 16 << 20
 
 
@@ -121,8 +121,6 @@ class SharedMemoryRegion(MappedRegion):
         without this its loads ran at a tenth of the speed. Only done when the client
         allocated every page (a moved KV cache does, see SharedKVBuffer.adopt), so
         MADV_POPULATE_WRITE only maps pages and neither writes nor allocates any."""
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
         try:
             for offset in range(0, self.size, _POPULATE_STEP):
                 with self._lock:

@@ -45,6 +45,7 @@ from kvdepot.bench.geometry import registration_pb, tensor_offsets
 from kvdepot.client import DepotClient, SharedKVBuffer
 from kvdepot.client.pvm import register_process_kv
 from kvdepot.common.chunks import block_positions
+from kvdepot.common.libc import libc
 from kvdepot.v1 import depot_pb2 as pb
 
 
@@ -84,24 +85,12 @@ def page_bytes(namespace: str, key: bytes, rank: int, layer: int, sub: int, size
     return np.random.default_rng(int.from_bytes(seed, "big")).bytes(size)
 
 
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.mmap.restype = ctypes.c_void_p
-_libc.mmap.argtypes = [
-    ctypes.c_void_p,
-    ctypes.c_size_t,
-    ctypes.c_int,
-    ctypes.c_int,
-    ctypes.c_int,
-    ctypes.c_long,
-]
-_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-
 MEMORY_SOURCES = ("shm", "pvm")
 
 
 def _private_mapping(size: int) -> int:
     """The address of a fresh anonymous private mapping (no fd: only pvm can reach it)."""
-    addr = _libc.mmap(
+    addr = libc.mmap(
         None,
         size,
         mmap.PROT_READ | mmap.PROT_WRITE,
@@ -150,7 +139,7 @@ class Engine:
         offset. The pages there must not be touched from Python afterwards."""
         assert self.memory == "pvm", "only a private mapping can be unmapped under the daemon"
         half = (self.size // 2) & ~(mmap.PAGESIZE - 1)
-        assert _libc.munmap(self.address + half, self.size - half) == 0
+        assert libc.munmap(self.address + half, self.size - half) == 0
         return half
 
     def _layers(self, group: int) -> list[tuple[int, int]]:
