@@ -203,6 +203,7 @@ def _choose(kv_caches: CanonicalKVCaches, memory_path: str) -> MemoryPlan:
         return shm
     found = _pvm_plan(tensors, groups)
     if isinstance(found, MemoryPlan):
+        found.reason += f" (not the shm path: {shm})"  # the log says why not the faster one
         return found
     return MemoryPlan(MemoryPath.INLINE, f"{shm}; the pvm path is out too: {found}")
 
