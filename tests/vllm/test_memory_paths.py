@@ -14,7 +14,7 @@ from kvdepot.client.vllm.memory_paths import describe_memory
 
 pytestmark = pytest.mark.vllm
 
-BLOCKS, PAGE = 64, 64 << 10  # 4 MiB per tensor: its own anonymous mapping
+BLOCKS, PAGE = 64, 64 << 10
 
 
 def caches(tensors: list[torch.Tensor]) -> CanonicalKVCaches:
@@ -25,10 +25,11 @@ def caches(tensors: list[torch.Tensor]) -> CanonicalKVCaches:
 
 
 def test_one_plain_allocation_is_moved_into_a_memfd() -> None:
-    backing = torch.zeros(2 * BLOCKS * PAGE, dtype=torch.int8)
-    views = [
-        backing[i * BLOCKS * PAGE : (i + 1) * BLOCKS * PAGE].view(BLOCKS, PAGE) for i in (0, 1)
-    ]
+    # 64 MiB: above glibc's largest mmap threshold (32 MiB), so its own anonymous
+    # mapping, as a real engine's KV cache is; a smaller one may sit in the heap,
+    # which is refused (the process's other allocations share its pages).
+    backing = torch.zeros(2, 512, PAGE, dtype=torch.int8)
+    views = list(backing)  # two tensors of one allocation
     views[1][3, 5] = 7  # a byte that must survive the move
     plan = describe_memory(caches(views), "auto")
     assert plan.path == "shm", plan.reason
