@@ -27,6 +27,21 @@ def target_of(socket_or_target: str) -> str:
     return socket_or_target if "://" in socket_or_target else f"unix://{socket_or_target}"
 
 
+def wait_mapped(stats: Callable[[], admin_pb2.GetStatsResponse], timeout: float = 600.0) -> None:
+    """Polls `stats` (a GetStats call) until the daemon has populated its mappings of
+    the engines' memory (`populating_bytes` 0). That runs in the background after
+    RegisterKV; until it ends, copies pay page faults and its CPU time lands in
+    whatever is being measured."""
+    deadline = time.monotonic() + timeout
+    while (st := stats()).populating_bytes:
+        if time.monotonic() > deadline:
+            raise TimeoutError(
+                f"the daemon still maps {st.populating_bytes} bytes of engine memory "
+                f"after {timeout:.0f} s"
+            )
+        time.sleep(0.1)
+
+
 class DaemonUnderTest:
     """A daemon reachable at `target`; `started` is True when the bench owns it."""
 
@@ -73,17 +88,8 @@ class DaemonUnderTest:
             time.sleep(0.1)
 
     def wait_mapped(self, timeout: float = 600.0) -> None:
-        """Blocks until the daemon has populated its mappings of the engines' memory
-        (`populating_bytes` 0): that runs in the background after RegisterKV, and its
-        CPU time would otherwise land in the first series measured."""
-        deadline = time.monotonic() + timeout
-        while (st := self.wait_serving()).populating_bytes:
-            if time.monotonic() > deadline:
-                raise TimeoutError(
-                    f"the daemon still maps {st.populating_bytes} bytes of engine memory "
-                    f"after {timeout:.0f} s"
-                )
-            time.sleep(0.1)
+        """`wait_mapped` for this daemon."""
+        wait_mapped(self.wait_serving, timeout)
 
     def _check_alive(self) -> None:
         """Only a daemon the bench started can be seen to die."""

@@ -20,11 +20,11 @@ import argparse
 import json
 import re
 import tempfile
-import time
 import urllib.request
 from pathlib import Path
 
 from kvdepot.bench import pvm_bench
+from kvdepot.bench.daemon import wait_mapped
 from kvdepot.testing.environment import prompt_for
 from kvdepot.v1 import admin_pb2, admin_pb2_grpc
 from tests.engine.models import build_model
@@ -44,7 +44,9 @@ def engine_loads(workdir: Path, reps: int, memory_path: str) -> dict[str, float 
     try:
         prompt = prompt_for(7, 600)
         engine.generate([prompt])
-        wait_mapped(daemon)
+        with daemon.channel() as ch:  # loads timed before the mapping is done time faults
+            admin = admin_pb2_grpc.AdminStub(ch)
+            wait_mapped(lambda: admin.GetStats(admin_pb2.GetStatsRequest(), timeout=5), 60.0)
         for _ in range(reps):
             engine.reset_prefix_cache()
             engine.generate([prompt])
@@ -62,18 +64,6 @@ def engine_loads(workdir: Path, reps: int, memory_path: str) -> dict[str, float 
         "load_jobs": jobs,
         "gb_per_s": nbytes / seconds / 1e9,
     }
-
-
-def wait_mapped(daemon: DaemonProcess, timeout: float = 60.0) -> None:
-    """Waits until the daemon has mapped the engine's memory in full (GetStats
-    `populating_bytes` 0): loads timed before that would time page faults."""
-    deadline = time.monotonic() + timeout
-    with daemon.channel() as ch:
-        admin = admin_pb2_grpc.AdminStub(ch)
-        while admin.GetStats(admin_pb2.GetStatsRequest(), timeout=5).populating_bytes:
-            if time.monotonic() > deadline:
-                raise TimeoutError("the daemon did not finish mapping the engine's memory")
-            time.sleep(0.05)
 
 
 def main() -> None:
