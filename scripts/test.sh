@@ -19,9 +19,9 @@ if [ ! -x .venv/bin/python ]; then
     "$PY" -m venv .venv
 fi
 if ! command -v cc >/dev/null 2>&1; then
-    # The CPU copy engine's extension (server/memory/_runcopy.c); tests/test_run_copy.py
-    # checks that it was built.
-    echo "== installing Debian's gcc (a C compiler for kvdepot's copy extension)"
+    # kvdepot's two C extensions (server/memory/_runcopy.c, server/core/_plan.c); the
+    # tests check that both were built.
+    echo "== installing Debian's gcc (a C compiler for kvdepot's C extensions)"
     SUDO=""; [ "$(id -u)" = 0 ] || SUDO=sudo
     $SUDO apt-get update -qq
     $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \

@@ -20,6 +20,7 @@ from grpc_reflection.v1alpha import reflection
 
 import kvdepot
 from kvdepot.server.config import ServeConfig, format_size
+from kvdepot.server.core.planner import planning
 from kvdepot.server.cuda import enable_cuda
 from kvdepot.server.fd_receiver import FdReceiver
 from kvdepot.server.gc_policy import GcPolicy
@@ -161,6 +162,7 @@ class Daemon:
             cfg.max_registrations_per_session,
         )
         log.info("shared-memory copies: %s", copier())
+        log.info("copy planning: %s", planning())
         # Memory paths beyond shared memory; each logs whether it is on, and why.
         enable_cuda(st, st.arena)  # before the warm-up: it page-locks each warm chunk
         enable_pvm(st)  # copies from engines' plain memory (process_vm_readv/writev)

@@ -27,6 +27,19 @@ from tests.support.guide import run_guide_scenario
 REPO = Path(__file__).resolve().parents[1]
 
 
+@pytest.fixture(params=["compiled", "numpy"])
+def planner_impl(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Runs a test with the compiled planner (server/core/_plan.c) and again with
+    the numpy one that installs without a C compiler use."""
+    from kvdepot.server.core import planner
+
+    if request.param == "numpy":
+        monkeypatch.setattr(planner, "compiled", None)
+    else:
+        assert planner.compiled is not None, "the test install did not build _plan.c"
+    return request.param
+
+
 @pytest.fixture
 def daemon_factory(tmp_path_factory: pytest.TempPathFactory) -> Iterator:
     """daemon_factory(*serve_args) -> a started DaemonProcess (stopped afterwards)."""

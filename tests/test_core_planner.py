@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from kvdepot.server.core.layout import LayoutError, NamespaceLayout, check_key
-from kvdepot.server.core.planner import LayerRef, MemoryMap, TensorView, plan_job
+from kvdepot.server.core.planner import CopyPlan, LayerRef, MemoryMap, TensorView, plan_job
 from kvdepot.server.memory.copy_engine import LOAD, STORE, CpuCopyEngine
 from tests.support.regions import ArrayRegion
 
@@ -76,7 +76,7 @@ def test_memory_map_checks_page_sizes_and_bounds() -> None:
         )
 
 
-def test_plan_merges_contiguous_pages_and_rejects_out_of_range_blocks() -> None:
+def test_plan_merges_contiguous_pages_and_rejects_out_of_range_blocks(planner_impl: str) -> None:
     lay = layout(world=1, bpc=2)
     mm, _ = memmap(lay)
     # Group 0 only: blocks 10,11 (consecutive) -> one run per layer.
@@ -90,7 +90,9 @@ def test_plan_merges_contiguous_pages_and_rejects_out_of_range_blocks() -> None:
 
 @pytest.mark.parametrize("first_index", [0, 1, 3])
 @pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "numpy"])
-def test_store_then_load_round_trips_bytes_for_both_ranks(first_index: int, compiled: bool) -> None:
+def test_store_then_load_round_trips_bytes_for_both_ranks(
+    first_index: int, compiled: bool, planner_impl: str
+) -> None:
     """Two ranks store into shared slots; loads into other blocks get each rank's bytes."""
     lay = layout(world=2, bpc=2)
     mm, size = memmap(lay)
@@ -125,7 +127,7 @@ def test_store_then_load_round_trips_bytes_for_both_ranks(first_index: int, comp
                 assert np.array_equal(a, b), (rank, layer, s, d)
 
 
-def test_skipped_keys_leave_their_slots_untouched() -> None:
+def test_skipped_keys_leave_their_slots_untouched(planner_impl: str) -> None:
     lay = layout(world=1, bpc=1)
     mm, size = memmap(lay)
     src = np.full(size, 7, np.uint8)
@@ -176,10 +178,10 @@ def reference_runs(
 
 
 @pytest.mark.parametrize("seed", range(6))
-def test_vectorised_plan_matches_the_page_by_page_reference(seed: int) -> None:
+def test_vectorised_plan_matches_the_page_by_page_reference(seed: int, planner_impl: str) -> None:
     """Random jobs (skipped keys, partial chunks, contiguous and scattered blocks):
-    the numpy planner's runs are exactly the page-by-page ones, and a split plan
-    holds every run once."""
+    the planner's runs (compiled and numpy) are exactly the page-by-page ones, and
+    a split plan holds every run once."""
     rng = np.random.default_rng(seed)
     lay = layout(world=2, bpc=2)
     mm, _ = memmap(lay)
@@ -204,3 +206,48 @@ def test_vectorised_plan_matches_the_page_by_page_reference(seed: int) -> None:
     parts = plan.split(3, 1)
     assert [r for p in parts for r in p.runs] == want
     assert sum(p.nbytes for p in parts) == plan.nbytes
+
+
+def reference_addresses(
+    runs: list[tuple[int, int, int, int]], bases: list[int], pool: int, split: int
+) -> list[tuple[int, int, int]]:
+    """Address columns written the obvious way: run by run, cut byte-range by range."""
+    out = []
+    for r, ro, po, n in runs:
+        while n:
+            piece = min(n, split - po % split) if split else n
+            out.append((bases[r] + ro, pool + po, piece))
+            ro, po, n = ro + piece, po + piece, n - piece
+    return out
+
+
+@pytest.mark.parametrize("split", [0, 4096, 3 << 12])
+def test_address_columns_match_the_run_by_run_reference(split: int, planner_impl: str) -> None:
+    """Addresses with the top bit set (device memory may use it), runs that cross
+    several cut points, and runs of one byte."""
+    rng = np.random.default_rng(split)
+    runs = [
+        (int(rng.integers(0, 3)), int(rng.integers(0, 1 << 20)), int(rng.integers(0, 1 << 20)),
+         int(rng.choice([1, 4096, 65536, int(rng.integers(1, 40000))])))
+        for _ in range(700)
+    ]  # fmt: skip
+    bases = [1 << 63, 5 << 40, 12345]
+    cols = CopyPlan(runs).address_columns(bases, (1 << 63) + (1 << 44), split)
+    assert cols.dtype == np.uint64
+    assert list(zip(*cols.tolist(), strict=True)) == reference_addresses(
+        runs, bases, (1 << 63) + (1 << 44), split
+    )
+
+
+def test_address_columns_refuse_runs_no_planner_makes(planner_impl: str) -> None:
+    for runs, match in (
+        ([(0, 0, 0, 8), (0, 8, -1, 8)], r"bad run \(0, 8, -1, 8\)"),
+        ([(0, 0, 0, 0)], r"bad run \(0, 0, 0, 0\)"),
+        ([(0, 0, 0, 8), (2, 0, 0, 8)], "run names region 2; 2 mapped"),
+        ([(-1, 0, 0, 8)], "run names region -1; 2 mapped"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            CopyPlan(runs).address_columns([0, 0], 0, 1024)
+    with pytest.raises(ValueError, match="split"):
+        CopyPlan([(0, 0, 0, 8)]).address_columns([0], 0, -1)
+    assert CopyPlan().address_columns([0], 0).shape == (3, 0)

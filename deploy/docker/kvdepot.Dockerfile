@@ -9,8 +9,9 @@
 ARG BASE=docker.io/library/python:3.11-slim-bookworm
 
 FROM ${BASE} AS build
-# A C compiler for the copy engine's run copier (server/memory/_runcopy.c); only this
-# stage has it. Without one the install goes on and the daemon copies with numpy, slower.
+# A C compiler for the run copier and the planner's loops (server/memory/_runcopy.c,
+# server/core/_plan.c); only this stage has it. Without one the install goes on and the
+# daemon plans and copies with numpy, slower.
 # hadolint ignore=DL3008
 RUN apt-get update \
     && apt-get install -y --no-install-recommends gcc libc6-dev \

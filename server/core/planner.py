@@ -10,6 +10,7 @@ the same plans.
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -17,6 +18,11 @@ import numpy as np
 
 from kvdepot.common.chunks import block_positions
 from kvdepot.server.core.layout import LayoutError, NamespaceLayout, check_key
+
+try:  # built from _plan.c when the install had a C compiler (pyproject.toml)
+    from kvdepot.server.core import _plan as compiled
+except ImportError:
+    compiled = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,17 +160,48 @@ class CopyPlan:
         """(4, n) int64: region, region offset, pool offset, bytes of each run."""
         if self._cols is None:
             runs = self._runs or []
-            self._cols = np.array(runs, dtype=np.int64).reshape(len(runs), 4).T
+            self._cols = np.array(runs, dtype=np.int64).reshape(len(runs), 4).T.copy()
         return self._cols
+
+    @classmethod
+    def from_columns(cls, cols: np.ndarray, nbytes: int) -> CopyPlan:
+        """A plan holding `cols` ((4, n) int64, rows contiguous) as its runs."""
+        plan = cls.__new__(cls)
+        plan._runs, plan._cols, plan.nbytes = None, cols, nbytes
+        return plan
 
     def addresses(
         self, region_addresses: Sequence[int], pool_address: int
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(memory address, pool address, bytes) of each run, as int64 columns:
         the offsets plus the base address of the run's region and of the pool."""
-        region, region_off, pool_off, sizes = self.columns
-        bases = np.array(region_addresses, dtype=np.int64)
-        return bases[region] + region_off, pool_off + pool_address, np.ascontiguousarray(sizes)
+        mem, pool, sizes = self.address_columns(region_addresses, pool_address).view(np.int64)
+        return mem, pool, sizes
+
+    def address_columns(
+        self, region_addresses: Sequence[int], pool_address: int, split: int = 0
+    ) -> np.ndarray:
+        """The runs as a (3, m) uint64 array: region address + offset, pool address
+        + offset, bytes. With `split` > 0 a run whose pool bytes cross a multiple of
+        `split` is cut there (m >= len(self)). Raises ValueError on a run that moves
+        no bytes, has a negative offset, or names a region `region_addresses` lacks.
+
+        uint64 because device and host addresses may use the top bit. Compiled
+        (`_plan.c`) where it was built, so that the event loop keeps the GIL; the
+        numpy path (`_address_columns_numpy`) computes the same.
+        """
+        if split < 0:
+            raise ValueError("split must not be negative")
+        cols, n = self.columns, len(self)
+        if compiled is None:
+            return _address_columns_numpy(cols, region_addresses, pool_address, split)
+        # Each run is cut at most (bytes // split + 1) times.
+        cap = 2 * n + (max(0, self.nbytes) // split if split else 0)
+        out = np.empty((3, cap), dtype=np.uint64)
+        m = compiled.address_runs(
+            cols, array("Q", region_addresses), pool_address, split, out[0], out[1], out[2]
+        )
+        return out[:, :m]
 
     @property
     def runs(self) -> list[tuple[int, int, int, int]]:
@@ -199,13 +236,51 @@ class CopyPlan:
         cols = self.columns
         ends = np.cumsum(cols[3])
         cuts = np.searchsorted(ends, [total * i // parts for i in range(1, parts)], "right")
-        out = []
-        for piece in np.split(cols, np.unique(cuts), axis=1):
-            if piece.shape[1]:
-                plan = CopyPlan.__new__(CopyPlan)
-                plan._runs, plan._cols, plan.nbytes = None, piece, int(piece[3].sum())
-                out.append(plan)
-        return out
+        return [
+            CopyPlan.from_columns(piece, int(piece[3].sum()))
+            for piece in np.split(cols, np.unique(cuts), axis=1)
+            if piece.shape[1]
+        ]
+
+
+def _address_columns_numpy(
+    cols: np.ndarray, region_addresses: Sequence[int], pool_address: int, split: int
+) -> np.ndarray:
+    """CopyPlan.address_columns without the compiled planner."""
+    n = cols.shape[1]
+    if n == 0:
+        return np.empty((3, 0), dtype=np.uint64)
+    regions, region_offs, pool_offs, sizes = cols
+    low = cols.min(axis=1).tolist()  # one reduction for the four columns' minima
+    if low[3] <= 0 or low[1] < 0 or low[2] < 0:
+        i = int(np.flatnonzero((sizes <= 0) | (region_offs < 0) | (pool_offs < 0))[0])
+        raise ValueError(f"bad run {tuple(cols[:, i].tolist())}")
+    if low[0] < 0 or regions.max() >= len(region_addresses):
+        i = int(np.flatnonzero((regions < 0) | (regions >= len(region_addresses)))[0])
+        raise ValueError(f"run names region {int(regions[i])}; {len(region_addresses)} mapped")
+    bases = np.array(region_addresses, dtype=np.uint64)
+    dev = bases[regions] + region_offs.astype(np.uint64)
+    host = np.uint64(pool_address) + pool_offs.astype(np.uint64)
+    if split:
+        return np.stack(_split_runs(dev, host, pool_offs, sizes, split))
+    return np.stack((dev, host, sizes.astype(np.uint64)))
+
+
+def _split_runs(
+    dev: np.ndarray, host: np.ndarray, pool_offs: np.ndarray, sizes: np.ndarray, split: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Cuts runs where their pool bytes cross a multiple of `split`."""
+    into = pool_offs % split  # where each run starts inside its `split`-sized piece
+    if (into + sizes <= split).all():  # the common case: no run crosses a boundary
+        return dev, host, sizes.astype(np.uint64)
+    first = split - into  # bytes before the run's first boundary
+    pieces = np.where(sizes > first, 1 + (sizes - first + split - 1) // split, 1)
+    run = np.repeat(np.arange(len(sizes)), pieces)
+    k = np.arange(len(run)) - np.repeat(np.cumsum(pieces) - pieces, pieces)  # piece in run
+    start = np.where(k == 0, 0, first[run] + (k - 1) * split)
+    size = np.minimum(sizes[run] - start, np.where(k == 0, first[run], split))
+    step = start.astype(np.uint64)
+    return dev[run] + step, host[run] + step, size.astype(np.uint64)
 
 
 @dataclass(frozen=True, slots=True)
@@ -334,6 +409,21 @@ def _geometry(layout: NamespaceLayout, rank: int, memory: MemoryMap, g: int) -> 
     return geo
 
 
+def planning() -> str:
+    """Which planner plan_copy and address_columns use, in words (the daemon logs it)."""
+    if compiled is not None:
+        return "compiled (kvdepot.server.core._plan: per-page loops that keep the GIL)"
+    return (
+        "numpy (kvdepot.server.core._plan was not built: reinstall kvdepot where a C "
+        "compiler is available for cheaper jobs)"
+    )
+
+
+# One group's pages to plan: its geometry, block ids, slot offset per block (-1:
+# skip the block) and sub-block per block (None when a chunk is one block).
+_GroupPages = tuple[_GroupGeometry, np.ndarray, np.ndarray, np.ndarray | None]
+
+
 def plan_copy(
     layout: NamespaceLayout,
     rank: int,
@@ -350,27 +440,59 @@ def plan_copy(
     """
     if len(slot_offsets) != shape.num_keys:
         raise ValueError(f"{len(slot_offsets)} slot offsets for {shape.num_keys} keys")
-    # Column-wise with numpy: a 64-chunk Llama-8B job is 2048 pages, and a
-    # per-page Python loop on the event loop cost more than the PCIe copy.
     slots_all = np.fromiter(
         (-1 if s is None else s for s in slot_offsets), dtype=np.int64, count=len(slot_offsets)
     )
-    parts: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []
+    groups: list[_GroupPages] = []
     for g, ids, key_of, subs in shape.groups:
         if isinstance(key_of, range):  # one block per key: a slice, not a gather
             slots = slots_all[key_of.start : key_of.stop]
         else:
             slots = slots_all[np.asarray(key_of, dtype=np.int64)]
+        groups.append(
+            (
+                _geometry(layout, rank, memory, g),
+                np.asarray(ids, dtype=np.int64),
+                slots,
+                None if subs is None else np.asarray(subs, dtype=np.int64),
+            )
+        )
+    if compiled is None:
+        return _plan_pages_numpy(groups)
+    # One C loop per group over the (layers, blocks) pages: numpy's dozen array
+    # operations per job each released the GIL on the event loop (see _plan.c).
+    table = np.empty((4, sum(len(geo.page) * len(b) for geo, b, _, _ in groups)), np.int64)
+    count = nbytes = 0
+    for geo, blocks, slots, sub in groups:
+        count, added = compiled.plan_group(
+            table,
+            count,
+            geo.region,
+            geo.base,
+            geo.stride,
+            geo.page,
+            geo.slot_base,
+            blocks,
+            slots,
+            sub,
+        )
+        nbytes += added
+    return CopyPlan.from_columns(table[:, :count], nbytes) if count else CopyPlan()
+
+
+def _plan_pages_numpy(groups: Sequence[_GroupPages]) -> CopyPlan:
+    """plan_copy's runs without the compiled planner: column-wise with numpy (a
+    64-chunk Llama-8B job is 2048 pages, and a per-page Python loop on the event
+    loop cost more than the PCIe copy)."""
+    parts: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []
+    for geo, blocks, slots, sub in groups:
         keep = slots >= 0
         kept = np.count_nonzero(keep)
         if not kept:
             continue
-        blocks = np.asarray(ids, dtype=np.int64)
-        sub = None if subs is None else np.asarray(subs, dtype=np.int64)
         if kept < len(keep):
             blocks, slots = blocks[keep], slots[keep]
             sub = None if sub is None else sub[keep]
-        geo = _geometry(layout, rank, memory, g)
         n_blocks = len(blocks)
         # (layers, blocks) grids, flattened layer-major: the order of the runs.
         ro = geo.base[:, None] + blocks[None, :] * geo.stride[:, None]

@@ -96,8 +96,8 @@ def plan_descriptors(
     copies and keep the runs' order. Raises ValueError on a run that names no
     region or moves no bytes (the planner never makes one).
 
-    Runs on the copy thread for every job (2048 runs for 64 vLLM blocks of 32
-    layers), so it works on the plan's int64 columns with numpy, never per run.
+    Runs on the event loop for every job (2048 runs for 64 vLLM blocks of 32
+    layers): `CopyPlan.address_columns` does the per-run work in one call.
     """
     if direction not in (STORE, LOAD):
         raise ValueError(f"unknown direction {direction}")
@@ -105,25 +105,13 @@ def plan_descriptors(
         raise ValueError("max_batch must be at least 1")
     if host_split < 0:
         raise ValueError("host_split must not be negative")
-    cols = runs.columns if isinstance(runs, CopyPlan) else CopyPlan(runs).columns
-    if cols.shape[1] == 0:
+    plan = runs if isinstance(runs, CopyPlan) else CopyPlan(runs)
+    if not len(plan):
         return []
-    regions, region_offs, pool_offs, sizes = cols
-    low = cols.min(axis=1).tolist()  # one reduction for the four columns' minima
-    if low[3] <= 0 or low[1] < 0 or low[2] < 0:
-        i = int(np.flatnonzero((sizes <= 0) | (region_offs < 0) | (pool_offs < 0))[0])
-        raise ValueError(f"bad run {tuple(cols[:, i].tolist())}")
-    if low[0] < 0 or regions.max() >= len(region_addresses):
-        i = int(np.flatnonzero((regions < 0) | (regions >= len(region_addresses)))[0])
-        raise ValueError(f"run names region {int(regions[i])}; {len(region_addresses)} mapped")
-    # uint64: device and host addresses may use the top bit; offsets never do.
-    bases = np.array(region_addresses, dtype=np.uint64)
-    dev = bases[regions] + region_offs.astype(np.uint64)
-    host = np.uint64(pool_address) + pool_offs.astype(np.uint64)
-    n = sizes.astype(np.uint64)
-    if host_split:
-        dev, host, n = _split_runs(dev, host, pool_offs, sizes, host_split)
+    dev, host, n = plan.address_columns(region_addresses, pool_address, host_split)
     srcs, dsts = (dev, host) if direction == STORE else (host, dev)
+    if len(n) <= max_batch:  # one batch: its bytes are the plan's (a cut keeps them)
+        return [DmaBatch(_words(dsts), _words(srcs), _words(n), plan.nbytes)]
     batches = []
     for i in range(0, len(n), max_batch):
         part = n[i : i + max_batch]
@@ -143,23 +131,6 @@ def _words(values: np.ndarray) -> array:
     out = array("Q")
     out.frombytes(np.ascontiguousarray(values, dtype=np.uint64).tobytes())
     return out
-
-
-def _split_runs(
-    dev: np.ndarray, host: np.ndarray, pool_offs: np.ndarray, sizes: np.ndarray, split: int
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Cuts runs where their pool bytes cross a multiple of `split`."""
-    into = pool_offs % split  # where each run starts inside its `split`-sized piece
-    if (into + sizes <= split).all():  # the common case: no run crosses a boundary
-        return dev, host, sizes.astype(np.uint64)
-    first = split - into  # bytes before the run's first boundary
-    pieces = np.where(sizes > first, 1 + (sizes - first + split - 1) // split, 1)
-    run = np.repeat(np.arange(len(sizes)), pieces)
-    k = np.arange(len(run)) - np.repeat(np.cumsum(pieces) - pieces, pieces)  # piece in run
-    start = np.where(k == 0, 0, first[run] + (k - 1) * split)
-    size = np.minimum(sizes[run] - start, np.where(k == 0, first[run], split))
-    step = start.astype(np.uint64)
-    return dev[run] + step, host[run] + step, size.astype(np.uint64)
 
 
 # -- served devices and IPC mappings ------------------------------------------------

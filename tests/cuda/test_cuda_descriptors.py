@@ -41,7 +41,7 @@ def test_batches_split_at_max_batch_and_keep_order() -> None:
     assert all(isinstance(b.sizes, array) and b.sizes.typecode == "Q" for b in batches)
 
 
-def test_runs_are_cut_at_page_locking_chunk_boundaries() -> None:
+def test_runs_are_cut_at_page_locking_chunk_boundaries(planner_impl: str) -> None:
     # A run of 300 bytes from pool offset 900 crosses the 1024 boundary once; one
     # of 3000 bytes from 1000 crosses 1024, 2048 and 3072.
     batches = plan_descriptors(
@@ -59,7 +59,7 @@ def test_runs_are_cut_at_page_locking_chunk_boundaries() -> None:
     assert sum(s for _, _, s in d) == 3300
 
 
-def test_descriptor_planning_refuses_nonsense() -> None:
+def test_descriptor_planning_refuses_nonsense(planner_impl: str) -> None:
     with pytest.raises(ValueError, match="direction"):
         plan_descriptors(0, [], [], 0)
     with pytest.raises(ValueError, match="names region 2"):
@@ -90,7 +90,7 @@ def apply(batches: list[DmaBatch]) -> None:
 
 @pytest.mark.parametrize(("bpc", "world", "rank"), [(1, 1, 0), (4, 2, 1)])
 def test_descriptors_move_exactly_the_bytes_the_cpu_engine_moves(
-    bpc: int, world: int, rank: int
+    bpc: int, world: int, rank: int, planner_impl: str
 ) -> None:
     """The same plan through the CPU engine and through DMA descriptors (applied with
     memmove) leaves identical pools and identical GPU-side memory."""
