@@ -8,8 +8,9 @@ private one it starts):
 - lookup: microseconds per `OffloadingManager.lookup()` (the scheduler calls it per
   key, many times per step), kvdepot's local mirror vs vLLM's CPUOffloadingManager,
   over the same keys (half hits, half misses);
-- pin: latency p50/p99 of the one Pin RPC a step with hits makes (16 keys = one
-  request's 256-token hit, and 1024 keys = 64 such requests in one step);
+- pin: latency p50/p99 of the one pin call a step with hits makes (16 keys = one
+  request's 256-token hit, and 1024 keys = 64 such requests in one step), on the
+  pin lane the steps use (kvdepot.client.pin_lane) and as a gRPC Pin call;
 - step: scheduler time per step (`Scheduler.schedule()` + `update_from_output()`)
   with 64 running requests, for no connector, vLLM's OffloadingConnector with its
   CPU manager, and KVDepotConnector; the admission step (64 requests arrive, each
@@ -161,6 +162,8 @@ def run_connector_bench(
             engine = SyntheticEngine(EngineConfig(socket=target, workers=False, **common))
             try:
                 engine.wait_ready(hit_keys, timeout=60)
+                # The steps' pins take the lane once it is open (in the background).
+                engine.wait_until(lambda: engine.manager.pin_lane.open, what="the pin lane")
             except BaseException:
                 engine.shutdown()
                 raise
@@ -197,20 +200,25 @@ def run_connector_bench(
         result["lookup_us"] = {"kvdepot": _time_lookups(manager, lookup_keys, lookup_rounds)}
 
         pins: dict[str, Any] = {}
-        client, ns = manager._client, manager.namespace_id
+        client, ns, lane = manager._client, manager.namespace_id, manager.pin_lane
         for batch in (16, 1024):
             keys = hit_keys[:batch]
-            lat = []
-            for _ in range(pin_reps if batch == 16 else max(10, pin_reps // 10)):
-                t = time.perf_counter()
-                client.pin(ns, keys, timeout=1.0)
-                lat.append(time.perf_counter() - t)
-                client.unpin(ns, keys, wait=True)
-            pins[f"{batch}_keys"] = {
-                "p50_ms": _pct(lat, 0.5) * 1e3,
-                "p99_ms": _pct(lat, 0.99) * 1e3,
-                "n": len(lat),
-            }
+            for path in ("lane", "gRPC"):
+                lat = []
+                for _ in range(pin_reps if batch == 16 else max(10, pin_reps // 10)):
+                    t = time.perf_counter()
+                    if path == "lane":
+                        pinned = lane.pin(client.session_id, ns, keys, timeout=1.0)
+                        assert pinned is not None, "the pin lane closed"
+                    else:
+                        client.pin(ns, keys, timeout=1.0)
+                    lat.append(time.perf_counter() - t)
+                    client.unpin(ns, keys, wait=True)
+                pins[f"{batch}_keys_{path}"] = {
+                    "p50_ms": _pct(lat, 0.5) * 1e3,
+                    "p99_ms": _pct(lat, 0.99) * 1e3,
+                    "n": len(lat),
+                }
         result["pin"] = pins
         engines.remove(depot)
         depot.shutdown()
@@ -228,7 +236,7 @@ def run_connector_bench(
         setups = {"kvdepot": make_depot, "vllm_cpu": make_cpu, "none": make_bare}
         names = list(setups)
         per_round: dict[str, list[dict[str, float]]] = {n: [] for n in names}
-        pin_rpcs = 0
+        pin_rpcs = lane_pins = 0
         for r in range(rounds):
             for name in names[r % len(names) :] + names[: r % len(names)]:
                 engine = setups[name]()
@@ -236,9 +244,11 @@ def run_connector_bench(
                 per_round[name].append(_steps(engine, prompts, decode_steps))
                 if name == "kvdepot":
                     pin_rpcs += engine.manager.pin_rpcs
+                    lane_pins += engine.manager.pin_lane.lane_pins
                 engines.remove(engine)
                 engine.shutdown()
         result["kvdepot_pin_rpcs_in_steps"] = pin_rpcs
+        result["kvdepot_lane_pins_in_steps"] = lane_pins
         result["step_ms"] = {
             n: {k: statistics.median(x[k] for x in per_round[n]) for k in per_round[n][0]}
             for n in names
@@ -316,7 +326,7 @@ def format_table(r: dict[str, Any]) -> str:
         lines.append(f"{'kvdepot <= vLLM CPU, ' + label:34}{count:>12}")
     for batch, p in r["pin"].items():
         lines.append(
-            f"{'pin ' + batch.replace('_', ' ') + ' p50 / p99 (ms)':34}"
+            f"{'pin ' + batch.replace('_', ' ', 2).replace('_', ', ') + ' p50 / p99 (ms)':34}"
             f"{p['p50_ms']:>12.3f}{p['p99_ms']:>12.3f}"
         )
     return "\n".join(lines)

@@ -67,7 +67,11 @@ class ClientLane:
 
     @classmethod
     def open(
-        cls, client: DepotClient, session_id: str, timeout: float = OPEN_TIMEOUT
+        cls,
+        client: DepotClient,
+        session_id: str,
+        timeout: float = OPEN_TIMEOUT,
+        kind: int = depot_pb2.LANE_TRANSFER_JOBS,
     ) -> ClientLane:
         hello = client.hello
         if hello is None or not hello.fd_socket:
@@ -85,7 +89,7 @@ class ClientLane:
                 theirs.close()  # the daemon has its own copy now (or none)
             try:
                 resp = client.stub.OpenJobLane(
-                    depot_pb2.OpenJobLaneRequest(session_id=session_id, fd_token=token),
+                    depot_pb2.OpenJobLaneRequest(session_id=session_id, fd_token=token, kind=kind),
                     timeout=timeout,
                 )
             except grpc.RpcError as exc:

@@ -27,8 +27,8 @@ import logging
 import threading
 import time
 import uuid
-from collections import Counter
 from collections.abc import Collection, Iterable, Mapping, Sequence
+from itertools import compress
 
 import grpc
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
@@ -49,6 +49,7 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvdepot.client import DepotClient, DepotUnavailable
+from kvdepot.client.pin_lane import PinLane, PinTimeout
 from kvdepot.client.vllm.config import DepotSettings
 from kvdepot.client.vllm.namespace import reset_namespace_id
 from kvdepot.client.vllm.transfer_specs import KVDepotLoadSpec, KVDepotStoreSpec
@@ -112,10 +113,13 @@ class KVDepotOffloadingManager(OffloadingManager):
         self._quarantine_check = 0.0
         # Keys offered for store whose job has not completed.
         self._storing: set[bytes] = set()
-        # Keys loaded by this step's prepare_load calls, pinned at on_schedule_end.
-        self._step_loads: list[bytes] = []
-        # Pins this session holds (a key may be pinned by several requests).
-        self._pins: Counter[bytes] = Counter()
+        # This step's loads, (request id, keys) per prepare_load, pinned at on_schedule_end.
+        self._step_loads: list[tuple[str, list[bytes]]] = []
+        # The keys pinned for each request's load, unpinned by its complete_load
+        # (vLLM runs at most one load per request at a time, and completes it with
+        # the keys it prepared). Per request, not per key: no per-key bookkeeping in
+        # the scheduler's step, and a key two requests load is pinned twice.
+        self._held: dict[str, list[bytes]] = {}
         self._events: list[OffloadingEvent] | None = [] if enable_events else None
         self._events_lock = threading.Lock()
         self._watch_lock = threading.Lock()
@@ -128,8 +132,8 @@ class KVDepotOffloadingManager(OffloadingManager):
         self.pin_failures = 0
         self.watch_events = 0
         self._closed = False
-        # (namespace, key) pins to drop, sent by the unpin thread.
-        self._unpins: list[tuple[str, bytes]] = []
+        # (namespace, keys) pins to drop, one per key, sent by the unpin thread.
+        self._unpins: list[tuple[str, list[bytes]]] = []
         self._unpin_wakeup = threading.Event()
         self._unpin_thread = threading.Thread(
             target=self._unpin_loop, name="kvdepot-unpin", daemon=True
@@ -153,6 +157,8 @@ class KVDepotOffloadingManager(OffloadingManager):
             target=self._prefetch_loop, name="kvdepot-prefetch", daemon=True
         )
         self._prefetch_thread.start()
+        # The step's pins go on a lane when the daemon has one (kvdepot.client.pin_lane).
+        self._pin_lane = PinLane(client)
         client.add_session_listener(self._on_session)
         client.add_disconnect_listener(self._on_disconnect)
         self._watch = client.watch(namespace_id, self._watch_handler(0))
@@ -203,10 +209,12 @@ class KVDepotOffloadingManager(OffloadingManager):
 
     def _on_disconnect(self) -> None:
         # Pins die with the session; never unpin them in the next one.
-        self._pins = Counter()
+        self._held = {}
+        self._pin_lane.drop()
         self._remote_on = False
 
     def _on_session(self, boot_id: str) -> None:
+        self._pin_lane.open_soon()
         hello = self._client.hello
         # kvdepot_remote_wait_ms = 0: this engine never waits for the tier, nor asks it.
         self._remote_on = bool(hello is not None and hello.remote_tier) and (
@@ -216,6 +224,11 @@ class KVDepotOffloadingManager(OffloadingManager):
     @property
     def connected(self) -> bool:
         return self._client.connected
+
+    @property
+    def pin_lane(self) -> PinLane:
+        """The lane the step's pins take when it is open (tests and benchmarks)."""
+        return self._pin_lane
 
     @property
     def mirror_size(self) -> int:
@@ -298,23 +311,15 @@ class KVDepotOffloadingManager(OffloadingManager):
 
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
         keys = list(keys)
-        self._step_loads.extend(keys)
+        self._step_loads.append((req_context.req_id, keys))
         return KVDepotLoadSpec(self.namespace_id, keys)
 
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
-        pins = self._pins
-        ns = self.namespace_id
-        unpin = []
-        for key in keys:
-            if pins[key] > 0:
-                pins[key] -= 1
-                if pins[key] == 0:
-                    del pins[key]
-                unpin.append((ns, key))
-        if unpin:
+        held = self._held.pop(req_context.req_id, None)
+        if held:
             # Even a fire-and-forget unary call costs ~1 ms of this thread in
             # Python gRPC; the unpin thread batches them instead.
-            self._unpins.extend(unpin)
+            self._unpins.append((self.namespace_id, held))
             self._unpin_wakeup.set()
 
     def _unpin_loop(self) -> None:
@@ -325,8 +330,8 @@ class KVDepotOffloadingManager(OffloadingManager):
                 continue
             batch, self._unpins = self._unpins, []
             by_namespace: dict[str, list[bytes]] = {}
-            for ns, key in batch:
-                by_namespace.setdefault(ns, []).append(key)
+            for ns, keys in batch:
+                by_namespace.setdefault(ns, []).extend(keys)
             for ns, keys in by_namespace.items():
                 try:
                     self._client.unpin(ns, keys, wait=True, timeout=5.0)
@@ -348,21 +353,34 @@ class KVDepotOffloadingManager(OffloadingManager):
             with self._stats_lock:
                 self._stats.increase_counter(MetricName.LOAD_FAILURES, n)
 
+    def _pin(self, keys: list[bytes]) -> list[bool]:
+        """One pin call: on the pin lane, or over gRPC when the lane cannot answer."""
+        timeout = self._settings.pin_timeout_s
+        session_id = self._client.session_id
+        pinned = self._pin_lane.pin(session_id, self.namespace_id, keys, timeout)
+        if pinned is None:
+            pinned = self._client.pin(self.namespace_id, keys, timeout=timeout)
+        return pinned
+
     def _pin_step_loads(self) -> None:
         """One Pin RPC for every key this step loads, under the pin deadline."""
-        keys, self._step_loads = self._step_loads, []
+        loads, self._step_loads = self._step_loads, []
+        keys = [k for _, request_keys in loads for k in request_keys]
         if not keys:
             return
         start = time.perf_counter()
         try:
-            pinned = self._client.pin(self.namespace_id, keys, timeout=self._settings.pin_timeout_s)
-        except (DepotUnavailable, grpc.RpcError) as exc:
+            pinned = self._pin(keys)
+        except (DepotUnavailable, grpc.RpcError, PinTimeout) as exc:
             # The loads go ahead unpinned: a key evicted meanwhile fails its load,
             # which vLLM recomputes. Never worse than a miss.
             self.pin_failures += 1
             with self._stats_lock:
                 self._stats.increase_counter(MetricName.PIN_FAILURES, 1)
-            code = exc.code() if isinstance(exc, grpc.RpcError) else "UNAVAILABLE"
+            if isinstance(exc, grpc.RpcError):
+                code = exc.code()
+            else:
+                code = "DEADLINE_EXCEEDED" if isinstance(exc, PinTimeout) else "UNAVAILABLE"
             log.warning(
                 "kvdepot pin of %d keys failed (%s); loading them unpinned", len(keys), code
             )
@@ -372,12 +390,19 @@ class KVDepotOffloadingManager(OffloadingManager):
         self.pin_latencies.append(elapsed)
         if len(self.pin_latencies) > 100_000:
             del self.pin_latencies[:50_000]
-        missing = []
-        for key, ok in zip(keys, pinned, strict=False):
-            if ok:
-                self._pins[key] += 1
-            else:
-                missing.append(key)
+        held = self._held
+        if len(pinned) == len(keys) and all(pinned):  # the common case: every key
+            missing = []
+            for req_id, request_keys in loads:
+                prev = held.get(req_id)  # never set in vLLM 0.33: one load per request
+                held[req_id] = request_keys if prev is None else prev + request_keys
+        else:
+            missing = [k for k, ok in zip(keys, pinned, strict=False) if not ok]
+            answers = iter(pinned)
+            for req_id, request_keys in loads:
+                ok = list(compress(request_keys, answers))
+                if ok:
+                    held[req_id] = held.get(req_id, []) + ok
         if missing:
             # Gone since the mirror said ready (the REMOVED event is on its way).
             self._ready.difference_update(missing)
@@ -464,7 +489,7 @@ class KVDepotOffloadingManager(OffloadingManager):
         share in the old namespace stay untouched (a reset must not destroy them)."""
         self._generation += 1
         old_namespace = self.namespace_id
-        old_pins, self._pins = self._pins, Counter()
+        old_held, self._held = self._held, {}
         self.namespace_id = reset_namespace_id(
             self._base_namespace_id, self._generation, uuid.uuid4().hex[:8]
         )
@@ -473,8 +498,8 @@ class KVDepotOffloadingManager(OffloadingManager):
         self._storing = set()
         self._step_loads = []
         self._fetching, self._no_remote, self._step_prefetch = {}, {}, []
-        if old_pins:
-            self._unpins.extend((old_namespace, k) for k in old_pins.elements())
+        if old_held:
+            self._unpins.extend((old_namespace, keys) for keys in old_held.values())
             self._unpin_wakeup.set()
         old_watch = self._watch
         with self._watch_lock:
@@ -515,4 +540,5 @@ class KVDepotOffloadingManager(OffloadingManager):
             self._watch.stop()
         finally:
             # Ending the session releases our pins in the daemon.
+            self._pin_lane.drop()
             self._client.close()

@@ -298,7 +298,7 @@ class DepotServicer(depot_pb2_grpc.DepotServicer):
         self, request: pb.OpenJobLaneRequest, context: grpc.aio.ServicerContext
     ) -> pb.OpenJobLaneResponse:
         """Attaches a job lane (kvdepot.server.service.job_lane)."""
-        lane = self.lanes.open(request.session_id, request.fd_token)
+        lane = self.lanes.open(request.session_id, request.fd_token, request.kind)
         return pb.OpenJobLaneResponse(lane_id=lane.id, max_job_bytes=MAX_JOB_BYTES)
 
     @reports_errors

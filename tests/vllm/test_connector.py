@@ -439,3 +439,54 @@ def test_reset_connector_cache_moves_to_a_private_namespace(daemon, make_engine)
     engine.reset_gpu_prefix_cache()
     [again] = engine.generate([new_prompt])
     assert again.external_tokens == 96
+
+
+# -- pins: per request, dropped by that request's completed load ------------------------
+
+
+def test_requests_loading_the_same_keys_each_hold_their_own_pins(daemon, make_engine) -> None:
+    """Two requests load the same stored keys in one step, as vLLM's scheduler calls
+    the manager: one Pin RPC pins every key once per request, each completed load
+    drops only its own request's pins, and the daemon ends with nothing pinned."""
+    from vllm.v1.kv_offload.base import ReqContext
+
+    from kvdepot.v1 import admin_pb2, admin_pb2_grpc
+
+    engine = make_engine(
+        socket=daemon.target,
+        num_gpu_blocks=64,
+        extra_config={"kvdepot_pin_timeout_ms": 10_000},
+    )
+    engine.wait_registered()
+    prompt = prompt_for(21, 150)
+    engine.generate([prompt])
+    keys = engine.offload_keys(prompt)
+    engine.wait_ready(keys)
+    manager = engine.manager
+    stub = admin_pb2_grpc.AdminStub(daemon.channel())
+
+    def pinned_blocks() -> int:
+        return stub.GetStats(admin_pb2.GetStatsRequest()).pinned_blocks
+
+    def wait_pinned(n: int) -> None:
+        engine.wait_until(lambda: pinned_blocks() == n, what=f"{n} pinned block(s)")
+
+    first, second = ReqContext(req_id="first"), ReqContext(req_id="second")
+    manager.prepare_load(keys, first)
+    manager.prepare_load(keys[:4], second)
+    manager.on_schedule_end(None)  # type: ignore[arg-type]
+    assert manager.pin_rpcs == 1 and pinned_blocks() == len(keys)
+    manager.complete_load(keys, first)
+    wait_pinned(4)  # the second request's pins hold its keys still
+    manager.complete_load(keys[:4], first)  # already completed: nothing more to drop
+    time.sleep(0.5)  # the unpin thread sends at once when it has something
+    assert pinned_blocks() == 4
+    manager.complete_load(keys[:4], second)
+    wait_pinned(0)
+    # A key that is gone by the pin is not held, and its request unpins nothing.
+    ghost = bytes(28) + keys[0][-4:]
+    manager.prepare_load([ghost, keys[0]], first)
+    manager.on_schedule_end(None)  # type: ignore[arg-type]
+    assert pinned_blocks() == 1
+    manager.complete_load([ghost, keys[0]], first)
+    wait_pinned(0)

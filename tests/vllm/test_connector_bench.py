@@ -34,7 +34,10 @@ def test_quick_connector_bench_reports_every_setup_per_round() -> None:
     for name in ("kvdepot", "vllm_cpu"):
         assert len(result["added_rounds"][name]) == 2
         assert set(result["added_ms"][name]) == {"admission_step", "decode_step"}
-    # One Pin RPC in each round's admission step, none in the decode steps.
+    # One pin call in each round's admission step, none in the decode steps; each on
+    # the pin lane, not over gRPC.
     assert result["kvdepot_pin_rpcs_in_steps"] == 2
+    assert result["kvdepot_lane_pins_in_steps"] == 2
+    assert set(result["pin"]) == {f"{n}_keys_{p}" for n in (16, 1024) for p in ("lane", "gRPC")}
     assert result["lookup_us"]["kvdepot"] > 0 and result["lookup_us"]["vllm_cpu"] > 0
     assert "kvdepot <= vLLM CPU, admission" in proc.stdout

@@ -12,9 +12,16 @@ class Direction(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     DIRECTION_UNSPECIFIED: _ClassVar[Direction]
     STORE: _ClassVar[Direction]
     LOAD: _ClassVar[Direction]
+
+class LaneKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    LANE_TRANSFER_JOBS: _ClassVar[LaneKind]
+    LANE_PINS: _ClassVar[LaneKind]
 DIRECTION_UNSPECIFIED: Direction
 STORE: Direction
 LOAD: Direction
+LANE_TRANSFER_JOBS: LaneKind
+LANE_PINS: LaneKind
 
 class SessionRequest(_message.Message):
     __slots__ = ("client_name", "pid", "engine_id")
@@ -321,12 +328,14 @@ class TransferResult(_message.Message):
     def __init__(self, job_id: _Optional[int] = ..., success: _Optional[bool] = ..., bytes: _Optional[int] = ..., copy_seconds: _Optional[float] = ..., total_seconds: _Optional[float] = ..., error: _Optional[str] = ..., stored_keys: _Optional[int] = ..., present_keys: _Optional[int] = ..., dropped_keys: _Optional[int] = ..., drop_reason: _Optional[str] = ..., error_code: _Optional[str] = ...) -> None: ...
 
 class OpenJobLaneRequest(_message.Message):
-    __slots__ = ("session_id", "fd_token")
+    __slots__ = ("session_id", "fd_token", "kind")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     FD_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     fd_token: str
-    def __init__(self, session_id: _Optional[str] = ..., fd_token: _Optional[str] = ...) -> None: ...
+    kind: LaneKind
+    def __init__(self, session_id: _Optional[str] = ..., fd_token: _Optional[str] = ..., kind: _Optional[_Union[LaneKind, str]] = ...) -> None: ...
 
 class OpenJobLaneResponse(_message.Message):
     __slots__ = ("lane_id", "max_job_bytes")

@@ -169,6 +169,10 @@ class DepotServicer:
         socket cancels the lane's jobs not started yet (as cancelling a Transfer
         stream does); a half-close (SHUT_WR) lets them finish and be answered.
         The lane also closes when its session ends.
+        A lane of kind LANE_PINS carries Pin calls instead: each datagram the
+        client sends is one serialized PinRequest of the lane's session, answered
+        at once by one serialized PinResponse (in order). A pin the daemon refuses
+        closes the lane; the client then asks over Pin, which says why.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

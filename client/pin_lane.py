@@ -1,0 +1,138 @@
+"""A scheduler's pin lane: Pin calls as datagrams on a Unix socket pair.
+
+The step's one Pin call is the only wait on the daemon in vLLM's scheduler step.
+Over gRPC a unary call costs about half a millisecond when warm, and over a
+millisecond more after a quiet spell (gRPC's threads wake up on both sides),
+every step that has hits. Over a lane (kvdepot.client.job_lane's socket pair,
+opened with kind LANE_PINS) it is one datagram each way, answered on the
+daemon's loop.
+
+`PinLane.pin` returns None whenever the lane cannot answer: none is open yet
+(it opens in the background when a session starts), the daemon has no lanes,
+or the lane broke or was closed by a daemon that refused the pin. The caller
+then pins over gRPC, whose status says why a pin was refused. A pin that
+times out on the lane raises `PinTimeout`, and the lane is dropped (a late
+answer must never be read as the next call's) and reopened in the background.
+KVDEPOT_JOB_LANE=0 keeps pins on gRPC too.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from kvdepot.client.job_lane import ClientLane, LaneUnavailable, enabled_by_env
+from kvdepot.v1 import depot_pb2
+
+if TYPE_CHECKING:
+    from kvdepot.client.depot_client import DepotClient
+
+log = logging.getLogger("kvdepot.client")
+
+
+class PinTimeout(TimeoutError):
+    """The daemon did not answer a pin on the lane within the deadline."""
+
+
+class PinLane:
+    """The pin lane of one DepotClient. `pin` is called from one thread at a time
+    (vLLM's scheduler thread); opening runs on a thread of its own."""
+
+    def __init__(self, client: DepotClient, retry_s: float = 5.0) -> None:
+        self._client = client
+        self._retry_s = retry_s
+        self._wanted = enabled_by_env()
+        self._lock = threading.Lock()
+        self._lane: ClientLane | None = None
+        self._lane_session = ""
+        self._opening = False
+        self._retry_at = 0.0
+        self._fallback_logged = False
+        self.lane_pins = 0  # pins answered on the lane (tests, benchmarks)
+
+    @property
+    def open(self) -> bool:
+        return self._lane is not None
+
+    def open_soon(self) -> None:
+        """Opens a lane for the current session in the background, unless one is
+        open or opening, lanes are off, or the last try failed under `retry_s` ago."""
+        with self._lock:
+            if not self._wanted or self._opening or time.monotonic() < self._retry_at:
+                return
+            if self._lane is not None and self._lane_session == self._session_id():
+                return
+            self._opening = True
+        threading.Thread(target=self._open, name="kvdepot-pin-lane", daemon=True).start()
+
+    def drop(self) -> None:
+        """Forgets the lane (its session ended: the daemon closed its end)."""
+        with self._lock:
+            lane, self._lane = self._lane, None
+        if lane is not None:
+            lane.close()
+
+    def pin(
+        self, session_id: str, namespace_id: str, keys: Sequence[bytes], timeout: float
+    ) -> list[bool] | None:
+        """Per key, whether it was pinned; None: ask over gRPC instead."""
+        lane = self._lane
+        if lane is None or self._lane_session != session_id:
+            self.open_soon()
+            return None
+        data = depot_pb2.PinRequest(
+            session_id=session_id, namespace_id=namespace_id, keys=keys
+        ).SerializeToString()
+        if len(data) > lane.max_job_bytes:
+            return None
+        try:
+            lane.sock.settimeout(timeout)
+            lane.sock.send(data)
+            # A PinResponse is one byte per key (packed bools) and a few of framing.
+            reply = lane.sock.recv(len(keys) + 64)
+        except TimeoutError:
+            self._broken(lane)
+            raise PinTimeout(f"no answer on the pin lane within {timeout * 1e3:.0f} ms") from None
+        except OSError:
+            self._broken(lane)
+            return None
+        if not reply:  # the daemon closed the lane: it refused this pin
+            self._broken(lane)
+            return None
+        self.lane_pins += 1
+        return list(depot_pb2.PinResponse.FromString(reply).pinned)
+
+    def _session_id(self) -> str:
+        hello = self._client.hello
+        return hello.session_id if hello is not None else ""
+
+    def _broken(self, lane: ClientLane) -> None:
+        with self._lock:
+            if self._lane is lane:
+                self._lane = None
+        lane.close()
+        self.open_soon()
+
+    def _open(self) -> None:
+        try:
+            session_id = self._client.session_id
+            lane = ClientLane.open(self._client, session_id, kind=depot_pb2.LANE_PINS)
+        except (LaneUnavailable, OSError, RuntimeError) as exc:  # RuntimeError: no session
+            with self._lock:
+                self._opening = False
+                if isinstance(exc, LaneUnavailable) and exc.permanent:
+                    self._wanted = False
+                else:
+                    self._retry_at = time.monotonic() + self._retry_s
+                logged, self._fallback_logged = self._fallback_logged, True
+            if not logged:
+                log.info("kvdepot: no pin lane (%s); pins use gRPC", exc)
+            return
+        with self._lock:
+            self._opening = False
+            old, self._lane, self._lane_session = self._lane, lane, session_id
+        if old is not None:
+            old.close()

@@ -1,0 +1,148 @@
+"""Pin lanes against a real `kvdepot serve`: a scheduler's Pin calls as datagrams on a
+Unix socket pair (kvdepot.client.pin_lane, PinLane in kvdepot.server.service.job_lane).
+
+Pins over the lane hold blocks exactly as gRPC's do, and Admin counts them; a pin
+the daemon refuses closes the lane and gRPC gives the status; a garbage datagram
+or another session's pin closes that lane only; a frozen daemon times the pin out
+on its deadline and the lane comes back after; with lanes off, pins use gRPC.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+
+import grpc
+import pytest
+
+from kvdepot.client import DepotClient
+from kvdepot.client.fdpass import send_fd
+from kvdepot.client.pin_lane import PinLane, PinTimeout
+from kvdepot.v1 import depot_pb2 as pb
+from tests.support.engine import Engine, Geometry, make_key
+from tests.support.ops import store
+from tests.test_job_lane import stats, wait_for
+
+GEO = Geometry(world_size=1, namespace="pin-lane", groups=[[4096, 4096]], num_blocks=64)
+
+
+def stored_keys(client: DepotClient, n: int) -> list[bytes]:
+    eng = Engine(client, GEO, 0)
+    store(eng, range(n))
+    return [make_key(c, 0) for c in range(n)]
+
+
+def open_lane(client: DepotClient) -> PinLane:
+    lane = PinLane(client)
+    lane.open_soon()
+    assert wait_for(lambda: lane.open, 10), "the pin lane did not open"
+    return lane
+
+
+def test_pins_over_the_lane_hold_blocks_like_grpc_pins(daemon, client) -> None:
+    keys = stored_keys(client, 6)
+    lane = open_lane(client)
+    before = stats(daemon.target)
+    absent = make_key(999, 0)
+    assert lane.pin(client.session_id, GEO.namespace, [*keys[:4], absent], 1.0) == [
+        True,
+        True,
+        True,
+        True,
+        False,
+    ]
+    assert lane.pin(client.session_id, GEO.namespace, keys[:2], 1.0) == [True, True]
+    after = stats(daemon.target)
+    assert after.lane_pins - before.lane_pins == 2
+    assert after.pin_calls - before.pin_calls == 2  # counted as pins too
+    assert after.pinned_blocks == 4
+    # Unpinned over gRPC, one pin per key per call: the blocks held twice stay.
+    client.unpin(GEO.namespace, keys[:4], wait=True)
+    assert stats(daemon.target).pinned_blocks == 2
+    client.unpin(GEO.namespace, keys[:2], wait=True)
+    assert stats(daemon.target).pinned_blocks == 0
+    assert lane.lane_pins == 2
+
+
+def test_a_refused_pin_closes_the_lane_and_grpc_says_why(daemon, client) -> None:
+    lane = open_lane(client)
+    assert lane.pin(client.session_id, "no-such-namespace", [make_key(1, 0)], 1.0) is None
+    assert not lane.open  # dropped; gRPC answers with the status
+    with pytest.raises(grpc.RpcError) as err:
+        client.pin("no-such-namespace", [make_key(1, 0)])
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
+    # It reopens in the background, and pins again.
+    keys = stored_keys(client, 2)
+    assert wait_for(lambda: lane.open, 10)
+    assert lane.pin(client.session_id, GEO.namespace, keys, 1.0) == [True, True]
+
+
+def raw_pin_lane(client: DepotClient) -> socket.socket:
+    mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    assert client.hello is not None
+    token = send_fd(client.hello.fd_socket, client.session_id, theirs.fileno())
+    theirs.close()
+    client.stub.OpenJobLane(
+        pb.OpenJobLaneRequest(session_id=client.session_id, fd_token=token, kind=pb.LANE_PINS),
+        timeout=10,
+    )
+    mine.settimeout(10)
+    return mine
+
+
+@pytest.mark.parametrize("what", ["garbage", "another session"])
+def test_bad_datagrams_close_that_lane_only(daemon, client, what: str) -> None:
+    keys = stored_keys(client, 2)
+    good = open_lane(client)
+    bad = raw_pin_lane(client)
+    if what == "garbage":
+        bad.send(b"\xff\xff\xff not a PinRequest")
+    else:
+        bad.send(
+            pb.PinRequest(
+                session_id="someone-else", namespace_id=GEO.namespace, keys=keys
+            ).SerializeToString()
+        )
+    assert bad.recv(64) == b""  # closed by the daemon, nothing pinned
+    bad.close()
+    assert stats(daemon.target).pinned_blocks == 0
+    assert good.pin(client.session_id, GEO.namespace, keys, 1.0) == [True, True]
+    assert "a pin was refused" in daemon.log()
+
+
+def test_an_unknown_lane_kind_is_refused(daemon, client) -> None:
+    mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    assert client.hello is not None
+    token = send_fd(client.hello.fd_socket, client.session_id, theirs.fileno())
+    theirs.close()
+    with pytest.raises(grpc.RpcError) as err:
+        client.stub.OpenJobLane(
+            pb.OpenJobLaneRequest(session_id=client.session_id, fd_token=token, kind=7),
+            timeout=10,
+        )
+    mine.close()
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "unknown lane kind 7" in err.value.details()
+
+
+def test_a_frozen_daemon_times_the_pin_out_and_the_lane_comes_back(daemon, client) -> None:
+    keys = stored_keys(client, 2)
+    lane = open_lane(client)
+    os.kill(daemon.proc.pid, signal.SIGSTOP)
+    try:
+        with pytest.raises(PinTimeout):
+            lane.pin(client.session_id, GEO.namespace, keys, 0.2)
+        assert not lane.open  # its late answer can never be read as another call's
+    finally:
+        os.kill(daemon.proc.pid, signal.SIGCONT)
+    assert wait_for(lambda: lane.open, 10), "the pin lane did not come back"
+    assert lane.pin(client.session_id, GEO.namespace, keys, 1.0) == [True, True]
+
+
+def test_lanes_off_keeps_pins_on_grpc(daemon, client, monkeypatch) -> None:
+    monkeypatch.setenv("KVDEPOT_JOB_LANE", "0")
+    lane = PinLane(client)
+    lane.open_soon()
+    assert lane.pin(client.session_id, GEO.namespace, [make_key(1, 0)], 1.0) is None
+    assert not lane.open and stats(daemon.target).job_lanes_open == 0
