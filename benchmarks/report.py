@@ -75,6 +75,7 @@ def check_targets(result: dict[str, Any]) -> list[dict[str, Any]]:
             }
         )
     out += _limit_targets(result)
+    out += _scheduler_targets(result.get("connector") or {})
     agg = result["aggregate"]
     if agg:
         top = max(agg, key=lambda r: r["engines"])
@@ -86,6 +87,31 @@ def check_targets(result: dict[str, Any]) -> list[dict[str, Any]]:
                 "measured": worst[0],
                 "where": worst[1],
                 "met": worst[0] >= RATIO_TARGET,
+            }
+        )
+    return out
+
+
+def _scheduler_targets(conn: dict[str, Any]) -> list[dict[str, Any]]:
+    """What the connector adds to a scheduler step, over what vLLM's own CPU offloading
+    manager adds in the same run (medians over rounds), per kind of step."""
+    added, rounds = conn.get("added_ms") or {}, conn.get("added_rounds") or {}
+    if "kvdepot" not in added or "vllm_cpu" not in added:
+        return []
+    out = []
+    for step, label in (("admission_step", "admission"), ("decode_step", "decode")):
+        mine, theirs = added["kvdepot"][step], added["vllm_cpu"][step]
+        pairs = list(zip(rounds.get("kvdepot", []), rounds.get("vllm_cpu", []), strict=True))
+        lower = sum(a[step] <= b[step] for a, b in pairs)
+        ratio = mine / theirs if theirs > 0 else float("inf")
+        out.append(
+            {
+                "name": f"scheduler time added per {label} step / vLLM CPU manager's",
+                "target": "<= 1.0",
+                "measured": ratio,
+                "where": f"{mine:.3f} ms vs {theirs:.3f} ms; at or below in {lower} of "
+                f"{len(pairs)} rounds",
+                "met": ratio <= 1.0,
             }
         )
     return out
@@ -303,14 +329,22 @@ def _connector_summary(conn: dict[str, Any]) -> str:
             f"lookup {lk['kvdepot']:.3f} us/key ({1 / lk['kvdepot']:.2f} M keys/s)"
             + (f" vs vLLM CPU {lk['vllm_cpu']:.3f} us" if "vllm_cpu" in lk else "")
         )
-    pin = (conn.get("pin") or {}).get("16_keys")
-    if pin:
-        parts.append(f"pin of 16 keys p50 {pin['p50_ms']:.3f} ms p99 {pin['p99_ms']:.3f} ms")
+    for path in ("lane", "gRPC"):
+        pin = (conn.get("pin") or {}).get(f"1024_keys_{path}")
+        if pin:
+            parts.append(
+                f"pin of 1024 keys ({path}) p50 {pin['p50_ms']:.3f} ms p99 {pin['p99_ms']:.3f} ms"
+            )
     added = (conn.get("added_ms") or {}).get("kvdepot")
     if added:
         parts.append(
             f"scheduler step +{added['decode_step']:.3f} ms (decode), "
             f"+{added['admission_step']:.3f} ms (admission)"
+        )
+    theirs = (conn.get("added_ms") or {}).get("vllm_cpu")
+    if theirs:
+        parts.append(
+            f"vLLM CPU manager +{theirs['decode_step']:.3f} ms, +{theirs['admission_step']:.3f} ms"
         )
     return "; ".join(parts) or "measured (see --json)"
 
