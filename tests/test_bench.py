@@ -303,3 +303,20 @@ def test_an_error_inside_a_section_is_reported_not_raised() -> None:
     assert out["error"] == "gpu_bench: RuntimeError: boom"
     assert "broken" in out["traceback"]
     assert optional.guarded("gpu_bench", lambda: {"gbps": 1.0}) == {"gbps": 1.0}
+
+
+def test_plan_cost_times_both_planners() -> None:
+    """`python -m kvdepot.bench.plan_cost`: the compiled and the numpy planner, each
+    alone and beside a woken thread (a figure per cell, no speed threshold)."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvdepot.bench.plan_cost", "--jobs", "20", "--chunks", "4"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert "4 chunks x 32 layers (128 pages" in lines[0]
+    rows = {cells[0]: [float(x) for x in cells[1:]] for cells in map(str.split, lines[2:])}
+    assert set(rows) == {"compiled", "numpy"}
+    assert all(len(cells) == 2 and min(cells) > 0 for cells in rows.values()), rows

@@ -120,8 +120,10 @@ def test_second_engine_loads_what_the_first_stored(
     assert metrics.get(EXTERNAL % opt_model, 0) >= 512, metrics
     assert metrics.get(f"vllm:external_prefix_cache_hits{{model_name={opt_model}}}", 0) >= 512
     assert out["num_cached_tokens"] >= 512
-    # The engines' transfer jobs took the job lane (the fast path), not only gRPC.
-    assert stats(daemon).lane_jobs > 0
+    # The engines' transfer jobs took the job lane (the fast path), not only gRPC, and
+    # the scheduler pinned its load on its pin lane.
+    s = stats(daemon)
+    assert s.lane_jobs > 0 and s.lane_pins > 0, (s.lane_jobs, s.lane_pins)
 
     # Negative control: the same comparison sees wrong KV. Damage the pool's bytes
     # (the daemon maps the file shared), empty vLLM's own cache, and load again.
