@@ -102,8 +102,15 @@ class PinLane:
         if not reply:  # the daemon closed the lane: it refused this pin
             self._broken(lane)
             return None
+        try:
+            pinned = list(depot_pb2.PinResponse.FromString(reply).pinned)
+        except Exception:  # DecodeError: never let it reach vLLM's scheduler
+            pinned = []
+        if len(pinned) != len(keys):  # not this call's answer: trust the lane no more
+            self._broken(lane)
+            return None
         self.lane_pins += 1
-        return list(depot_pb2.PinResponse.FromString(reply).pinned)
+        return pinned
 
     def _session_id(self) -> str:
         hello = self._client.hello

@@ -146,3 +146,25 @@ def test_lanes_off_keeps_pins_on_grpc(daemon, client, monkeypatch) -> None:
     lane.open_soon()
     assert lane.pin(client.session_id, GEO.namespace, [make_key(1, 0)], 1.0) is None
     assert not lane.open and stats(daemon.target).job_lanes_open == 0
+
+
+def test_an_answer_that_does_not_fit_the_call_drops_the_lane(daemon, client) -> None:
+    """A reply that is not this call's (wrong length, or not a PinResponse) is never
+    handed to the scheduler: the caller gets None and asks over gRPC."""
+    keys = stored_keys(client, 2)
+    lane = open_lane(client)
+    inner = lane._lane
+    assert inner is not None
+    # Play a daemon that answers with something else: swap in a socket pair whose
+    # other end the test holds.
+    mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    inner.sock, original = mine, inner.sock
+    try:
+        theirs.send(b"\x0a\x01\x01")  # a PinResponse of one key, for a call of two
+        assert lane.pin(client.session_id, GEO.namespace, keys, 1.0) is None
+        assert not lane.open
+    finally:
+        original.close()
+        theirs.close()
+    assert wait_for(lambda: lane.open, 10)
+    assert lane.pin(client.session_id, GEO.namespace, keys, 1.0) == [True, True]

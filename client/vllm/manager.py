@@ -363,7 +363,7 @@ class KVDepotOffloadingManager(OffloadingManager):
         return pinned
 
     def _pin_step_loads(self) -> None:
-        """One Pin RPC for every key this step loads, under the pin deadline."""
+        """One pin call for every key this step loads, under the pin deadline."""
         loads, self._step_loads = self._step_loads, []
         keys = [k for _, request_keys in loads for k in request_keys]
         if not keys:

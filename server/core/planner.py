@@ -157,7 +157,8 @@ class CopyPlan:
 
     @property
     def columns(self) -> np.ndarray:
-        """(4, n) int64: region, region offset, pool offset, bytes of each run."""
+        """(4, n) int64, rows contiguous: region, region offset, pool offset, bytes of
+        each run."""
         if self._cols is None:
             runs = self._runs or []
             self._cols = np.array(runs, dtype=np.int64).reshape(len(runs), 4).T.copy()
