@@ -1,7 +1,7 @@
 """Control-plane figures: scheduler-side lookups and the pin round trip.
 
 The vLLM connector answers `lookup` from a local mirror of the namespace's ready
-keys, fed by the daemon's Watch stream, and makes one Pin RPC per request that
+keys, fed by the daemon's Watch stream, and makes one pin call per step with
 hits (docs/architecture.md §3, §10). When the connector's own bench (`connector_bench`, needs vLLM)
 is there, the CLI reports its figures; this module always measures the same two
 things with the plain client library, so the section exists in every

@@ -70,7 +70,7 @@ class DepotSettings:
     socket: gRPC target of the daemon ("unix:///path" or a bare absolute path).
     namespace_salt: mixed into the namespace digest; engines share blocks only
         with engines of the same salt (use it to separate weight versions).
-    pin_timeout_s: deadline of the one Pin RPC a scheduler step may make.
+    pin_timeout_s: deadline of the one pin call (pin lane or Pin RPC) a scheduler step may make.
     startup_wait_s: how long the scheduler and each worker wait for the daemon
         when they start (never fails start-up; 0 = do not wait).
     job_timeout_s: the longest `wait()` blocks for a transfer before the worker

@@ -4,7 +4,8 @@ Contract with vLLM's scheduler (which calls every method from its own thread):
 - `lookup` never touches the network: it answers from a local mirror of the
   namespace's ready keys, fed by the daemon's Watch stream on a background thread.
 - `prepare_load` only records the keys; `on_schedule_end` pins every key loaded in
-  the step with ONE Pin RPC under `kvdepot_pin_timeout_ms`. That is the only
+  the step with ONE pin call (on the pin lane, kvdepot.client.pin_lane, else a
+  Pin RPC) under `kvdepot_pin_timeout_ms`. That is the only
   network wait a scheduler step can have, and it happens only in steps with hits.
 - `prepare_store` is decided locally (keys not ready and not already being
   stored); the daemon allocates when the copy arrives and may drop it.

@@ -83,16 +83,19 @@ class KVDepotOffloadingSpec(OffloadingSpec):
                 documentation="Ready keys in the scheduler's local mirror of the namespace."
             ),
             MetricName.PINS: OffloadingCounterMetadata(
-                documentation="Pin RPCs made by the scheduler (one per step with hits)."
+                documentation=(
+                    "Pin calls made by the scheduler (one per step with hits, on its pin "
+                    "lane or over gRPC)."
+                )
             ),
             MetricName.PIN_FAILURES: OffloadingCounterMetadata(
-                documentation="Pin RPCs that failed or passed kvdepot_pin_timeout_ms."
+                documentation="Pin calls that failed or passed kvdepot_pin_timeout_ms."
             ),
             MetricName.PIN_MISSES: OffloadingCounterMetadata(
                 documentation="Keys the mirror held that were gone when pinned."
             ),
             MetricName.PIN_SECONDS: OffloadingHistogramMetadata(
-                documentation="Latency of the scheduler's Pin RPC.",
+                documentation="Latency of the scheduler's pin call.",
                 buckets=(0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1),
             ),
             MetricName.STORES_NOT_OFFERED: OffloadingCounterMetadata(

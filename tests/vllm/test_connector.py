@@ -84,7 +84,7 @@ def test_store_reset_load_same_bytes(
     "inline" are asked for by name)."""
     # in-step: vLLM loads within the step (expedited job, then wait()).
     extra: dict = {"sync_load_budget_bytes": 1 << 30} if sync else {}
-    # This test counts the step's one Pin RPC, not its latency: the 50 ms default deadline can
+    # This test counts the step's one pin call, not its latency: the 50 ms default deadline can
     # pass on a loaded 2-core CI machine (the load then goes unpinned, and pin_rpcs stays 0).
     extra["kvdepot_pin_timeout_ms"] = 10_000
     if path in ("pvm", "inline"):
@@ -446,7 +446,7 @@ def test_reset_connector_cache_moves_to_a_private_namespace(daemon, make_engine)
 
 def test_requests_loading_the_same_keys_each_hold_their_own_pins(daemon, make_engine) -> None:
     """Two requests load the same stored keys in one step, as vLLM's scheduler calls
-    the manager: one Pin RPC pins every key once per request, each completed load
+    the manager: one pin call pins every key once per request, each completed load
     drops only its own request's pins, and the daemon ends with nothing pinned."""
     from vllm.v1.kv_offload.base import ReqContext
 

@@ -1,6 +1,7 @@
 """`python -m kvdepot.bench.connector_bench --quick`: the scheduler-side figures are all
-there, per round, and the kvdepot scheduler made one Pin RPC per admission step (the
-steps it times are real vLLM Scheduler steps against a real daemon). No speed threshold."""
+there, per round, and the kvdepot scheduler made one pin call per admission step, on its
+pin lane (the steps it times are real vLLM Scheduler steps against a real daemon). No speed
+threshold."""
 
 from __future__ import annotations
 
