@@ -391,19 +391,14 @@ class KVDepotOffloadingManager(OffloadingManager):
         self.pin_latencies.append(elapsed)
         if len(self.pin_latencies) > 100_000:
             del self.pin_latencies[:50_000]
-        held = self._held
-        if len(pinned) == len(keys) and all(pinned):  # the common case: every key
-            missing = []
-            for req_id, request_keys in loads:
+        every = len(pinned) == len(keys) and all(pinned)  # the common case
+        missing = [] if every else [k for k, ok in zip(keys, pinned, strict=False) if not ok]
+        held, answers = self._held, iter(pinned)
+        for req_id, request_keys in loads:
+            ok = request_keys if every else list(compress(request_keys, answers))
+            if ok:
                 prev = held.get(req_id)  # never set in vLLM 0.33: one load per request
-                held[req_id] = request_keys if prev is None else prev + request_keys
-        else:
-            missing = [k for k, ok in zip(keys, pinned, strict=False) if not ok]
-            answers = iter(pinned)
-            for req_id, request_keys in loads:
-                ok = list(compress(request_keys, answers))
-                if ok:
-                    held[req_id] = held.get(req_id, []) + ok
+                held[req_id] = ok if prev is None else prev + ok
         if missing:
             # Gone since the mirror said ready (the REMOVED event is on its way).
             self._ready.difference_update(missing)

@@ -110,8 +110,6 @@ def plan_descriptors(
         return []
     dev, host, n = plan.address_columns(region_addresses, pool_address, host_split)
     srcs, dsts = (dev, host) if direction == STORE else (host, dev)
-    if len(n) <= max_batch:  # one batch: its bytes are the plan's (a cut keeps them)
-        return [DmaBatch(_words(dsts), _words(srcs), _words(n), plan.nbytes)]
     batches = []
     for i in range(0, len(n), max_batch):
         part = n[i : i + max_batch]
@@ -120,7 +118,9 @@ def plan_descriptors(
                 _words(dsts[i : i + max_batch]),
                 _words(srcs[i : i + max_batch]),
                 _words(part),
-                int(part.sum()),
+                # One batch holds the plan's bytes (a cut keeps them): no sum, whose
+                # numpy reduction would release the GIL on the event loop.
+                plan.nbytes if len(part) == len(n) else int(part.sum()),
             )
         )
     return batches
