@@ -2,10 +2,10 @@
 
 What a GPU node's daemon does per job besides the DMA itself: the Transfer
 stream both ways, validation, the index (reserve, settle), planning, the copy
-thread hand-off, and the CUDA engine's descriptor building (`plan_descriptors`,
-with the pool's page-locking split). Here all of it runs for real on a real
-`kvdepot serve`, except that the copy engine of shared-memory registrations is
-`NullCopyEngine`: it builds the CUDA engine's descriptors and moves no bytes.
+thread hand-off, and the CUDA engine's DMA planning (`plan_dma`: strided copies or
+descriptors, with the pool's page-locking split). Here all of it runs for real on a
+real `kvdepot serve`, except that the copy engine of shared-memory registrations is
+`NullCopyEngine`: it plans the CUDA engine's DMA and moves no bytes.
 `equivalent_gbps` is then the copy speed the control plane could feed: bytes
 the jobs name, per second.
 
@@ -26,7 +26,7 @@ from kvdepot.bench.fleet import Fleet
 from kvdepot.bench.geometry import BenchGeometry
 from kvdepot.bench.stats import GB, overlap_rate
 from kvdepot.server.core.planner import CopyPlan
-from kvdepot.server.cuda.dma import plan_descriptors
+from kvdepot.server.cuda.dma import plan_dma
 from kvdepot.server.memory.copy_engine import CopyEngine, MappedRegion, PreparedCopy, no_copy
 
 HOST_SPLIT = 8 << 20  # the CUDA engine's page-locking chunk of the pool (its default)
@@ -35,22 +35,23 @@ DEPTH = 4
 
 
 class NullCopyEngine(CopyEngine):
-    """Plans a CUDA job's DMA descriptors and copies nothing (benchmark only).
+    """Plans a CUDA job's DMA and copies nothing (benchmark only).
 
     Its `prepare` does what the CUDA engine's does on the event loop; the copy
     it returns, run on a copy thread like the CUDA engine's DMA, moves nothing.
     """
 
     def __init__(self) -> None:
-        self.descriptors = 0
+        self.copies = 0  # strided copies and descriptors planned
 
     def prepare(
         self, direction: int, regions: Sequence[MappedRegion], pool_address: int, plan: CopyPlan
     ) -> PreparedCopy:
-        batches = plan_descriptors(
+        dma = plan_dma(
             direction, plan, [r.address for r in regions], pool_address, host_split=HOST_SPLIT
         )
-        self.descriptors += sum(len(b) for b in batches)
+        self.copies += sum(len(b) for b in dma.batches)
+        self.copies += len(dma.strided.widths) if dma.strided is not None else 0
         return no_copy
 
 

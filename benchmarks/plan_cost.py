@@ -4,7 +4,7 @@
 
 Plans one store job of the Llama-3-8B geometry (64 KiB pages; 16 chunks of 32 layers
 are 512 pages) the way the daemon does on its loop: `check_job`, `plan_copy`, and the
-CUDA engine's `plan_descriptors` (with its 8 MiB page-locking split). Once with the
+CUDA engine's `plan_dma` (with its 8 MiB page-locking split). Once with the
 compiled planner (server/core/_plan.c) and once with numpy, each alone and with a
 thread woken per job, as the daemon wakes a copy thread for the job before: numpy's
 operations over more than 500 elements release the GIL, and the woken thread takes
@@ -24,7 +24,7 @@ from collections.abc import Callable
 from kvdepot.server.core import planner
 from kvdepot.server.core.layout import NamespaceLayout
 from kvdepot.server.core.planner import LayerRef, MemoryMap, TensorView, check_job, plan_copy
-from kvdepot.server.cuda.dma import plan_descriptors
+from kvdepot.server.cuda.dma import plan_dma
 from kvdepot.server.memory.copy_engine import STORE
 
 PAGE = 64 << 10
@@ -51,7 +51,7 @@ def make_job(chunks: int, layers: int) -> Callable[[], object]:
     def plan() -> object:
         shape = check_job(layout, memory, block_ids, [chunks], [0], keys=keys)
         copy = plan_copy(layout, 0, memory, shape, offsets)
-        return plan_descriptors(STORE, copy, [1 << 40], 1 << 44, host_split=HOST_SPLIT)
+        return plan_dma(STORE, copy, [1 << 40], 1 << 44, host_split=HOST_SPLIT)
 
     return plan
 

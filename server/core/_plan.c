@@ -1,4 +1,4 @@
-/* kvdepot.server.core._plan: the copy planner's two per-page loops, in C.
+/* kvdepot.server.core._plan: the copy planner's per-page loops, in C.
  *
  * A 16-chunk job of Llama-3-8B's geometry is 512 pages. numpy builds its runs and
  * addresses in a dozen array operations, and each one over more than 500 elements
@@ -22,6 +22,18 @@
  *   skipped. Layer-major, blocks in order; a page contiguous on both sides with the
  *   run before it (the previous group's last included) extends that run.
  *   Returns (count, bytes added). Raises ValueError when `out` is too small.
+ *
+ * stride_period(dev, host, size, count, min_rows, base, split)
+ *   Finds the strided shape of a job's address columns, for 2-D copies: the
+ *   smallest period p (dividing count, with count / p >= min_rows) such that entry
+ *   k + p lies the same distances d and h after entry k on the two sides for every
+ *   k, with the same size, and d and h at least that size; with split > 0 each
+ *   chain's host bytes must also lie in one split-sized piece of offsets from base
+ *   (a page-locked range of the pool). Entry k then starts a
+ *   chain k, k + p, k + 2p, ...: one 2-D copy of count / p rows. vLLM's layers are
+ *   regions of one allocation at a constant stride, and a block's pages sit one
+ *   after another in its pool row: p is the number of blocks. Returns 0 when no
+ *   period fits.
  *
  * address_runs(runs, bases, pool_address, split, dev, host, size)
  *   Turns the run table `runs` (4, n) into address columns: dev = bases[region] +
@@ -211,6 +223,57 @@ done:
     return result;
 }
 
+static PyObject *stride_period(PyObject *self, PyObject *args) {
+    PyObject *objs[3];
+    Py_ssize_t count, min_rows;
+    unsigned long long base, split;
+    if (!PyArg_ParseTuple(args, "OOOnnKK:stride_period", &objs[0], &objs[1], &objs[2], &count,
+                          &min_rows, &base, &split)) {
+        return NULL;
+    }
+    static const char *names[3] = {"dev", "host", "size"};
+    Py_buffer v[3];
+    for (int i = 0; i < 3; i++) {
+        if (get_column(objs[i], &v[i], names[i], 1, 0) < 0) {
+            release_all(v, i);
+            return NULL;
+        }
+    }
+    PyObject *result = NULL;
+    if (count < 0 || count > v[0].shape[0] || count > v[1].shape[0] || count > v[2].shape[0]) {
+        PyErr_SetString(PyExc_ValueError, "stride_period: count exceeds the columns");
+        goto done;
+    }
+    if (min_rows < 2) min_rows = 2;
+    const uint64_t *dev = v[0].buf, *host = v[1].buf, *size = v[2].buf;
+    Py_ssize_t found = 0;
+    for (Py_ssize_t p = 1; p * min_rows <= count && !found; p++) {
+        if (count % p) continue;
+        /* Unsigned differences wrap like the addresses do; a pitch must be at least
+         * the row's width, and the same for every row. */
+        uint64_t d = dev[p] - dev[0], h = host[p] - host[0];
+        Py_ssize_t k = 0;
+        for (; k < count - p; k++) {
+            if (size[k + p] != size[k] || dev[k + p] - dev[k] != d || host[k + p] - host[k] != h ||
+                d < size[k] || h < size[k] || (int64_t)d < 0 || (int64_t)h < 0) {
+                break;
+            }
+        }
+        if (k < count - p) continue;
+        /* Each chain's host bytes inside one split-sized piece (offsets from base). */
+        uint64_t span = (uint64_t)(count / p - 1) * h;
+        for (k = 0; split && k < p; k++) {
+            uint64_t first = host[k] - base;
+            if (first / split != (first + span + size[k] - 1) / split) break;
+        }
+        if (!split || k == p) found = p;
+    }
+    result = PyLong_FromSsize_t(found);
+done:
+    release_all(v, 3);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"plan_group", plan_group, METH_VARARGS,
      "plan_group(out, count, region, base, stride, page, slot_base, blocks, slots, subs) -> "
@@ -219,6 +282,12 @@ static PyMethodDef methods[] = {
     {"address_runs", address_runs, METH_VARARGS,
      "address_runs(runs, bases, pool_address, split, dev, host, size) -> entries: a (4, n) "
      "run table as address columns, runs cut at multiples of split in pool offsets."},
+    {"stride_period", stride_period, METH_VARARGS,
+     "stride_period(dev, host, size, count, min_rows, base, split) -> period: the smallest p "
+     "such that the first count entries are p chains of count / p >= min_rows rows, each row "
+     "p entries after the one before at the same (positive, at least the width) distances on "
+     "both sides and of the same size, each chain's host bytes inside one split-sized piece "
+     "of offsets from base (split 0: no such limit); 0 when there is none."},
     {NULL, NULL, 0, NULL},
 };
 

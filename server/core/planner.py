@@ -284,6 +284,47 @@ def _split_runs(
     return dev[run] + step, host[run] + step, size.astype(np.uint64)
 
 
+def stride_period(
+    dev: np.ndarray,
+    host: np.ndarray,
+    size: np.ndarray,
+    min_rows: int,
+    base: int = 0,
+    split: int = 0,
+) -> int:
+    """The strided shape of address columns, for 2-D copies: the smallest period p
+    (dividing their length m, m // p >= min_rows) such that every entry k + p lies
+    the same distances after entry k on the two sides (positive, and at least the
+    entry's size) with the same size, and, with `split` > 0, each chain's host bytes
+    lie in one `split`-sized piece of offsets from `base`. Entries k, k + p, k + 2p,
+    ... are then one 2-D copy. 0 when no period fits (`_plan.c` says which layouts
+    have one).
+    """
+    m = len(size)
+    if compiled is not None:
+        return compiled.stride_period(dev, host, size, m, min_rows, base, split)
+    for p in range(1, m // max(min_rows, 2) + 1):
+        if m % p:
+            continue
+        d, h = dev[p:] - dev[:-p], host[p:] - host[:-p]
+        if not (
+            (size[p:] == size[:-p]).all()
+            and (d == d[0]).all()
+            and (h == h[0]).all()
+            and 0 < int(d[0]) < 1 << 63
+            and 0 < int(h[0]) < 1 << 63
+            and min(int(d[0]), int(h[0])) >= size[:-p].max()
+        ):
+            continue
+        if split:
+            first = host[:p] - np.uint64(base)
+            last = first + np.uint64((m // p - 1) * int(h[0])) + size[:p] - np.uint64(1)
+            if (first // np.uint64(split) != last // np.uint64(split)).any():
+                continue
+        return p
+    return 0
+
+
 @dataclass(frozen=True, slots=True)
 class JobShape:
     """A job checked against its namespace and a rank's memory: safe to plan.

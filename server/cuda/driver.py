@@ -61,6 +61,8 @@ CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS = 0x1  # the only flag cuIpcOpenMemHandle acc
 CU_MEMHOSTREGISTER_PORTABLE = 0x1  # pinned for every context, not only the registering one
 CU_STREAM_NON_BLOCKING = 0x1  # no implicit sync with the legacy NULL stream
 CU_MEMCPY_SRC_ACCESS_ORDER_STREAM = 0x1
+CU_MEMORYTYPE_UNIFIED = 0x4  # a pointer in the unified address space, host or device
+CU_EVENT_DISABLE_TIMING = 0x2  # a marker to wait on, not a clock: the cheapest kind
 
 CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL = 9
 CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE = 10
@@ -83,6 +85,27 @@ class CUipcEventHandle(Structure):
 
 class CUuuid(Structure):
     _fields_ = [("bytes", c_char * 16)]
+
+
+class CUDA_MEMCPY2D(Structure):  # cuda.h's name
+    _fields_ = [
+        ("srcXInBytes", c_size_t),
+        ("srcY", c_size_t),
+        ("srcMemoryType", c_int),
+        ("srcHost", c_void_p),
+        ("srcDevice", CUdeviceptr),
+        ("srcArray", c_void_p),
+        ("srcPitch", c_size_t),
+        ("dstXInBytes", c_size_t),
+        ("dstY", c_size_t),
+        ("dstMemoryType", c_int),
+        ("dstHost", c_void_p),
+        ("dstDevice", CUdeviceptr),
+        ("dstArray", c_void_p),
+        ("dstPitch", c_size_t),
+        ("WidthInBytes", c_size_t),
+        ("Height", c_size_t),
+    ]
 
 
 class CUmemLocation(Structure):
@@ -134,7 +157,11 @@ _PROTOTYPES: dict[str, tuple[tuple[str, ...], list[Any]]] = {
     "cuStreamDestroy": (("cuStreamDestroy_v2", "cuStreamDestroy"), [CUstream]),
     "cuStreamWaitEvent": (("cuStreamWaitEvent",), [CUstream, CUevent, c_uint]),
     "cuStreamSynchronize": (("cuStreamSynchronize",), [CUstream]),
+    "cuEventCreate": (("cuEventCreate",), [_P(CUevent), c_uint]),
+    "cuEventRecord": (("cuEventRecord",), [CUevent, CUstream]),
+    "cuEventSynchronize": (("cuEventSynchronize",), [CUevent]),
     "cuMemcpyAsync": (("cuMemcpyAsync",), [CUdeviceptr, CUdeviceptr, c_size_t, CUstream]),
+    "cuMemcpy2DAsync": (("cuMemcpy2DAsync_v2",), [_P(CUDA_MEMCPY2D), CUstream]),
 }
 
 # cuMemcpyBatchAsync (driver >= 12.8) has two ABIs: CUDA 13.0's "_v2" without the
@@ -366,9 +393,76 @@ class CudaDriver:
     def stream_synchronize(self, stream: int) -> None:
         self._call("cuStreamSynchronize", CUstream(stream))
 
+    def event_create(self) -> int:
+        """A daemon-side event (no timing) for waiting on one job's work in a stream."""
+        ev = CUevent()
+        self._call("cuEventCreate", byref(ev), CU_EVENT_DISABLE_TIMING)
+        return int(ev.value or 0)
+
+    def event_record(self, event: int, stream: int) -> None:
+        self._call("cuEventRecord", CUevent(event), CUstream(stream))
+
+    def event_synchronize(self, event: int) -> None:
+        """Blocks (without the GIL) until the work before the event's record is done."""
+        self._call("cuEventSynchronize", CUevent(event))
+
+    def entry_points(self) -> tuple[array, int, int, int]:
+        """What `kvdepot.server.cuda._dma.run_job` calls: the addresses of cuCtxSetCurrent,
+        cuStreamWaitEvent, cuMemcpy2DAsync, cuMemcpyBatchAsync (0 without it),
+        cuEventRecord, cuEventSynchronize and cuStreamSynchronize; the batch ABI; and
+        the addresses of the batch attribute record and its index (this object keeps
+        them alive)."""
+        names = (
+            "cuCtxSetCurrent",
+            "cuStreamWaitEvent",
+            "cuMemcpy2DAsync",
+            "cuMemcpyBatchAsync",
+            "cuEventRecord",
+            "cuEventSynchronize",
+            "cuStreamSynchronize",
+        )
+        fns = array(
+            "Q",
+            [
+                (ctypes.cast(self._fn[n], c_void_p).value or 0) if n in self._fn else 0
+                for n in names
+            ],
+        )
+        return (
+            fns,
+            self.batch_abi,
+            ctypes.addressof(self._batch_attrs),
+            ctypes.addressof(self._batch_attr_idx),
+        )
+
     def memcpy_async(self, dst: int, src: int, nbytes: int, stream: int) -> None:
         """One copy in stream order; pointers are unified addresses (host or device)."""
         self._call("cuMemcpyAsync", CUdeviceptr(dst), CUdeviceptr(src), nbytes, CUstream(stream))
+
+    def memcpy_2d_async(
+        self,
+        dst: int,
+        src: int,
+        width: int,
+        rows: int,
+        dst_pitch: int,
+        src_pitch: int,
+        stream: int,
+    ) -> None:
+        """`rows` copies of `width` bytes in one call: row r goes from `src + r *
+        src_pitch` to `dst + r * dst_pitch` (unified addresses, host or device; each
+        side one allocation or one page-locked range)."""
+        p = CUDA_MEMCPY2D(
+            srcMemoryType=CU_MEMORYTYPE_UNIFIED,
+            srcDevice=src,
+            srcPitch=src_pitch,
+            dstMemoryType=CU_MEMORYTYPE_UNIFIED,
+            dstDevice=dst,
+            dstPitch=dst_pitch,
+            WidthInBytes=width,
+            Height=rows,
+        )
+        self._call("cuMemcpy2DAsync", byref(p), CUstream(stream))
 
     def memcpy_batch_async(self, dsts: array, srcs: array, sizes: array, stream: int) -> None:
         """Many copies in one call (cuMemcpyBatchAsync); arrays of typecode 'Q', equal length.

@@ -171,13 +171,17 @@ def enable_cuda(
     version = driver.version() if hasattr(driver, "version") else 0
     log.info(
         "CUDA is on (driver %d.%d): serving cuda_ipc registrations on %d device(s): %s; "
-        "copies by %s on the daemon's own streams; the %s pool is page-locked in the "
-        "background (cuMemHostRegister, from %s's context)",
+        "copies by %s (one 2-D copy per block where the layers lie at a constant "
+        "stride), on a stream per worker and direction, issued %s; the %s pool is "
+        "page-locked in the background (cuMemHostRegister, from %s's context)",
         version // 1000,
         (version % 1000) // 10,
         len(served),
         ", ".join(f"{format_uuid(d.uuid)} ({d.name})" for d in served),
         "cuMemcpyBatchAsync batches" if engine.use_batch else "one cuMemcpyAsync per run",
+        "by the compiled issuer (the GIL given up once per job)"
+        if engine.issuer == "compiled"
+        else "from Python (kvdepot.server.cuda._dma was not built)",
         fmt_bytes(arena.size),
         first.uuid,
     )

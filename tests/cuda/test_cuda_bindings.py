@@ -7,14 +7,15 @@ from __future__ import annotations
 import asyncio
 import ctypes
 from array import array
+from typing import Any
 
 import numpy as np
 import pytest
 
 from kvdepot.server.core.layout import NamespaceLayout
 from kvdepot.server.core.planner import LayerRef, TensorView
+from kvdepot.server.cuda import cuda_path, enable_cuda
 from kvdepot.server.cuda import driver as cuda_driver
-from kvdepot.server.cuda import enable_cuda
 from kvdepot.server.cuda.driver import (
     CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED,
     CudaError,
@@ -47,6 +48,7 @@ static struct { CUdeviceptr base; size_t size; int vmm; int opened; } allocs[MAX
 static struct { void *p; size_t n; } regs[MAXN];
 static __thread CUcontext current;
 static long n_batch, n_batch_copies, n_memcpy, n_waits, n_sync, n_events, n_streams, n_ctx;
+static long n_own_events, n_records, n_event_syncs, n_2d, n_2d_rows;
 static int init_rc;
 static char CTX0;
 
@@ -58,6 +60,11 @@ long fake_count(const char *w) {
   if (!strcmp(w, "waits")) return n_waits;
   if (!strcmp(w, "sync")) return n_sync;
   if (!strcmp(w, "events")) return n_events;
+  if (!strcmp(w, "own_events")) return n_own_events;
+  if (!strcmp(w, "copies_2d")) return n_2d;
+  if (!strcmp(w, "rows_2d")) return n_2d_rows;
+  if (!strcmp(w, "records")) return n_records;
+  if (!strcmp(w, "event_syncs")) return n_event_syncs;
   if (!strcmp(w, "streams")) return n_streams;
   if (!strcmp(w, "contexts")) return n_ctx;
   if (!strcmp(w, "opened")) { for (int i = 0; i < MAXN; i++) k += allocs[i].opened; return k; }
@@ -65,6 +72,12 @@ long fake_count(const char *w) {
   return -1;
 }
 void fake_set_init_rc(int rc) { init_rc = rc; }
+/* The next `times` calls of cuMemcpy2DAsync ("2d") or cuStreamWaitEvent ("wait") fail. */
+static int fail_2d_rc, fail_2d_times, fail_wait_rc, fail_wait_times;
+void fake_fail(const char *w, int rc, int times) {
+  if (!strcmp(w, "2d")) { fail_2d_rc = rc; fail_2d_times = times; }
+  if (!strcmp(w, "wait")) { fail_wait_rc = rc; fail_wait_times = times; }
+}
 CUdeviceptr fake_alloc(size_t size, int vmm) {
   for (int i = 0; i < MAXN; i++) {
     if (allocs[i].base) continue;
@@ -146,9 +159,26 @@ CUresult CUDAAPI cuIpcCloseMemHandle(CUdeviceptr p) {
 CUresult CUDAAPI cuIpcOpenEventHandle(CUevent *e, CUipcEventHandle h) {
   NEED_CTX;
   if (memcmp(h.reserved, "FAKEEVT", 8)) return CUDA_ERROR_INVALID_HANDLE;
-  *e = (CUevent)malloc(1); n_events++; OK;
+  char *p = malloc(1); *p = 'I'; *e = (CUevent)p; n_events++; OK;
 }
-CUresult CUDAAPI cuEventDestroy(CUevent e) { free(e); n_events--; OK; }
+CUresult CUDAAPI cuEventCreate(CUevent *e, unsigned int flags) {
+  NEED_CTX;
+  if (flags != CU_EVENT_DISABLE_TIMING) return CUDA_ERROR_INVALID_VALUE;
+  char *p = malloc(1); *p = 'O'; *e = (CUevent)p; n_own_events++; OK;
+}
+CUresult CUDAAPI cuEventRecord(CUevent e, CUstream s) {
+  NEED_CTX;
+  if (!e || !s || *(char *)e != 'O') return CUDA_ERROR_INVALID_HANDLE;
+  n_records++; OK;
+}
+CUresult CUDAAPI cuEventSynchronize(CUevent e) {
+  if (!e) return CUDA_ERROR_INVALID_HANDLE;
+  n_event_syncs++; OK;
+}
+CUresult CUDAAPI cuEventDestroy(CUevent e) {
+  if (*(char *)e == 'O') n_own_events--; else n_events--;
+  free(e); OK;
+}
 CUresult CUDAAPI cuMemGetAddressRange(CUdeviceptr *b, size_t *s, CUdeviceptr p) {
   NEED_CTX;
   int i = find(p);
@@ -191,6 +221,7 @@ CUresult CUDAAPI cuStreamDestroy(CUstream s) { free(s); n_streams--; OK; }
 CUresult CUDAAPI cuStreamWaitEvent(CUstream s, CUevent e, unsigned int f) {
   NEED_CTX;
   if (!s || !e || f) return CUDA_ERROR_INVALID_VALUE;
+  if (fail_wait_times > 0) { fail_wait_times--; return fail_wait_rc; }
   n_waits++; OK;
 }
 CUresult CUDAAPI cuStreamSynchronize(CUstream s) {
@@ -203,6 +234,19 @@ CUresult CUDAAPI cuMemcpyAsync(CUdeviceptr d, CUdeviceptr s, size_t n, CUstream 
   if (!st) return CUDA_ERROR_INVALID_VALUE;
   memcpy((void *)(size_t)d, (void *)(size_t)s, n);
   n_memcpy++; OK;
+}
+CUresult CUDAAPI cuMemcpy2DAsync(const CUDA_MEMCPY2D *p, CUstream st) {
+  NEED_CTX;
+  if (!st || p->srcMemoryType != CU_MEMORYTYPE_UNIFIED ||
+      p->dstMemoryType != CU_MEMORYTYPE_UNIFIED || p->srcXInBytes || p->srcY ||
+      p->dstXInBytes || p->dstY || p->srcHost || p->dstHost || p->srcArray || p->dstArray ||
+      p->srcPitch < p->WidthInBytes || p->dstPitch < p->WidthInBytes)
+    return CUDA_ERROR_INVALID_VALUE;
+  if (fail_2d_times > 0) { fail_2d_times--; return fail_2d_rc; }
+  for (size_t r = 0; r < p->Height; r++)
+    memcpy((char *)(size_t)p->dstDevice + r * p->dstPitch,
+           (const char *)(size_t)p->srcDevice + r * p->srcPitch, p->WidthInBytes);
+  n_2d++; n_2d_rows += p->Height; OK;
 }
 CUresult CUDAAPI cuMemcpyBatchAsync(CUdeviceptr *d, CUdeviceptr *s, size_t *n, size_t count,
                                     CUmemcpyAttributes *attrs, size_t *idx, size_t nattrs,
@@ -273,6 +317,7 @@ def _fake_controls(path: str) -> ctypes.CDLL:
     fake.fake_alloc.argtypes = [ctypes.c_size_t, ctypes.c_int]
     fake.fake_count.restype = ctypes.c_long
     fake.fake_count.argtypes = [ctypes.c_char_p]
+    fake.fake_fail.argtypes = [ctypes.c_char_p, ctypes.c_int, ctypes.c_int]
     return fake
 
 
@@ -322,6 +367,11 @@ def test_real_bindings_marshal_every_call_right(fake_libcuda: str) -> None:
     srcs = array("Q", [base + 4096, base + 6144])
     drv.memcpy_batch_async(dsts, srcs, array("Q", [2048, 2048]), stream)
     drv.stream_synchronize(stream)
+    done = drv.event_create()
+    drv.event_record(done, stream)
+    drv.event_synchronize(done)
+    drv.event_destroy(done)
+    assert fake.fake_count(b"event_syncs") >= 1 and fake.fake_count(b"own_events") == 0
     assert host.raw == b"\x11" * 4096 + b"\x22" * 4096
     assert fake.fake_count(b"batch") == 1 and fake.fake_count(b"batch_copies") == 2
     assert fake.fake_count(b"memcpy") == 1 and fake.fake_count(b"waits") == 1
@@ -397,6 +447,8 @@ def test_depot_state_end_to_end_through_the_real_bindings(
     )
     keys = [make_key(100 + i) for i in range(4)]
     batches, waits = fake.fake_count(b"batch"), fake.fake_count(b"waits")
+    copies_2d, rows_2d = fake.fake_count(b"copies_2d"), fake.fake_count(b"rows_2d")
+    records, syncs = fake.fake_count(b"records"), fake.fake_count(b"event_syncs")
 
     async def run() -> None:
         out = await state.run_job(job(reg, session, 1, STORE, keys, [0, 1, 2, 3]))
@@ -410,13 +462,43 @@ def test_depot_state_end_to_end_through_the_real_bindings(
         for s, d in zip([0, 1, 2, 3], [8, 9, 10, 11], strict=True):
             a, b = t.region_offset + s * page, t.region_offset + d * page
             assert gpu[a : a + page] == gpu[b : b + page]
-    assert fake.fake_count(b"batch") == batches + 2  # one batch per job (128 pages each)
+    # vLLM's layout (layers at a constant stride, a block's pages one after another in
+    # its pool row): each job is one 2-D copy per block of 32 rows, no descriptors.
+    assert fake.fake_count(b"copies_2d") == copies_2d + 8
+    assert fake.fake_count(b"rows_2d") == rows_2d + 2 * 4 * layers
+    assert fake.fake_count(b"batch") == batches
     assert fake.fake_count(b"waits") == waits + 2  # the event, before each job
+    # Each job waited on a completion event recorded behind its copies.
+    assert fake.fake_count(b"records") == records + 2
+    assert fake.fake_count(b"event_syncs") == syncs + 2
+    engine = cuda_path(state).engine
+    assert engine.issuer == "compiled" and engine.counters["issue_ns"] > 0
+    # A refused 2-D copy: the job runs again from Python, and its bytes arrive.
+    fake.fake_fail(b"2d", cuda_driver.CUDA_ERROR_INVALID_VALUE, 1)
+    copies_2d = fake.fake_count(b"copies_2d")
+
+    async def load_again(job_id: int, blocks: list[int]) -> Any:
+        return await state.run_job(job(reg, session, job_id, LOAD, keys, blocks))
+
+    out = asyncio.run(load_again(3, [12, 13, 14, 15]))
+    assert out.success, out
+    assert fake.fake_count(b"copies_2d") == copies_2d + 4  # the Python run's four
+    gpu = ctypes.string_at(base + 65536, size)
+    for t in tensors:
+        for s, d in zip([0, 1, 2, 3], [12, 13, 14, 15], strict=True):
+            a, b = t.region_offset + s * page, t.region_offset + d * page
+            assert gpu[a : a + page] == gpu[b : b + page]
+    # A failing event wait fails that job with the driver's words; the next one works.
+    fake.fake_fail(b"wait", cuda_driver.CUDA_ERROR_INVALID_VALUE, 1)
+    out = asyncio.run(load_again(4, [12, 13, 14, 15]))
+    assert not out.success and "cuStreamWaitEvent" in out.error, out
+    assert asyncio.run(load_again(5, [12, 13, 14, 15])).success
     assert fake.fake_count(b"opened") == 1 and fake.fake_count(b"events") == 1
     state.close_session(session.id)
     assert fake.fake_count(b"opened") == 0 and fake.fake_count(b"events") == 0
     state.close()  # copy threads, regions, then the wrapped arena close: unregister
     assert fake.fake_count(b"hostregs") == 0 and fake.fake_count(b"streams") == 0
+    assert fake.fake_count(b"own_events") == 0
 
 
 def test_a_daemon_process_turns_cuda_on_and_refuses_bad_handles_over_grpc(

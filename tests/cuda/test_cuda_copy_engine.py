@@ -1,5 +1,5 @@
 """The CUDA copy engine against the fake driver: mapping per handle, refusals with
-status codes, events, batches, streams per thread and the fallbacks on failure.
+status codes, events, batches, streams per worker and the fallbacks on failure.
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ def test_engine_refuses_bad_registrations_with_status_codes() -> None:
     assert eng.open_mappings == 0 and not drv.open_counts and not drv.opened_events
 
 
-def test_copy_waits_on_the_event_issues_batches_and_synchronises() -> None:
+def test_copy_waits_on_the_event_issues_batches_and_waits_for_them() -> None:
     drv = FakeDriver()
     eng = CudaCopyEngine(drv, drv.devices(), max_batch=3)
     handle, buf = drv.export(64 * 1024)
@@ -73,9 +73,9 @@ def test_copy_waits_on_the_event_issues_batches_and_synchronises() -> None:
     drv.log.clear()
     eng.copy(STORE, [region], pool.ctypes.data, plan)
     kinds = [e[0] for e in drv.log]
-    assert kinds == ["wait", "batch", "batch", "batch", "sync"]
-    streams = {e[1] for e in drv.log}
-    assert len(streams) == 1  # one stream for this thread and device
+    assert kinds == ["wait", "batch", "batch", "batch", "record", "done"]
+    streams = {e[1] for e in drv.log if e[0] != "done"}
+    assert len(streams) == 1  # the worker's stream for stores
     got = pool.tobytes()
     src = ctypes.string_at(region.address, 64 * 1024)
     assert all(
@@ -86,36 +86,50 @@ def test_copy_waits_on_the_event_issues_batches_and_synchronises() -> None:
     ctypes.memset(region.address, 0, 64 * 1024)
     drv.log.clear()
     eng.copy(LOAD, [region], pool.ctypes.data, plan)
-    assert drv.log[0][0] == "wait" and drv.log[-1][0] == "sync"
+    assert drv.log[0][0] == "wait" and drv.log[-1][0] == "done"
+    assert drv.log[0][1] not in streams  # loads have the worker's other stream
     assert ctypes.string_at(region.address, 64 * 1024) == src
     assert eng.counters["copies"] == 2 and eng.counters["batches"] == 6
     region.close()
 
 
-def test_each_copy_thread_gets_its_own_stream() -> None:
+def test_copy_threads_queue_a_workers_jobs_on_one_stream_and_wait_for_their_own() -> None:
+    """Jobs of one worker and direction share a stream (each queues behind the one
+    before, as on one engine's own stream); each thread waits on its own event; another
+    worker gets its own streams, destroyed with its last region."""
     drv = FakeDriver()
     eng = CudaCopyEngine(drv, drv.devices())
-    handle, _ = drv.export(8192)
-    region, _ = eng.open_region(ipc_msg(handle, 8192, event=b""))
+    regions = []
+    for worker_event in (b"", bytes(range(64))):
+        handle, _ = drv.export(8192)
+        regions.append(eng.open_region(ipc_msg(handle, 8192, event=worker_event))[0])
     pool = np.zeros(8192, np.uint8)
     plan = CopyPlan()
     plan.add(0, 0, 0, 4096)
     plan.add(0, 4096, 4096 + 0, 4096)
-    seen: list[int] = []
+    seen: list[tuple[int, int]] = []  # (stream, event) of each job's record
 
-    def work() -> None:
-        eng.copy(STORE, [region], pool.ctypes.data, plan)
-        seen.append(next(e[1] for e in reversed(drv.log) if e[0] == "sync"))
+    def work(region: CudaIpcRegion, direction: int) -> None:
+        eng.copy(direction, [region], pool.ctypes.data, plan)
+        rec = next(e for e in reversed(drv.log) if e[0] == "record")
+        seen.append((rec[1], rec[2]))
 
-    threads = [threading.Thread(target=work) for _ in range(3)]
+    threads = [threading.Thread(target=work, args=(regions[0], STORE)) for _ in range(3)]
     for t in threads:
         t.start()
         t.join()
-    assert len(set(seen)) == 3
+    assert len({s for s, _ in seen}) == 1  # one stream for this worker's stores
+    assert len({e for _, e in seen}) == 3  # each thread waited on its own event
     assert not any(e[0] == "wait" for e in drv.log)  # no event registered: no wait
-    region.close()
+    work(regions[0], LOAD)
+    work(regions[1], STORE)
+    assert len({s for s, _ in seen}) == 3  # its loads, and another worker's stores
+    regions[1].close()  # that worker's stream goes with its last region
+    assert sum(1 for e in drv.log if e[0] == "destroy") == 1
+    regions[0].close()
     eng.close()
     assert sum(1 for e in drv.log if e[0] == "destroy") == 3
+    assert not drv.own_events and not drv.opened_events
 
 
 def test_batch_failures_fall_back_to_one_copy_per_run() -> None:
@@ -161,9 +175,51 @@ def test_a_failing_copy_still_synchronises_before_it_raises() -> None:
     pool = np.zeros(8192, np.uint8)
     with pytest.raises(CudaError, match="ILLEGAL_ADDRESS"):
         eng.copy(LOAD, [region], pool.ctypes.data, plan)
-    assert drv.log[-1][0] == "sync"
+    assert drv.log[-1][0] == "done"  # waited for what was queued before raising
     region.close()
     with pytest.raises(ValueError, match="open cuda_ipc regions"):
         eng.copy(LOAD, [region], pool.ctypes.data, plan)
     with pytest.raises(ValueError, match="open cuda_ipc regions"):
         eng.copy(LOAD, [ArrayRegion(pool)], pool.ctypes.data, plan)
+
+
+def test_strided_copies_and_their_fallback_to_one_copy_per_page() -> None:
+    """vLLM's layout goes as one 2-D copy per block; when the driver refuses one, the
+    job's pages go as descriptors instead (the same bytes), and a driver without 2-D
+    copies is not asked again."""
+    drv = FakeDriver()
+    eng = CudaCopyEngine(drv, drv.devices())
+    layers, blocks, page = 4, 2, 4096
+    handle, _ = drv.export(layers * 4 * page)
+    region, _ = eng.open_region(ipc_msg(handle, layers * 4 * page))
+    size = layers * 4 * page
+    ctypes.memmove(region.address, np.random.default_rng(1).bytes(size), size)
+    plan = CopyPlan()
+    for layer in range(layers):  # block b's row at pool slot (1 - b): no runs merge
+        for b in range(blocks):
+            plan.add(0, layer * 4 * page + b * page, (1 - b) * layers * page + layer * page, page)
+    want = b"".join(
+        ctypes.string_at(region.address + layer * 4 * page + b * page, page)
+        for b in (1, 0)
+        for layer in range(layers)
+    )
+
+    def store() -> bytes:
+        pool = np.zeros(blocks * layers * page, np.uint8)
+        drv.log.clear()
+        eng.copy(STORE, [region], pool.ctypes.data, plan)
+        return pool.tobytes()
+
+    assert store() == want
+    assert [e for e in drv.log if e[0] in ("2d", "batch")] == [("2d", drv.log[0][1], 4)] * 2
+    drv.fail_2d = CudaError("cuMemcpy2DAsync", 1, "CUDA_ERROR_INVALID_VALUE", "invalid argument")
+    assert store() == want and eng.use_strided  # one refusal keeps 2-D copies on
+    assert [e[0] for e in drv.log if e[0] in ("2d", "batch")] == ["batch"]
+    drv.fail_2d = CudaError(
+        "cuMemcpy2DAsync", CUDA_ERROR_NOT_SUPPORTED, "CUDA_ERROR_NOT_SUPPORTED", "not supported"
+    )
+    assert store() == want and not eng.use_strided
+    assert store() == want  # planned as descriptors from now on
+    assert [e[0] for e in drv.log if e[0] in ("2d", "batch")] == ["batch"]
+    assert eng.counters["loop_fallbacks"] == 2 and eng.counters["strided"] == 6
+    region.close()

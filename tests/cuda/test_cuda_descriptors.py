@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from kvdepot.server.core.layout import NamespaceLayout
-from kvdepot.server.core.planner import LayerRef, MemoryMap, TensorView, plan_job
-from kvdepot.server.cuda.dma import DmaBatch, plan_descriptors
+from kvdepot.server.core.planner import LayerRef, MemoryMap, TensorView, plan_job, stride_period
+from kvdepot.server.cuda.dma import DmaBatch, DmaPlan, plan_descriptors, plan_dma
 from kvdepot.server.memory.copy_engine import LOAD, STORE, CpuCopyEngine
 from tests.support.regions import ArrayRegion
 
@@ -88,6 +88,14 @@ def apply(batches: list[DmaBatch]) -> None:
             ctypes.memmove(dst, src, n)
 
 
+def apply_dma(dma: DmaPlan) -> None:
+    """Row by row, as cuMemcpy2DAsync would, then the batches."""
+    if dma.strided is not None:
+        for dst, src, n in dma.strided.descriptors():
+            ctypes.memmove(dst, src, n)
+    apply(dma.batches)
+
+
 @pytest.mark.parametrize(("bpc", "world", "rank"), [(1, 1, 0), (4, 2, 1)])
 def test_descriptors_move_exactly_the_bytes_the_cpu_engine_moves(
     bpc: int, world: int, rank: int, planner_impl: str
@@ -149,3 +157,137 @@ def test_vllm_pages_of_one_block_are_32_descriptors_of_64k() -> None:
     plan = plan_job(lay, 0, mem, ids, [64], [0], [i * (2 << 20) for i in range(64)])
     batches = plan_descriptors(STORE, plan.runs, [1 << 40], 1 << 32, max_batch=1024)
     assert [len(b) for b in batches] == [1024, 1024]
+
+
+# -- strided (2-D) copies -------------------------------------------------------------
+
+
+def reference_period(dev: list[int], host: list[int], size: list[int], min_rows: int) -> int:
+    """stride_period by its definition, entry by entry."""
+    m = len(size)
+    for p in range(1, m // max(min_rows, 2) + 1):
+        if m % p:
+            continue
+        d, h = dev[p] - dev[0], host[p] - host[0]
+        if all(
+            size[k + p] == size[k]
+            and dev[k + p] - dev[k] == d
+            and host[k + p] - host[k] == h
+            and d >= size[k]
+            and h >= size[k]
+            for k in range(m - p)
+        ):
+            return p
+    return 0
+
+
+def columns(dev: list[int], host: list[int], size: list[int]) -> list[np.ndarray]:
+    return [np.array(c, dtype=np.uint64) for c in (dev, host, size)]
+
+
+@pytest.mark.parametrize(
+    ("dev", "host", "size", "want"),
+    [
+        # 2 blocks x 4 layers, layer-major: layer stride 1000 on the GPU, pages one
+        # after another (100 bytes) in each block's pool row.
+        (
+            [0, 10, 1000, 1010, 2000, 2010, 3000, 3010],
+            [500, 0, 600, 100, 700, 200, 800, 300],
+            [10] * 8,
+            2,
+        ),
+        # Sizes differ along a chain: no period.
+        (
+            [0, 10, 1000, 1010, 2000, 2010, 3000, 3010],
+            [500, 0, 600, 100, 700, 200, 800, 300],
+            [10] * 7 + [9],
+            0,
+        ),
+        # One chain of 8 rows (period 1).
+        ([i * 64 for i in range(8)], [1 << 63 | i * 32 for i in range(8)], [32] * 8, 1),
+        # A pitch narrower than the row: no 2-D copy.
+        ([i * 8 for i in range(8)], [i * 64 for i in range(8)], [32] * 8, 0),
+        # Descending addresses: no 2-D copy.
+        ([(8 - i) * 64 for i in range(8)], [i * 64 for i in range(8)], [32] * 8, 0),
+        # Too few rows for min_rows 4.
+        ([0, 10, 1000, 1010, 2000, 2010], [500, 0, 600, 100, 700, 200], [10] * 6, 0),
+    ],
+)
+def test_stride_period_finds_chains_of_equal_copies(
+    dev: list[int], host: list[int], size: list[int], want: int, planner_impl: str
+) -> None:
+    assert reference_period(dev, host, size, 4) == want
+    assert stride_period(*columns(dev, host, size), 4) == want
+
+
+def test_stride_period_matches_its_definition_on_random_layouts(planner_impl: str) -> None:
+    rng = np.random.default_rng(11)
+    for _ in range(200):
+        blocks, layers = int(rng.integers(1, 6)), int(rng.integers(1, 9))
+        page = int(rng.choice([8, 16]))
+        slots = rng.permutation(blocks) * layers * page
+        dev = [layer * 4096 + b * page for layer in range(layers) for b in range(blocks)]
+        host = [int(slots[b]) + layer * page for layer in range(layers) for b in range(blocks)]
+        size = [page] * len(dev)
+        if rng.random() < 0.3:  # break the pattern somewhere
+            i = int(rng.integers(len(dev)))
+            dev[i] += int(rng.integers(1, 3)) * page * 16
+        got = stride_period(*columns(dev, host, size), 4)
+        assert got == reference_period(dev, host, size, 4), (dev, host)
+
+
+def test_vllm_jobs_become_one_strided_copy_per_block(planner_impl: str) -> None:
+    nb, page = 64, 64 << 10
+    lay, mem, _ = vllm_geometry(nb)
+    ids = [3, 7, 8, 20]
+    slots = [5 * (2 << 20), 0, 9 * (2 << 20), 2 * (2 << 20)]
+    plan = plan_job(lay, 0, mem, ids, [4], [0], slots)
+    gpu, pool = 1 << 40, 1 << 32
+    store = plan_dma(STORE, plan, [gpu], pool)
+    assert store.batches == [] and store.strided is not None
+    s = store.strided
+    assert (len(s.widths), s.rows, set(s.widths)) == (4, 32, {page})
+    assert (s.dst_pitch, s.src_pitch) == (page, nb * page)  # pool row, GPU layer stride
+    assert list(s.srcs) == [gpu + b * page for b in ids]
+    assert list(s.dsts) == [pool + o for o in slots]
+    assert s.nbytes == 4 * (2 << 20)
+    # The same copies as the descriptors, row for row.
+    (batch,) = plan_descriptors(STORE, plan, [gpu], pool)
+    assert sorted(s.descriptors()) == sorted(batch.descriptors())
+    load = plan_dma(LOAD, plan, [gpu], pool).strided
+    assert load is not None and (load.dst_pitch, load.src_pitch) == (nb * page, page)
+    # Without strided copies, or with a page-locking boundary inside a block's row,
+    # the job is descriptors.
+    assert plan_dma(STORE, plan, [gpu], pool, strided=False).strided is None
+    big_lay, big_mem, _ = vllm_geometry(40_000)  # layers 2.6 GB apart: over the max pitch
+    big = plan_job(big_lay, 0, big_mem, ids, [4], [0], slots)
+    assert plan_dma(STORE, big, [gpu], pool).strided is None
+    split = plan_dma(STORE, plan, [gpu], pool, host_split=1 << 20)
+    assert split.strided is None and sum(len(b) for b in split.batches) == 4 * 32
+
+
+@pytest.mark.parametrize(("bpc", "world", "rank"), [(1, 1, 0), (4, 2, 1), (2, 1, 0)])
+def test_strided_copies_move_exactly_the_bytes_the_cpu_engine_moves(
+    bpc: int, world: int, rank: int, planner_impl: str
+) -> None:
+    nb = 24
+    lay, mem, size = vllm_geometry(nb, layers=6, page=4096, bpc=bpc, world=world)
+    rng = np.random.default_rng(5)
+    src = rng.integers(0, 256, size, dtype=np.uint8)
+    block_ids = [5, 6, 7, 2, 9, 10, 11, 12, 20, 3, 14, 15]
+    chunks = lay.chunks_per_group([len(block_ids)], [0])[0]
+    slot = lay.slot_bytes(0)
+    offsets: list[int | None] = [(k * 3 + 2) * slot for k in reversed(range(chunks))]
+    plan = plan_job(lay, rank, mem, block_ids, [len(block_ids)], [0], offsets)
+    pool_a = np.zeros((3 * chunks + 3) * slot, np.uint8)
+    pool_b = pool_a.copy()
+    CpuCopyEngine().copy(STORE, [ArrayRegion(src)], pool_a.ctypes.data, plan)
+    dma = plan_dma(STORE, plan, [src.ctypes.data], pool_b.ctypes.data, host_split=4 * slot)
+    if bpc == 1:
+        assert dma.strided is not None  # the path under test
+    apply_dma(dma)
+    assert pool_a.any() and np.array_equal(pool_a, pool_b)
+    dst_a, dst_b = np.zeros(size, np.uint8), np.zeros(size, np.uint8)
+    CpuCopyEngine().copy(LOAD, [ArrayRegion(dst_a)], pool_a.ctypes.data, plan)
+    apply_dma(plan_dma(LOAD, plan, [dst_b.ctypes.data], pool_b.ctypes.data))
+    assert dst_a.any() and np.array_equal(dst_a, dst_b)

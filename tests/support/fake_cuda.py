@@ -39,12 +39,14 @@ class FakeDriver:
         self.exports: dict[bytes, Any] = {}  # handle -> ctypes buffer (the "allocation")
         self.open_counts: dict[int, int] = {}  # mapped base -> refs
         self.opened_events: dict[int, bytes] = {}
+        self.own_events: set[int] = set()  # the daemon's completion events
         self.contexts: list[int] = []  # ordinals whose primary context was created
         self.current = threading.local()
         self.log: list[tuple[Any, ...]] = []
         self.registered: dict[int, int] = {}  # host ptr -> size
         self.fail_batch: CudaError | None = None
         self.fail_memcpy: CudaError | None = None
+        self.fail_2d: CudaError | None = None
         self.fail_register_after: int | None = None
         self.fail_open: CudaError | None = None
         self.copy_gate: threading.Event | None = None
@@ -120,7 +122,25 @@ class FakeDriver:
         return ev
 
     def event_destroy(self, event: int) -> None:
-        del self.opened_events[event]
+        if event in self.own_events:
+            self.own_events.remove(event)
+        else:
+            del self.opened_events[event]
+
+    def event_create(self) -> int:
+        self._need_ctx()
+        ev = next(self._ids) + 7000
+        self.own_events.add(ev)
+        return ev
+
+    def event_record(self, event: int, stream: int) -> None:
+        self._need_ctx()
+        assert event in self.own_events
+        self.log.append(("record", stream, event))
+
+    def event_synchronize(self, event: int) -> None:
+        assert event in self.own_events
+        self.log.append(("done", event))
 
     def host_register(self, ptr: int, size: int, flags: int = 1) -> None:
         self._need_ctx()
@@ -155,6 +175,26 @@ class FakeDriver:
             self.copy_gate.wait(10)
         ctypes.memmove(dst, src, n)
         self.log.append(("copy", stream, n))
+
+    def memcpy_2d_async(
+        self,
+        dst: int,
+        src: int,
+        width: int,
+        rows: int,
+        dst_pitch: int,
+        src_pitch: int,
+        stream: int,
+    ) -> None:
+        self._need_ctx()
+        if self.fail_2d is not None:
+            raise self.fail_2d
+        if self.copy_gate is not None:
+            self.copy_gate.wait(10)
+        assert dst_pitch >= width and src_pitch >= width
+        for r in range(rows):
+            ctypes.memmove(dst + r * dst_pitch, src + r * src_pitch, width)
+        self.log.append(("2d", stream, rows))
 
     def memcpy_batch_async(self, dsts: array, srcs: array, sizes: array, stream: int) -> None:
         self._need_ctx()
