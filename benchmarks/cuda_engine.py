@@ -45,6 +45,7 @@ class CudaEngine:
         page: int = PAGE,
         namespace: str | None = None,
         device: Any = None,
+        with_event: bool = True,
     ) -> None:
         import torch
 
@@ -80,7 +81,7 @@ class CudaEngine:
             )
         ]
         torch.cuda.synchronize(self.device)
-        self.export = export_kv_tensors(self.tensors)
+        self.export = export_kv_tensors(self.tensors, with_event=with_event)
         self.registration = register_cuda_kv(client, self.layout, 0, self.export, self.groups)
         self.stream = client.transfer_stream()
         self._ids = itertools.count(1)
@@ -140,7 +141,12 @@ class CudaEngine:
         job_chunks: int,
         timeout: float = 300.0,
     ) -> tuple[list[pb.TransferResult], float]:
-        """Submits all jobs of `job_chunks` keys at once; waits for all; (results, seconds)."""
+        """Submits all jobs of `job_chunks` keys at once; waits for all; (results, seconds).
+
+        Without an inter-process event, the device is synchronised first instead (the
+        daemon then has nothing to wait on)."""
+        if self.export.event is None:
+            self.torch.cuda.synchronize(self.device)
         t0 = time.perf_counter()
         ids = [
             self.submit(direction, keys[i : i + job_chunks], blocks[i : i + job_chunks])

@@ -15,7 +15,9 @@ a memfd page-locked with cuMemHostRegister exactly as the daemon's pool):
   contiguous copy per job (the DMA limit for that copy size);
 - `inproc_pages_batch`: the daemon's own descriptors (planner + plan_descriptors:
   32 scattered 64 KiB pages per block) by cuMemcpyBatchAsync, in process;
-- `inproc_pages_loop`: the same pages, one cuMemcpyAsync each.
+- `inproc_pages_loop`: the same pages, one cuMemcpyAsync each;
+- `inproc_pages_2d`: the daemon's strided copies (one cuMemcpy2DAsync per block,
+  its 32 layer pages as rows), which it uses for this layout.
 `ratio` = daemon GB/s / inproc_memcpy GB/s (the strict one), `ratio_pages` = daemon /
 inproc_pages_batch (what the daemon adds over its own DMA pattern).
 
@@ -79,7 +81,7 @@ class PinnedHost:
         self._ranges = []
 
 
-def _planned_batches(
+def _planned_dma(
     engine: CudaEngine,
     direction: int,
     blocks: Sequence[int],
@@ -87,11 +89,12 @@ def _planned_batches(
     dev_base: int,
     host_base: int,
     host_split: int,
-) -> list[Any]:
-    """The daemon's descriptors for one job, computed in process (same planner)."""
+    strided: bool,
+) -> Any:
+    """The daemon's DMA plan for one job, computed in process (same planner)."""
     from kvdepot.server.core.layout import NamespaceLayout
     from kvdepot.server.core.planner import LayerRef, MemoryMap, TensorView, plan_job
-    from kvdepot.server.cuda.dma import plan_descriptors
+    from kvdepot.server.cuda.dma import plan_dma
 
     nb, page, layers = engine.num_blocks, engine.page, engine.layers
     lay = NamespaceLayout("inproc", 1, 1, ((page,) * layers,))
@@ -102,7 +105,7 @@ def _planned_batches(
         [[LayerRef(i, 0, page) for i in range(layers)]],
     )
     plan = plan_job(lay, 0, mem, list(blocks), [len(blocks)], [0], list(host_offsets))
-    return plan_descriptors(direction, plan.runs, [dev_base], host_base, host_split=host_split)
+    return plan_dma(direction, plan, [dev_base], host_base, host_split=host_split, strided=strided)
 
 
 def inprocess(engine: CudaEngine, job_chunks: int, chunks: int, reps: int) -> dict[str, Any]:
@@ -145,41 +148,57 @@ def inprocess(engine: CudaEngine, job_chunks: int, chunks: int, reps: int) -> di
                 tstream.synchronize()
                 times.append(time.perf_counter() - t0)
             res["inproc_memcpy_gbps"] = nbytes / statistics.median(times[1:]) / 1e9
-            # 2) and 3) the daemon's page descriptors, batched and one by one.
-            # Chunk k's row sits at host offset k * block_bytes, as a pool slot would.
-            batches = [
-                _planned_batches(
-                    engine,
-                    direction,
-                    j,
-                    [k * engine.block_bytes for k in j],
-                    dev_base,
-                    host.address,
-                    host.chunk,
-                )
-                for j in jobs
-            ]
-            for key, batched in (
-                ("inproc_pages_batch_gbps", True),
-                ("inproc_pages_loop_gbps", False),
+            # 2) to 4) the daemon's page descriptors, batched and one by one, and its
+            # strided copies (one 2-D copy per block). Chunk k's row sits at host
+            # offset k * block_bytes, as a pool slot would.
+            plans = {
+                strided: [
+                    _planned_dma(
+                        engine,
+                        direction,
+                        j,
+                        [k * engine.block_bytes for k in j],
+                        dev_base,
+                        host.address,
+                        host.chunk,
+                        strided,
+                    )
+                    for j in jobs
+                ]
+                for strided in (False, True)
+            }
+            for key, how in (
+                ("inproc_pages_batch_gbps", "batch"),
+                ("inproc_pages_loop_gbps", "loop"),
+                ("inproc_pages_2d_gbps", "2d"),
             ):
-                if batched and not drv.has_batch:
+                if how == "batch" and not drv.has_batch:
                     res[key] = float("nan")
                     continue
-                times = []
+                times, issue = [], []
                 for _ in range(reps + 1):
                     drv.stream_synchronize(stream)
                     t0 = time.perf_counter()
-                    for job_batches in batches:
-                        for bt in job_batches:
-                            if batched:
+                    for dma in plans[how == "2d"]:
+                        sc = dma.strided
+                        if sc is not None:
+                            for d, s, w in zip(sc.dsts, sc.srcs, sc.widths, strict=True):
+                                drv.memcpy_2d_async(
+                                    d, s, w, sc.rows, sc.dst_pitch, sc.src_pitch, stream
+                                )
+                        for bt in dma.batches:
+                            if how == "batch":
                                 drv.memcpy_batch_async(bt.dsts, bt.srcs, bt.sizes, stream)
                             else:
                                 for d, s, n in zip(bt.dsts, bt.srcs, bt.sizes, strict=True):
                                     drv.memcpy_async(d, s, n, stream)
+                    issue.append(time.perf_counter() - t0)  # the CPU's share: queueing
                     drv.stream_synchronize(stream)
                     times.append(time.perf_counter() - t0)
                 res[key] = nbytes / statistics.median(times[1:]) / 1e9
+                res[key.replace("_gbps", "_issue_ms_per_job")] = (
+                    1e3 * statistics.median(issue[1:]) / len(jobs)
+                )
             out[name] = res
     finally:
         drv.stream_destroy(stream)
@@ -328,6 +347,7 @@ def run_gpu_bench(
     bytes_per_round: int = GiB,
     quick: bool = False,
     log_dir: str | None = None,
+    with_event: bool = True,
     **_: Any,
 ) -> dict[str, Any]:
     """Runs the benchmark; returns a dict (headline figures at the top level).
@@ -359,7 +379,7 @@ def run_gpu_bench(
             raise RuntimeError(f"no session with the daemon at {target}")
         drv = cuda_driver.load()
         props = torch.cuda.get_device_properties(torch.cuda.current_device())
-        engine = CudaEngine(client, num_blocks=2 * chunks)
+        engine = CudaEngine(client, num_blocks=2 * chunks, with_event=with_event)
         engine.fill_random(range(chunks), seed=1)  # the source blocks: bytes worth checking
         result: dict[str, Any] = {
             "device": props.name,
@@ -377,6 +397,7 @@ def run_gpu_bench(
             "reps": reps,
             "pool_bytes": stats.capacity_bytes,
             "copy_threads": copy_threads,
+            "inter_process_event": with_event,
             "rows": [],
         }
         for size in sizes:
@@ -394,6 +415,7 @@ def run_gpu_bench(
                 )
                 row[name] = r
             result["rows"].append(row)
+            print(progress(size, row), file=sys.stderr, flush=True)
             result[f"store_gbps_{size}"] = row["store"]["daemon_gbps"]
             result[f"load_gbps_{size}"] = row["load"]["daemon_gbps"]
             result[f"store_ratio_{size}"] = row["store"]["ratio"]
@@ -410,6 +432,21 @@ def run_gpu_bench(
                 (Path(log_dir) / "gpu_bench_daemon.log").write_text(daemon.log())
 
 
+def progress(size: int, row: dict[str, Any]) -> str:
+    """One job size's line (store / load), printed as it completes."""
+
+    def both(key: str, fmt: str) -> str:
+        return " / ".join(format(row[d].get(key, float("nan")), fmt) for d in ("store", "load"))
+
+    return (
+        f"gpu_bench: {size}-chunk jobs: daemon {both('daemon_gbps', '.1f')} GB/s, ratio "
+        f"{both('ratio', '.2f')}; in process: descriptors {both('inproc_pages_batch_gbps', '.1f')}"
+        f" GB/s (queued in {both('inproc_pages_batch_issue_ms_per_job', '.3f')} ms a job), "
+        f"2-D copies {both('inproc_pages_2d_gbps', '.1f')} GB/s (queued in "
+        f"{both('inproc_pages_2d_issue_ms_per_job', '.3f')} ms a job)"
+    )
+
+
 def format_table(result: dict[str, Any]) -> str:
     lines = [
         f"kvdepot GPU path: {result['device']} ({result['device_uuid']}), driver "
@@ -421,7 +458,7 @@ def format_table(result: dict[str, Any]) -> str:
         f"cudaMemcpyAsync",
         "",
         f"{'dir':5} {'chunks/job':>10} {'daemon GB/s':>11} {'ms/job':>8} {'memcpy GB/s':>11} "
-        f"{'pages batch':>11} {'pages loop':>10} {'ratio':>6} {'r.pages':>7}  met",
+        f"{'pages batch':>11} {'pages loop':>10} {'pages 2-D':>9} {'ratio':>6} {'r.pages':>7}  met",
     ]
     for row in result["rows"]:
         for name in ("store", "load"):
@@ -430,6 +467,7 @@ def format_table(result: dict[str, Any]) -> str:
                 f"{name:5} {row['job_chunks']:>10} {r['daemon_gbps']:>11.1f} "
                 f"{r['per_job_ms']:>8.2f} {r['inproc_memcpy_gbps']:>11.1f} "
                 f"{r['inproc_pages_batch_gbps']:>11.1f} {r['inproc_pages_loop_gbps']:>10.1f} "
+                f"{r.get('inproc_pages_2d_gbps', float('nan')):>9.1f} "
                 f"{r['ratio']:>6.2f} {r['ratio_pages']:>7.2f}  {'yes' if r['target_met'] else 'NO'}"
             )
     return "\n".join(lines)
@@ -448,6 +486,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--round-mib", type=int, default=1024, help="MiB moved per round")
     p.add_argument("--quick", action="store_true")
+    p.add_argument(
+        "--no-event",
+        action="store_true",
+        help="register without the inter-process event (the engine synchronises its "
+        "device before each round instead): what the daemon's event waits cost",
+    )
     p.add_argument("--out", help="directory for gpu_bench.json and gpu_bench.txt")
     args = p.parse_args(argv)
     from kvdepot.server.cuda import unavailable_reason
@@ -467,6 +511,7 @@ def main(argv: list[str] | None = None) -> int:
         bytes_per_round=args.round_mib << 20,
         quick=args.quick,
         log_dir=args.out,
+        with_event=not args.no_event,
     )
     table = format_table(result)
     print(table, flush=True)

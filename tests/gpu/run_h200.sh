@@ -16,13 +16,19 @@
 #   2. on the GPU machine, from the repository root, carrying build/gpu-wheels:
 #        bash tests/gpu/run_h200.sh
 #      (device tool: command "bash tests/gpu/run_h200.sh", carry ["build/gpu-wheels"],
-#      timeout_s 420). Logs go to $OUT (or build/gpu-out): run_h200.log (everything),
-#      env.txt, daemons.log, gpu_bench.txt, gpu_bench.json, gpu_bench_daemon.log.
+#      timeout_s 450). Logs go to $OUT (or build/gpu-out): run_h200.log (everything),
+#      env.txt, daemons.log, gpu_bench.txt, gpu_bench.json, gpu_bench_daemon.log,
+#      cpu_bench.json (kvdepot bench's CPU series on the GPU machine's cores).
 #
-# Nothing is built or fetched on the GPU machine: the wheels go to a private
-# --target folder, and kvdepot itself is imported from this tree through a
-# symlink farm that mirrors pyproject's package-dir (kvdepot -> proto/kvdepot,
-# kvdepot.server -> server, kvdepot.client -> client, kvdepot.bench -> benchmarks).
+#   Settings: KVDEPOT_GPU_SWEEP="1:16,64 4:16" also runs the GPU benchmark against a
+#   daemon per entry, THREADS:SIZES (its --copy-threads, the job sizes in chunks),
+#   with each table and the daemon's own account of its copy threads in the log;
+#   KVDEPOT_GPU_CPU_BENCH=0 skips the CPU series, KVDEPOT_GPU_TESTS=0 the tests.
+#
+# Nothing is fetched on the GPU machine: the wheels go to a private --target folder,
+# and kvdepot itself is imported from this tree through a symlink farm that
+# tests/gpu/mirror_package.py makes from pyproject's package-dir; it also compiles
+# the optional C extensions there with the machine's cc (numpy fallbacks without).
 set -uo pipefail
 REPO="$(cd "$(dirname "$0")/../.." && pwd)"
 WHEELS="$REPO/build/gpu-wheels"
@@ -61,12 +67,8 @@ else
     echo "== no wheels in build/gpu-wheels: using the image's grpcio/protobuf as they are"
 fi
 PKG=/tmp/kvdepot-pkg
-rm -rf "$PKG" && mkdir -p "$PKG/kvdepot"
-for f in "$REPO"/proto/kvdepot/*.py; do ln -s "$f" "$PKG/kvdepot/"; done
-ln -s "$REPO/proto/kvdepot/v1" "$PKG/kvdepot/v1"
-ln -s "$REPO/server" "$PKG/kvdepot/server"
-ln -s "$REPO/client" "$PKG/kvdepot/client"
-ln -s "$REPO/benchmarks" "$PKG/kvdepot/bench"
+echo "== mirroring the kvdepot package from pyproject.toml, building its C extensions"
+"$PY" tests/gpu/mirror_package.py "$PKG" || { echo "FAILED: tests/gpu/mirror_package.py"; exit 2; }
 export PYTHONPATH="$SITE:$PKG:$REPO${PYTHONPATH:+:$PYTHONPATH}"
 export KVDEPOT_GPU_LOG_DIR="$OUT"
 
@@ -102,12 +104,26 @@ if ! grep -q enable_cuda server/daemon.py; then
 fi
 
 rc=0
-echo "== tests/gpu"
-timeout 240 "$PY" -m pytest tests/gpu -v -p no:cacheprovider -o addopts="-ra" || rc=1
-echo "== tests/gpu done after $(( $(date +%s) - started )) s (rc=$rc)"
+if [[ "${KVDEPOT_GPU_TESTS:-1}" != 0 ]]; then
+    echo "== tests/gpu"
+    timeout 180 "$PY" -m pytest tests/gpu -v -p no:cacheprovider -o addopts="-ra" || rc=1
+    echo "== tests/gpu done after $(( $(date +%s) - started )) s (rc=$rc)"
+fi
 
 echo "== GPU benchmark"
-timeout 200 "$PY" -m kvdepot.bench.gpu_bench --serve-script tests/gpu/serve_cuda.py \
+timeout 150 "$PY" -m kvdepot.bench.gpu_bench --serve-script tests/gpu/serve_cuda.py \
     --out "$OUT" || rc=1
+for run in ${KVDEPOT_GPU_SWEEP:-}; do
+    threads=${run%%:*} sizes=${run#*:}
+    echo "== GPU benchmark, daemon with --copy-threads $threads, jobs of $sizes chunks"
+    timeout 90 "$PY" -m kvdepot.bench.gpu_bench --serve-script tests/gpu/serve_cuda.py \
+        --copy-threads "$threads" --sizes "$sizes" --out "/tmp/kvdepot-sweep-$run" || rc=1
+    grep -h "CUDA copies" "/tmp/kvdepot-sweep-$run/gpu_bench_daemon.log"
+done
+if [[ "${KVDEPOT_GPU_CPU_BENCH:-1}" != 0 ]]; then
+    echo "== the CPU series of kvdepot bench on this machine's cores (no GPU, no vLLM here)"
+    timeout 90 "$PY" -m kvdepot.server.cli bench --json --no-gpu --no-connector \
+        > "$OUT/cpu_bench.json" || rc=1
+fi
 echo "== all done after $(( $(date +%s) - started )) s (rc=$rc)"
 exit $rc
