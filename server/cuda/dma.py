@@ -405,8 +405,7 @@ class CudaCopyEngine(CopyEngine):
         self._streams: dict[tuple[bytes, int, bytes], int] = {}
         # Each copy thread's completion event per device, for close().
         self._done_events: list[tuple[ServedDevice, int]] = []
-        self._batch_failures_logged = False
-        self._strided_failures_logged = False
+        self._refusals_logged: set[str] = set()
         self.counters = {
             "copies": 0,
             "batches": 0,
@@ -714,15 +713,8 @@ class CudaCopyEngine(CopyEngine):
             except CudaError as exc:
                 # A pitch over the device's limit, say. Copies queued before the
                 # failure run again below: the same bytes, in stream order.
-                if exc.code == CUDA_ERROR_NOT_SUPPORTED:
+                if self._refused("cuMemcpy2DAsync", exc, "copying these pages as descriptors"):
                     self.use_strided = False
-                if not self._strided_failures_logged:
-                    self._strided_failures_logged = True
-                    log.warning(
-                        "cuMemcpy2DAsync failed (%s); copying these pages one by one instead",
-                        exc,
-                    )
-                self.counters["loop_fallbacks"] += 1
         batch = DmaBatch(nbytes=copies.nbytes)
         for d, s, w in copies.descriptors():
             batch.dsts.append(d)
@@ -738,17 +730,19 @@ class CudaCopyEngine(CopyEngine):
                 drv.memcpy_batch_async(batch.dsts, batch.srcs, batch.sizes, stream)
                 return
             except CudaError as exc:
-                if exc.code == CUDA_ERROR_NOT_SUPPORTED:
+                if self._refused("cuMemcpyBatchAsync", exc, "one run per cuMemcpyAsync"):
                     self.use_batch = False
-                if not self._batch_failures_logged:
-                    self._batch_failures_logged = True
-                    log.warning(
-                        "cuMemcpyBatchAsync failed (%s); copying one run per cuMemcpyAsync instead",
-                        exc,
-                    )
-                self.counters["loop_fallbacks"] += 1
         for dst, src, size in zip(batch.dsts, batch.srcs, batch.sizes, strict=True):
             drv.memcpy_async(dst, src, size, stream)
+
+    def _refused(self, call: str, exc: CudaError, instead: str) -> bool:
+        """Counts a refused copy call's fallback and logs it (once per call). True when
+        the driver lacks the call altogether: the caller stops using it."""
+        if call not in self._refusals_logged:
+            self._refusals_logged.add(call)
+            log.warning("%s failed (%s); %s instead", call, exc, instead)
+        self.counters["loop_fallbacks"] += 1
+        return exc.code == CUDA_ERROR_NOT_SUPPORTED
 
     def close(self) -> None:
         """Destroys the engine's streams and completion events. Regions are closed by
