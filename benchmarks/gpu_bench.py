@@ -13,7 +13,7 @@ Beside it, in this process and on the same kinds of buffers (device memory, and
 a memfd page-locked with cuMemHostRegister exactly as the daemon's pool):
 - `inproc_memcpy`: PyTorch `copy_(non_blocking=True)`, i.e. cudaMemcpyAsync, one
   contiguous copy per job (the DMA limit for that copy size);
-- `inproc_pages_batch`: the daemon's own descriptors (planner + plan_descriptors:
+- `inproc_pages_batch`: the daemon's descriptors (planner + plan_dma without 2-D copies:
   32 scattered 64 KiB pages per block) by cuMemcpyBatchAsync, in process;
 - `inproc_pages_loop`: the same pages, one cuMemcpyAsync each;
 - `inproc_pages_2d`: the daemon's strided copies (one cuMemcpy2DAsync per block,

@@ -49,6 +49,7 @@ from kvdepot.server.cuda.driver import (
     CUDA_ERROR_NOT_SUPPORTED,
     CUDA_ERROR_OUT_OF_MEMORY,
     CUDA_ERROR_TOO_MANY_PEERS,
+    RUN_JOB_ENTRY_POINTS,
     CudaError,
     DeviceInfo,
 )
@@ -70,16 +71,6 @@ except ImportError:  # pragma: no cover - the daemon then issues from Python
 log = logging.getLogger("kvdepot.cuda")
 
 _NONE = array("Q")
-# run_job's failing step -> the driver call it names.
-_RUN_JOB_CALLS = (
-    "",
-    "cuCtxSetCurrent",
-    "cuStreamWaitEvent",
-    "cuMemcpy2DAsync",
-    "cuMemcpyBatchAsync",
-    "cuEventRecord",
-    "cuEventSynchronize",
-)
 
 DEFAULT_MAX_BATCH = 1024  # copies per cuMemcpyBatchAsync call
 
@@ -162,7 +153,8 @@ def plan_dma(
     after another in its pool row) becomes one 2-D copy per chain: 16 driver calls
     for a 16-block job of 32 layers instead of 512 descriptors, which the driver
     takes about a microsecond each to queue. Otherwise, and without `strided`,
-    descriptor batches of at most `max_batch` copies, in the runs' order.
+    descriptor batches of at most `max_batch` copies, in the runs' order (one
+    descriptor per run, cut at `host_split`).
 
     Runs on the event loop for every job: `CopyPlan.address_columns` and
     `stride_period` do the per-run work in one call each.
@@ -196,28 +188,6 @@ def plan_dma(
             )
         )
     return DmaPlan(batches)
-
-
-def plan_descriptors(
-    direction: int,
-    runs: CopyPlan | Sequence[tuple[int, int, int, int]],
-    region_addresses: Sequence[int],
-    pool_address: int,
-    *,
-    max_batch: int = DEFAULT_MAX_BATCH,
-    host_split: int = 0,
-) -> list[DmaBatch]:
-    """`plan_dma`'s descriptor batches alone (no strided copies): one descriptor
-    per run, cut at `host_split`, in batches of at most `max_batch`."""
-    return plan_dma(
-        direction,
-        runs,
-        region_addresses,
-        pool_address,
-        max_batch=max_batch,
-        host_split=host_split,
-        strided=False,
-    ).batches
 
 
 def _strided(
@@ -379,7 +349,6 @@ class CudaCopyEngine(CopyEngine):
         use_batch: bool = True,
         use_strided: bool = True,
         host_split: Callable[[], int] | int = 0,
-        compiled: bool = True,
     ) -> None:
         self.driver = driver
         self.devices = {d.uuid: ServedDevice(driver, d) for d in devices}
@@ -389,9 +358,7 @@ class CudaCopyEngine(CopyEngine):
         # The driver's entry points for the compiled issuer (`_dma.c`); None: every
         # call from Python (no extension, or a driver object without them).
         entry_points = getattr(driver, "entry_points", None)
-        self._entry_points = (
-            entry_points() if compiled and run_job is not None and entry_points else None
-        )
+        self._entry_points = entry_points() if run_job is not None and entry_points else None
         # The pool's page-locking chunk size, or a callable that says it (it is
         # known only once the first chunk is pinned); 0: no splitting.
         self.host_split_source = host_split
@@ -657,7 +624,7 @@ class CudaCopyEngine(CopyEngine):
         self.counters["wait_ns"] += wait_ns
         if step == 0:
             return True
-        call = _RUN_JOB_CALLS[step]
+        call = RUN_JOB_ENTRY_POINTS[step - 1]
         if call in ("cuMemcpy2DAsync", "cuMemcpyBatchAsync"):
             log.debug("%s refused a job's copies (%d); running it from Python", call, code)
             return False

@@ -194,6 +194,18 @@ _BATCH_V1 = (
     ],
 )
 
+# The driver calls `kvdepot.server.cuda._dma.run_job` makes, in the order it takes
+# their addresses; its failing step k (1-based) names entry point k - 1.
+RUN_JOB_ENTRY_POINTS = (
+    "cuCtxSetCurrent",
+    "cuStreamWaitEvent",
+    "cuMemcpy2DAsync",
+    "cuMemcpyBatchAsync",
+    "cuEventRecord",
+    "cuEventSynchronize",
+    "cuStreamSynchronize",
+)
+
 assert ctypes.sizeof(c_size_t) == 8 and ctypes.sizeof(CUdeviceptr) == 8, "64-bit hosts only"
 
 
@@ -412,20 +424,11 @@ class CudaDriver:
         cuEventRecord, cuEventSynchronize and cuStreamSynchronize; the batch ABI; and
         the addresses of the batch attribute record and its index (this object keeps
         them alive)."""
-        names = (
-            "cuCtxSetCurrent",
-            "cuStreamWaitEvent",
-            "cuMemcpy2DAsync",
-            "cuMemcpyBatchAsync",
-            "cuEventRecord",
-            "cuEventSynchronize",
-            "cuStreamSynchronize",
-        )
         fns = array(
             "Q",
             [
                 (ctypes.cast(self._fn[n], c_void_p).value or 0) if n in self._fn else 0
-                for n in names
+                for n in RUN_JOB_ENTRY_POINTS
             ],
         )
         return (

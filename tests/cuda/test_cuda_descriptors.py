@@ -6,17 +6,23 @@ from __future__ import annotations
 
 import ctypes
 from array import array
+from typing import Any
 
 import numpy as np
 import pytest
 
 from kvdepot.server.core.layout import NamespaceLayout
 from kvdepot.server.core.planner import LayerRef, MemoryMap, TensorView, plan_job, stride_period
-from kvdepot.server.cuda.dma import DmaBatch, DmaPlan, plan_descriptors, plan_dma
+from kvdepot.server.cuda.dma import DmaBatch, DmaPlan, plan_dma
 from kvdepot.server.memory.copy_engine import LOAD, STORE, CpuCopyEngine
 from tests.support.regions import ArrayRegion
 
 # -- DMA descriptors -------------------------------------------------------------------
+
+
+def plan_descriptors(*args: Any, **kwargs: Any) -> list[DmaBatch]:
+    """A job's DMA as descriptor batches alone (plan_dma without strided copies)."""
+    return plan_dma(*args, strided=False, **kwargs).batches
 
 
 def test_descriptors_follow_the_runs_in_both_directions() -> None:
