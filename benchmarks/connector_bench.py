@@ -162,8 +162,13 @@ def run_connector_bench(
             engine = SyntheticEngine(EngineConfig(socket=target, workers=False, **common))
             try:
                 engine.wait_ready(hit_keys, timeout=60)
-                # The steps' pins take the lane once it is open (in the background).
-                engine.wait_until(lambda: engine.manager.pin_lane.open, what="the pin lane")
+                # The steps' pins and unpins take their lanes once they are open (in
+                # the background).
+                manager = engine.manager
+                engine.wait_until(
+                    lambda: manager.pin_lane.open and manager.unpin_lane.open,
+                    what="the pin and unpin lanes",
+                )
             except BaseException:
                 engine.shutdown()
                 raise
@@ -236,7 +241,7 @@ def run_connector_bench(
         setups = {"kvdepot": make_depot, "vllm_cpu": make_cpu, "none": make_bare}
         names = list(setups)
         per_round: dict[str, list[dict[str, float]]] = {n: [] for n in names}
-        pin_rpcs = lane_pins = 0
+        pin_rpcs = lane_pins = lane_unpins = 0
         for r in range(rounds):
             for name in names[r % len(names) :] + names[: r % len(names)]:
                 engine = setups[name]()
@@ -245,10 +250,12 @@ def run_connector_bench(
                 if name == "kvdepot":
                     pin_rpcs += engine.manager.pin_rpcs
                     lane_pins += engine.manager.pin_lane.lane_pins
+                    lane_unpins += engine.manager.unpin_lane.lane_unpins
                 engines.remove(engine)
                 engine.shutdown()
         result["kvdepot_pin_rpcs_in_steps"] = pin_rpcs
         result["kvdepot_lane_pins_in_steps"] = lane_pins
+        result["kvdepot_lane_unpins_in_steps"] = lane_unpins
         result["step_ms"] = {
             n: {k: statistics.median(x[k] for x in per_round[n]) for k in per_round[n][0]}
             for n in names

@@ -19,13 +19,15 @@ they can re-register (registrations die with the daemon).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import queue
 import random
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Coroutine, Iterable, Iterator, Sequence
+from typing import Any
 
 import grpc
 
@@ -33,12 +35,20 @@ from kvdepot.client.fdpass import send_fd
 from kvdepot.client.job_lane import LaneKeeper
 from kvdepot.client.job_lane import enabled_by_env as job_lane_enabled_by_env
 from kvdepot.client.shm import SharedKVBuffer
+from kvdepot.client.stream_loop import StreamLoop
 from kvdepot.v1 import admin_pb2_grpc, depot_pb2, depot_pb2_grpc
 
 log = logging.getLogger("kvdepot.client")
 
 DEFAULT_TIMEOUT = 5.0
 _MAX_MESSAGE = 512 << 20
+_CHANNEL_OPTIONS = (
+    ("grpc.max_receive_message_length", _MAX_MESSAGE),
+    ("grpc.max_send_message_length", _MAX_MESSAGE),
+    # Reconnect quickly after a daemon restart.
+    ("grpc.initial_reconnect_backoff_ms", 50),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+)
 
 
 class DepotUnavailable(RuntimeError):
@@ -53,7 +63,7 @@ def normalize_target(target: str) -> str:
 
 
 class DepotClient:
-    """One session with the daemon, kept open (and re-opened) by a background thread."""
+    """One session with the daemon, kept open (and re-opened) in the background."""
 
     def __init__(
         self,
@@ -72,17 +82,7 @@ class DepotClient:
         # The daemon sends a keepalive every few seconds; a daemon that says nothing
         # for this long is frozen (SIGSTOP, swapping, a hung loop): treat it as gone.
         self.keepalive_timeout = keepalive_timeout
-        self._last_event = time.monotonic()
-        self._channel = grpc.insecure_channel(
-            self.target,
-            options=[
-                ("grpc.max_receive_message_length", _MAX_MESSAGE),
-                ("grpc.max_send_message_length", _MAX_MESSAGE),
-                # Reconnect quickly after a daemon restart.
-                ("grpc.initial_reconnect_backoff_ms", 50),
-                ("grpc.max_reconnect_backoff_ms", 1000),
-            ],
-        )
+        self._channel = grpc.insecure_channel(self.target, options=_CHANNEL_OPTIONS)
         self.stub = depot_pb2_grpc.DepotStub(self._channel)
         self.admin = admin_pb2_grpc.AdminStub(self._channel)
         self._lock = threading.Lock()
@@ -91,35 +91,47 @@ class DepotClient:
         self.hello: depot_pb2.SessionHello | None = None
         self._listeners: list[Callable[[str], None]] = []
         self._disconnect_listeners: list[Callable[[], None]] = []
-        self._session_call: grpc.Future | None = None
-        self._thread: threading.Thread | None = None
+        # Session and Watch run on the process's stream loop (kvdepot.client.stream_loop),
+        # on a channel of their own opened by start() or the first watch();
+        # `_session_ready` mirrors `_connected` there; `_stream_tasks` are this
+        # client's tasks on the loop, ended by close().
+        self._stream_channel: grpc.aio.Channel | None = None
+        self._stream_stub: depot_pb2_grpc.DepotStub | None = None
+        self._session_ready: asyncio.Event | None = None
+        self._session_task: asyncio.Task[None] | None = None
+        self._stream_tasks: set[asyncio.Task[None]] = set()
+        self._start_lock = threading.Lock()
         self.sessions_opened = 0
 
     # -- session ---------------------------------------------------------------------
 
     def start(self) -> DepotClient:
-        if self._thread is None:
-            self._thread = threading.Thread(
-                target=self._session_loop, name="kvdepot-session", daemon=True
-            )
-            self._thread.start()
-            threading.Thread(
-                target=self._watch_keepalives, name="kvdepot-keepalive", daemon=True
-            ).start()
+        with self._start_lock:
+            if self._session_task is None and not self._closed.is_set():
+                self._session_task = self._start_stream(self._session_loop())
         return self
 
-    def _watch_keepalives(self) -> None:
-        """Cancels a session whose daemon went silent; the session loop reconnects."""
-        while not self._closed.wait(min(1.0, self.keepalive_timeout / 4)):
-            call = self._session_call
-            silent = time.monotonic() - self._last_event
-            if call is not None and self.connected and silent > self.keepalive_timeout:
-                log.warning(
-                    "the kvdepot daemon at %s sent nothing for %.1f s; dropping the session",
-                    self.target,
-                    silent,
-                )
-                call.cancel()
+    def _start_stream(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+        """Runs `coro` on the stream loop, with the stream channel opened first if
+        need be. Called with `_start_lock` held."""
+        if self._closed.is_set():
+            coro.close()
+            raise DepotUnavailable("this client is closed")
+        streams = StreamLoop.shared()
+        if self._stream_channel is None:
+            self._stream_channel = streams.open_channel(self.target, _CHANNEL_OPTIONS)
+            self._stream_stub = depot_pb2_grpc.DepotStub(self._stream_channel)
+            self._session_ready = asyncio.Event()
+        task = streams.start(coro)
+        self._stream_tasks.add(task)
+        return task
+
+    def _stop_stream(self, task: asyncio.Task[None]) -> None:
+        with self._start_lock:
+            if task not in self._stream_tasks:
+                return  # close() ended it
+            self._stream_tasks.discard(task)
+        StreamLoop.shared().stop(task)
 
     @property
     def connected(self) -> bool:
@@ -150,51 +162,65 @@ class DepotClient:
         with self._lock:
             self._disconnect_listeners.append(fn)
 
-    def _session_loop(self) -> None:
+    async def _session_loop(self) -> None:
+        """Keeps a Session open (on the stream loop); a daemon that sends nothing, not
+        even its keepalive, for `keepalive_timeout` is frozen (SIGSTOP, swapping, a hung
+        loop) and is treated as gone."""
+        stub, ready = self._stream_stub, self._session_ready
+        assert stub is not None and ready is not None
         delay = self._backoff[0]
-        while not self._closed.is_set():
-            call = None
-            try:
-                call = self.stub.Session(
-                    depot_pb2.SessionRequest(
-                        client_name=self.client_name, pid=os.getpid(), engine_id=self.engine_id
-                    )
+        while True:
+            call = stub.Session(
+                depot_pb2.SessionRequest(
+                    client_name=self.client_name, pid=os.getpid(), engine_id=self.engine_id
                 )
-                self._session_call = call
-                self._last_event = time.monotonic()
-                for event in call:
-                    self._last_event = time.monotonic()
+            )
+            try:
+                while True:
+                    try:
+                        event = await asyncio.wait_for(call.read(), self.keepalive_timeout)
+                    except TimeoutError:
+                        log.warning(
+                            "the kvdepot daemon at %s sent nothing for %.1f s; dropping the "
+                            "session",
+                            self.target,
+                            self.keepalive_timeout,
+                        )
+                        break
+                    if event is grpc.aio.EOF:
+                        break
                     if event.HasField("hello"):
-                        previous = self.hello.boot_id if self.hello else None
-                        self.hello = event.hello
-                        self.sessions_opened += 1
-                        self._connected.set()
                         delay = self._backoff[0]
-                        if previous is not None and previous != event.hello.boot_id:
-                            log.warning(
-                                "kvdepot daemon restarted (boot id %s -> %s)",
-                                previous,
-                                event.hello.boot_id,
-                            )
-                        log.info("kvdepot session %s open", event.hello.session_id)
-                        for fn in list(self._listeners):
-                            self._call_listener(fn, event.hello.boot_id)
+                        self._opened(event.hello)
             except grpc.RpcError as exc:
-                if not self._closed.is_set():
-                    code = exc.code() if hasattr(exc, "code") else None
-                    log.debug("kvdepot session ended: %s", code)
+                log.debug("kvdepot session ended: %s", exc.code())
             finally:
+                call.cancel()
+                # A cancelled task keeps this frame (in its exception's traceback):
+                # let go of the call, which holds the connection open.
+                del call
                 was_connected = self._connected.is_set()
                 self._connected.clear()
-                if call is not None:
-                    call.cancel()
+                ready.clear()
                 if was_connected and not self._closed.is_set():
                     log.warning("lost the kvdepot daemon at %s; reconnecting", self.target)
                     for fn in list(self._disconnect_listeners):
                         self._call_listener(fn)
-            if self._closed.wait(delay * (0.5 + random.random())):
-                return
+            await asyncio.sleep(delay * (0.5 + random.random()))
             delay = min(delay * 2, self._backoff[1])
+
+    def _opened(self, hello: depot_pb2.SessionHello) -> None:
+        assert self._session_ready is not None
+        previous = self.hello.boot_id if self.hello else None
+        self.hello = hello
+        self.sessions_opened += 1
+        self._connected.set()
+        self._session_ready.set()
+        if previous is not None and previous != hello.boot_id:
+            log.warning("kvdepot daemon restarted (boot id %s -> %s)", previous, hello.boot_id)
+        log.info("kvdepot session %s open", hello.session_id)
+        for fn in list(self._listeners):
+            self._call_listener(fn, hello.boot_id)
 
     @staticmethod
     def _call_listener(fn: Callable[..., None], *args: object) -> None:
@@ -205,12 +231,16 @@ class DepotClient:
 
     def close(self) -> None:
         """Ends the session: the daemon releases everything this client held."""
-        self._closed.set()
-        call = self._session_call
-        if call is not None:
-            call.cancel()
-        if self._thread is not None:
-            self._thread.join(timeout=5)
+        with self._start_lock:
+            self._closed.set()
+            # Dropped here: a finished task (and the stub) would keep the calls, and
+            # with them the connection, for as long as this object lives.
+            channel, self._stream_channel = self._stream_channel, None
+            tasks, self._stream_tasks = self._stream_tasks, set()
+            self._stream_stub = self._session_task = None
+        if channel is not None:
+            # Ends the Session, which the daemon sees at once.
+            StreamLoop.shared().close_channel(channel, tasks)
         self._channel.close()
         self._connected.clear()
 
@@ -357,40 +387,44 @@ class Watch:
         self.client = client
         self.namespace_id = namespace_id
         self.on_event = on_event
-        self._stop = threading.Event()
-        self._call: grpc.Future | None = None
-        self._thread = threading.Thread(target=self._run, name="kvdepot-watch", daemon=True)
+        self._task: asyncio.Task[None] | None = None
 
     def start(self) -> Watch:
-        self._thread.start()
+        with self.client._start_lock:
+            self._task = self.client._start_stream(self._run())
         return self
 
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            if not self.client.wait_connected(0.5):
-                continue
+    async def _run(self) -> None:
+        client = self.client
+        ready, stub = client._session_ready, client._stream_stub
+        assert ready is not None and stub is not None
+        while True:
+            await ready.wait()
+            call = None
             try:
-                call = self._call = self.client.stub.Watch(
+                call = stub.Watch(
                     depot_pb2.WatchRequest(
-                        session_id=self.client.session_id, namespace_id=self.namespace_id
+                        session_id=client.session_id, namespace_id=self.namespace_id
                     )
                 )
-                for event in call:
+                async for event in call:
                     self.on_event(event)
             except (grpc.RpcError, DepotUnavailable):
                 pass
             except Exception:
                 log.exception("kvdepot watch handler failed; resubscribing")
-            if self._stop.is_set():
-                return
+            finally:
+                if call is not None:
+                    call.cancel()
+                call = None  # as in DepotClient._session_loop
             self.on_event(depot_pb2.WatchEvent(kind=depot_pb2.WatchEvent.SNAPSHOT, reset=True))
-            self._stop.wait(0.1)
+            await asyncio.sleep(0.1)
 
     def stop(self) -> None:
-        self._stop.set()
-        if self._call is not None:
-            self._call.cancel()
-        self._thread.join(timeout=5)
+        """Ends the subscription; `on_event` is not called once this returns."""
+        task, self._task = self._task, None
+        if task is not None:
+            self.client._stop_stream(task)
 
 
 _STREAM_END = object()

@@ -1,4 +1,4 @@
-"""A scheduler's pin lane: Pin calls as datagrams on a Unix socket pair.
+"""A scheduler's pin and unpin lanes: Pin and Unpin calls as datagrams on Unix socket pairs.
 
 The step's one Pin call is the only wait on the daemon in vLLM's scheduler step.
 Over gRPC a unary call costs about half a millisecond when warm, and over a
@@ -14,6 +14,12 @@ then pins over gRPC, whose status says why a pin was refused. A pin that
 times out on the lane raises `PinTimeout`, and the lane is dropped (a late
 answer must never be read as the next call's) and reopened in the background.
 KVDEPOT_JOB_LANE=0 keeps pins on gRPC too.
+
+`UnpinLane.unpin` sends a batch of unpins (kind LANE_UNPINS) without waiting for
+an answer. The scheduler's unpin thread uses it: a gRPC Unpin call kept that
+thread busy, holding the GIL the scheduler needs, for about a millisecond after
+every step that completed loads; a datagram costs it tens of microseconds. It
+returns the keys the lane could not take, and the caller unpins those over gRPC.
 """
 
 from __future__ import annotations
@@ -33,13 +39,22 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvdepot.client")
 
 
+# A vLLM key is 36 bytes: 1024 of them make a datagram of about 40 KB, within the
+# socket buffers the kernel allows by default (net.core.wmem_max) and the daemon's
+# per-call key limit.
+UNPIN_KEYS_PER_DATAGRAM = 1024
+
+
 class PinTimeout(TimeoutError):
     """The daemon did not answer a pin on the lane within the deadline."""
 
 
-class PinLane:
-    """The pin lane of one DepotClient. `pin` is called from one thread at a time
-    (vLLM's scheduler thread); opening runs on a thread of its own."""
+class SessionLane:
+    """A lane of one kind for the client's current session: opened on a thread of its
+    own (`open_soon`), dropped when the session ends, reopened after a break."""
+
+    kind: int  # the LaneKind
+    noun: str  # in log lines
 
     def __init__(self, client: DepotClient, retry_s: float = 5.0) -> None:
         self._client = client
@@ -51,7 +66,6 @@ class PinLane:
         self._opening = False
         self._retry_at = 0.0
         self._fallback_logged = False
-        self.lane_pins = 0  # pins answered on the lane (tests, benchmarks)
 
     @property
     def open(self) -> bool:
@@ -66,7 +80,7 @@ class PinLane:
             if self._lane is not None and self._lane_session == self._session_id():
                 return
             self._opening = True
-        threading.Thread(target=self._open, name="kvdepot-pin-lane", daemon=True).start()
+        threading.Thread(target=self._open, name=f"kvdepot-{self.noun}-lane", daemon=True).start()
 
     def drop(self) -> None:
         """Forgets the lane (its session ended: the daemon closed its end)."""
@@ -74,6 +88,50 @@ class PinLane:
             lane, self._lane = self._lane, None
         if lane is not None:
             lane.close()
+
+    def _session_id(self) -> str:
+        hello = self._client.hello
+        return hello.session_id if hello is not None else ""
+
+    def _broken(self, lane: ClientLane) -> None:
+        with self._lock:
+            if self._lane is lane:
+                self._lane = None
+        lane.close()
+        self.open_soon()
+
+    def _open(self) -> None:
+        try:
+            session_id = self._client.session_id
+            lane = ClientLane.open(self._client, session_id, kind=self.kind)
+        except (LaneUnavailable, OSError, RuntimeError) as exc:  # RuntimeError: no session
+            with self._lock:
+                self._opening = False
+                if isinstance(exc, LaneUnavailable) and exc.permanent:
+                    self._wanted = False
+                else:
+                    self._retry_at = time.monotonic() + self._retry_s
+                logged, self._fallback_logged = self._fallback_logged, True
+            if not logged:
+                log.info("kvdepot: no %s lane (%s); %ss use gRPC", self.noun, exc, self.noun)
+            return
+        with self._lock:
+            self._opening = False
+            old, self._lane, self._lane_session = self._lane, lane, session_id
+        if old is not None:
+            old.close()
+
+
+class PinLane(SessionLane):
+    """The pin lane of one DepotClient. `pin` is called from one thread at a time
+    (vLLM's scheduler thread)."""
+
+    kind = depot_pb2.LANE_PINS
+    noun = "pin"
+
+    def __init__(self, client: DepotClient, retry_s: float = 5.0) -> None:
+        super().__init__(client, retry_s)
+        self.lane_pins = 0  # pins answered on the lane (tests, benchmarks)
 
     def pin(
         self, session_id: str, namespace_id: str, keys: Sequence[bytes], timeout: float
@@ -112,34 +170,39 @@ class PinLane:
         self.lane_pins += 1
         return pinned
 
-    def _session_id(self) -> str:
-        hello = self._client.hello
-        return hello.session_id if hello is not None else ""
 
-    def _broken(self, lane: ClientLane) -> None:
-        with self._lock:
-            if self._lane is lane:
-                self._lane = None
-        lane.close()
-        self.open_soon()
+class UnpinLane(SessionLane):
+    """The unpin lane of one DepotClient. `unpin` is called from one thread at a time
+    (the scheduler's unpin thread)."""
 
-    def _open(self) -> None:
-        try:
-            session_id = self._client.session_id
-            lane = ClientLane.open(self._client, session_id, kind=depot_pb2.LANE_PINS)
-        except (LaneUnavailable, OSError, RuntimeError) as exc:  # RuntimeError: no session
-            with self._lock:
-                self._opening = False
-                if isinstance(exc, LaneUnavailable) and exc.permanent:
-                    self._wanted = False
-                else:
-                    self._retry_at = time.monotonic() + self._retry_s
-                logged, self._fallback_logged = self._fallback_logged, True
-            if not logged:
-                log.info("kvdepot: no pin lane (%s); pins use gRPC", exc)
-            return
-        with self._lock:
-            self._opening = False
-            old, self._lane, self._lane_session = self._lane, lane, session_id
-        if old is not None:
-            old.close()
+    kind = depot_pb2.LANE_UNPINS
+    noun = "unpin"
+
+    def __init__(self, client: DepotClient, retry_s: float = 5.0) -> None:
+        super().__init__(client, retry_s)
+        self.lane_unpins = 0  # unpin calls sent on the lane (tests, benchmarks)
+
+    def unpin(self, session_id: str, namespace_id: str, keys: Sequence[bytes]) -> Sequence[bytes]:
+        """Sends the unpins without waiting for an answer, in datagrams of at most
+        `UNPIN_KEYS_PER_DATAGRAM` keys. Returns the keys that did not go (none when
+        all went): unpin those over gRPC, and only those (a key unpinned twice would
+        drop another request's pin)."""
+        lane = self._lane
+        if lane is None or self._lane_session != session_id:
+            self.open_soon()
+            return keys
+        for start in range(0, len(keys), UNPIN_KEYS_PER_DATAGRAM):
+            data = depot_pb2.UnpinRequest(
+                session_id=session_id,
+                namespace_id=namespace_id,
+                keys=keys[start : start + UNPIN_KEYS_PER_DATAGRAM],
+            ).SerializeToString()
+            try:
+                sent = lane.send(data)
+            except OSError:
+                self._broken(lane)
+                sent = False
+            if not sent:
+                return keys[start:]
+            self.lane_unpins += 1
+        return ()

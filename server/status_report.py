@@ -74,7 +74,7 @@ KNOWN_STATS = frozenset(
 OPTIONAL_COUNTERS = (
     "store_jobs", "load_jobs", "stored_blocks", "loaded_blocks", "failed_store_jobs",
     "failed_load_jobs", "pin_calls", "pin_keys", "pinned_keys", "lane_jobs",
-    "lane_pins",
+    "lane_pins", "lane_unpins",
 )  # fmt: skip
 # Counts since start, shown as they are.
 TOTALS = (

@@ -149,10 +149,18 @@ def send_and_drain(path: str, data: bytes) -> None:
             pass  # the daemon may close on us: that is a fine answer
 
 
+def connected_client(target: str, name: str) -> DepotClient:
+    """A client with both of its connections open (its streams' and its calls'), so
+    that a baseline of the daemon's fds taken now counts them."""
+    c = DepotClient(target, client_name=name).start()
+    assert c.wait_connected(10)
+    c.admin.GetStats(admin_pb2.GetStatsRequest(), timeout=10)
+    return c
+
+
 def test_garbage_and_malformed_http2_on_both_sockets(daemon_factory) -> None:
     d = daemon_factory("--pool-size", "16MiB")
-    c = DepotClient(d.target, client_name="garbage").start()
-    assert c.wait_connected(10)
+    c = connected_client(d.target, "garbage")
     fd_socket = c.hello.fd_socket
     rng = random.Random(12)
     baseline = open_fds(d.proc.pid)
@@ -209,8 +217,7 @@ def non_memfd_fds(tmp: Path) -> dict[str, int]:
 
 def test_ten_kinds_of_non_memfd_fds_are_refused_without_leaks(daemon_factory, tmp_path) -> None:
     d = daemon_factory("--pool-size", "16MiB")
-    c = DepotClient(d.target, client_name="fds").start()
-    assert c.wait_connected(10)
+    c = connected_client(d.target, "fds")
     layout = pb.NamespaceLayout(
         id="fds", world_size=1, blocks_per_chunk=1, groups=[pb.GroupLayout(layer_page_bytes=[4096])]
     )

@@ -1,10 +1,14 @@
-"""Pin lanes against a real `kvdepot serve`: a scheduler's Pin calls as datagrams on a
-Unix socket pair (kvdepot.client.pin_lane, PinLane in kvdepot.server.service.job_lane).
+"""Pin and unpin lanes against a real `kvdepot serve`: a scheduler's Pin and Unpin calls
+as datagrams on Unix socket pairs (kvdepot.client.pin_lane; PinLane and UnpinLane in
+kvdepot.server.service.job_lane).
 
 Pins over the lane hold blocks exactly as gRPC's do, and Admin counts them; a pin
 the daemon refuses closes the lane and gRPC gives the status; a garbage datagram
 or another session's pin closes that lane only; a frozen daemon times the pin out
 on its deadline and the lane comes back after; with lanes off, pins use gRPC.
+Unpins over their lane drop one pin per key, as gRPC's do, in datagrams of a
+bounded size; a refused one is logged and the lane goes on; a garbage datagram
+closes it, and the keys it could not send come back to the caller (for gRPC).
 """
 
 from __future__ import annotations
@@ -16,9 +20,9 @@ import socket
 import grpc
 import pytest
 
-from kvdepot.client import DepotClient
+from kvdepot.client import DepotClient, pin_lane
 from kvdepot.client.fdpass import send_fd
-from kvdepot.client.pin_lane import PinLane, PinTimeout
+from kvdepot.client.pin_lane import PinLane, PinTimeout, UnpinLane
 from kvdepot.v1 import depot_pb2 as pb
 from tests.support.engine import Engine, Geometry, make_key
 from tests.support.ops import store
@@ -78,13 +82,13 @@ def test_a_refused_pin_closes_the_lane_and_grpc_says_why(daemon, client) -> None
     assert lane.pin(client.session_id, GEO.namespace, keys, 1.0) == [True, True]
 
 
-def raw_pin_lane(client: DepotClient) -> socket.socket:
+def raw_pin_lane(client: DepotClient, kind: int = pb.LANE_PINS) -> socket.socket:
     mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     assert client.hello is not None
     token = send_fd(client.hello.fd_socket, client.session_id, theirs.fileno())
     theirs.close()
     client.stub.OpenJobLane(
-        pb.OpenJobLaneRequest(session_id=client.session_id, fd_token=token, kind=pb.LANE_PINS),
+        pb.OpenJobLaneRequest(session_id=client.session_id, fd_token=token, kind=kind),
         timeout=10,
     )
     mine.settimeout(10)
@@ -168,3 +172,78 @@ def test_an_answer_that_does_not_fit_the_call_drops_the_lane(daemon, client) -> 
         theirs.close()
     assert wait_for(lambda: lane.open, 10)
     assert lane.pin(client.session_id, GEO.namespace, keys, 1.0) == [True, True]
+
+
+# -- unpin lanes ------------------------------------------------------------------------
+
+
+def open_unpin_lane(client: DepotClient) -> UnpinLane:
+    lane = UnpinLane(client)
+    lane.open_soon()
+    assert wait_for(lambda: lane.open, 10), "the unpin lane did not open"
+    return lane
+
+
+def test_unpins_over_the_lane_drop_one_pin_per_key(daemon, client, monkeypatch) -> None:
+    keys = stored_keys(client, 5)
+    # Held twice (two requests loading them) and once: an unpin drops one pin each.
+    assert client.pin(GEO.namespace, keys) == [True] * 5
+    assert client.pin(GEO.namespace, keys[:2]) == [True] * 2
+    lane = open_unpin_lane(client)
+    before = stats(daemon.target)
+    monkeypatch.setattr(pin_lane, "UNPIN_KEYS_PER_DATAGRAM", 2)
+    assert lane.unpin(client.session_id, GEO.namespace, keys) == ()
+    assert lane.lane_unpins == 3  # 2 + 2 + 1 keys
+    assert wait_for(lambda: stats(daemon.target).pinned_blocks == 2, 10)
+    assert lane.unpin(client.session_id, GEO.namespace, keys[:2]) == ()
+    assert wait_for(lambda: stats(daemon.target).pinned_blocks == 0, 10)
+    assert stats(daemon.target).lane_unpins - before.lane_unpins == 4
+
+
+def test_a_refused_unpin_is_logged_and_the_lane_goes_on(daemon, client) -> None:
+    keys = stored_keys(client, 2)
+    assert client.pin(GEO.namespace, keys) == [True, True]
+    lane = open_unpin_lane(client)
+    assert lane.unpin(client.session_id, "no-such-namespace", keys) == ()
+    # The unpin behind the refused one is applied: nothing queued is lost.
+    assert lane.unpin(client.session_id, GEO.namespace, keys) == ()
+    assert wait_for(lambda: stats(daemon.target).pinned_blocks == 0, 10)
+    assert lane.open
+    assert wait_for(lambda: "an unpin of 2 keys was refused" in daemon.log(), 10)
+
+
+@pytest.mark.parametrize("what", ["garbage", "another session"])
+def test_a_bad_unpin_datagram_closes_that_lane_and_the_keys_come_back(
+    daemon, client, what: str
+) -> None:
+    keys = stored_keys(client, 2)
+    assert client.pin(GEO.namespace, keys) == [True, True]
+    bad = raw_pin_lane(client, pb.LANE_UNPINS)
+    if what == "garbage":
+        bad.send(b"\xff\xff\xff not an UnpinRequest")
+    else:
+        bad.send(
+            pb.UnpinRequest(
+                session_id="someone-else", namespace_id=GEO.namespace, keys=keys
+            ).SerializeToString()
+        )
+    assert bad.recv(64) == b""  # closed by the daemon, nothing unpinned
+    bad.close()
+    assert stats(daemon.target).pinned_blocks == 2
+    # A client whose lane the daemon closed gets its keys back, for gRPC.
+    lane = open_unpin_lane(client)
+    inner = lane._lane
+    assert inner is not None
+    inner.sock.shutdown(socket.SHUT_RDWR)
+    assert list(lane.unpin(client.session_id, GEO.namespace, keys)) == keys
+    assert not lane.open
+    client.unpin(GEO.namespace, keys, wait=True)
+    assert stats(daemon.target).pinned_blocks == 0
+
+
+def test_lanes_off_keeps_unpins_on_grpc(daemon, client, monkeypatch) -> None:
+    monkeypatch.setenv("KVDEPOT_JOB_LANE", "0")
+    lane = UnpinLane(client)
+    keys = [make_key(1, 0)]
+    assert lane.unpin(client.session_id, GEO.namespace, keys) == keys
+    assert not lane.open

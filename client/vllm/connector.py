@@ -235,9 +235,10 @@ class KVDepotConnector(OffloadingConnector):
     # -- scheduler side ---------------------------------------------------------------------
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        # Runs every step: one type check, then vLLM's scheduler side directly.
         meta = connector_output.kv_connector_worker_meta
-        if isinstance(meta, KVDepotWorkerMetadata) and meta.failed_load_keys:
+        if type(meta) is KVDepotWorkerMetadata and meta.failed_load_keys:
             manager = self.scheduler.manager
             if isinstance(manager, KVDepotOffloadingManager):
                 manager.note_load_failures(meta.failed_load_keys)
-        super().update_connector_output(connector_output)
+        self.scheduler.update_connector_output(connector_output)

@@ -10,7 +10,8 @@ Contract with vLLM's scheduler (which calls every method from its own thread):
 - `prepare_store` is decided locally (keys not ready and not already being
   stored); the daemon allocates when the copy arrives and may drop it.
 - `complete_load` queues the unpins; a background thread sends them, batched,
-  in one Unpin RPC per batch. `complete_store` is local.
+  on the unpin lane (kvdepot.client.pin_lane, no answer awaited) or in one Unpin
+  RPC per batch. `complete_store` is local.
 - Daemon down: the mirror is empty (every lookup misses), stores are not offered,
   and no call raises.
 - Remote tier (the daemon runs with `--remote`, SessionHello.remote_tier): a key
@@ -50,7 +51,7 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvdepot.client import DepotClient, DepotUnavailable
-from kvdepot.client.pin_lane import PinLane, PinTimeout
+from kvdepot.client.pin_lane import PinLane, PinTimeout, UnpinLane
 from kvdepot.client.vllm.config import DepotSettings
 from kvdepot.client.vllm.namespace import reset_namespace_id
 from kvdepot.client.vllm.transfer_specs import KVDepotLoadSpec, KVDepotStoreSpec
@@ -127,6 +128,7 @@ class KVDepotOffloadingManager(OffloadingManager):
         self._watch_generation = 0
         self._stats = OffloadingConnectorStats()
         self._stats_lock = threading.Lock()
+        self._gauges_sent: tuple[float, float] | None = None  # (connected, mirror keys)
         # Figures for benchmarks and tests (monotonic counters).
         self.pin_latencies: list[float] = []
         self.pin_rpcs = 0
@@ -158,8 +160,10 @@ class KVDepotOffloadingManager(OffloadingManager):
             target=self._prefetch_loop, name="kvdepot-prefetch", daemon=True
         )
         self._prefetch_thread.start()
-        # The step's pins go on a lane when the daemon has one (kvdepot.client.pin_lane).
+        # The step's pins, and the unpin thread's unpins, go on lanes when the daemon
+        # has them (kvdepot.client.pin_lane).
         self._pin_lane = PinLane(client)
+        self._unpin_lane = UnpinLane(client)
         client.add_session_listener(self._on_session)
         client.add_disconnect_listener(self._on_disconnect)
         self._watch = client.watch(namespace_id, self._watch_handler(0))
@@ -212,10 +216,12 @@ class KVDepotOffloadingManager(OffloadingManager):
         # Pins die with the session; never unpin them in the next one.
         self._held = {}
         self._pin_lane.drop()
+        self._unpin_lane.drop()
         self._remote_on = False
 
     def _on_session(self, boot_id: str) -> None:
         self._pin_lane.open_soon()
+        self._unpin_lane.open_soon()
         hello = self._client.hello
         # kvdepot_remote_wait_ms = 0: this engine never waits for the tier, nor asks it.
         self._remote_on = bool(hello is not None and hello.remote_tier) and (
@@ -230,6 +236,11 @@ class KVDepotOffloadingManager(OffloadingManager):
     def pin_lane(self) -> PinLane:
         """The lane the step's pins take when it is open (tests and benchmarks)."""
         return self._pin_lane
+
+    @property
+    def unpin_lane(self) -> UnpinLane:
+        """The lane the unpin thread uses when it is open (tests and benchmarks)."""
+        return self._unpin_lane
 
     @property
     def mirror_size(self) -> int:
@@ -274,7 +285,7 @@ class KVDepotOffloadingManager(OffloadingManager):
     def _prefetch_loop(self) -> None:
         """Sends each step's keys in one Prefetch RPC (off the scheduler thread)."""
         while not self._closed:
-            self._prefetch_wakeup.wait(1.0)
+            self._prefetch_wakeup.wait()  # no timeout, as in _unpin_loop
             self._prefetch_wakeup.clear()
             batch, self._prefetches = self._prefetches, []
             for generation, namespace_id, keys in batch:
@@ -325,7 +336,9 @@ class KVDepotOffloadingManager(OffloadingManager):
 
     def _unpin_loop(self) -> None:
         while not self._closed:
-            self._unpin_wakeup.wait(1.0)
+            # No timeout: a thread that wakes to find nothing still takes the GIL
+            # from the scheduler (shutdown sets the event).
+            self._unpin_wakeup.wait()
             self._unpin_wakeup.clear()
             if not self._unpins:
                 continue
@@ -335,7 +348,9 @@ class KVDepotOffloadingManager(OffloadingManager):
                 by_namespace.setdefault(ns, []).extend(keys)
             for ns, keys in by_namespace.items():
                 try:
-                    self._client.unpin(ns, keys, wait=True, timeout=5.0)
+                    left = self._unpin_lane.unpin(self._client.session_id, ns, keys)
+                    if left:  # no lane (yet), or it could not take them all
+                        self._client.unpin(ns, left, wait=True, timeout=5.0)
                 except (DepotUnavailable, grpc.RpcError, ValueError) as exc:
                     # The daemon drops a session's pins when the session ends.
                     log.debug("kvdepot unpin of %d keys skipped: %s", len(keys), exc)
@@ -470,11 +485,12 @@ class KVDepotOffloadingManager(OffloadingManager):
                 self._quarantine_check = now + 1.0
 
     def take_events(self) -> Iterable[OffloadingEvent]:
-        if self._events is None:
-            return
+        # A plain function, not a generator: vLLM drains it every step.
+        if not self._events:  # events off (None), or none since the last step
+            return ()
         with self._events_lock:
             events, self._events = self._events, []
-        yield from events
+        return events
 
     def has_pending_work(self) -> bool:
         return False
@@ -510,10 +526,20 @@ class KVDepotOffloadingManager(OffloadingManager):
     # -- metrics and shutdown -------------------------------------------------------------
 
     def get_stats(self) -> OffloadingConnectorStats | None:
+        """What happened since the last call, and the gauges when they changed.
+
+        vLLM calls this every step and ships a non-empty answer to its front end;
+        Prometheus keeps a gauge's last value, so an unchanged gauge need not travel,
+        and a quiet decode step reports nothing (None).
+        """
+        gauges = (1.0 if self._client.connected else 0.0, float(len(self._ready)))
         with self._stats_lock:
+            if gauges == self._gauges_sent and self._stats.is_empty():
+                return None
             stats, self._stats = self._stats, OffloadingConnectorStats()
-        stats.set_gauge(MetricName.CONNECTED, 1.0 if self._client.connected else 0.0)
-        stats.set_gauge(MetricName.MIRROR_KEYS, float(len(self._ready)))
+        self._gauges_sent = gauges
+        stats.set_gauge(MetricName.CONNECTED, gauges[0])
+        stats.set_gauge(MetricName.MIRROR_KEYS, gauges[1])
         return stats
 
     def config_info(self) -> Sequence[Mapping[str, object]]:
@@ -537,4 +563,5 @@ class KVDepotOffloadingManager(OffloadingManager):
         finally:
             # Ending the session releases our pins in the daemon.
             self._pin_lane.drop()
+            self._unpin_lane.drop()
             self._client.close()

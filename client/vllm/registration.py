@@ -141,7 +141,9 @@ class Registrar:
 
     def _loop(self) -> None:
         while not self._closed.is_set():
-            self._now.wait(0.5 if self.suspended else 1.0)
+            # Woken by want(), suspend(), a new session or a retry timer; only a
+            # suspended rank polls (an idle wake would take the GIL from the engine).
+            self._now.wait(0.5 if self.suspended else None)
             self._now.clear()
             if self._closed.is_set():
                 return

@@ -25,7 +25,10 @@ Contract, per lane:
 A pin lane (kind LANE_PINS, `PinLane`) is the same socket carrying Pin calls: a
 scheduler pins its step's loads there, because a unary gRPC call costs a few
 tenths of a millisecond warm and over a millisecond more after a quiet spell
-(gRPC's threads on both sides wake up), while the step waits.
+(gRPC's threads on both sides wake up), while the step waits. An unpin lane
+(LANE_UNPINS, `UnpinLane`) carries the same scheduler's unpins, unanswered: over
+gRPC the client's unpin thread took the GIL from the scheduler for about a
+millisecond after every step that finished loads.
 """
 
 from __future__ import annotations
@@ -100,6 +103,8 @@ def leading_job_id(data: bytes) -> int | None:
 
 class JobLane:
     """One attached lane (see the module docstring). Lives on the event loop."""
+
+    noun = "job"  # in log lines
 
     def __init__(
         self,
@@ -302,6 +307,8 @@ class PinLane(JobLane):
     another session, or one the daemon refuses, closes the lane: the client then
     asks over gRPC's Pin, whose status says why."""
 
+    noun = "pin"
+
     def _take(self, data: bytes) -> None:
         try:
             req = pb.PinRequest.FromString(data)
@@ -316,6 +323,43 @@ class PinLane(JobLane):
         self._send(pb.PinResponse(pinned=pinned).SerializeToString())
 
 
+class UnpinLane(JobLane):
+    """A lane of Unpin calls: UnpinRequest datagrams in, applied on the loop in
+    order, nothing out (the client's unpin thread never waits). An unpin the daemon
+    refuses (a namespace it no longer has, say) is logged and the lane goes on, so
+    that the unpins queued behind it are not lost; a datagram that is not an
+    UnpinRequest of the lane's session closes the lane."""
+
+    noun = "unpin"
+
+    def _take(self, data: bytes) -> None:
+        try:
+            req = pb.UnpinRequest.FromString(data)
+        except Exception as exc:  # DecodeError
+            self.close(f"a datagram is not an UnpinRequest ({exc})")
+            return
+        if req.session_id != self.session_id:
+            self.close("an unpin lane unpins for its own session only")
+            return
+        try:
+            self.lanes.state.unpin(self.session_id, req.namespace_id, list(req.keys))
+        except Exception as exc:
+            refusal = errors.as_depot_error(exc)
+            if refusal is None:  # a bug: the lane cannot be trusted to go on
+                log.exception("unpin lane %d failed", self.id)
+                self.close(f"an unpin failed ({exc}); the client unpins over gRPC")
+                return
+            log.warning(
+                "unpin lane %d of session %s: an unpin of %d keys was refused (%s)",
+                self.id,
+                self.session_id,
+                len(req.keys),
+                refusal.message,
+            )
+            return
+        self.lanes.lane_unpins += 1
+
+
 class JobLanes:
     """Every open lane of the daemon, by session; the figures Admin shows."""
 
@@ -327,13 +371,16 @@ class JobLanes:
         self._lanes: dict[int, JobLane] = {}
         self.lane_jobs = 0  # jobs that came by a lane, since start
         self.lane_pins = 0  # pin calls that came by a pin lane, since start
+        self.lane_unpins = 0  # unpin calls that came by an unpin lane, since start
 
     def open(self, session_id: str, fd_token: str, kind: int = pb.LANE_TRANSFER_JOBS) -> JobLane:
         """Attaches the socket behind `fd_token` as a lane of `kind` (a LaneKind);
         raises a DepotError with why not."""
-        if kind not in (pb.LANE_TRANSFER_JOBS, pb.LANE_PINS):
+        cls = _LANE_CLASSES.get(kind)
+        if cls is None:
             raise errors.invalid(
-                f"unknown lane kind {kind}: LANE_TRANSFER_JOBS (0) or LANE_PINS (1)"
+                f"unknown lane kind {kind}: LANE_TRANSFER_JOBS (0), LANE_PINS (1) or "
+                f"LANE_UNPINS (2)"
             )
         st = self.state
         if st.shutting_down:
@@ -363,16 +410,10 @@ class JobLanes:
                 "the job lane's fd must be one end of socketpair(AF_UNIX, SOCK_SEQPACKET)"
             )
         sock.setblocking(False)
-        cls = PinLane if kind == pb.LANE_PINS else JobLane
         lane = cls(self, next(self._ids), session_id, sock, self._answer, self._max_unread)
         self._lanes[lane.id] = lane
         lane.start()
-        log.info(
-            "%s lane %d of session %s open",
-            "pin" if kind == pb.LANE_PINS else "job",
-            lane.id,
-            session_id,
-        )
+        log.info("%s lane %d of session %s open", cls.noun, lane.id, session_id)
         return lane
 
     def forget(self, lane: JobLane) -> None:
@@ -400,4 +441,12 @@ class JobLanes:
             "job_lanes_open": len(self._lanes),
             "lane_jobs": self.lane_jobs,
             "lane_pins": self.lane_pins,
+            "lane_unpins": self.lane_unpins,
         }
+
+
+_LANE_CLASSES: dict[int, type[JobLane]] = {
+    pb.LANE_TRANSFER_JOBS: JobLane,
+    pb.LANE_PINS: PinLane,
+    pb.LANE_UNPINS: UnpinLane,
+}

@@ -39,6 +39,8 @@ def test_quick_connector_bench_reports_every_setup_per_round() -> None:
     # the pin lane, not over gRPC.
     assert result["kvdepot_pin_rpcs_in_steps"] == 2
     assert result["kvdepot_lane_pins_in_steps"] == 2
+    # The loads' unpins went on the unpin lane (at least one datagram per round).
+    assert result["kvdepot_lane_unpins_in_steps"] >= 2
     assert set(result["pin"]) == {f"{n}_keys_{p}" for n in (16, 1024) for p in ("lane", "gRPC")}
     assert result["lookup_us"]["kvdepot"] > 0 and result["lookup_us"]["vllm_cpu"] > 0
     assert "kvdepot <= vLLM CPU, admission" in proc.stdout

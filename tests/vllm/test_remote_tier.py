@@ -46,6 +46,10 @@ def remote_writes(engine: SyntheticEngine) -> int:
     return engine.manager._client.admin.GetStats(admin_pb2.GetStatsRequest()).remote_writes
 
 
+def remote_healthy(engine: SyntheticEngine) -> bool:
+    return engine.manager._client.admin.GetStats(admin_pb2.GetStatsRequest()).remote_healthy
+
+
 def test_request_on_node_b_loads_what_node_a_computed(two_nodes, make_engine) -> None:
     a, b = two_nodes
     engine_a = run_engine_process(a.target, prompt_seed=9)
@@ -154,6 +158,9 @@ def test_a_stalled_store_costs_a_recompute_and_the_tier_comes_back(
     engine_a.wait_until(
         lambda: remote_writes(engine_a) >= len(keys), timeout=30, what="A's writes after the thaw"
     )
+    # Node B's daemon found the tier down during the stall; it probes it again with
+    # a back-off (up to seconds), and asks it for nothing meanwhile.
+    engine_b.wait_until(lambda: remote_healthy(engine_b), timeout=30, what="B's tier back up")
     [rec] = engine_b.generate([prompt])
     assert rec.external_tokens == 96
     n = len(keys)

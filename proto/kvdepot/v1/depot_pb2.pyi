@@ -17,11 +17,13 @@ class LaneKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     LANE_TRANSFER_JOBS: _ClassVar[LaneKind]
     LANE_PINS: _ClassVar[LaneKind]
+    LANE_UNPINS: _ClassVar[LaneKind]
 DIRECTION_UNSPECIFIED: Direction
 STORE: Direction
 LOAD: Direction
 LANE_TRANSFER_JOBS: LaneKind
 LANE_PINS: LaneKind
+LANE_UNPINS: LaneKind
 
 class SessionRequest(_message.Message):
     __slots__ = ("client_name", "pid", "engine_id")

@@ -173,6 +173,10 @@ class DepotServicer:
         client sends is one serialized PinRequest of the lane's session, answered
         at once by one serialized PinResponse (in order). A pin the daemon refuses
         closes the lane; the client then asks over Pin, which says why.
+        A lane of kind LANE_UNPINS carries Unpin calls: each datagram is one
+        serialized UnpinRequest of the lane's session, applied in order and not
+        answered. An unpin the daemon refuses is logged and the lane goes on; a
+        datagram that is not an UnpinRequest of the lane's session closes it.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
