@@ -184,18 +184,23 @@ class UnpinLane(SessionLane):
 
     def unpin(self, session_id: str, namespace_id: str, keys: Sequence[bytes]) -> Sequence[bytes]:
         """Sends the unpins without waiting for an answer, in datagrams of at most
-        `UNPIN_KEYS_PER_DATAGRAM` keys. Returns the keys that did not go (none when
-        all went): unpin those over gRPC, and only those (a key unpinned twice would
-        drop another request's pin)."""
+        `UNPIN_KEYS_PER_DATAGRAM` keys (fewer if the daemon's call limit is lower).
+        Returns the keys that did not go (none when all went): unpin those over
+        gRPC, and only those (a key unpinned twice would drop another request's pin)."""
         lane = self._lane
         if lane is None or self._lane_session != session_id:
             self.open_soon()
             return keys
-        for start in range(0, len(keys), UNPIN_KEYS_PER_DATAGRAM):
+        per_datagram = UNPIN_KEYS_PER_DATAGRAM
+        hello = self._client.hello
+        if hello is not None and hello.max_job_keys:
+            # The daemon refuses a call of more than 16 jobs' keys.
+            per_datagram = min(per_datagram, hello.max_job_keys * 16)
+        for start in range(0, len(keys), per_datagram):
             data = depot_pb2.UnpinRequest(
                 session_id=session_id,
                 namespace_id=namespace_id,
-                keys=keys[start : start + UNPIN_KEYS_PER_DATAGRAM],
+                keys=keys[start : start + per_datagram],
             ).SerializeToString()
             try:
                 sent = lane.send(data)

@@ -82,7 +82,7 @@ def test_a_refused_pin_closes_the_lane_and_grpc_says_why(daemon, client) -> None
     assert lane.pin(client.session_id, GEO.namespace, keys, 1.0) == [True, True]
 
 
-def raw_pin_lane(client: DepotClient, kind: int = pb.LANE_PINS) -> socket.socket:
+def raw_lane(client: DepotClient, kind: int = pb.LANE_PINS) -> socket.socket:
     mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     assert client.hello is not None
     token = send_fd(client.hello.fd_socket, client.session_id, theirs.fileno())
@@ -99,7 +99,7 @@ def raw_pin_lane(client: DepotClient, kind: int = pb.LANE_PINS) -> socket.socket
 def test_bad_datagrams_close_that_lane_only(daemon, client, what: str) -> None:
     keys = stored_keys(client, 2)
     good = open_lane(client)
-    bad = raw_pin_lane(client)
+    bad = raw_lane(client)
     if what == "garbage":
         bad.send(b"\xff\xff\xff not a PinRequest")
     else:
@@ -218,7 +218,7 @@ def test_a_bad_unpin_datagram_closes_that_lane_and_the_keys_come_back(
 ) -> None:
     keys = stored_keys(client, 2)
     assert client.pin(GEO.namespace, keys) == [True, True]
-    bad = raw_pin_lane(client, pb.LANE_UNPINS)
+    bad = raw_lane(client, pb.LANE_UNPINS)
     if what == "garbage":
         bad.send(b"\xff\xff\xff not an UnpinRequest")
     else:
