@@ -18,7 +18,8 @@ Contract:
   and, off the loop thread, waits until it has unwound.
 - Callbacks a task makes run on the loop thread, shared by every client of the
   process: they must be short and must never wait for the loop (a blocking call on
-  a sync channel is fine).
+  a sync channel is fine; so are `open_channel` and `start`, which do not wait
+  there).
 """
 
 from __future__ import annotations
@@ -69,6 +70,9 @@ class StreamLoop:
         return asyncio.run_coroutine_threadsafe(coro, self._loop)
 
     def open_channel(self, target: str, options: Sequence[tuple[str, Any]]) -> grpc.aio.Channel:
+        if self.on_loop_thread:  # a callback starting a client: waiting would deadlock
+            return grpc.aio.insecure_channel(target, options=list(options))
+
         async def make() -> grpc.aio.Channel:
             return grpc.aio.insecure_channel(target, options=list(options))
 

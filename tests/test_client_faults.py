@@ -80,3 +80,30 @@ def test_abort_fails_jobs_in_flight_and_the_stream_reopens(daemon) -> None:
     res = eng.job(pb.STORE, keys, blocks, idx)
     assert res.success and res.stored_keys + res.present_keys == 8
     c.close()
+
+
+def test_a_session_listener_may_start_another_client_and_watch(daemon) -> None:
+    """Listeners run on the process's stream loop; starting a client (or a watch)
+    there must not wait for that same loop."""
+    outer = DepotClient(daemon.target)
+    inner: list[DepotClient] = []
+    events: list[pb.WatchEvent] = []
+
+    def on_session(boot_id: str) -> None:
+        if not inner:
+            c = DepotClient(daemon.target).start()
+            inner.append(c)
+            c.watch("nowhere-yet", events.append)
+
+    outer.add_session_listener(on_session)
+    outer.start()
+    try:
+        assert wait_for(lambda: bool(inner) and inner[0].connected, 10)
+        # The watch's first event: the daemon's snapshot, even of a namespace no
+        # engine has declared yet.
+        assert wait_for(lambda: bool(events), 10)
+        assert outer.connected
+    finally:
+        for c in inner:
+            c.close()
+        outer.close()
