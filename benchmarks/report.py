@@ -346,6 +346,15 @@ def _connector_summary(conn: dict[str, Any]) -> str:
         parts.append(
             f"vLLM CPU manager +{theirs['decode_step']:.3f} ms, +{theirs['admission_step']:.3f} ms"
         )
+    steps = conn.get("step_ms") or {}
+    if "decode_in_connector_ms" in steps.get("kvdepot", {}) and "vllm_cpu" in steps:
+        mine, vllm = steps["kvdepot"], steps["vllm_cpu"]
+        parts.append(
+            "inside the connector's methods "
+            f"{mine['decode_in_connector_ms']:.3f} ms (decode), "
+            f"{mine['admission_in_connector_ms']:.3f} ms (admission); vLLM CPU "
+            f"{vllm['decode_in_connector_ms']:.3f} ms, {vllm['admission_in_connector_ms']:.3f} ms"
+        )
     return "; ".join(parts) or "measured (see --json)"
 
 

@@ -111,30 +111,55 @@ class DepotClient:
         self._session_task: asyncio.Task[None] | None = None
         self._stream_tasks: set[asyncio.Task[None]] = set()
         self._start_lock = threading.Lock()
+        self._session_starting = False
         self.sessions_opened = 0
 
     # -- session ---------------------------------------------------------------------
 
     def start(self) -> DepotClient:
         with self._start_lock:
-            if self._session_task is None and not self._closed.is_set():
-                self._session_task = self._start_stream(self._session_loop())
+            if self._session_task is not None or self._session_starting or self._closed.is_set():
+                return self
+            self._session_starting = True
+        try:
+            task = self._start_stream(self._session_loop())
+        except DepotUnavailable:  # closed meanwhile
+            task = None
+        with self._start_lock:
+            self._session_starting = False
+            if not self._closed.is_set():
+                self._session_task = task
         return self
 
     def _start_stream(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
         """Runs `coro` on the stream loop, with the stream channel opened first if
-        need be. Called with `_start_lock` held."""
-        if self._closed.is_set():
-            coro.close()
-            raise DepotUnavailable("this client is closed")
+        need be. `_start_lock` is never held while this waits for the loop: a session
+        listener runs on the loop, and may start a stream of this client too."""
         streams = StreamLoop.shared()
-        if self._stream_channel is None:
-            self._stream_channel = streams.open_channel(self.target, _STREAM_CHANNEL_OPTIONS)
-            self._stream_stub = depot_pb2_grpc.DepotStub(self._stream_channel)
-            self._session_ready = asyncio.Event()
+        with self._start_lock:
+            need_channel = self._stream_channel is None and not self._closed.is_set()
+        if need_channel:
+            channel: grpc.aio.Channel | None = streams.open_channel(
+                self.target, _STREAM_CHANNEL_OPTIONS
+            )
+            with self._start_lock:
+                if self._stream_channel is None and not self._closed.is_set():
+                    self._stream_channel, channel = channel, None
+                    self._stream_stub = depot_pb2_grpc.DepotStub(self._stream_channel)
+                    self._session_ready = asyncio.Event()
+            if channel is not None:  # another thread's won, or the client closed meanwhile
+                streams.close_channel(channel, ())
+        with self._start_lock:
+            if self._closed.is_set():
+                coro.close()
+                raise DepotUnavailable("this client is closed")
         task = streams.start(coro)
-        self._stream_tasks.add(task)
-        return task
+        with self._start_lock:
+            if not self._closed.is_set():
+                self._stream_tasks.add(task)
+                return task
+        streams.stop(task)  # close() came while the task was being made
+        raise DepotUnavailable("this client is closed")
 
     def _stop_stream(self, task: asyncio.Task[None]) -> None:
         with self._start_lock:
@@ -400,8 +425,7 @@ class Watch:
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> Watch:
-        with self.client._start_lock:
-            self._task = self.client._start_stream(self._run())
+        self._task = self.client._start_stream(self._run())
         return self
 
     async def _run(self) -> None:

@@ -13,7 +13,10 @@ or the lane broke or was closed by a daemon that refused the pin. The caller
 then pins over gRPC, whose status says why a pin was refused. A pin that
 times out on the lane raises `PinTimeout`, and the lane is dropped (a late
 answer must never be read as the next call's) and reopened in the background.
-KVDEPOT_JOB_LANE=0 keeps pins on gRPC too.
+KVDEPOT_JOB_LANE=0 keeps pins on gRPC too. Pins may also be pipelined: the
+scheduler `send`s its step's loads in parts as vLLM prepares them, so that the
+daemon pins while the step goes on, and reads every answer at the step's end
+(`answers`).
 
 `UnpinLane.unpin` sends a batch of unpins (kind LANE_UNPINS) without waiting for
 an answer. The scheduler's unpin thread uses it: a gRPC Unpin call kept that
@@ -123,8 +126,9 @@ class SessionLane:
 
 
 class PinLane(SessionLane):
-    """The pin lane of one DepotClient. `pin` is called from one thread at a time
-    (vLLM's scheduler thread)."""
+    """The pin lane of one DepotClient, used from one thread at a time (vLLM's
+    scheduler thread). Pins may be pipelined: `send` several calls, then read all
+    their answers with one `answers`; `pin` is one call and its answer."""
 
     kind = depot_pb2.LANE_PINS
     noun = "pin"
@@ -132,43 +136,85 @@ class PinLane(SessionLane):
     def __init__(self, client: DepotClient, retry_s: float = 5.0) -> None:
         super().__init__(client, retry_s)
         self.lane_pins = 0  # pins answered on the lane (tests, benchmarks)
+        # Calls sent and not answered yet: the lane they went on, their key counts.
+        self._sent_on: ClientLane | None = None
+        self._unanswered: list[int] = []
 
-    def pin(
-        self, session_id: str, namespace_id: str, keys: Sequence[bytes], timeout: float
-    ) -> list[bool] | None:
-        """Per key, whether it was pinned; None: ask over gRPC instead."""
+    def send(self, session_id: str, namespace_id: str, keys: Sequence[bytes]) -> bool:
+        """Sends one pin call and returns at once; the next `answers` reads its answer.
+        False: it did not go (no lane for this session, a call too large for a
+        datagram, answers still owed on an earlier lane, a broken lane): pin those
+        keys over gRPC."""
         lane = self._lane
         if lane is None or self._lane_session != session_id:
             self.open_soon()
-            return None
+            return False
+        if self._unanswered and lane is not self._sent_on:
+            return False
         data = depot_pb2.PinRequest(
             session_id=session_id, namespace_id=namespace_id, keys=keys
         ).SerializeToString()
         if len(data) > lane.max_job_bytes:
-            return None
+            return False
         try:
-            lane.sock.settimeout(timeout)
+            # Never blocks: the step's only wait is for the answers, under its deadline.
+            lane.sock.settimeout(0.0)
             lane.sock.send(data)
-            # A PinResponse is one byte per key (packed bools) and a few of framing.
-            reply = lane.sock.recv(len(keys) + 64)
-        except TimeoutError:
-            self._broken(lane)
-            raise PinTimeout(f"no answer on the pin lane within {timeout * 1e3:.0f} ms") from None
+        except BlockingIOError:  # the daemon is behind on this lane: gRPC, this once
+            return False
         except OSError:
             self._broken(lane)
-            return None
-        if not reply:  # the daemon closed the lane: it refused this pin
-            self._broken(lane)
-            return None
-        try:
-            pinned = list(depot_pb2.PinResponse.FromString(reply).pinned)
-        except Exception:  # DecodeError: never let it reach vLLM's scheduler
-            pinned = []
-        if len(pinned) != len(keys):  # not this call's answer: trust the lane no more
-            self._broken(lane)
-            return None
-        self.lane_pins += 1
+            return False
+        self._sent_on = lane
+        self._unanswered.append(len(keys))
+        return True
+
+    def answers(self, timeout: float) -> list[bool]:
+        """Per key of the calls sent since the last `answers`, in the order sent,
+        whether it was pinned. Fewer keys than were sent when the lane could not
+        answer them all (the daemon refused a call and closed the lane, dropping the
+        calls behind it; or the lane broke): the daemon did not pin the rest, so pin
+        those over gRPC. Raises `PinTimeout` when the answers are not all in within
+        `timeout` seconds, and drops the lane (a late answer must never be read as a
+        later call's)."""
+        lane, counts = self._sent_on, self._unanswered
+        self._sent_on, self._unanswered = None, []
+        pinned: list[bool] = []
+        if lane is None:
+            return pinned
+        deadline = time.monotonic() + timeout
+        for n in counts:
+            try:
+                lane.sock.settimeout(max(deadline - time.monotonic(), 1e-6))
+                # A PinResponse is one byte per key (packed bools) and a few of framing.
+                reply = lane.sock.recv(n + 64)
+            except TimeoutError:
+                self._broken(lane)
+                raise PinTimeout(
+                    f"no answer on the pin lane within {timeout * 1e3:.0f} ms"
+                ) from None
+            except OSError:
+                reply = b""
+            try:
+                got = list(depot_pb2.PinResponse.FromString(reply).pinned) if reply else []
+            except Exception:  # DecodeError: never let it reach vLLM's scheduler
+                got = []
+            if len(got) != n:  # closed, broken, or not this call's answer: trust it no more
+                self._broken(lane)
+                return pinned
+            pinned += got
+            self.lane_pins += 1
         return pinned
+
+    def pin(
+        self, session_id: str, namespace_id: str, keys: Sequence[bytes], timeout: float
+    ) -> list[bool] | None:
+        """Per key, whether it was pinned; None: ask over gRPC instead. Not for use
+        while calls sent with `send` wait for their answers."""
+        if self._unanswered or not self.send(session_id, namespace_id, keys):
+            return None
+        pinned = self.answers(timeout)
+        return pinned if len(pinned) == len(keys) else None
 
 
 class UnpinLane(SessionLane):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 
 import pytest
@@ -107,3 +108,36 @@ def test_a_session_listener_may_start_another_client_and_watch(daemon) -> None:
         for c in inner:
             c.close()
         outer.close()
+
+
+def test_a_session_listener_may_watch_while_another_thread_starts_a_watch(daemon) -> None:
+    """A thread starting a watch waits for the stream loop; a session listener, on that
+    loop, starting a watch on the same client meanwhile must not wait for that thread."""
+    client = DepotClient(daemon.target)
+    in_listener, thread_started = threading.Event(), threading.Event()
+    events: dict[str, list[pb.WatchEvent]] = {"listener": [], "thread": []}
+
+    def on_session(boot_id: str) -> None:
+        if in_listener.is_set():
+            return
+        in_listener.set()
+        thread_started.wait(10)
+        time.sleep(0.3)  # the thread is now waiting for this loop
+        client.watch("from-listener", events["listener"].append)
+
+    def start_watch() -> None:
+        in_listener.wait(10)
+        thread_started.set()
+        client.watch("from-thread", events["thread"].append)
+
+    client.add_session_listener(on_session)
+    thread = threading.Thread(target=start_watch, daemon=True)
+    thread.start()
+    client.start()
+    try:
+        thread.join(10)
+        assert not thread.is_alive(), "the thread's watch waits for a loop that waits for it"
+        assert wait_for(lambda: all(events.values()), 10)  # both snapshots came
+        assert client.connected
+    finally:
+        client.close()

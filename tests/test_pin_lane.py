@@ -247,3 +247,22 @@ def test_lanes_off_keeps_unpins_on_grpc(daemon, client, monkeypatch) -> None:
     keys = [make_key(1, 0)]
     assert lane.unpin(client.session_id, GEO.namespace, keys) == keys
     assert not lane.open
+
+
+def test_pipelined_pins_stop_at_a_refused_one_and_the_rest_go_over_grpc(daemon, client) -> None:
+    """Pins sent one after another are answered in order; when the daemon refuses one
+    it closes the lane and pins none of the calls behind it: `answers` gives the keys
+    answered before it, and those after it may be pinned over gRPC without doubling."""
+    keys = stored_keys(client, 4)
+    lane = open_lane(client)
+    sid = client.session_id
+    assert lane.send(sid, GEO.namespace, keys[:2])
+    assert lane.send(sid, "no-such-namespace", keys[2:3])
+    assert lane.send(sid, GEO.namespace, keys[3:])
+    assert lane.answers(1.0) == [True, True]
+    assert not lane.open
+    assert stats(daemon.target).pinned_blocks == 2  # the call behind the refused one: not pinned
+    assert client.pin(GEO.namespace, keys[3:]) == [True]
+    client.unpin(GEO.namespace, [*keys[:2], keys[3]], wait=True)
+    assert stats(daemon.target).pinned_blocks == 0
+    assert lane.answers(1.0) == []  # nothing owed

@@ -3,9 +3,11 @@
 Contract with vLLM's scheduler (which calls every method from its own thread):
 - `lookup` never touches the network: it answers from a local mirror of the
   namespace's ready keys, fed by the daemon's Watch stream on a background thread.
-- `prepare_load` only records the keys; `on_schedule_end` pins every key loaded in
-  the step with ONE pin call (on the pin lane, kvdepot.client.pin_lane, else a
-  Pin RPC) under `kvdepot_pin_timeout_ms`. That is the only
+- `prepare_load` records the keys, and once `EARLY_PIN_KEYS` of them are waiting,
+  sends them as a pin call on the pin lane without waiting (kvdepot.client.pin_lane):
+  the daemon pins them while the scheduler prepares the step's other requests.
+  `on_schedule_end` sends the rest and waits for every answer (keys the lane could
+  not pin go in one Pin RPC), under `kvdepot_pin_timeout_ms`. That is the only
   network wait a scheduler step can have, and it happens only in steps with hits.
 - `prepare_store` is decided locally (keys not ready and not already being
   stored); the daemon allocates when the copy arrives and may drop it.
@@ -25,6 +27,7 @@ Contract with vLLM's scheduler (which calls every method from its own thread):
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -66,6 +69,10 @@ _ABSENT = depot_pb2.PrefetchResponse.ABSENT
 # A key the remote tier lacked (or gave up on) is not asked for again this long:
 # it is recomputed here and stored in this node's pool meanwhile.
 NO_REMOTE_S = 10.0
+# A step's loads go to the pin lane in parts of about this many keys as vLLM
+# prepares them (a 1024-key pin takes the daemon about 0.6 ms; parts let it work
+# while the scheduler goes on), so that the step's end waits for the last part only.
+EARLY_PIN_KEYS = 256
 _SNAPSHOT = depot_pb2.WatchEvent.SNAPSHOT
 _SNAPSHOT_END = depot_pb2.WatchEvent.SNAPSHOT_END
 _STORED = depot_pb2.WatchEvent.STORED
@@ -115,8 +122,13 @@ class KVDepotOffloadingManager(OffloadingManager):
         self._quarantine_check = 0.0
         # Keys offered for store whose job has not completed.
         self._storing: set[bytes] = set()
-        # This step's loads, (request id, keys) per prepare_load, pinned at on_schedule_end.
+        # This step's loads, (request id, keys) per prepare_load, pinned by
+        # on_schedule_end; how many of their keys went early on the pin lane, and how
+        # many wait to go.
         self._step_loads: list[tuple[str, list[bytes]]] = []
+        self._loads_sent = 0
+        self._keys_sent = 0
+        self._keys_waiting = 0
         # The keys pinned for each request's load, unpinned by its complete_load
         # (vLLM runs at most one load per request at a time, and completes it with
         # the keys it prepared). Per request, not per key: no per-key bookkeeping in
@@ -324,7 +336,24 @@ class KVDepotOffloadingManager(OffloadingManager):
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
         keys = list(keys)
         self._step_loads.append((req_context.req_id, keys))
+        self._keys_waiting += len(keys)
+        if self._keys_waiting >= EARLY_PIN_KEYS:
+            self._send_early_pins()
         return KVDepotLoadSpec(self.namespace_id, keys)
+
+    def _send_early_pins(self) -> None:
+        """Sends the step's keys not sent yet as one pin call on the lane, answered at
+        the step's end. Keys that cannot go now are pinned there."""
+        loads = self._step_loads
+        keys = [k for _, request_keys in loads[self._loads_sent :] for k in request_keys]
+        self._keys_waiting = 0
+        try:
+            sent = self._pin_lane.send(self._client.session_id, self.namespace_id, keys)
+        except DepotUnavailable:
+            sent = False
+        if sent:
+            self._loads_sent = len(loads)
+            self._keys_sent += len(keys)
 
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         held = self._held.pop(req_context.req_id, None)
@@ -369,24 +398,31 @@ class KVDepotOffloadingManager(OffloadingManager):
             with self._stats_lock:
                 self._stats.increase_counter(MetricName.LOAD_FAILURES, n)
 
-    def _pin(self, keys: list[bytes]) -> list[bool]:
-        """One pin call: on the pin lane, or over gRPC when the lane cannot answer."""
+    def _pin(self, keys: list[bytes], sent: int) -> list[bool]:
+        """Pins `keys`, of which the first `sent` went early on the pin lane: the rest
+        go on the lane too, and whatever the lane does not answer goes over gRPC."""
         timeout = self._settings.pin_timeout_s
-        session_id = self._client.session_id
-        pinned = self._pin_lane.pin(session_id, self.namespace_id, keys, timeout)
-        if pinned is None:
-            pinned = self._client.pin(self.namespace_id, keys, timeout=timeout)
+        lane = self._pin_lane
+        if sent < len(keys):
+            with contextlib.suppress(DepotUnavailable):  # then gRPC's pin says so
+                lane.send(self._client.session_id, self.namespace_id, keys[sent:])
+        # Always read what was sent, so that no answer is left for the next step.
+        pinned = lane.answers(timeout)
+        if len(pinned) < len(keys):
+            pinned += self._client.pin(self.namespace_id, keys[len(pinned) :], timeout=timeout)
         return pinned
 
     def _pin_step_loads(self) -> None:
-        """One pin call for every key this step loads, under the pin deadline."""
+        """Pins every key this step loads, under the pin deadline."""
         loads, self._step_loads = self._step_loads, []
+        sent, self._keys_sent = self._keys_sent, 0
+        self._loads_sent = self._keys_waiting = 0
         keys = [k for _, request_keys in loads for k in request_keys]
         if not keys:
             return
         start = time.perf_counter()
         try:
-            pinned = self._pin(keys)
+            pinned = self._pin(keys, sent)
         except (DepotUnavailable, grpc.RpcError, PinTimeout) as exc:
             # The loads go ahead unpinned: a key evicted meanwhile fails its load,
             # which vLLM recomputes. Never worse than a miss.

@@ -490,3 +490,48 @@ def test_requests_loading_the_same_keys_each_hold_their_own_pins(daemon, make_en
     assert pinned_blocks() == 1
     manager.complete_load([ghost, keys[0]], first)
     wait_pinned(0)
+
+
+def test_a_steps_pins_go_early_in_parts_and_end_the_step_pinned(
+    daemon, make_engine, monkeypatch
+) -> None:
+    """A step with many loads sends them to the pin lane in parts while vLLM prepares
+    them: the daemon has pinned the first parts before the step ends, the step's end
+    collects every answer (one pin per step still), each request holds its own keys,
+    and completed loads leave nothing pinned."""
+    from vllm.v1.kv_offload.base import ReqContext
+
+    from kvdepot.client.vllm import manager as manager_module
+    from kvdepot.v1 import admin_pb2, admin_pb2_grpc
+
+    monkeypatch.setattr(manager_module, "EARLY_PIN_KEYS", 4)
+    engine = make_engine(
+        socket=daemon.target, num_gpu_blocks=64, extra_config={"kvdepot_pin_timeout_ms": 10_000}
+    )
+    engine.wait_registered()
+    prompt = prompt_for(23, 150)
+    engine.generate([prompt])
+    keys = engine.offload_keys(prompt)  # 9
+    engine.wait_ready(keys)
+    manager = engine.manager
+    lane = manager.pin_lane
+    engine.wait_until(lambda: lane.open, what="the pin lane")
+    stub = admin_pb2_grpc.AdminStub(daemon.channel())
+
+    def pinned_blocks() -> int:
+        return stub.GetStats(admin_pb2.GetStatsRequest()).pinned_blocks
+
+    sent_before, rpcs_before = lane.lane_pins, manager.pin_rpcs
+    parts = {"a": keys[:3], "b": keys[3:6], "c": keys[6:8], "d": keys[8:]}
+    for req_id, request_keys in parts.items():
+        manager.prepare_load(request_keys, ReqContext(req_id=req_id))
+    # "a"+"b" went as one part (6 >= 4), "c"+"d" (3) wait for the step's end; the
+    # daemon pins the first part meanwhile.
+    engine.wait_until(lambda: pinned_blocks() == 6, what="the first part pinned early")
+    manager.on_schedule_end(None)  # type: ignore[arg-type]
+    assert pinned_blocks() == 9
+    assert lane.lane_pins - sent_before == 2  # two datagrams answered
+    assert manager.pin_rpcs - rpcs_before == 1  # still one pin per step
+    for req_id, request_keys in parts.items():
+        manager.complete_load(request_keys, ReqContext(req_id=req_id))
+    engine.wait_until(lambda: pinned_blocks() == 0, what="every pin dropped")

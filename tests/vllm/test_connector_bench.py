@@ -35,12 +35,19 @@ def test_quick_connector_bench_reports_every_setup_per_round() -> None:
     for name in ("kvdepot", "vllm_cpu"):
         assert len(result["added_rounds"][name]) == 2
         assert set(result["added_ms"][name]) == {"admission_step", "decode_step"}
-    # One pin call in each round's admission step, none in the decode steps; each on
-    # the pin lane, not over gRPC.
+        # The time inside the connector's methods is measured, and only where there is one.
+        timed = result["step_rounds"][name]
+        assert all(r["admission_in_connector_ms"] > 0 < r["decode_in_connector_ms"] for r in timed)
+    assert all(r["decode_in_connector_ms"] == 0 for r in result["step_rounds"]["none"])
+    # One pin per round's admission step, none in the decode steps; all of it on the
+    # pin lane, not over gRPC, in parts sent while vLLM prepared the loads.
+    cfg = result["config"]
+    keys = cfg["requests"] * cfg["hit_tokens"] // cfg["block_size"]
     assert result["kvdepot_pin_rpcs_in_steps"] == 2
-    assert result["kvdepot_lane_pins_in_steps"] == 2
+    assert result["kvdepot_lane_pins_in_steps"] == 2 * -(-keys // cfg["early_pin_keys"])
     # The loads' unpins went on the unpin lane (at least one datagram per round).
     assert result["kvdepot_lane_unpins_in_steps"] >= 2
     assert set(result["pin"]) == {f"{n}_keys_{p}" for n in (16, 1024) for p in ("lane", "gRPC")}
     assert result["lookup_us"]["kvdepot"] > 0 and result["lookup_us"]["vllm_cpu"] > 0
     assert "kvdepot <= vLLM CPU, admission" in proc.stdout
+    assert "in the connector, decode (ms)" in proc.stdout
