@@ -131,11 +131,16 @@ class DepotClient:
                 self._session_task = task
         return self
 
-    def _start_stream(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+    def _start_stream(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None] | None:
         """Runs `coro` on the stream loop, with the stream channel opened first if
-        need be. `_start_lock` is never held while this waits for the loop: a session
-        listener runs on the loop, and may start a stream of this client too."""
+        need be; None where no stream can run (a process forked with streams open:
+        kvdepot.client.stream_loop). `_start_lock` is never held while this waits for
+        the loop: a session listener runs on the loop, and may start a stream of this
+        client too."""
         streams = StreamLoop.shared()
+        if not streams.usable:
+            coro.close()
+            return None
         with self._start_lock:
             need_channel = self._stream_channel is None and not self._closed.is_set()
         if need_channel:

@@ -12,6 +12,13 @@ Contract:
 - `StreamLoop.shared()` is the process's loop (made on first use, and again in a
   forked child); it runs until the process exits and is never closed, so a late
   event from grpc's poller always finds it open.
+- Fork: grpc.aio keeps one process-wide poller while any of its channels lives. A
+  child forked while its parent had stream channels open inherits that poller
+  without its thread: an aio call there waits for ever, or crashes the process. So
+  there the loop is not `usable`: clients make no streams and never open a
+  session (the daemon counts as down, which nothing waits on), and `shared()`
+  logs why, once. A child forked before any client, or started with 'spawn', is
+  not affected.
 - `open_channel` makes a `grpc.aio` channel on the loop (aio objects must stay on
   the loop that made them); `close_channel` cancels the tasks given and closes it.
 - `start(coro)` runs a coroutine as a task from any thread; `stop(task)` cancels it
@@ -27,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import logging
 import os
 import threading
 from collections.abc import Collection, Coroutine, Sequence
@@ -36,20 +44,54 @@ import grpc
 
 T = TypeVar("T")
 
+log = logging.getLogger("kvdepot.client")
+
 
 class StreamLoop:
     """An asyncio loop on a daemon thread."""
 
     _shared: ClassVar[StreamLoop | None] = None
     _shared_lock: ClassVar[threading.Lock] = threading.Lock()
+    # Stream channels open in this process, and in the parent when it forked this one
+    # (then grpc.aio cannot work here, nor in this process's own children).
+    _channels_open: ClassVar[int] = 0
+    _channels_at_fork: ClassVar[int] = 0
+    _aio_inherited: ClassVar[bool] = False
 
     @classmethod
     def shared(cls) -> StreamLoop:
         with cls._shared_lock:
             loop = cls._shared
             if loop is None or loop._pid != os.getpid():
+                if cls._channels_at_fork:
+                    log.error(
+                        "kvdepot: this process was forked while its parent had %d kvdepot "
+                        "stream channel(s) open; gRPC's asyncio support does not survive "
+                        "fork(), so kvdepot clients made here cannot open a session (the "
+                        "daemon counts as down: lookups miss, nothing is stored). Start this "
+                        "process with the 'spawn' method, or before any kvdepot client.",
+                        cls._channels_at_fork,
+                    )
+                    cls._channels_at_fork = 0
                 loop = cls._shared = cls()
             return loop
+
+    @classmethod
+    def _after_fork_in_child(cls) -> None:
+        # A lock another thread held at fork would stay held here for ever.
+        cls._shared_lock = threading.Lock()
+        cls._channels_at_fork, cls._channels_open = cls._channels_open, 0
+        cls._aio_inherited = cls._aio_inherited or cls._channels_at_fork > 0
+
+    @property
+    def usable(self) -> bool:
+        """False in a process forked while stream channels were open (see above)."""
+        return not StreamLoop._aio_inherited
+
+    @classmethod
+    def _count_channels(cls, change: int) -> None:
+        with cls._shared_lock:
+            cls._channels_open += change
 
     def __init__(self) -> None:
         self._pid = os.getpid()
@@ -70,6 +112,7 @@ class StreamLoop:
         return asyncio.run_coroutine_threadsafe(coro, self._loop)
 
     def open_channel(self, target: str, options: Sequence[tuple[str, Any]]) -> grpc.aio.Channel:
+        self._count_channels(1)
         if self.on_loop_thread:  # a callback starting a client: waiting would deadlock
             return grpc.aio.insecure_channel(target, options=list(options))
 
@@ -86,6 +129,7 @@ class StreamLoop:
         async def close() -> None:
             await asyncio.gather(*(_cancel(t) for t in tasks))
             await channel.close()
+            self._count_channels(-1)
 
         if self.on_loop_thread:
             self._loop.create_task(close())
@@ -114,3 +158,6 @@ class StreamLoop:
 async def _cancel(task: asyncio.Task[Any]) -> None:
     task.cancel()
     await asyncio.wait({task})  # its outcome is the task's business, not the caller's
+
+
+os.register_at_fork(after_in_child=StreamLoop._after_fork_in_child)

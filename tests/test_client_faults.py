@@ -1,10 +1,14 @@
 """Client-side failure handling: a frozen daemon is detected by its missing
-keepalives, and an aborted Transfer stream fails its jobs at once."""
+keepalives, and an aborted Transfer stream fails its jobs at once; listeners on the
+stream loop never deadlock it; a process forked from one with live streams says
+why its clients cannot connect, and never hangs."""
 
 from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -141,3 +145,68 @@ def test_a_session_listener_may_watch_while_another_thread_starts_a_watch(daemon
         assert client.connected
     finally:
         client.close()
+
+
+# Run in a process of its own, with the environment a user's process has: forking
+# pytest's process, with its threads, would not test what an engine's process does.
+_FORK_SCENARIO = """
+import logging, os, sys, time
+from kvdepot.client import DepotClient
+logging.basicConfig(stream=sys.stdout, level=logging.ERROR, format="%(message)s")
+target = sys.argv[1]
+parent = DepotClient(target).start()
+events = []
+parent.watch("fork-test", events.append)
+deadline = time.monotonic() + 10
+while not (parent.connected and events) and time.monotonic() < deadline:
+    time.sleep(0.05)
+assert parent.connected and events, "the parent's client did not connect"
+crashed = 0
+for _ in range(10):  # children that never touch kvdepot
+    pid = os.fork()
+    if pid == 0:
+        time.sleep(0.02)
+        os._exit(0)
+    crashed += os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) != 0
+print("plain children crashed:", crashed, flush=True)
+pid = os.fork()
+if pid == 0:
+    child = DepotClient(target).start()
+    child.watch("fork-test", lambda event: None)
+    time.sleep(2)
+    print("child connected:", child.connected, flush=True)
+    started = time.monotonic()
+    child.close()
+    print("child closed in %.1f s" % (time.monotonic() - started), flush=True)
+    os._exit(0)
+print("child exit:", os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]), flush=True)
+print("parent connected:", parent.connected, flush=True)
+parent.close()
+"""
+
+
+def test_a_process_with_live_streams_may_fork_and_its_child_says_why_it_cannot_connect(
+    daemon,
+) -> None:
+    """gRPC core's fork handlers crashed children forked while a grpc.aio stream was
+    open; kvdepot turns them off. A child's kvdepot clients can never open a session
+    (grpc.aio does not survive fork): the child says so, never hangs, and leaves the
+    parent's client alone."""
+    env = {k: v for k, v in os.environ.items() if k != "GRPC_ENABLE_FORK_SUPPORT"}
+    proc = subprocess.run(
+        [sys.executable, "-c", _FORK_SCENARIO, daemon.target],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
+    out = proc.stdout
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "plain children crashed: 0" in out, out
+    assert "forked while its parent had 1 kvdepot stream channel(s) open" in out, out
+    assert "'spawn'" in out
+    assert "child connected: False" in out
+    closed = float(out.split("child closed in ")[1].split(" s")[0])
+    assert closed < 6.0, out  # close() waits on the loop at most 5 s, never for ever
+    assert "child exit: 0" in out
+    assert "parent connected: True" in out
