@@ -64,10 +64,11 @@ class _ConnectorTime:
     of a microsecond per call, falls on kvdepot and vLLM alike."""
 
     def __init__(self, connector: Any) -> None:
+        """`connector` None (no connector): nothing to time, always 0."""
         self.seconds = 0.0
         self.on = False
         self._inside = False
-        for name in dir(type(connector)):
+        for name in dir(type(connector)) if connector is not None else ():
             if not name.startswith("_") and inspect.isfunction(getattr(type(connector), name)):
                 setattr(connector, name, self._timed(getattr(connector, name)))
 
@@ -92,18 +93,15 @@ class _ConnectorTime:
 
 def _steps(engine: Any, prompts: list[list[int]], decode_steps: int) -> dict[str, float]:
     """Admits the prompts in one step, lets them prefill, then times decode steps."""
-    connector = engine.scheduler.connector
-    inside = _ConnectorTime(connector) if connector is not None else None
+    inside = _ConnectorTime(engine.scheduler.connector)
     for p in prompts:
         engine.add_request(p, max_tokens=decode_steps + 64)
-    if inside is not None:
-        inside.on = True
+    inside.on = True
     engine.step()
     admission = engine.last_schedule_s + engine.last_update_s
     admission_schedule = engine.last_schedule_s
-    admission_inside = inside.take() if inside is not None else 0.0
-    if inside is not None:
-        inside.on = False
+    admission_inside = inside.take()
+    inside.on = False
     # Let loads land and prefills finish.
     for _ in range(200):
         if len(engine.scheduler.running) == len(prompts) and not engine.scheduler.waiting:
@@ -112,12 +110,11 @@ def _steps(engine: Any, prompts: list[list[int]], decode_steps: int) -> dict[str
                 break
         engine.step()
     times = []
-    if inside is not None:
-        inside.on = True
+    inside.on = True
     for _ in range(decode_steps):
         engine.step()
         times.append(engine.last_schedule_s + engine.last_update_s)
-    decode_inside = inside.take() if inside is not None else 0.0
+    decode_inside = inside.take()
     assert len(engine.scheduler.running) == len(prompts), "requests finished early"
     return {
         "admission_step_ms": admission * 1e3,

@@ -92,6 +92,14 @@ class SessionLane:
         if lane is not None:
             lane.close()
 
+    def _lane_for(self, session_id: str) -> ClientLane | None:
+        """The open lane, if it is this session's; else None, and one opens soon."""
+        lane = self._lane
+        if lane is None or self._lane_session != session_id:
+            self.open_soon()
+            return None
+        return lane
+
     def _session_id(self) -> str:
         hello = self._client.hello
         return hello.session_id if hello is not None else ""
@@ -145,23 +153,18 @@ class PinLane(SessionLane):
         False: it did not go (no lane for this session, a call too large for a
         datagram, answers still owed on an earlier lane, a broken lane): pin those
         keys over gRPC."""
-        lane = self._lane
-        if lane is None or self._lane_session != session_id:
-            self.open_soon()
-            return False
-        if self._unanswered and lane is not self._sent_on:
+        lane = self._lane_for(session_id)
+        if lane is None or (self._unanswered and lane is not self._sent_on):
             return False
         data = depot_pb2.PinRequest(
             session_id=session_id, namespace_id=namespace_id, keys=keys
         ).SerializeToString()
-        if len(data) > lane.max_job_bytes:
-            return False
         try:
-            # Never blocks: the step's only wait is for the answers, under its deadline.
+            # Never blocks (`answers` leaves a timeout on the socket, under which a full
+            # buffer would be waited for): the step's only wait is for the answers.
             lane.sock.settimeout(0.0)
-            lane.sock.send(data)
-        except BlockingIOError:  # the daemon is behind on this lane: gRPC, this once
-            return False
+            if not lane.send(data):  # too large, or the daemon is behind: gRPC, this once
+                return False
         except OSError:
             self._broken(lane)
             return False
@@ -233,9 +236,8 @@ class UnpinLane(SessionLane):
         `UNPIN_KEYS_PER_DATAGRAM` keys (fewer if the daemon's call limit is lower).
         Returns the keys that did not go (none when all went): unpin those over
         gRPC, and only those (a key unpinned twice would drop another request's pin)."""
-        lane = self._lane
-        if lane is None or self._lane_session != session_id:
-            self.open_soon()
+        lane = self._lane_for(session_id)
+        if lane is None:
             return keys
         per_datagram = UNPIN_KEYS_PER_DATAGRAM
         hello = self._client.hello

@@ -95,21 +95,26 @@ def raw_lane(client: DepotClient, kind: int = pb.LANE_PINS) -> socket.socket:
     return mine
 
 
+def send_bad_datagram(
+    client: DepotClient, kind: int, request: type, what: str, keys: list[bytes]
+) -> None:
+    """On a fresh lane of `kind`: garbage, or a `request` for another session. The
+    daemon must close that lane."""
+    bad = raw_lane(client, kind)
+    if what == "garbage":
+        bad.send(b"\xff\xff\xff not a " + request.__name__.encode())
+    else:
+        data = request(session_id="someone-else", namespace_id=GEO.namespace, keys=keys)
+        bad.send(data.SerializeToString())
+    assert bad.recv(64) == b""  # closed by the daemon
+    bad.close()
+
+
 @pytest.mark.parametrize("what", ["garbage", "another session"])
 def test_bad_datagrams_close_that_lane_only(daemon, client, what: str) -> None:
     keys = stored_keys(client, 2)
     good = open_lane(client)
-    bad = raw_lane(client)
-    if what == "garbage":
-        bad.send(b"\xff\xff\xff not a PinRequest")
-    else:
-        bad.send(
-            pb.PinRequest(
-                session_id="someone-else", namespace_id=GEO.namespace, keys=keys
-            ).SerializeToString()
-        )
-    assert bad.recv(64) == b""  # closed by the daemon, nothing pinned
-    bad.close()
+    send_bad_datagram(client, pb.LANE_PINS, pb.PinRequest, what, keys)  # nothing pinned
     assert stats(daemon.target).pinned_blocks == 0
     assert good.pin(client.session_id, GEO.namespace, keys, 1.0) == [True, True]
     assert "a pin was refused" in daemon.log()
@@ -218,17 +223,7 @@ def test_a_bad_unpin_datagram_closes_that_lane_and_the_keys_come_back(
 ) -> None:
     keys = stored_keys(client, 2)
     assert client.pin(GEO.namespace, keys) == [True, True]
-    bad = raw_lane(client, pb.LANE_UNPINS)
-    if what == "garbage":
-        bad.send(b"\xff\xff\xff not an UnpinRequest")
-    else:
-        bad.send(
-            pb.UnpinRequest(
-                session_id="someone-else", namespace_id=GEO.namespace, keys=keys
-            ).SerializeToString()
-        )
-    assert bad.recv(64) == b""  # closed by the daemon, nothing unpinned
-    bad.close()
+    send_bad_datagram(client, pb.LANE_UNPINS, pb.UnpinRequest, what, keys)  # nothing unpinned
     assert stats(daemon.target).pinned_blocks == 2
     # A client whose lane the daemon closed gets its keys back, for gRPC.
     lane = open_unpin_lane(client)

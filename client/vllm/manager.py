@@ -123,11 +123,10 @@ class KVDepotOffloadingManager(OffloadingManager):
         # Keys offered for store whose job has not completed.
         self._storing: set[bytes] = set()
         # This step's loads, (request id, keys) per prepare_load, pinned by
-        # on_schedule_end; how many of their keys went early on the pin lane, and how
-        # many wait to go.
+        # on_schedule_end; how many of them went early on the pin lane, and how many
+        # keys wait to go.
         self._step_loads: list[tuple[str, list[bytes]]] = []
         self._loads_sent = 0
-        self._keys_sent = 0
         self._keys_waiting = 0
         # The keys pinned for each request's load, unpinned by its complete_load
         # (vLLM runs at most one load per request at a time, and completes it with
@@ -353,7 +352,6 @@ class KVDepotOffloadingManager(OffloadingManager):
             sent = False
         if sent:
             self._loads_sent = len(loads)
-            self._keys_sent += len(keys)
 
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         held = self._held.pop(req_context.req_id, None)
@@ -415,7 +413,7 @@ class KVDepotOffloadingManager(OffloadingManager):
     def _pin_step_loads(self) -> None:
         """Pins every key this step loads, under the pin deadline."""
         loads, self._step_loads = self._step_loads, []
-        sent, self._keys_sent = self._keys_sent, 0
+        sent = sum(len(request_keys) for _, request_keys in loads[: self._loads_sent])
         self._loads_sent = self._keys_waiting = 0
         keys = [k for _, request_keys in loads for k in request_keys]
         if not keys:
