@@ -166,7 +166,10 @@ class PinLane(SessionLane):
             if not lane.send(data):  # too large, or the daemon is behind: gRPC, this once
                 return False
         except OSError:
-            self._broken(lane)
+            # Closed by the daemon, which may have refused an earlier call: the answers
+            # it gave before are still to be read, so `answers` drops the lane then.
+            if not self._unanswered:
+                self._broken(lane)
             return False
         self._sent_on = lane
         self._unanswered.append(len(keys))
