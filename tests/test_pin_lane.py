@@ -244,16 +244,33 @@ def test_lanes_off_keeps_unpins_on_grpc(daemon, client, monkeypatch) -> None:
     assert not lane.open
 
 
-def test_pipelined_pins_stop_at_a_refused_one_and_the_rest_go_over_grpc(daemon, client) -> None:
+@pytest.mark.parametrize("when", ["daemon paused while they are sent", "lane closed before"])
+def test_pipelined_pins_stop_at_a_refused_one_and_the_rest_go_over_grpc(
+    daemon, client, when: str
+) -> None:
     """Pins sent one after another are answered in order; when the daemon refuses one
     it closes the lane and pins none of the calls behind it: `answers` gives the keys
-    answered before it, and those after it may be pinned over gRPC without doubling."""
+    answered before it, and those after it may be pinned over gRPC without doubling.
+    Whether the last call reached the daemon before it closed the lane (it then finds
+    a call unread, and the kernel reports a reset) or found the lane closed already,
+    the answers sent before are read, also once the lane is closed."""
     keys = stored_keys(client, 4)
     lane = open_lane(client)
     sid = client.session_id
-    assert lane.send(sid, GEO.namespace, keys[:2])
-    assert lane.send(sid, "no-such-namespace", keys[2:3])
-    assert lane.send(sid, GEO.namespace, keys[3:])
+    if when == "daemon paused while they are sent":
+        os.kill(daemon.proc.pid, signal.SIGSTOP)
+    try:
+        assert lane.send(sid, GEO.namespace, keys[:2])
+        assert lane.send(sid, "no-such-namespace", keys[2:3])
+        if when == "lane closed before":
+            assert wait_for(lambda: "a pin was refused" in daemon.log(), 10)
+            assert not lane.send(sid, GEO.namespace, keys[3:])  # the lane is closed
+        else:
+            assert lane.send(sid, GEO.namespace, keys[3:])
+    finally:
+        os.kill(daemon.proc.pid, signal.SIGCONT)
+    # Read only once the daemon has closed the lane: the harder case.
+    assert wait_for(lambda: "a pin was refused" in daemon.log(), 10)
     assert lane.answers(1.0) == [True, True]
     assert not lane.open
     assert stats(daemon.target).pinned_blocks == 2  # the call behind the refused one: not pinned
