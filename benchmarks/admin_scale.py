@@ -150,7 +150,8 @@ def admin_load(socket: str, kind: str, seconds: float, metrics_port: int, out: m
     from kvdepot.v1 import admin_pb2 as apb
     from kvdepot.v1 import admin_pb2_grpc
 
-    stub = admin_pb2_grpc.AdminStub(grpc.insecure_channel(f"unix:{socket}"))
+    # Admin is served on the daemon's operator socket, beside the data socket.
+    stub = admin_pb2_grpc.AdminStub(grpc.insecure_channel(f"unix:{socket}.admin"))
     url = f"http://127.0.0.1:{metrics_port}/metrics"
     token = ""
 

@@ -27,7 +27,13 @@ from kvdepot.bench.geometry import BenchGeometry
 from kvdepot.bench.stats import GB, overlap_rate
 from kvdepot.server.core.planner import CopyPlan
 from kvdepot.server.cuda.dma import plan_dma
-from kvdepot.server.memory.copy_engine import CopyEngine, MappedRegion, PreparedCopy, no_copy
+from kvdepot.server.memory.copy_engine import (
+    CopyEngine,
+    MappedRegion,
+    PreparedCopy,
+    check_runs,
+    no_copy,
+)
 
 HOST_SPLIT = 8 << 20  # the CUDA engine's page-locking chunk of the pool (its default)
 ENGINES = 2
@@ -42,8 +48,14 @@ class NullCopyEngine(CopyEngine):
     """
 
     def prepare(
-        self, direction: int, regions: Sequence[MappedRegion], pool_address: int, plan: CopyPlan
+        self,
+        direction: int,
+        regions: Sequence[MappedRegion],
+        pool_address: int,
+        plan: CopyPlan,
+        pool_size: int | None = None,
     ) -> PreparedCopy:
+        check_runs(regions, plan, pool_size)  # as every engine does (its cost counts)
         plan_dma(direction, plan, [r.address for r in regions], pool_address, host_split=HOST_SPLIT)
         return no_copy
 

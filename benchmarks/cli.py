@@ -91,6 +91,11 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         help="measure the daemon already running on this socket (default: start a private one)",
     )
     g.add_argument(
+        "--admin-socket",
+        help="that daemon's operator socket, read for its figures (default: the --socket "
+        "path + .admin; the bench needs access to it, as `kvdepot status` does)",
+    )
+    g.add_argument(
         "--pool-size", help="pool of the daemon the bench starts (default 1GiB; --quick 256MiB)"
     )
     g.add_argument(
@@ -177,6 +182,17 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--plot", metavar="FILE.png", help="write a PNG of the figures (matplotlib)")
     g.add_argument("--quiet", action="store_true", help="no progress bar")
     g.add_argument("--strict", action="store_true", help="exit 1 when a target is missed")
+    # `kvdepot bench serve`: real vLLM servers end to end (kvdepot.bench.serve). Its flags
+    # are its own; its module imports only the standard library until it runs.
+    from kvdepot.bench.serve import add_arguments as add_serve_arguments
+
+    sub = parser.add_subparsers(dest="bench_command", metavar="serve")
+    add_serve_arguments(
+        sub.add_parser(
+            "serve",
+            help="TTFT, throughput and hit rates of real vLLM servers with and without kvdepot",
+        )
+    )
 
 
 def _pick(args: argparse.Namespace, name: str) -> Any:
@@ -218,6 +234,10 @@ def run_bench(args: argparse.Namespace) -> int:
     """Runs every section, prints the table (and JSON, plot); returns the exit code."""
     import json
 
+    if getattr(args, "bench_command", None) == "serve":
+        from kvdepot.bench.serve import run as run_serve
+
+        return run_serve(args)
     if args.remote:  # its own figures and table (kvdepot.bench.remote_bench)
         from kvdepot.bench.remote_bench import format_table as remote_table
         from kvdepot.bench.remote_bench import run_remote_bench
@@ -265,7 +285,8 @@ def run_bench(args: argparse.Namespace) -> int:
     try:
         pool_size = _pick(args, "pool_size")
         if args.socket:
-            daemon = DaemonUnderTest(target_of(args.socket))
+            admin = target_of(args.admin_socket) if args.admin_socket else None
+            daemon = DaemonUnderTest(target_of(args.socket), admin)
             daemon_text = f"running daemon at {args.socket}"
         else:
             progress.label("starting kvdepot serve")

@@ -42,16 +42,28 @@ def wait_mapped(stats: Callable[[], admin_pb2.GetStatsResponse], timeout: float 
         time.sleep(0.1)
 
 
-class DaemonUnderTest:
-    """A daemon reachable at `target`; `started` is True when the bench owns it."""
+def admin_target_of(target: str) -> str:
+    """The operator socket (Admin) of the daemon on the Unix socket `target`: the
+    daemon's default, the data socket's path + ".admin" (Admin is never on TCP)."""
+    if target.startswith("/"):
+        target = f"unix://{target}"
+    if not target.startswith("unix:"):
+        raise ValueError(f"{target}: Admin is served on the daemon's operator socket only")
+    return target + ".admin"
 
-    def __init__(self, target: str) -> None:
+
+class DaemonUnderTest:
+    """A daemon reachable at `target` (engines) and `admin_target` (Admin: the operator
+    socket); `started` is True when the bench owns it."""
+
+    def __init__(self, target: str, admin_target: str | None = None) -> None:
         self.target = target
+        self.admin_target = admin_target or admin_target_of(target)
         self.started = False
         self.log_path: Path | None = None
 
     def stats(self, timeout: float = 5.0) -> admin_pb2.GetStatsResponse:
-        with grpc.insecure_channel(self.target) as ch:
+        with grpc.insecure_channel(self.admin_target) as ch:
             return admin_pb2_grpc.AdminStub(ch).GetStats(
                 admin_pb2.GetStatsRequest(), timeout=timeout
             )

@@ -314,13 +314,15 @@ class OwnCudaDaemon:
 
 
 def wait_warm(target: str, daemon: OwnCudaDaemon | None, timeout: float = 300.0) -> Any:
-    """Polls Admin/GetStats until the pool is faulted and page-locked."""
+    """Polls Admin/GetStats (on the operator socket beside `target`) until the pool is
+    faulted and page-locked."""
     import grpc
 
+    from kvdepot.bench.daemon import admin_target_of
     from kvdepot.v1 import admin_pb2, admin_pb2_grpc
 
     deadline = time.monotonic() + timeout
-    with grpc.insecure_channel(target) as ch:
+    with grpc.insecure_channel(admin_target_of(target)) as ch:
         stub = admin_pb2_grpc.AdminStub(ch)
         while True:
             if daemon is not None:

@@ -123,7 +123,7 @@ class Bench:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    daemon = OwnDaemon(args.pool_size)
+    daemon = OwnDaemon(args.pool_size, extra=["--pvm"])  # pvm is off unless asked for
     try:
         daemon.wait_warm()
         b = Bench(daemon.target, args.layers, args.page_kib << 10, args.blocks + 2)

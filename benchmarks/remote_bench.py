@@ -4,16 +4,18 @@
     python -m kvdepot.bench.remote_bench --remote redis://HOST:PORT[,HOST:PORT]
 
 1. Tier GB/s. The same chunk-sized values (default 2 MiB: one Llama-3-8B block row)
-   are written and read through the tier (kvdepot.server.remote: framing with a
-   CRC-32, set-if-absent with a TTL, and on reads the verification) and through
-   bare redis-py (plain SET/GET of the raw bytes), with the same client kind
-   (cluster or standalone), the same batches and the same calls in flight. The
-   ratio tier/bare is the tier's overhead (target >= 0.8).
-2. Miss to loaded block. Two daemons the bench starts (`kvdepot serve --remote URL`)
-   play two nodes: rows are Put on A; on B the time from a Prefetch of one row to
-   its STORED event on Watch (ready in B's pool), and to its bytes read back (Get).
+   are written and read through the tier (kvdepot.server.remote: framing with the
+   fleet key's keyed-BLAKE3 MAC, set-if-absent with a TTL; on reads a GETRANGE
+   bounded by the row's size and the verification of the MAC) and through bare
+   redis-py (plain SET/GET of the raw bytes), with the same client kind (cluster
+   or standalone), the same batches and the same calls in flight. The ratio
+   tier/bare is the tier's overhead (target >= 0.8).
+2. Miss to loaded block. Two daemons the bench starts (`kvdepot serve --remote URL
+   --remote-key-file` with a key of its own) play two nodes: rows are Put on A; on
+   B the time from a Prefetch of one row to its STORED event on Watch (ready in
+   B's pool), and to its bytes read back (Get).
 
-It writes keys under `kvd1:bench-*` and deletes them at the end.
+It writes keys under `kvd1:bench-*` and `kvd2:bench-*` and deletes them at the end.
 """
 
 from __future__ import annotations
@@ -23,14 +25,17 @@ import asyncio
 import json
 import os
 import secrets
+import shutil
 import statistics
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from kvdepot.server.remote import codec
+from kvdepot.server.remote.codec import Codec
+from kvdepot.server.remote.fleet_key import Keyring
 from kvdepot.server.remote.redis_tier import RedisTier
 
 TARGET_RATIO = 0.8
@@ -58,6 +63,7 @@ async def tier_throughput(
     await tier.exists_many([b"kvd1:bench-probe"], time.monotonic() + 5)  # connect, probe
     client = await tier._get_client()  # the same redis-py client the tier uses: bare calls
     ns = f"bench-{secrets.token_hex(4)}"
+    codec = Codec(Keyring.from_secrets(secrets.token_hex(32).encode()))  # as a daemon's
     payloads = [os.urandom(value_bytes) for _ in range(min(count, 16))]
     loop = asyncio.get_running_loop()
     total = value_bytes * count
@@ -106,7 +112,11 @@ async def tier_throughput(
             pairs: list[tuple[bytes, int]] = tier_pairs,
             keys: list[bytes] = tier_keys,
         ) -> None:
-            values = await tier.get_many([keys[i] for i in chunk], time.monotonic() + deadline)
+            # As the daemon's fetcher does: reads bounded by the row's framed size.
+            limits = [codec.frame_bytes(ns, pairs[i][0], value_bytes) + 1 for i in chunk]
+            values = await tier.get_many(
+                [keys[i] for i in chunk], time.monotonic() + deadline, limits
+            )
             assert all(v is not None for v in values)
             await loop.run_in_executor(
                 None,
@@ -164,8 +174,13 @@ def miss_to_load(url: str, rows: int, row_bytes: int) -> dict[str, Any]:
     from kvdepot.v1 import depot_pb2 as pb
 
     pool = str(max(256 << 20, 2 * rows * row_bytes))
-    a = OwnDaemon(pool, extra=["--remote", url])
-    b = OwnDaemon(pool, extra=["--remote", url])
+    key_dir = tempfile.mkdtemp(prefix="kvdepot-bench-key-")
+    key_file = os.path.join(key_dir, "fleet.key")  # the two nodes' fleet key, mode 0600
+    fd = os.open(key_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    os.write(fd, secrets.token_hex(32).encode() + b"\n")
+    os.close(fd)
+    a = OwnDaemon(pool, extra=["--remote", url, "--remote-key-file", key_file])
+    b = OwnDaemon(pool, extra=["--remote", url, "--remote-key-file", key_file])
     clients: list[DepotClient] = []
     try:
         a.wait_serving()
@@ -205,10 +220,7 @@ def miss_to_load(url: str, rows: int, row_bytes: int) -> dict[str, Any]:
         ready_ms, loaded_ms = [], []
         for k in keys:
             t0 = time.perf_counter()
-            resp = cb.stub.Prefetch(
-                pb.PrefetchRequest(session_id=cb.session_id, namespace_id=ns, keys=[k]),
-                timeout=5,
-            )
+            resp = cb.prefetch(ns, [k], timeout=5)
             assert resp.states[0] == pb.PrefetchResponse.FETCHING, resp
             if not arrived[k].wait(10):
                 raise TimeoutError("a fetched row never became ready on node B")
@@ -240,6 +252,7 @@ def miss_to_load(url: str, rows: int, row_bytes: int) -> dict[str, Any]:
             c.close()
         a.stop()
         b.stop()
+        shutil.rmtree(key_dir, ignore_errors=True)
 
 
 def run_remote_bench(url: str, quick: bool = False, value_mib: float = 2.0) -> dict[str, Any]:

@@ -31,7 +31,7 @@ from typing import Any
 
 import grpc
 
-from kvdepot.client.fdpass import send_fd
+from kvdepot.client.fdpass import FdPassError, attest_async, send_fd
 from kvdepot.client.job_lane import LaneKeeper
 from kvdepot.client.job_lane import enabled_by_env as job_lane_enabled_by_env
 from kvdepot.client.shm import SharedKVBuffer
@@ -65,6 +65,13 @@ class DepotUnavailable(RuntimeError):
     """The daemon is not reachable right now (the client keeps reconnecting)."""
 
 
+def observer_join(session_id: str, namespace_id: str) -> depot_pb2.RegisterKVRequest:
+    """An observer join: a RegisterKV naming the namespace id alone and no memory."""
+    return depot_pb2.RegisterKVRequest(
+        session_id=session_id, namespace=depot_pb2.NamespaceLayout(id=namespace_id)
+    )
+
+
 def normalize_target(target: str) -> str:
     """'/run/x.sock' or 'unix:///run/x.sock' -> a gRPC target."""
     if target.startswith("/"):
@@ -94,7 +101,9 @@ class DepotClient:
         self.keepalive_timeout = keepalive_timeout
         self._channel = grpc.insecure_channel(self.target, options=_CHANNEL_OPTIONS)
         self.stub = depot_pb2_grpc.DepotStub(self._channel)
-        self.admin = admin_pb2_grpc.AdminStub(self._channel)
+        # Admin is not on this socket: `admin` opens the operator socket on first use.
+        self._admin_channel: grpc.Channel | None = None
+        self._admin: admin_pb2_grpc.AdminStub | None = None
         self._lock = threading.Lock()
         self._connected = threading.Event()
         self._closed = threading.Event()
@@ -113,6 +122,32 @@ class DepotClient:
         self._start_lock = threading.Lock()
         self._session_starting = False
         self.sessions_opened = 0
+        # Namespaces are joined, not named (the daemon refuses calls naming others):
+        # every namespace this client joined (a registration or an observer join),
+        # joined again in each new session before the session is used; and those
+        # joined in the current session (`_joined_in`).
+        self._namespaces: dict[str, None] = {}  # ordered set
+        self._joined: set[str] = set()
+        self._joined_in = ""
+
+    @property
+    def admin_target(self) -> str:
+        """The daemon's operator socket: the data socket's path + ".admin" (its default;
+        a daemon run with another --admin-socket is reached with an AdminStub of one's
+        own). Only Unix-socket targets have one: Admin is never served over TCP."""
+        if not self.target.startswith("unix:"):
+            raise DepotUnavailable(f"{self.target}: Admin is served on the operator socket only")
+        return self.target + ".admin"
+
+    @property
+    def admin(self) -> admin_pb2_grpc.AdminStub:
+        """An Admin stub on the operator socket (mode 0600 or the operator group: an
+        engine that is not the daemon's user or in that group is refused at connect)."""
+        with self._lock:
+            if self._admin is None:
+                self._admin_channel = grpc.insecure_channel(self.admin_target)
+                self._admin = admin_pb2_grpc.AdminStub(self._admin_channel)
+            return self._admin
 
     # -- session ---------------------------------------------------------------------
 
@@ -230,6 +265,11 @@ class DepotClient:
                     if event is grpc.aio.EOF:
                         break
                     if event.HasField("hello"):
+                        if not await self._attest(event.hello):
+                            break  # the daemon refused this process the session: retry
+                        # Before anyone sees the session: Watch streams and lanes
+                        # restart in it only once their namespaces are joined again.
+                        await self._rejoin(stub, event.hello.session_id)
                         delay = self._backoff[0]
                         self._opened(event.hello)
             except grpc.RpcError as exc:
@@ -249,6 +289,21 @@ class DepotClient:
             await asyncio.sleep(delay * (0.5 + random.random()))
             delay = min(delay * 2, self._backoff[1])
 
+    async def _attest(self, hello: depot_pb2.SessionHello) -> bool:
+        """Binds the new session to this process on the fd socket (kvdepot.client.fdpass),
+        before anyone uses it; False when the daemon refused (the session is ended)."""
+        if not hello.fd_socket:
+            return True
+        try:
+            await attest_async(hello.fd_socket, hello.session_id, self.keepalive_timeout)
+        except FdPassError as exc:
+            if exc.code in ("PERMISSION_DENIED", "RESOURCE_EXHAUSTED"):
+                log.warning("kvdepot daemon at %s refused the session: %s", self.target, exc)
+                return False
+            # An older daemon (no attest) or a busy one: the first fd attests instead.
+            log.info("kvdepot session %s not attested (%s)", hello.session_id[:8], exc)
+        return True
+
     def _opened(self, hello: depot_pb2.SessionHello) -> None:
         assert self._session_ready is not None
         previous = self.hello.boot_id if self.hello else None
@@ -258,7 +313,7 @@ class DepotClient:
         self._session_ready.set()
         if previous is not None and previous != hello.boot_id:
             log.warning("kvdepot daemon restarted (boot id %s -> %s)", previous, hello.boot_id)
-        log.info("kvdepot session %s open", hello.session_id)
+        log.info("kvdepot session %s… open", hello.session_id[:8])  # the id is a secret
         for fn in list(self._listeners):
             self._call_listener(fn, hello.boot_id)
 
@@ -282,7 +337,61 @@ class DepotClient:
             # Ends the Session, which the daemon sees at once.
             StreamLoop.shared().close_channel(channel, tasks)
         self._channel.close()
+        with self._lock:
+            admin_channel, self._admin_channel, self._admin = self._admin_channel, None, None
+        if admin_channel is not None:
+            admin_channel.close()
         self._connected.clear()
+
+    # -- namespaces ------------------------------------------------------------------
+
+    def joined(self, namespace_id: str, session_id: str) -> bool:
+        """Whether `namespace_id` is joined in session `session_id` (no call)."""
+        with self._lock:
+            return self._joined_in == session_id and namespace_id in self._joined
+
+    def _mark_joined(self, session_id: str, namespace_id: str) -> None:
+        with self._lock:
+            self._namespaces[namespace_id] = None
+            if self._joined_in == session_id:  # not a late answer in an older session
+                self._joined.add(namespace_id)
+
+    def join(self, namespace_id: str, timeout: float = DEFAULT_TIMEOUT) -> None:
+        """Joins `namespace_id` as an observer (a RegisterKV of the id alone: Watch,
+        Lookup, Pin, Unpin and Prefetch it; no memory, no Put/Get), unless this
+        session joined it already. Remembered: every later session joins it again
+        before it is used. `watch`, `lookup`, `pin`, `unpin`, `prefetch` and the
+        scheduler's lanes join by themselves; call this only to join early."""
+        with self._lock:
+            self._namespaces[namespace_id] = None
+        session_id = self.session_id
+        if self.joined(namespace_id, session_id):
+            return
+        self.stub.RegisterKV(observer_join(session_id, namespace_id), timeout=timeout)
+        self._mark_joined(session_id, namespace_id)
+
+    async def _join_async(
+        self, stub: depot_pb2_grpc.DepotStub, session_id: str, namespace_id: str
+    ) -> None:
+        """`join` on the stream loop (a Watch stream's first step)."""
+        with self._lock:
+            self._namespaces[namespace_id] = None
+        if not self.joined(namespace_id, session_id):
+            await stub.RegisterKV(
+                observer_join(session_id, namespace_id), timeout=self.keepalive_timeout
+            )
+            self._mark_joined(session_id, namespace_id)
+
+    async def _rejoin(self, stub: depot_pb2_grpc.DepotStub, session_id: str) -> None:
+        """Joins every remembered namespace in the new session `session_id`."""
+        with self._lock:
+            self._joined_in, self._joined = session_id, set()
+            namespaces = list(self._namespaces)
+        for namespace_id in namespaces:
+            try:
+                await self._join_async(stub, session_id, namespace_id)
+            except grpc.RpcError as exc:  # its calls join again (or say why not)
+                log.warning("kvdepot: could not join namespace %s again: %s", namespace_id, exc)
 
     # -- unary calls -----------------------------------------------------------------
 
@@ -308,7 +417,7 @@ class DepotClient:
                     shm=depot_pb2.SharedMemoryHandle(fd_token=token, size=shm.size)
                 )
             )
-        return self.stub.RegisterKV(
+        resp = self.stub.RegisterKV(
             depot_pb2.RegisterKVRequest(
                 session_id=session_id,
                 namespace=layout,
@@ -319,6 +428,8 @@ class DepotClient:
             ),
             timeout=timeout,
         )
+        self._mark_joined(session_id, layout.id)  # a registration is a join
+        return resp
 
     def unregister_kv(self, registration_id: int, timeout: float = DEFAULT_TIMEOUT) -> None:
         self.stub.UnregisterKV(
@@ -331,6 +442,7 @@ class DepotClient:
     def lookup(
         self, namespace_id: str, keys: Sequence[bytes], timeout: float = DEFAULT_TIMEOUT
     ) -> list[bool]:
+        self.join(namespace_id, timeout)
         resp = self.stub.Lookup(
             depot_pb2.LookupRequest(
                 session_id=self.session_id, namespace_id=namespace_id, keys=keys
@@ -342,6 +454,7 @@ class DepotClient:
     def pin(
         self, namespace_id: str, keys: Sequence[bytes], timeout: float = DEFAULT_TIMEOUT
     ) -> list[bool]:
+        self.join(namespace_id, timeout)
         resp = self.stub.Pin(
             depot_pb2.PinRequest(session_id=self.session_id, namespace_id=namespace_id, keys=keys),
             timeout=timeout,
@@ -363,6 +476,8 @@ class DepotClient:
             )
         except DepotUnavailable:
             return  # the daemon dropped our pins with our session
+        if not self.joined(namespace_id, req.session_id):
+            return  # pins are made in joined namespaces only: none of ours to drop
         if wait:
             self.stub.Unpin(req, timeout=timeout)
         else:
@@ -394,10 +509,26 @@ class DepotClient:
         )
         return resp.data
 
+    def prefetch(
+        self, namespace_id: str, keys: Sequence[bytes], timeout: float = DEFAULT_TIMEOUT
+    ) -> depot_pb2.PrefetchResponse:
+        """Asks the daemon's remote tier for keys that miss locally (Depot/Prefetch)."""
+        self.join(namespace_id, timeout)
+        return self.stub.Prefetch(
+            depot_pb2.PrefetchRequest(
+                session_id=self.session_id, namespace_id=namespace_id, keys=keys
+            ),
+            timeout=timeout,
+        )
+
     # -- streams ---------------------------------------------------------------------
 
     def watch(self, namespace_id: str, on_event: Callable[[depot_pb2.WatchEvent], None]) -> Watch:
-        """Follows the namespace's ready keys; see `Watch`."""
+        """Follows the namespace's ready keys; see `Watch`. The namespace is joined
+        (remembered at once; the join itself is the stream's first step, so this
+        never waits on the daemon)."""
+        with self._lock:
+            self._namespaces[namespace_id] = None
         return Watch(self, namespace_id, on_event).start()
 
     def transfer_stream(
@@ -441,10 +572,10 @@ class Watch:
             await ready.wait()
             call = None
             try:
+                session_id = client.session_id
+                await client._join_async(stub, session_id, self.namespace_id)
                 call = stub.Watch(
-                    depot_pb2.WatchRequest(
-                        session_id=client.session_id, namespace_id=self.namespace_id
-                    )
+                    depot_pb2.WatchRequest(session_id=session_id, namespace_id=self.namespace_id)
                 )
                 async for event in call:
                     self.on_event(event)

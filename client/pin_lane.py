@@ -151,11 +151,13 @@ class PinLane(SessionLane):
     def send(self, session_id: str, namespace_id: str, keys: Sequence[bytes]) -> bool:
         """Sends one pin call and returns at once; the next `answers` reads its answer.
         False: it did not go (no lane for this session, a call too large for a
-        datagram, answers still owed on an earlier lane, a broken lane): pin those
-        keys over gRPC."""
+        datagram, answers still owed on an earlier lane, a broken lane, a namespace
+        this session has not joined yet): pin those keys over gRPC."""
         lane = self._lane_for(session_id)
         if lane is None or (self._unanswered and lane is not self._sent_on):
             return False
+        if not self._client.joined(namespace_id, session_id):
+            return False  # the daemon would refuse it (and close the lane): gRPC joins first
         data = depot_pb2.PinRequest(
             session_id=session_id, namespace_id=namespace_id, keys=keys
         ).SerializeToString()
@@ -252,8 +254,8 @@ class UnpinLane(SessionLane):
         Returns the keys that did not go (none when all went): unpin those over
         gRPC, and only those (a key unpinned twice would drop another request's pin)."""
         lane = self._lane_for(session_id)
-        if lane is None:
-            return keys
+        if lane is None or not self._client.joined(namespace_id, session_id):
+            return keys  # not joined: the daemon would close the lane
         per_datagram = UNPIN_KEYS_PER_DATAGRAM
         hello = self._client.hello
         if hello is not None and hello.max_job_keys:

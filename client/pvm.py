@@ -37,7 +37,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kvdepot.client.fdpass import FdPassError, encode, read_message
+from kvdepot.client.fdpass import FdPassError, encode, read_message, refusal_error
 from kvdepot.common.libc import libc
 from kvdepot.v1 import depot_pb2
 
@@ -159,7 +159,7 @@ def send_identity(fd_socket_path: str, session_id: str, timeout: float = 5.0) ->
         mine.close()
         theirs.close()
     if "error" in reply:
-        raise FdPassError(str(reply["error"]))
+        raise refusal_error(reply)
     token = reply.get("fd_token")
     if not isinstance(token, str):
         raise FdPassError(f"unexpected reply from the daemon: {reply}")

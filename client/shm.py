@@ -61,7 +61,9 @@ class SharedKVBuffer:
 
     @classmethod
     def allocate(cls, size: int, name: str = "kvdepot-kv") -> SharedKVBuffer:
-        """A zero-filled memfd of `size` bytes (not inherited by child processes)."""
+        """A zero-filled memfd of `size` bytes (not inherited by child processes),
+        populated here: its pages are charged to this process, and the daemon
+        refuses a sparse memfd (it would be charged for pages it allocated)."""
         if size <= 0:
             raise ValueError(f"size must be positive, got {size}")
         # Sealable, and sealed against shrinking: the daemon maps this file and
@@ -69,6 +71,7 @@ class SharedKVBuffer:
         fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             os.ftruncate(fd, size)
+            os.posix_fallocate(fd, 0, size)
             fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)
             return cls(fd, size, name)
         except BaseException:

@@ -145,6 +145,23 @@ def _remote_url(text: str) -> str:
     return text.strip()
 
 
+def pool_share_bytes(text: str, pool_size: int) -> int:
+    """A byte budget given as a size ('8GiB') or a share of the pool ('50%')."""
+    value = text.strip()
+    if value.endswith("%"):
+        percent = _read(value[:-1], float, f"{text!r} is not a percentage such as 50%")
+        if not 0 < percent <= 100:
+            raise ValueError(f"{text!r} is out of range: a share of the pool is 0% to 100%")
+        return int(pool_size * percent / 100)
+    return parse_size(value)
+
+
+def _pool_share(text: str) -> str:
+    """Checks a SIZE or PERCENT% setting; the text is kept (the pool size is known later)."""
+    pool_share_bytes(text, 1 << 30)
+    return text.strip()
+
+
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 
@@ -221,7 +238,8 @@ class ServeConfig:
         parse=_host_port,
         metavar="HOST:PORT",
         shown="off: TCP has no file-mode access control",
-        help="also listen on this TCP address, e.g. 127.0.0.1:50051",
+        help="also serve Depot (never Admin) on this TCP address, e.g. 127.0.0.1:50051; any "
+        "address but loopback needs --tls-cert, --tls-key and --tls-client-ca",
     )
     pool_size: int = setting(
         "--pool-size",
@@ -235,8 +253,9 @@ class ServeConfig:
         "--pool-file",
         metavar="PATH",
         shown="a memfd",
-        help="keep the pool in this file (e.g. /dev/shm/kvdepot.pool or on hugetlbfs) so a "
-        "restarted daemon serves its blocks again",
+        help="keep the pool in this file so a restarted daemon serves its blocks again; its "
+        "directory must be the daemon's alone (a missing one is created 0700), e.g. "
+        "/dev/shm/kvdepot/kvdepot.pool or on hugetlbfs",
     )
     metrics_port: int | None = setting(
         "--metrics-port",
@@ -268,6 +287,61 @@ class ServeConfig:
         help="registrations one session may hold (each holds an fd and mappings); more "
         "are refused with RESOURCE_EXHAUSTED",
     )
+    max_pinned_per_session: str = setting(
+        "--max-pinned-per-session",
+        "50%",
+        parse=_pool_share,
+        shown="50%%",  # argparse %-formats the help
+        metavar="SIZE|PERCENT%",
+        help="bytes of blocks one session may hold pinned, as a size or a share of "
+        "--pool-size; a Pin beyond it is refused with RESOURCE_EXHAUSTED",
+    )
+    max_writing_per_session: str = setting(
+        "--max-writing-per-session",
+        "50%",
+        parse=_pool_share,
+        shown="50%%",  # argparse %-formats the help
+        metavar="SIZE|PERCENT%",
+        help="bytes of block rows one session may hold reserved while they are written, as a "
+        "size or a share of --pool-size; stores beyond it are dropped, with that reason",
+    )
+    max_watches_per_session: int = setting(
+        "--max-watches-per-session",
+        16,
+        parse=_whole_number(1),
+        metavar="N",
+        help="Watch streams one session may hold open; more are refused with RESOURCE_EXHAUSTED",
+    )
+    max_sessions_per_pid: int = setting(
+        "--max-sessions-per-pid",
+        16,
+        parse=_whole_number(1),
+        metavar="N",
+        help="sessions one process may hold (the kernel names it on the fd socket); more "
+        "are refused with RESOURCE_EXHAUSTED",
+    )
+    max_sessions_per_uid: int = setting(
+        "--max-sessions-per-uid",
+        128,
+        parse=_whole_number(1),
+        metavar="N",
+        help="sessions the processes of one user may hold together",
+    )
+    max_unattested_sessions: int = setting(
+        "--max-unattested-sessions",
+        32,
+        parse=_whole_number(1),
+        metavar="N",
+        help="sessions not yet bound to a process (kvdepot's client binds its own at "
+        "once); beyond them the oldest is ended, so no client can lock others out",
+    )
+    pvm: bool = setting(
+        "--pvm",
+        False,
+        switch=True,
+        help="serve the pvm memory path: copy engines' plain memory with "
+        "process_vm_readv/writev (each registration copies only the process that made it)",
+    )
     fd_reserve: int = setting(
         "--fd-reserve",
         256,
@@ -297,6 +371,37 @@ class ServeConfig:
         shown="the daemon's own group",
         help="group owning the sockets: engines in it may connect",
     )
+    admin_socket: str | None = setting(
+        "--admin-socket",
+        metavar="PATH",
+        shown="the socket's path + .admin",
+        help="Unix socket of the Admin service (kvdepot status, grpcurl, Evict, Clear): the "
+        "operators' socket, apart from the engines' one, which never serves Admin",
+    )
+    admin_group: str | None = setting(
+        "--admin-group",
+        parse=_group,
+        metavar="GROUP",
+        shown="none: mode 600, the daemon's user only",
+        help="operator group: its members may use the admin socket (mode 660)",
+    )
+    tls_cert: str | None = setting(
+        "--tls-cert",
+        metavar="PATH",
+        help="server certificate chain (PEM) for --listen; required, with --tls-key and "
+        "--tls-client-ca, on any address but loopback",
+    )
+    tls_key: str | None = setting(
+        "--tls-key",
+        metavar="PATH",
+        help="private key (PEM) of --tls-cert",
+    )
+    tls_client_ca: str | None = setting(
+        "--tls-client-ca",
+        metavar="PATH",
+        help="CA certificates (PEM) that client certificates must chain to: --listen with "
+        "TLS admits only clients that present one (mutual TLS)",
+    )
     destructive_admin: bool = setting(
         "--no-destructive-admin",
         True,
@@ -316,6 +421,30 @@ class ServeConfig:
         parse=_whole_number(1),
         metavar="N",
         help="largest transfer job in keys",
+    )
+    # Bounds on what one request may make the event loop do (docs/security.md):
+    # checked on the message's counts before anything is built from it.
+    max_job_blocks: int = setting(
+        "--max-job-blocks",
+        16384,
+        parse=_whole_number(1),
+        metavar="N",
+        help="largest transfer job in GPU block ids (16384 blocks of 16 tokens: 256k tokens)",
+    )
+    max_job_pages: int = setting(
+        "--max-job-pages",
+        1 << 20,
+        parse=_whole_number(1),
+        metavar="N",
+        help="largest transfer job in pages (block ids x layers of their group; Llama-3-405B's "
+        "126 layers x 8192 blocks fit); larger jobs are refused with RESOURCE_EXHAUSTED",
+    )
+    max_batch_keys: int = setting(
+        "--max-batch-keys",
+        16384,
+        parse=_whole_number(1),
+        metavar="N",
+        help="keys in one Lookup, Pin, Unpin or Prefetch call",
     )
     reservation_timeout: float = setting(
         "--reservation-timeout",
@@ -368,6 +497,22 @@ class ServeConfig:
         shown="the system's CAs",
         help="CA certificates for rediss:// (PEM)",
     )
+    remote_key_file: str | None = setting(
+        "--remote-key-file",
+        metavar="PATH",
+        shown="none: --remote refuses to start without it",
+        help="the fleet key: rows written to the remote tier carry a MAC under it and only "
+        "rows that verify are loaded. First line: the current key (32+ characters, e.g. "
+        "`openssl rand -hex 32`); an optional second line: the previous key, still accepted "
+        "on reads. Mode 0600 (refused if the group or others may read or write it)",
+    )
+    remote_insecure: bool = setting(
+        "--remote-insecure",
+        False,
+        switch=True,
+        help="run --remote without a fleet key: rows are checked with a CRC only, so anyone "
+        "who can write to the store can plant rows this node loads",
+    )
     # Not settings: fixed for the daemon, changed only by tests that build a state directly.
     slot_granularity: int = 4096
     keepalive_seconds: float = 5.0
@@ -375,6 +520,16 @@ class ServeConfig:
     @property
     def fd_socket(self) -> str:
         return self.socket + ".fd"
+
+    @property
+    def admin_socket_path(self) -> str:
+        """The operators' socket: Admin is served there and nowhere else."""
+        return self.admin_socket or self.socket + ".admin"
+
+    @property
+    def admin_socket_mode(self) -> int:
+        # The daemon's user only, unless an operator group is named.
+        return 0o660 if self.admin_group else 0o600
 
 
 def settings() -> Iterator[tuple[str, Setting]]:

@@ -19,18 +19,21 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 import kvdepot
+from kvdepot.common.escape import EscapingFormatter
 from kvdepot.server.config import ServeConfig, format_size
 from kvdepot.server.core.planner import planning
 from kvdepot.server.cuda import enable_cuda
 from kvdepot.server.fd_receiver import FdReceiver
 from kvdepot.server.gc_policy import GcPolicy
 from kvdepot.server.health import HealthServicer
+from kvdepot.server.memory import private_files
 from kvdepot.server.memory.copy_engine import copier
 from kvdepot.server.memory.pool_file import PoolFileBusy
+from kvdepot.server.operator import ListenError, admin_refusal, listen_credentials
 from kvdepot.server.pvm import enable_pvm
 from kvdepot.server.resources import Headroom, raise_nofile_limit
 from kvdepot.server.sdnotify import SystemdNotifier, run_watchdog
-from kvdepot.server.service import wire
+from kvdepot.server.service import bounds, wire
 from kvdepot.server.service.admin import AdminServicer
 from kvdepot.server.service.depot import DepotServicer
 from kvdepot.server.state import DepotState
@@ -43,7 +46,12 @@ log = logging.getLogger("kvdepot")
 
 MAX_MESSAGE_BYTES = 512 << 20  # Put/Get carry a whole section inline
 SHUTDOWN_GRACE_SECONDS = 5.0
-SERVICES = ("kvdepot.v1.Depot", "kvdepot.v1.Admin")
+SERVICES = ("kvdepot.v1.Depot", "kvdepot.v1.Admin")  # the data socket's, the operators'
+_SERVER_OPTIONS = [
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.so_reuseport", 0),
+]
 
 
 class SocketPathError(RuntimeError):
@@ -92,19 +100,27 @@ def check_pool_file_path(path: str) -> None:
     says what to change, before anything is created or mapped."""
     p = Path(path)
     parent = p.parent
-    if not parent.exists():
+    try:  # the daemon's own directory (created 0700 when missing): see private_files
+        private_files.prepare_directory(parent)
+    except FileNotFoundError:
         raise PoolFilePathError(
-            f"--pool-file {path}: directory {parent} does not exist: create it or choose a "
-            f"path in an existing directory (e.g. /dev/shm/kvdepot.pool)"
-        )
-    if not parent.is_dir():
-        raise PoolFilePathError(f"--pool-file {path}: {parent} is not a directory")
+            f"--pool-file {path}: directory {parent.parent} does not exist: create it or "
+            f"choose a path in an existing directory (e.g. /dev/shm/kvdepot/kvdepot.pool)"
+        ) from None
+    except NotADirectoryError:
+        raise PoolFilePathError(f"--pool-file {path}: {parent} is not a directory") from None
+    except PermissionError as exc:  # UnsafeFileError, or no right to create it
+        raise PoolFilePathError(f"--pool-file {path}: {exc}") from None
     for target, what in ((p, "the pool file"), (Path(path + ".lock"), "its lock file")):
         if target.is_dir():
             raise PoolFilePathError(
                 f"--pool-file {path}: {target} ({what}) is a directory: remove it or give "
                 f"a path where a file can be created"
             )
+        try:  # a symlink, another user's file or one others may write: refused
+            private_files.check_existing(str(target), what)
+        except private_files.UnsafeFileError as exc:
+            raise PoolFilePathError(f"--pool-file {path}: {exc}") from None
         if target.exists():
             wanted, checked, verb = os.R_OK | os.W_OK, target, "read and write"
         else:
@@ -114,10 +130,16 @@ def check_pool_file_path(path: str) -> None:
                 f"--pool-file {path}: no permission to {verb} {checked} as uid "
                 f"{os.geteuid()}: fix the ownership or mode, or choose another path"
             )
+    for suffix, what in ((".index", "its index snapshot"), (".journal", "its journal")):
+        try:
+            private_files.check_existing(path + suffix, what)
+        except private_files.UnsafeFileError as exc:
+            raise PoolFilePathError(f"--pool-file {path}: {exc}") from None
 
 
 class RemoteTierError(RuntimeError):
-    """--remote cannot be used (redis-py missing, password file unreadable)."""
+    """--remote cannot be used (redis-py missing, password file unreadable, no usable
+    fleet key)."""
 
 
 class Daemon:
@@ -125,7 +147,9 @@ class Daemon:
         self.config = config
         self.state: DepotState | None = None
         self.server: grpc.aio.Server | None = None
+        self.admin_server: grpc.aio.Server | None = None  # the operators' socket
         self.health = HealthServicer()  # its Watch streams end at shutdown
+        self.admin_health = HealthServicer()  # the operator socket's
         self.notifier = SystemdNotifier()
         self._stop = asyncio.Event()
         self._ready = False  # READY=1 sent (read by the warm-up thread's STATUS lines)
@@ -135,8 +159,10 @@ class Daemon:
 
     async def run(self) -> None:
         cfg = self.config
+        tcp_credentials = listen_credentials(cfg)  # refuses TCP without mTLS off loopback
         prepare_socket_path(cfg.socket)
         prepare_socket_path(cfg.fd_socket)
+        prepare_socket_path(cfg.admin_socket_path)
         if cfg.pool_file:
             check_pool_file_path(cfg.pool_file)
         # Every registration holds an fd: take what the hard limit allows (the
@@ -165,54 +191,70 @@ class Daemon:
         log.info("copy planning: %s", planning())
         # Memory paths beyond shared memory; each logs whether it is on, and why.
         enable_cuda(st, st.arena)  # before the warm-up: it page-locks each warm chunk
-        enable_pvm(st)  # copies from engines' plain memory (process_vm_readv/writev)
+        enable_pvm(st, cfg.pvm)  # engines' plain memory (process_vm_readv/writev); --pvm
         self._start_warmup(st)
         remote = self.remote = self._remote_tier(st)
 
+        # Two servers on this loop: one grpc server cannot serve different services on
+        # different ports, and Admin must never be on the engines' socket (or TCP).
         server = self.server = grpc.aio.server(
-            options=[
-                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-                ("grpc.so_reuseport", 0),
-            ]
+            options=_SERVER_OPTIONS, maximum_concurrent_rpcs=bounds.max_concurrent_rpcs(cfg)
         )
-        # Undecodable requests get INVALID_ARGUMENT, not grpcio's UNKNOWN (see wire.py).
+        admin_server = self.admin_server = grpc.aio.server(options=_SERVER_OPTIONS)
+        # Undecodable requests get INVALID_ARGUMENT, not grpcio's UNKNOWN, and requests
+        # larger than any legal one are refused unparsed (see wire.py).
         depot = self.depot = DepotServicer(st, remote)
-        wire.add_servicer(depot_pb2_grpc.add_DepotServicer_to_server, depot, server)
+        wire.add_servicer(
+            depot_pb2_grpc.add_DepotServicer_to_server,
+            depot,
+            server,
+            bounds.max_request_bytes(cfg),
+        )
+        server.add_generic_rpc_handlers((admin_refusal(cfg.admin_socket_path),))
         wire.add_servicer(
             admin_pb2_grpc.add_AdminServicer_to_server,
             AdminServicer(st, remote, depot.lanes),
-            server,
+            admin_server,
         )
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
-        reflection.enable_server_reflection(
-            (
-                depot_pb2.DESCRIPTOR.services_by_name["Depot"].full_name,
-                admin_pb2.DESCRIPTOR.services_by_name["Admin"].full_name,
-                health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-                reflection.SERVICE_NAME,
-            ),
-            server,
-        )
+        health_name = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
+        for srv, health, service in (
+            (server, self.health, depot_pb2.DESCRIPTOR.services_by_name["Depot"]),
+            (admin_server, self.admin_health, admin_pb2.DESCRIPTOR.services_by_name["Admin"]),
+        ):
+            health_pb2_grpc.add_HealthServicer_to_server(health, srv)
+            reflection.enable_server_reflection(
+                (service.full_name, health_name, reflection.SERVICE_NAME), srv
+            )
         old_umask = os.umask(0o177)  # no window where the socket is world-accessible
         try:
             server.add_insecure_port(f"unix:{cfg.socket}")
+            admin_server.add_insecure_port(f"unix:{cfg.admin_socket_path}")
             fd_receiver = FdReceiver(
-                cfg.fd_socket, lambda sid: sid in st.sessions, headroom=Headroom(cfg.fd_reserve)
+                cfg.fd_socket,
+                lambda sid: sid in st.sessions,
+                headroom=Headroom(cfg.fd_reserve),
+                authorize=st.attest,  # binds sessions to processes (kernel identity)
+                loop=asyncio.get_running_loop(),
             )
             st.attach_fd_receiver(fd_receiver)
         finally:
             os.umask(old_umask)
-        if cfg.listen:
+        if cfg.listen and tcp_credentials is not None:
+            server.add_secure_port(cfg.listen, tcp_credentials)
+            log.info("also listening on TCP %s (mutual TLS; Depot only)", cfg.listen)
+        elif cfg.listen:
             server.add_insecure_port(cfg.listen)
             log.warning(
                 "also listening on TCP %s: anyone who reaches it can use the pool", cfg.listen
             )
         # grpcio's health servicer starts with "" SERVING: not before we are.
         await self.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self.admin_health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
         await server.start()
+        await admin_server.start()
         for path in (cfg.socket, cfg.fd_socket):
             apply_socket_access(path, cfg.socket_mode, cfg.socket_group)
+        apply_socket_access(cfg.admin_socket_path, cfg.admin_socket_mode, cfg.admin_group)
         fd_receiver.start()
         if cfg.metrics_port is not None:
             from kvdepot.server.metrics import Metrics
@@ -227,10 +269,16 @@ class Daemon:
                 "Prometheus metrics on http://%s:%d/metrics", cfg.metrics_addr, cfg.metrics_port
             )
         # SERVING only once everything (fd socket, metrics) is up.
-        for name in ("", *SERVICES):
-            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        for health, name in zip((self.health, self.admin_health), SERVICES, strict=True):
+            for service in ("", name):
+                await health.set(service, health_pb2.HealthCheckResponse.SERVING)
         log.info(
-            "serving on unix:%s (fd socket %s, mode %o)", cfg.socket, cfg.fd_socket, cfg.socket_mode
+            "serving on unix:%s (fd socket %s, mode %o); Admin on unix:%s (mode %o)",
+            cfg.socket,
+            cfg.fd_socket,
+            cfg.socket_mode,
+            cfg.admin_socket_path,
+            cfg.admin_socket_mode,
         )
         self.notifier.ready()
         self._ready = True
@@ -253,10 +301,11 @@ class Daemon:
         if not cfg.remote:
             return None
         try:
+            from kvdepot.server.remote.fleet_key import KeyFileError
             from kvdepot.server.remote.link import RemoteLink, RemoteSettings
-        except ImportError as exc:  # redis-py is the `remote` extra
+        except ImportError as exc:  # redis-py and blake3 are the `remote` extra
             raise RemoteTierError(
-                f"--remote needs redis-py ({exc}): pip install 'kvdepot[remote]'"
+                f"--remote needs redis-py and blake3 ({exc}): pip install 'kvdepot[remote]'"
             ) from None
         settings = RemoteSettings(
             url=cfg.remote,
@@ -265,9 +314,13 @@ class Daemon:
             max_inflight_bytes=cfg.remote_max_inflight_bytes,
             password_file=cfg.remote_password_file,
             ca_file=cfg.remote_ca_file,
+            key_file=cfg.remote_key_file,
+            insecure=cfg.remote_insecure,
         )
         try:
             link = RemoteLink.from_settings(settings, st.index, st.arena, st.copy_queue)
+        except KeyFileError as exc:  # no fleet key, or one others could read
+            raise RemoteTierError(str(exc)) from None
         except OSError as exc:
             raise RemoteTierError(f"--remote-password-file: {exc}") from None
         st.add_event_listener(link.on_event)
@@ -309,25 +362,29 @@ class Daemon:
         if self.depot is not None:  # job lanes answer what runs, then close
             await self.depot.lanes.shutdown(SHUTDOWN_GRACE_SECONDS)
         await self.health.enter_graceful_shutdown()
-        assert self.server is not None
-        await self.server.stop(SHUTDOWN_GRACE_SECONDS)
+        await self.admin_health.enter_graceful_shutdown()
+        assert self.server is not None and self.admin_server is not None
+        await asyncio.gather(
+            self.server.stop(SHUTDOWN_GRACE_SECONDS),
+            self.admin_server.stop(SHUTDOWN_GRACE_SECONDS),
+        )
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         if self.remote is not None:  # its copies must end before the pool is unmapped
             await self.remote.close()
         st.close()
-        for path in (self.config.socket, self.config.fd_socket):
+        for path in (self.config.socket, self.config.fd_socket, self.config.admin_socket_path):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
         log.info("stopped; sockets removed")
 
 
 def serve(config: ServeConfig) -> int:
-    logging.basicConfig(
-        level=config.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    log_format = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+    logging.basicConfig(level=config.log_level.upper(), format=log_format)
+    for handler in logging.getLogger().handlers:  # clients' strings reach the log escaped
+        handler.setFormatter(EscapingFormatter(log_format))
     logging.getLogger("grpc").setLevel(max(logging.INFO, logging.getLogger().level))
     try:
         import uvloop
@@ -337,7 +394,13 @@ def serve(config: ServeConfig) -> int:
         log.warning("uvloop is not installed; using asyncio's default loop")
     try:
         asyncio.run(Daemon(config).run())
-    except (SocketPathError, PoolFileBusy, PoolFilePathError, RemoteTierError) as exc:
+    except (
+        SocketPathError,
+        PoolFileBusy,
+        PoolFilePathError,
+        RemoteTierError,
+        ListenError,
+    ) as exc:
         log.error("%s", exc)
         return 2
     return 0

@@ -12,10 +12,19 @@ is taken while the process is near its open-file limit (`headroom`).
 A received fd waits under a random token until a RegisterKV of the same session
 claims it; unclaimed fds are closed after `ttl` seconds, and a session's fds are
 closed when it ends, so nothing leaks. See kvdepot.client.fdpass for the protocol.
+
+Identity: every message names a session, and the kernel names its sender
+(kvdepot.server.peer: SO_PEERCRED, start time). `authorize(session_id, peer)`,
+run on the daemon's event loop, binds the session to the first process that
+speaks for it (an "attest" message, which carries no fd, or its first fd) and
+refuses every other process (PERMISSION_DENIED). A pending fd remembers its
+sender, so a pvm registration copies from that process and no other.
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import os
@@ -28,6 +37,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvdepot.client.fdpass import FdPassError, encode, read_message
+from kvdepot.server import errors
+from kvdepot.server.peer import Peer, PeerGone, peer_of
 from kvdepot.server.resources import Headroom, ResourceLow
 
 log = logging.getLogger("kvdepot.fd")
@@ -36,6 +47,11 @@ MAX_PENDING_PER_SESSION = 64
 MESSAGE_DEADLINE = 3.0  # seconds for a whole message; a healthy client needs milliseconds
 MAX_CONNECTIONS = 64
 MAX_PER_PEER = 8
+AUTHORIZE_TIMEOUT = 5.0  # seconds for the event loop to answer an identity check
+
+# authorize(session_id, sender): returns when `sender` may speak for the session;
+# raises errors.DepotError (PERMISSION_DENIED, RESOURCE_EXHAUSTED, ...) otherwise.
+Authorize = Callable[[str, Peer], None]
 
 
 @dataclass
@@ -43,7 +59,15 @@ class PendingFd:
     fd: int
     session_id: str
     received: float
-    peer_pid: int
+    peer: Peer  # the process that sent it (SO_PEERCRED of the fd-socket connection)
+
+    @property
+    def peer_pid(self) -> int:
+        return self.peer.pid
+
+
+class ForeignToken(Exception):
+    """An fd_token sent for another session than the one that presents it."""
 
 
 class FdReceiver:
@@ -57,7 +81,11 @@ class FdReceiver:
         message_deadline: float = MESSAGE_DEADLINE,
         max_connections: int = MAX_CONNECTIONS,
         max_per_peer: int = MAX_PER_PEER,
+        authorize: Authorize | None = None,
+        loop: asyncio.AbstractEventLoop | None = None,
     ):
+        """`authorize` (see `Authorize`) runs on `loop` when one is given, else on
+        the connection's thread; None accepts any sender (tests of the socket)."""
         self.path = path
         self.ttl = ttl
         self.headroom = headroom
@@ -65,6 +93,8 @@ class FdReceiver:
         self.max_connections = max_connections
         self.max_per_peer = max_per_peer
         self._session_exists = session_exists
+        self._authorize = authorize
+        self._loop = loop
         self._lock = threading.Lock()
         self._pending: dict[str, PendingFd] = {}
         # Connections being read: socket -> (peer pid, deadline). Under _lock.
@@ -97,16 +127,26 @@ class FdReceiver:
             return len(self._pending)
 
     def claim(self, token: str, session_id: str) -> int:
-        """Takes ownership of the fd behind `token`; raises KeyError with why."""
+        """Takes ownership of the fd behind `token`; raises KeyError with why
+        (ForeignToken when it was sent for another session)."""
+        return self.claim_pending(token, session_id).fd
+
+    def claim_pending(self, token: str, session_id: str) -> PendingFd:
+        """`claim`, with who sent the fd (the caller owns `.fd`)."""
         with self._lock:
             p = self._pending.get(token)
-            if p is None or p.session_id != session_id:
+            if p is not None and p.session_id != session_id:
+                raise ForeignToken(
+                    "this fd_token was sent for another session: a session uses only the "
+                    "fds its own process sent"
+                )
+            if p is None:
                 raise KeyError(
-                    f"unknown fd_token {token!r}: send the memfd to the fd socket first, with "
-                    f"this session's id, and use the token within {self.ttl:.0f} s"
+                    f"unknown fd_token {token[:8]!r}…: send the memfd to the fd socket first, "
+                    f"with this session's id, and use the token within {self.ttl:.0f} s"
                 )
             del self._pending[token]
-            return p.fd
+            return p
 
     def drop_session(self, session_id: str) -> int:
         with self._lock:
@@ -213,10 +253,13 @@ class FdReceiver:
             msg, fds = read_message(conn, max_fds=4)
             if self.headroom is not None:
                 self.headroom.check_fds(0, "the fd")
-            reply = self._accept(msg, fds, peer_pid)
+            sender = peer_of(conn)  # the kernel's word, never the message's
+            reply = self._accept(msg, fds, sender)
             fds = []  # ownership moved (or closed) by _accept
         except ResourceLow as exc:
             reply = {"error": str(exc)}
+        except PeerGone as exc:
+            reply = {"error": f"cannot identify the sending process: {exc}"}
         except (FdPassError, OSError) as exc:
             late = isinstance(exc, TimeoutError) or str(exc).startswith("connection closed")
             reply = {
@@ -233,7 +276,43 @@ class FdReceiver:
         with contextlib.suppress(OSError):  # the client gave up: nothing to tell it
             conn.sendall(encode(reply))
 
-    def _accept(self, msg: dict, fds: list[int], peer_pid: int) -> dict:
+    def _check_sender(self, session_id: str, sender: Peer) -> dict | None:
+        """None when `sender` may speak for the session, else the error reply."""
+        if self._authorize is None:
+            return None
+        try:
+            if self._loop is None:
+                self._authorize(session_id, sender)
+            else:
+                done: concurrent.futures.Future[None] = concurrent.futures.Future()
+
+                def run() -> None:
+                    try:
+                        self._authorize(session_id, sender)  # type: ignore[misc]
+                        done.set_result(None)
+                    except BaseException as exc:
+                        done.set_exception(exc)
+
+                self._loop.call_soon_threadsafe(run)
+                done.result(AUTHORIZE_TIMEOUT)
+        except errors.DepotError as exc:
+            return {"error": exc.message, "code": exc.code.name}
+        except (TimeoutError, concurrent.futures.TimeoutError, RuntimeError):
+            return {"error": "the daemon is busy or stopping: retry", "code": "UNAVAILABLE"}
+        return None
+
+    def _accept(self, msg: dict, fds: list[int], sender: Peer) -> dict:
+        session_id = msg.get("session_id")
+        if msg.get("attest"):
+            # Binds the session to this process (no fd needed); see the docstring.
+            for fd in fds:
+                os.close(fd)
+            if fds:
+                return {"error": "an attest message carries no fd"}
+            if not isinstance(session_id, str) or not self._session_exists(session_id):
+                return {"error": "unknown session_id: open a Session first and send its id"}
+            refused = self._check_sender(session_id, sender)
+            return refused or {"attested": True, "pid": sender.pid}
         if len(fds) != 1:
             for fd in fds:
                 os.close(fd)
@@ -242,10 +321,13 @@ class FdReceiver:
                 f"{len(fds)})"
             }
         fd = fds[0]
-        session_id = msg.get("session_id")
         if not isinstance(session_id, str) or not self._session_exists(session_id):
             os.close(fd)
             return {"error": "unknown session_id: open a Session first and send its id"}
+        refused = self._check_sender(session_id, sender)
+        if refused is not None:
+            os.close(fd)
+            return refused
         with self._lock:
             if sum(p.session_id == session_id for p in self._pending.values()) >= (
                 MAX_PENDING_PER_SESSION
@@ -256,7 +338,7 @@ class FdReceiver:
                     f"session: register (RegisterKV) the ones already sent"
                 }
             token = secrets.token_hex(16)
-            self._pending[token] = PendingFd(fd, session_id, time.monotonic(), peer_pid)
+            self._pending[token] = PendingFd(fd, session_id, time.monotonic(), sender)
         # The session may have ended (on the event loop) since the check above; its
         # drop_session then ran before this fd was filed. The loop removes a session
         # before dropping its fds, so checking again after filing closes the gap.

@@ -9,24 +9,30 @@ thread only makes the system calls.
 
     enable_pvm(state)      # at start-up: adds the "pvm" memory path
 
+The path is off unless the operator turns it on (`--pvm`, KVDEPOT_PVM=1): the
+daemon then answers pvm registrations with FAILED_PRECONDITION naming the
+setting, and kvdepot's connector moves pages inline instead.
+
 Who may be read (the security contract). The daemon usually holds more ptrace
-rights than its clients (it runs as the engines' uid, or with CAP_SYS_PTRACE),
-so a client must never make it copy another process's memory. A pid in a
-message proves nothing; the kernel's credentials do:
-- the client creates a Unix socketpair and sends one end over the fd socket
-  (SCM_RIGHTS); its fd_token is `ProcessMemory.pid_token`. The kernel stamps a
-  socketpair with its creator's credentials, so SO_PEERCRED on the received end
-  names the process that made it, in the daemon's own pid namespace;
-- the daemon takes a pidfd of exactly that process (SO_PEERPIDFD, else
-  pidfd_open) and refuses the registration unless the process's own view of its
-  pid (the last NSpid entry) equals both `ProcessMemory.pid` and the session's
-  pid. Copies go to the pid the kernel named, never to one from the message;
-- the pidfd pins the process's identity: every copy checks that the process is
-  still alive before it starts, and a STORE checks again after the bytes moved,
-  so a pid reused by another process is never read into the pool. (A LOAD could
-  still land in a reused pid if the engine exited and its pid were recycled in
-  the microseconds between that check and the system call; the engine's session
-  ends with the process and its registration with it.)
+rights than its clients (it runs as the engines' uid), so a client must never
+make it copy another process's memory. A pid in a message proves nothing (it is
+ignored; a mismatch is refused as a client bug); the kernel's credentials do:
+- the client sends one end of a Unix socketpair it created over the fd socket
+  (SCM_RIGHTS); its fd_token is `ProcessMemory.pid_token`. The fd socket names
+  the *sender* of that message (SO_PEERCRED of its connection, pinned by
+  SO_PEERPIDFD, kvdepot.server.peer), and the session must belong to it;
+- the passed socket must be an unnamed socketpair end (no bound or peer path:
+  a socket connected to a listener names the *listener*, which is how a
+  process could point the daemon at another) whose own SO_PEERCRED, its
+  creator, is that same sender. Copies go to the sender and no one else;
+- the region holds a pidfd of the sender and its identity (start time, uids):
+  every copy re-checks them before it starts (pidfd alive, same start time and
+  uids in /proc), the pidfd again before every system call batch, and a STORE
+  once more after the bytes moved, so a pid reused by another process is never
+  read into the pool. (A LOAD could still land in a reused pid if the engine
+  exited and its pid were recycled in the microseconds between that check and
+  the system call; the engine's session ends with the process and its
+  registration with it.)
 
 Access is probed at registration (a small read of the first and last page of
 the range): a refusal answers PERMISSION_DENIED naming what to change (same uid
@@ -44,9 +50,7 @@ import functools
 import itertools
 import logging
 import os
-import select
 import socket
-import struct
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -57,7 +61,15 @@ from kvdepot.client.pvm import ptrace_scope
 from kvdepot.common.kinds import MemoryPath
 from kvdepot.server import errors
 from kvdepot.server.core.planner import CopyPlan
-from kvdepot.server.memory.copy_engine import LOAD, STORE, CopyEngine, MappedRegion, PreparedCopy
+from kvdepot.server.memory.copy_engine import (
+    LOAD,
+    STORE,
+    CopyEngine,
+    MappedRegion,
+    PreparedCopy,
+    check_runs,
+)
+from kvdepot.server.peer import Peer, PeerGone, pidfd_alive, socket_creator, start_time, uids
 
 log = logging.getLogger("kvdepot.pvm")
 
@@ -69,7 +81,6 @@ PROBE_BYTES = 4096
 # Jobs of at least this many bytes are copied by several threads at once.
 PARALLEL_MIN_BYTES = 16 << 20
 PARALLEL_THREADS = min(4, os.cpu_count() or 1)
-SO_PEERPIDFD = getattr(socket, "SO_PEERPIDFD", 77)  # Linux >= 6.5
 CAP_SYS_PTRACE = 19
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -109,17 +120,21 @@ def access_advice(target_uid: int | None) -> str:
     if target_uid is not None and target_uid != os.geteuid() and not has_cap_sys_ptrace():
         fixes.append(
             f"run the daemon as the engine's uid ({target_uid}; the daemon is uid "
-            f"{os.geteuid()}) or give it CAP_SYS_PTRACE"
+            f"{os.geteuid()}). Giving it CAP_SYS_PTRACE instead is not advised: it would "
+            f"reach every process on the node; use shared memory rather"
         )
     scope = ptrace_scope()
     if scope == 1:
         fixes.append(
             f"Yama ptrace_scope is 1: the engine must allow the daemon with "
             f"prctl(PR_SET_PTRACER, <daemon pid {os.getpid()}>) (kvdepot's connector does "
-            f"this itself), or give the daemon CAP_SYS_PTRACE"
+            f"this itself)"
         )
     elif scope == 2:
-        fixes.append("Yama ptrace_scope is 2: the daemon needs CAP_SYS_PTRACE")
+        fixes.append(
+            "Yama ptrace_scope is 2: only CAP_SYS_PTRACE would do, which is not advised; "
+            "use shared memory (kvdepot.client.SharedKVBuffer)"
+        )
     elif scope == 3:
         fixes.append(
             "Yama ptrace_scope is 3: no process may read another's memory; use shared "
@@ -127,7 +142,7 @@ def access_advice(target_uid: int | None) -> str:
         )
     fixes.append(
         "a process that made itself non-dumpable (prctl PR_SET_DUMPABLE 0, setuid "
-        "binaries) can be read only with CAP_SYS_PTRACE"
+        "binaries) cannot be read: use shared memory for it"
     )
     fixes.append(
         "in Kubernetes the daemon must see the engine's processes "
@@ -205,13 +220,16 @@ def _iovecs(base: np.ndarray, nbytes: np.ndarray) -> np.ndarray:
     return iov
 
 
-def copy_batches(pid: int, direction: int, batches: Sequence[Batch]) -> int:
+def copy_batches(
+    pid: int, direction: int, batches: Sequence[Batch], pidfd: int | None = None
+) -> int:
     """Moves every batch between this process (the pool) and `pid`; returns the bytes.
 
     STORE reads the remote ranges into the pool (process_vm_readv); LOAD writes
     the pool into them (process_vm_writev). Raises ProcessGone when the kernel
-    moves fewer bytes than asked (the process exited or unmapped the memory)
-    and PermissionError when the access was refused.
+    moves fewer bytes than asked (the process exited or unmapped the memory),
+    or, with `pidfd`, when that process has exited before a batch (its pid may
+    name another process now), and PermissionError when the access was refused.
     """
     if direction == STORE:
         fn, name = _readv, "process_vm_readv"
@@ -221,6 +239,8 @@ def copy_batches(pid: int, direction: int, batches: Sequence[Batch]) -> int:
         raise ValueError(f"unknown direction {direction}")
     done = 0
     for local, remote, count, want in batches:
+        if pidfd is not None and not pidfd_alive(pidfd):
+            raise ProcessGone(f"process {pid} exited: its registration is void")
         got = fn(pid, local.ctypes.data, count, remote.ctypes.data, count, 0)
         if got < 0:
             err = ctypes.get_errno()
@@ -244,20 +264,45 @@ class ProcessMemoryRegion(MappedRegion):
 
     kind = MemoryPath.PVM
 
-    def __init__(self, pid: int, pidfd: int, address: int, size: int) -> None:
+    def __init__(
+        self,
+        pid: int,
+        pidfd: int,
+        address: int,
+        size: int,
+        started: int | None = None,
+        uid_set: tuple[int, ...] | None = None,
+    ) -> None:
         self.pid = pid
         self._pidfd = pidfd
         self.address = address
         self.size = size
+        # The identity checked before every copy (None: pidfd only, tests).
+        self.started = started
+        self.uid_set = uid_set
+
+    @property
+    def pidfd(self) -> int:
+        return self._pidfd
 
     def alive(self) -> bool:
         """False once the process has exited (its pidfd polls readable)."""
         fd = self._pidfd
         if fd < 0:
             return False
-        poller = select.poll()
-        poller.register(fd, select.POLLIN)
-        return not poller.poll(0)
+        return pidfd_alive(fd)
+
+    def identity_holds(self) -> bool:
+        """The registered process still runs, as the same program's owner: pidfd
+        alive, same start time and same (real, effective, saved, fs) uids. Read
+        before the pidfd check, so the /proc files read were that process's."""
+        try:
+            same = (self.started is None or start_time(self.pid) == self.started) and (
+                self.uid_set is None or uids(self.pid) == self.uid_set
+            )
+        except (OSError, ValueError, IndexError, PeerGone):
+            return False
+        return same and self.alive()
 
     def close(self) -> None:
         fd, self._pidfd = self._pidfd, -1
@@ -284,7 +329,12 @@ class PvmCopyEngine(CopyEngine):
         )
 
     def prepare(
-        self, direction: int, regions: Sequence[MappedRegion], pool_address: int, plan: CopyPlan
+        self,
+        direction: int,
+        regions: Sequence[MappedRegion],
+        pool_address: int,
+        plan: CopyPlan,
+        pool_size: int | None = None,
     ) -> PreparedCopy:
         procs = [r for r in regions if isinstance(r, ProcessMemoryRegion)]
         if len(procs) != len(regions) or not procs:
@@ -294,6 +344,7 @@ class PvmCopyEngine(CopyEngine):
             raise ValueError("one registration's regions belong to one process")
         if direction not in (STORE, LOAD):
             raise ValueError(f"unknown direction {direction}")
+        check_runs(procs, plan, pool_size)
         mem, pool, sizes = plan.addresses([r.address for r in procs], pool_address)
         parts = self.threads if self._pool is not None and plan.nbytes >= PARALLEL_MIN_BYTES else 1
         shares = plan_batches(pool, mem, sizes, parts)
@@ -307,13 +358,17 @@ class PvmCopyEngine(CopyEngine):
         shares: list[list[Batch]],
     ) -> None:
         """Copies the shares side by side, this thread taking the first (a copy thread)."""
-        self._check_alive(procs)
+        self._check_identity(procs)
         if not shares:
             return
-        futures = [self._pool.submit(copy_batches, pid, direction, s) for s in shares[1:]]  # type: ignore[union-attr]
+        pidfd = procs[0].pidfd
+        futures = [
+            self._pool.submit(copy_batches, pid, direction, s, pidfd)  # type: ignore[union-attr]
+            for s in shares[1:]
+        ]
         failure: BaseException | None = None
         try:
-            copy_batches(pid, direction, shares[0])
+            copy_batches(pid, direction, shares[0], pidfd)
         except (ProcessGone, PermissionError) as exc:
             failure = exc
         for f in futures:  # wait for every share, failed or not
@@ -334,6 +389,16 @@ class PvmCopyEngine(CopyEngine):
             if not r.alive():
                 raise errors.precondition(f"process {r.pid} has exited: its registration is void")
 
+    @staticmethod
+    def _check_identity(procs: Sequence[ProcessMemoryRegion]) -> None:
+        """Before a copy: the process is the one that registered (see identity_holds)."""
+        for r in procs:
+            if not r.identity_holds():
+                raise errors.precondition(
+                    f"process {r.pid} has exited or changed its identity (start time, "
+                    f"uids): its registration is void"
+                )
+
 
 # -- registration ------------------------------------------------------------------------
 
@@ -347,9 +412,9 @@ def _pidfd_pids(pidfd: int) -> list[int]:
     return [int(x) for x in line.split()]
 
 
-def creator_of(sock_fd: int) -> tuple[int, int, int]:
-    """(pid in this namespace, uid, pidfd) of the process that created the
-    socketpair whose end `sock_fd` is. Raises DepotError when it is not one."""
+def check_creator(sock_fd: int, sender: Peer) -> None:
+    """Refuses (DepotError) unless `sock_fd` is an end of an unnamed Unix socketpair
+    that `sender` (the process that passed it over the fd socket) created itself."""
     not_a_pair = errors.invalid(
         "pid_token must name one end of a Unix socketpair made by the registering "
         "process (see kvdepot.client.pvm)"
@@ -361,28 +426,43 @@ def creator_of(sock_fd: int) -> tuple[int, int, int]:
         os.close(dup)
         raise not_a_pair from None
     with sock:
-        if sock.family != socket.AF_UNIX:
-            raise not_a_pair
-        pid, uid, _gid = struct.unpack(
-            "3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+        creator = socket_creator(sock)
+    if creator is None:
+        raise errors.denied(
+            "pid_token names a socket with an address (bound, or connected to a listener): "
+            "only an unnamed socketpair the registering process made proves who it is"
         )
-        if pid <= 0:
-            raise errors.precondition(
-                "the registering process is not visible in the daemon's pid namespace: run "
-                "the daemon where it sees the engines (Kubernetes: shareProcessNamespace: "
-                "true, or hostPID for a node daemon)"
-            )
-        try:
-            pidfd = sock.getsockopt(socket.SOL_SOCKET, SO_PEERPIDFD)
-        except OSError:  # Linux < 6.5: a pidfd by number (see the module docstring)
-            try:
-                pidfd = os.pidfd_open(pid)
-            except OSError as exc:
-                raise errors.precondition(
-                    f"cannot open a pidfd of process {pid} ({exc.strerror}): the pvm path "
-                    f"needs Linux >= 5.3 and a live process"
-                ) from None
-    return pid, uid, pidfd
+    if creator[0] != sender.pid or creator[1] != sender.uid:
+        raise errors.denied(
+            f"the pid_token socketpair was made by pid {creator[0]}, not by {sender}, "
+            f"which sent it: a process may register only its own memory"
+        )
+
+
+def sender_pidfd(sender: Peer) -> tuple[int, tuple[int, ...]]:
+    """A pidfd of `sender` and its uids, verified to be that very process (same
+    start time, read while the pidfd pins it). Raises DepotError."""
+    if not sender.visible:
+        raise errors.precondition(
+            f"the pvm path copies only from processes the daemon can see, and {sender} is "
+            f"not one (another pid namespace, or /proc hidden): use the shm path"
+        )
+    try:
+        pidfd = os.pidfd_open(sender.pid)
+    except OSError as exc:
+        raise errors.precondition(
+            f"cannot open a pidfd of process {sender.pid} ({exc.strerror}): the pvm path "
+            f"needs Linux >= 5.3 and a live process"
+        ) from None
+    try:
+        same = start_time(sender.pid) == sender.start_time
+        uid_set = uids(sender.pid)
+        if not (same and pidfd_alive(pidfd)):
+            raise PeerGone(f"process {sender.pid} exited during registration")
+    except (OSError, ValueError, IndexError, PeerGone) as exc:
+        os.close(pidfd)
+        raise errors.precondition(f"{exc}: register again") from None
+    return pidfd, uid_set
 
 
 def probe(pid: int, address: int, size: int, uid: int | None) -> None:
@@ -415,38 +495,57 @@ def open_region(state: Any, handle: Any, session: Any) -> tuple[MappedRegion, Co
         raise errors.invalid("a pvm region needs a positive size")
     if not 0 < handle.address < 1 << 64 or handle.address + handle.size > 1 << 64:
         raise errors.invalid(f"address range [{handle.address:#x}, +{handle.size}) is invalid")
+    passed = state.claim_passed(handle.pid_token, session.id)
+    sender: Peer = passed.peer  # who sent the socket: the kernel's word
     try:
-        sock_fd = state.fd_receiver.claim(handle.pid_token, session.id)
-    except KeyError as exc:
-        raise errors.invalid(exc.args[0]) from None
-    try:
-        pid, uid, pidfd = creator_of(sock_fd)
+        try:
+            check_creator(passed.fd, sender)
+        except errors.DepotError as exc:
+            if exc.code is errors.Code.PERMISSION_DENIED:
+                raise state.deny(exc.message) from None
+            raise
     finally:
-        os.close(sock_fd)
+        os.close(passed.fd)
+    pidfd, uid_set = sender_pidfd(sender)
     try:
-        pids = _pidfd_pids(pidfd)
-        if pids[0] != pid:
-            raise errors.precondition(f"process {pid} exited during registration")
-        own = pids[-1]
-        if own != handle.pid or own != session.pid:
-            raise errors.denied(
-                f"ProcessMemory.pid {handle.pid} (session pid {session.pid}) is not the "
-                f"process that made the pid_token socketpair (pid {own}): a process may "
-                f"register only its own memory"
+        own = _pidfd_pids(pidfd)[-1]  # the sender's own view of its pid
+        if handle.pid and handle.pid != own:
+            # The message's pid never chooses what is copied; a wrong one is a client
+            # bug (or a lie), and is said so.
+            raise state.deny(
+                f"ProcessMemory.pid {handle.pid} is not the process that made and sent the "
+                f"pid_token socketpair (pid {own}): a process may register only its own memory"
             )
-        probe(pid, handle.address, handle.size, uid)
+        probe(sender.pid, handle.address, handle.size, sender.uid)
     except BaseException:
         os.close(pidfd)
         raise
-    return ProcessMemoryRegion(pid, pidfd, handle.address, handle.size), _ENGINE
+    region = ProcessMemoryRegion(
+        sender.pid, pidfd, handle.address, handle.size, sender.start_time, uid_set
+    )
+    return region, _ENGINE
 
 
 _ENGINE = PvmCopyEngine()
 
 
-def enable_pvm(state: Any) -> None:
+def refuse_pvm(handle: Any, session: Any) -> tuple[MappedRegion, CopyEngine]:
+    """The pvm opener of a daemon started without --pvm."""
+    raise errors.precondition(
+        "the pvm memory path is off in this daemon: the operator enables it with --pvm "
+        "(KVDEPOT_PVM=1); until then use shared memory (kvdepot.client.SharedKVBuffer) or "
+        "inline Put/Get (kvdepot's connector falls back by itself)"
+    )
+
+
+def enable_pvm(state: Any, on: bool = True) -> None:
     """Adds the "pvm" memory path to `state` (DepotState.add_memory_path) and logs
-    what the host allows. Registration-time probes decide per engine."""
+    what the host allows, or (`on` False, no --pvm) a path that refuses with how to
+    turn it on. Registration-time probes decide per engine."""
+    if not on:
+        state.add_memory_path(MemoryPath.PVM, refuse_pvm)
+        log.info("pvm path off (--pvm, KVDEPOT_PVM=1 turns it on)")
+        return
     state.add_memory_path(
         MemoryPath.PVM, lambda handle, session: open_region(state, handle, session)
     )

@@ -1,6 +1,11 @@
 """`kvdepot status`: the daemon at a glance, for the operator on the node.
 
-    kvdepot status [--socket PATH] [--watch] [--json] [--interval S] [--probe]
+    kvdepot status [--socket PATH] [--admin-socket PATH] [--watch] [--json] [--interval S]
+                   [--probe]
+
+The figures come from the Admin service, on the daemon's operator socket: PATH.admin
+beside the data socket unless --admin-socket names another (as for serve). It is the
+daemon's user's only (mode 0600) or an operator group's (serve --admin-group).
 
 One screen (rendered with rich, 80 columns is enough): the pool with a bar (used,
 pinned, free, largest free extent), warm-up progress and, on CUDA hosts, page-locking
@@ -12,7 +17,9 @@ Rates need two readings: a one-shot status reads twice, `--interval` apart (defa
 1 s; `--interval 0` reads once and shows no rates). `--watch` redraws every interval
 until Ctrl-C and keeps retrying, on screen, while the daemon is away. `--json` prints
 the same content as one JSON object (one per line with `--watch`). `--probe` is the
-container health check: exit 0 when grpc.health.v1 answers SERVING, else 1.
+container health check (on the data socket, as engines see it): exit 0 when
+grpc.health.v1 answers SERVING, else 1. Strings that clients chose (client names,
+engine ids, namespace descriptions) are shown escaped (kvdepot.common.escape).
 
 Errors are one line on stderr, exit status 1: no socket, permission (names the group
 to join), nothing listening, not a kvdepot daemon, no answer in time.
@@ -30,12 +37,14 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+from kvdepot.common.escape import escaped
 from kvdepot.server.config import default_socket_path
 from kvdepot.server.status_report import (
     REMOTE_COUNTERS,
     Sample,
     Sampler,
     StatusError,
+    admin_socket_of,
     build_report,
     connect,
     health_probe,
@@ -50,6 +59,12 @@ def add_status_arguments(parser: argparse.ArgumentParser) -> None:
         "--socket",
         default=os.environ.get("KVDEPOT_SOCKET") or default_socket_path(),
         help="the daemon's Unix socket, as for serve (KVDEPOT_SOCKET; default %(default)s)",
+    )
+    parser.add_argument(
+        "--admin-socket",
+        default=os.environ.get("KVDEPOT_ADMIN_SOCKET") or None,
+        help="the daemon's operator socket, as for serve (KVDEPOT_ADMIN_SOCKET; default: "
+        "the --socket path + .admin)",
     )
     parser.add_argument("--watch", action="store_true", help="redraw every interval until Ctrl-C")
     parser.add_argument("--json", action="store_true", help="print JSON instead of the screen")
@@ -71,34 +86,36 @@ def add_status_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_status(args: argparse.Namespace) -> int:
-    path = socket_path_of(args.socket)
+    data = socket_path_of(args.socket)
+    path = socket_path_of(args.admin_socket) if args.admin_socket else admin_socket_of(data)
     try:
         if args.probe:
-            health_probe(path, timeout=args.timeout)
+            health_probe(data, timeout=args.timeout)
             return 0
         if args.watch:
-            return _watch(path, args)
-        _print_once(path, args)
+            return _watch(data, path, args)
+        _print_once(data, path, args)
         return 0
     except StatusError as exc:
-        print(f"kvdepot status: {exc}", file=sys.stderr)
+        print(f"kvdepot status: {escaped(str(exc))}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130
 
 
-def _read(path: str, timeout: float, interval: float) -> dict[str, Any]:
+def _read(data: str, path: str, timeout: float, interval: float) -> dict[str, Any]:
+    """A report of the daemon whose data socket is `data`, read on its operator socket `path`."""
     with connect(path, timeout) as channel:
         sampler = Sampler(path, channel, timeout)
         first = sampler.sample()
         if interval <= 0:
-            return build_report(path, None, first)
+            return build_report(data, None, first, admin_socket=path)
         time.sleep(interval)
-        return build_report(path, first, sampler.sample())
+        return build_report(data, first, sampler.sample(), admin_socket=path)
 
 
-def _print_once(path: str, args: argparse.Namespace) -> None:
-    report = _read(path, args.timeout, args.interval)
+def _print_once(data: str, path: str, args: argparse.Namespace) -> None:
+    report = _read(data, path, args.timeout, args.interval)
     if args.json:
         print(json.dumps(report, indent=2))
         return
@@ -107,7 +124,7 @@ def _print_once(path: str, args: argparse.Namespace) -> None:
     Console(highlight=False).print(render(report))
 
 
-def _watch(path: str, args: argparse.Namespace) -> int:
+def _watch(data: str, path: str, args: argparse.Namespace) -> int:
     """Redraws until Ctrl-C; a daemon that goes away is shown, and picked up again.
 
     Ctrl-C sets a flag that the loop checks between readings: a KeyboardInterrupt
@@ -131,7 +148,7 @@ def _watch(path: str, args: argparse.Namespace) -> int:
                     sampler = Sampler(path, channel, args.timeout)
                     while not stop.is_set():
                         cur = sampler.sample()
-                        report = build_report(path, prev, cur)
+                        report = build_report(data, prev, cur, admin_socket=path)
                         prev = cur
                         last_good = report
                         yield report
@@ -144,7 +161,8 @@ def _watch(path: str, args: argparse.Namespace) -> int:
     def view(item: Any) -> Any:
         if isinstance(item, StatusError):
             stamp = time.strftime("%H:%M:%S")
-            err = Text(f"{stamp} {item} (retrying every {interval:g}s)", style="bold red")
+            line = escaped(f"{stamp} {item} (retrying every {interval:g}s)")
+            err = Text(line, style="bold red")
             if last_good is None:
                 return err
             return Group(err, Text("last reading:", style="dim"), render(last_good))
@@ -202,6 +220,14 @@ def plural(n: int, word: str) -> str:
 
 def fmt_rate(x: float) -> str:
     return f"{x:.0f}" if x >= 100 or x == 0 else f"{x:.1f}"
+
+
+def shown(text: str) -> Any:
+    """Text a client chose (or any string not ours), for a rich cell: control
+    characters escaped, and never read as rich markup ("[/]" would raise, "[blink]" style)."""
+    from rich.text import Text
+
+    return Text(escaped(text))
 
 
 def short_id(ns_id: str) -> str:
@@ -306,7 +332,7 @@ def render(r: dict[str, Any]) -> Any:
     grid = Table.grid(padding=(0, 1))
     grid.add_column(style="bold", no_wrap=True)
     grid.add_column()
-    grid.add_row("socket", r["socket"])
+    grid.add_row("socket", shown(r["socket"]))
     cap = pool["capacity_bytes"]
     bar = _pool_bar(cap, pool["used_bytes"], pool["pinned_bytes"])
     bar.append(f" {100 * pool['used_fraction']:.1f}% of {fmt_bytes(cap)}")
@@ -415,8 +441,8 @@ def render(r: dict[str, Any]) -> Any:
     ns_table.add_column("bytes", justify="right", no_wrap=True)
     for ns in r["namespaces"]:
         ns_table.add_row(
-            short_id(ns["id"]),
-            ns["description"],
+            shown(short_id(ns["id"])),
+            shown(ns["description"]),
             str(ns["ready_blocks"]),
             str(ns["writing_blocks"]),
             fmt_bytes(ns["used_bytes"]),
@@ -438,7 +464,7 @@ def render(r: dict[str, Any]) -> Any:
         for reg in e["registrations"]:
             why.setdefault(reg["memory_path"], reg["memory_path_reason"])
         eng.add_row(
-            e["client_name"] or e["engine_id"] or e["session_id"],
+            shown(e["client_name"] or e["engine_id"] or e["session_id"]),
             str(e["pid"]),
             ",".join(map(str, e["ranks"])) or "-",
             ",".join(e["memory_paths"]) or "-",

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import grp
 import os
+import pwd
 import socket
 import stat
 import time
@@ -143,11 +144,27 @@ def socket_path_of(target: str) -> str:
     return target
 
 
+ADMIN_SUFFIX = ".admin"
+
+
+def admin_socket_of(data_socket: str) -> str:
+    """The operator socket beside a data socket (the daemon's default for
+    --admin-socket); a path that already names one is kept."""
+    return data_socket if data_socket.endswith(ADMIN_SUFFIX) else data_socket + ADMIN_SUFFIX
+
+
 def _group_name(gid: int) -> str:
     try:
         return grp.getgrgid(gid).gr_name
     except KeyError:
         return str(gid)
+
+
+def _user_name(uid: int) -> str:
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return str(uid)
 
 
 def _blocking_directory(path: str) -> Path | None:
@@ -165,6 +182,13 @@ def _permission_error(path: str, what: Path) -> StatusError:
     except OSError:
         return StatusError(f"{path}: permission denied; run as root or as the daemon's group")
     kind = "socket" if what == Path(path) else f"directory {what}"
+    owner_only = st.st_mode & 0o700 and not st.st_mode & 0o070  # the operator socket's default
+    if what == Path(path) and owner_only:
+        return StatusError(
+            f"{path}: permission denied (socket is mode {mode}, owner {_user_name(st.st_uid)} "
+            "only): run as that user or root, or start the daemon with --admin-group GROUP "
+            "and join that group"
+        )
     return StatusError(
         f"{path}: permission denied ({kind} is mode {mode}, group {group}): join the group "
         f"{group} (sudo usermod -aG {group} $USER, then log in again) or run as root"
@@ -379,14 +403,18 @@ def _extras(stats: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     return remote, {k: v for k, v in unknown.items() if k not in remote}
 
 
-def build_report(path: str, prev: Sample | None, cur: Sample) -> dict[str, Any]:
-    """The status as a plain dict: the state at `cur`, rates since `prev`."""
+def build_report(
+    path: str, prev: Sample | None, cur: Sample, *, admin_socket: str | None = None
+) -> dict[str, Any]:
+    """The status as a plain dict: the state at `cur`, rates since `prev`. `path` is the
+    data socket; `admin_socket` the operator socket the samples were read on."""
     s = cur.stats
     everything = plain(s)
     remote, other = _extras(everything)
     capacity = s.capacity_bytes
     return {
         "socket": path,
+        "admin_socket": admin_socket or admin_socket_of(path),
         "taken_at": cur.taken_at,
         "daemon": {
             "version": s.version,

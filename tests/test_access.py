@@ -1,7 +1,8 @@
 """Access control (docs/architecture.md §11): the Unix socket's mode and
 group are the boundary, the daemon never takes over a path that is not its own
-stale socket, TCP is off unless asked for, and the admin calls that delete data
-can be switched off.
+stale socket, TCP is off unless asked for (and carries no Admin), and the admin calls
+that delete data can be switched off. Admin is on the operator socket, mode 0600 or
+0660 with --admin-group (tests/security/test_operator.py attacks it).
 """
 
 from __future__ import annotations
@@ -70,6 +71,10 @@ def test_sockets_are_0660_by_default(daemon: DaemonProcess) -> None:
         assert stat.S_ISSOCK(st.st_mode)
         assert stat.S_IMODE(st.st_mode) == 0o660, oct(st.st_mode)
         assert st.st_uid == os.geteuid()
+    # The operator socket: the daemon's user only.
+    st = os.stat(daemon.socket_path + ".admin")
+    assert stat.S_ISSOCK(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o600, oct(st.st_mode)
+    assert st.st_uid == os.geteuid()
 
 
 def test_socket_mode_and_group_are_honoured(daemon_factory: DaemonFactory) -> None:
@@ -93,6 +98,18 @@ def test_socket_mode_and_group_are_honoured(daemon_factory: DaemonFactory) -> No
         env={"KVDEPOT_SOCKET_MODE": "600", "KVDEPOT_SOCKET_GROUP": OTHER_GROUP},
     )
     assert mode_of(d3.socket_path) == 0o600 and os.stat(d3.socket_path).st_gid == gid
+    # The operator socket has its own path and group (then 0660), by flag or environment.
+    admin_path = str(d3.workdir / "ops" / "admin.sock")
+    d4 = daemon_factory(
+        "--pool-size", "8MiB", "--admin-socket", admin_path, "--admin-group", OTHER_GROUP
+    )
+    assert d4.admin_socket_path == admin_path
+    assert mode_of(admin_path) == 0o660 and os.stat(admin_path).st_gid == gid
+    assert not os.path.exists(d4.socket_path + ".admin")
+    assert stats(admin(d4.admin_channel())).boot_id
+    d5 = daemon_factory("--pool-size", "8MiB", env={"KVDEPOT_ADMIN_GROUP": OTHER_GROUP})
+    assert mode_of(d5.admin_socket_path) == 0o660
+    assert os.stat(d5.admin_socket_path).st_gid == gid
 
 
 def test_refuses_a_regular_file_at_the_socket_path(tmp_path: Path) -> None:
@@ -119,14 +136,14 @@ def test_refuses_a_socket_where_another_daemon_listens(daemon: DaemonProcess) ->
     assert "another process is listening" in out
     # The first daemon is untouched and still serving on its socket.
     assert os.path.exists(daemon.socket_path)
-    assert stats(admin(daemon.channel())).boot_id
+    assert stats(admin(daemon.admin_channel())).boot_id
 
 
 def test_replaces_its_own_stale_socket(daemon: DaemonProcess) -> None:
     daemon.kill()  # leaves both sockets behind
     assert os.path.exists(daemon.socket_path)
     daemon.start()
-    assert stats(admin(daemon.channel())).sessions == 0
+    assert stats(admin(daemon.admin_channel())).sessions == 0
 
 
 def test_tcp_is_off_unless_asked_for(daemon_factory: DaemonFactory) -> None:
@@ -135,8 +152,18 @@ def test_tcp_is_off_unless_asked_for(daemon_factory: DaemonFactory) -> None:
     port = free_port()
     d2 = daemon_factory("--pool-size", "8MiB", "--listen", f"127.0.0.1:{port}")
     assert tcp_listeners(d2.proc.pid) == [port]  # type: ignore[union-attr]
-    with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
-        assert stats(admin(ch)).boot_id == stats(admin(d2.channel())).boot_id
+    # Depot over TCP (loopback: plaintext allowed, with a warning); Admin never.
+    tcp = DepotClient(f"127.0.0.1:{port}", client_name="tcp").start()
+    try:
+        assert tcp.wait_connected(10)
+        assert tcp.hello is not None
+        assert tcp.hello.boot_id == stats(admin(d2.admin_channel())).boot_id
+    finally:
+        tcp.close()
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as ch, pytest.raises(grpc.RpcError) as info:
+        stats(admin(ch))
+    assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert d2.admin_socket_path in info.value.details()
     assert "also listening on TCP" in d2.log()
 
 
@@ -152,7 +179,7 @@ def test_destructive_admin_calls_can_be_disabled(daemon_factory: DaemonFactory, 
     keys, blocks, indices = chunk_plan(geo, range(4))
     for rank in range(geo.world_size):
         assert Engine(client, geo, rank).job(pb.STORE, keys, blocks, indices).success
-    stub = admin(d.channel())
+    stub = admin(d.admin_channel())
     ready = stats(stub).ready_blocks
     assert ready == len(keys)
     calls = [
@@ -173,5 +200,5 @@ def test_destructive_admin_calls_can_be_disabled(daemon_factory: DaemonFactory, 
 
 
 def test_destructive_admin_calls_work_by_default(daemon: DaemonProcess) -> None:
-    stub = admin(daemon.channel())
+    stub = admin(daemon.admin_channel())
     assert stub.Clear(apb.ClearRequest(), timeout=5).evicted_blocks == 0

@@ -91,7 +91,7 @@ def test_clear_yields_between_slices_and_counters_stay_exact(state: DepotState) 
         seen: list[int] = []  # ready blocks each Lookup saw while Clear ran
         clear = asyncio.create_task(state.clear_in_slices())
         while not clear.done():
-            assert state.lookup("ns", keys[-1:]) in ([True], [False])
+            assert state.lookup(session.id, "ns", keys[-1:]) in ([True], [False])
             seen.append(state.stats()["ready_blocks"])  # type: ignore[arg-type]
             await asyncio.sleep(0)
         return await clear, seen

@@ -20,7 +20,7 @@ Code = grpc.StatusCode
 
 @pytest.fixture
 def setup(daemon_factory):
-    d = daemon_factory("--pool-size", "16MiB", "--max-job-keys", "8")
+    d = daemon_factory("--pool-size", "16MiB", "--max-job-keys", "8", "--max-batch-keys", "128")
     c = DepotClient(d.target, client_name="bad-input").start()
     assert c.wait_connected(10)
     geo = Geometry(world_size=1, namespace="bad")
@@ -239,6 +239,7 @@ def test_register_kv_refuses_bad_layouts_and_memory(setup) -> None:
     # Page sizes that differ from the layout, and a tensor larger than its region.
     fd = os.memfd_create("t", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)  # the daemon seals it
     os.ftruncate(fd, 1 << 16)
+    os.posix_fallocate(fd, 0, 1 << 16)  # populated (a sparse memfd is refused first)
     for tensors, groups, words in [
         (
             [pb.KVTensor(num_blocks=4, block_stride_bytes=2048, page_bytes=2048)],

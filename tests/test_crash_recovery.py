@@ -105,7 +105,7 @@ def test_sigkill_mid_store_and_load_keeps_every_ready_block(
     client.close()
 
     d.start()
-    stub = admin(d.channel())
+    stub = admin(d.admin_channel())
     s = stats(stub)
     assert s.recovery_blocks_total >= len(keys)
     s = wait_recovered(stub)
@@ -139,7 +139,7 @@ def test_a_damaged_block_is_not_served(daemon_factory: DaemonFactory, tmp_path: 
     client = connect(d, "writer")
     keys, _ = store_rows(client)
     wait_sealed(pool, keys)
-    victim = next(b for b in all_blocks(admin(d.channel())) if b.key == keys[3])
+    victim = next(b for b in all_blocks(admin(d.admin_channel())) if b.key == keys[3])
     d.kill()
     client.close()
     with open(pool, "r+b") as f:  # one byte flipped in the middle of the row
@@ -149,7 +149,7 @@ def test_a_damaged_block_is_not_served(daemon_factory: DaemonFactory, tmp_path: 
         f.write(bytes([byte[0] ^ 0xFF]))
 
     d.start()
-    stub = admin(d.channel())
+    stub = admin(d.admin_channel())
     s = wait_recovered(stub)
     assert (s.recovery_blocks_total, s.recovery_blocks_verified, s.recovery_blocks_rejected) == (
         len(keys),
@@ -164,8 +164,10 @@ def test_a_damaged_block_is_not_served(daemon_factory: DaemonFactory, tmp_path: 
     assert sample(m, "kvdepot_recovery_blocks_total", outcome="rejected") == 1
     assert sample(m, "kvdepot_recovery_complete") == 1
     client = connect(d, "reader")
-    assert client.lookup(NS, keys) == [k != keys[3] for k in keys]
     geo = soak.geometry(NS)
+    # Put and Get need a registration of the namespace (an inline one: no memory).
+    client.register_kv(geo.layout(), 0, None, [], [])
+    assert client.lookup(NS, keys) == [k != keys[3] for k in keys]
     with pytest.raises(grpc.RpcError) as info:
         client.get(NS, keys[3], 0)
     assert info.value.code() == grpc.StatusCode.NOT_FOUND
@@ -181,6 +183,6 @@ def test_a_damaged_block_is_not_served(daemon_factory: DaemonFactory, tmp_path: 
     # checksums carried over, still serves the same rows.
     assert d.stop() == 0
     d.start()
-    s = stats(admin(d.channel()))
+    s = stats(admin(d.admin_channel()))
     assert s.warm_restarted and s.ready_blocks == len(keys)
     assert s.recovery_blocks_total == 0 and s.recovery_complete

@@ -84,7 +84,8 @@ def test_a_row_missing_a_rank_is_never_visible(daemon, client) -> None:
 
 def test_eviction_is_lru_spares_pinned_and_shows_on_watch(daemon_factory) -> None:
     # One group, 1 layer of 64 KiB, world 1, bpc 1: 64 KiB slots in a 1 MiB pool (16 slots).
-    d = daemon_factory("--pool-size", "1MiB")
+    # This one session pins the whole pool (past the default quota, half of it).
+    d = daemon_factory("--pool-size", "1MiB", "--max-pinned-per-session", "100%")
     c = DepotClient(d.target).start()
     assert c.wait_connected(10)
     geo = Geometry(

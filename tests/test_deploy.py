@@ -39,13 +39,28 @@ KNOWN_SETTINGS = frozenset(
         "KVDEPOT_METRICS_ADDR",
         "KVDEPOT_MAX_SESSIONS",
         "KVDEPOT_MAX_REGISTRATIONS_PER_SESSION",
+        "KVDEPOT_MAX_SESSIONS_PER_PID",
+        "KVDEPOT_MAX_SESSIONS_PER_UID",
+        "KVDEPOT_MAX_UNATTESTED_SESSIONS",
+        "KVDEPOT_PVM",
+        "KVDEPOT_MAX_PINNED_PER_SESSION",
+        "KVDEPOT_MAX_WRITING_PER_SESSION",
+        "KVDEPOT_MAX_WATCHES_PER_SESSION",
         "KVDEPOT_FD_RESERVE",
         "KVDEPOT_LOG_LEVEL",
         "KVDEPOT_SOCKET_MODE",
         "KVDEPOT_SOCKET_GROUP",
+        "KVDEPOT_ADMIN_SOCKET",
+        "KVDEPOT_ADMIN_GROUP",
+        "KVDEPOT_TLS_CERT",
+        "KVDEPOT_TLS_KEY",
+        "KVDEPOT_TLS_CLIENT_CA",
         "KVDEPOT_NO_DESTRUCTIVE_ADMIN",
         "KVDEPOT_COPY_THREADS",
         "KVDEPOT_MAX_JOB_KEYS",
+        "KVDEPOT_MAX_JOB_BLOCKS",
+        "KVDEPOT_MAX_JOB_PAGES",
+        "KVDEPOT_MAX_BATCH_KEYS",
         "KVDEPOT_RESERVATION_TIMEOUT",
         "KVDEPOT_REMOTE",
         "KVDEPOT_REMOTE_PASSWORD",
@@ -54,6 +69,8 @@ KNOWN_SETTINGS = frozenset(
         "KVDEPOT_REMOTE_TTL",
         "KVDEPOT_REMOTE_WRITE",
         "KVDEPOT_REMOTE_MAX_INFLIGHT_BYTES",
+        "KVDEPOT_REMOTE_KEY_FILE",
+        "KVDEPOT_REMOTE_INSECURE",
     }
 )
 
@@ -507,6 +524,39 @@ def test_daemonset_wiring() -> None:
         pool_volume.get("emptyDir", {}).get("medium") == "Memory"
     )
     assert _bytes(env["KVDEPOT_POOL_SIZE"]) < _bytes(daemon["resources"]["limits"]["memory"])
+
+
+def test_pods_are_hardened() -> None:
+    # Every pod: the runtime's default seccomp filter, and no service-account token (nothing
+    # in these pods talks to the Kubernetes API; a token would be a credential to steal).
+    pods = [(p, d) for p, d in _objects() if d["kind"] in ("Pod", "Deployment", "DaemonSet")]
+    assert len(pods) == 3, [d["metadata"]["name"] for _, d in pods]
+    for path, obj in pods:
+        spec = _pod_spec(obj)
+        assert spec.get("automountServiceAccountToken") is False, path.name
+        assert spec["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}, path.name
+
+
+def test_admin_socket_is_the_daemon_containers_alone() -> None:
+    # The operator socket (Admin) lies in a volume that only the daemon's container mounts,
+    # not in the socket directory the engines share: no engine reaches it, even as root.
+    for kind, name, daemon_name in (
+        ("DaemonSet", "kvdepot", "kvdepot"),
+        ("Deployment", "vllm-kvdepot", "kvdepot"),
+    ):
+        spec = _pod_spec(_object(kind, name))
+        daemon = _container(spec, daemon_name)
+        admin_dir = str(Path(_env(daemon)["KVDEPOT_ADMIN_SOCKET"]).parent)
+        assert admin_dir != str(Path(SOCKET_PATH).parent)
+        volume = _mount_volume(spec, daemon, admin_dir)
+        others = spec.get("initContainers", []) + spec.get("containers", [])
+        for c in others:
+            if c is not daemon:
+                mounted = {m["name"] for m in c.get("volumeMounts", [])}
+                assert volume["name"] not in mounted, (name, c["name"])
+    # Under systemd: beside the data socket, in the runtime directory (0600 there).
+    env = dict(v.split("=", 1) for v in _unit_values("Environment"))
+    assert env["KVDEPOT_ADMIN_SOCKET"] == SOCKET_PATH + ".admin"
 
 
 def test_node_daemon_client_pod_wiring() -> None:

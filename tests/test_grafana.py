@@ -28,6 +28,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.support.daemon import DaemonProcess
 from tests.support.engine import Engine, Geometry
+from tests.support.fleet_key import shared_key_args
 from tests.support.ops import connect, free_port, load, store
 from tests.support.redis_servers import RedisServer, free_ports, redis_available
 
@@ -185,7 +186,13 @@ def busy_daemon(daemon_factory: Any, tmp_path: Path) -> Iterator[tuple[DaemonPro
     redis = RedisServer(tmp_path / "redis", redis_port).start()
     try:
         d = daemon_factory(
-            "--pool-size", "16MiB", "--metrics-port", str(port), "--remote", redis.url
+            "--pool-size",
+            "16MiB",
+            "--metrics-port",
+            str(port),
+            "--remote",
+            redis.url,
+            *shared_key_args(),
         )
         client = connect(d.target, "grafana-test")
         try:

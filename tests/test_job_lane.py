@@ -80,7 +80,7 @@ def lane_engine(client: DepotClient, geo: Geometry, job_lane: bool = True) -> En
 def test_store_and_load_over_the_lane_are_byte_identical(daemon, client) -> None:
     geo = Geometry(world_size=1, namespace="lane-bytes")
     eng = lane_engine(client, geo)
-    before = stats(daemon.target)
+    before = stats(daemon.admin_target)
     keys, blocks, idx = chunk_plan(geo, range(0, 40))
     for g, b in enumerate(blocks):
         eng.fill(g, keys[g * 40 : (g + 1) * 40], b, idx[g])
@@ -97,15 +97,15 @@ def test_store_and_load_over_the_lane_are_byte_identical(daemon, client) -> None
     missing = [make_key(999, 0)]
     res = eng.job(pb.LOAD, missing, [[1], []], [0, 0])
     assert not res.success and res.error_code == "NOT_FOUND", res
-    after = stats(daemon.target)
+    after = stats(daemon.admin_target)
     assert after.job_lanes_open == 1
     assert after.lane_jobs - before.lane_jobs == 3  # all three came by the lane
     assert after.store_jobs - before.store_jobs == 1
-    with grpc.insecure_channel(daemon.target) as ch:
+    with daemon.admin_channel() as ch:
         engines = admin_pb2_grpc.AdminStub(ch).ListEngines(admin_pb2.ListEnginesRequest())
     assert [e.job_lanes for e in engines.engines] == [1]
     eng.stream.close()  # a half-close: the daemon closes the lane once it is idle
-    assert wait_for(lambda: stats(daemon.target).job_lanes_open == 0)
+    assert wait_for(lambda: stats(daemon.admin_target).job_lanes_open == 0)
 
 
 def test_lane_off_uses_the_grpc_stream(daemon, client, monkeypatch) -> None:
@@ -118,7 +118,7 @@ def test_lane_off_uses_the_grpc_stream(daemon, client, monkeypatch) -> None:
     assert eng.job(pb.STORE, keys, blocks, idx).success
     res = eng.job(pb.LOAD, keys, blocks, idx)
     assert res.success
-    s = stats(daemon.target)
+    s = stats(daemon.admin_target)
     assert not eng.stream.uses_lane
     assert s.lane_jobs == 0 and s.job_lanes_open == 0 and s.load_jobs == 1
 
@@ -141,8 +141,8 @@ def test_abort_cancels_lane_jobs_and_the_next_submit_reopens(daemon, client) -> 
         )
     eng.stream.abort("test")
     assert eng.stream.inflight == 0
-    assert wait_for(lambda: stats(daemon.target).job_lanes_open == 0)
-    s = stats(daemon.target)
+    assert wait_for(lambda: stats(daemon.admin_target).job_lanes_open == 0)
+    s = stats(daemon.admin_target)
     assert s.inflight_jobs == 0 and s.writing_blocks == 0
     eng._next_job = 100
     assert eng.job(pb.STORE, keys, blocks, idx).success  # gRPC or a new lane: it works
@@ -194,12 +194,12 @@ def test_engine_killed_with_lane_jobs_in_flight_releases_everything(daemon) -> N
         # Jobs queue up in the daemon, all by the lane.
         assert wait_for(
             lambda: (
-                (s := stats(daemon.target)).lane_jobs > 300
+                (s := stats(daemon.admin_target)).lane_jobs > 300
                 and s.inflight_jobs > 0
                 and s.job_lanes_open == 1
             ),
             30,
-        ), stats(daemon.target)
+        ), stats(daemon.admin_target)
         victim.send_signal(signal.SIGKILL)
         victim.wait(10)
     finally:
@@ -207,14 +207,14 @@ def test_engine_killed_with_lane_jobs_in_flight_releases_everything(daemon) -> N
             victim.kill()
     assert wait_for(
         lambda: (
-            (s := stats(daemon.target)).sessions == 0
+            (s := stats(daemon.admin_target)).sessions == 0
             and s.registrations == 0
             and s.job_lanes_open == 0
             and s.inflight_jobs == 0
             and s.writing_blocks == 0
             and s.pinned_blocks == 0
         )
-    ), stats(daemon.target)
+    ), stats(daemon.admin_target)
     # Still serving: a new engine stores and loads over a lane of its own.
     c = DepotClient(daemon.target, client_name="after").start()
     try:
@@ -239,15 +239,24 @@ def test_garbage_datagrams_fail_clearly_and_others_are_served(daemon, client) ->
     assert res.job_id == 7 and not res.success
     assert res.error_code == "INVALID_ARGUMENT" and "TransferJob" in res.error, res
     # A valid job on the same lane still runs (and fails by the usual rules).
-    lane.send(pb.TransferJob(job_id=8, registration_id=4242, session_id="x").SerializeToString())
+    lane.send(
+        pb.TransferJob(
+            job_id=8, registration_id=4242, session_id=client.session_id
+        ).SerializeToString()
+    )
     res = pb.TransferResult.FromString(lane.recv(65536))
     assert res.job_id == 8 and res.error_code == "FAILED_PRECONDITION", res
-    assert "unknown session" in res.error
+    assert "registration 4242" in res.error
+    # A job naming another session is refused: a lane is its own session's.
+    lane.send(pb.TransferJob(job_id=9, registration_id=4242, session_id="x").SerializeToString())
+    res = pb.TransferResult.FromString(lane.recv(65536))
+    assert res.job_id == 9 and res.error_code == "PERMISSION_DENIED", res
+    assert "its own session only" in res.error
     # No job id to answer: the daemon closes this lane (the client reads its end).
     lane.send(b"\xff" * 16)
     assert lane.recv(65536) == b""
     lane.close()
-    assert wait_for(lambda: stats(daemon.target).job_lanes_open == 0)
+    assert wait_for(lambda: stats(daemon.admin_target).job_lanes_open == 0)
     # A lane fd that is no SEQPACKET socket is refused with a clear status.
     r, w = os.pipe()
     token = send_fd(client.hello.fd_socket, client.session_id, r)  # type: ignore[union-attr]
@@ -297,7 +306,7 @@ def test_unread_lane_results_keep_the_daemon_bounded(daemon_factory) -> None:
                 if now - stuck_since > 1.5:
                     break
                 time.sleep(0.01)
-        taken = stats(d.target).lane_jobs
+        taken = stats(d.admin_target).lane_jobs
         grown = rss_mib(d.proc.pid) - before
         # The daemon stopped reading after a bounded number of unanswered results.
         assert sent < total and taken < 20_000, (sent, taken)
@@ -308,7 +317,7 @@ def test_unread_lane_results_keep_the_daemon_bounded(daemon_factory) -> None:
     finally:
         lane.close()
         c.close()
-    assert wait_for(lambda: stats(d.target).job_lanes_open == 0)
+    assert wait_for(lambda: stats(d.admin_target).job_lanes_open == 0)
 
 
 def test_daemon_shutdown_answers_lane_jobs_and_exits(daemon_factory) -> None:
@@ -362,7 +371,7 @@ def test_no_lane_to_be_had_means_the_grpc_stream(daemon, client) -> None:
         geo = Geometry(world_size=1, namespace="lane-refused")
         eng = Engine(client, geo, 0)
         assert not eng.stream.uses_lane
-        before = stats(daemon.target).lane_jobs
+        before = stats(daemon.admin_target).lane_jobs
         keys, blocks, idx = chunk_plan(geo, range(0, 3))
         for g, b in enumerate(blocks):
             eng.fill(g, keys[g * 3 : (g + 1) * 3], b, idx[g])
@@ -371,17 +380,17 @@ def test_no_lane_to_be_had_means_the_grpc_stream(daemon, client) -> None:
         assert eng.job(pb.LOAD, keys, blocks, idx).success
         for g, b in enumerate(blocks):
             assert eng.mismatches(g, keys[g * 3 : (g + 1) * 3], b, idx[g]) == 0
-        assert stats(daemon.target).lane_jobs == before
+        assert stats(daemon.admin_target).lane_jobs == before
     finally:
         for s in held:
             s.close()
-    assert wait_for(lambda: stats(daemon.target).job_lanes_open == 0)
+    assert wait_for(lambda: stats(daemon.admin_target).job_lanes_open == 0)
 
 
 def test_a_job_too_large_for_a_datagram_goes_on_grpc(daemon, client) -> None:
     geo = Geometry(world_size=1, namespace="lane-large")
     eng = lane_engine(client, geo)
-    before = stats(daemon.target).lane_jobs
+    before = stats(daemon.admin_target).lane_jobs
     # 120,000 keys (~5 MiB): more than a lane datagram, and than a job may name.
     keys = [make_key(i, 0) for i in range(120_000)]
     eng.stream.submit(
@@ -398,9 +407,9 @@ def test_a_job_too_large_for_a_datagram_goes_on_grpc(daemon, client) -> None:
     assert eng.stream.wait({1}, timeout=30)
     (res,) = eng.stream.poll()
     assert not res.success and res.error_code == "RESOURCE_EXHAUSTED", res
-    assert stats(daemon.target).lane_jobs == before  # it went on the gRPC stream
+    assert stats(daemon.admin_target).lane_jobs == before  # it went on the gRPC stream
     assert eng.stream.uses_lane  # and the lane stays open for the next jobs
     eng._next_job = 2
     ks, blocks, idx = chunk_plan(geo, range(0, 2))
     assert eng.job(pb.STORE, ks, blocks, idx).success
-    assert stats(daemon.target).lane_jobs == before + 1
+    assert stats(daemon.admin_target).lane_jobs == before + 1

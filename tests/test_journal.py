@@ -105,14 +105,16 @@ def test_recovery_serves_rows_as_they_are_verified(tmp_path: Path) -> None:
         assert (s["recovery_blocks_total"], s["recovery_blocks_verified"]) == (ROWS, 0)
         assert not s["recovery_complete"] and s["ready_blocks"] == 0
         assert s["used_bytes"] == ROWS * SECTION
-        assert st.lookup("ns", [key(i) for i in range(ROWS)]) == [False] * ROWS
+        reader = st.open_session("reader", os.getpid(), "")
+        st.register(reader.id, LAYOUT, 0, [], [], [])  # joins "ns": it may Lookup and Get
+        assert st.lookup(reader.id, "ns", [key(i) for i in range(ROWS)]) == [False] * ROWS
         assert st.verify_invariants() is None
         await until(lambda: st.recovery.complete)
         s = st.stats()
         assert (s["recovery_blocks_verified"], s["recovery_blocks_rejected"]) == (ROWS, 0)
         assert s["ready_blocks"] == ROWS
         for i in range(ROWS):
-            assert await st.get("ns", key(i), 0) == data(i)
+            assert await st.get(reader.id, "ns", key(i), 0) == data(i)
         assert st.verify_invariants() is None
         st.close()
 

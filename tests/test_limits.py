@@ -307,7 +307,9 @@ def test_unusable_pool_file_paths_exit_2_in_one_line(tmp_path: Path) -> None:
     cases = {
         str(tmp_path / "adir"): "is a directory",
         str(tmp_path / "x.pool"): "x.pool.lock (its lock file) is a directory",
-        str(tmp_path / "missing" / "x.pool"): "does not exist",
+        # A missing directory is created 0700 (tests/security/test_files.py); a missing
+        # parent of it is not.
+        str(tmp_path / "missing" / "deeper" / "x.pool"): "does not exist",
     }
     for path, words in cases.items():
         out = serve_once(tmp_path, "--pool-file", path)

@@ -32,6 +32,7 @@ def test_closing_a_shared_memory_region_unmaps_it_at_once() -> None:
     fd = os.memfd_create("t", os.MFD_ALLOW_SEALING)
     try:
         os.ftruncate(fd, 1 << 20)
+        os.posix_fallocate(fd, 0, 1 << 20)  # a sparse memfd is refused
         region = SharedMemoryRegion.from_passed_fd(fd, 1 << 20)
     finally:
         os.close(fd)

@@ -35,7 +35,10 @@ def test_metrics_show_exactly_what_happened(daemon_factory: DaemonFactory) -> No
     stores, inline Put/Get and a failed load; then one scrape over HTTP must show exactly
     those counts and bytes, histogram buckets, counts and sums included."""
     port = free_port()
-    d = daemon_factory("--pool-size", "256KiB", "--metrics-port", str(port))
+    # One session fills and pins most of this small pool: past the per-session quotas'
+    # default (half the pool).
+    quotas = ("--max-writing-per-session", "100%", "--max-pinned-per-session", "100%")
+    d = daemon_factory("--pool-size", "256KiB", *quotas, "--metrics-port", str(port))
     before = scrape(port)
     # Every series exists (at 0) before anything happens, so rate() and alerts work.
     for direction in ("store", "load"):

@@ -47,7 +47,7 @@ def open_lane(client: DepotClient) -> PinLane:
 def test_pins_over_the_lane_hold_blocks_like_grpc_pins(daemon, client) -> None:
     keys = stored_keys(client, 6)
     lane = open_lane(client)
-    before = stats(daemon.target)
+    before = stats(daemon.admin_target)
     absent = make_key(999, 0)
     assert lane.pin(client.session_id, GEO.namespace, [*keys[:4], absent], 1.0) == [
         True,
@@ -57,20 +57,21 @@ def test_pins_over_the_lane_hold_blocks_like_grpc_pins(daemon, client) -> None:
         False,
     ]
     assert lane.pin(client.session_id, GEO.namespace, keys[:2], 1.0) == [True, True]
-    after = stats(daemon.target)
+    after = stats(daemon.admin_target)
     assert after.lane_pins - before.lane_pins == 2
     assert after.pin_calls - before.pin_calls == 2  # counted as pins too
     assert after.pinned_blocks == 4
     # Unpinned over gRPC, one pin per key per call: the blocks held twice stay.
     client.unpin(GEO.namespace, keys[:4], wait=True)
-    assert stats(daemon.target).pinned_blocks == 2
+    assert stats(daemon.admin_target).pinned_blocks == 2
     client.unpin(GEO.namespace, keys[:2], wait=True)
-    assert stats(daemon.target).pinned_blocks == 0
+    assert stats(daemon.admin_target).pinned_blocks == 0
     assert lane.lane_pins == 2
 
 
 def test_a_refused_pin_closes_the_lane_and_grpc_says_why(daemon, client) -> None:
     lane = open_lane(client)
+    client.join("no-such-namespace")  # joined (an observer), but never declared: NOT_FOUND
     assert lane.pin(client.session_id, "no-such-namespace", [make_key(1, 0)], 1.0) is None
     assert not lane.open  # dropped; gRPC answers with the status
     with pytest.raises(grpc.RpcError) as err:
@@ -115,7 +116,7 @@ def test_bad_datagrams_close_that_lane_only(daemon, client, what: str) -> None:
     keys = stored_keys(client, 2)
     good = open_lane(client)
     send_bad_datagram(client, pb.LANE_PINS, pb.PinRequest, what, keys)  # nothing pinned
-    assert stats(daemon.target).pinned_blocks == 0
+    assert stats(daemon.admin_target).pinned_blocks == 0
     assert good.pin(client.session_id, GEO.namespace, keys, 1.0) == [True, True]
     assert "a pin was refused" in daemon.log()
 
@@ -154,7 +155,7 @@ def test_lanes_off_keeps_pins_on_grpc(daemon, client, monkeypatch) -> None:
     lane = PinLane(client)
     lane.open_soon()
     assert lane.pin(client.session_id, GEO.namespace, [make_key(1, 0)], 1.0) is None
-    assert not lane.open and stats(daemon.target).job_lanes_open == 0
+    assert not lane.open and stats(daemon.admin_target).job_lanes_open == 0
 
 
 def test_an_answer_that_does_not_fit_the_call_drops_the_lane(daemon, client) -> None:
@@ -195,24 +196,25 @@ def test_unpins_over_the_lane_drop_one_pin_per_key(daemon, client, monkeypatch) 
     assert client.pin(GEO.namespace, keys) == [True] * 5
     assert client.pin(GEO.namespace, keys[:2]) == [True] * 2
     lane = open_unpin_lane(client)
-    before = stats(daemon.target)
+    before = stats(daemon.admin_target)
     monkeypatch.setattr(pin_lane, "UNPIN_KEYS_PER_DATAGRAM", 2)
     assert lane.unpin(client.session_id, GEO.namespace, keys) == ()
     assert lane.lane_unpins == 3  # 2 + 2 + 1 keys
-    assert wait_for(lambda: stats(daemon.target).pinned_blocks == 2, 10)
+    assert wait_for(lambda: stats(daemon.admin_target).pinned_blocks == 2, 10)
     assert lane.unpin(client.session_id, GEO.namespace, keys[:2]) == ()
-    assert wait_for(lambda: stats(daemon.target).pinned_blocks == 0, 10)
-    assert stats(daemon.target).lane_unpins - before.lane_unpins == 4
+    assert wait_for(lambda: stats(daemon.admin_target).pinned_blocks == 0, 10)
+    assert stats(daemon.admin_target).lane_unpins - before.lane_unpins == 4
 
 
 def test_a_refused_unpin_is_logged_and_the_lane_goes_on(daemon, client) -> None:
     keys = stored_keys(client, 2)
     assert client.pin(GEO.namespace, keys) == [True, True]
     lane = open_unpin_lane(client)
+    client.join("no-such-namespace")  # joined (an observer), but never declared: NOT_FOUND
     assert lane.unpin(client.session_id, "no-such-namespace", keys) == ()
     # The unpin behind the refused one is applied: nothing queued is lost.
     assert lane.unpin(client.session_id, GEO.namespace, keys) == ()
-    assert wait_for(lambda: stats(daemon.target).pinned_blocks == 0, 10)
+    assert wait_for(lambda: stats(daemon.admin_target).pinned_blocks == 0, 10)
     assert lane.open
     assert wait_for(lambda: "an unpin of 2 keys was refused" in daemon.log(), 10)
 
@@ -224,7 +226,7 @@ def test_a_bad_unpin_datagram_closes_that_lane_and_the_keys_come_back(
     keys = stored_keys(client, 2)
     assert client.pin(GEO.namespace, keys) == [True, True]
     send_bad_datagram(client, pb.LANE_UNPINS, pb.UnpinRequest, what, keys)  # nothing unpinned
-    assert stats(daemon.target).pinned_blocks == 2
+    assert stats(daemon.admin_target).pinned_blocks == 2
     # A client whose lane the daemon closed gets its keys back, for gRPC.
     lane = open_unpin_lane(client)
     inner = lane._lane
@@ -233,7 +235,7 @@ def test_a_bad_unpin_datagram_closes_that_lane_and_the_keys_come_back(
     assert list(lane.unpin(client.session_id, GEO.namespace, keys)) == keys
     assert not lane.open
     client.unpin(GEO.namespace, keys, wait=True)
-    assert stats(daemon.target).pinned_blocks == 0
+    assert stats(daemon.admin_target).pinned_blocks == 0
 
 
 def test_lanes_off_keeps_unpins_on_grpc(daemon, client, monkeypatch) -> None:
@@ -257,6 +259,7 @@ def test_pipelined_pins_stop_at_a_refused_one_and_the_rest_go_over_grpc(
     keys = stored_keys(client, 4)
     lane = open_lane(client)
     sid = client.session_id
+    client.join("no-such-namespace")  # joined (an observer), but never declared: NOT_FOUND
     if when == "daemon paused while they are sent":
         os.kill(daemon.proc.pid, signal.SIGSTOP)
     try:
@@ -273,8 +276,8 @@ def test_pipelined_pins_stop_at_a_refused_one_and_the_rest_go_over_grpc(
     assert wait_for(lambda: "a pin was refused" in daemon.log(), 10)
     assert lane.answers(1.0) == [True, True]
     assert not lane.open
-    assert stats(daemon.target).pinned_blocks == 2  # the call behind the refused one: not pinned
+    assert stats(daemon.admin_target).pinned_blocks == 2  # the call behind the refused one: not pinned
     assert client.pin(GEO.namespace, keys[3:]) == [True]
     client.unpin(GEO.namespace, [*keys[:2], keys[3]], wait=True)
-    assert stats(daemon.target).pinned_blocks == 0
+    assert stats(daemon.admin_target).pinned_blocks == 0
     assert lane.answers(1.0) == []  # nothing owed

@@ -54,8 +54,14 @@ def report(proc: subprocess.Popen[str]) -> dict:
     return json.loads(line)
 
 
+@pytest.fixture
+def daemon(daemon_factory) -> DaemonProcess:
+    """A daemon with the pvm path on (it is off unless the operator says --pvm)."""
+    return daemon_factory("--pool-size", "64MiB", "--pvm")
+
+
 def stats(d: DaemonProcess) -> admin_pb2.GetStatsResponse:
-    with d.channel() as ch:
+    with d.admin_channel() as ch:
         return admin_pb2_grpc.AdminStub(ch).GetStats(admin_pb2.GetStatsRequest(), timeout=5)
 
 
@@ -195,7 +201,8 @@ def test_registration_naming_another_process_is_refused(daemon: DaemonProcess) -
         ch2, call2, sid2, _ = _raw_session(daemon.target, os.getpid())
         with pytest.raises(grpc.RpcError) as err:
             _register(ch2, sid2, os.getpid(), send_identity(fd_socket, sid).pid_token, 4096)
-        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert "another session" in err.value.details()
         # 4. A token naming something other than a socketpair (a memfd here).
         memfd = os.memfd_create("not-a-socket")
         try:

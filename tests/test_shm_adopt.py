@@ -87,24 +87,28 @@ def test_adopt_refuses_an_unmapped_range() -> None:
         SharedKVBuffer.adopt(address, mmap.PAGESIZE)
 
 
-def test_the_daemon_populates_a_fully_allocated_memfd_but_not_a_sparse_one() -> None:
+def test_the_daemon_populates_a_fully_allocated_memfd_and_refuses_a_sparse_one() -> None:
     """The daemon's mapping of an adopted KV cache is populated ahead of the copies;
-    a sparse memfd's pages are left for the client to allocate."""
+    a sparse memfd is refused (its pages would be allocated, and charged, by the
+    daemon), and SharedKVBuffer.allocate's memfds are populated by their owner."""
     data = np.ones(32 << 20, dtype=np.uint8)
     buf = SharedKVBuffer.adopt(data.ctypes.data, data.nbytes)
-    sparse = SharedKVBuffer.allocate(32 << 20)
+    fresh = SharedKVBuffer.allocate(32 << 20)
+    sparse = os.memfd_create("sparse", os.MFD_ALLOW_SEALING)
+    os.ftruncate(sparse, 32 << 20)
     try:
+        assert os.fstat(fresh.fd).st_blocks * 512 >= fresh.size
         full = SharedMemoryRegion.from_passed_fd(buf.fd, buf.size)
-        thin = SharedMemoryRegion.from_passed_fd(sparse.fd, sparse.size)
-        assert full.populated.wait(30) and thin.populated.is_set()
+        assert full.populated.wait(30)
         assert resident_kib(full.address) * 1024 == buf.size
-        assert resident_kib(thin.address) == 0
-        assert os.fstat(sparse.fd).st_blocks == 0  # the daemon allocated nothing
+        with pytest.raises(ValueError, match="populate it first"):
+            SharedMemoryRegion.from_passed_fd(sparse, 32 << 20)
+        assert os.fstat(sparse).st_blocks == 0  # the daemon allocated nothing
         full.close()
-        thin.close()
     finally:
         buf.close()
-        sparse.close()
+        fresh.close()
+        os.close(sparse)
 
 
 def resident_kib(address: int) -> int:

@@ -41,14 +41,14 @@ def test_listeners_and_watchers_hear_every_index_change(state: DepotState) -> No
     state.add_event_listener(lambda e: 1 / 0)  # a broken listener changes nothing
     session = state.open_session("test", os.getpid(), "")
     state.register(session.id, LAYOUT, 0, [], [], [])
-    watcher, ready = state.add_watcher("ns")
+    watcher, ready = state.add_watcher(session.id, "ns")
     assert ready == []
     data = os.urandom(SECTION)
 
     async def run() -> None:
         outcome, is_ready, _ = await state.put(session.id, "ns", key(1), 0, data)
         assert (outcome, is_ready) == (PutOutcome.STORED, True)
-        assert await state.get("ns", key(1), 0) == data
+        assert await state.get(session.id, "ns", key(1), 0) == data
 
     asyncio.run(run())
     assert state.evict("ns", [key(1)]) == (1, 0, 0)

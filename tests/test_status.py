@@ -269,16 +269,35 @@ def test_socket_from_the_environment_and_serve_default(daemon_factory: DaemonFac
     assert env is not None
 
 
+def test_operator_socket_by_flag_and_environment(daemon_factory: DaemonFactory, tmp_path) -> None:
+    """status reads Admin on the operator socket: the --socket path + .admin, or the one
+    --admin-socket / KVDEPOT_ADMIN_SOCKET names (as for serve)."""
+    admin_path = str(tmp_path / "ops.sock")
+    d = daemon_factory("--pool-size", "16MiB", "--admin-socket", admin_path)
+    for args, env in (
+        (("--admin-socket", admin_path), {}),
+        ((), {"KVDEPOT_ADMIN_SOCKET": admin_path}),
+    ):
+        out = status("--socket", d.socket_path, "--json", "--interval", "0", *args, env=env)
+        assert out.returncode == 0, out.stderr
+        report = json.loads(out.stdout)
+        assert (report["socket"], report["admin_socket"]) == (d.socket_path, admin_path)
+    # Derived from --socket, the operator socket is not there: one line that names it.
+    line = one_line_error(status("--socket", d.socket_path, "--interval", "0"))
+    assert f"{d.socket_path}.admin: no such socket" in line, line
+
+
 def test_remote_tier_health_live(daemon_factory: DaemonFactory, tmp_path: Path) -> None:
     """A daemon with a real remote tier (redis-server): healthy while it answers, DOWN
     (in words, and in --json) once the server is killed and a write has failed."""
+    from tests.support.fleet_key import shared_key_args
     from tests.support.redis_servers import RedisServer, free_ports, redis_available
 
     if not redis_available():
         pytest.fail("redis-server not found: apt-get install redis-server (scripts/test.sh does)")
     redis = RedisServer(tmp_path / "redis", free_ports(1)[0]).start()
     try:
-        d = daemon_factory("--pool-size", "16MiB", "--remote", redis.url)
+        d = daemon_factory("--pool-size", "16MiB", "--remote", redis.url, *shared_key_args())
         client = connect(d.target, "remote-status-test")
         try:
             eng = Engine(

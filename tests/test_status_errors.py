@@ -1,5 +1,6 @@
 """`kvdepot status` failures, one line each: no socket, a stale or wrong file, a server
-that is not a kvdepot daemon, a stopped daemon, a socket the user may not open.
+that is not a kvdepot daemon, a stopped daemon, a socket the user may not open. (status
+reads the operator socket: --admin-socket, or the --socket path + .admin.)
 """
 
 from __future__ import annotations
@@ -31,13 +32,13 @@ def test_stale_socket_is_refused(tmp_path: Path) -> None:
     path = str(tmp_path / "kvdepot.sock")
     with socket.socket(socket.AF_UNIX) as s:
         s.bind(path)  # bound, never listening: what a killed daemon leaves behind
-    line = one_line_error(status("--socket", path))
+    line = one_line_error(status("--admin-socket", path))
     assert "connection refused" in line and "no daemon listens" in line
 
 
 def test_not_a_socket(tmp_path: Path) -> None:
     (tmp_path / "file").write_text("")
-    assert "not a socket" in one_line_error(status("--socket", str(tmp_path / "file")))
+    assert "not a socket" in one_line_error(status("--admin-socket", str(tmp_path / "file")))
 
 
 def test_other_grpc_server_is_not_a_kvdepot_daemon(tmp_path: Path) -> None:
@@ -48,7 +49,7 @@ def test_other_grpc_server_is_not_a_kvdepot_daemon(tmp_path: Path) -> None:
     server.add_insecure_port(f"unix://{path}")
     server.start()
     try:
-        line = one_line_error(status("--socket", path))
+        line = one_line_error(status("--admin-socket", path))
     finally:
         server.stop(None)
     assert "not a kvdepot daemon" in line and "kvdepot.v1.Admin" in line
@@ -76,7 +77,7 @@ def test_non_grpc_listener_is_not_a_kvdepot_daemon(tmp_path: Path) -> None:
     t = threading.Thread(target=serve, daemon=True)
     t.start()
     try:
-        line = one_line_error(status("--socket", path, "--timeout", "3"))
+        line = one_line_error(status("--admin-socket", path, "--timeout", "3"))
     finally:
         stop = True
         listener.close()
@@ -95,9 +96,9 @@ def test_stopped_daemon_times_out(daemon_factory: DaemonFactory) -> None:
 
 
 def test_permission_denied_names_the_group(tmp_path_factory: pytest.TempPathFactory) -> None:
-    """A user outside the socket's group is told which group to join. As root, the
-    command runs as nobody (root may connect to any socket); otherwise the socket is
-    made unconnectable for its owner (mode 000)."""
+    """A user outside the operator socket's group (--admin-group) is told which group to
+    join. As root, the command runs as nobody (root may connect to any socket);
+    otherwise the socket is made unconnectable for its owner (mode 000)."""
     import grp
 
     root = os.geteuid() == 0
@@ -106,10 +107,13 @@ def test_permission_denied_names_the_group(tmp_path_factory: pytest.TempPathFact
     # A directory every user may enter: pytest's own temporary root is private to root.
     workdir = Path(tempfile.mkdtemp(prefix="kvd-perm-", dir="/tmp"))
     os.chmod(workdir, 0o755)
-    d = DaemonProcess(workdir, "--pool-size", "16MiB", "--socket-mode", "660" if root else "0")
+    group = grp.getgrgid(os.getegid()).gr_name  # the daemon's own group: not nobody's
+    d = DaemonProcess(workdir, "--pool-size", "16MiB", "--admin-group", group)
     try:
         d.start()
-        group = grp.getgrgid(os.stat(d.socket_path).st_gid).gr_name
+        if not root:
+            os.chmod(d.admin_socket_path, 0o000)
+        assert grp.getgrgid(os.stat(d.admin_socket_path).st_gid).gr_name == group
         out = status("--socket", d.socket_path, user="nobody" if root else None)
         line = one_line_error(out)
         assert "permission denied" in line and f"join the group {group}" in line, line

@@ -77,7 +77,7 @@ def test_sigterm_then_restart_serves_every_ready_block(
     d = daemon_factory("--pool-size", "32MiB", "--pool-file", str(pool))
     client = connect(d, "writer")
     keys, half = store_rows(client)
-    stub = admin(d.channel())
+    stub = admin(d.admin_channel())
     before = {(b.key_hex, b.pool_offset, b.bytes) for b in all_blocks(stub) if b.state == "ready"}
     assert len(before) == len(keys)
     assert stats(stub).writing_blocks == len(half)
@@ -91,7 +91,7 @@ def test_sigterm_then_restart_serves_every_ready_block(
 
     d.start()
     assert not snap.exists(), "the snapshot must be consumed at start"
-    stub = admin(d.channel())
+    stub = admin(d.admin_channel())
     s = assert_pool_accounting(stub)
     assert s.warm_restarted
     assert s.ready_blocks == len(keys) and s.writing_blocks == 0
@@ -135,7 +135,7 @@ def test_sigterm_then_restart_serves_every_ready_block(
     d.kill()
     client.close()
     d.start()
-    stub = admin(d.channel())
+    stub = admin(d.admin_channel())
     s = wait_recovered(stub)
     assert not s.warm_restarted
     assert (s.recovery_blocks_total, s.recovery_blocks_verified) == (len(keys), len(keys))
@@ -177,7 +177,7 @@ def test_a_pool_file_changed_between_runs_starts_empty(
             f.write(b"\xff" * 4096)
         expected = "modified"
     d.start()
-    s = stats(admin(d.channel()))
+    s = stats(admin(d.admin_channel()))
     assert not s.warm_restarted and s.ready_blocks == 0
     assert expected in d.log(), d.log()[-2000:]
     assert "starting with an empty pool" in d.log()
@@ -209,7 +209,7 @@ def test_a_second_daemon_on_the_same_pool_file_is_refused(
     assert f"pid {first.proc.pid}" in proc.stderr  # type: ignore[union-attr]
     assert not Path(other_socket).exists()
     # The first daemon is unharmed, and its clean stop still leaves a usable snapshot.
-    assert stats(admin(first.channel())).capacity_bytes == 16 << 20
+    assert stats(admin(first.admin_channel())).capacity_bytes == 16 << 20
     assert first.stop() == 0
     first.start()
-    assert stats(admin(first.channel())).warm_restarted
+    assert stats(admin(first.admin_channel())).warm_restarted

@@ -97,6 +97,14 @@ class BlockIndex(IndexEviction):
         self._emit = self._events.append if on_event is None else on_event
         self.stats = IndexStats()
         self.pinned_bytes = 0
+        # Per owner (session): bytes of the distinct slots it pins, and bytes of the
+        # WRITING rows it reserved (Slot.reserver), for the per-session quotas.
+        self._owner_pinned: dict[Owner, int] = {}
+        self._owner_writing: dict[Owner, int] = {}
+        # Bytes of WRITING rows one owner may reserve (None: no limit); owners in
+        # `writing_quota_exempt` (the daemon's own tiers) are not limited.
+        self.max_writing_per_owner: int | None = None
+        self.writing_quota_exempt: set[Owner] = set()
         # Crash recovery: extents claimed for rows a journal lists, invisible until
         # their bytes are verified (adopt_recovered) or dropped (drop_recovering).
         self.recovering: dict[int, Extent] = {}
@@ -122,6 +130,24 @@ class BlockIndex(IndexEviction):
                 f"layout: derive it from every layout parameter"
             )
         return ns
+
+    def forget_namespace(self, namespace_id: str) -> bool:
+        """Drops a namespace that holds nothing (no slot, no extent still being
+        freed); True if it was dropped. Its layout can be large: an unused one
+        must not stay for the daemon's life."""
+        ns = self.namespaces.get(namespace_id)
+        if ns is None or ns.slots or ns.used_bytes:
+            return False
+        del self.namespaces[namespace_id]
+        return True
+
+    def owner_pinned_bytes(self, owner: Owner) -> int:
+        """Bytes of the distinct slots `owner` holds at least one pin on."""
+        return self._owner_pinned.get(owner, 0)
+
+    def owner_writing_bytes(self, owner: Owner) -> int:
+        """Bytes of the WRITING rows `owner` reserved and that are not settled yet."""
+        return self._owner_writing.get(owner, 0)
 
     def namespace(self, namespace_id: str) -> Namespace:
         ns = self.namespaces.get(namespace_id)
@@ -158,7 +184,7 @@ class BlockIndex(IndexEviction):
         if owned is None:
             owned = Counter()
         out = []
-        first_pins = first_bytes = 0
+        first_pins = first_bytes = owner_bytes = 0
         for key in keys:
             slot = get(key)
             if slot is None or slot.state is not ready:
@@ -171,10 +197,15 @@ class BlockIndex(IndexEviction):
                 first_pins += 1
                 first_bytes += slot.extent.size
             pins[owner] = pins.get(owner, 0) + 1
-            owned[slot] = owned.get(slot, 0) + 1  # not +=: Counter.__missing__ is Python
+            held = owned.get(slot, 0)  # not owned[slot]: Counter.__missing__ is Python
+            owned[slot] = held + 1
+            if not held:
+                owner_bytes += slot.extent.size
             out.append(True)
         if owned:
             self._pins_by_owner[owner] = owned
+        if owner_bytes:
+            self._owner_pinned[owner] = self._owner_pinned.get(owner, 0) + owner_bytes
         self.pinned_bytes += first_bytes
         ns.pinned_blocks += first_pins
         ns.pinned_bytes += first_bytes
@@ -205,8 +236,10 @@ class BlockIndex(IndexEviction):
         owned[slot] -= 1
         if owned[slot] <= 0:
             del owned[slot]
+            self._owner_pinned[owner] -= slot.extent.size
             if not owned:
                 del self._pins_by_owner[owner]
+                del self._owner_pinned[owner]
         if not slot.pins:
             self.pinned_bytes -= slot.extent.size
             ns = self.namespaces[slot.namespace]
@@ -271,6 +304,12 @@ class BlockIndex(IndexEviction):
         slots, sorted_keys, group_blocks = ns.slots, ns.sorted_keys, ns.group_blocks
         ready = SlotState.READY
         needs: dict[int, tuple[int, int]] = {}  # group -> (slot bytes, rounded up)
+        # Bytes this owner may still reserve (--max-writing-per-session); None: no limit.
+        budget = self.max_writing_per_owner
+        if budget is not None and owner not in self.writing_quota_exempt:
+            budget -= self._owner_writing.get(owner, 0)
+        else:
+            budget = None
         claim = StoreClaim([], [])
         offsets, writing = claim.offsets, claim.slots
         removed: list[Slot] = []
@@ -284,6 +323,12 @@ class BlockIndex(IndexEviction):
                     if sizes is None:
                         size = layout.slot_bytes(group)
                         sizes = needs[group] = (size, self.allocator.round_up(size))
+                    if budget is not None and sizes[1] > budget:
+                        self.stats.dropped_stores[DropReason.SESSION_QUOTA] += 1
+                        claim.dropped += 1
+                        claim.drop_reason = DropReason.SESSION_QUOTA
+                        offsets.append(None)
+                        continue
                     extent = self._reserve(sizes[1], removed)
                     if extent is None:
                         reason = (
@@ -302,6 +347,11 @@ class BlockIndex(IndexEviction):
                     sorted_keys.add(key)
                     group_blocks[group] += 1
                     size = extent.size
+                    # Charged at once: a failure below settles (and uncharges) it.
+                    slot.reserver = owner
+                    self._owner_writing[owner] = self._owner_writing.get(owner, 0) + size
+                    if budget is not None:
+                        budget -= size
                     ns.used_bytes += size
                     ns.writing_blocks += 1
                     ns.writing_bytes += size
@@ -365,6 +415,8 @@ class BlockIndex(IndexEviction):
                     ns.ready_bytes += size
                     slot.writers.clear()
                     self._writing.discard(slot)
+                    if slot.reserver is not None:
+                        self._end_reservation(slot)
                     self._lru[slot] = None
                     became_ready.append(slot)
         finally:
@@ -429,11 +481,22 @@ class BlockIndex(IndexEviction):
             self._doom(slot, AbortReason.RESERVATION_TIMEOUT)
         return len(stale)
 
+    def _end_reservation(self, slot: Slot) -> None:
+        """The row is settled (READY or dropped): its reserver's charge ends."""
+        owner, slot.reserver = slot.reserver, None
+        left = self._owner_writing[owner] - slot.extent.size
+        if left:
+            self._owner_writing[owner] = left
+        else:
+            del self._owner_writing[owner]
+
     def _doom(self, slot: Slot, reason: AbortReason) -> None:
         ns = self.namespaces[slot.namespace]
         if ns.slots.get(slot.key) is slot:
             self._detach(ns, slot)
         self._writing.discard(slot)
+        if slot.reserver is not None:
+            self._end_reservation(slot)
         slot.doomed = True
         self.stats.aborted_writes[reason] += 1
         self._doomed.add(slot)

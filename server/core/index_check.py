@@ -63,3 +63,14 @@ def check_index(ix: BlockIndex) -> None:
     for slot in live:
         assert owner_pins[slot] == slot.pin_count, "pin counts unbalanced"
     assert ix.pinned_bytes == sum(s.extent.size for s in live if s.pins)
+    # The per-owner figures the session quotas read (--max-pinned-per-session,
+    # --max-writing-per-session).
+    assert ix._owner_pinned == {
+        owner: sum(slot.extent.size for slot in owned) for owner, owned in ix._pins_by_owner.items()
+    }, "pinned bytes per owner drifted"
+    writing: Counter = Counter()
+    for slot in ix._writing:
+        if slot.reserver is not None:
+            writing[slot.reserver] += slot.extent.size
+    assert ix._owner_writing == dict(writing), "writing bytes per owner drifted"
+    assert all(s.reserver is None for s in live if s.state is SlotState.READY)

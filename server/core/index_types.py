@@ -46,6 +46,7 @@ class Slot:
     writers: dict[int, Owner] = field(default_factory=dict)  # rank -> session
     pins: dict[Owner, int] = field(default_factory=dict)  # session -> pin count (> 0)
     readers: int = 0  # load copies in flight
+    reserver: Owner | None = None  # WRITING: who reserved the row (charged for its bytes)
     doomed: bool = False  # detached from its namespace; freed when no copy is in flight
 
     @property

@@ -19,8 +19,10 @@ match is dropped. The checksum is CRC-32 (zlib) over the row's bytes
 (`NamespaceLayout.slot_bytes`, not the extent's rounding).
 
 Record format (integers little-endian): u32 payload length, u32 CRC-32 of the
-payload, payload (a type byte, then the fields). Replay stops at the first torn
-or damaged record: everything before it was written whole.
+payload, payload (a type byte, then the fields). Replay stops at the first torn,
+damaged or malformed record (wrong sizes, missing fields, an unknown type): what
+comes before it was written whole. Replay never raises but JournalError (not a
+journal at all), so no journal can keep the daemon from starting.
 
 This module is pure (encode, decode, replay); the file and the threads are in
 kvdepot.server.memory.journal_file.
@@ -34,7 +36,7 @@ import zlib
 from dataclasses import dataclass, field
 
 from kvdepot.server.core.layout import NamespaceLayout
-from kvdepot.server.core.snapshot import SnapshotError, _layout_from_json, _layout_to_json
+from kvdepot.server.core.snapshot import _layout_from_json, _layout_to_json
 
 SUFFIX = ".journal"
 FORMAT = 1
@@ -69,6 +71,7 @@ class JournalState:
     rows: dict[tuple[str, bytes], Row] = field(default_factory=dict)  # oldest first
     records: int = 0
     torn_bytes: int = 0  # bytes after the last whole record (a write cut short)
+    stopped: str = ""  # why the replay ended before the end of the file (if it did)
 
 
 def _frame(payload: bytes) -> bytes:
@@ -103,10 +106,79 @@ def freed(ns_index: int, key: bytes) -> bytes:
     return _frame(FREED + _NS.pack(ns_index) + key)
 
 
+# What a damaged record can raise while it is decoded (a crafted one included).
+_DAMAGE = (
+    struct.error,
+    KeyError,
+    TypeError,
+    ValueError,  # SnapshotError, LayoutError, JSON and UTF-8 errors among them
+    AttributeError,
+    OverflowError,
+    RecursionError,
+)
+
+
+class _Damaged(Exception):
+    """A record that decodes but says something impossible."""
+
+
+def _positive_int(value: object) -> bool:
+    return type(value) is int and 0 < value < 1 << 63
+
+
+def _header(body: memoryview) -> tuple[int, int]:
+    """(pool size, granularity) from the first record; JournalError if it is not one."""
+    try:
+        head = json.loads(bytes(body))
+    except (ValueError, RecursionError) as exc:
+        raise JournalError(f"not a kvdepot journal (its header is not JSON: {exc})") from None
+    if not isinstance(head, dict):
+        raise JournalError("not a kvdepot journal (its header is not a JSON object)")
+    if head.get("format") != FORMAT:
+        raise JournalError(f"journal format {head.get('format')!r}, expected {FORMAT}")
+    pool_size, granularity = head.get("pool_size"), head.get("granularity")
+    if not (_positive_int(pool_size) and _positive_int(granularity)):
+        raise JournalError("the journal's header lacks a valid pool_size and granularity")
+    return pool_size, granularity  # type: ignore[return-value]
+
+
+def _apply(st: JournalState, names: dict[int, str], kind: bytes, body: memoryview) -> None:
+    """One record after the header; raises _Damaged or one of _DAMAGE."""
+    if kind == LAYOUT:
+        (i,) = _NS.unpack_from(body)
+        lay = _layout_from_json(json.loads(bytes(body[_NS.size :])))
+        names[i] = lay.id
+        st.layouts[lay.id] = lay
+    elif kind == READY:
+        i, offset, size, has_crc, row_crc = _READY.unpack_from(body)
+        if i not in names:
+            raise _Damaged(f"a READY record names namespace #{i}, never declared")
+        if has_crc not in (0, 1):
+            raise _Damaged(f"a READY record has a checksum flag of {has_crc}")
+        ident = (names[i], bytes(body[_READY.size :]))
+        st.rows.pop(ident, None)  # re-stored: it moves to the young end
+        st.rows[ident] = Row(offset, size, row_crc if has_crc else None)
+    elif kind == SUM:
+        i, row_crc = _SUM.unpack_from(body)
+        row = st.rows.get((names.get(i, ""), bytes(body[_SUM.size :])))
+        if row is not None:
+            row.crc = row_crc
+    elif kind == FREED:
+        (i,) = _NS.unpack_from(body)
+        st.rows.pop((names.get(i, ""), bytes(body[_NS.size :])), None)
+    else:
+        raise _Damaged(f"unknown record type {bytes(kind)!r}")
+
+
 def replay(data: bytes | memoryview) -> JournalState:
-    """The rows a journal leaves live, oldest first. Raises JournalError only for
-    a file that is not a journal (or of another format); damage at the tail ends
-    the replay there."""
+    """The rows a journal leaves live, oldest first.
+
+    Never raises but JournalError, and that only for a file that is not a journal
+    (no header record, a header without its fields, another format). A record
+    that is torn, fails its CRC or does not decode ends the replay there
+    (`stopped` says why): the rows before it are returned, and crash recovery
+    still checks each against its checksum before serving it.
+    """
     st = JournalState()
     names: dict[int, str] = {}
     view = memoryview(data)
@@ -115,42 +187,25 @@ def replay(data: bytes | memoryview) -> JournalState:
         length, crc = _FRAME.unpack_from(view, pos)
         payload = view[pos + _FRAME.size : pos + _FRAME.size + length]
         if length == 0 or len(payload) != length or zlib.crc32(payload) != crc:
+            if st.records:
+                st.stopped = f"the record at byte {pos} is torn or fails its CRC"
             break
         kind, body = bytes(payload[:1]), payload[1:]
         if st.records == 0:
             if kind != HEADER:
                 raise JournalError("not a kvdepot journal (no header record)")
-            head = json.loads(bytes(body))
-            if head.get("format") != FORMAT:
-                raise JournalError(f"journal format {head.get('format')!r}, expected {FORMAT}")
-            st.pool_size, st.granularity = int(head["pool_size"]), int(head["granularity"])
-        elif kind == LAYOUT:
-            (i,) = _NS.unpack_from(body)
-            try:
-                lay = _layout_from_json(json.loads(bytes(body[_NS.size :])))
-            except (SnapshotError, ValueError):
-                break
-            names[i] = lay.id
-            st.layouts[lay.id] = lay
-        elif kind == READY:
-            i, offset, size, has_crc, row_crc = _READY.unpack_from(body)
-            if i not in names:
-                break
-            ident = (names[i], bytes(body[_READY.size :]))
-            st.rows.pop(ident, None)  # re-stored: it moves to the young end
-            st.rows[ident] = Row(offset, size, row_crc if has_crc else None)
-        elif kind == SUM:
-            i, row_crc = _SUM.unpack_from(body)
-            row = st.rows.get((names.get(i, ""), bytes(body[_SUM.size :])))
-            if row is not None:
-                row.crc = row_crc
-        elif kind == FREED:
-            (i,) = _NS.unpack_from(body)
-            st.rows.pop((names.get(i, ""), bytes(body[_NS.size :])), None)
+            st.pool_size, st.granularity = _header(body)
         else:
-            break
+            try:
+                _apply(st, names, kind, body)
+            except (_Damaged, *_DAMAGE) as exc:
+                st.stopped = f"record {st.records + 1} at byte {pos} is malformed ({exc})"
+                break
         st.records += 1
         pos += _FRAME.size + length
+    else:
+        if pos < len(view) and st.records:
+            st.stopped = f"{len(view) - pos} byte(s) of a torn record at byte {pos}"
     st.torn_bytes = len(view) - pos
     if st.records == 0 and len(view):
         raise JournalError("not a kvdepot journal (its first record is damaged)")

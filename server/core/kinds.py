@@ -53,6 +53,7 @@ class DropReason(enum.StrEnum):
 
     POOL_FULL = "pool_full"
     ROW_TOO_LARGE = "row_too_large"
+    SESSION_QUOTA = "session_quota"  # the writer holds its --max-writing-per-session
 
     @property
     def text(self) -> str:
@@ -62,6 +63,10 @@ class DropReason(enum.StrEnum):
 _DROP_TEXT = {
     DropReason.POOL_FULL: "pool full: every block is pinned or in flight",
     DropReason.ROW_TOO_LARGE: "block row larger than the pool",
+    DropReason.SESSION_QUOTA: (
+        "this session holds its quota of block rows being written "
+        "(--max-writing-per-session, KVDEPOT_MAX_WRITING_PER_SESSION)"
+    ),
 }
 
 

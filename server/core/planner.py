@@ -10,14 +10,20 @@ the same plans.
 
 from __future__ import annotations
 
+import itertools
 from array import array
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from kvdepot.common.chunks import block_positions
-from kvdepot.server.core.layout import LayoutError, NamespaceLayout, check_key
+from kvdepot.server.core.layout import (
+    MAX_KEY_BYTES,
+    MIN_KEY_BYTES,
+    LayoutError,
+    NamespaceLayout,
+    check_key,
+)
 
 try:  # built from _plan.c when the install had a C compiler (pyproject.toml)
     from kvdepot.server.core import _plan as compiled
@@ -367,34 +373,46 @@ def check_job(
     if keys is not None:
         if len(set(keys)) != len(keys):
             raise LayoutError("a job names the same key twice")
-        pos = 0
-        for g, n in enumerate(per_group):
-            for key in keys[pos : pos + n]:
-                if check_key(key, layout.num_groups) != g:
-                    raise LayoutError(
-                        f"key {key.hex()[:16]}… is of group {key[-4:].hex()} but sits among "
-                        f"group {g}'s keys: keys are group-major, like group_sizes"
-                    )
-            pos += n
+        # check_key for every key, in C-speed passes (a job has thousands of keys).
+        lengths = list(map(len, keys))
+        if keys and not MIN_KEY_BYTES <= min(lengths) <= max(lengths) <= MAX_KEY_BYTES:
+            check_key(next(k for k in keys if not MIN_KEY_BYTES <= len(k) <= MAX_KEY_BYTES), 1)
+        found = [int.from_bytes(k[-4:], "big") for k in keys]
+        wanted = list(
+            itertools.chain.from_iterable(itertools.repeat(g, n) for g, n in enumerate(per_group))
+        )
+        if found != wanted:
+            i = next(i for i, (f, w) in enumerate(zip(found, wanted, strict=True)) if f != w)
+            key = keys[i]
+            check_key(key, layout.num_groups)  # raises if the group does not exist
+            raise LayoutError(
+                f"key {key.hex()[:16]}… is of group {key[-4:].hex()} but sits among "
+                f"group {wanted[i]}'s keys: keys are group-major, like group_sizes"
+            )
     if sum(group_sizes) != len(block_ids):
         raise LayoutError(
             f"sum(group_sizes) = {sum(group_sizes)} but {len(block_ids)} block id(s) given"
         )
+    # Column-wise from here: no Python object per block (a job's blocks are many).
+    try:
+        all_ids = np.asarray(block_ids, dtype=np.int64)
+    except OverflowError:
+        raise LayoutError("a block id does not fit in 64 bits") from None
     bpc = layout.blocks_per_chunk
     tensors = memory.tensors
     groups = []
     block_pos = key_pos = 0
     for g, n in enumerate(group_sizes):
-        ids = block_ids[block_pos : block_pos + n]
+        ids = all_ids[block_pos : block_pos + n]
         block_pos += n
         if n == 0:
             continue
         # Block ids are checked per group with min/max, not per page.
-        lo, hi = min(ids), max(ids)
+        lo, hi = int(ids.min()), int(ids.max())
         for ref in memory.groups[g]:
             t = tensors[ref.tensor_index]
             if lo < 0 or hi >= t.num_blocks:
-                bad = next(b for b in ids if not 0 <= b < t.num_blocks)
+                bad = int(ids[np.flatnonzero((ids < 0) | (ids >= t.num_blocks))[0]])
                 raise LayoutError(
                     f"block id {bad} of group {g} is out of range: tensor "
                     f"{ref.tensor_index} has {t.num_blocks} blocks"
@@ -403,12 +421,26 @@ def check_job(
             key_of: Sequence[int] = range(key_pos, key_pos + n)
             subs = None
         else:
-            pos = block_positions(n, block_indices[g], bpc)
-            key_of = [key_pos + c for c, _ in pos]
-            subs = [j for _, j in pos]
+            # block_positions, column-wise: block i is sub-block (skip + i) % bpc
+            # of the group's chunk (skip + i) // bpc.
+            pos = np.arange(block_indices[g] % bpc, block_indices[g] % bpc + n, dtype=np.int64)
+            key_of = key_pos + pos // bpc
+            subs = pos % bpc
         groups.append((g, ids, key_of, subs))
         key_pos += per_group[g]
     return JobShape(n_keys, tuple(groups))
+
+
+def slice_shape(layout: NamespaceLayout, shape: JobShape, max_pages: int) -> Iterator[JobShape]:
+    """`shape` cut into shapes of at most `max_pages` pages (blocks x layers; at
+    least one block each), in the job's order: planning each with `plan_copy` and the
+    same slot offsets gives the job's runs, a slice at a time."""
+    for g, ids, key_of, subs in shape.groups:
+        step = max(1, max_pages // len(layout.groups[g]))
+        for start in range(0, len(ids), step):
+            end = start + step
+            part = (g, ids[start:end], key_of[start:end], None if subs is None else subs[start:end])
+            yield JobShape(shape.num_keys, (part,))
 
 
 @dataclass(slots=True)
@@ -443,12 +475,18 @@ def _geometry(layout: NamespaceLayout, rank: int, memory: MemoryMap, g: int) -> 
         ),
         np.array([t.block_stride for t in tensors], dtype=np.int64),
         np.array(layout.groups[g], dtype=np.int64),
-        np.array(
-            [layout.page_offset(g, rank, layer, 0) for layer in range(len(refs))], dtype=np.int64
-        ),
+        _slot_bases(layout, rank, g),
     )
     cache[key] = geo
     return geo
+
+
+def _slot_bases(layout: NamespaceLayout, rank: int, g: int) -> np.ndarray:
+    """layout.page_offset(g, rank, layer, 0) of every layer, in one pass (a call per
+    layer sums the layers before it: quadratic, 19 ms for 1024 layers)."""
+    pages = np.array(layout.groups[g], dtype=np.int64)
+    before = np.cumsum(pages) - pages  # bytes of one block of the layers before each
+    return rank * layout.section_bytes(g) + layout.blocks_per_chunk * before
 
 
 def planning() -> str:

@@ -162,7 +162,7 @@ def _layout_from_json(obj: object) -> NamespaceLayout:
             groups=tuple(tuple(int(p) for p in g) for g in obj["groups"]),
             description=str(obj.get("description", "")),
         )
-    except (KeyError, TypeError, ValueError) as exc:  # LayoutError is a ValueError
+    except (KeyError, TypeError, ValueError, OverflowError) as exc:  # LayoutError: ValueError
         raise SnapshotError(f"bad namespace layout in the snapshot: {exc}") from None
 
 
@@ -213,7 +213,11 @@ def decode(data: bytes) -> IndexSnapshot:
         raise SnapshotError("snapshot checksum mismatch (torn or edited file)")
     try:
         (hlen,) = _U32.unpack_from(body)
+        if _U32.size + hlen > len(body):
+            raise SnapshotError(f"a header of {hlen} bytes in a body of {len(body)}")
         header = json.loads(bytes(body[_U32.size : _U32.size + hlen]))
+        if not isinstance(header, dict):
+            raise SnapshotError("the snapshot's header is not a JSON object")
         if header.get("format") != FORMAT:
             raise SnapshotError(f"snapshot format {header.get('format')!r}, expected {FORMAT}")
         pf = header["pool_file"]
@@ -227,6 +231,8 @@ def decode(data: bytes) -> IndexSnapshot:
         layouts = [_layout_from_json(obj) for obj in header["namespaces"]]
         count = int(header["slots"])
         pos = _U32.size + hlen
+        if not 0 <= count <= (len(body) - pos) // _RECORD.size:  # a huge count fails here
+            raise SnapshotError(f"{count} slot records cannot fit in the snapshot")
         slots = []
         for _ in range(count):
             ns_i, klen, offset, size = _RECORD.unpack_from(body, pos)
@@ -248,8 +254,17 @@ def decode(data: bytes) -> IndexSnapshot:
         )
     except SnapshotError:
         raise
-    except (KeyError, TypeError, ValueError, struct.error) as exc:
-        raise SnapshotError(f"malformed snapshot: {exc}") from None
+    # Anything a crafted header can raise (a deep JSON nesting, an infinite number).
+    except (
+        KeyError,
+        TypeError,
+        ValueError,
+        struct.error,
+        AttributeError,
+        OverflowError,
+        RecursionError,
+    ) as exc:
+        raise SnapshotError(f"malformed snapshot: {exc!r}") from None
 
 
 def check_compatible(

@@ -60,6 +60,7 @@ from kvdepot.server.memory.copy_engine import (
     CopyEngine,
     MappedRegion,
     PreparedCopy,
+    check_runs,
     no_copy,
 )
 
@@ -547,7 +548,12 @@ class CudaCopyEngine(CopyEngine):
                 log.warning("destroying a copy stream on %s failed: %s", dev.uuid, exc)
 
     def prepare(
-        self, direction: int, regions: Sequence[MappedRegion], pool_address: int, plan: CopyPlan
+        self,
+        direction: int,
+        regions: Sequence[MappedRegion],
+        pool_address: int,
+        plan: CopyPlan,
+        pool_size: int | None = None,
     ) -> PreparedCopy:
         """Checks the regions and plans the DMA (on the event loop); the copy thread
         then only makes driver calls, which release the GIL."""
@@ -555,6 +561,7 @@ class CudaCopyEngine(CopyEngine):
             raise ValueError(f"unknown direction {direction}")
         if not len(plan):
             return no_copy
+        check_runs(regions, plan, pool_size)
         cregions: list[CudaIpcRegion] = []
         for r in regions:
             if not isinstance(r, CudaIpcRegion) or r.closed:

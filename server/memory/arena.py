@@ -3,7 +3,7 @@
 The arena is pre-faulted in the background (MADV_POPULATE_WRITE in chunks, or a
 write per page where the kernel lacks it) so the daemon serves at once while the
 pool warms; `warmup_done_bytes` says how far it is. A named file (for example
-/dev/shm/kvdepot.pool or a hugetlbfs path) outlives the daemon, which is what
+/dev/shm/kvdepot/kvdepot.pool or a hugetlbfs path) outlives the daemon, which is what
 makes a warm restart possible.
 
 Other parts plug in through hooks, not by patching: `add_warmup_hook(fn)` runs
@@ -19,9 +19,9 @@ import mmap
 import os
 import threading
 from collections.abc import Callable
-from pathlib import Path
 
 from kvdepot.common.libc import MADV_POPULATE_WRITE, libc
+from kvdepot.server.memory import private_files
 from kvdepot.server.memory.regions import buffer_address
 
 log = logging.getLogger("kvdepot.arena")
@@ -40,9 +40,10 @@ class Arena:
             fd = os.memfd_create("kvdepot-pool", os.MFD_CLOEXEC)
             self.backing = "memfd"
         else:
-            p = Path(path)
-            self.existed = p.exists() and p.stat().st_size == size
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            # O_NOFOLLOW, and refused unless the daemon's own with mode 0600
+            # (someone else's pool file would let them read or plant KV bytes).
+            fd = private_files.open_private(path, os.O_RDWR | os.O_CREAT, "the pool file")
+            self.existed = os.fstat(fd).st_size == size  # a new file has size 0
             self.backing = path
         try:
             if os.fstat(fd).st_size != size:

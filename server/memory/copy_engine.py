@@ -16,7 +16,10 @@ import functools
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 
+import numpy as np
+
 from kvdepot.common.kinds import Direction
+from kvdepot.server import errors
 from kvdepot.server.core.planner import CopyPlan
 from kvdepot.server.memory.regions import MappedRegion
 from kvdepot.server.memory.strided import copy_ops, run_ops
@@ -36,6 +39,7 @@ __all__ = [
     "CpuCopyEngine",
     "MappedRegion",
     "PreparedCopy",
+    "check_runs",
     "no_copy",
 ]
 
@@ -47,6 +51,41 @@ def no_copy() -> None:
     """The prepared copy of a plan with no runs."""
 
 
+def check_runs(regions: Sequence[MappedRegion], plan: CopyPlan, pool_size: int | None) -> None:
+    """Defence in depth: every run lies inside its region and (with `pool_size`)
+    inside the pool, so no copier is ever handed an address outside them, whatever
+    the planner or a layout let through. Raises DepotError (INVALID_ARGUMENT: the
+    job fails, nothing has moved).
+
+    Three numpy reductions over the plan's (4, n) columns (a few microseconds on
+    the event loop): minima (no negative offset, no empty run, known regions),
+    maxima (no value near 2**63, so the sums below cannot overflow), and the
+    largest end on each side."""
+    cols = plan.columns
+    if not cols.shape[1]:
+        return
+    low = cols.min(axis=1).tolist()
+    high = cols.max(axis=1).tolist()
+    if low[3] <= 0 or min(low[:3]) < 0 or high[0] >= len(regions) or max(high[1:]) >= _HUGE:
+        raise errors.invalid("a copy run has a bad region, offset or size: the job is refused")
+    region_end, pool_end = (cols[1:3] + cols[3]).max(axis=1).tolist()
+    if len(regions) == 1:
+        inside = region_end <= regions[0].size
+    else:  # each run against its own region's size
+        sizes = np.array([r.size for r in regions], dtype=np.int64)
+        inside = bool((cols[1] + cols[3] <= sizes[cols[0]]).all())
+    if inside and (pool_size is None or pool_end <= pool_size):
+        return
+    raise errors.invalid(
+        f"a copy run lies outside its region ({max(r.size for r in regions)} bytes at most; "
+        f"runs end at {region_end}) or the pool ({pool_size} bytes; runs end at "
+        f"{pool_end}): the job is refused"
+    )
+
+
+_HUGE = 1 << 62  # no region or pool comes near; below it offset + size fits int64
+
+
 class CopyEngine(ABC):
     """Moves the bytes of a plan. Thread-safe: several copies may run at once."""
 
@@ -56,13 +95,20 @@ class CopyEngine(ABC):
 
     @abstractmethod
     def prepare(
-        self, direction: int, regions: Sequence[MappedRegion], pool_address: int, plan: CopyPlan
+        self,
+        direction: int,
+        regions: Sequence[MappedRegion],
+        pool_address: int,
+        plan: CopyPlan,
+        pool_size: int | None = None,
     ) -> PreparedCopy:
         """Checks and plans the copy of every run of `plan`; returns the copy itself.
 
         Runs on the event loop: CPU work only, it never blocks and never touches
         the memory. Raises (ValueError, DepotError) on a plan or region it cannot
-        copy; nothing has moved then. The caller keeps `regions` open until the
+        copy; nothing has moved then: every engine first calls `check_runs`, so no
+        run outside its region or the pool (`pool_size` bytes; None: unchecked,
+        tests) reaches a copier. The caller keeps `regions` open until the
         returned callable has returned.
 
         The returned callable runs once, on a copy thread, and returns when the
@@ -73,10 +119,15 @@ class CopyEngine(ABC):
         """
 
     def copy(
-        self, direction: int, regions: Sequence[MappedRegion], pool_address: int, plan: CopyPlan
+        self,
+        direction: int,
+        regions: Sequence[MappedRegion],
+        pool_address: int,
+        plan: CopyPlan,
+        pool_size: int | None = None,
     ) -> None:
         """`prepare`, then the copy, both on the calling thread (tests, benchmarks)."""
-        self.prepare(direction, regions, pool_address, plan)()
+        self.prepare(direction, regions, pool_address, plan, pool_size)()
 
 
 def copier() -> str:
@@ -111,10 +162,16 @@ class CpuCopyEngine(CopyEngine):
         self.compiled = compiled
 
     def prepare(
-        self, direction: int, regions: Sequence[MappedRegion], pool_address: int, plan: CopyPlan
+        self,
+        direction: int,
+        regions: Sequence[MappedRegion],
+        pool_address: int,
+        plan: CopyPlan,
+        pool_size: int | None = None,
     ) -> PreparedCopy:
         if direction not in (STORE, LOAD):
             raise ValueError(f"unknown direction {direction}")
+        check_runs(regions, plan, pool_size)
         # Addresses column-wise (numpy), and any progressions' views, here: the copy
         # thread only runs the copy.
         mem, pool, sizes = plan.addresses([r.address for r in regions], pool_address)

@@ -31,7 +31,6 @@ from collections import deque
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from kvdepot.server.core import journal as rec
 from kvdepot.server.core.allocator import Extent, OutOfSpace
@@ -39,6 +38,7 @@ from kvdepot.server.core.index import BlockIndex, IndexEvent, Slot
 from kvdepot.server.core.journal import JournalError, JournalState, Row
 from kvdepot.server.core.kinds import EventKind
 from kvdepot.server.core.layout import LayoutError, check_key
+from kvdepot.server.memory import private_files
 from kvdepot.server.memory.arena import Arena
 
 log = logging.getLogger("kvdepot.journal")
@@ -58,15 +58,30 @@ def read(pool_file: str) -> tuple[JournalState | None, str]:
     """The journal beside `pool_file` replayed, or (None, why not)."""
     path = journal_path(pool_file)
     try:
-        data = Path(path).read_bytes()
+        data = private_files.read_private(path, "the journal")
     except FileNotFoundError:
         return None, f"no journal at {path}"
+    except private_files.UnsafeFileError:
+        raise  # someone else's file or a symlink: refused, not read (exit 2)
     except OSError as exc:
         return None, f"cannot read the journal {path}: {exc}"
     try:
-        return rec.replay(data), ""
-    except (JournalError, ValueError) as exc:
+        state = rec.replay(data)
+    except JournalError as exc:
         return None, f"the journal {path} is unusable: {exc}"
+    except Exception as exc:  # a replay bug must not become a restart loop
+        log.exception("replaying the journal %s failed", path)
+        return None, f"the journal {path} could not be replayed: {exc!r}"
+    if state.stopped:
+        log.warning(
+            "the journal %s is damaged after %d record(s) (%d byte(s) ignored): %s; "
+            "recovering only what comes before",
+            path,
+            state.records,
+            state.torn_bytes,
+            state.stopped,
+        )
+    return state, ""
 
 
 def row_bytes(index: BlockIndex, namespace_id: str, key: bytes) -> int:
@@ -93,6 +108,7 @@ class Journal:
         self.boot_id = boot_id
         self.live: dict[tuple[str, bytes], Row] = {}
         self._ns: dict[str, int] = {}
+        self._next_ns = 0  # numbers are never reused (see drop_namespace)
         self._fd = -1
         self._mirror: int | None = None  # the compacted file being written, if any
         self._bytes = 0
@@ -128,7 +144,7 @@ class Journal:
     def _write_compacted(self) -> tuple[str, int]:
         """The whole journal from `live`, in a temporary file: (path, fd)."""
         tmp = f"{self.path}.{os.getpid()}.tmp"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND | os.O_CLOEXEC, 0o600)
+        fd = _create(tmp)
         parts = [rec.header(self.arena.size, self.index.allocator.granularity, self.boot_id)]
         parts += self._layout_records()
         for (ns, key), row in self.live.items():
@@ -142,7 +158,7 @@ class Journal:
         out = []
         for ns_id, ns in self.index.namespaces.items():
             if ns_id not in self._ns:
-                self._ns[ns_id] = len(self._ns)
+                self._ns[ns_id] = self._new_ns_number()
             out.append(rec.layout(self._ns[ns_id], ns.layout))
         return out
 
@@ -157,7 +173,7 @@ class Journal:
     def _ns_index(self, namespace_id: str) -> int:
         i = self._ns.get(namespace_id)
         if i is None:
-            i = self._ns[namespace_id] = len(self._ns)
+            i = self._ns[namespace_id] = self._new_ns_number()
             self._append(rec.layout(i, self.index.namespaces[namespace_id].layout))
         return i
 
@@ -186,6 +202,15 @@ class Journal:
             for key in event.keys:
                 if self.live.pop((event.namespace, key), None) is not None:
                     self._append(rec.freed(self._ns[event.namespace], key))
+
+    def _new_ns_number(self) -> int:
+        self._next_ns += 1
+        return self._next_ns - 1
+
+    def drop_namespace(self, namespace_id: str) -> None:
+        """The index forgot a namespace that holds no rows: compactions no longer
+        write its layout, and a later declaration gets a new number."""
+        self._ns.pop(namespace_id, None)
 
     def forget(self, namespace_id: str, key: bytes, offset: int) -> None:
         """A listed row is gone without an index event (failed recovery)."""
@@ -277,9 +302,7 @@ class Journal:
         tmp = f"{self.path}.{os.getpid()}.tmp"
         before = self._bytes
         try:
-            fd = os.open(
-                tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND | os.O_CLOEXEC, 0o600
-            )
+            fd = _create(tmp)
             head = [rec.header(self.arena.size, self.index.allocator.granularity, self.boot_id)]
             head += [
                 rec.layout(i, self.index.namespaces[ns_id].layout) for ns_id, i in self._ns.items()
@@ -443,23 +466,45 @@ def begin_recovery(
     progress.total = len(old.rows)
     # Claimed in offset order: the allocator's free list stays short.
     for (ns_id, key), row in sorted(old.rows.items(), key=lambda kv: kv[1].offset):
-        reason = None
+        # A few fixed reasons (the log line counts them; a crafted journal cannot
+        # make it long), the first example of each logged in full.
+        reason = detail = None
         if row.crc is None:
             reason = "no checksum yet"
         elif ns_id not in index.namespaces:
             reason = "namespace not declared"
         else:
+            lay = index.namespaces[ns_id].layout
             try:
-                check_key(key, index.namespaces[ns_id].layout.num_groups)
-                extent = index.claim_recovering(row.offset, row.size)
-                if extent.size != row.size:
-                    index.drop_recovering(extent)
-                    raise ValueError("size is not the slot's")
-            except (OutOfSpace, ValueError) as exc:
-                reason = f"extent unusable ({exc})"
+                group = check_key(key, lay.num_groups)
+            except LayoutError as exc:
+                reason, detail = "bad key", str(exc)
+            else:
+                # The slot's size for its group and the pool's bounds, checked before
+                # anything is claimed: a huge, empty or outside extent never reaches
+                # the allocator, and one that overlaps a claimed row is not free.
+                want = index.allocator.round_up(lay.slot_bytes(group))
+                if row.size != want:
+                    reason, detail = "wrong size", f"{row.size} bytes, the slot's are {want}"
+                elif row.offset + row.size > index.allocator.capacity:
+                    reason, detail = "outside the pool", f"offset {row.offset}"
+                else:
+                    try:
+                        extent = index.claim_recovering(row.offset, row.size)
+                    except (OutOfSpace, ValueError) as exc:
+                        reason, detail = "extent not free or misaligned", str(exc)
         if reason is not None:
             progress.rejected += 1
-            progress.reasons[reason] = progress.reasons.get(reason, 0) + 1
+            seen = progress.reasons.get(reason, 0)
+            progress.reasons[reason] = seen + 1
+            if detail is not None and not seen:
+                log.warning(
+                    "crash recovery: block %s… of namespace %s dropped (%s: %s)",
+                    key.hex()[:16],
+                    ns_id,
+                    reason,
+                    detail,
+                )
             continue
         to_verify.append((ns_id, key, extent, row.crc))  # type: ignore[arg-type]
         listed.append((ns_id, key, row))
@@ -469,6 +514,13 @@ def begin_recovery(
     listed.sort(key=lambda r: order[(r[0], r[1])])
     progress.complete = not to_verify
     return to_verify, listed
+
+
+def _create(path: str) -> int:
+    """A new journal file (mode 0600, no symlink followed, the daemon's own)."""
+    return private_files.open_private(
+        path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, "the journal"
+    )
 
 
 def _write_all(fd: int, data: bytes) -> None:

@@ -25,6 +25,7 @@ from pathlib import Path
 from kvdepot.server.core import snapshot
 from kvdepot.server.core.index import BlockIndex
 from kvdepot.server.core.snapshot import IndexSnapshot, PoolFileIdentity, RestoreReport
+from kvdepot.server.memory import private_files
 
 log = logging.getLogger("kvdepot.snapshot")
 
@@ -32,7 +33,7 @@ log = logging.getLogger("kvdepot.snapshot")
 def identity_of(path: str | os.PathLike[str]) -> PoolFileIdentity | None:
     """The identity of the file at `path` now; None when there is no such file."""
     try:
-        st = os.stat(path)
+        st = os.stat(path, follow_symlinks=False)  # a symlink is refused, never followed
     except FileNotFoundError:
         return None
     return PoolFileIdentity(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
@@ -44,7 +45,9 @@ def save(path: str | os.PathLike[str], snap: IndexSnapshot) -> None:
     data = snapshot.encode(snap)
     target = Path(path)
     tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    fd = private_files.open_private(
+        str(tmp), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, "the snapshot's temporary file"
+    )
     try:
         view = memoryview(data)
         while view:
@@ -67,8 +70,7 @@ def take(path: str | os.PathLike[str]) -> bytes | None:
     next start finds no snapshot and trusts nothing in the pool file.
     """
     try:
-        with open(path, "rb") as f:
-            data = f.read()
+        data = private_files.read_private(os.fspath(path), "the index snapshot")
     except FileNotFoundError:
         return None
     os.unlink(path)
@@ -89,7 +91,7 @@ def lock_pool_file(pool_file: str) -> int:
     snapshot vouches for). Raises PoolFileBusy, naming the holder where it can.
     """
     path = pool_file + ".lock"
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    fd = private_files.open_private(path, os.O_RDWR | os.O_CREAT, "the pool's lock file")
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -130,6 +132,8 @@ def prepare_start(pool_file: str, pool_size: int, granularity: int) -> StartPlan
     path = snapshot.snapshot_path(pool_file)
     try:
         data = take(path)
+    except private_files.UnsafeFileError:
+        raise  # someone else's file or a symlink: refused, not read (exit 2)
     except OSError as exc:
         return StartPlan(pool_file, None, f"cannot read or remove the snapshot {path}: {exc}")
     if data is None:
@@ -166,6 +170,9 @@ def finish_start(plan: StartPlan, index: BlockIndex) -> RestoreReport | None:
         report = snapshot.restore(index, plan.snapshot)
     except snapshot.SnapshotError as exc:
         log.error("starting with an empty pool (%s): %s", plan.pool_file, exc)
+        return None
+    except Exception as exc:  # a bug must cost the cache, not every start
+        log.exception("starting with an empty pool (%s): restore failed: %r", plan.pool_file, exc)
         return None
     log.info(
         "warm restart: re-attached %d block(s) (%d bytes) in %d namespace(s) from %s "

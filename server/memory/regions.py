@@ -12,6 +12,7 @@ import fcntl
 import logging
 import mmap
 import os
+import stat
 import threading
 from abc import ABC, abstractmethod
 
@@ -49,6 +50,34 @@ def seal_against_shrinking(fd: int) -> None:
             f"created with MFD_ALLOW_SEALING (kvdepot.client.SharedKVBuffer does), so that "
             f"truncating it cannot crash the daemon"
         ) from None
+
+
+def check_passed_file(fd: int) -> None:
+    """The daemon maps only memory the client could read and write itself: a
+    regular file (a memfd is one; never a device) opened O_RDWR. ValueError."""
+    if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE != os.O_RDWR:
+        raise ValueError(
+            "the passed fd is not open for reading and writing (O_RDWR): the daemon maps "
+            "only memory its client may write itself"
+        )
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        raise ValueError(
+            "the passed fd is not a memfd or regular file (a device, socket or pipe): pass "
+            "the memfd the KV tensors live in"
+        )
+
+
+def check_populated(fd: int, size: int) -> None:
+    """A memfd's pages are charged to whoever first touches them: one the client
+    never populated would be allocated by the daemon's copies, in the daemon's
+    memory (cgroup). Refused (ValueError) unless the first `size` bytes are allocated."""
+    blocks = os.fstat(fd).st_blocks * 512
+    if blocks < size:
+        raise ValueError(
+            f"the memfd is sparse ({blocks} of {size} bytes allocated): populate it first "
+            f"(posix_fallocate; kvdepot.client.SharedKVBuffer does), so that its memory is "
+            f"charged to its owner, not to the daemon"
+        )
 
 
 class MappedRegion(ABC):
@@ -104,9 +133,13 @@ class SharedMemoryRegion(MappedRegion):
 
     @classmethod
     def from_passed_fd(cls, fd: int, size: int) -> SharedMemoryRegion:
-        """Seals `fd` against shrinking and maps it (ValueError/OSError with why).
-        The caller keeps ownership of `fd` (the mapping does not need it)."""
+        """Checks `fd` (a regular file opened O_RDWR, populated: `check_passed_file`,
+        `check_populated`), seals it against shrinking and maps it (ValueError/OSError
+        with why). The caller keeps ownership of `fd` (the mapping does not need it)."""
+        check_passed_file(fd)
         seal_against_shrinking(fd)
+        if 0 < size <= os.fstat(fd).st_size:  # (a short file is refused below, saying so)
+            check_populated(fd, size)
         return cls(fd, size)
 
     @property

@@ -3,7 +3,8 @@
     tier.py        RemoteTier, the small interface a store implements (batches, deadlines)
     redis_tier.py  RemoteTier on Redis Cluster or standalone Redis (redis-py asyncio)
     url.py         --remote URLs, parsed without the client library
-    codec.py       key names and value framing: namespace, key, length, CRC-32
+    codec.py       key names and value framing: namespace, key, length, keyed-BLAKE3 MAC
+    fleet_key.py   the fleet key file: current and previous key, checked permissions
     writer.py      write-behind of READY (or evicted) rows, bounded, deduplicated
     reader.py      Prefetch: fetch on a local miss, verify, make READY in the pool
     health.py      up/down with back-off, logged in words

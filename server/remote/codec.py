@@ -1,40 +1,58 @@
 """How a block row is framed in the remote tier: the key name and the value.
 
-Key:   b"kvd1:" + namespace id + b":" + block key (vLLM's OffloadKey, binary).
-Value: a 24-byte header, the namespace id, the key, then the row's bytes:
+Two formats; a node writes and reads one of them (`Codec`):
+
+Format 2, keyed (the default: `--remote-key-file`). Key b"kvd2:" + namespace id
++ b":" + block key (vLLM's OffloadKey, binary). Value: a 60-byte header, the
+namespace id, the key, then the row's bytes:
 
     offset  size  field
          0     4  magic b"KVDR"
-         4     1  format version (1)
+         4     1  format version (2)
          5     1  flags (0; reserved)
          6     2  namespace id length      (big-endian, like every field)
          8     2  key length
         10     2  reserved (0)
         12     8  payload length
-        20     4  CRC-32 (zlib) of bytes 0..19, the namespace, the key and the payload
+        20     8  key id: which fleet key made the MAC (kvdepot.server.remote.fleet_key)
+        28    32  MAC: keyed BLAKE3 of bytes 0..27, the namespace, the key and the payload
+
+Format 1, CRC only (`--remote-insecure`; what kvdepot wrote before format 2).
+Key b"kvd1:" + namespace id + b":" + block key. Value: a 24-byte header (bytes
+0..19 as above with version 1, then a CRC-32 of them, the namespace, the key and
+the payload), the namespace id, the key, then the row's bytes.
 
 The payload is one whole block row exactly as the pool holds it: every rank's
-section, `NamespaceLayout.slot_bytes(group)` bytes.
+section, `NamespaceLayout.slot_bytes(group)` bytes. The names differ by format,
+so keyed and insecure nodes sharing one store never see each other's rows, and
+rows left by an older kvdepot do not hold a keyed fleet's names.
 
-Contract: `decode` returns the payload only when every field matches what the
-reader expects (namespace, key, length) and the checksum holds; anything else
-raises `VerifyError` naming why, and the caller discards the value. CRC-32
-catches truncation and accidental corruption; it is not a defence against
-someone who can write to the store on purpose (who could write a valid frame
-anyway): protect the store with its own access control.
+Contract: `Codec.decode` returns the payload only when every field matches what
+the reader expects (format, namespace, key, length) and the MAC (or, format 1,
+the checksum) holds; anything else raises `VerifyError` naming why, and the
+caller discards the value. The MAC covers the lengths (they are in the header),
+so no split of the same bytes into namespace, key and payload verifies twice.
+Format 1's CRC-32 catches only accidents: anyone who can write to the store can
+write a valid format-1 frame, which is why it is opt-in.
 """
 
 from __future__ import annotations
 
+import hmac
 import struct
 import zlib
 
+from blake3 import blake3
+
+from kvdepot.server.remote.fleet_key import Keyring
+
 MAGIC = b"KVDR"
-VERSION = 1
-KEY_PREFIX = b"kvd1:"
-_HEADER = struct.Struct(">4sBBHHHQ")  # without the checksum
+_HEADER = struct.Struct(">4sBBHHHQ")  # the fields both formats share (20 bytes)
 _CRC = struct.Struct(">I")
-HEADER_BYTES = _HEADER.size + _CRC.size  # 24
+_KEY_ID_BYTES = 8
+_MAC_BYTES = 32
+HEADER_V1 = _HEADER.size + _CRC.size  # 24
+HEADER_V2 = _HEADER.size + _KEY_ID_BYTES + _MAC_BYTES  # 60
 
 
 class VerifyError(ValueError):
@@ -45,53 +63,92 @@ class VerifyError(ValueError):
         self.reason = reason
 
 
-def remote_key(namespace_id: str, key: bytes) -> bytes:
-    """The store key of one block row. The namespace is in the name, so rows of
-    different models or layouts never collide."""
-    return KEY_PREFIX + namespace_id.encode() + b":" + key
+class Codec:
+    """Names and frames values for one fleet: keyed (format 2) with a keyring,
+    CRC only (format 1) with None."""
+
+    def __init__(self, keyring: Keyring | None) -> None:
+        self.keyring = keyring
+        self.version = 1 if keyring is None else 2
+        self.prefix = b"kvd1:" if keyring is None else b"kvd2:"
+        self.header_bytes = HEADER_V1 if keyring is None else HEADER_V2
+
+    def remote_key(self, namespace_id: str, key: bytes) -> bytes:
+        """The store key of one block row. The namespace is in the name, so rows of
+        different models or layouts never collide."""
+        return self.prefix + namespace_id.encode() + b":" + key
+
+    def frame_bytes(self, namespace_id: str, key: bytes, payload_len: int) -> int:
+        """Bytes of the framed value: what the reader expects, and checks before
+        it downloads a value (STRLEN, then a GETRANGE bounded by it)."""
+        return self.header_bytes + len(namespace_id.encode()) + len(key) + payload_len
+
+    def encode(self, namespace_id: str, key: bytes, payload: bytes | memoryview) -> bytes:
+        """The framed value. Copies the payload once (into the result)."""
+        ns = namespace_id.encode()
+        head = _HEADER.pack(MAGIC, self.version, 0, len(ns), len(key), 0, len(payload))
+        if self.keyring is None:
+            crc = zlib.crc32(payload, zlib.crc32(key, zlib.crc32(ns, zlib.crc32(head))))
+            return b"".join((head, _CRC.pack(crc), ns, key, payload))
+        fk = self.keyring.current
+        head += fk.id
+        mac = _mac(fk.mac_key, head, ns, key, payload)
+        return b"".join((head, mac, ns, key, payload))
+
+    def decode(self, value: bytes, namespace_id: str, key: bytes, payload_len: int) -> memoryview:
+        """The payload of `value` if it is this namespace's row for `key` of
+        `payload_len` bytes and authentic (format 1: intact); else VerifyError."""
+        if len(value) < _HEADER.size:
+            raise VerifyError("truncated", f"{len(value)} bytes, shorter than the header")
+        magic, version, _flags, ns_len, key_len, _res, plen = _HEADER.unpack_from(value)
+        if magic != MAGIC:
+            raise VerifyError("bad_magic", "not a kvdepot value")
+        if version != self.version:
+            why = "old_format" if version < self.version else "bad_version"
+            raise VerifyError(why, f"format version {version}, this node reads {self.version}")
+        ns = namespace_id.encode()
+        at = self.header_bytes
+        end = at + ns_len + key_len + plen
+        if len(value) != end:
+            raise VerifyError("truncated", f"{len(value)} bytes where the header says {end}")
+        mv = memoryview(value)
+        if bytes(mv[at : at + ns_len]) != ns:
+            raise VerifyError("wrong_namespace", "the value belongs to another namespace")
+        at += ns_len
+        if bytes(mv[at : at + key_len]) != key:
+            raise VerifyError("wrong_key", "the value belongs to another key")
+        at += key_len
+        if plen != payload_len:
+            raise VerifyError(
+                "wrong_length", f"{plen} payload bytes, the layout says {payload_len}"
+            )
+        payload = mv[at:]
+        if self.keyring is None:
+            (crc,) = _CRC.unpack_from(value, _HEADER.size)
+            head = mv[: _HEADER.size]
+            got = zlib.crc32(payload, zlib.crc32(key, zlib.crc32(ns, zlib.crc32(head))))
+            if got != crc:
+                raise VerifyError("bad_checksum", "the checksum does not match: corrupted")
+            return payload
+        key_id = bytes(mv[_HEADER.size : _HEADER.size + _KEY_ID_BYTES])
+        fk = self.keyring.by_id(key_id)
+        if fk is None:
+            raise VerifyError(
+                "unknown_key", f"MAC made with key id {key_id.hex()}, a key this node lacks"
+            )
+        head_end = _HEADER.size + _KEY_ID_BYTES
+        want = _mac(fk.mac_key, mv[:head_end], ns, key, payload)
+        if not hmac.compare_digest(want, mv[head_end:HEADER_V2]):
+            raise VerifyError("bad_mac", "the MAC does not match: forged or corrupted")
+        return payload
 
 
-def frame_bytes(namespace_id: str, key: bytes, payload_len: int) -> int:
-    """Bytes of the framed value (for accounting before encoding)."""
-    return HEADER_BYTES + len(namespace_id.encode()) + len(key) + payload_len
-
-
-def encode(namespace_id: str, key: bytes, payload: bytes | memoryview) -> bytes:
-    """The framed value. Copies the payload once (into the result)."""
-    ns = namespace_id.encode()
-    head = _HEADER.pack(MAGIC, VERSION, 0, len(ns), len(key), 0, len(payload))
-    crc = zlib.crc32(payload, zlib.crc32(key, zlib.crc32(ns, zlib.crc32(head))))
-    return b"".join((head, _CRC.pack(crc), ns, key, payload))
-
-
-def decode(value: bytes, namespace_id: str, key: bytes, payload_len: int) -> memoryview:
-    """The payload of `value` if it is this namespace's row for `key` of
-    `payload_len` bytes and intact; else VerifyError."""
-    if len(value) < HEADER_BYTES:
-        raise VerifyError("truncated", f"{len(value)} bytes, shorter than the header")
-    magic, version, _flags, ns_len, key_len, _res, plen = _HEADER.unpack_from(value)
-    if magic != MAGIC:
-        raise VerifyError("bad_magic", "not a kvdepot value")
-    if version != VERSION:
-        raise VerifyError("bad_version", f"format version {version}, this daemon reads {VERSION}")
-    ns = namespace_id.encode()
-    end = HEADER_BYTES + ns_len + key_len + plen
-    if len(value) != end:
-        raise VerifyError("truncated", f"{len(value)} bytes where the header says {end}")
-    mv = memoryview(value)
-    at = HEADER_BYTES
-    if bytes(mv[at : at + ns_len]) != ns:
-        raise VerifyError("wrong_namespace", "the value belongs to another namespace")
-    at += ns_len
-    if bytes(mv[at : at + key_len]) != key:
-        raise VerifyError("wrong_key", "the value belongs to another key")
-    at += key_len
-    if plen != payload_len:
-        raise VerifyError("wrong_length", f"{plen} payload bytes, the layout says {payload_len}")
-    (crc,) = _CRC.unpack_from(value, _HEADER.size)
-    head = mv[: _HEADER.size]
-    payload = mv[at:]
-    got = zlib.crc32(payload, zlib.crc32(key, zlib.crc32(ns, zlib.crc32(head))))
-    if got != crc:
-        raise VerifyError("bad_checksum", "the checksum does not match: corrupted")
-    return payload
+def _mac(mac_key: bytes, head: bytes | memoryview, ns: bytes, key: bytes, payload) -> bytes:
+    """Keyed BLAKE3 (32 bytes) of the header, namespace, key and payload, hashed in
+    place (no concatenated copy); blake3 releases the GIL on large inputs."""
+    h = blake3(key=mac_key)
+    h.update(head)
+    h.update(ns)
+    h.update(key)
+    h.update(payload)
+    return h.digest()

@@ -20,6 +20,8 @@ from pathlib import Path
 from kvdepot.server.copy_queue import CopyQueue
 from kvdepot.server.core.index import BlockIndex, IndexEvent
 from kvdepot.server.memory.arena import Arena
+from kvdepot.server.remote.codec import Codec
+from kvdepot.server.remote.fleet_key import KeyFileError, load_key_file
 from kvdepot.server.remote.health import TierHealth
 from kvdepot.server.remote.reader import Fetcher, KeyState
 from kvdepot.server.remote.stats import RemoteStats
@@ -40,6 +42,22 @@ class RemoteSettings:
     max_inflight_bytes: int = 256 << 20
     password_file: str | None = None
     ca_file: str | None = None
+    key_file: str | None = None  # the fleet key (kvdepot.server.remote.fleet_key)
+    insecure: bool = False  # no key: format 1, CRC only (--remote-insecure)
+
+
+def fleet_codec(settings: RemoteSettings) -> Codec:
+    """The codec of this node's fleet: keyed with the key file's keys, or CRC-only
+    when the operator said --remote-insecure. KeyFileError (one line) otherwise."""
+    if settings.key_file:
+        return Codec(load_key_file(settings.key_file))
+    if settings.insecure:
+        return Codec(None)
+    raise KeyFileError(
+        "--remote needs --remote-key-file PATH (KVDEPOT_REMOTE_KEY_FILE): without the fleet "
+        "key, anyone who can write to the store could plant rows this node loads; "
+        "--remote-insecure runs without it"
+    )
 
 
 def read_password(password_file: str | None) -> str | None:
@@ -64,11 +82,13 @@ class RemoteLink:
         arena: Arena,
         copy_queue: CopyQueue,
         settings: RemoteSettings,
+        codec: Codec,
     ) -> None:
         from kvdepot.server.remote.writer import WriteBehind
 
         self.tier = tier
         self.settings = settings
+        self.codec = codec
         self.health = TierHealth(tier.description)
         self.stats = RemoteStats()
         self.writer = WriteBehind(
@@ -78,6 +98,7 @@ class RemoteLink:
             copy_queue,
             self.health,
             self.stats,
+            codec,
             mode=settings.write_mode,
             ttl_s=settings.ttl_s,
             max_inflight_bytes=settings.max_inflight_bytes,
@@ -90,6 +111,7 @@ class RemoteLink:
             self.health,
             self.stats,
             self.writer,
+            codec,
             max_inflight_bytes=settings.max_inflight_bytes,
         )
         self._probe_task: asyncio.Task[None] | None = None
@@ -100,12 +122,13 @@ class RemoteLink:
     ) -> RemoteLink:
         from kvdepot.server.remote.redis_tier import RedisTier
 
+        codec = fleet_codec(settings)  # first: a refused key file connects nothing
         tier = RedisTier(
             settings.url,
             password=read_password(settings.password_file),
             ca_file=settings.ca_file,
         )
-        return cls(tier, index, arena, copy_queue, settings)
+        return cls(tier, index, arena, copy_queue, settings, codec)
 
     def start(self) -> None:
         """Starts the workers (on the event loop). Subscribe `on_event` to the bus."""
@@ -120,6 +143,19 @@ class RemoteLink:
             ttl,
             self.settings.max_inflight_bytes >> 20,
         )
+        ring = self.codec.keyring
+        if ring is None:
+            log.warning(
+                "remote tier without a fleet key (--remote-insecure): rows are checked with a "
+                "CRC only, so anyone who can write to %s can plant rows this node loads",
+                self.tier.description,
+            )
+        else:  # key ids, never keys: they tell which nodes share a key, and a rotation
+            log.info(
+                "remote tier rows carry a keyed BLAKE3 MAC: writing with fleet key id %s%s",
+                ring.current.id.hex(),
+                f", also reading key id {ring.previous.id.hex()}" if ring.previous else "",
+            )
 
     async def _probe(self) -> None:
         """While the tier is down, asks it (one EXISTS) whenever a probe is due, so

@@ -2,14 +2,18 @@
 the pool, so that Watch announces them like any stored row.
 
 `prefetch(namespace, keys)` runs on the event loop for the Depot/Prefetch RPC. It
-never waits on a row's bytes: it asks the tier which keys it has (one EXISTS
-batch under a short deadline), queues those for fetching and answers per key
-(see `KeyState`). Fetch workers read the rows (GET batches under a deadline),
-check each value on a thread (kvdepot.server.remote.codec: namespace, key,
-length, checksum) and insert it: every rank's section is claimed at once with
-`begin_store`, the row is copied into the slot on a thread, and `finish_store`
-makes it READY. A value that does not verify is discarded and counted, never
-copied into the pool. A key that an engine is storing meanwhile is left to it.
+never waits on a row's bytes: it asks the tier the size of each key's value
+(one STRLEN batch under a short deadline), queues those whose size is the
+framed size the namespace's layout gives for fetching and answers per key (see
+`KeyState`); a value of another size is rejected there, never downloaded. Fetch
+workers read the rows (GETRANGE batches bounded by that size, so a value
+replaced meanwhile by a huge one is not pulled in whole), check each value on a
+thread (kvdepot.server.remote.codec: format, namespace, key, length, MAC) and
+insert it: every rank's section is claimed at once with `begin_store`, the row
+is copied into the slot on a thread, and `finish_store` makes it READY. A value
+that does not verify is discarded and counted (`verify_failures`, by reason),
+never copied into the pool, and its key is not asked again for
+`REJECTED_MEMORY_S`. A key that an engine is storing meanwhile is left to it.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from kvdepot.server.core.layout import LayoutError, check_key
 from kvdepot.server.memory.arena import Arena
 from kvdepot.server.remote import codec
 from kvdepot.server.remote.batches import BatchWorkers
+from kvdepot.server.remote.codec import Codec
 from kvdepot.server.remote.health import TierHealth
 from kvdepot.server.remote.stats import RemoteStats
 from kvdepot.server.remote.tier import RemoteTier, TierUnavailable
@@ -39,6 +44,8 @@ OWNER = "remote-tier"  # the index's writer id for rows inserted from the tier
 FETCH_BATCH_BYTES = 32 << 20
 WORKERS = 4
 ABSENT_MEMORY_S = 1.0  # a key the tier lacked is not asked again for this long
+REJECTED_MEMORY_S = 30.0  # nor one whose value was rejected (no re-download, no log flood)
+LOG_EVERY_S = 10.0  # rejected values are logged at most this often (each is counted)
 
 
 class KeyState(enum.IntEnum):
@@ -54,6 +61,7 @@ class _Fetch(NamedTuple):
     key: bytes
     size: int  # row bytes
     asked_at: float  # monotonic time of the prefetch that queued it
+    frame: int  # bytes of the framed value: more is never downloaded
 
 
 class Fetcher:
@@ -66,6 +74,7 @@ class Fetcher:
         health: TierHealth,
         stats: RemoteStats,
         writer: WriteBehind | None,
+        codec: Codec,
         *,
         max_inflight_bytes: int = 256 << 20,
         exists_timeout_s: float = 0.25,
@@ -78,6 +87,8 @@ class Fetcher:
         self._health = health
         self._stats = stats
         self._writer = writer
+        self._codec = codec
+        self._next_reject_log = 0.0
         self.max_inflight_bytes = max_inflight_bytes
         self.exists_timeout_s = exists_timeout_s
         self.call_timeout_s = call_timeout_s
@@ -139,18 +150,18 @@ class Fetcher:
                 ask.append(i)
         if not ask:
             return out
-        names = [codec.remote_key(namespace_id, keys[i]) for i in ask]
+        names = [self._codec.remote_key(namespace_id, keys[i]) for i in ask]
         try:
-            present = await self._tier.exists_many(names, now + self.exists_timeout_s)
+            sizes = await self._tier.sizes_many(names, now + self.exists_timeout_s)
         except TierUnavailable as exc:
             self._stats.errors += 1
             self._health.failed(str(exc))
             return out
         self._health.succeeded()
         asked_at = time.monotonic()
-        for i, has in zip(ask, present, strict=True):
+        for i, stored in zip(ask, sizes, strict=True):
             key = keys[i]
-            if not has:
+            if not stored:
                 self._stats.misses += 1
                 self._absent[(namespace_id, key)] = asked_at + ABSENT_MEMORY_S
                 continue
@@ -158,13 +169,41 @@ class Fetcher:
                 out[i] = KeyState.LOCAL if key in ns.slots else KeyState.FETCHING
                 continue
             size = ns.layout.slot_bytes(check_key(key, ns.layout.num_groups))
+            frame = self._codec.frame_bytes(namespace_id, key, size)
+            if stored != frame:  # not a row of this layout: never downloaded
+                self._reject(
+                    namespace_id,
+                    key,
+                    codec.VerifyError(
+                        "wrong_size", f"{stored} bytes stored, a row of this layout is {frame}"
+                    ),
+                )
+                continue
             if self.pending_bytes + size > self.max_inflight_bytes:
                 self._stats.fetch_drops["backlog_full"] += 1
                 continue
             self._fetching.add((namespace_id, key))
-            self._fetches.put(_Fetch(namespace_id, key, size, asked_at))
+            self._fetches.put(_Fetch(namespace_id, key, size, asked_at, frame))
             out[i] = KeyState.FETCHING
         return out
+
+    def _reject(self, namespace_id: str, key: bytes, exc: codec.VerifyError) -> None:
+        """A value that must not be loaded: counted, its key not asked again for a
+        while, and logged (at most every LOG_EVERY_S: a store full of planted values
+        must not flood the log)."""
+        self._stats.verify_failures[exc.reason] += 1
+        now = time.monotonic()
+        self._absent[(namespace_id, key)] = now + REJECTED_MEMORY_S
+        if now >= self._next_reject_log:
+            self._next_reject_log = now + LOG_EVERY_S
+            log.warning(
+                "remote value for key %s… in namespace %s discarded: %s "
+                "(%d discarded so far; see remote_verify_failures)",
+                key.hex()[:16],
+                namespace_id,
+                exc,
+                sum(self._stats.verify_failures.values()),
+            )
 
     # -- workers ------------------------------------------------------------------------------
 
@@ -176,10 +215,14 @@ class Fetcher:
             self._fetching.discard((f.namespace, f.key))
 
     async def _fetch(self, batch: list[_Fetch]) -> None:
-        names = [codec.remote_key(ns, key) for ns, key, _, _ in batch]
+        names = [self._codec.remote_key(f.namespace, f.key) for f in batch]
+        # One byte more than a row's frame: enough to tell a value grown since STRLEN.
+        limits = [f.frame + 1 for f in batch]
         t0 = time.perf_counter()
         try:
-            values = await self._tier.get_many(names, time.monotonic() + self.call_timeout_s)
+            values = await self._tier.get_many(
+                names, time.monotonic() + self.call_timeout_s, limits
+            )
         except TierUnavailable as exc:
             self._stats.errors += 1
             self._stats.fetch_drops["tier_error"] += len(batch)
@@ -189,20 +232,19 @@ class Fetcher:
         self._stats.read_seconds.observe(time.perf_counter() - t0)
         self._stats.reads += len(batch)
         loop = asyncio.get_running_loop()
-        for (ns, key, size, asked_at), value in zip(batch, values, strict=True):
-            if value is None:  # expired or evicted from the tier since EXISTS
+        for (ns, key, size, asked_at, frame), value in zip(batch, values, strict=True):
+            if value is None:  # expired or evicted from the tier since STRLEN
                 self._stats.misses += 1
                 continue
-            try:
-                payload = await loop.run_in_executor(None, codec.decode, value, ns, key, size)
-            except codec.VerifyError as exc:
-                self._stats.verify_failures[exc.reason] += 1
-                log.warning(
-                    "remote value for key %s… in namespace %s discarded: %s",
-                    key.hex()[:16],
-                    ns,
-                    exc,
+            if len(value) > frame:
+                self._reject(
+                    ns, key, codec.VerifyError("too_large", f"more than the {frame} bytes of a row")
                 )
+                continue
+            try:
+                payload = await loop.run_in_executor(None, self._codec.decode, value, ns, key, size)
+            except codec.VerifyError as exc:
+                self._reject(ns, key, exc)
                 continue
             self._stats.read_bytes += size
             if await self._insert(ns, key, payload):

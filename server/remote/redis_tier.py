@@ -14,6 +14,11 @@ own retries are kept small (the deadline is the budget); a failed call drops the
 client's connections and the next call reconnects. Values are checked by the
 caller (kvdepot.server.remote.codec), so even a reply mixed up by a broken
 connection could never be loaded as the wrong block.
+
+TLS (`rediss://`): the server's certificate is verified against the system's CAs
+or `ca_file`, and its host name against the URL's (`ssl_cert_reqs="required"`,
+`ssl_check_hostname=True`, set explicitly rather than trusting redis-py's
+defaults, which have changed between releases).
 """
 
 from __future__ import annotations
@@ -85,6 +90,8 @@ class RedisTier(RemoteTier):
         }
         if self.url.tls:
             opts["ssl"] = True
+            opts["ssl_cert_reqs"] = "required"
+            opts["ssl_check_hostname"] = True
             if self._ca_file:
                 opts["ssl_ca_certs"] = self._ca_file
         return opts
@@ -191,17 +198,37 @@ class RedisTier(RemoteTier):
 
         return await self._run(f"writing {len(items)} value(s)", deadline, go)
 
-    async def get_many(self, keys: Sequence[bytes], deadline: float) -> list[bytes | None]:
+    async def get_many(
+        self, keys: Sequence[bytes], deadline: float, limits: Sequence[int] | None = None
+    ) -> list[bytes | None]:
         if not keys:
             return []
 
         async def go(client: Redis | RedisCluster) -> list[bytes | None]:
             pipe = client.pipeline(transaction=False)
-            for key in keys:
-                pipe.get(key)
-            return list(await pipe.execute(raise_on_error=True))
+            if limits is None:
+                for key in keys:
+                    pipe.get(key)
+                return list(await pipe.execute(raise_on_error=True))
+            # GETRANGE never sends more than the limit, whatever was planted under the key;
+            # it answers b"" for an absent key (no value of ours is empty).
+            for key, limit in zip(keys, limits, strict=True):
+                pipe.getrange(key, 0, max(limit, 1) - 1)
+            return [v or None for v in await pipe.execute(raise_on_error=True)]
 
         return await self._run(f"reading {len(keys)} value(s)", deadline, go)
+
+    async def sizes_many(self, keys: Sequence[bytes], deadline: float) -> list[int]:
+        if not keys:
+            return []
+
+        async def go(client: Redis | RedisCluster) -> list[int]:
+            pipe = client.pipeline(transaction=False)
+            for key in keys:
+                pipe.strlen(key)
+            return [int(r) for r in await pipe.execute(raise_on_error=True)]
+
+        return await self._run(f"sizing {len(keys)} value(s)", deadline, go)
 
     async def exists_many(self, keys: Sequence[bytes], deadline: float) -> list[bool]:
         if not keys:

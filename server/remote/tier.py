@@ -14,8 +14,10 @@ Contract for implementations:
 - `put_many` writes each value only where its key is absent (set-if-not-exists)
   with a time to live; it answers per key whether this call wrote it
   (False: the key was there already). Writing the same key twice is harmless.
-- `get_many` answers the value or None (absent) per key; `exists_many` whether
-  each key is present.
+- `get_many` answers the value or None (absent) per key; given `limits`, at
+  most `limits[i]` bytes of key i are read (its first ones): a value planted
+  too large is never pulled whole into the daemon. `exists_many` answers
+  whether each key is present, `sizes_many` each value's size (0: absent).
 - A failure of the store (refused, timed out, moved, failed over) is
   `TierUnavailable` with a sentence for the log; the implementation reconnects
   by itself on later calls. Nothing else escapes.
@@ -45,8 +47,14 @@ class RemoteTier(abc.ABC):
         """Writes absent keys (with `ttl_s` seconds to live, None = no expiry)."""
 
     @abc.abstractmethod
-    async def get_many(self, keys: Sequence[bytes], deadline: float) -> list[bytes | None]:
-        """The value of each key, None where absent."""
+    async def get_many(
+        self, keys: Sequence[bytes], deadline: float, limits: Sequence[int] | None = None
+    ) -> list[bytes | None]:
+        """The value of each key (at most `limits[i]` bytes of it), None where absent."""
+
+    @abc.abstractmethod
+    async def sizes_many(self, keys: Sequence[bytes], deadline: float) -> list[int]:
+        """The size in bytes of each key's value, 0 where absent."""
 
     @abc.abstractmethod
     async def exists_many(self, keys: Sequence[bytes], deadline: float) -> list[bool]:

@@ -6,7 +6,8 @@ event loop, synchronously, as the index announces a change.
 - mode "ready": each row that becomes READY is queued. A worker later checks
   which keys the tier has (one EXISTS batch: the fleet writes each key once),
   reads the rows still ready out of the pool (held by begin_read against
-  eviction), frames them (kvdepot.server.remote.codec) on a thread and writes
+  eviction), frames them (kvdepot.server.remote.codec: with the fleet key's MAC)
+  on a thread and writes
   them with set-if-absent and the TTL.
 - mode "evict": a row is written when LRU eviction removes it. Its bytes are
   copied out right inside the REMOVED event, while the freed extent still holds
@@ -30,8 +31,8 @@ from kvdepot.server.core.index import BlockIndex, IndexEvent, Slot
 from kvdepot.server.core.kinds import EventKind, EvictionReason
 from kvdepot.server.core.layout import check_key
 from kvdepot.server.memory.arena import Arena
-from kvdepot.server.remote import codec
 from kvdepot.server.remote.batches import BatchWorkers
+from kvdepot.server.remote.codec import Codec
 from kvdepot.server.remote.health import TierHealth
 from kvdepot.server.remote.stats import RemoteStats
 from kvdepot.server.remote.tier import RemoteTier, TierUnavailable
@@ -59,6 +60,7 @@ class WriteBehind:
         copy_queue: CopyQueue,
         health: TierHealth,
         stats: RemoteStats,
+        codec: Codec,
         *,
         mode: str = "ready",
         ttl_s: int | None = None,
@@ -73,6 +75,7 @@ class WriteBehind:
         self._copy_queue = copy_queue  # pool bytes are read on copy threads only
         self._health = health
         self._stats = stats
+        self._codec = codec
         self.mode = mode
         self.ttl_s = ttl_s
         self.max_inflight_bytes = max_inflight_bytes
@@ -173,7 +176,7 @@ class WriteBehind:
         if not self._health.usable():
             self._drop("tier_down", len(batch))
             return
-        names = [codec.remote_key(i.namespace, i.key) for i in batch]
+        names = [self._codec.remote_key(i.namespace, i.key) for i in batch]
         deadline = time.monotonic() + self.call_timeout_s
         t0 = time.perf_counter()
         try:
@@ -228,11 +231,11 @@ class WriteBehind:
                 continue
             held.append(slot)
             sources.append((item, slot.extent.offset))
-        arena = self._arena
+        arena, encode = self._arena, self._codec.encode
 
         def frame_all() -> list[bytes]:
             return [
-                codec.encode(i.namespace, i.key, i.payload if o is None else arena.view(o, i.size))
+                encode(i.namespace, i.key, i.payload if o is None else arena.view(o, i.size))
                 for i, o in sources
             ]
 

@@ -123,9 +123,9 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
             ]
             engines.append(
                 pb.EngineInfo(
-                    session_id=s.id,
+                    session_id=s.tag,  # the id itself is the session's secret
                     client_name=s.client_name,
-                    pid=s.pid,
+                    pid=s.owner.pid if s.owner is not None else s.pid,
                     engine_id=s.engine_id,
                     connected_seconds=now - s.opened,
                     registrations=regs,

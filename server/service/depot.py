@@ -7,7 +7,6 @@ Messages become state calls; errors become statuses through `reports_errors`
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
@@ -21,6 +20,7 @@ from kvdepot.server.core.index import IndexEvent
 from kvdepot.server.core.kinds import EventKind
 from kvdepot.server.core.layout import LayoutError, NamespaceLayout, check_key
 from kvdepot.server.core.planner import LayerRef, TensorView
+from kvdepot.server.service.bounds import check_register_size
 from kvdepot.server.service.job_lane import MAX_JOB_BYTES, JobLanes
 from kvdepot.server.service.status import abort_with, reports_errors
 from kvdepot.server.state import DepotState, JobOutcome, JobSpec
@@ -50,6 +50,16 @@ def layout_from_proto(msg: pb.NamespaceLayout) -> NamespaceLayout:
         raise errors.invalid(f"namespace layout: {exc}") from None
 
 
+# RegisterKVResponse.memory_path of an observer join.
+OBSERVER = "observer"
+
+
+def is_observer_join(request: pb.RegisterKVRequest) -> bool:
+    """A RegisterKV naming the namespace id alone (no groups) and no memory: a
+    scheduler joining to Watch, Lookup, Pin and Prefetch (kvdepot.server.state.namespaces)."""
+    return not (request.namespace.groups or request.regions or request.tensors or request.groups)
+
+
 def outcome_to_proto(o: JobOutcome) -> pb.TransferResult:
     return pb.TransferResult(
         job_id=o.job_id,
@@ -67,14 +77,16 @@ def outcome_to_proto(o: JobOutcome) -> pb.TransferResult:
 
 
 def job_spec(job: pb.TransferJob) -> JobSpec:
+    # The message's own lists, not copies: the job's sizes are checked
+    # (JobRunner, check_job_size) before anything is built from them.
     return JobSpec(
         job_id=job.job_id,
         direction=job.direction,
         registration_id=job.registration_id,
-        keys=list(job.keys),
-        block_ids=list(job.block_ids),
-        group_sizes=list(job.group_sizes),
-        block_indices=list(job.block_indices),
+        keys=job.keys,
+        block_ids=job.block_ids,
+        group_sizes=job.group_sizes,
+        block_indices=job.block_indices,
         expedited=job.expedited,
         session_id=job.session_id,
     )
@@ -96,6 +108,12 @@ class DepotServicer(depot_pb2_grpc.DepotServicer):
 
     async def answer_job(self, job: pb.TransferJob) -> pb.TransferResult:
         """One Transfer job, from a stream or a lane. Never raises (failures are results)."""
+        try:  # namespaces are joined, not named (kvdepot.server.state.namespaces)
+            self.state.check_job_namespace(job.session_id, job.registration_id)
+        except errors.DepotError as exc:
+            return pb.TransferResult(
+                job_id=job.job_id, success=False, error=exc.message, error_code=exc.code.name
+            )
         return outcome_to_proto(await self.state.run_job(job_spec(job)))
 
     async def Session(
@@ -119,12 +137,26 @@ class DepotServicer(depot_pb2_grpc.DepotServicer):
                     remote_tier=self.remote is not None,
                 )
             )
-            while not st.shutting_down:
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(st.shutdown_event.wait(), st.config.keepalive_seconds)
-                if st.shutting_down:
-                    break
-                yield pb.SessionEvent(keepalive=pb.SessionKeepalive(uptime_seconds=st.uptime))
+            # Ends at shutdown, or when the daemon ends the session itself (evicted
+            # from the unattested pool, over its owner's quota: session.end_reason).
+            waits = (
+                asyncio.ensure_future(st.shutdown_event.wait()),
+                asyncio.ensure_future(session.ended.wait()),
+            )
+            try:
+                while not st.shutting_down:
+                    await asyncio.wait(
+                        waits, timeout=st.config.keepalive_seconds, return_when="FIRST_COMPLETED"
+                    )
+                    if st.shutting_down:
+                        break
+                    if session.end_reason is not None:
+                        await abort_with(context, session.end_reason)
+                        return
+                    yield pb.SessionEvent(keepalive=pb.SessionKeepalive(uptime_seconds=st.uptime))
+            finally:
+                for w in waits:
+                    w.cancel()
         finally:
             # Runs when the client goes away (stream cancelled) or we shut down.
             self.lanes.close_session(session.id)
@@ -134,6 +166,10 @@ class DepotServicer(depot_pb2_grpc.DepotServicer):
     async def RegisterKV(
         self, request: pb.RegisterKVRequest, context: grpc.aio.ServicerContext
     ) -> pb.RegisterKVResponse:
+        check_register_size(request)  # before anything is built from it
+        if is_observer_join(request):
+            self.state.observe(request.session_id, request.namespace.id)
+            return pb.RegisterKVResponse(registration_id=0, memory_path=OBSERVER)
         layout = layout_from_proto(request.namespace)
         regions: list[tuple[MemoryPath, object]] = []
         for r in request.regions:
@@ -184,7 +220,11 @@ class DepotServicer(depot_pb2_grpc.DepotServicer):
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT, "namespace_id is empty: name the namespace"
             )
-        watcher, keys = st.add_watcher(request.namespace_id)
+        try:
+            watcher, keys = st.add_watcher(request.session_id, request.namespace_id)
+        except errors.DepotError as exc:  # not joined, or the session's streams used up
+            await abort_with(context, exc)
+            return
         try:
             while True:
                 watcher.lagged = False
@@ -199,7 +239,7 @@ class DepotServicer(depot_pb2_grpc.DepotServicer):
                     first = False
                 yield pb.WatchEvent(kind=pb.WatchEvent.SNAPSHOT_END, boot_id=st.boot_id)
                 while not watcher.lagged:
-                    if st.shutting_down:
+                    if st.shutting_down or watcher.ended:  # ended: its session did
                         return
                     run = watcher.take_run(SNAPSHOT_BATCH)  # runs of one kind: one message
                     if run is None:
@@ -223,21 +263,21 @@ class DepotServicer(depot_pb2_grpc.DepotServicer):
     async def Lookup(
         self, request: pb.LookupRequest, context: grpc.aio.ServicerContext
     ) -> pb.LookupResponse:
-        ready = self.state.lookup(request.namespace_id, list(request.keys))
+        ready = self.state.lookup(request.session_id, request.namespace_id, request.keys)
         return pb.LookupResponse(ready=ready)
 
     @reports_errors
     async def Pin(
         self, request: pb.PinRequest, context: grpc.aio.ServicerContext
     ) -> pb.PinResponse:
-        pinned = self.state.pin(request.session_id, request.namespace_id, list(request.keys))
+        pinned = self.state.pin(request.session_id, request.namespace_id, request.keys)
         return pb.PinResponse(pinned=pinned)
 
     @reports_errors
     async def Unpin(
         self, request: pb.UnpinRequest, context: grpc.aio.ServicerContext
     ) -> pb.UnpinResponse:
-        missing = self.state.unpin(request.session_id, request.namespace_id, list(request.keys))
+        missing = self.state.unpin(request.session_id, request.namespace_id, request.keys)
         return pb.UnpinResponse(not_pinned=missing)
 
     async def Transfer(
@@ -314,7 +354,9 @@ class DepotServicer(depot_pb2_grpc.DepotServicer):
     async def Get(
         self, request: pb.GetRequest, context: grpc.aio.ServicerContext
     ) -> pb.GetResponse:
-        data = await self.state.get(request.namespace_id, request.key, request.rank)
+        data = await self.state.get(
+            request.session_id, request.namespace_id, request.key, request.rank
+        )
         return pb.GetResponse(data=data)
 
     @reports_errors
@@ -323,11 +365,14 @@ class DepotServicer(depot_pb2_grpc.DepotServicer):
     ) -> pb.PrefetchResponse:
         """Keys missing locally, fetched from the remote tier (kvdepot.server.remote)."""
         st = self.state
-        st.session(request.session_id)
+        st.access.member(request.session_id, request.namespace_id)
+        limit = st.config.max_batch_keys
+        if len(request.keys) > limit:  # checked before the keys are copied
+            raise errors.exhausted(
+                f"{len(request.keys)} keys in one call; at most {limit} (--max-batch-keys): "
+                f"split it"
+            )
         keys = list(request.keys)
-        limit = st.config.max_job_keys * 16
-        if len(keys) > limit:
-            raise errors.exhausted(f"{len(keys)} keys in one call; at most {limit}: split it")
         if self.remote is None:
             layout = st.index.namespace(request.namespace_id).layout
             for key in keys:

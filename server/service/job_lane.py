@@ -42,8 +42,10 @@ import os
 import select
 import socket
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 from kvdepot.server import errors
+from kvdepot.server.peer import session_tag, socket_creator
 from kvdepot.server.state import DepotState
 from kvdepot.v1 import depot_pb2 as pb
 
@@ -52,6 +54,7 @@ log = logging.getLogger("kvdepot.lane")
 MAX_JOB_BYTES = 4 << 20  # the largest job datagram read; larger ones go on a Transfer stream
 MAX_LANES_PER_SESSION = 8
 READ_BATCH = 64  # datagrams per wake-up, so one busy lane cannot hold the loop
+READ_BYTES = 1 << 20  # nor bytes parsed per wake-up (64 jobs of 4 MiB took ~0.3 s)
 
 Answer = Callable[[pb.TransferJob], Awaitable[pb.TransferResult]]
 
@@ -162,8 +165,9 @@ class JobLane:
         if self._hung_up():
             self.close("the client closed it")
             return
+        budget = READ_BYTES
         for _ in range(READ_BATCH):
-            if self.closed or self._full():
+            if self.closed or self._full() or budget <= 0:
                 break
             try:
                 n = self.sock.recv_into(_RECV_BUFFER, len(_RECV_BUFFER), socket.MSG_TRUNC)
@@ -175,6 +179,7 @@ class JobLane:
             if n == 0:
                 self._on_eof()
                 return
+            budget -= n
             if n > MAX_JOB_BYTES:
                 self._reject(
                     bytes(_RECV_BUFFER[:64]),
@@ -192,6 +197,23 @@ class JobLane:
         except Exception as exc:  # DecodeError, or anything a parser may raise
             self._reject(data, f"the datagram is not a valid kvdepot.v1.TransferJob: {exc}")
             return
+        if job.session_id and job.session_id != self.session_id:
+            # A lane runs its own session's jobs only (the lane is the owner's).
+            self.lanes.state.deny(
+                f"a job naming another session on a lane of session {session_tag(self.session_id)}"
+            )
+            self._send(
+                pb.TransferResult(
+                    job_id=job.job_id,
+                    success=False,
+                    error="a job lane runs jobs of its own session only",
+                    error_code="PERMISSION_DENIED",
+                ).SerializeToString()
+            )
+            return
+        # As the lane's session's job: `answer` refuses it (PERMISSION_DENIED) when
+        # that session has not joined the namespace of the registration it names.
+        job.session_id = self.session_id
         self.lanes.lane_jobs += 1
         task = self._loop.create_task(self._run(job))
         self._pending.add(task)
@@ -298,7 +320,7 @@ class JobLane:
         self._backlog.clear()
         self.sock.close()
         self.lanes.forget(self)
-        log.info("lane %d of session %s closed: %s", self.id, self.session_id, why)
+        log.info("lane %d of session %s closed: %s", self.id, session_tag(self.session_id), why)
 
 
 class PinLane(JobLane):
@@ -328,7 +350,8 @@ class UnpinLane(JobLane):
     order, nothing out (the client's unpin thread never waits). An unpin the daemon
     refuses (a namespace it no longer has, say) is logged and the lane goes on, so
     that the unpins queued behind it are not lost; a datagram that is not an
-    UnpinRequest of the lane's session closes the lane."""
+    UnpinRequest of the lane's session, or names a namespace that session did not
+    join, closes the lane."""
 
     noun = "unpin"
 
@@ -349,15 +372,26 @@ class UnpinLane(JobLane):
                 log.exception("unpin lane %d failed", self.id)
                 self.close(f"an unpin failed ({exc}); the client unpins over gRPC")
                 return
+            if refusal.code is errors.Code.PERMISSION_DENIED:
+                # A namespace the lane's session never joined: not a stale unpin
+                # but a client naming someone else's namespace.
+                self.close(f"an unpin was refused ({refusal.message})")
+                return
             log.warning(
                 "unpin lane %d of session %s: an unpin of %d keys was refused (%s)",
                 self.id,
-                self.session_id,
+                session_tag(self.session_id),
                 len(req.keys),
                 refusal.message,
             )
             return
         self.lanes.lane_unpins += 1
+
+
+def _owned_by(session: Any, passed: Any) -> bool:
+    """The fd's sender is the session's attested owner (the fd socket checks it
+    when the fd arrives; checked again here, as the lane outlives that message)."""
+    return session.owner is not None and session.owner.same_process(passed.peer)
 
 
 class JobLanes:
@@ -385,19 +419,16 @@ class JobLanes:
         st = self.state
         if st.shutting_down:
             raise errors.unavailable("the daemon is shutting down")
-        st.session(session_id)
+        session = st.session(session_id)
         if self.count(session_id) >= MAX_LANES_PER_SESSION:
             raise errors.exhausted(
-                f"session {session_id} has {MAX_LANES_PER_SESSION} job lanes open, the most "
+                f"session {session.tag} has {MAX_LANES_PER_SESSION} job lanes open, the most "
                 f"allowed: close one (or use the Transfer stream)"
             )
-        receiver = st.fd_receiver
-        if receiver is None:
-            raise errors.precondition("this daemon takes no fds (no fd socket)")
-        try:
-            fd = receiver.claim(fd_token, session_id)
-        except KeyError as exc:
-            raise errors.invalid(exc.args[0]) from None
+        # The fd socket took the fd only from the session's owner (kernel identity);
+        # a token of another session is PERMISSION_DENIED, counted.
+        passed = st.claim_passed(fd_token, session_id)
+        fd = passed.fd
         try:
             sock = socket.socket(fileno=fd)
         except OSError as exc:
@@ -409,11 +440,19 @@ class JobLanes:
             raise errors.invalid(
                 "the job lane's fd must be one end of socketpair(AF_UNIX, SOCK_SEQPACKET)"
             )
+        creator = socket_creator(sock)
+        if creator is None or creator[0] != passed.peer.pid or not _owned_by(session, passed):
+            sock.close()
+            raise st.deny(
+                f"the lane of session {session.tag} must be an unnamed socketpair made by "
+                f"the session's own process (this one names pid "
+                f"{creator[0] if creator else 'none'}, sent by {passed.peer})"
+            )
         sock.setblocking(False)
         lane = cls(self, next(self._ids), session_id, sock, self._answer, self._max_unread)
         self._lanes[lane.id] = lane
         lane.start()
-        log.info("%s lane %d of session %s open", cls.noun, lane.id, session_id)
+        log.info("%s lane %d of session %s open", cls.noun, lane.id, session.tag)
         return lane
 
     def forget(self, lane: JobLane) -> None:

@@ -10,6 +10,10 @@ message that cannot be parsed becomes a `Malformed` marker, and the wrappers
 answer INVALID_ARGUMENT for it. For a request stream, the jobs before the bad
 message run to completion and are answered, then the stream ends with
 INVALID_ARGUMENT.
+
+With `max_request_bytes`, a request larger than that (a PutRequest aside: it
+carries a section inline) is refused the same way before it is parsed: parsing
+runs on the event loop, and no legal request of the other kinds comes near it.
 """
 
 from __future__ import annotations
@@ -29,8 +33,23 @@ class Malformed:
         self.error = error
 
 
-def _tolerant(deserialize: Callable[[bytes], Any], type_name: str) -> Callable[[bytes], Any]:
+# Requests exempt from `max_request_bytes`: bounded by grpc's receive limit alone.
+LARGE_REQUESTS = frozenset({"kvdepot.v1.PutRequest"})
+
+
+def _tolerant(
+    deserialize: Callable[[bytes], Any], type_name: str, max_bytes: int | None = None
+) -> Callable[[bytes], Any]:
+    if type_name in LARGE_REQUESTS:
+        max_bytes = None
+
     def parse(data: bytes) -> Any:
+        if max_bytes is not None and len(data) > max_bytes:
+            return Malformed(
+                f"a {type_name} of {len(data)} bytes is larger than the {max_bytes} bytes "
+                f"this daemon reads (its largest legal request, from --max-job-keys, "
+                f"--max-job-blocks and --max-batch-keys): split it"
+            )
         try:
             return deserialize(data)
         except Exception as exc:  # DecodeError, or anything a parser may raise
@@ -45,11 +64,11 @@ def _message_name(deserialize: Callable[[bytes], Any]) -> str:
     return getattr(descriptor, "full_name", "protobuf")
 
 
-def _wrap(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+def _wrap(handler: grpc.RpcMethodHandler, max_bytes: int | None) -> grpc.RpcMethodHandler:
     deserialize = handler.request_deserializer
     if deserialize is None:
         return handler
-    parse = _tolerant(deserialize, _message_name(deserialize))
+    parse = _tolerant(deserialize, _message_name(deserialize), max_bytes)
 
     if not handler.request_streaming and not handler.response_streaming:
         inner_uu = handler.unary_unary
@@ -141,10 +160,14 @@ class _Capture:
 
 
 def add_servicer(
-    add_to_server: Callable[[Any, Any], None], servicer: object, server: grpc.aio.Server
+    add_to_server: Callable[[Any, Any], None],
+    servicer: object,
+    server: grpc.aio.Server,
+    max_request_bytes: int | None = None,
 ) -> None:
     """`add_to_server(servicer, server)` (a generated function), made tolerant of
-    undecodable requests (see the module docstring)."""
+    undecodable requests, and refusing requests over `max_request_bytes` (see the
+    module docstring)."""
     capture = _Capture()
     add_to_server(servicer, capture)
     if capture.service is None:
@@ -152,7 +175,7 @@ def add_servicer(
             f"{add_to_server.__name__} registered no method table: regenerate the gRPC code "
             f"with grpcio-tools >= 1.62"
         )
-    handlers = {name: _wrap(h) for name, h in capture.handlers.items()}
+    handlers = {name: _wrap(h, max_request_bytes) for name, h in capture.handlers.items()}
     server.add_generic_rpc_handlers(
         (grpc.method_handlers_generic_handler(capture.service, handlers),)
     )

@@ -26,7 +26,7 @@ import logging
 import os
 import secrets
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
 import kvdepot
@@ -37,17 +37,19 @@ from kvdepot.server.copy_queue import CopyQueue
 from kvdepot.server.core.allocator import Extent, ExtentAllocator
 from kvdepot.server.core.index import BlockIndex, IndexEvent
 from kvdepot.server.core.kinds import PutOutcome, SlotState
-from kvdepot.server.core.layout import NamespaceLayout
+from kvdepot.server.core.layout import LayoutError, NamespaceLayout, check_namespace_id
 from kvdepot.server.core.planner import LayerRef, TensorView
 from kvdepot.server.fd_receiver import FdReceiver
 from kvdepot.server.memory import journal_file, pool_file
 from kvdepot.server.memory.arena import Arena
+from kvdepot.server.peer import Peer
 from kvdepot.server.resources import Headroom
 from kvdepot.server.state.admin_evict import AdminEviction
 from kvdepot.server.state.events import EventBus, Watcher
 from kvdepot.server.state.inline import InlinePath
 from kvdepot.server.state.invariants import check_invariants
-from kvdepot.server.state.jobs import JobOutcome, JobRunner, JobSpec
+from kvdepot.server.state.jobs import JobLimits, JobOutcome, JobRunner, JobSpec
+from kvdepot.server.state.namespaces import NamespaceAccess
 from kvdepot.server.state.sessions import RegionOpener, Registration, Session, Sessions
 from kvdepot.server.state.traffic import Traffic, TransferObserver
 
@@ -108,6 +110,9 @@ class DepotState:
             config.max_sessions,
             config.max_registrations_per_session,
             Headroom(config.fd_reserve) if headroom else None,
+            max_per_pid=config.max_sessions_per_pid,
+            max_per_uid=config.max_sessions_per_uid,
+            max_unattested=config.max_unattested_sessions,
         )
         self.traffic = Traffic()
         self.copy_queue = CopyQueue(config.copy_threads)
@@ -117,7 +122,7 @@ class DepotState:
             arena,
             self.copy_queue,
             self.traffic,
-            config.max_job_keys,
+            JobLimits(config.max_job_keys, config.max_job_blocks, config.max_job_pages),
             lambda: self.shutting_down,
         )
         self.inline = InlinePath(index, arena, self.copy_queue, self.traffic)
@@ -130,6 +135,10 @@ class DepotState:
         self.debug_invariants = os.environ.get("KVDEPOT_CHECK_INVARIANTS") == "1"
         # Writer ids that are not sessions (see add_internal_writer).
         self.internal_writers: set[str] = set()
+        # Who may name which namespace, and the per-session quotas (state.namespaces).
+        self.access = NamespaceAccess(config, index, self._sessions)
+        index.max_writing_per_owner = self.access.max_writing
+        index.writing_quota_exempt = self.internal_writers  # type: ignore[assignment]
         self.invariant_failure: str | None = None
         self.admin = AdminEviction(index, config, self.verify_invariants)
         # With --pool-file: the crash journal, and the recovery of a killed daemon's rows.
@@ -343,6 +352,10 @@ class DepotState:
         expired = self.index.expire_reservations()
         if expired:
             log.warning("dropped %d block row(s) whose ranks never all stored", expired)
+        # Namespaces emptied by eviction, or whose last copy has ended since; not
+        # while a crash recovery may still adopt rows into them.
+        if self.recovery.complete or self._recovery is None:
+            self._forget_unused()
         if self.fd_receiver is not None:
             stale = self.fd_receiver.expire()
             if stale:
@@ -353,7 +366,38 @@ class DepotState:
     def open_session(self, client_name: str, pid: int, engine_id: str) -> Session:
         if self.shutting_down:
             raise errors.unavailable("the daemon is shutting down: reconnect in a moment")
+        for old in self._sessions.make_room():  # the oldest unattested session, if full
+            self.close_session(old.id)
+            old.revoke(
+                errors.exhausted(
+                    "this session was ended to make room: it never attested on the fd "
+                    "socket (kvdepot's client does; see kvdepot.client.fdpass.attest)"
+                )
+            )
         return self._sessions.open(client_name, pid, engine_id)
+
+    def attest(self, session_id: str, peer: Peer) -> None:
+        """The fd socket's identity check (kvdepot.server.fd_receiver; on the loop):
+        binds the session to `peer` or checks it is the owner. A session over its
+        owner's quota is ended (the error says which limit)."""
+        try:
+            self._sessions.attest(session_id, peer)
+        except errors.DepotError as exc:
+            if exc.code is errors.Code.RESOURCE_EXHAUSTED:
+                s = self._sessions.sessions.get(session_id)
+                self.close_session(session_id)
+                if s is not None:
+                    s.revoke(exc)
+            raise
+
+    def claim_passed(self, token: str, session_id: str) -> Any:
+        """The fd_receiver's PendingFd (fd and sender) behind `token` of this
+        session; the caller owns its fd. DepotError with why not."""
+        return self._sessions.claim_pending(token, session_id)
+
+    def deny(self, message: str) -> errors.DepotError:
+        """A counted PERMISSION_DENIED (identity refusals; Admin/GetStats)."""
+        return self._sessions.deny(message)
 
     @mutation
     def close_session(self, session_id: str) -> None:
@@ -363,10 +407,12 @@ class DepotState:
             return
         s, registrations, fds = closed
         pins, rows = self.index.release_owner(session_id)
+        self.bus.end_session(session_id)  # its Watch streams end with it
+        self._forget_unused(s.namespaces)
         log.info(
             "session %s (%r, pid %d) closed: released %d registration(s), %d pin(s), "
             "%d unfinished block row(s), %d pending fd(s)",
-            session_id,
+            s.tag,
             s.client_name,
             s.pid,
             registrations,
@@ -393,45 +439,94 @@ class DepotState:
     ) -> Registration:
         """Declares the namespace, maps the memory and records the registration
         (regions: (memory path, handle))."""
-        self.session(session_id)
+        session = self.session(session_id)
         if not 0 <= rank < layout.world_size:
             raise errors.invalid(f"rank {rank} out of range [0, {layout.world_size})")
+        self.access.check_room(session, layout.id)
         self.declare(layout)
-        return self._sessions.register(
-            session_id,
-            layout,
-            rank,
-            [(MemoryPath(k), h) for k, h in regions],
-            tensors,
-            groups,
-        )
+        try:
+            reg = self._sessions.register(
+                session_id,
+                layout,
+                rank,
+                [(MemoryPath(k), h) for k, h in regions],
+                tensors,
+                groups,
+            )
+        except BaseException:
+            self._forget_unused([layout.id])  # declared for nothing
+            raise
+        self.access.join(session, layout.id)  # a registration is the join
+        return reg
+
+    def observe(self, session_id: str, namespace_id: str) -> None:
+        """An observer join (RegisterKV naming the namespace id alone): the session
+        may Watch, Lookup, Pin, Unpin and Prefetch it; nothing is mapped or declared."""
+        try:
+            check_namespace_id(namespace_id)
+        except LayoutError as exc:
+            raise errors.invalid(f"namespace layout: {exc}") from None
+        self.access.join(self.session(session_id), namespace_id)
 
     @mutation
     def unregister(self, session_id: str, registration_id: int) -> None:
+        reg = self.registrations.get(registration_id)
         self._sessions.unregister(session_id, registration_id)
+        if reg is not None:
+            self._forget_unused([reg.layout.id])
+
+    def _forget_unused(self, candidates: Iterable[str] | None = None) -> None:
+        """Forgets the namespaces (of `candidates`, or all) that no registration and
+        no block uses (state.namespaces), in the index and the journal."""
+        for namespace_id in self.access.forget_unused(candidates):
+            if self.journal is not None:
+                self.journal.drop_namespace(namespace_id)
 
     # -- lookups, pins, eviction -----------------------------------------------------------
 
     def _check_batch(self, keys: Sequence[bytes]) -> None:
-        limit = self.config.max_job_keys * 16
+        limit = self.config.max_batch_keys
         if len(keys) > limit:
-            raise errors.exhausted(f"{len(keys)} keys in one call; at most {limit}: split it")
+            raise errors.exhausted(
+                f"{len(keys)} keys in one call; at most {limit} (--max-batch-keys): split it"
+            )
 
-    def lookup(self, namespace_id: str, keys: Sequence[bytes]) -> list[bool]:
+    def lookup(self, session_id: str, namespace_id: str, keys: Sequence[bytes]) -> list[bool]:
+        self.access.member(session_id, namespace_id)
         self._check_batch(keys)
         return self.index.lookup(namespace_id, keys)
 
     @mutation
     def pin(self, session_id: str, namespace_id: str, keys: Sequence[bytes]) -> list[bool]:
-        self.session(session_id)
+        self.access.member(session_id, namespace_id)
         self._check_batch(keys)
-        return self.index.pin(namespace_id, keys, session_id)
+        pinned = self.index.pin(namespace_id, keys, session_id)
+        try:
+            self.access.check_pinned(session_id)  # --max-pinned-per-session
+        except errors.DepotError:
+            # All or nothing: the call's own pins are dropped again.
+            mine = [k for k, p in zip(keys, pinned, strict=True) if p]
+            self.index.unpin(namespace_id, mine, session_id)
+            raise
+        return pinned
 
     @mutation
     def unpin(self, session_id: str, namespace_id: str, keys: Sequence[bytes]) -> int:
-        self.session(session_id)
+        self.access.member(session_id, namespace_id)
         self._check_batch(keys)
         return self.index.unpin(namespace_id, keys, session_id)
+
+    def check_job_namespace(self, session_id: str, registration_id: int) -> None:
+        """A Transfer job (stream or lane): its session must have joined the namespace
+        of the registration it names (PERMISSION_DENIED otherwise; the message never
+        names that namespace). An unknown registration is left to the job runner."""
+        reg = self.registrations.get(registration_id)
+        session = self.sessions.get(session_id)
+        if reg is not None and session is not None and reg.layout.id not in session.namespaces:
+            raise errors.denied(
+                f"registration {registration_id} is of a namespace this session has not "
+                f"joined: RegisterKV into the namespace first"
+            )
 
     # -- admin: Evict and Clear (kvdepot.server.state.admin_evict) ---------------------
 
@@ -471,21 +566,28 @@ class DepotState:
     async def put(
         self, session_id: str, namespace_id: str, key: bytes, rank: int, data: bytes
     ) -> tuple[PutOutcome, bool, str]:
-        self.session(session_id)
+        self.access.registered(session_id, namespace_id)
         return await self.inline.put(session_id, namespace_id, key, rank, data)
 
     @mutation
-    async def get(self, namespace_id: str, key: bytes, rank: int) -> bytes:
+    async def get(self, session_id: str, namespace_id: str, key: bytes, rank: int) -> bytes:
+        self.access.registered(session_id, namespace_id)
         return await self.inline.get(namespace_id, key, rank)
 
     # -- watch -------------------------------------------------------------------------
 
-    def add_watcher(self, namespace_id: str) -> tuple[Watcher, list[bytes]]:
-        """Subscribes and returns the current ready keys (no event can fall between)."""
-        return self.bus.subscribe(namespace_id), self.ready_keys(namespace_id)
+    def add_watcher(self, session_id: str, namespace_id: str) -> tuple[Watcher, list[bytes]]:
+        """Subscribes and returns the current ready keys (no event can fall between).
+        The session must have joined the namespace and have a Watch stream to spare."""
+        session = self.access.member(session_id, namespace_id)
+        self.access.open_watch(session)  # --max-watches-per-session
+        return self.bus.subscribe(namespace_id, session_id), self.ready_keys(namespace_id)
 
     def remove_watcher(self, w: Watcher) -> None:
         self.bus.unsubscribe(w)
+        session = self.sessions.get(w.session_id)
+        if session is not None:
+            self.access.close_watch(session)
 
     def ready_keys(self, namespace_id: str) -> list[bytes]:
         ns = self.index.namespaces.get(namespace_id)
@@ -532,6 +634,7 @@ class DepotState:
             "writing_blocks": counts["writing"],
             "pinned_blocks": counts["pinned"],
             "sessions": len(self.sessions),
+            "permission_denied": self._sessions.permission_denied,
             "registrations": len(self.registrations),
             "populating_bytes": sum(
                 r.populating_bytes for reg in self.registrations.values() for r in reg.regions

@@ -24,8 +24,10 @@ WATCH_QUEUE_LIMIT = 65536  # keys a watcher may lag behind before it is resynced
 class Watcher:
     """One Watch stream's queue. Overflow turns into a resync (fresh snapshot)."""
 
-    def __init__(self, namespace_id: str) -> None:
+    def __init__(self, namespace_id: str, session_id: str = "") -> None:
         self.namespace_id = namespace_id
+        self.session_id = session_id  # the session whose membership it rides on
+        self.ended = False  # its session ended: the Watch stream ends too
         self.queue: deque[IndexEvent] = deque()
         self.queued_keys = 0  # keys in `queue` (events carry one key or many)
         self.lagged = False
@@ -86,8 +88,8 @@ class EventBus:
             except Exception:  # a listener's bug must not break the index's change
                 log.exception("an index event listener failed")
 
-    def subscribe(self, namespace_id: str) -> Watcher:
-        w = Watcher(namespace_id)
+    def subscribe(self, namespace_id: str, session_id: str = "") -> Watcher:
+        w = Watcher(namespace_id, session_id)
         self.watchers.setdefault(namespace_id, set()).add(w)
         return w
 
@@ -97,6 +99,14 @@ class EventBus:
             ws.discard(w)
             if not ws:
                 del self.watchers[w.namespace_id]
+
+    def end_session(self, session_id: str) -> None:
+        """Ends the Watch streams of a session that ended (its membership is gone)."""
+        for ws in self.watchers.values():
+            for w in ws:
+                if w.session_id == session_id:
+                    w.ended = True
+                    w.wakeup.set()
 
     def wake_all(self) -> None:
         """Wakes every Watch stream (shutdown: they see it and end)."""

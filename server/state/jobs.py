@@ -13,6 +13,11 @@
     settle  finish_store_many / end_read for every claimed slot, success or not;
             the index announces what became READY on the event bus by itself
 
+No job holds the event loop for long, whatever its content: its sizes (keys,
+block ids, pages) are checked against `JobLimits` before anything is built from
+it, and the per-key index work (claim, settle) and the per-page planning run in
+slices (`KEY_SLICE` keys, `PAGE_SLICE` pages) with the loop yielded between them.
+
 A job never raises: every failure becomes a JobOutcome with the status code name
 that the error table (kvdepot.server.errors) gives it.
 """
@@ -20,6 +25,7 @@ that the error table (kvdepot.server.errors) gives it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import time
@@ -30,13 +36,29 @@ from kvdepot.common.kinds import Direction
 from kvdepot.server import errors
 from kvdepot.server.copy_queue import CopyQueue
 from kvdepot.server.core.index import BlockIndex, Slot
-from kvdepot.server.core.planner import CopyPlan, JobShape, check_job, plan_copy
+from kvdepot.server.core.layout import NamespaceLayout
+from kvdepot.server.core.planner import CopyPlan, JobShape, check_job, plan_copy, slice_shape
 from kvdepot.server.memory.arena import Arena
 from kvdepot.server.memory.copy_engine import PreparedCopy
 from kvdepot.server.state.sessions import Registration, Sessions
 from kvdepot.server.state.traffic import Traffic
 
 log = logging.getLogger("kvdepot.state")
+
+# Index work per slice of a job's keys (about 10 us a key) and pages planned per
+# slice (about 0.1 us a page, planning and address columns): each slice holds the
+# loop for well under 5 ms; the loop is yielded between slices.
+KEY_SLICE = 256
+PAGE_SLICE = 4096
+
+
+@dataclass(frozen=True)
+class JobLimits:
+    """The largest job the daemon takes (--max-job-keys, --max-job-blocks, --max-job-pages)."""
+
+    keys: int = 4096
+    blocks: int = 16384
+    pages: int = 1 << 20
 
 
 @dataclass
@@ -80,7 +102,7 @@ class JobRunner:
         arena: Arena,
         copy_queue: CopyQueue,
         traffic: Traffic,
-        max_job_keys: int,
+        limits: JobLimits | int,
         refusing: Callable[[], bool],
     ) -> None:
         self._index = index
@@ -88,7 +110,8 @@ class JobRunner:
         self._arena = arena
         self._copy_queue = copy_queue
         self._traffic = traffic
-        self._max_job_keys = max_job_keys
+        # An int is --max-job-keys alone (the other limits at their defaults).
+        self.limits = limits if isinstance(limits, JobLimits) else JobLimits(keys=limits)
         self._refusing = refusing  # True once the daemon shuts down
 
     async def run(self, job: JobSpec) -> JobOutcome:
@@ -134,11 +157,7 @@ class JobRunner:
             direction = Direction(job.direction)
         except ValueError:
             raise errors.invalid(f"direction must be STORE or LOAD, got {job.direction}") from None
-        if len(job.keys) > self._max_job_keys:
-            raise errors.exhausted(
-                f"job of {len(job.keys)} keys; this daemon takes at most "
-                f"{self._max_job_keys} (--max-job-keys): split it"
-            )
+        check_job_size(job, reg.layout, self.limits)
         shape = check_job(
             reg.layout,
             reg.memory,
@@ -153,19 +172,30 @@ class JobRunner:
         self, job: JobSpec, reg: Registration, shape: JobShape, out: JobOutcome
     ) -> None:
         rank, index = reg.rank, self._index
-        # One index call each way for the whole job: the per-key work, the
-        # namespace lookup and the events (one per job) are paid once.
-        claim = index.begin_store_many(reg.layout.id, job.keys, rank, job.session_id)
-        out.present_keys, out.dropped_keys = claim.present, claim.dropped
-        if claim.drop_reason is not None:
-            out.drop_reason = claim.drop_reason.text
+        # One index call each way per KEY_SLICE keys: the per-key work, the
+        # namespace lookup and the events are paid once a slice, and a large job
+        # lets other clients' calls run between its slices.
+        offsets: list[int | None] = []
+        claimed: list[Slot] = []
         ok = False
         try:
-            await self._copy(job, reg, shape, claim.offsets, out)
+            for start in range(0, len(job.keys), KEY_SLICE):
+                if start:
+                    await asyncio.sleep(0)
+                claim = index.begin_store_many(
+                    reg.layout.id, job.keys[start : start + KEY_SLICE], rank, job.session_id
+                )
+                claimed += claim.slots
+                offsets += claim.offsets
+                out.present_keys += claim.present
+                out.dropped_keys += claim.dropped
+                if claim.drop_reason is not None:
+                    out.drop_reason = claim.drop_reason.text
+            await self._copy(job, reg, shape, offsets, out)
             ok = True
         finally:
-            index.finish_store_many(claim.slots, rank, ok)
-        out.stored_keys = len(claim.slots)
+            await _in_slices(claimed, lambda part: index.finish_store_many(part, rank, ok))
+        out.stored_keys = len(claimed)
 
     async def _load(
         self, job: JobSpec, reg: Registration, shape: JobShape, out: JobOutcome
@@ -173,7 +203,9 @@ class JobRunner:
         ns_id, index = reg.layout.id, self._index
         slots: list[Slot] = []
         try:
-            for key in job.keys:
+            for i, key in enumerate(job.keys):
+                if i and not i % KEY_SLICE:
+                    await asyncio.sleep(0)
                 slot = index.begin_read(ns_id, key)
                 if slot is None:
                     raise errors.not_found(
@@ -183,8 +215,12 @@ class JobRunner:
                 slots.append(slot)
             await self._copy(job, reg, shape, [s.extent.offset for s in slots], out)
         finally:
-            for slot in slots:
-                index.end_read(slot)
+
+            def end_reads(part: Sequence[Slot]) -> None:
+                for slot in part:
+                    index.end_read(slot)
+
+            await _in_slices(slots, end_reads)
 
     async def _copy(
         self,
@@ -197,10 +233,64 @@ class JobRunner:
         """Plans and copies; the bytes and copy time go into `out`. Raises
         DepotError (a copy that failed is INTERNAL, or what the engine said)."""
         assert reg.memory is not None and reg.engine is not None
+        if shape_pages(reg.layout, shape) > PAGE_SLICE:
+            await self._copy_in_slices(job, reg, shape, offsets, out)
+            return
         plan = plan_copy(reg.layout, reg.rank, reg.memory, shape, offsets)
         if len(plan):
             out.copy_seconds = await self._run_copy(job, reg, plan)
         out.bytes = plan.nbytes  # only once the bytes have landed
+
+    async def _copy_in_slices(
+        self,
+        job: JobSpec,
+        reg: Registration,
+        shape: JobShape,
+        offsets: Sequence[int | None],
+        out: JobOutcome,
+    ) -> None:
+        """`_copy` for a job of more than PAGE_SLICE pages: each slice is planned and
+        prepared on the loop, then handed to the copy threads at once (the slices
+        copy in parallel, as a large plan's parts do), the loop yielded between
+        slices. Every slice handed over has ended before this returns or raises."""
+        engine, regions, pool = reg.engine, reg.regions, self._arena.address
+        assert reg.memory is not None and engine is not None
+        copies: list[asyncio.Future[tuple[float, float]]] = []
+        nbytes = 0
+        with self._sessions.in_use(reg):
+            try:
+                for part in slice_shape(reg.layout, shape, PAGE_SLICE):
+                    if copies:
+                        await asyncio.sleep(0)
+                    plan = plan_copy(reg.layout, reg.rank, reg.memory, part, offsets)
+                    if not len(plan):
+                        continue
+                    prepared = engine.prepare(job.direction, regions, pool, plan)
+                    nbytes += plan.nbytes
+                    copies.append(
+                        asyncio.ensure_future(
+                            self._copy_queue.run(functools.partial(_timed, prepared), job.expedited)
+                        )
+                    )
+            except errors.DepotError:
+                raise
+            except Exception as exc:
+                label = Direction(job.direction).label
+                log.warning("%s job %d: planning a slice failed: %s", label, job.job_id, exc)
+                raise errors.internal(f"copy failed: {exc}") from None
+            finally:
+                # Slots are settled only after every slice handed over has ended.
+                spans = await _all_ended(copies)
+            for span in spans:
+                if isinstance(span, BaseException):
+                    label = Direction(job.direction).label
+                    log.warning("%s job %d: copy failed: %s", label, job.job_id, span)
+                    if isinstance(span, errors.DepotError):
+                        raise span
+                    raise errors.internal(f"copy failed: {span}")
+        if spans:
+            out.copy_seconds = max(e for _, e in spans) - min(s for s, _ in spans)  # type: ignore[misc]
+        out.bytes = nbytes  # only once the bytes have landed
 
     async def _run_copy(self, job: JobSpec, reg: Registration, plan: CopyPlan) -> float:
         """Copies on the copy threads; a large plan is cut into parts that
@@ -221,7 +311,9 @@ class JobRunner:
         with self._sessions.in_use(reg):
             try:
                 # Planned here, on the loop: the copy threads then hardly need the GIL.
-                copies = [engine.prepare(direction, regions, pool, p) for p in parts]
+                copies = [
+                    engine.prepare(direction, regions, pool, p, self._arena.size) for p in parts
+                ]
                 if len(copies) == 1:
                     t0, t1 = await self._copy_queue.run(lambda: work(copies[0]), job.expedited)
                     return t1 - t0
@@ -244,6 +336,76 @@ class JobRunner:
                 label = Direction(job.direction).label
                 log.warning("%s job %d: copy failed: %s", label, job.job_id, exc)
                 raise errors.internal(f"copy failed: {exc}") from None
+
+
+def check_job_size(job: JobSpec, layout: NamespaceLayout, limits: JobLimits) -> None:
+    """Refuses (RESOURCE_EXHAUSTED, naming the limit) a job larger than `limits`, from
+    its lists' lengths and group_sizes alone: nothing is built from the job before."""
+    if len(job.keys) > limits.keys:
+        raise errors.exhausted(
+            f"job of {len(job.keys)} keys; this daemon takes at most {limits.keys} "
+            f"(--max-job-keys): split it"
+        )
+    if len(job.block_ids) > limits.blocks:
+        raise errors.exhausted(
+            f"job of {len(job.block_ids)} block ids; this daemon takes at most "
+            f"{limits.blocks} (--max-job-blocks): split it"
+        )
+    if len(job.group_sizes) != layout.num_groups:
+        return  # check_job says what is wrong
+    pages = sum(n * len(layers) for n, layers in zip(job.group_sizes, layout.groups, strict=True))
+    if pages > limits.pages:
+        raise errors.exhausted(
+            f"job of {pages} pages (block ids x layers of their group); this daemon takes at "
+            f"most {limits.pages} (--max-job-pages): split it"
+        )
+
+
+def shape_pages(layout: NamespaceLayout, shape: JobShape) -> int:
+    """Pages (blocks x layers) a checked job names, skipped keys included."""
+    return sum(len(ids) * len(layout.groups[g]) for g, ids, _, _ in shape.groups)
+
+
+def _timed(copy: PreparedCopy) -> tuple[float, float]:
+    t = time.perf_counter()
+    copy()
+    return t, time.perf_counter()
+
+
+async def _all_ended(
+    futures: Sequence[asyncio.Future[tuple[float, float]]],
+) -> list[tuple[float, float] | BaseException]:
+    """Waits until every future has ended, even if the caller is cancelled meanwhile
+    (a copy that ran on must not outlive the slots it writes); then re-raises the
+    cancellation."""
+    if not futures:
+        return []
+    gathered = asyncio.gather(*futures, return_exceptions=True)
+    try:
+        return await asyncio.shield(gathered)
+    except asyncio.CancelledError:
+        for f in futures:
+            f.cancel()  # CopyQueue: a copy not started is skipped, a running one awaited
+        while not gathered.done():
+            with contextlib.suppress(BaseException):
+                await asyncio.shield(gathered)
+        raise
+
+
+async def _in_slices(items: Sequence[Slot], settle: Callable[[Sequence[Slot]], object]) -> None:
+    """`settle(part)` for every KEY_SLICE items, yielding the loop between parts; if
+    the caller is cancelled while yielded, the rest is settled at once."""
+    done = 0
+    try:
+        while done < len(items):
+            if done:
+                await asyncio.sleep(0)
+            part = items[done : done + KEY_SLICE]
+            done += len(part)
+            settle(part)
+    finally:
+        if done < len(items):
+            settle(items[done:])
 
 
 def _counted_direction(value: int) -> Direction:

@@ -7,6 +7,15 @@ through one memory path: shared memory (an fd claimed from the fd socket and
 sealed against shrinking) is built in; other paths (CUDA IPC, process memory)
 plug in with `add_memory_path`.
 
+A session id is a bearer secret (128 random bits) of the process that opened it;
+logs and listings show its first 8 hex digits only (`session_tag`). The first
+process that speaks for it on the fd socket (kvdepot.server.fd_receiver: an
+attest, or its first fd) becomes its `owner`, a kernel identity; fds, lanes and
+pvm registrations from any other process are refused with PERMISSION_DENIED and
+counted (`permission_denied`). Quotas: attested sessions per process and per uid;
+sessions nobody attested yet share a small pool whose oldest member is ended to
+make room, so a process opening sessions in a loop cannot lock others out.
+
 A registration ends (UnregisterKV, or its session ends) at once for clients,
 but its regions stay mapped while copies still use them (`in_use`), so a late
 copy never touches unmapped memory.
@@ -14,6 +23,7 @@ copy never touches unmapped memory.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import os
@@ -28,8 +38,10 @@ from kvdepot.server import errors
 from kvdepot.server.config import format_size
 from kvdepot.server.core.layout import NamespaceLayout
 from kvdepot.server.core.planner import LayerRef, MemoryMap, TensorView
+from kvdepot.server.fd_receiver import ForeignToken
 from kvdepot.server.memory.copy_engine import CopyEngine, CpuCopyEngine
 from kvdepot.server.memory.regions import MappedRegion, SharedMemoryRegion
+from kvdepot.server.peer import Peer, session_tag
 from kvdepot.server.resources import Headroom, ResourceLow
 
 log = logging.getLogger("kvdepot.state")
@@ -39,6 +51,7 @@ class FdSource(Protocol):
     """The fd socket (kvdepot.server.fd_receiver.FdReceiver), as sessions use it."""
 
     def claim(self, token: str, session_id: str) -> int: ...
+    def claim_pending(self, token: str, session_id: str) -> Any: ...
     def drop_session(self, session_id: str) -> int: ...
 
 
@@ -50,6 +63,24 @@ class Session:
     engine_id: str
     opened: float
     registrations: set[int] = field(default_factory=set)
+    # Namespaces this session joined (RegisterKV; kvdepot.server.state.namespaces):
+    # the only ones its calls may name. Forgotten with the session.
+    namespaces: set[str] = field(default_factory=set)
+    watches: int = 0  # Watch streams open now (--max-watches-per-session)
+    # The process the kernel named on the fd socket (None: not attested yet).
+    owner: Peer | None = None
+    # Set when the daemon ends the session itself (evicted, over quota): the
+    # Session stream then ends with `end_reason`.
+    ended: asyncio.Event = field(default_factory=asyncio.Event)
+    end_reason: errors.DepotError | None = None
+
+    @property
+    def tag(self) -> str:
+        return session_tag(self.id)
+
+    def revoke(self, reason: errors.DepotError) -> None:
+        self.end_reason = reason
+        self.ended.set()
 
 
 # Opens one region of a memory path: (the handle from RegisterKV, the session)
@@ -85,13 +116,23 @@ class Sessions:
         max_sessions: int = 256,
         max_registrations: int = 64,
         headroom: Headroom | None = None,
+        *,
+        max_per_pid: int = 16,
+        max_per_uid: int = 128,
+        max_unattested: int = 32,
     ) -> None:
         """Limits: open sessions, registrations per session (--max-sessions,
         --max-registrations-per-session) and the process's fds and mappings
-        (`headroom`; None: unchecked). Beyond them: RESOURCE_EXHAUSTED."""
+        (`headroom`; None: unchecked). Beyond them: RESOURCE_EXHAUSTED. Attested
+        sessions per process and per uid (--max-sessions-per-pid, -per-uid), and
+        the pool of unattested ones (--max-unattested-sessions; see the docstring)."""
         self.max_sessions = max_sessions
         self.max_registrations = max_registrations
         self.headroom = headroom
+        self.max_per_pid = max_per_pid
+        self.max_per_uid = max_per_uid
+        self.max_unattested = max_unattested
+        self.permission_denied = 0  # identity refusals (Admin/GetStats)
         self.sessions: dict[str, Session] = {}
         self.registrations: dict[int, Registration] = {}
         # Registration ids start at a random point per boot: a client still holding an
@@ -135,34 +176,95 @@ class Sessions:
 
     def claim_fd(self, token: str, session_id: str) -> int:
         """Takes the fd a session sent to the fd socket (the caller closes it)."""
+        return self.claim_pending(token, session_id).fd
+
+    def claim_pending(self, token: str, session_id: str) -> Any:
+        """The fd_receiver's PendingFd behind `token` (fd and sender; the caller
+        closes the fd). A token of another session is PERMISSION_DENIED, counted."""
         if self.fd_source is None:
             raise errors.precondition("this daemon takes no fds (no fd socket)")
         try:
-            return self.fd_source.claim(token, session_id)
+            return self.fd_source.claim_pending(token, session_id)
+        except ForeignToken as exc:
+            raise self.deny(str(exc)) from None
         except KeyError as exc:
             raise errors.invalid(exc.args[0]) from None
+
+    def deny(self, message: str) -> errors.DepotError:
+        """A PERMISSION_DENIED for an identity refusal, counted (raise it)."""
+        self.permission_denied += 1
+        log.warning("refused: %s", message)
+        return errors.denied(message)
+
+    # -- identity ----------------------------------------------------------------------
+
+    def attest(self, session_id: str, peer: Peer) -> Session:
+        """Binds the session to `peer` (its first speaker on the fd socket), or checks
+        that `peer` is its owner. PERMISSION_DENIED (counted) for another process;
+        RESOURCE_EXHAUSTED when `peer` already holds its quota of sessions."""
+        s = self.get(session_id)
+        if s.owner is not None:
+            if not s.owner.same_process(peer):
+                raise self.deny(
+                    f"session {s.tag} belongs to another process; {peer} may use only "
+                    f"sessions it opened"
+                )
+            return s
+        owned = [o for o in (x.owner for x in self.sessions.values()) if o is not None]
+        # Processes the daemon cannot see apart (a sidecar's clients) count per uid only.
+        mine = sum(o.same_process(peer) for o in owned) if peer.visible else 0
+        if mine >= self.max_per_pid:
+            raise errors.exhausted(
+                f"{peer} already holds {mine} sessions, the most one process may "
+                f"(--max-sessions-per-pid, KVDEPOT_MAX_SESSIONS_PER_PID): reuse one client"
+            )
+        theirs = sum(o.uid == peer.uid for o in owned)
+        if theirs >= self.max_per_uid:
+            raise errors.exhausted(
+                f"uid {peer.uid} already holds {theirs} sessions, the most one user may "
+                f"(--max-sessions-per-uid, KVDEPOT_MAX_SESSIONS_PER_UID)"
+            )
+        s.owner = peer
+        log.info("session %s attested by %s", s.tag, peer)
+        return s
+
+    def make_room(self) -> list[Session]:
+        """Sessions to end so that one more may open: the oldest unattested one when
+        the unattested pool (or the whole table) is full. RESOURCE_EXHAUSTED when
+        the table is full of attested sessions."""
+        unattested = [s for s in self.sessions.values() if s.owner is None]
+        if len(unattested) < self.max_unattested and len(self.sessions) < self.max_sessions:
+            return []
+        if not unattested:
+            raise errors.exhausted(
+                f"{len(self.sessions)} sessions are open, the most this daemon allows "
+                f"(--max-sessions, KVDEPOT_MAX_SESSIONS): end idle engines or raise the limit"
+            )
+        return [min(unattested, key=lambda s: s.opened)]
 
     # -- sessions --------------------------------------------------------------------
 
     def open(self, client_name: str, pid: int, engine_id: str) -> Session:
+        """A new session (call `make_room` first; `pid` is the client's claim, shown
+        to operators only)."""
         if len(self.sessions) >= self.max_sessions:
             raise errors.exhausted(
                 f"{len(self.sessions)} sessions are open, the most this daemon allows "
                 f"(--max-sessions, KVDEPOT_MAX_SESSIONS): end idle engines or raise the limit"
             )
         s = Session(
-            secrets.token_hex(12), client_name[:200], pid, engine_id[:200], time.monotonic()
+            secrets.token_hex(16), client_name[:200], pid, engine_id[:200], time.monotonic()
         )
         self.sessions[s.id] = s
-        log.info("session %s opened by %r (pid %d)", s.id, s.client_name, pid)
+        log.info("session %s opened by %r (says pid %d)", s.tag, s.client_name, pid)
         return s
 
     def get(self, session_id: str) -> Session:
         s = self.sessions.get(session_id)
         if s is None:
             raise errors.precondition(
-                f"unknown session {session_id!r}: open a Session first and pass its id (after a "
-                f"daemon restart every session is gone: reconnect)"
+                f"unknown session {session_tag(session_id)!r}…: open a Session first and pass "
+                f"its id (after a daemon restart every session is gone: reconnect)"
             )
         return s
 
@@ -252,7 +354,7 @@ class Sessions:
         log.info(
             "registration %d: session %s rank %d of namespace %s over %s (%s)",
             reg.id,
-            session_id,
+            session_tag(session_id),
             rank,
             layout.id,
             reg.memory_path.value,

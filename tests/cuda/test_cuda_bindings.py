@@ -532,7 +532,7 @@ def test_a_daemon_process_turns_cuda_on_and_refuses_bad_handles_over_grpc(
     client = DepotClient(f"unix://{sock}").start()
     try:
         assert client.wait_connected(30), log_path.read_text()
-        admin = admin_pb2_grpc.AdminStub(grpc.insecure_channel(f"unix://{sock}"))
+        admin = admin_pb2_grpc.AdminStub(grpc.insecure_channel(f"unix://{sock}.admin"))
         for _ in range(300):
             if admin.GetStats(admin_pb2.GetStatsRequest(), timeout=5).warmup_complete:
                 break

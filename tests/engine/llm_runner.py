@@ -5,8 +5,9 @@
 Settings: {"model": DIR, "kv_transfer_config": {...} or null, "llm": {extra LLM kwargs}}.
 Commands (stdin): {"op": "generate", "prompts": [[ids...]], "max_tokens": N,
 "logprobs": K} -> {"outputs": [{"token_ids", "logprobs", "num_cached_tokens"}]};
-{"op": "metrics"} -> {"metrics": {name{labels}: value}}; {"op": "reset_prefix_cache"}
-(vLLM's own cache only); {"op": "exit"}.
+{"op": "metrics"} -> {"metrics": {name{labels}: value}}; {"op": "reset_prefix_cache",
+"reset_connector": bool} (vLLM's own cache, and the connector's when asked);
+{"op": "reload_weights", "weights_path": DIR} (new weights in place); {"op": "exit"}.
 Answers are stdout lines starting with MARK (vLLM logs to stdout too); the first is
 {"ready": true} once the engine is up. The engine runs with vLLM's defaults apart from
 what the settings say, stats logging on.
@@ -57,7 +58,12 @@ def main() -> None:
         if cmd["op"] == "exit":
             break
         if cmd["op"] == "reset_prefix_cache":
-            answer({"reset": bool(llm.reset_prefix_cache())})
+            reset = llm.reset_prefix_cache(reset_connector=cmd.get("reset_connector", False))
+            answer({"reset": bool(reset)})
+            continue
+        if cmd["op"] == "reload_weights":  # a weight update, in place (as RL loops do it)
+            llm.collective_rpc("reload_weights", kwargs={"weights_path": cmd["weights_path"]})
+            answer({"reloaded": True})
             continue
         if cmd["op"] == "metrics":
             answer({"metrics": metric_values(llm)})

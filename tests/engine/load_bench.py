@@ -38,13 +38,15 @@ def engine_loads(workdir: Path, reps: int, memory_path: str) -> dict[str, float 
     """One engine's load GB/s on `memory_path`, and the path its log says it took."""
     model = build_model("opt", workdir / "opt")
     port = free_port()
-    daemon = DaemonProcess(workdir, "--pool-size", "512MiB", "--metrics-port", str(port)).start()
+    daemon = DaemonProcess(
+        workdir, "--pool-size", "512MiB", "--pvm", "--metrics-port", str(port)
+    ).start()
     config = readme_kv_config(daemon.target, kvdepot_memory_path=memory_path)
     engine = LLMEngine(model, workdir, config)
     try:
         prompt = prompt_for(7, 600)
         engine.generate([prompt])
-        with daemon.channel() as ch:  # loads timed before the mapping is done time faults
+        with daemon.admin_channel() as ch:  # loads timed before the mapping is done time faults
             admin = admin_pb2_grpc.AdminStub(ch)
             wait_mapped(lambda: admin.GetStats(admin_pb2.GetStatsRequest(), timeout=5), 60.0)
         for _ in range(reps):

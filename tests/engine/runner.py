@@ -1,49 +1,31 @@
-"""Test-side handle on a real vLLM engine process (`llm_runner.py`) or OpenAI server."""
+"""Test-side handle on a real vLLM engine process (`llm_runner.py`) or OpenAI server
+(the server, the README's connector config and the /metrics reader live in
+`kvdepot.bench.vllm_server`, which `kvdepot bench serve` uses too)."""
 
 from __future__ import annotations
 
 import contextlib
 import json
 import os
-import socket
 import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from collections import deque
 from pathlib import Path
 from typing import Any
 
+from kvdepot.bench.vllm_server import (  # noqa: F401 (re-exported for the tests)
+    ENGINE_ENV,
+    LLM_ARGS,
+    OpenAIServer,
+    free_port,
+    prometheus_value,
+    readme_kv_config,
+)
 from tests.engine.llm_runner import MARK
 
 RUNNER = Path(__file__).with_name("llm_runner.py")
-
-#: What every engine here runs with: a small CPU KV cache, no hub, and room for the
-#: other processes of a 2-core, shared machine (vLLM's CPU backend otherwise insists on
-#: 92% of the RAM being free).
-ENGINE_ENV = {
-    "VLLM_CPU_KVCACHE_SPACE": "1",
-    "HF_HUB_OFFLINE": "1",
-    "TRANSFORMERS_OFFLINE": "1",
-    # vLLM's default level (the suite's conftest lowers it for in-process vLLM).
-    "VLLM_LOGGING_LEVEL": "INFO",
-}
-#: float32 as the test models are stored: with "auto", vLLM's CPU backend computes in
-#: bfloat16 where the CPU has it (AVX512-BF16/AMX), and bfloat16's noise over a few decode
-#: steps exceeds the logprob tolerance the tests compare outputs with.
-LLM_ARGS = {"max_model_len": 1024, "gpu_memory_utilization": 0.3, "dtype": "float32"}
-
-
-def readme_kv_config(socket_target: str, **extra: Any) -> dict[str, Any]:
-    """The README's `--kv-transfer-config`, only the socket (and `extra`) changed."""
-    return {
-        "kv_connector": "KVDepotConnector",
-        "kv_connector_module_path": "kvdepot.client.vllm",
-        "kv_role": "kv_both",
-        "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {"kvdepot_socket": socket_target, **extra},
-    }
 
 
 class _Output:
@@ -131,9 +113,14 @@ class LLMEngine:
     def metrics(self) -> dict[str, float]:
         return self._ask({"op": "metrics"})["metrics"]
 
-    def reset_prefix_cache(self) -> None:
-        """Empties vLLM's own (device) prefix cache, so the next hit must come from kvdepot."""
-        self._ask({"op": "reset_prefix_cache"})
+    def reset_prefix_cache(self, reset_connector: bool = False) -> None:
+        """Empties vLLM's own (device) prefix cache, so the next hit must come from kvdepot;
+        with `reset_connector`, the connector's too (kvdepot moves to a new namespace)."""
+        self._ask({"op": "reset_prefix_cache", "reset_connector": reset_connector})
+
+    def reload_weights(self, weights_dir: Path) -> None:
+        """Loads the weights in `weights_dir` in place (a weight update)."""
+        self._ask({"op": "reload_weights", "weights_path": str(weights_dir)})
 
     def log(self) -> str:
         return self.out.whole()
@@ -147,116 +134,3 @@ class LLMEngine:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class OpenAIServer:
-    """vLLM's OpenAI-compatible server (`vllm serve`; vllm-cpu's console script is
-    broken, so `python -m vllm.entrypoints.openai.api_server`)."""
-
-    def __init__(
-        self, model: Path, workdir: Path, kv_transfer_config: dict, start_timeout: float = 300.0
-    ) -> None:
-        self.port = free_port()
-        self.base = f"http://127.0.0.1:{self.port}"
-        self.log_path = workdir / "server.log"
-        self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "vllm.entrypoints.openai.api_server",
-                "--model",
-                str(model),
-                "--skip-tokenizer-init",
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(self.port),
-                "--max-model-len",
-                str(LLM_ARGS["max_model_len"]),
-                "--gpu-memory-utilization",
-                str(LLM_ARGS["gpu_memory_utilization"]),
-                "--dtype",
-                str(LLM_ARGS["dtype"]),
-                "--kv-transfer-config",
-                json.dumps(kv_transfer_config),
-            ],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            # The dev routes give /reset_prefix_cache (vLLM's own cache, not kvdepot's).
-            env={**os.environ, **ENGINE_ENV, "VLLM_SERVER_DEV_MODE": "1"},
-        )
-        self.out = _Output(self.proc.stdout, self.log_path)
-        deadline = time.monotonic() + start_timeout
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError("vLLM's server exited:\n" + self.out.text())
-            try:
-                with urllib.request.urlopen(self.base + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        return
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError("vLLM's server did not come up:\n" + self.out.text())
-            time.sleep(0.5)
-
-    def post(self, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
-        data = json.dumps(body or {}).encode()
-        req = urllib.request.Request(
-            self.base + path, data=data, headers={"Content-Type": "application/json"}
-        )
-        with urllib.request.urlopen(req, timeout=300) as r:
-            raw = r.read()
-        return json.loads(raw) if raw.strip() else {}
-
-    def complete(self, prompt: list[int], max_tokens: int = 8) -> list[int]:
-        resp = self.post(
-            "/v1/completions",
-            {
-                "model": self.model_name(),
-                "prompt": prompt,
-                "max_tokens": max_tokens,
-                "temperature": 0.0,
-                "return_token_ids": True,
-            },
-        )
-        return list(resp["choices"][0]["token_ids"])
-
-    def model_name(self) -> str:
-        with urllib.request.urlopen(self.base + "/v1/models", timeout=10) as r:
-            return json.loads(r.read())["data"][0]["id"]
-
-    def log(self) -> str:
-        return self.out.whole()
-
-    def metrics(self) -> str:
-        with urllib.request.urlopen(self.base + "/metrics", timeout=10) as r:
-            return r.read().decode()
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-
-
-def prometheus_value(text: str, name: str, **labels: str) -> float:
-    """Sum of the samples of `name` whose labels include `labels` in a /metrics page."""
-    total = 0.0
-    for line in text.splitlines():
-        if not line.startswith(name + "{") and not line.startswith(name + " "):
-            continue
-        head, _, value = line.rpartition(" ")
-        if all(f'{k}="{v}"' in head for k, v in labels.items()):
-            total += float(value)
-    return total

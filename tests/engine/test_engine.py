@@ -50,7 +50,7 @@ def memory_path(engine) -> str:  # type: ignore[no-untyped-def]
 
 
 def stats(daemon) -> admin_pb2.GetStatsResponse:  # type: ignore[no-untyped-def]
-    with daemon.channel() as ch:
+    with daemon.admin_channel() as ch:
         return admin_pb2_grpc.AdminStub(ch).GetStats(admin_pb2.GetStatsRequest(), timeout=5)
 
 
@@ -89,7 +89,8 @@ def test_second_engine_loads_what_the_first_stored(
     opt_model: Path, reference: dict, daemon_factory, engines: list, tmp_path: Path
 ) -> None:
     pool = tmp_path / "kvdepot.pool"
-    daemon = daemon_factory("--pool-size", "512MiB", "--pool-file", str(pool))
+    # --pvm: the second engine asks for the pvm path, which is off by default.
+    daemon = daemon_factory("--pool-size", "512MiB", "--pool-file", str(pool), "--pvm")
     config = readme_kv_config(daemon.target)
 
     first = LLMEngine(opt_model, tmp_path, config)
@@ -232,7 +233,7 @@ def test_hybrid_model_sliding_window_and_full_attention(
     engines.append(engine)
     assert_same_output(engine.generate([PROMPT])[0], want)
     wait_for(lambda: stats(daemon).ready_blocks >= 4, 60, "ready blocks", engine, daemon)
-    with daemon.channel() as ch:
+    with daemon.admin_channel() as ch:
         namespaces = admin_pb2_grpc.AdminStub(ch).ListNamespaces(
             admin_pb2.ListNamespacesRequest(), timeout=5
         )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import grpc
 import pytest
 
 from kvdepot.client import DepotClient
@@ -26,8 +27,10 @@ def rig(daemon_factory: DaemonFactory) -> Iterator[Rig]:
         env={"KVDEPOT_CHECK_INVARIANTS": "1"},
     )
     pid = d.proc.pid  # type: ignore[union-attr]
-    channel = d.channel()
-    stats(admin(channel))  # connected: the baseline includes this channel, nothing else
+    channel, admin_channel = d.channel(), d.admin_channel()
+    # Both connected: the baseline includes these channels, nothing else.
+    stats(admin(admin_channel))
+    grpc.channel_ready_future(channel).result(timeout=10)
     base_fds = settled_fd_count(pid)
     geo = soak.geometry(NS)
     guardian = DepotClient(d.target, client_name="guardian").start()
@@ -54,15 +57,17 @@ def rig(daemon_factory: DaemonFactory) -> Iterator[Rig]:
         d,
         channel,
         home.stub,
-        admin(channel),
+        admin(admin_channel),
         home,
         guardian,
         home_engines,
         ns1_engine,
         guard_keys,
         base_fds,
+        admin_channel=admin_channel,
     )
     yield r
     home.close()
     guardian.close()
     channel.close()
+    admin_channel.close()

@@ -7,6 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvdepot.v1 import depot_pb2 as pb
+from tests.support import soak
 from tests.support.engine import make_key
 from tests.support.fuzz_rig import I64_MAX, I64_MIN, LONG, NS, RawSession, Rig, fuzz_settings
 
@@ -26,6 +27,10 @@ def test_sessions_and_watches_cut_half_way(rig: Rig) -> None:
     )
     def run(name: str, pid: int, engine_id: str, actions: list[str], end: str) -> None:
         s = RawSession.open(rig.stub, name=name, pid=pid, engine_id=engine_id)
+        # Namespaces are joined, not named: an inline registration in NS (Put needs
+        # one) and an observer join of a namespace nobody declared.
+        for layout in (soak.geometry(NS).layout(), pb.NamespaceLayout(id="nowhere")):
+            rig.call(rig.stub.RegisterKV, pb.RegisterKVRequest(session_id=s.id, namespace=layout))
         keys = [make_key(c, 0) for c in range(4)]
         for a in actions:
             if a == "pin":

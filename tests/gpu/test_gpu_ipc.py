@@ -49,7 +49,7 @@ def test_an_engine_stores_and_loads_every_byte_through_the_daemon(cuda_daemon) -
     assert rep["ordering_mismatched_pages"] == 0, rep
     # The engine exited: its session ended and the daemon unmapped its memory.
     d.wait_log(r"unmapped a \d+-byte allocation", timeout=20)
-    st = admin(d.target).GetStats(admin_pb2.GetStatsRequest(), timeout=5)
+    st = admin(d.admin_target).GetStats(admin_pb2.GetStatsRequest(), timeout=5)
     assert st.registrations == 0 and st.warmup_complete
 
 
@@ -64,7 +64,7 @@ def test_a_killed_engine_releases_its_mappings_in_the_daemon(cuda_daemon) -> Non
         assert proc.stdout is not None
         rep = json.loads(proc.stdout.readline())
         assert rep["ready"] and rep["ok"], rep
-        stub = admin(d.target)
+        stub = admin(d.admin_target)
         engines = stub.ListEngines(admin_pb2.ListEnginesRequest(), timeout=5).engines
         mine = [e for e in engines if e.pid == rep["pid"]]
         assert mine and mine[0].registrations[0].memory_path == "cuda_ipc"
@@ -137,7 +137,7 @@ def test_garbage_handles_are_refused_and_the_daemon_survives(cuda_daemon) -> Non
                 timeout=10,
             )
         assert code in exc.value.code().name, exc.value.details()
-    st = admin(d.target).GetStats(admin_pb2.GetStatsRequest(), timeout=5)
+    st = admin(d.admin_target).GetStats(admin_pb2.GetStatsRequest(), timeout=5)
     assert st.registrations == 0
     c.close()
 

@@ -7,14 +7,10 @@ from collections.abc import Callable
 
 from kvdepot.client import DepotClient
 from kvdepot.v1 import admin_pb2
-from kvdepot.v1 import depot_pb2 as pb
 
 
 def prefetch(c: DepotClient, namespace: str, keys: list[bytes], timeout: float = 5.0):
-    return c.stub.Prefetch(
-        pb.PrefetchRequest(session_id=c.session_id, namespace_id=namespace, keys=keys),
-        timeout=timeout,
-    )
+    return c.prefetch(namespace, keys, timeout=timeout)  # joins the namespace first
 
 
 def stats(c: DepotClient) -> admin_pb2.GetStatsResponse:

@@ -9,6 +9,7 @@ import time
 import pytest
 
 from kvdepot.server.remote import codec
+from kvdepot.server.remote.fleet_key import Keyring
 from kvdepot.server.remote.redis_tier import RedisTier
 from kvdepot.server.remote.tier import TierUnavailable
 from tests.support.redis_servers import RedisServer, free_ports
@@ -17,10 +18,16 @@ NS = "ns-a"
 KEY = os.urandom(32) + b"\0\0\0\1"
 
 
-def test_codec_round_trip_and_every_kind_of_bad_value() -> None:
+KEYED = codec.Codec(Keyring.from_secrets(b"k" * 64))
+CRC_ONLY = codec.Codec(None)
+
+
+@pytest.mark.parametrize("c", [KEYED, CRC_ONLY], ids=["keyed", "crc-only"])
+def test_codec_round_trip_and_every_kind_of_bad_value(c: codec.Codec) -> None:
     payload = os.urandom(100_000)
-    value = codec.encode(NS, KEY, payload)
-    assert bytes(codec.decode(value, NS, KEY, len(payload))) == payload
+    value = c.encode(NS, KEY, payload)
+    assert len(value) == c.frame_bytes(NS, KEY, len(payload))
+    assert bytes(c.decode(value, NS, KEY, len(payload))) == payload
     flipped = bytearray(value)
     flipped[-5] ^= 1
     cases = {
@@ -29,17 +36,41 @@ def test_codec_round_trip_and_every_kind_of_bad_value() -> None:
         "wrong_namespace": value,  # read as another namespace's
         "wrong_key": value,
         "wrong_length": value,
-        "bad_checksum": bytes(flipped),
+        "bad_mac" if c is KEYED else "bad_checksum": bytes(flipped),
     }
     for reason, bad in cases.items():
         ns = "ns-b" if reason == "wrong_namespace" else NS
         key = KEY[:-1] + b"\2" if reason == "wrong_key" else KEY
         size = len(payload) - 1 if reason == "wrong_length" else len(payload)
         with pytest.raises(codec.VerifyError) as info:
-            codec.decode(bad, ns, key, size)
+            c.decode(bad, ns, key, size)
         assert info.value.reason == reason
     with pytest.raises(codec.VerifyError):
-        codec.decode(b"short", NS, KEY, 1)
+        c.decode(b"short", NS, KEY, 1)
+
+
+def test_keyed_rows_verify_only_under_the_fleet_key_and_old_rows_never() -> None:
+    """Another key's MAC, a CRC-only (format 1) frame and a format-2 frame with a
+    forged MAC are refused; the previous key is still accepted (rotation)."""
+    payload = os.urandom(10_000)
+    new, old = b"n" * 40, b"o" * 40
+    rotated = codec.Codec(Keyring.from_secrets(new, old))
+    by_old = codec.Codec(Keyring.from_secrets(old)).encode(NS, KEY, payload)
+    assert bytes(rotated.decode(by_old, NS, KEY, len(payload))) == payload
+    with pytest.raises(codec.VerifyError) as info:  # a node that has only the new key
+        codec.Codec(Keyring.from_secrets(new)).decode(by_old, NS, KEY, len(payload))
+    assert info.value.reason == "unknown_key"
+    with pytest.raises(codec.VerifyError) as info:
+        rotated.decode(CRC_ONLY.encode(NS, KEY, payload), NS, KEY, len(payload))
+    assert info.value.reason == "old_format"
+    # Right format, right key id, MAC made up: what a writer without the key can do.
+    forged = bytearray(rotated.encode(NS, KEY, payload))
+    forged[28:60] = os.urandom(32)
+    with pytest.raises(codec.VerifyError) as info:
+        rotated.decode(bytes(forged), NS, KEY, len(payload))
+    assert info.value.reason == "bad_mac"
+    assert KEYED.remote_key(NS, KEY).startswith(b"kvd2:")
+    assert CRC_ONLY.remote_key(NS, KEY).startswith(b"kvd1:")
 
 
 def run(coro):
@@ -54,7 +85,7 @@ def test_put_is_once_per_key_get_and_exists_answer_in_order(which, request) -> N
     async def go() -> None:
         tier = RedisTier(url)
         d = time.monotonic() + 5
-        keys = [codec.remote_key(NS, os.urandom(36)) for _ in range(20)]
+        keys = [KEYED.remote_key(NS, os.urandom(36)) for _ in range(20)]
         assert await tier.put_many([(k, b"v" + k) for k in keys[:10]], 60, d) == [True] * 10
         # Set-if-absent: the first writer wins, later writers are told.
         again = await tier.put_many([(k, b"other") for k in keys], 60, d)
@@ -63,6 +94,11 @@ def test_put_is_once_per_key_get_and_exists_answer_in_order(which, request) -> N
         assert got[:10] == [b"v" + k for k in keys[:10]] and got[10:20] == [b"other"] * 10
         assert got[20] is None
         assert await tier.exists_many([keys[0], b"kvd1:absent"], d) == [True, False]
+        # Sizes before downloading; a bounded read never sends more than its limit.
+        sizes = await tier.sizes_many([keys[0], keys[15], b"kvd1:absent"], d)
+        assert sizes == [1 + len(keys[0]), len(b"other"), 0]
+        capped = await tier.get_many([keys[0], keys[15], b"kvd1:absent"], d, [4, 100, 10])
+        assert capped == [(b"v" + keys[0])[:4], b"other", None]
         if which == "cluster":
             assert tier.cluster
         await tier.close()
@@ -75,7 +111,7 @@ def test_ttl_is_set(redis_standalone) -> None:
 
     async def go() -> bytes:
         tier = RedisTier(redis_standalone.url)
-        k = codec.remote_key(NS, os.urandom(18).hex().encode())  # printable, for redis-cli
+        k = KEYED.remote_key(NS, os.urandom(18).hex().encode())  # printable, for redis-cli
         await tier.put_many([(k, b"x")], 100, time.monotonic() + 5)
         await tier.close()
         return k

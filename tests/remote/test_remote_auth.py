@@ -11,6 +11,7 @@ from tests.remote.helpers import stats, wait_for
 from tests.remote.test_remote_daemons import store_on
 from tests.support.daemon import kvdepot_command
 from tests.support.engine import Geometry
+from tests.support.fleet_key import shared_key_args
 from tests.support.redis_servers import RedisServer, free_ports, require_redis
 
 
@@ -20,7 +21,7 @@ def _server(tmp_path) -> RedisServer:
 
 
 def _writes_with(daemon_factory, url: str, *args: str, env: dict[str, str] | None = None):
-    d = daemon_factory("--pool-size", "64MiB", "--remote", url, *args, env=env)
+    d = daemon_factory("--pool-size", "64MiB", "--remote", url, *shared_key_args(), *args, env=env)
     c = DepotClient(d.target).start()
     assert c.wait_connected(10)
     _, keys = store_on(c, Geometry(namespace=f"auth-{time.monotonic_ns()}"), range(0, 2))

@@ -11,6 +11,7 @@ from kvdepot.client import DepotClient
 from kvdepot.v1 import depot_pb2 as pb
 from tests.remote.helpers import prefetch, stats, wait_for
 from tests.support.engine import Engine, Geometry, chunk_plan
+from tests.support.fleet_key import shared_key_args
 
 FETCHING = pb.PrefetchResponse.FETCHING
 ABSENT = pb.PrefetchResponse.ABSENT
@@ -18,7 +19,7 @@ LOCAL = pb.PrefetchResponse.LOCAL
 
 
 def node(daemon_factory, url: str, *extra: str):
-    d = daemon_factory("--pool-size", "64MiB", "--remote", url, *extra)
+    d = daemon_factory("--pool-size", "64MiB", "--remote", url, *shared_key_args(), *extra)
     c = DepotClient(d.target, client_name="node").start()
     assert c.wait_connected(10)
     return d, c
@@ -115,7 +116,9 @@ def test_prefetch_refuses_bad_input_with_reasons(redis_standalone, daemon_factor
     import grpc
 
     geo = Geometry(namespace=f"bad-{time.monotonic_ns()}")
-    d, c = node(daemon_factory, redis_standalone.url, "--max-job-keys", "2")
+    d, c = node(
+        daemon_factory, redis_standalone.url, "--max-job-keys", "2", "--max-batch-keys", "32"
+    )
     Engine(c, geo, 0)  # declares the namespace
 
     def code_of(namespace: str, keys: list[bytes], session: str | None = None):
@@ -130,6 +133,9 @@ def test_prefetch_refuses_bad_input_with_reasons(redis_standalone, daemon_factor
             )
         return info.value.code(), info.value.details()
 
+    code, text = code_of("no-such-namespace", [bytes(36)])  # never joined
+    assert code == grpc.StatusCode.PERMISSION_DENIED and "RegisterKV" in text
+    c.join("no-such-namespace")  # joined, but no engine declared it
     code, text = code_of("no-such-namespace", [bytes(36)])
     assert code == grpc.StatusCode.NOT_FOUND and "namespace" in text
     code, text = code_of(geo.namespace, [b"short"])

@@ -39,6 +39,25 @@ def test_patch_targets_the_daemonset_and_sets_known_variables() -> None:
     for name, e in env.items():
         if "value" in e:
             by_env[name].from_env(e["value"])
+    # TLS to the store, and the fleet key: without it the daemon refuses to start.
+    assert env["KVDEPOT_REMOTE"]["value"].startswith("rediss://")
+    assert "KVDEPOT_REMOTE_INSECURE" not in env
+    key_path = Path(env["KVDEPOT_REMOTE_KEY_FILE"]["value"])
+    spec = patch["spec"]["template"]["spec"]
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+    key_volume = volumes[mounts[str(key_path.parent)]]
+    assert key_volume["emptyDir"]["medium"] == "Memory"  # never on a disk
+    # The init container copies the Secret's key there as the daemon's user, mode 0400
+    # (a Secret's files are root's; the daemon refuses a key file others can read).
+    (init,) = [c for c in spec["initContainers"] if c["name"] == "fleet-key"]
+    script = " ".join(init["command"])
+    daemon_uid = ds["spec"]["template"]["spec"]["containers"][0]["securityContext"]["runAsUser"]
+    assert f"-o {daemon_uid}" in script and "-m 0400" in script and str(key_path) in script
+    secret_mount = {m["name"]: m["mountPath"] for m in init["volumeMounts"]}
+    (secret_volume,) = [v for v in spec["volumes"] if "secret" in v]
+    assert secret_volume["secret"]["defaultMode"] == 0o400
+    assert f"{secret_mount[secret_volume['name']]}/fleet.key" in script
 
 
 def test_yamllint_strict() -> None:

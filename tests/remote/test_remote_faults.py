@@ -11,11 +11,11 @@ import time
 import redis
 
 from kvdepot.client import DepotClient
-from kvdepot.server.remote import codec
 from kvdepot.v1 import depot_pb2 as pb
 from tests.remote.helpers import prefetch, stats, wait_for
 from tests.remote.test_remote_daemons import load_and_compare, node, store_on
 from tests.support.engine import Engine, Geometry
+from tests.support.fleet_key import shared_codec
 
 
 def plant(port: int, key: bytes, value: bytes) -> None:
@@ -39,7 +39,7 @@ def test_values_that_do_not_verify_are_counted_and_never_loaded(
     redis_standalone, daemon_factory
 ) -> None:
     geo = Geometry(namespace=f"verify-{time.monotonic_ns()}")
-    other = Geometry(namespace=f"other-{time.monotonic_ns()}")
+    other = Geometry(namespace=f"others-{time.monotonic_ns()}")  # as long as geo's id
     chunks = range(0, 4)
     _, a = node(daemon_factory, redis_standalone.url)
     _, b = node(daemon_factory, redis_standalone.url)
@@ -49,6 +49,7 @@ def test_values_that_do_not_verify_are_counted_and_never_loaded(
     wait_for(lambda: stats(a).remote_writes == n, what="A's writes")
 
     r = redis.Redis(port=redis_standalone.port)
+    codec = shared_codec()
     names = [codec.remote_key(geo.namespace, k) for k in keys]
     good = r.get(names[0])
     flipped = bytearray(good)
@@ -61,7 +62,11 @@ def test_values_that_do_not_verify_are_counted_and_never_loaded(
 
     engines_b = [Engine(b, geo, rk) for rk in range(geo.world_size)]
     states = prefetch(b, geo.namespace, keys).states
-    assert list(states) == [pb.PrefetchResponse.FETCHING] * len(keys)
+    # A value of another size than this layout's rows is refused before it is downloaded
+    # (the truncated one, the one not ours); the corrupted one and the other namespace's
+    # row are fetched and fail their checks (MAC, namespace).
+    absent, fetching = pb.PrefetchResponse.ABSENT, pb.PrefetchResponse.FETCHING
+    assert list(states) == [fetching, absent, fetching, absent] + [fetching] * (len(keys) - 4)
     bad = keys[:4]
     wait_for(lambda: all(b.lookup(geo.namespace, keys[4:])), what="the intact rows")
     wait_for(lambda: stats(b).remote_verify_failures == 4, what="4 verify failures")

@@ -7,10 +7,10 @@ import urllib.request
 
 import redis
 
-from kvdepot.server.remote import codec
 from tests.remote.helpers import stats, wait_for
 from tests.remote.test_remote_daemons import node, store_on
 from tests.support.engine import Geometry
+from tests.support.fleet_key import shared_codec, shared_key_args
 from tests.support.redis_servers import free_ports
 
 
@@ -19,7 +19,13 @@ def test_evict_mode_writes_rows_only_when_lru_evicts_them(redis_standalone, daem
     the bytes they had (fetched back on another node, byte for byte)."""
     geo = Geometry(namespace=f"evict-{time.monotonic_ns()}")
     d = daemon_factory(
-        "--pool-size", "1MiB", "--remote", redis_standalone.url, "--remote-write", "evict"
+        "--pool-size",
+        "1MiB",
+        "--remote",
+        redis_standalone.url,
+        *shared_key_args(),
+        "--remote-write",
+        "evict",
     )
     from kvdepot.client import DepotClient
 
@@ -34,11 +40,12 @@ def test_evict_mode_writes_rows_only_when_lru_evicts_them(redis_standalone, daem
     wait_for(lambda: stats(a).remote_writes >= len(first), what="evicted rows written")
     evicted = [k for k, ok in zip(first, a.lookup(geo.namespace, first), strict=True) if not ok]
     assert evicted
+    codec = shared_codec()
     for key in evicted:
         value = r.get(codec.remote_key(geo.namespace, key))
         assert value is not None
-        size = len(value) - codec.HEADER_BYTES - len(geo.namespace) - len(key)
-        codec.decode(value, geo.namespace, key, size)  # intact
+        size = len(value) - codec.header_bytes - len(geo.namespace) - len(key)
+        codec.decode(value, geo.namespace, key, size)  # intact, with the fleet's MAC
     _, b = node(daemon_factory, redis_standalone.url)
     from tests.remote.helpers import prefetch
     from tests.remote.test_remote_daemons import load_and_compare

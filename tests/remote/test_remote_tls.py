@@ -13,6 +13,7 @@ from kvdepot.client import DepotClient
 from tests.remote.helpers import stats, wait_for
 from tests.remote.test_remote_daemons import store_on
 from tests.support.engine import Geometry
+from tests.support.fleet_key import shared_key_args
 from tests.support.redis_servers import free_ports, require_redis
 
 
@@ -84,6 +85,7 @@ def tls_server(tmp_path):
             str(port),
             "--bind",
             "127.0.0.1",
+            "127.0.0.2",  # an address the certificate does not name
             "--tls-cert-file",
             "srv.crt",
             "--tls-key-file",
@@ -123,17 +125,41 @@ def test_rediss_with_the_ca_writes_and_without_it_is_a_tier_down(
     tls_server, daemon_factory
 ) -> None:
     url, ca = tls_server
-    d = daemon_factory("--pool-size", "64MiB", "--remote", url, "--remote-ca-file", str(ca))
+    d = daemon_factory(
+        "--pool-size", "64MiB", "--remote", url, *shared_key_args(), "--remote-ca-file", str(ca)
+    )
     c = DepotClient(d.target).start()
     assert c.wait_connected(10)
     _, keys = store_on(c, Geometry(namespace=f"tls-{time.monotonic_ns()}"), range(0, 2))
     wait_for(lambda: stats(c).remote_writes == len(keys), what="writes over TLS")
     c.close()
     # The system's CAs do not know the test CA: the certificate is refused.
-    d2 = daemon_factory("--pool-size", "64MiB", "--remote", url)
+    d2 = daemon_factory("--pool-size", "64MiB", "--remote", url, *shared_key_args())
     c2 = DepotClient(d2.target).start()
     assert c2.wait_connected(10)
     _, keys = store_on(c2, Geometry(namespace=f"tls2-{time.monotonic_ns()}"), range(0, 2))
     wait_for(lambda: stats(c2).remote_write_drops == len(keys), what="dropped writes")
     assert stats(c2).remote_writes == 0 and "not answering" in d2.log()
     c2.close()
+
+
+def test_the_servers_host_name_is_checked(tls_server) -> None:
+    """The same server and CA, reached at an address its certificate does not name
+    (127.0.0.2): refused, where 127.0.0.1 (named) answers."""
+    import asyncio
+
+    from kvdepot.server.remote.redis_tier import RedisTier
+    from kvdepot.server.remote.tier import TierUnavailable
+
+    url, ca = tls_server
+
+    async def ask(u: str) -> list[bool]:
+        tier = RedisTier(u, ca_file=str(ca))
+        try:
+            return await tier.exists_many([b"kvd2:absent"], time.monotonic() + 5)
+        finally:
+            await tier.close()
+
+    assert asyncio.run(ask(url)) == [False]
+    with pytest.raises(TierUnavailable, match=r"(?i)hostname|certificate|IP address mismatch"):
+        asyncio.run(ask(url.replace("127.0.0.1", "127.0.0.2")))

@@ -20,7 +20,8 @@ def kvdepot_command() -> list[str]:
 
 
 class DaemonProcess:
-    """A daemon on a temporary Unix socket. `target` is the gRPC target."""
+    """A daemon on a temporary Unix socket. `target` is the engines' gRPC target (Depot,
+    health); `admin_target` the operators' (Admin), served on a socket of its own."""
 
     def __init__(self, workdir: Path, *args: str, env: dict[str, str] | None = None) -> None:
         self.workdir = workdir
@@ -34,6 +35,18 @@ class DaemonProcess:
     @property
     def target(self) -> str:
         return f"unix://{self.socket_path}"
+
+    @property
+    def admin_socket_path(self) -> str:
+        """`--admin-socket` when the test gave one, else the daemon's default beside the
+        data socket."""
+        if "--admin-socket" in self.args:
+            return self.args[self.args.index("--admin-socket") + 1]
+        return self.socket_path + ".admin"
+
+    @property
+    def admin_target(self) -> str:
+        return f"unix://{self.admin_socket_path}"
 
     def start(self, timeout: float = 20.0) -> DaemonProcess:
         self.starts += 1
@@ -96,4 +109,9 @@ class DaemonProcess:
         return self.start()
 
     def channel(self) -> grpc.Channel:
+        """The engines' channel: Depot and health (Admin answers PERMISSION_DENIED)."""
         return grpc.insecure_channel(self.target)
+
+    def admin_channel(self) -> grpc.Channel:
+        """The operators' channel: Admin and health."""
+        return grpc.insecure_channel(self.admin_target)

@@ -64,6 +64,7 @@ def rss_bytes(pid: int) -> int:
 
 
 def admin(channel: grpc.Channel) -> admin_pb2_grpc.AdminStub:
+    """An Admin stub on `channel`: a DaemonProcess's admin_channel() (the operator socket)."""
     return admin_pb2_grpc.AdminStub(channel)
 
 

@@ -86,6 +86,7 @@ class Rig:
     guard_keys: list[bytes]
     base_fds: int
     codes: dict[str, int] = field(default_factory=dict)
+    admin_channel: grpc.Channel | None = None  # the operator socket (Admin)
 
     @property
     def session_id(self) -> str:

@@ -47,7 +47,8 @@ def sample(metrics: dict, name: str, **labels: str) -> float:
 
 
 def admin(d: DaemonProcess) -> tuple[grpc.Channel, admin_pb2_grpc.AdminStub]:
-    ch = d.channel()
+    """A channel to the daemon's operator socket and an Admin stub on it."""
+    ch = d.admin_channel()
     return ch, admin_pb2_grpc.AdminStub(ch)
 
 

@@ -33,7 +33,7 @@ def unprivileged_daemon(*args: str) -> Iterator[DaemonProcess]:
         "--bounding-set=-all",
         *base(),
     ]
-    d = DaemonProcess(workdir, *(args or ("--pool-size", "16MiB")))
+    d = DaemonProcess(workdir, *(args or ("--pool-size", "16MiB", "--pvm")))
     try:
         d.start()
         yield d

@@ -77,7 +77,7 @@ def load_jobs(engine: SyntheticEngine) -> list:
     ids=["shm", "moved-to-memfd", "pvm", "inline", "shm-in-step"],
 )
 def test_store_reset_load_same_bytes(
-    daemon, make_engine, memory: str, path: str, sync: bool
+    daemon, daemon_factory, make_engine, memory: str, path: str, sync: bool
 ) -> None:
     """`memory` is where the engine's KV cache lives: a memfd from the start, or plain
     process memory as in a real CPU engine (which "auto" moves into a memfd; "pvm" and
@@ -89,6 +89,8 @@ def test_store_reset_load_same_bytes(
     extra["kvdepot_pin_timeout_ms"] = 10_000
     if path in ("pvm", "inline"):
         extra["kvdepot_memory_path"] = path
+    if path == "pvm":  # off unless the operator enables it
+        daemon = daemon_factory("--pool-size", "64MiB", "--pvm")
     engine = make_engine(
         socket=daemon.target, num_gpu_blocks=64, shm=memory == "memfd", extra_config=extra
     )
@@ -463,7 +465,7 @@ def test_requests_loading_the_same_keys_each_hold_their_own_pins(daemon, make_en
     keys = engine.offload_keys(prompt)
     engine.wait_ready(keys)
     manager = engine.manager
-    stub = admin_pb2_grpc.AdminStub(daemon.channel())
+    stub = admin_pb2_grpc.AdminStub(daemon.admin_channel())
 
     def pinned_blocks() -> int:
         return stub.GetStats(admin_pb2.GetStatsRequest()).pinned_blocks
@@ -516,7 +518,7 @@ def test_a_steps_pins_go_early_in_parts_and_end_the_step_pinned(
     manager = engine.manager
     lane = manager.pin_lane
     engine.wait_until(lambda: lane.open, what="the pin lane")
-    stub = admin_pb2_grpc.AdminStub(daemon.channel())
+    stub = admin_pb2_grpc.AdminStub(daemon.admin_channel())
 
     def pinned_blocks() -> int:
         return stub.GetStats(admin_pb2.GetStatsRequest()).pinned_blocks

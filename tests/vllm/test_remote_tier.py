@@ -21,6 +21,7 @@ from kvdepot.testing.vllm_engine import (
     prompt_for,
 )
 from kvdepot.v1 import admin_pb2
+from tests.support.fleet_key import shared_key_args
 from tests.support.redis_servers import RedisServer, free_ports, require_redis
 from tests.vllm.engine_proc import run_engine_process
 
@@ -37,8 +38,8 @@ def redis_server(tmp_path):
 
 @pytest.fixture
 def two_nodes(redis_server, daemon_factory):
-    a = daemon_factory("--pool-size", "64MiB", "--remote", redis_server.url)
-    b = daemon_factory("--pool-size", "64MiB", "--remote", redis_server.url)
+    a = daemon_factory("--pool-size", "64MiB", "--remote", redis_server.url, *shared_key_args())
+    b = daemon_factory("--pool-size", "64MiB", "--remote", redis_server.url, *shared_key_args())
     return a, b
 
 

@@ -110,7 +110,13 @@ class DepotServicer:
         raise NotImplementedError('Method not implemented!')
 
     def RegisterKV(self, request, context):
-        """Declares a namespace layout and registers one rank's KV memory with it.
+        """Declares a namespace layout and registers one rank's KV memory with it;
+        the session joins the namespace.
+        An observer join: a `namespace` that carries only its `id` (no groups)
+        and no regions, tensors or groups. The session joins the namespace without
+        declaring a layout or mapping anything (a scheduler, which Watches,
+        Lookups, Pins and Prefetches but holds no KV memory; no Put/Get through
+        it). The answer has registration_id 0 and memory_path "observer".
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -140,7 +146,8 @@ class DepotServicer:
 
     def Pin(self, request, context):
         """Pins ready keys so that they are not evicted until unpinned or the
-        session ends. Pins are counted per session.
+        session ends. Pins are counted per session; a Pin that would take the
+        session's pinned bytes past its quota pins nothing (RESOURCE_EXHAUSTED).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -176,7 +183,8 @@ class DepotServicer:
         A lane of kind LANE_UNPINS carries Unpin calls: each datagram is one
         serialized UnpinRequest of the lane's session, applied in order and not
         answered. An unpin the daemon refuses is logged and the lane goes on; a
-        datagram that is not an UnpinRequest of the lane's session closes it.
+        datagram that is not an UnpinRequest of the lane's session, or that names
+        a namespace the session did not join, closes it.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

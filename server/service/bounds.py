@@ -1,0 +1,51 @@
+"""Size checks of a RegisterKV request, on its lists' lengths, before anything is
+built from it: one registration of 64 groups x 4096 layers held the event loop for
+98 ms. The bounds are the layout's own (kvdepot.server.core.layout)."""
+
+from __future__ import annotations
+
+from kvdepot.server import errors
+from kvdepot.server.config import ServeConfig
+from kvdepot.server.core.layout import MAX_GROUPS, MAX_KEY_BYTES, MAX_LAYOUT_LAYERS
+from kvdepot.v1 import depot_pb2 as pb
+
+# Concurrent RPCs per allowed session (its Session and Transfer streams, Watch
+# streams, unary calls in flight): past it grpc answers RESOURCE_EXHAUSTED.
+RPCS_PER_SESSION = 16
+
+
+def max_request_bytes(cfg: ServeConfig) -> int:
+    """The largest legal request but a Put (wire.py refuses larger ones unparsed): a
+    call of the most keys allowed, each of the longest, or the largest job (keys
+    and block ids, 11 bytes each at most), plus room for the rest of a message."""
+    key = MAX_KEY_BYTES + 3  # tag and length
+    keys = max(cfg.max_batch_keys, cfg.max_job_keys)
+    return keys * key + cfg.max_job_blocks * 11 + (1 << 20)
+
+
+def max_concurrent_rpcs(cfg: ServeConfig) -> int:
+    return cfg.max_sessions * RPCS_PER_SESSION
+
+
+def check_register_size(request: pb.RegisterKVRequest) -> None:
+    """Refuses (INVALID_ARGUMENT, naming the limit) a registration with more groups
+    than MAX_GROUPS, or more layers, layer refs, tensors or regions than
+    MAX_LAYOUT_LAYERS (a layer needs one tensor and one region at most)."""
+    layout = request.namespace
+    for what, groups in (("namespace layout", layout.groups), ("layer refs", request.groups)):
+        if len(groups) > MAX_GROUPS:
+            raise errors.invalid(
+                f"{what}: {len(groups)} groups; a namespace has at most {MAX_GROUPS} (MAX_GROUPS)"
+            )
+    counts = {
+        "layers": sum(len(g.layer_page_bytes) for g in layout.groups),
+        "layer refs": sum(len(g.layers) for g in request.groups),
+        "tensors": len(request.tensors),
+        "regions": len(request.regions),
+    }
+    for what, n in counts.items():
+        if n > MAX_LAYOUT_LAYERS:
+            raise errors.invalid(
+                f"{n} {what} in one registration; a namespace has at most "
+                f"{MAX_LAYOUT_LAYERS} layers (MAX_LAYOUT_LAYERS)"
+            )
