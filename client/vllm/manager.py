@@ -135,8 +135,12 @@ class KVDepotOffloadingManager(OffloadingManager):
         self._held: dict[str, list[bytes]] = {}
         self._events: list[OffloadingEvent] | None = [] if enable_events else None
         self._events_lock = threading.Lock()
+        # Held while a Watch event is applied and while reset_cache switches the
+        # namespace and the mirror (never on lookup's path).
         self._watch_lock = threading.Lock()
         self._watch_generation = 0
+        # The generation (resets so far) each request was added in.
+        self._request_generation: dict[str, int] = {}
         self._stats = OffloadingConnectorStats()
         self._stats_lock = threading.Lock()
         self._gauges_sent: tuple[float, float] | None = None  # (connected, mirror keys)
@@ -184,9 +188,12 @@ class KVDepotOffloadingManager(OffloadingManager):
     def _watch_handler(self, generation: int):
         def on_event(event: depot_pb2.WatchEvent) -> None:
             # Events of a namespace we left (reset_cache) must not touch the mirror.
-            if generation != self._watch_generation:
-                return
-            self._on_watch_event(event)
+            # Checked and applied under the lock reset_cache switches namespaces
+            # under: an event that passed the check must not land in the new mirror.
+            with self._watch_lock:
+                if generation != self._watch_generation:
+                    return
+                self._on_watch_event(event)
 
         return on_event
 
@@ -305,12 +312,7 @@ class KVDepotOffloadingManager(OffloadingManager):
 
     def _prefetch(self, namespace_id: str, keys: list[bytes]) -> None:
         try:
-            resp = self._client.stub.Prefetch(
-                depot_pb2.PrefetchRequest(
-                    session_id=self._client.session_id, namespace_id=namespace_id, keys=keys
-                ),
-                timeout=max(self._remote_wait_s, 0.5),
-            )
+            resp = self._client.prefetch(namespace_id, keys, timeout=max(self._remote_wait_s, 0.5))
         except (DepotUnavailable, grpc.RpcError, ValueError) as exc:
             code = exc.code() if isinstance(exc, grpc.RpcError) else None
             if code == grpc.StatusCode.UNIMPLEMENTED:  # a daemon without the call
@@ -472,6 +474,15 @@ class KVDepotOffloadingManager(OffloadingManager):
                 store_spec=KVDepotStoreSpec(self.namespace_id, []),
                 evicted_keys=[],
             )
+        generation = self._request_generation.get(req_context.req_id, self._generation)
+        if generation != self._generation:
+            # Its KV was computed before a reset (old weights, say): never offered
+            # to the namespace after it.
+            return PrepareStoreOutput(
+                keys_to_store=[],
+                store_spec=KVDepotStoreSpec(self.namespace_id, []),
+                evicted_keys=[],
+            )
         ready, storing = self._ready, self._storing
         keys_to_store = [k for k in keys if k not in ready and k not in storing]
         storing.update(keys_to_store)
@@ -491,7 +502,11 @@ class KVDepotOffloadingManager(OffloadingManager):
     # -- step hooks ------------------------------------------------------------------------
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        self._request_generation[req_context.req_id] = self._generation
         return RequestOffloadingContext()
+
+    def on_request_finished(self, req_context: ReqContext) -> None:
+        self._request_generation.pop(req_context.req_id, None)
 
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
         if self._step_loads:
@@ -532,27 +547,37 @@ class KVDepotOffloadingManager(OffloadingManager):
     def reset_cache(self) -> None:
         """Moves this engine to a fresh, private namespace: later lookups miss and
         nothing from before the reset is ever loaded, while blocks other engines
-        share in the old namespace stay untouched (a reset must not destroy them)."""
-        self._generation += 1
+        share in the old namespace stay untouched (a reset must not destroy them).
+
+        In force when this returns, whatever the Watch stream, the worker's
+        registration or the daemon are doing: the namespace and the mirror switch
+        under the lock the Watch handler applies events under, so no event of the
+        old namespace reaches the new mirror; nothing here waits on the network.
+        Requests that were running at the reset hold KV computed before it (vLLM
+        re-offloads them from chunk 0): they store nothing from now on."""
         old_namespace = self.namespace_id
+        with self._watch_lock:
+            self._generation += 1
+            self._watch_generation = self._generation
+            self.namespace_id = reset_namespace_id(
+                # 122 random bits: the private namespace cannot be guessed (and so
+                # joined) even where the base id is public.
+                self._base_namespace_id,
+                self._generation,
+                uuid.uuid4().hex,
+            )
+            self._ready = set()
         old_held, self._held = self._held, {}
-        self.namespace_id = reset_namespace_id(
-            self._base_namespace_id, self._generation, uuid.uuid4().hex[:8]
-        )
-        self._ready = set()
         self._quarantine = {}
         self._storing = set()
         self._step_loads = []
+        self._loads_sent = self._keys_waiting = 0
         self._fetching, self._no_remote, self._step_prefetch = {}, {}, []
         if old_held:
             self._unpins.extend((old_namespace, keys) for keys in old_held.values())
             self._unpin_wakeup.set()
         old_watch = self._watch
-        with self._watch_lock:
-            self._watch_generation = self._generation
-            self._watch = self._client.watch(
-                self.namespace_id, self._watch_handler(self._generation)
-            )
+        self._watch = self._client.watch(self.namespace_id, self._watch_handler(self._generation))
         # Stopping joins the old Watch thread: not on the scheduler thread.
         threading.Thread(target=old_watch.stop, name="kvdepot-watch-stop", daemon=True).start()
         log.info("kvdepot: cache reset; this engine now uses namespace %s", self.namespace_id)
