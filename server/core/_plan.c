@@ -42,6 +42,13 @@
  *   number of entries written. Raises ValueError on a run that moves no bytes, has
  *   a negative offset or names a region `bases` does not have, and when the
  *   output columns are too small; nothing is promised about them then.
+ *
+ * run_bounds(runs, sizes, pool_size)
+ *   Whether every run of the table `runs` (4, n) lies inside its region (sizes[r]
+ *   bytes) and, with pool_size >= 0, inside the pool: True, or False for a run that
+ *   moves no bytes, has a negative offset, names a region `sizes` lacks, or ends
+ *   past its region or the pool. Overflow-safe (every value is compared before it is
+ *   added). The copy engines' defence in depth (copy_engine.check_runs).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -274,6 +281,39 @@ done:
     return result;
 }
 
+static PyObject *run_bounds(PyObject *self, PyObject *args) {
+    PyObject *objs[2];
+    long long pool_size;
+    if (!PyArg_ParseTuple(args, "OOL:run_bounds", &objs[0], &objs[1], &pool_size)) {
+        return NULL;
+    }
+    static const char *names[2] = {"runs", "sizes"};
+    Py_buffer v[2];
+    for (int i = 0; i < 2; i++) {
+        if (get_column(objs[i], &v[i], names[i], i == 0 ? 2 : 1, 0) < 0) {
+            release_all(v, i);
+            return NULL;
+        }
+    }
+    Py_ssize_t runs = v[0].shape[1], row = v[0].strides[0] / 8, regions = v[1].shape[0];
+    const int64_t *c_region = v[0].buf, *c_ro = c_region + row, *c_po = c_region + 2 * row,
+                  *c_n = c_region + 3 * row;
+    const int64_t *sizes = v[1].buf;
+    int inside = 1;
+    for (Py_ssize_t i = 0; i < runs && inside; i++) {
+        int64_t r = c_region[i], ro = c_ro[i], po = c_po[i], n = c_n[i];
+        if (n <= 0 || ro < 0 || po < 0 || r < 0 || r >= regions) {
+            inside = 0;
+        } else if (ro > sizes[r] || n > sizes[r] - ro) {
+            inside = 0;
+        } else if (pool_size >= 0 && (po > pool_size || n > pool_size - po)) {
+            inside = 0;
+        }
+    }
+    release_all(v, 2);
+    return PyBool_FromLong(inside);
+}
+
 static PyMethodDef methods[] = {
     {"plan_group", plan_group, METH_VARARGS,
      "plan_group(out, count, region, base, stride, page, slot_base, blocks, slots, subs) -> "
@@ -288,6 +328,9 @@ static PyMethodDef methods[] = {
      "p entries after the one before at the same (positive, at least the width) distances on "
      "both sides and of the same size, each chain's host bytes inside one split-sized piece "
      "of offsets from base (split 0: no such limit); 0 when there is none."},
+    {"run_bounds", run_bounds, METH_VARARGS,
+     "run_bounds(runs, sizes, pool_size) -> bool: every run of a (4, n) run table inside its "
+     "region (sizes[region] bytes) and, with pool_size >= 0, inside the pool."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import functools
 from abc import ABC, abstractmethod
+from array import array
 from collections.abc import Callable, Sequence
 
 import numpy as np
 
 from kvdepot.common.kinds import Direction
 from kvdepot.server import errors
+from kvdepot.server.core import planner
 from kvdepot.server.core.planner import CopyPlan
 from kvdepot.server.memory.regions import MappedRegion
 from kvdepot.server.memory.strided import copy_ops, run_ops
@@ -57,13 +59,26 @@ def check_runs(regions: Sequence[MappedRegion], plan: CopyPlan, pool_size: int |
     the planner or a layout let through. Raises DepotError (INVALID_ARGUMENT: the
     job fails, nothing has moved).
 
-    Three numpy reductions over the plan's (4, n) columns (a few microseconds on
-    the event loop): minima (no negative offset, no empty run, known regions),
-    maxima (no value near 2**63, so the sums below cannot overflow), and the
-    largest end on each side."""
+    One loop over the plan's (4, n) columns in the compiled planner, which keeps
+    the GIL (about a microsecond for 512 runs); numpy's reductions over as many
+    runs each released it, and on the event loop every release handed the GIL to
+    a copy thread (a job paid milliseconds of thread switches for them). Without
+    the compiled planner: three numpy reductions, minima (no negative offset, no
+    empty run, known regions), maxima (no value near 2**63, so the sums below
+    cannot overflow), and the largest end on each side."""
     cols = plan.columns
     if not cols.shape[1]:
         return
+    compiled = planner.compiled
+    if compiled is not None:
+        sizes = array("q", [r.size for r in regions])
+        if compiled.run_bounds(cols, sizes, -1 if pool_size is None else pool_size):
+            return
+        raise errors.invalid(
+            f"a copy run has a bad region, offset or size, or lies outside its region "
+            f"({max((r.size for r in regions), default=0)} bytes at most) or the pool ({pool_size} "
+            f"bytes): the job is refused"
+        )
     low = cols.min(axis=1).tolist()
     high = cols.max(axis=1).tolist()
     if low[3] <= 0 or min(low[:3]) < 0 or high[0] >= len(regions) or max(high[1:]) >= _HUGE:
