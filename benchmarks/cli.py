@@ -10,6 +10,9 @@ memory; a content check; store/load series for jobs of each size on one engine;
 the same with 1, 2, 4 engines side by side; the control plane (lookups, pins);
 the vLLM connector's and the GPU path's own benches where they apply. Then the
 table (stderr when --json), the JSON, the plot. See benchmarks/README.md.
+
+Its own program (`main`; also `python -m kvdepot.bench`): the daemon's `kvdepot`
+command hands `kvdepot bench ...` here by module name and never imports this package.
 """
 
 from __future__ import annotations
@@ -83,8 +86,21 @@ def _ints(text: str) -> list[int]:
     return values
 
 
+def main(argv: list[str] | None = None) -> int:
+    """`kvdepot bench [flags]` (server/cli.py hands its arguments here)."""
+    # One-line errors with exit status 2, as the daemon's own subcommands give them.
+    from kvdepot.server.config import SettingsParser
+
+    parser = SettingsParser(
+        prog="kvdepot bench",
+        description="Measure throughput and latency next to the in-process limit.",
+    )
+    add_bench_arguments(parser)
+    return run_bench(parser.parse_args(argv))
+
+
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
-    """The flags of `kvdepot bench` (server/cli.py calls this)."""
+    """The flags of `kvdepot bench`."""
     g = parser.add_argument_group("daemon")
     g.add_argument(
         "--socket",

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import os
+import contextlib
 import shutil
-import signal
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -14,13 +12,8 @@ from pathlib import Path
 
 import grpc
 
-from kvdepot.v1 import admin_pb2, admin_pb2_grpc
-
-
-def kvdepot_command() -> list[str]:
-    """The `kvdepot` of this interpreter's environment (or the module, if not on PATH)."""
-    exe = shutil.which("kvdepot", path=str(Path(sys.executable).parent))
-    return [exe] if exe else [sys.executable, "-m", "kvdepot.server.cli"]
+from kvdepot.testing.daemon import ServeProcess, stats
+from kvdepot.v1 import admin_pb2
 
 
 def target_of(socket_or_target: str) -> str:
@@ -63,10 +56,7 @@ class DaemonUnderTest:
         self.log_path: Path | None = None
 
     def stats(self, timeout: float = 5.0) -> admin_pb2.GetStatsResponse:
-        with grpc.insecure_channel(self.admin_target) as ch:
-            return admin_pb2_grpc.AdminStub(ch).GetStats(
-                admin_pb2.GetStatsRequest(), timeout=timeout
-            )
+        return stats(self.admin_target, timeout)
 
     def wait_serving(self, timeout: float = 30.0) -> admin_pb2.GetStatsResponse:
         """Polls GetStats until the daemon answers."""
@@ -109,12 +99,13 @@ class DaemonUnderTest:
     def _log_tail(self) -> str:
         return ""
 
-    def stop(self) -> None:
+    def stop(self, keep_log: Path | None = None) -> None:
         """Leaves a daemon the bench did not start alone."""
 
 
 class OwnDaemon(DaemonUnderTest):
-    """`kvdepot serve` on a private socket in a temporary directory."""
+    """`kvdepot serve` on a private socket in a temporary directory (a
+    kvdepot.testing.daemon.ServeProcess, the test suite's daemon wrapper too)."""
 
     def __init__(
         self,
@@ -122,58 +113,40 @@ class OwnDaemon(DaemonUnderTest):
         copy_threads: int | None = None,
         extra: list[str] | None = None,
         command: list[str] | None = None,
+        log_level: str | None = "warning",
     ) -> None:
-        """`command` replaces `kvdepot` (the control-plane ceiling's launcher)."""
+        """`command` replaces `kvdepot` (the control-plane ceiling's launcher, the GPU
+        bench's CUDA launcher); `log_level` None keeps the daemon's own (info)."""
         # Short path: a Unix socket path must fit in 108 bytes.
         self.workdir = Path(tempfile.mkdtemp(prefix="kvdbench-"))
-        self.socket_path = str(self.workdir / "kvdepot.sock")
-        super().__init__(f"unix://{self.socket_path}")
-        self.log_path = self.workdir / "daemon.log"
-        args = [
-            *(command or kvdepot_command()),
-            "serve",
-            "--socket",
-            self.socket_path,
-            "--pool-size",
-            pool_size,
-            "--log-level",
-            "warning",
-            *(extra or []),
-        ]
+        args = ["--pool-size", pool_size, *(["--log-level", log_level] if log_level else [])]
+        args += extra or []
         if copy_threads:
             args += ["--copy-threads", str(copy_threads)]
-        with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(
-                args,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                # Not the bench's service manager's business: never notify systemd.
-                env={k: v for k, v in os.environ.items() if k != "NOTIFY_SOCKET"},
-            )
+        self.serve = ServeProcess(self.workdir, *args, command=command).launch()
+        super().__init__(self.serve.target, self.serve.admin_target)
+        self.socket_path = self.serve.socket_path
+        self.log_path = self.serve.log_path
+        assert self.serve.proc is not None
+        self.proc = self.serve.proc
         self.started = True
 
     def _check_alive(self) -> None:
-        if self.proc.poll() is not None:
-            raise RuntimeError(
-                f"kvdepot serve exited with {self.proc.returncode}{self._log_tail()}"
-            )
+        self.serve.check_alive()
 
     def _log_tail(self) -> str:
-        try:
-            text = self.log_path.read_text(errors="replace") if self.log_path else ""
-        except OSError:
-            return ""
+        text = self.serve.log()
         return f"\n--- daemon log ---\n{text[-4000:]}" if text else ""
 
     def log_text(self) -> str:
         return self._log_tail()
 
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
+    def stop(self, keep_log: Path | None = None) -> None:
+        """SIGTERM (SIGKILL after 20 s), then the directory goes; its log is copied to
+        `keep_log` first when given."""
+        with contextlib.suppress(subprocess.TimeoutExpired):  # killed: nothing more to wait for
+            self.serve.stop()
+        if keep_log is not None:
+            keep_log.parent.mkdir(parents=True, exist_ok=True)
+            keep_log.write_text(self.serve.log())
         shutil.rmtree(self.workdir, ignore_errors=True)

@@ -34,15 +34,14 @@ import json
 import mmap
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from kvdepot.bench.cuda_engine import BLOCK, LAYERS, PAGE, CudaEngine, make_key
+from kvdepot.bench.daemon import DaemonUnderTest, OwnDaemon
 from kvdepot.v1 import depot_pb2 as pb
 
 STORE_TARGET_GBPS = 45.0
@@ -112,7 +111,7 @@ def inprocess(engine: CudaEngine, job_chunks: int, chunks: int, reps: int) -> di
     """GB/s of the three in-process copies, per direction, for jobs of `job_chunks`."""
     import torch
 
-    from kvdepot.server.cuda import driver as cuda_driver
+    from kvdepot.common import cuda_driver
     from kvdepot.server.memory.copy_engine import LOAD, STORE
 
     drv = cuda_driver.load()
@@ -265,79 +264,6 @@ def through_daemon(
     return out
 
 
-# -- the daemon --------------------------------------------------------------------------
-
-
-class OwnCudaDaemon:
-    """`kvdepot serve` (or `serve_cmd`) on a private socket; stopped by close()."""
-
-    def __init__(self, serve_cmd: Sequence[str], pool_size: str, copy_threads: int) -> None:
-        self.workdir = Path(tempfile.mkdtemp(prefix="kvdgpu-"))
-        self.socket = str(self.workdir / "kvdepot.sock")
-        self.target = f"unix://{self.socket}"
-        self.log_path = self.workdir / "daemon.log"
-        with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(
-                [
-                    *serve_cmd,
-                    "serve",
-                    "--socket",
-                    self.socket,
-                    "--pool-size",
-                    pool_size,
-                    "--copy-threads",
-                    str(copy_threads),
-                ],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env={k: v for k, v in os.environ.items() if k != "NOTIFY_SOCKET"},
-            )
-
-    def log(self) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")
-        except OSError:
-            return ""
-
-    def check(self) -> None:
-        if self.proc.poll() is not None:
-            raise RuntimeError(f"the daemon exited with {self.proc.returncode}:\n{self.log()}")
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-
-
-def wait_warm(target: str, daemon: OwnCudaDaemon | None, timeout: float = 300.0) -> Any:
-    """Polls Admin/GetStats (on the operator socket beside `target`) until the pool is
-    faulted and page-locked."""
-    import grpc
-
-    from kvdepot.bench.daemon import admin_target_of
-    from kvdepot.v1 import admin_pb2, admin_pb2_grpc
-
-    deadline = time.monotonic() + timeout
-    with grpc.insecure_channel(admin_target_of(target)) as ch:
-        stub = admin_pb2_grpc.AdminStub(ch)
-        while True:
-            if daemon is not None:
-                daemon.check()
-            try:
-                st = stub.GetStats(admin_pb2.GetStatsRequest(), timeout=2.0)
-                if st.warmup_complete:
-                    return st
-            except grpc.RpcError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError("the daemon's pool did not warm up in time")
-            time.sleep(0.1)
-
-
 def run_gpu_bench(
     target: str | None = None,
     *,
@@ -360,23 +286,24 @@ def run_gpu_bench(
     import torch
 
     from kvdepot.client import DepotClient
-    from kvdepot.server.cuda import driver as cuda_driver
+    from kvdepot.common import cuda_driver
 
     if quick:
         bytes_per_round, reps = min(bytes_per_round, 256 << 20), min(reps, 2)
     chunks = max(1, bytes_per_round // BLOCK)
     if any(s > chunks for s in sizes):
         raise ValueError(f"job sizes {sizes} exceed the {chunks} chunks of a round")
-    daemon = None
-    if target is None:
-        daemon = OwnCudaDaemon(
-            serve_cmd or [sys.executable, "-m", "kvdepot.server.cli"], pool_size, copy_threads
-        )
-        target = daemon.target
+    daemon = (
+        DaemonUnderTest(target)
+        if target is not None
+        # The daemon's own log level: its log says which copy path ran ("CUDA copies").
+        else OwnDaemon(pool_size, copy_threads, command=list(serve_cmd or []), log_level=None)
+    )
+    target = daemon.target
     client = DepotClient(target, client_name="kvdepot gpu bench").start()
     engine: CudaEngine | None = None
     try:
-        stats = wait_warm(target, daemon)
+        stats = daemon.wait_warm(timeout=300.0)  # faulted and page-locked
         if not client.wait_connected(30):
             raise RuntimeError(f"no session with the daemon at {target}")
         drv = cuda_driver.load()
@@ -427,11 +354,7 @@ def run_gpu_bench(
         if engine is not None:
             engine.close()
         client.close()
-        if daemon is not None:
-            daemon.close()
-            if log_dir:
-                Path(log_dir).mkdir(parents=True, exist_ok=True)
-                (Path(log_dir) / "gpu_bench_daemon.log").write_text(daemon.log())
+        daemon.stop(keep_log=Path(log_dir) / "gpu_bench_daemon.log" if log_dir else None)
 
 
 def progress(size: int, row: dict[str, Any]) -> str:

@@ -37,7 +37,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from kvdepot.server.cuda.handles import (
+from kvdepot.common.cuda_handles import (
+    IpcRegionSpec,
     UnexportableMemory,
     format_uuid,
     unexportable_message,
@@ -161,6 +162,17 @@ class CudaKVExport:
         self.event.record(stream if stream is not None else torch.cuda.current_stream(self.device))
 
 
+def encode_handle(spec: IpcRegionSpec) -> depot_pb2.CudaIpcHandle:
+    """A checked region (kvdepot.common.cuda_handles.validate) -> its wire message."""
+    return depot_pb2.CudaIpcHandle(
+        ipc_handle=spec.mem_handle,
+        device_uuid=spec.device,
+        offset=spec.offset,
+        size=spec.size,
+        event_handle=spec.event_handle or b"",
+    )
+
+
 def export_kv_tensors(
     kv_tensors: Sequence[torch.Tensor],
     *,
@@ -174,7 +186,7 @@ def export_kv_tensors(
     """
     import torch
 
-    from kvdepot.server.cuda import driver as cuda_driver
+    from kvdepot.common import cuda_driver
 
     if not kv_tensors:
         raise ValueError("no KV tensors to export")
@@ -219,17 +231,7 @@ def export_kv_tensors(
         regions = []
         for base, offset, size in spans:
             spec = validate(drv.ipc_get_mem_handle(base), uuid, offset, size, event_handle or b"")
-            regions.append(
-                depot_pb2.MemoryRegion(
-                    cuda_ipc=depot_pb2.CudaIpcHandle(
-                        ipc_handle=spec.mem_handle,
-                        device_uuid=uuid,
-                        offset=offset,
-                        size=size,
-                        event_handle=event_handle or b"",
-                    )
-                )
-            )
+            regions.append(depot_pb2.MemoryRegion(cuda_ipc=encode_handle(spec)))
     return CudaKVExport(
         regions=regions,
         tensors=tensors,

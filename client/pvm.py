@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING
 
 from kvdepot.client.fdpass import FdPassError, encode, read_message, refusal_error
 from kvdepot.common.libc import libc
+from kvdepot.common.ptrace import ptrace_scope
 from kvdepot.v1 import depot_pb2
 
 if TYPE_CHECKING:
@@ -46,21 +47,11 @@ if TYPE_CHECKING:
 
     from kvdepot.client.depot_client import DepotClient
 
-YAMA_SCOPE_PATH = "/proc/sys/kernel/yama/ptrace_scope"
 PR_SET_PTRACER = 0x59616D61
 PR_SET_PTRACER_ANY = ctypes.c_ulong(-1).value
 HUGE_PAGE = 2 << 20
 MADV_HUGEPAGE = 14
 MADV_COLLAPSE = 25
-
-
-def ptrace_scope() -> int | None:
-    """Yama's ptrace_scope (0-3), or None when the kernel has no Yama."""
-    try:
-        with open(YAMA_SCOPE_PATH) as f:
-            return int(f.read().strip())
-    except (OSError, ValueError):
-        return None
 
 
 def unusable_reason() -> str | None:

@@ -1,14 +1,25 @@
-"""The `kvdepot` command: `serve` runs the daemon, `status` shows it, `bench` measures it."""
+"""The `kvdepot` command: `serve` runs the daemon, `status` shows it, `bench` measures it.
+
+`kvdepot bench` is a program of its own (kvdepot.bench.cli, also `python -m
+kvdepot.bench`): this module hands it the arguments by module name and never imports
+it, so the daemon does not depend on the benchmarks (docs/architecture.md §2).
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 
 import kvdepot
 
+BENCH_MODULE = "kvdepot.bench.cli"
+
 
 def main(argv: list[str] | None = None) -> int:
+    args_given = sys.argv[1:] if argv is None else argv
+    if args_given[:1] == ["bench"]:  # its flags are its own: parsed there
+        return run_bench(args_given[1:])
     parser = argparse.ArgumentParser(
         prog="kvdepot", description="Node-local KV-cache offload daemon for vLLM."
     )
@@ -25,13 +36,8 @@ def main(argv: list[str] | None = None) -> int:
 
     add_status_arguments(sub.add_parser("status", help="show the running daemon's state"))
 
-    bench_p = sub.add_parser("bench", help="measure throughput and latency")
-    try:
-        from kvdepot.bench.cli import add_bench_arguments, run_bench
-    except ImportError:  # the bench module is optional
-        add_bench_arguments = run_bench = None  # type: ignore[assignment]
-    if add_bench_arguments is not None:
-        add_bench_arguments(bench_p)
+    # Listed for --help; `kvdepot bench ...` never gets here (see above).
+    sub.add_parser("bench", help="measure throughput and latency (kvdepot bench --help)")
 
     args = parser.parse_args(argv)
     if args.command == "serve":
@@ -40,9 +46,19 @@ def main(argv: list[str] | None = None) -> int:
         return serve(config_from_args(args))
     if args.command == "status":
         return run_status(args)
-    if run_bench is None:
-        parser.error("kvdepot bench is not available in this installation")
-    return run_bench(args)
+    return run_bench([])
+
+
+def run_bench(argv: list[str]) -> int:
+    """`kvdepot bench <argv>`: kvdepot.bench.cli's `main`, found by name."""
+    try:
+        bench = importlib.import_module(BENCH_MODULE)
+    except ModuleNotFoundError as exc:
+        if exc.name not in ("kvdepot.bench", BENCH_MODULE):
+            raise  # the bench is installed but lacks something: show what
+        print("kvdepot: kvdepot bench is not available in this installation", file=sys.stderr)
+        return 2
+    return bench.main(argv)
 
 
 if __name__ == "__main__":

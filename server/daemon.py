@@ -20,7 +20,7 @@ from grpc_reflection.v1alpha import reflection
 
 import kvdepot
 from kvdepot.common.escape import EscapingFormatter
-from kvdepot.server.config import ServeConfig, format_size
+from kvdepot.server.config import ServeConfig
 from kvdepot.server.core.planner import planning
 from kvdepot.server.cuda import enable_cuda
 from kvdepot.server.fd_receiver import FdReceiver
@@ -36,6 +36,7 @@ from kvdepot.server.sdnotify import SystemdNotifier, run_watchdog
 from kvdepot.server.service import bounds, wire
 from kvdepot.server.service.admin import AdminServicer
 from kvdepot.server.service.depot import DepotServicer
+from kvdepot.server.sizes import format_size
 from kvdepot.server.state import DepotState
 from kvdepot.v1 import admin_pb2, admin_pb2_grpc, depot_pb2, depot_pb2_grpc
 

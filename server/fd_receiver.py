@@ -11,7 +11,7 @@ is taken while the process is near its open-file limit (`headroom`).
 
 A received fd waits under a random token until a RegisterKV of the same session
 claims it; unclaimed fds are closed after `ttl` seconds, and a session's fds are
-closed when it ends, so nothing leaks. See kvdepot.client.fdpass for the protocol.
+closed when it ends, so nothing leaks. See kvdepot.common.fd_protocol for the protocol.
 
 Identity: every message names a session, and the kernel names its sender
 (kvdepot.server.peer: SO_PEERCRED, start time). `authorize(session_id, peer)`,
@@ -36,10 +36,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvdepot.client.fdpass import FdPassError, encode, read_message
+from kvdepot.common.fd_protocol import FdPassError, encode, read_message
 from kvdepot.server import errors
 from kvdepot.server.peer import Peer, PeerGone, peer_of
 from kvdepot.server.resources import Headroom, ResourceLow
+from kvdepot.server.state.sessions import ForeignToken
 
 log = logging.getLogger("kvdepot.fd")
 
@@ -64,10 +65,6 @@ class PendingFd:
     @property
     def peer_pid(self) -> int:
         return self.peer.pid
-
-
-class ForeignToken(Exception):
-    """An fd_token sent for another session than the one that presents it."""
 
 
 class FdReceiver:

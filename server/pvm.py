@@ -57,8 +57,8 @@ from typing import Any
 
 import numpy as np
 
-from kvdepot.client.pvm import ptrace_scope
 from kvdepot.common.kinds import MemoryPath
+from kvdepot.common.ptrace import ptrace_scope
 from kvdepot.server import errors
 from kvdepot.server.core.planner import CopyPlan
 from kvdepot.server.memory.copy_engine import (

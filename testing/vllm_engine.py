@@ -57,6 +57,7 @@ from kvdepot.testing.vllm_config import (
     make_vllm_config,
     worker_config,
 )
+from kvdepot.testing.waiting import wait_for
 
 # What tests and benchmarks import from here (the environment helpers import no vLLM).
 __all__ = [
@@ -439,11 +440,7 @@ class SyntheticEngine:
     def wait_until(
         self, predicate: Callable[[], bool], timeout: float = 10.0, what: str = "condition"
     ) -> None:
-        deadline = time.monotonic() + timeout
-        while not predicate():
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
-            time.sleep(0.005)
+        wait_for(predicate, timeout, what, interval=0.005)
 
     def wait_ready(self, keys: Sequence[bytes], timeout: float = 10.0) -> None:
         """Until the scheduler's mirror holds every key (the Watch stream delivered)."""

@@ -42,13 +42,19 @@ def planner_impl(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
 
 @pytest.fixture
 def daemon_factory(tmp_path_factory: pytest.TempPathFactory) -> Iterator:
-    """daemon_factory(*serve_args) -> a started DaemonProcess (stopped afterwards)."""
+    """daemon_factory(*serve_args) -> a started DaemonProcess (stopped afterwards);
+    `command` replaces `kvdepot` (e.g. under prlimit)."""
     started: list[DaemonProcess] = []
 
-    def make(*args: str, env: dict[str, str] | None = None, start: bool = True) -> DaemonProcess:
+    def make(
+        *args: str,
+        env: dict[str, str] | None = None,
+        start: bool = True,
+        command: list[str] | None = None,
+    ) -> DaemonProcess:
         # Short paths: a Unix socket path must fit in 108 bytes.
         workdir = Path(tmp_path_factory.mktemp("kvd"))
-        d = DaemonProcess(workdir, *args, env=env)
+        d = DaemonProcess(workdir, *args, env=env, command=command)
         started.append(d)
         return d.start() if start else d
 

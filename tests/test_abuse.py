@@ -20,44 +20,20 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvdepot.client import DepotClient, SharedKVBuffer
 from kvdepot.client.fdpass import FdPassError, encode, send_fd
-from kvdepot.v1 import admin_pb2, admin_pb2_grpc, depot_pb2_grpc
+from kvdepot.testing.waiting import wait_for
 from kvdepot.v1 import depot_pb2 as pb
+from kvdepot.v1 import depot_pb2_grpc
+from tests.support.daemon import connect, stats
 from tests.support.engine import make_key
+from tests.support.faults import open_fds, rss_mib
 
 Code = grpc.StatusCode
-
-
-def rss_mib(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    raise AssertionError("no VmRSS")
-
-
-def open_fds(pid: int) -> int:
-    return len(os.listdir(f"/proc/{pid}/fd"))
 
 
 def serving(target: str) -> bool:
     with grpc.insecure_channel(target) as ch:
         resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5)
     return resp.status == health_pb2.HealthCheckResponse.SERVING
-
-
-def stat_sessions(target: str) -> int:
-    with grpc.insecure_channel(target) as ch:
-        return (
-            admin_pb2_grpc.AdminStub(ch).GetStats(admin_pb2.GetStatsRequest(), timeout=5).sessions
-        )
-
-
-def wait_for(predicate, timeout: float = 20.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.1)
-    return predicate()
 
 
 def test_many_concurrent_sessions_are_bounded_and_released(daemon_factory) -> None:
@@ -73,7 +49,7 @@ def test_many_concurrent_sessions_are_bounded_and_released(daemon_factory) -> No
             s = stub.Session(pb.SessionRequest(client_name=f"s{i}", pid=i))
             assert next(s).hello.session_id
             streams.append(s)
-        assert stat_sessions(d.admin_target) == 32
+        assert stats(d.admin_target).sessions == 32
         with pytest.raises(grpc.RpcError) as info:
             next(streams[0])
         assert info.value.code() == Code.RESOURCE_EXHAUSTED
@@ -82,7 +58,7 @@ def test_many_concurrent_sessions_are_bounded_and_released(daemon_factory) -> No
         for s in streams:
             s.cancel()
         ch.close()
-    assert wait_for(lambda: stat_sessions(d.admin_target) == 0), stat_sessions(d.admin_target)
+    assert wait_for(lambda: stats(d.admin_target).sessions == 0), stats(d.admin_target).sessions
     c = DepotClient(d.target, client_name="after").start()
     assert c.wait_connected(10)
     c.close()
@@ -153,8 +129,7 @@ def send_and_drain(path: str, data: bytes) -> None:
 def connected_client(target: str, name: str) -> DepotClient:
     """A client with both of its connections open (its streams' and its calls'), so
     that a baseline of the daemon's fds taken now counts them."""
-    c = DepotClient(target, client_name=name).start()
-    assert c.wait_connected(10)
+    c = connect(target, name, engine_id="")
     # Any unary call opens the calls' connection; its answer does not matter here. (Admin
     # would not do: it is on the operator socket, another connection.)
     with contextlib.suppress(grpc.RpcError):

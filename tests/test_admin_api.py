@@ -12,10 +12,11 @@ import grpc
 import pytest
 
 from kvdepot.v1 import admin_pb2
+from tests.support.daemon import connect
 from tests.support.engine import Engine, Geometry, make_key
 from tests.support.faults import DaemonFactory
 from tests.support.guide import GEO_A
-from tests.support.ops import GEO_M, admin, connect, keys_m, store
+from tests.support.ops import GEO_M, admin, keys_m, store
 
 
 def test_no_destructive_admin_refuses_evict_and_clear(daemon_factory: DaemonFactory) -> None:

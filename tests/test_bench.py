@@ -320,3 +320,20 @@ def test_plan_cost_times_both_planners() -> None:
     rows = {cells[0]: [float(x) for x in cells[1:]] for cells in map(str.split, lines[2:])}
     assert set(rows) == {"compiled", "numpy"}
     assert all(len(cells) == 2 and min(cells) > 0 for cells in rows.values()), rows
+
+
+@pytest.mark.parametrize(
+    "command",
+    [["-m", "kvdepot.server.cli", "bench"], ["-m", "kvdepot.bench"]],
+    ids=["kvdepot bench", "python -m kvdepot.bench"],
+)
+def test_the_bench_is_its_own_program_and_kvdepot_bench_hands_on_to_it(
+    command: list[str],
+) -> None:
+    """The daemon's command never imports the bench (docs/architecture.md §2): it hands
+    `kvdepot bench ...` to kvdepot.bench.cli by name, whose parser answers both ways."""
+    proc = subprocess.run(
+        [sys.executable, *command, "--layers", "many"], capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr == "kvdepot bench: error: argument --layers: invalid int value: 'many'\n"

@@ -15,19 +15,11 @@ import time
 import pytest
 
 from kvdepot.client import DepotClient
+from kvdepot.testing.waiting import wait_for
 from kvdepot.v1 import depot_pb2 as pb
 from tests.support.engine import Engine, Geometry, chunk_plan
 
 pytestmark = pytest.mark.timeout(120)
-
-
-def wait_for(predicate, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return False
 
 
 def test_a_frozen_daemon_is_dropped_and_rejoined_when_it_thaws(daemon) -> None:

@@ -22,6 +22,7 @@ from collections.abc import Iterator
 import pytest
 
 from kvdepot.client import DepotClient
+from kvdepot.testing.waiting import wait_for
 from kvdepot.v1 import admin_pb2 as apb
 from kvdepot.v1 import depot_pb2 as pb
 from tests.support import soak
@@ -35,7 +36,6 @@ from tests.support.faults import (
     memfd_mappings,
     soak_process,
     stats,
-    wait_for,
 )
 
 pytestmark = pytest.mark.timeout(120)
@@ -117,9 +117,9 @@ def test_sigkilled_engine_releases_everything_within_five_seconds(
         assert any("kvdepot-victim-pending" in t for t in fd_targets(pid))
         # Transfers are flowing: both counters move while we watch.
         wait_for(
-            "the victim's jobs to run",
             lambda: (s := stats(stub)).stores > held.stores + 20 and s.loads > held.loads + 20,
             timeout=10,
+            what="the victim's jobs to run",
         )
     finally:
         victim.send_signal(signal.SIGKILL)
@@ -140,7 +140,7 @@ def test_sigkilled_engine_releases_everything_within_five_seconds(
         )
 
     wait_for(
-        "the daemon to release the victim's session", back_to_baseline, timeout=CLEANUP_SECONDS
+        back_to_baseline, timeout=CLEANUP_SECONDS, what="the daemon to release the victim's session"
     )
     took = time.monotonic() - killed
     print(f"victim cleaned up {took:.3f}s after SIGKILL")

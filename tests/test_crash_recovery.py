@@ -21,10 +21,11 @@ from kvdepot.client import DepotClient
 from kvdepot.server.core import journal
 from kvdepot.v1 import depot_pb2 as pb
 from tests.support import soak
+from tests.support.daemon import connect
 from tests.support.engine import Engine, chunk_plan
 from tests.support.faults import DaemonFactory, admin, all_blocks, stats
 from tests.support.ops import free_port, sample, scrape
-from tests.test_warm_restart import NS, connect, store_rows, verify_rows, wait_recovered
+from tests.test_warm_restart import NS, store_rows, verify_rows, wait_recovered
 
 pytestmark = pytest.mark.timeout(180)
 

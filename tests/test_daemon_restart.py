@@ -23,11 +23,12 @@ import grpc
 import pytest
 
 from kvdepot.client import DepotClient, DepotUnavailable
+from kvdepot.testing.waiting import wait_for
 from kvdepot.v1 import depot_pb2 as pb
 from tests.support import soak
 from tests.support.daemon import DaemonProcess
 from tests.support.engine import Engine, make_key
-from tests.support.faults import DaemonFactory, wait_for
+from tests.support.faults import DaemonFactory
 
 pytestmark = pytest.mark.timeout(150)
 
@@ -175,9 +176,9 @@ def test_clients_survive_a_daemon_sigkill_and_carry_on(rig: tuple[DaemonProcess,
         t.start()
     try:
         wait_for(
-            "loads before the kill",
             lambda: sum(o.ok for o in rec.between("load", 0, 1e18)) >= 20,
             timeout=20,
+            what="loads before the kill",
         )
         first_boot = client.boot_id
         with mirror_lock:
@@ -185,12 +186,12 @@ def test_clients_survive_a_daemon_sigkill_and_carry_on(rig: tuple[DaemonProcess,
 
         killed = time.monotonic()  # before kill(), which also reaps the process
         daemon.kill()
-        wait_for("the client to notice", lambda: not client.connected, timeout=2)
+        wait_for(lambda: not client.connected, timeout=2, what="the client to notice")
         noticed = time.monotonic() - killed
         wait_for(
-            "the watch reset",
             lambda: any(t >= killed and e.reset for t, e in list(events)),
             timeout=2,
+            what="the watch reset",
         )
         with mirror_lock:
             assert not mirror, "after the reset the mirror must be empty (lookups miss)"
@@ -217,9 +218,9 @@ def test_clients_survive_a_daemon_sigkill_and_carry_on(rig: tuple[DaemonProcess,
         reconnected = time.monotonic() - back
         assert client.boot_id != first_boot
         wait_for(
-            "loads after the restart",
             lambda: sum(o.ok for o in rec.between("load", back, 1e18)) >= 20,
             timeout=20,
+            what="loads after the restart",
         )
     finally:
         stop.set()

@@ -26,10 +26,10 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.support.daemon import DaemonProcess
+from tests.support.daemon import DaemonProcess, connect
 from tests.support.engine import Engine, Geometry
 from tests.support.fleet_key import shared_key_args
-from tests.support.ops import connect, free_port, load, store
+from tests.support.ops import free_port, load, store
 from tests.support.redis_servers import RedisServer, free_ports, redis_available
 
 REPO = Path(__file__).resolve().parents[1]

@@ -11,8 +11,9 @@ import time
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from tests.support.daemon import connect
 from tests.support.faults import DaemonFactory
-from tests.support.ops import HEALTH, connect
+from tests.support.ops import HEALTH
 
 
 def test_health_reports_not_serving_during_shutdown(daemon_factory: DaemonFactory) -> None:

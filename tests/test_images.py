@@ -32,9 +32,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.support.daemon import kvdepot_command
+from tests.support.daemon import connect, kvdepot_command
 from tests.support.engine import Engine, Geometry
-from tests.support.ops import connect, load, store
+from tests.support.ops import load, store
 
 REPO = Path(__file__).resolve().parents[1]
 DOCKER = REPO / "deploy" / "docker"

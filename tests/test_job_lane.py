@@ -25,30 +25,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvdepot.client import DepotClient
 from kvdepot.client.fdpass import send_fd
+from kvdepot.testing.waiting import wait_for
 from kvdepot.v1 import admin_pb2, admin_pb2_grpc
 from kvdepot.v1 import depot_pb2 as pb
+from tests.support.daemon import stats
 from tests.support.engine import Engine, Geometry, chunk_plan, make_key
-
-
-def stats(target: str) -> admin_pb2.GetStatsResponse:
-    with grpc.insecure_channel(target) as ch:
-        return admin_pb2_grpc.AdminStub(ch).GetStats(admin_pb2.GetStatsRequest(), timeout=10)
-
-
-def wait_for(predicate, timeout: float = 20.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return predicate()
-
-
-def rss_mib(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    raise AssertionError("no VmRSS")
+from tests.support.faults import rss_mib
 
 
 def raw_lane(client: DepotClient, bufsize: int | None = None) -> socket.socket:

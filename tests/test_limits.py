@@ -21,27 +21,12 @@ from kvdepot.client.fdpass import FdPassError, send_fd
 from kvdepot.server.resources import Headroom, ResourceLow
 from kvdepot.v1 import depot_pb2 as pb
 from kvdepot.v1 import depot_pb2_grpc
-from tests.support.daemon import kvdepot_command
+from tests.support.daemon import connect, kvdepot_command
 from tests.support.engine import Engine, Geometry, make_key
+from tests.support.faults import open_fds, rss_mib
 from tests.support.ops import free_port
 
 Code = grpc.StatusCode
-
-
-def rss_mib(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    raise AssertionError("no VmRSS")
-
-
-def open_fds(pid: int) -> int:
-    return len(os.listdir(f"/proc/{pid}/fd"))
-
-
-def connect(c: DepotClient) -> DepotClient:
-    assert c.start().wait_connected(10)
-    return c
 
 
 # --- 1. the fd socket -----------------------------------------------------------------------
@@ -176,14 +161,9 @@ def test_sessions_and_registrations_are_bounded(daemon_factory) -> None:
 
 def low_nofile_daemon(daemon_factory, nofile: int, *args: str):
     """A daemon whose hard RLIMIT_NOFILE is `nofile` (prlimit, util-linux)."""
-    import tests.support.daemon as support
-
-    base = support.kvdepot_command
-    support.kvdepot_command = lambda: ["prlimit", f"--nofile={nofile}:{nofile}", *base()]
-    try:
-        return daemon_factory(*args)
-    finally:
-        support.kvdepot_command = base
+    return daemon_factory(
+        *args, command=["prlimit", f"--nofile={nofile}:{nofile}", *kvdepot_command()]
+    )
 
 
 def register_until_refused(c: DepotClient, geo: Geometry) -> tuple[int, str]:

@@ -13,6 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvdepot.v1 import admin_pb2
 from kvdepot.v1 import depot_pb2 as pb
+from tests.support.daemon import connect
 from tests.support.engine import Engine, chunk_plan, make_key
 from tests.support.faults import DaemonFactory
 from tests.support.guide import GUIDE
@@ -20,7 +21,6 @@ from tests.support.ops import (
     GEO_M,
     SLOT_M,
     admin,
-    connect,
     free_port,
     keys_m,
     load,

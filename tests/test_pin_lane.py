@@ -23,10 +23,11 @@ import pytest
 from kvdepot.client import DepotClient, pin_lane
 from kvdepot.client.fdpass import send_fd
 from kvdepot.client.pin_lane import PinLane, PinTimeout, UnpinLane
+from kvdepot.testing.waiting import wait_for
 from kvdepot.v1 import depot_pb2 as pb
+from tests.support.daemon import stats
 from tests.support.engine import Engine, Geometry, make_key
 from tests.support.ops import store
-from tests.test_job_lane import stats, wait_for
 
 GEO = Geometry(world_size=1, namespace="pin-lane", groups=[[4096, 4096]], num_blocks=64)
 
@@ -276,7 +277,9 @@ def test_pipelined_pins_stop_at_a_refused_one_and_the_rest_go_over_grpc(
     assert wait_for(lambda: "a pin was refused" in daemon.log(), 10)
     assert lane.answers(1.0) == [True, True]
     assert not lane.open
-    assert stats(daemon.admin_target).pinned_blocks == 2  # the call behind the refused one: not pinned
+    assert (
+        stats(daemon.admin_target).pinned_blocks == 2
+    )  # the call behind the refused one: not pinned
     assert client.pin(GEO.namespace, keys[3:]) == [True]
     client.unpin(GEO.namespace, [*keys[:2], keys[3]], wait=True)
     assert stats(daemon.admin_target).pinned_blocks == 0

@@ -14,8 +14,7 @@ import os
 import signal
 import subprocess
 import sys
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -24,10 +23,10 @@ import pytest
 from kvdepot.client import DepotClient
 from kvdepot.client.fdpass import send_fd
 from kvdepot.client.pvm import describe_tensors, register_process_kv, send_identity
-from kvdepot.v1 import admin_pb2, admin_pb2_grpc
+from kvdepot.testing.waiting import wait_for
 from kvdepot.v1 import depot_pb2 as pb
 from tests.support import unprivileged
-from tests.support.daemon import DaemonProcess
+from tests.support.daemon import DaemonProcess, stats
 from tests.support.engine import Geometry
 
 pytestmark = pytest.mark.timeout(120)
@@ -60,11 +59,6 @@ def daemon(daemon_factory) -> DaemonProcess:
     return daemon_factory("--pool-size", "64MiB", "--pvm")
 
 
-def stats(d: DaemonProcess) -> admin_pb2.GetStatsResponse:
-    with d.admin_channel() as ch:
-        return admin_pb2_grpc.AdminStub(ch).GetStats(admin_pb2.GetStatsRequest(), timeout=5)
-
-
 def pidfds(d: DaemonProcess) -> int:
     """pidfds the daemon holds (one per live pvm region)."""
     fd_dir = Path(f"/proc/{d.proc.pid}/fd")  # type: ignore[union-attr]
@@ -73,13 +67,6 @@ def pidfds(d: DaemonProcess) -> int:
         with contextlib.suppress(OSError):  # closed meanwhile
             count += "pidfd" in os.readlink(fd)
     return count
-
-
-def wait_for(what: str, predicate: Callable[[], bool], timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
 
 
 def test_store_in_one_process_load_in_another(daemon: DaemonProcess) -> None:
@@ -97,7 +84,7 @@ def test_store_in_one_process_load_in_another(daemon: DaemonProcess) -> None:
         assert loaded["mismatched_pages"] == 0  # every byte came back, through the pool
     finally:
         writer.communicate("\n", timeout=30)
-    wait_for("both sessions to end", lambda: stats(daemon).sessions == 0)
+    wait_for(lambda: stats(daemon).sessions == 0, what="both sessions to end")
     assert pidfds(daemon) == 0
 
 
@@ -110,7 +97,7 @@ def test_unmapped_memory_fails_the_job_and_marks_nothing_ready(daemon: DaemonPro
     assert out["store_after"] is False and "moved" in out["store_error"], out
     assert out["keys_ready_after_failed_store"] == 0
     assert out["load_after"] is False and "process_vm_writev" in out["load_error"], out
-    wait_for("the session to end", lambda: stats(daemon).sessions == 0)
+    wait_for(lambda: stats(daemon).sessions == 0, what="the session to end")
     s = stats(daemon)
     assert (s.registrations, s.writing_blocks, s.inflight_jobs) == (0, 0, 0)
     assert s.ready_blocks == 4  # the two chunks stored before the hole (two groups)
@@ -121,7 +108,7 @@ def test_engine_killed_while_storing(daemon: DaemonProcess) -> None:
     try:
         assert report(victim)["failed"] == 0
         before = stats(daemon).stores
-        wait_for("stores to flow", lambda: stats(daemon).stores > before + 5)
+        wait_for(lambda: stats(daemon).stores > before + 5, what="stores to flow")
     finally:
         victim.send_signal(signal.SIGKILL)
         victim.wait(10)
@@ -130,7 +117,7 @@ def test_engine_killed_while_storing(daemon: DaemonProcess) -> None:
         s = stats(daemon)
         return (s.sessions, s.registrations, s.writing_blocks, s.inflight_jobs) == (0, 0, 0, 0)
 
-    wait_for("the daemon to release the dead engine", released)
+    wait_for(released, what="the daemon to release the dead engine")
     assert pidfds(daemon) == 0
     assert daemon.proc.poll() is None  # type: ignore[union-attr]
     # The daemon goes on serving: a new engine reads back the first chunks.
@@ -220,7 +207,7 @@ def test_registration_naming_another_process_is_refused(daemon: DaemonProcess) -
     finally:
         other.kill()
         other.wait()
-    wait_for("the sessions to end", lambda: stats(daemon).sessions == 0)
+    wait_for(lambda: stats(daemon).sessions == 0, what="the sessions to end")
     s = stats(daemon)
     assert (s.registrations, s.ready_blocks) == (0, 0)
     assert pidfds(daemon) == 0

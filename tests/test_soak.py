@@ -23,6 +23,7 @@ import time
 
 import pytest
 
+from kvdepot.testing.waiting import wait_for
 from tests.support.faults import (
     DaemonFactory,
     admin,
@@ -31,7 +32,6 @@ from tests.support.faults import (
     rss_bytes,
     soak_process,
     stats,
-    wait_for,
 )
 
 LONG = os.environ.get("KVDEPOT_LONG") == "1"
@@ -125,9 +125,11 @@ def test_four_engines_soak(daemon_factory: DaemonFactory) -> None:
     assert fds_max <= base_fds + FD_HEADROOM
 
     # Afterwards the daemon holds nothing for the departed workers.
-    wait_for("the workers' sessions to end", lambda: stats(stub).sessions == 0, timeout=10)
+    wait_for(lambda: stats(stub).sessions == 0, timeout=10, what="the workers' sessions to end")
     s = assert_pool_accounting(stub)
     assert (s.pinned_blocks, s.registrations, s.inflight_jobs) == (0, 0, 0)
     wait_for(
-        "the daemon's fds to return to idle", lambda: len(fd_targets(pid)) <= base_fds, timeout=10
+        lambda: len(fd_targets(pid)) <= base_fds,
+        timeout=10,
+        what="the daemon's fds to return to idle",
     )

@@ -33,11 +33,11 @@ if __package__ in (None, ""):  # run as a script (--write-docs)
 
 import kvdepot
 from kvdepot.v1 import admin_pb2
-from tests.support.daemon import DaemonProcess, kvdepot_command
+from tests.support.daemon import DaemonProcess, connect, kvdepot_command
 from tests.support.engine import Engine, Geometry, make_key
 from tests.support.faults import DaemonFactory
 from tests.support.guide import GEO_A, GEO_B, GUIDE, run_guide_scenario
-from tests.support.ops import GEO_M, admin, connect, store
+from tests.support.ops import GEO_M, admin, store
 from tests.support.status_cli import WIDTH, one_line_error, status, status_json
 
 # --- content -----------------------------------------------------------------------------

@@ -5,16 +5,16 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
+from kvdepot.testing.waiting import wait_for
 from kvdepot.v1 import admin_pb2
-from tests.support.daemon import DaemonProcess, kvdepot_command
+from tests.support.daemon import DaemonProcess, connect, kvdepot_command
 from tests.support.engine import Engine, Geometry
-from tests.support.ops import admin, connect, store
+from tests.support.ops import admin, store
 from tests.support.status_cli import WIDTH
 
 # --- watch mode in a real terminal ---------------------------------------------------------
@@ -49,18 +49,18 @@ class Tmux:
     def screen(self) -> str:
         return self.run("capture-pane", "-p", "-t", "w")
 
-    def wait_for(self, predicate: Callable[[str], bool], what: str, timeout: float = 30) -> str:
-        deadline = time.monotonic() + timeout
-        while True:
+    def wait_screen(self, predicate: Callable[[str], bool], what: str, timeout: float = 30) -> str:
+        """The screen, once `predicate` holds for it."""
+
+        def shown() -> tuple[str] | None:  # a tuple: a blank screen may be what is awaited
             text = self.screen()
-            if predicate(text):
-                return text
-            if time.monotonic() > deadline:
-                size = self.run(
-                    "display-message", "-p", "-t", "w", "#{window_width}x#{window_height}"
-                ).strip()
-                raise AssertionError(f"the screen ({size}) never showed {what}:\n{text}")
-            time.sleep(0.2)
+            return (text,) if predicate(text) else None
+
+        def last_screen() -> str:
+            size = self.run("display-message", "-p", "-t", "w", "#{window_width}x#{window_height}")
+            return f"the screen ({size.strip()}):\n{self.screen()}"
+
+        return wait_for(shown, timeout, what, interval=0.2, detail=last_screen)[0]
 
     def exit_status(self) -> int | None:
         """The command's exit status once it has exited, else None. tmux records it when
@@ -94,7 +94,7 @@ def test_watch_in_tmux_follows_the_daemon(guide_daemon: DaemonProcess) -> None:
         ch, stub = admin(d)
         with ch:
             boot = stub.GetStats(admin_pb2.GetStatsRequest(), timeout=10).boot_id
-        text = tmux.wait_for(lambda t: "11 ready" in t and "engine-b" in t, "the first state")
+        text = tmux.wait_screen(lambda t: "11 ready" in t and "engine-b" in t, "the first state")
         assert boot in text and f"{os.getpid()}" in text
 
         # New blocks show up on the next redraw.
@@ -108,7 +108,7 @@ def test_watch_in_tmux_follows_the_daemon(guide_daemon: DaemonProcess) -> None:
                 namespace="watch-test",
             )
             store(Engine(client, geo, 0), range(0, 5))
-            tmux.wait_for(
+            tmux.wait_screen(
                 lambda t: "16 ready" in t and "engine-c (watch test)" in t,
                 "five new blocks and the third engine",
             )
@@ -117,7 +117,7 @@ def test_watch_in_tmux_follows_the_daemon(guide_daemon: DaemonProcess) -> None:
 
         d.kill()
         # The error line names the operator socket and may wrap: read it unwrapped.
-        text = tmux.wait_for(
+        text = tmux.wait_screen(
             lambda t: "connection refused" in " ".join(t.split()), "the daemon gone"
         )
         assert "retrying" in text
@@ -131,13 +131,13 @@ def test_watch_in_tmux_follows_the_daemon(guide_daemon: DaemonProcess) -> None:
                 .boot_id
             )
         assert new_boot != boot
-        tmux.wait_for(
+        tmux.wait_screen(
             lambda t: new_boot in t and "connection refused" not in t, "the restarted daemon"
         )
 
         tmux.run("send-keys", "-t", "w", "C-c")
 
-        tmux.wait_for(lambda _: tmux.exit_status() is not None, "the command's exit")
+        tmux.wait_screen(lambda _: tmux.exit_status() is not None, "the command's exit")
         assert tmux.exit_status() == 0, tmux.screen()
     finally:
         tmux.close()

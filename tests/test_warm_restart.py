@@ -21,7 +21,7 @@ import pytest
 from kvdepot.client import DepotClient
 from kvdepot.v1 import depot_pb2 as pb
 from tests.support import soak
-from tests.support.daemon import DaemonProcess, kvdepot_command
+from tests.support.daemon import connect, kvdepot_command
 from tests.support.engine import Engine, chunk_plan, make_key
 from tests.support.faults import DaemonFactory, admin, all_blocks, assert_pool_accounting, stats
 
@@ -29,12 +29,6 @@ pytestmark = pytest.mark.timeout(120)
 
 NS = "warm-ns"
 CHUNKS = 12
-
-
-def connect(d: DaemonProcess, name: str) -> DepotClient:
-    client = DepotClient(d.target, client_name=name).start()
-    assert client.wait_connected(10)
-    return client
 
 
 def store_rows(client: DepotClient) -> tuple[list[bytes], list[bytes]]:

@@ -5,7 +5,7 @@ client) on a host without CUDA loads it at no cost; `cuda_available()` is False
 there and `enable_cuda` leaves the daemon on the CPU path.
 """
 
-from kvdepot.server.cuda.driver import cuda_available, unavailable_reason
+from kvdepot.common.cuda_driver import cuda_available, unavailable_reason
 from kvdepot.server.cuda.enable import CudaPath, cuda_path, enable_cuda
 
 __all__ = ["CudaPath", "cuda_available", "cuda_path", "enable_cuda", "unavailable_reason"]

@@ -25,7 +25,7 @@ Three layers, the first two pure Python and tested on CPU:
   the copy thread gives the GIL up once per job.
 
 The engine talks to the GPU only through a `CudaDriver`-like object (see
-`kvdepot.server.cuda.driver`), which the CPU tests replace with a fake that
+`kvdepot.common.cuda_driver`), which the CPU tests replace with a fake that
 copies host memory.
 """
 
@@ -42,10 +42,7 @@ from typing import Any
 
 import numpy as np
 
-from kvdepot.common.kinds import MemoryPath
-from kvdepot.server import errors
-from kvdepot.server.core.planner import CopyPlan, stride_period
-from kvdepot.server.cuda.driver import (
+from kvdepot.common.cuda_driver import (
     CUDA_ERROR_NOT_SUPPORTED,
     CUDA_ERROR_OUT_OF_MEMORY,
     CUDA_ERROR_TOO_MANY_PEERS,
@@ -53,7 +50,10 @@ from kvdepot.server.cuda.driver import (
     CudaError,
     DeviceInfo,
 )
-from kvdepot.server.cuda.handles import HandleError, IpcRegionSpec, decode, format_uuid
+from kvdepot.common.cuda_handles import HandleError, IpcRegionSpec, decode, format_uuid
+from kvdepot.common.kinds import MemoryPath
+from kvdepot.server import errors
+from kvdepot.server.core.planner import CopyPlan, stride_period
 from kvdepot.server.memory.copy_engine import (
     LOAD,
     STORE,

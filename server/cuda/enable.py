@@ -29,9 +29,9 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from kvdepot.common import cuda_driver
+from kvdepot.common.cuda_handles import HandleError, format_uuid, parse_uuid
 from kvdepot.common.kinds import MemoryPath
-from kvdepot.server.cuda import driver as cuda_driver
-from kvdepot.server.cuda.handles import HandleError, format_uuid, parse_uuid
 from kvdepot.server.cuda.pinning import fmt_bytes
 
 log = logging.getLogger("kvdepot.cuda")

@@ -21,7 +21,7 @@ import threading
 import time
 from typing import Any
 
-from kvdepot.server.cuda.driver import CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED, CudaError
+from kvdepot.common.cuda_driver import CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED, CudaError
 
 log = logging.getLogger("kvdepot.cuda")
 

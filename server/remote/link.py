@@ -32,6 +32,7 @@ log = logging.getLogger("kvdepot.remote")
 PASSWORD_ENV = "KVDEPOT_REMOTE_PASSWORD"
 PROBE_KEY = b"kvd1:probe"
 PROBE_INTERVAL_S = 0.25
+CONNECT_DEADLINE_S = 5.0  # the first contact, at start (a write call's deadline)
 
 
 @dataclass(frozen=True)
@@ -158,18 +159,27 @@ class RemoteLink:
             )
 
     async def _probe(self) -> None:
-        """While the tier is down, asks it (one EXISTS) whenever a probe is due, so
-        it comes back even when no write or fetch happens to try it."""
+        """Connects at once, then, while the tier is down, asks it (one EXISTS)
+        whenever a probe is due, so it comes back even when no write or fetch
+        happens to try it.
+
+        Connecting first, under a deadline of its own: otherwise the first Prefetch
+        paid for it within its 250 ms (a cluster's discovery takes longer than that on
+        a loaded machine), answered ABSENT for rows the tier had and counted an outage."""
+        await self._ask(time.monotonic() + CONNECT_DEADLINE_S)
         while True:
             await asyncio.sleep(PROBE_INTERVAL_S)
             if self.health.up or not self.health.usable():
                 continue
-            try:
-                await self.tier.exists_many([PROBE_KEY], time.monotonic() + 1.0)
-            except TierUnavailable as exc:
-                self.health.failed(str(exc))
-            else:
-                self.health.succeeded()
+            await self._ask(time.monotonic() + 1.0)
+
+    async def _ask(self, deadline: float) -> None:
+        try:
+            await self.tier.exists_many([PROBE_KEY], deadline)
+        except TierUnavailable as exc:
+            self.health.failed(str(exc))
+        else:
+            self.health.succeeded()
 
     def on_event(self, event: IndexEvent) -> None:
         self.writer.on_event(event)

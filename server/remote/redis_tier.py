@@ -11,7 +11,11 @@ then discovered from the seeds by redis-py.
 Deadlines: every call runs under `asyncio.timeout` until its deadline, and the
 sockets have their own timeouts, so no call outlives its deadline. redis-py's
 own retries are kept small (the deadline is the budget); a failed call drops the
-client's connections and the next call reconnects. Values are checked by the
+client's connections and the next call reconnects. Connecting (the cluster probe,
+redis-py's discovery and its COMMAND table: 40-70 ms idle, over 300 ms on a loaded
+machine) runs as a task of its own, bounded by CONNECT_BUDGET_S: a call whose
+deadline ends first (a Prefetch has 250 ms) gives up waiting but leaves the
+connection being made for the next call instead of cancelling it half-way. Values are checked by the
 caller (kvdepot.server.remote.codec), so even a reply mixed up by a broken
 connection could never be loaded as the wrong block.
 
@@ -44,6 +48,7 @@ T = TypeVar("T")
 
 CONNECT_TIMEOUT_S = 1.0
 SOCKET_TIMEOUT_S = 5.0  # a backstop: each call's own deadline is usually shorter
+CONNECT_BUDGET_S = 10.0  # probe + client set-up, however many calls wait for it
 
 
 class RedisTier(RemoteTier):
@@ -62,7 +67,7 @@ class RedisTier(RemoteTier):
         self._ca_file = ca_file
         self._max_connections = max_connections
         self._client: Redis | RedisCluster | None = None
-        self._connecting: asyncio.Lock | None = None
+        self._connecting: asyncio.Task[Redis | RedisCluster] | None = None
         self._closed = False
         self._closing: set[asyncio.Task[None]] = set()
         self.cluster: bool | None = None  # known after the first connection
@@ -115,36 +120,49 @@ class RedisTier(RemoteTier):
             raise TierUnavailable("the remote tier is closed")
         if self._client is not None:
             return self._client
-        if self._connecting is None:
-            self._connecting = asyncio.Lock()
-        async with self._connecting:
-            if self._client is not None:
-                return self._client
-            cluster = await self._probe_cluster()
-            if cluster:
-                client: Redis | RedisCluster = RedisCluster(
-                    startup_nodes=[
-                        ClusterNode(h, p)
-                        for h, p in dict.fromkeys((*self.url.seeds, *self._discovered))
-                    ],
-                    # A master down leaves its slots uncovered: keep serving the rest.
-                    require_full_coverage=False,
-                    **self._common(),
-                )
-                await client.initialize()
-                self._discovered = [(n.host, n.port) for n in client.get_nodes()]
-            else:
-                h, p = self.url.seeds[0]
-                client = Redis(host=h, port=p, **self._common())
-            if self.cluster is None:
-                log.info(
-                    "remote tier: %s is a %s",
-                    self.url,
-                    "Redis cluster" if cluster else "standalone Redis",
-                )
-            self.cluster = cluster
-            self._client = client
-            return client
+        if self._connecting is None or self._connecting.done():
+            task = asyncio.get_running_loop().create_task(self._connect())
+            # Its failure is each waiting call's; with none left waiting, nobody's.
+            task.add_done_callback(lambda t: t.cancelled() or t.exception())
+            self._connecting = task
+        # Shielded: a call whose deadline ends first does not cancel the connection.
+        return await asyncio.shield(self._connecting)
+
+    async def _connect(self) -> Redis | RedisCluster:
+        client: Redis | RedisCluster | None = None
+        try:
+            async with asyncio.timeout(CONNECT_BUDGET_S):
+                cluster = await self._probe_cluster()
+                if cluster:
+                    client = RedisCluster(
+                        startup_nodes=[
+                            ClusterNode(h, p)
+                            for h, p in dict.fromkeys((*self.url.seeds, *self._discovered))
+                        ],
+                        # A master down leaves its slots uncovered: keep serving the rest.
+                        require_full_coverage=False,
+                        **self._common(),
+                    )
+                    await client.initialize()
+                    self._discovered = [(n.host, n.port) for n in client.get_nodes()]
+                else:
+                    h, p = self.url.seeds[0]
+                    client = Redis(host=h, port=p, **self._common())
+            if self._closed:
+                raise TierUnavailable("the remote tier is closed")
+        except BaseException:  # a half-made client's connections are closed, not leaked
+            if client is not None:
+                await self._close_quietly(client)
+            raise
+        if self.cluster is None:
+            log.info(
+                "remote tier: %s is a %s",
+                self.url,
+                "Redis cluster" if cluster else "standalone Redis",
+            )
+        self.cluster = cluster
+        self._client = client
+        return client
 
     def _reset(self) -> None:
         """Drops the client after a failure: the next call reconnects from the seeds
@@ -244,6 +262,8 @@ class RedisTier(RemoteTier):
 
     async def close(self) -> None:
         self._closed = True
+        if self._connecting is not None:
+            self._connecting.cancel()  # no-op once done
         self._reset()
         if self._closing:
             await asyncio.wait(set(self._closing), timeout=2.0)

@@ -7,6 +7,7 @@ inline.py      inline Put/Get
 events.py      the event bus and the Watch streams' queues
 traffic.py     job and block counters, transfer observers
 invariants.py  what must hold between two steps of the event loop
+settings.py    the settings it reads: a protocol (ServeConfig has them), not the table
 """
 
 from kvdepot.server.state.depot import DepotState

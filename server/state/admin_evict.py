@@ -14,10 +14,10 @@ import asyncio
 from collections.abc import Callable, Sequence
 
 from kvdepot.server import errors
-from kvdepot.server.config import ServeConfig
 from kvdepot.server.core.index import BlockIndex, UnknownNamespace
 from kvdepot.server.core.kinds import EvictionReason
 from kvdepot.server.core.layout import check_key
+from kvdepot.server.state.settings import StateConfig
 
 # Blocks a bulk eviction (Clear, Evict of a namespace) handles between two yields
 # to the event loop: about a millisecond of work, far inside a Pin's deadline.
@@ -44,7 +44,7 @@ class AdminEviction:
     """
 
     def __init__(
-        self, index: BlockIndex, config: ServeConfig, verify: Callable[[], object]
+        self, index: BlockIndex, config: StateConfig, verify: Callable[[], object]
     ) -> None:
         self.index = index
         self.config = config

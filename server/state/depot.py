@@ -32,14 +32,12 @@ from typing import Any, TypeVar
 import kvdepot
 from kvdepot.common.kinds import MemoryPath
 from kvdepot.server import errors
-from kvdepot.server.config import ServeConfig
 from kvdepot.server.copy_queue import CopyQueue
 from kvdepot.server.core.allocator import Extent, ExtentAllocator
 from kvdepot.server.core.index import BlockIndex, IndexEvent
 from kvdepot.server.core.kinds import PutOutcome, SlotState
 from kvdepot.server.core.layout import LayoutError, NamespaceLayout, check_namespace_id
 from kvdepot.server.core.planner import LayerRef, TensorView
-from kvdepot.server.fd_receiver import FdReceiver
 from kvdepot.server.memory import journal_file, pool_file
 from kvdepot.server.memory.arena import Arena
 from kvdepot.server.peer import Peer
@@ -50,7 +48,14 @@ from kvdepot.server.state.inline import InlinePath
 from kvdepot.server.state.invariants import check_invariants
 from kvdepot.server.state.jobs import JobLimits, JobOutcome, JobRunner, JobSpec
 from kvdepot.server.state.namespaces import NamespaceAccess
-from kvdepot.server.state.sessions import RegionOpener, Registration, Session, Sessions
+from kvdepot.server.state.sessions import (
+    FdSource,
+    RegionOpener,
+    Registration,
+    Session,
+    Sessions,
+)
+from kvdepot.server.state.settings import StateConfig
 from kvdepot.server.state.traffic import Traffic, TransferObserver
 
 log = logging.getLogger("kvdepot.state")
@@ -85,7 +90,7 @@ def mutation(fn: F) -> F:
 class DepotState:
     def __init__(
         self,
-        config: ServeConfig,
+        config: StateConfig,
         arena: Arena,
         index: BlockIndex,
         bus: EventBus,
@@ -148,7 +153,7 @@ class DepotState:
         self._compaction: asyncio.Task[None] | None = None
 
     @classmethod
-    def create(cls, config: ServeConfig) -> DepotState:
+    def create(cls, config: StateConfig) -> DepotState:
         """The arena, a fresh or warm-restarted index, and the state over them."""
         # Warm restart: the snapshot beside the pool file is consumed before the
         # arena maps the file, since mapping it may change the file times that the
@@ -257,14 +262,14 @@ class DepotState:
 
     # -- hooks -------------------------------------------------------------------------
 
-    def attach_fd_receiver(self, receiver: FdReceiver) -> None:
+    def attach_fd_receiver(self, receiver: FdSource) -> None:
         """The fd socket that shared-memory (and process-memory) registrations
         claim their fds from."""
         self._sessions.fd_source = receiver
 
     @property
-    def fd_receiver(self) -> FdReceiver | None:
-        return self._sessions.fd_source  # type: ignore[return-value]
+    def fd_receiver(self) -> FdSource | None:
+        return self._sessions.fd_source
 
     def add_memory_path(self, kind: MemoryPath, opener: RegionOpener) -> None:
         """Serves registrations of `kind` (CUDA IPC, process memory) with `opener`."""

@@ -31,9 +31,10 @@ import logging
 from collections.abc import Iterable
 
 from kvdepot.server import errors
-from kvdepot.server.config import ServeConfig, pool_share_bytes
 from kvdepot.server.core.index import BlockIndex
+from kvdepot.server.sizes import pool_share_bytes
 from kvdepot.server.state.sessions import Session, Sessions
+from kvdepot.server.state.settings import StateConfig
 
 log = logging.getLogger("kvdepot.state")
 
@@ -52,7 +53,7 @@ def _shown(namespace_id: str) -> str:
 class NamespaceAccess:
     """Membership checks and quotas over the sessions and the index (on the loop)."""
 
-    def __init__(self, config: ServeConfig, index: BlockIndex, sessions: Sessions) -> None:
+    def __init__(self, config: StateConfig, index: BlockIndex, sessions: Sessions) -> None:
         self._index = index
         self._sessions = sessions
         pool = config.pool_size

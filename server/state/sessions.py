@@ -35,24 +35,31 @@ from typing import Any, Protocol
 
 from kvdepot.common.kinds import MemoryPath
 from kvdepot.server import errors
-from kvdepot.server.config import format_size
 from kvdepot.server.core.layout import NamespaceLayout
 from kvdepot.server.core.planner import LayerRef, MemoryMap, TensorView
-from kvdepot.server.fd_receiver import ForeignToken
 from kvdepot.server.memory.copy_engine import CopyEngine, CpuCopyEngine
 from kvdepot.server.memory.regions import MappedRegion, SharedMemoryRegion
 from kvdepot.server.peer import Peer, session_tag
 from kvdepot.server.resources import Headroom, ResourceLow
+from kvdepot.server.sizes import format_size
 
 log = logging.getLogger("kvdepot.state")
 
 
+class ForeignToken(Exception):
+    """An fd_token sent for another session than the one that presents it (raised by
+    FdSource.claim_pending; the session counts it as a PERMISSION_DENIED)."""
+
+
 class FdSource(Protocol):
-    """The fd socket (kvdepot.server.fd_receiver.FdReceiver), as sessions use it."""
+    """The fd socket (kvdepot.server.fd_receiver.FdReceiver), as the state uses it:
+    the daemon attaches one (DepotState.attach_fd_receiver); the state never imports it."""
 
     def claim(self, token: str, session_id: str) -> int: ...
     def claim_pending(self, token: str, session_id: str) -> Any: ...
     def drop_session(self, session_id: str) -> int: ...
+    def expire(self) -> int: ...
+    def close(self) -> None: ...
 
 
 @dataclass

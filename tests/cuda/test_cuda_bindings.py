@@ -1,4 +1,4 @@
-"""The real ctypes bindings (kvdepot.server.cuda.driver) against a fake libcuda built
+"""The real ctypes bindings (kvdepot.common.cuda_driver) against a fake libcuda built
 from C, and a daemon process that turns CUDA on through them.
 """
 
@@ -12,16 +12,16 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvdepot.server.core.layout import NamespaceLayout
-from kvdepot.server.core.planner import LayerRef, TensorView
-from kvdepot.server.cuda import cuda_path, enable_cuda
-from kvdepot.server.cuda import driver as cuda_driver
-from kvdepot.server.cuda.driver import (
+from kvdepot.common import cuda_driver
+from kvdepot.common.cuda_driver import (
     CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED,
     CudaError,
     CudaUnavailable,
 )
-from kvdepot.server.cuda.handles import format_uuid
+from kvdepot.common.cuda_handles import format_uuid
+from kvdepot.server.core.layout import NamespaceLayout
+from kvdepot.server.core.planner import LayerRef, TensorView
+from kvdepot.server.cuda import cuda_path, enable_cuda
 from kvdepot.server.memory.copy_engine import LOAD, STORE
 from kvdepot.server.state import DepotState
 from kvdepot.v1 import depot_pb2 as pb

@@ -8,14 +8,14 @@ import logging
 
 import pytest
 
+from kvdepot.common import cuda_driver
+from kvdepot.common.cuda_driver import CudaUnavailable, DeviceInfo
+from kvdepot.common.cuda_handles import parse_uuid
 from kvdepot.server import errors
 from kvdepot.server.core.layout import NamespaceLayout
 from kvdepot.server.core.planner import LayerRef, TensorView
 from kvdepot.server.cuda import cuda_available, cuda_path, enable_cuda, unavailable_reason
-from kvdepot.server.cuda import driver as cuda_driver
-from kvdepot.server.cuda.driver import CudaUnavailable, DeviceInfo
 from kvdepot.server.cuda.enable import select_devices
-from kvdepot.server.cuda.handles import parse_uuid
 from kvdepot.server.memory.copy_engine import CpuCopyEngine
 from kvdepot.server.state import DepotState
 from tests.support.fake_cuda import HANDLE, UUID0, UUID1, FakeDriver, ipc_msg

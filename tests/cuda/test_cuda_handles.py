@@ -6,11 +6,11 @@ from typing import Any
 
 import pytest
 
-from kvdepot.server.cuda.handles import (
+from kvdepot.client.cuda_ipc import encode_handle
+from kvdepot.common.cuda_handles import (
     HandleError,
     UnexportableMemory,
     decode,
-    encode,
     expandable_segments_enabled,
     format_uuid,
     parse_uuid,
@@ -46,7 +46,7 @@ def test_uuid_forms_parse_to_the_same_bytes_and_format_canonically() -> None:
 
 def test_a_valid_handle_round_trips_through_the_wire_message() -> None:
     spec = validate(HANDLE, UUID0, 4096, 1 << 30, EVENT)
-    msg = encode(spec)
+    msg = encode_handle(spec)
     assert isinstance(msg, pb.CudaIpcHandle)
     wire = pb.CudaIpcHandle.FromString(msg.SerializeToString())
     back = decode(wire)

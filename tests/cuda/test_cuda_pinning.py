@@ -10,8 +10,8 @@ import threading
 
 import pytest
 
+from kvdepot.common.cuda_driver import CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED, CudaError
 from kvdepot.server.cuda import cuda_path, enable_cuda
-from kvdepot.server.cuda.driver import CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED, CudaError
 from kvdepot.server.cuda.pinning import PoolPinner
 from kvdepot.server.state import DepotState
 from tests.support.fake_cuda import FakeDriver

@@ -17,6 +17,7 @@ import grpc
 import pytest
 
 from kvdepot.testing.environment import prompt_for
+from kvdepot.testing.waiting import log_tails, wait_for
 from kvdepot.v1 import admin_pb2, admin_pb2_grpc
 from tests.engine.runner import (
     LLMEngine,
@@ -24,6 +25,7 @@ from tests.engine.runner import (
     prometheus_value,
     readme_kv_config,
 )
+from tests.support.daemon import stats
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(900)]
 
@@ -49,19 +51,14 @@ def memory_path(engine) -> str:  # type: ignore[no-untyped-def]
     return f"{found.group(1)}: {found.group(2)}"
 
 
-def stats(daemon) -> admin_pb2.GetStatsResponse:  # type: ignore[no-untyped-def]
-    with daemon.admin_channel() as ch:
-        return admin_pb2_grpc.AdminStub(ch).GetStats(admin_pb2.GetStatsRequest(), timeout=5)
-
-
-def wait_for(predicate, timeout: float, what: str, *processes) -> None:  # type: ignore[no-untyped-def]
-    """Polls; a timeout fails with the last output of the engines and daemons given."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            logs = "\n\n".join(p.log()[-6000:] for p in processes)
-            raise AssertionError(f"timed out waiting for {what}\n{logs}")
-        time.sleep(0.05)
+def wait_ready_blocks(daemon, n: int, engine) -> None:  # type: ignore[no-untyped-def]
+    """Until the daemon holds `n` ready blocks: the engine's stores have landed."""
+    wait_for(
+        lambda: stats(daemon).ready_blocks >= n,
+        60,
+        f"{n} ready blocks",
+        detail=log_tails(engine, daemon),
+    )
 
 
 def connected(daemon, engine: LLMEngine) -> None:  # type: ignore[no-untyped-def]
@@ -72,7 +69,9 @@ def connected(daemon, engine: LLMEngine) -> None:  # type: ignore[no-untyped-def
         s = stats(daemon)
         return s.sessions >= 2 and s.registrations >= 1
 
-    wait_for(ready, 90, "the scheduler and the worker to reconnect", engine, daemon)
+    wait_for(
+        ready, 90, "the scheduler and the worker to reconnect", detail=log_tails(engine, daemon)
+    )
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +95,7 @@ def test_second_engine_loads_what_the_first_stored(
     first = LLMEngine(opt_model, tmp_path, config)
     engines.append(first)
     assert_same_output(first.generate([PROMPT])[0], reference)
-    wait_for(lambda: stats(daemon).ready_blocks >= 4, 60, "four ready blocks", first, daemon)
+    wait_ready_blocks(daemon, 4, first)
     # The README's config: the engine's plain KV memory was moved into a memfd.
     assert memory_path(first).startswith("shm: plain CPU memory moved into a memfd")
     first.close()
@@ -152,7 +151,7 @@ def test_openai_server_with_the_readme_config(
     engines.append(server)
     assert server.complete(PROMPT) == reference["token_ids"]
     assert memory_path(server).startswith("shm: plain CPU memory moved into a memfd")
-    wait_for(lambda: stats(daemon).ready_blocks >= 4, 60, "four ready blocks", server, daemon)
+    wait_ready_blocks(daemon, 4, server)
     server.post("/reset_prefix_cache")  # vLLM's own cache; kvdepot keeps its blocks
     assert server.complete(PROMPT) == reference["token_ids"]
     page = server.metrics()
@@ -182,7 +181,7 @@ def test_daemon_absent_killed_mid_load_and_back(
     connected(daemon, engine)
     engine.reset_prefix_cache()
     assert_same_output(engine.generate([PROMPT])[0], reference)
-    wait_for(lambda: stats(daemon).ready_blocks >= 4, 60, "four ready blocks", engine, daemon)
+    wait_ready_blocks(daemon, 4, engine)
 
     # Kill the daemon while the load is in flight: the load pins the blocks first.
     engine.reset_prefix_cache()
@@ -211,7 +210,7 @@ def test_daemon_absent_killed_mid_load_and_back(
     connected(daemon, engine)
     engine.reset_prefix_cache()
     assert_same_output(engine.generate([PROMPT])[0], reference)
-    wait_for(lambda: stats(daemon).ready_blocks >= 4, 60, "four ready blocks", engine, daemon)
+    wait_ready_blocks(daemon, 4, engine)
     engine.reset_prefix_cache()
     before = external_tokens(engine, opt_model)
     assert_same_output(engine.generate([PROMPT])[0], reference)
@@ -232,7 +231,7 @@ def test_hybrid_model_sliding_window_and_full_attention(
     engine = LLMEngine(hybrid_model, tmp_path, readme_kv_config(daemon.target))
     engines.append(engine)
     assert_same_output(engine.generate([PROMPT])[0], want)
-    wait_for(lambda: stats(daemon).ready_blocks >= 4, 60, "ready blocks", engine, daemon)
+    wait_ready_blocks(daemon, 4, engine)
     with daemon.admin_channel() as ch:
         namespaces = admin_pb2_grpc.AdminStub(ch).ListNamespaces(
             admin_pb2.ListNamespacesRequest(), timeout=5

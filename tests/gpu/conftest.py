@@ -8,9 +8,7 @@ test here is marked `gpu`.
 from __future__ import annotations
 
 import os
-import re
 import sys
-import time
 from collections.abc import Iterator
 from functools import cache
 from pathlib import Path
@@ -58,44 +56,17 @@ def cuda_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator:
     """
     from tests.support.daemon import DaemonProcess
 
-    class CudaDaemon(DaemonProcess):
-        def start(self, timeout: float = 60.0) -> CudaDaemon:
-            import subprocess
+    started: list[DaemonProcess] = []
 
-            self.starts += 1
-            log = open(self.log_path, "ab")  # noqa: SIM115 (the child owns it)
-            self.proc = subprocess.Popen(
-                [
-                    sys.executable,
-                    str(SERVE_CUDA),
-                    "serve",
-                    "--socket",
-                    self.socket_path,
-                    *self.args,
-                ],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=self.env,
-            )
-            log.close()
-            self.wait_serving(timeout)
-            return self
-
-        def wait_log(self, pattern: str, timeout: float = 60.0) -> re.Match[str]:
-            deadline = time.monotonic() + timeout
-            while time.monotonic() < deadline:
-                m = re.search(pattern, self.log())
-                if m:
-                    return m
-                time.sleep(0.05)
-            raise TimeoutError(f"no {pattern!r} in the daemon log:\n{self.log()}")
-
-    started: list[CudaDaemon] = []
-
-    def make(*args: str, env: dict[str, str] | None = None) -> CudaDaemon:
-        d = CudaDaemon(Path(tmp_path_factory.mktemp("kvd")), *args, env=env)
+    def make(*args: str, env: dict[str, str] | None = None) -> DaemonProcess:
+        d = DaemonProcess(
+            Path(tmp_path_factory.mktemp("kvd")),
+            *args,
+            env=env,
+            command=[sys.executable, str(SERVE_CUDA)],
+        )
         started.append(d)
-        d.start()
+        d.start(timeout=60.0)
         d.wait_log(r"CUDA is (on|off)")
         if "CUDA is on" not in d.log():
             raise AssertionError(f"the daemon did not turn CUDA on:\n{d.log()}")

@@ -20,21 +20,13 @@ if __package__ in (None, ""):
 
 from kvdepot.bench.cuda_engine import CudaEngine, make_key
 from kvdepot.v1 import depot_pb2 as pb
-
-
-def connect(target: str):
-    from kvdepot.client import DepotClient
-
-    client = DepotClient(target, client_name=f"gpu-engine pid {os.getpid()}").start()
-    if not client.wait_connected(30):
-        raise SystemExit(f"no session with {target}")
-    return client
+from tests.support.daemon import connect
 
 
 def roundtrip(args: argparse.Namespace) -> dict[str, object]:
     import torch
 
-    client = connect(args.target)
+    client = connect(args.target, f"gpu-engine pid {os.getpid()}", engine_id="", timeout=30)
     n = args.chunks
     eng = CudaEngine(client, num_blocks=2 * n + 32)
     src, dst = list(range(n)), list(range(n, 2 * n))
@@ -89,7 +81,7 @@ def roundtrip(args: argparse.Namespace) -> dict[str, object]:
 def hold(args: argparse.Namespace) -> None:
     import torch
 
-    client = connect(args.target)
+    client = connect(args.target, f"gpu-engine pid {os.getpid()}", engine_id="", timeout=30)
     eng = CudaEngine(client, num_blocks=args.num_blocks)
     eng.fill_random(range(8), seed=3)
     torch.cuda.synchronize()

@@ -97,8 +97,8 @@ def test_a_killed_engine_releases_its_mappings_in_the_daemon(cuda_daemon) -> Non
 
 def test_garbage_handles_are_refused_and_the_daemon_survives(cuda_daemon) -> None:
     from kvdepot.client import DepotClient
-    from kvdepot.server.cuda import driver as cuda_driver
-    from kvdepot.server.cuda.handles import format_uuid
+    from kvdepot.common import cuda_driver
+    from kvdepot.common.cuda_handles import format_uuid
 
     d = cuda_daemon("--pool-size", "256MiB")
     uuid = format_uuid(cuda_driver.load().device_info(0).uuid)

@@ -7,9 +7,9 @@ import subprocess
 import time
 
 from kvdepot.client import DepotClient
-from tests.remote.helpers import stats, wait_for
+from kvdepot.testing.waiting import wait_for
 from tests.remote.test_remote_daemons import store_on
-from tests.support.daemon import kvdepot_command
+from tests.support.daemon import kvdepot_command, stats
 from tests.support.engine import Geometry
 from tests.support.fleet_key import shared_key_args
 from tests.support.redis_servers import RedisServer, free_ports, require_redis

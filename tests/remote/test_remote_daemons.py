@@ -8,8 +8,10 @@ import time
 import pytest
 
 from kvdepot.client import DepotClient
+from kvdepot.testing.waiting import wait_for
 from kvdepot.v1 import depot_pb2 as pb
-from tests.remote.helpers import prefetch, stats, wait_for
+from tests.remote.helpers import prefetch
+from tests.support.daemon import stats
 from tests.support.engine import Engine, Geometry, chunk_plan
 from tests.support.fleet_key import shared_key_args
 
@@ -73,9 +75,12 @@ def test_rows_stored_on_a_are_loaded_on_b_byte_for_byte(which, request, daemon_f
 
     sb = stats(b)
     assert sb.remote_hits == len(keys) and sb.remote_verify_failures == 0
-    # B does not write back what it fetched; A wrote each row once.
-    time.sleep(0.3)
-    assert stats(b).remote_writes == 0
+    # B does not write back what it fetched: the rows' STORED events (announced before
+    # they were ready) queued nothing. Once B's writer and fetcher are idle, a row
+    # queued would show as written, present, dropped or still in flight. A wrote each
+    # row once.
+    sb = wait_for(lambda: (s := stats(b)).remote_inflight_bytes == 0 and s, what="B idle")
+    assert (sb.remote_writes, sb.remote_write_present, sb.remote_write_drops) == (0, 0, 0)
     assert stats(a).remote_writes == len(keys)
     # Asked again: the rows are local now; unknown keys are absent.
     other = [bytes(32) + b"\0\0\0\0"]

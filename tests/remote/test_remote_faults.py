@@ -11,9 +11,11 @@ import time
 import redis
 
 from kvdepot.client import DepotClient
+from kvdepot.testing.waiting import wait_for
 from kvdepot.v1 import depot_pb2 as pb
-from tests.remote.helpers import prefetch, stats, wait_for
+from tests.remote.helpers import prefetch
 from tests.remote.test_remote_daemons import load_and_compare, node, store_on
+from tests.support.daemon import stats
 from tests.support.engine import Engine, Geometry
 from tests.support.fleet_key import shared_codec
 

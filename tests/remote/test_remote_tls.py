@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 
 from kvdepot.client import DepotClient
-from tests.remote.helpers import stats, wait_for
+from kvdepot.testing.waiting import wait_for
 from tests.remote.test_remote_daemons import store_on
+from tests.support.daemon import stats
 from tests.support.engine import Geometry
 from tests.support.fleet_key import shared_key_args
 from tests.support.redis_servers import free_ports, require_redis

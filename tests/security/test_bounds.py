@@ -1,4 +1,4 @@
-"""No request may hold the daemon (issue 24, item 5).
+"""No request may hold the daemon (docs/security.md).
 
 An attacker process sends, for each size limit, the largest request the limits allow
 and one just above: the one above is refused at once with a status naming the limit;

@@ -1,4 +1,4 @@
-"""Files are the daemon's own (issue 24, item 9): the pool file, its lock, snapshot
+"""Files are the daemon's own (docs/security.md): the pool file, its lock, snapshot
 and journal, with real `kvdepot serve` processes.
 
 Attacks: a pool directory others may write (/dev/shm itself, 0777, 0770), one of
@@ -30,11 +30,11 @@ from kvdepot.server.core import journal
 from kvdepot.server.memory import journal_file, pool_file, private_files
 from kvdepot.server.memory.arena import Arena
 from tests.support import soak
-from tests.support.daemon import DaemonProcess, kvdepot_command
+from tests.support.daemon import DaemonProcess, connect, kvdepot_command
 from tests.support.engine import Engine, make_key
 from tests.support.faults import DaemonFactory, admin, stats
 from tests.test_crash_recovery import served_rows_are_intact, wait_sealed
-from tests.test_warm_restart import NS, connect, store_rows, verify_rows, wait_recovered
+from tests.test_warm_restart import NS, store_rows, verify_rows, wait_recovered
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -1,4 +1,4 @@
-"""Hypothesis against the journal replay and the snapshot decoder (issue 24, item 9):
+"""Hypothesis against the journal replay and the snapshot decoder (docs/security.md):
 whatever a journal or snapshot file holds, start-up never raises.
 
 Journals are built of records with valid frames (length and CRC right, so the

@@ -1,5 +1,5 @@
 """The fleet (remote) tier loads only what a holder of the fleet key wrote
-(issue 24 item 7; docs/remote.md "The fleet key").
+(docs/security.md; docs/remote.md "The fleet key").
 
 Real redis-server, real daemons as nodes, and the attacker a process of its own
 with write access to the store and no key: it plants values framed as kvdepot
@@ -24,10 +24,11 @@ import redis
 from kvdepot.client import DepotClient
 from kvdepot.server.remote.codec import Codec
 from kvdepot.server.remote.fleet_key import Keyring
+from kvdepot.testing.waiting import wait_for
 from kvdepot.v1 import depot_pb2 as pb
-from tests.remote.helpers import prefetch, stats, wait_for
+from tests.remote.helpers import prefetch
 from tests.remote.test_remote_daemons import load_and_compare, store_on
-from tests.support.daemon import kvdepot_command
+from tests.support.daemon import kvdepot_command, stats
 from tests.support.engine import Engine, Geometry, chunk_plan
 from tests.support.fleet_key import new_secret, write_key_file
 from tests.support.ops import free_port

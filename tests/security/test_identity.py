@@ -1,4 +1,4 @@
-"""Kernel identity, never a message (issue 24 items 1, 2, 6 and 10's CopyEngine check).
+"""Kernel identity, never a message (docs/security.md, "Identity").
 
 Every attack runs against a real `kvdepot serve` with real processes: an unrelated
 victim holding a secret behind a listening Unix socket, a second process holding a
@@ -15,7 +15,6 @@ import socket
 import subprocess
 import sys
 import textwrap
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -30,26 +29,16 @@ from kvdepot.client.pvm import register_process_kv, send_identity
 from kvdepot.server import errors
 from kvdepot.server.core.planner import CopyPlan
 from kvdepot.server.memory.copy_engine import LOAD, STORE, CpuCopyEngine, MappedRegion
+from kvdepot.testing.waiting import wait_for
 from kvdepot.v1 import admin_pb2, admin_pb2_grpc, depot_pb2_grpc
 from kvdepot.v1 import depot_pb2 as pb
-from tests.support.daemon import DaemonProcess
+from tests.support.daemon import DaemonProcess, connect, stats
 from tests.support.engine import Engine, Geometry, chunk_plan
 
 pytestmark = pytest.mark.timeout(180)
 
 GEO = Geometry(world_size=1, namespace="identity", num_blocks=16, groups=[[4096]])
 SECRET = b"victim-secret-" * 293  # 4102 bytes: spans two pages
-
-
-def stats(d: DaemonProcess) -> admin_pb2.GetStatsResponse:
-    with d.admin_channel() as ch:
-        return admin_pb2_grpc.AdminStub(ch).GetStats(admin_pb2.GetStatsRequest(), timeout=5)
-
-
-def connect(d: DaemonProcess, name: str) -> DepotClient:
-    c = DepotClient(d.target, client_name=name).start()
-    assert c.wait_connected(10)
-    return c
 
 
 def round_trip(client: DepotClient, memory: str, salt: bytes) -> int:
@@ -422,7 +411,8 @@ def test_session_ids_are_secrets_shown_as_tags(daemon_factory) -> None:
         assert engines[0].pid == os.getpid()  # the kernel's word (attested)
     finally:
         client.close()
-    time.sleep(0.2)
+    # Once the daemon has ended the session, everything it logged about it is written.
+    wait_for(lambda: stats(d).sessions == 0, what="the session's end")
     assert sid not in d.log() and sid[:8] in d.log()
 
 
@@ -473,7 +463,7 @@ class _Buffer(MappedRegion):
         pass
 
 
-def test_copy_engine_refuses_runs_outside_the_region_or_pool() -> None:
+def test_copy_engine_refuses_runs_outside_the_region_or_pool(planner_impl: str) -> None:
     region = _Buffer(np.arange(8192, dtype=np.uint8) % 251)
     pool = np.zeros(16384, dtype=np.uint8)
     engine = CpuCopyEngine()
@@ -481,6 +471,10 @@ def test_copy_engine_refuses_runs_outside_the_region_or_pool() -> None:
         [(0, 4096, 0, 4097)],  # one byte past the region
         [(0, 0, 16000, 4096)],  # past the pool
         [(0, 0, 0, 4096), (0, (1 << 63) - 10, 0, 20)],  # offset + size overflows int64
+        [(0, 0, (1 << 63) - 10, 20)],  # pool offset + size overflows int64
+        [(1, 0, 0, 16)],  # a region the registration does not have
+        [(0, 0, 0, 0)],  # a run that moves nothing
+        [(0, -1, 0, 16)],  # a negative offset
     ):
         with pytest.raises(errors.DepotError) as exc:
             engine.prepare(STORE, [region], pool.ctypes.data, CopyPlan(runs), pool.nbytes)

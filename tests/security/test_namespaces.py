@@ -14,18 +14,19 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import grpc
 import pytest
 
 from kvdepot.client import DepotClient
+from kvdepot.testing.waiting import wait_for
 from kvdepot.v1 import admin_pb2
 from kvdepot.v1 import depot_pb2 as pb
 from kvdepot.v1.depot_pb2_grpc import DepotStub
+from tests.support.daemon import connect
 from tests.support.engine import Engine, Geometry, make_key
-from tests.support.ops import admin, connect, load, store
+from tests.support.ops import admin, load, store
 
 HERE = Path(__file__).parent
 JOIN_FIRST = "RegisterKV into the namespace first"
@@ -38,15 +39,6 @@ def namespaces(d) -> int:
     ch, stub = admin(d)
     with ch:
         return stub.GetStats(admin_pb2.GetStatsRequest(), timeout=10).namespaces
-
-
-def wait_for(predicate, timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return predicate()
 
 
 def tenant_b(target: str, namespace: str, key: bytes, registration: int, *flags: str) -> dict:

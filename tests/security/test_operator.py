@@ -27,10 +27,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kvdepot.client import DepotClient
 from kvdepot.v1 import depot_pb2 as pb
 from kvdepot.v1 import depot_pb2_grpc
-from tests.support.daemon import DaemonProcess, kvdepot_command
+from tests.support.daemon import DaemonProcess, connect, kvdepot_command
 from tests.support.engine import Engine, Geometry, chunk_plan
 from tests.support.faults import DaemonFactory, admin, stats
-from tests.support.ops import connect, free_port, load, store
+from tests.support.ops import free_port, load, store
 from tests.support.status_cli import one_line_error, status
 from tests.support.tls import Pki, make_pki
 from tests.support.unprivileged import NOBODY

@@ -11,15 +11,15 @@ import threading
 from array import array
 from typing import Any
 
-from kvdepot.server.core.layout import NamespaceLayout
-from kvdepot.server.core.planner import LayerRef, TensorView
-from kvdepot.server.cuda.driver import (
+from kvdepot.common.cuda_driver import (
     CUDA_ERROR_INVALID_HANDLE,
     CUDA_ERROR_INVALID_VALUE,
     CudaError,
     DeviceInfo,
 )
-from kvdepot.server.cuda.handles import parse_uuid
+from kvdepot.common.cuda_handles import parse_uuid
+from kvdepot.server.core.layout import NamespaceLayout
+from kvdepot.server.core.planner import LayerRef, TensorView
 from kvdepot.server.state import DepotState, JobSpec
 from kvdepot.v1 import depot_pb2 as pb
 

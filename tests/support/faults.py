@@ -7,20 +7,17 @@ import contextlib
 import os
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TypeVar
 
 import grpc
 
 from kvdepot.v1 import admin_pb2 as apb
 from kvdepot.v1 import admin_pb2_grpc
-from tests.support.daemon import DaemonProcess
+from tests.support.daemon import DaemonProcess, stats
 
 REPO = Path(__file__).resolve().parents[2]
 SOAK = REPO / "tests" / "support" / "soak.py"
-T = TypeVar("T")
 DaemonFactory = Callable[..., DaemonProcess]  # the daemon_factory fixture (tests/conftest.py)
 
 # Every status a kvdepot call may end with (docs/architecture.md §8.2); UNKNOWN and INTERNAL never.
@@ -55,22 +52,26 @@ def memfd_mappings(pid: int, name: str) -> int:
         return sum(needle in line for line in f)
 
 
+def open_fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
 def rss_bytes(pid: int) -> int:
+    """The resident set of `pid` (VmRSS)."""
     with open(f"/proc/{pid}/status") as f:
         for line in f:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmRSS")
+    raise AssertionError(f"no VmRSS for pid {pid}")
+
+
+def rss_mib(pid: int) -> float:
+    return rss_bytes(pid) / (1 << 20)
 
 
 def admin(channel: grpc.Channel) -> admin_pb2_grpc.AdminStub:
     """An Admin stub on `channel`: a DaemonProcess's admin_channel() (the operator socket)."""
     return admin_pb2_grpc.AdminStub(channel)
-
-
-def stats(stub: admin_pb2_grpc.AdminStub) -> apb.GetStatsResponse:
-    """GetStats (INTERNAL here means a debug daemon found a broken invariant)."""
-    return stub.GetStats(apb.GetStatsRequest(), timeout=5)
 
 
 def all_blocks(stub: admin_pb2_grpc.AdminStub, namespace_id: str = "") -> list[apb.BlockInfo]:
@@ -96,19 +97,6 @@ def assert_pool_accounting(stub: admin_pb2_grpc.AdminStub) -> apb.GetStatsRespon
     assert s.used_bytes == sum(b.bytes for b in blocks), (s.used_bytes, len(blocks))
     assert s.ready_blocks == len(blocks)
     return s
-
-
-def wait_for(what: str, fn: Callable[[], T | None], timeout: float, interval: float = 0.02) -> T:
-    """Polls `fn` until it returns something truthy; raises with `what` on timeout."""
-    deadline = time.monotonic() + timeout
-    last: T | None = None
-    while True:
-        last = fn()
-        if last:
-            return last
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(interval)
 
 
 def soak_process(*args: str) -> subprocess.Popen[str]:

@@ -15,6 +15,7 @@ import grpc
 from hypothesis import HealthCheck, settings
 
 from kvdepot.client import DepotClient
+from kvdepot.testing.waiting import wait_for
 from kvdepot.v1 import depot_pb2 as pb
 from tests.support import soak
 from tests.support.daemon import DaemonProcess
@@ -24,7 +25,6 @@ from tests.support.faults import (
     assert_pool_accounting,
     fd_targets,
     stats,
-    wait_for,
 )
 
 LONG = os.environ.get("KVDEPOT_LONG") == "1"
@@ -138,15 +138,15 @@ class Rig:
             assert eng.mismatches(0, self.guard_keys, blocks[0], 0) == 0
         self.home.close()
         self.guardian.close()
-        wait_for("every session to end", lambda: stats(self.admin).sessions == 0, timeout=10)
+        wait_for(lambda: stats(self.admin).sessions == 0, timeout=10, what="every session to end")
         s = assert_pool_accounting(self.admin)
         assert (s.pinned_blocks, s.pinned_bytes, s.registrations, s.inflight_jobs) == (0, 0, 0, 0)
         pid = self.daemon.proc.pid  # type: ignore[union-attr]
         try:
             wait_for(
-                "the daemon's fds to return to the baseline",
                 lambda: len(fd_targets(pid)) <= self.base_fds,
                 timeout=10,
+                what="the daemon's fds to return to the baseline",
             )
         except AssertionError as exc:
             raise AssertionError(

@@ -22,10 +22,10 @@ from pathlib import Path
 from kvdepot.client import DepotClient
 from kvdepot.v1 import admin_pb2
 from kvdepot.v1 import depot_pb2 as pb
-from tests.support.daemon import DaemonProcess
+from tests.support.daemon import DaemonProcess, connect
 from tests.support.engine import Engine, Geometry, make_key
 from tests.support.faults import DaemonFactory
-from tests.support.ops import admin, connect, free_port, load, rank_bytes, store
+from tests.support.ops import admin, free_port, load, rank_bytes, store
 
 REPO = Path(__file__).resolve().parents[2]
 GUIDE = REPO / "docs" / "operations.md"

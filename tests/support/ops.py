@@ -1,5 +1,6 @@
 """Small helpers for tests against a live daemon: a free TCP port, a /metrics scrape,
-an Admin stub, engines that store and load chunks (checking every byte).
+an Admin stub, engines that store and load chunks (checking every byte). Connecting:
+tests/support/daemon.py.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ import grpc
 from grpc_health.v1 import health_pb2
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvdepot.client import DepotClient
 from kvdepot.v1 import admin_pb2_grpc
 from kvdepot.v1 import depot_pb2 as pb
 from tests.support.daemon import DaemonProcess
@@ -77,12 +77,6 @@ def load(eng: Engine, chunks: range, base_block: int) -> pb.TransferResult:
 def rank_bytes(geo: Geometry, chunks: int) -> int:
     """Bytes one rank's job moves for `chunks` chunks of every group."""
     return chunks * geo.blocks_per_chunk * sum(geo.layer_pages)
-
-
-def connect(target: str, name: str) -> DepotClient:
-    client = DepotClient(target, client_name=name, engine_id=name.split()[0]).start()
-    assert client.wait_connected(10), f"{name}: no session"
-    return client
 
 
 GEO_M = Geometry(

@@ -9,8 +9,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from tests.support import daemon as daemon_support
-from tests.support.daemon import DaemonProcess
+from tests.support.daemon import DaemonProcess, kvdepot_command
 
 NOBODY = 65534
 
@@ -23,21 +22,22 @@ def unprivileged_daemon(*args: str) -> Iterator[DaemonProcess]:
     workdir = Path(f"/tmp/kvd-nobody-{os.getpid()}")
     workdir.mkdir(mode=0o777, exist_ok=True)
     os.chmod(workdir, 0o777)  # the daemon creates its sockets here
-    base = daemon_support.kvdepot_command
-    daemon_support.kvdepot_command = lambda: [
+    setpriv = [
         "setpriv",
         f"--reuid={NOBODY}",
         f"--regid={NOBODY}",
         "--clear-groups",
         "--inh-caps=-all",
         "--bounding-set=-all",
-        *base(),
     ]
-    d = DaemonProcess(workdir, *(args or ("--pool-size", "16MiB", "--pvm")))
+    d = DaemonProcess(
+        workdir,
+        *(args or ("--pool-size", "16MiB", "--pvm")),
+        command=[*setpriv, *kvdepot_command()],
+    )
     try:
         d.start()
         yield d
     finally:
-        daemon_support.kvdepot_command = base
         d.kill()
         shutil.rmtree(workdir, ignore_errors=True)

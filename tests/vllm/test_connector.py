@@ -480,8 +480,16 @@ def test_requests_loading_the_same_keys_each_hold_their_own_pins(daemon, make_en
     assert manager.pin_rpcs == 1 and pinned_blocks() == len(keys)
     manager.complete_load(keys, first)
     wait_pinned(4)  # the second request's pins hold its keys still
+    # A third request pins one more key: its unpin, queued after the repeated
+    # completion below, is the unpin thread's sign that it has passed that point.
+    third = ReqContext(req_id="third")
+    manager.prepare_load(keys[-1:], third)
+    manager.on_schedule_end(None)  # type: ignore[arg-type]
+    wait_pinned(5)
     manager.complete_load(keys[:4], first)  # already completed: nothing more to drop
-    time.sleep(0.5)  # the unpin thread sends at once when it has something
+    manager.complete_load(keys[-1:], third)
+    # The unpins go in order: anything dropped for `first` again would show here (< 4).
+    engine.wait_until(lambda: pinned_blocks() <= 4, what="the third request's unpin")
     assert pinned_blocks() == 4
     manager.complete_load(keys[:4], second)
     wait_pinned(0)

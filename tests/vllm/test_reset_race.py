@@ -1,5 +1,5 @@
-"""A connector reset is in force when it returns (issue: blocks from before a reset
-loaded after it).
+"""A connector reset is in force when it returns: no block stored before it is
+loaded after it.
 
 vLLM's real Scheduler and the real KVDepotOffloadingSpec against a real `kvdepot serve`.
 Each test holds one part of the reset path still while the reset runs (the Watch

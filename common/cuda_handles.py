@@ -1,7 +1,8 @@
-"""CUDA IPC memory handles on the wire: encoding, decoding, validation.
+"""CUDA IPC memory handles on the wire: decoding and validation.
 
-Pure Python (no CUDA, no torch): both the daemon (decoding what a worker sent)
-and the client (building the message) use it, and it is tested on CPU.
+Pure Python (no CUDA, no torch, no protobuf): both the daemon (decoding what a
+worker sent) and the client (checking what it sends; kvdepot.client.cuda_ipc builds
+the message) use it, and it is tested on CPU.
 
 The wire message is `kvdepot.v1.CudaIpcHandle`:
 - `ipc_handle`: the raw 64-byte `cudaIpcMemHandle_t` (== `CUipcMemHandle`) of the
@@ -148,19 +149,6 @@ def decode(msg: object) -> IpcRegionSpec:
         msg.offset,  # type: ignore[attr-defined]
         msg.size,  # type: ignore[attr-defined]
         msg.event_handle,  # type: ignore[attr-defined]
-    )
-
-
-def encode(spec: IpcRegionSpec) -> object:
-    """An IpcRegionSpec -> a `kvdepot.v1.CudaIpcHandle` message."""
-    from kvdepot.v1 import depot_pb2
-
-    return depot_pb2.CudaIpcHandle(
-        ipc_handle=spec.mem_handle,
-        device_uuid=spec.device,
-        offset=spec.offset,
-        size=spec.size,
-        event_handle=spec.event_handle or b"",
     )
 
 

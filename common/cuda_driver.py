@@ -1,5 +1,9 @@
 """ctypes bindings to the CUDA driver API (libcuda.so.1), loaded lazily.
 
+Both sides make these calls, so they are declared once, here: the daemon opens IPC
+handles and copies (kvdepot.server.cuda), a worker finds and exports the allocation
+that holds its KV cache (kvdepot.client.cuda_ipc).
+
 Why the driver API and not libcudart: the driver library comes with the GPU
 driver itself, so the daemon needs neither torch nor a CUDA toolkit of a
 matching version, and a runtime/driver version mismatch cannot occur. The

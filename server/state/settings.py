@@ -1,0 +1,42 @@
+"""The settings the state reads, as a protocol: the state takes values, not the
+daemon's settings table.
+
+`kvdepot serve`'s `ServeConfig` (server/config.py) has every field below, so the
+daemon passes it as it is; tests and tools may pass any object with these
+attributes. server/config.py sits beside this layer, not below it: the state never
+imports it (docs/architecture.md §2; tests/test_layering.py).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+
+class StateConfig(Protocol):
+    # The pool (DepotState.create).
+    pool_size: int
+    pool_file: str | None
+    slot_granularity: int
+    reservation_timeout: float
+    copy_threads: int
+    # Sessions and what one may hold (Sessions, NamespaceAccess).
+    max_sessions: int
+    max_sessions_per_pid: int
+    max_sessions_per_uid: int
+    max_unattested_sessions: int
+    max_registrations_per_session: int
+    max_watches_per_session: int
+    max_pinned_per_session: str  # a size or a share of the pool (server/sizes.py)
+    max_writing_per_session: str
+    fd_reserve: int
+    # Jobs and calls.
+    max_job_keys: int
+    max_job_blocks: int
+    max_job_pages: int
+    max_batch_keys: int
+    destructive_admin: bool
+    # Read by the Depot service through the state (SessionHello, the Session stream).
+    keepalive_seconds: float
+
+    @property
+    def fd_socket(self) -> str: ...
