@@ -33,6 +33,7 @@ from kvdepot.bench.control import measure_control
 from kvdepot.bench.daemon import DaemonUnderTest, OwnDaemon, target_of
 from kvdepot.bench.fleet import Fleet
 from kvdepot.bench.geometry import BenchGeometry
+from kvdepot.bench.output import emit
 from kvdepot.bench.progress import Progress
 from kvdepot.bench.report import check_targets, format_table, plot
 from kvdepot.bench.throughput import ThroughputBench, ThroughputPlan
@@ -437,21 +438,16 @@ def run_bench(args: argparse.Namespace) -> int:
             f"than on a quiet machine"
         )
     result["targets"] = check_targets(result)
-    table = format_table(result)
-    if args.json:
-        print(table, file=sys.stderr)
-        print(json.dumps(result, indent=1))
-    else:
-        print(table)
-    if args.plot:
-        try:
-            plot(result, args.plot)
-        except ImportError:
-            print(
-                "kvdepot bench: --plot needs matplotlib (pip install 'kvdepot[bench]')",
-                file=sys.stderr,
-            )
-            return 1
+    shown = emit(
+        result,
+        format_table(result),
+        as_json=args.json,
+        plot_path=args.plot,
+        plot=plot,
+        command="kvdepot bench",
+    )
+    if not shown:
+        return 1
     if args.strict and not all(t["met"] for t in result["targets"]):
         return 1
     return 0

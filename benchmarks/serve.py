@@ -20,7 +20,6 @@ without importing anything heavy.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from typing import Any
@@ -183,24 +182,18 @@ def run(args: argparse.Namespace) -> int:
     except Exception as exc:
         print(f"kvdepot bench serve: failed: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
+    from kvdepot.bench.output import emit
     from kvdepot.bench.serve_report import format_table, plot
 
-    table = format_table(result)
-    if args.json:
-        print(table, file=sys.stderr)
-        print(json.dumps(result, indent=1))
-    else:
-        print(table)
-    if args.plot:
-        try:
-            plot(result, args.plot)
-        except ImportError:
-            print(
-                "kvdepot bench serve: --plot needs matplotlib (pip install 'kvdepot[bench]')",
-                file=sys.stderr,
-            )
-            return 1
-    return 0
+    shown = emit(
+        result,
+        format_table(result),
+        as_json=args.json,
+        plot_path=args.plot,
+        plot=plot,
+        command="kvdepot bench serve",
+    )
+    return 0 if shown else 1
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -85,7 +85,15 @@ class ProcessOutput:
             for line in stream:
                 log.write(line)
                 log.flush()  # whole() reads the file
-                self.tail.append(line.rstrip())
+                self.on_line(line)
+        self.on_end()
+
+    def on_line(self, line: str) -> None:
+        """Each line as it arrives (pump thread); subclasses read protocol lines."""
+        self.tail.append(line.rstrip())
+
+    def on_end(self) -> None:
+        """The process closed its output (pump thread)."""
 
     def text(self) -> str:
         return "\n".join(self.tail)

@@ -11,7 +11,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +18,7 @@ from kvdepot.bench.vllm_server import (  # noqa: F401 (re-exported for the tests
     ENGINE_ENV,
     LLM_ARGS,
     OpenAIServer,
+    ProcessOutput,
     free_port,
     prometheus_value,
     readme_kv_config,
@@ -28,28 +28,24 @@ from tests.engine.llm_runner import MARK
 RUNNER = Path(__file__).with_name("llm_runner.py")
 
 
-class _Output:
+class _Output(ProcessOutput):
     """Keeps the last lines of a process's output (for failure messages) and hands
     protocol lines to the reader."""
 
     def __init__(self, stream, log_path: Path) -> None:  # type: ignore[no-untyped-def]
-        self.tail: deque[str] = deque(maxlen=60)
         self.answers: list[dict[str, Any]] = []
         self.cond = threading.Condition()
-        self.log_path = log_path
-        threading.Thread(target=self._pump, args=(stream,), daemon=True).start()
+        super().__init__(stream, log_path)
 
-    def _pump(self, stream) -> None:  # type: ignore[no-untyped-def]
-        with open(self.log_path, "a", errors="replace") as log:
-            for line in stream:
-                log.write(line)
-                log.flush()  # whole() reads the file
-                if line.startswith(MARK):
-                    with self.cond:
-                        self.answers.append(json.loads(line[len(MARK) :]))
-                        self.cond.notify_all()
-                else:
-                    self.tail.append(line.rstrip())
+    def on_line(self, line: str) -> None:
+        if line.startswith(MARK):
+            with self.cond:
+                self.answers.append(json.loads(line[len(MARK) :]))
+                self.cond.notify_all()
+        else:
+            super().on_line(line)
+
+    def on_end(self) -> None:
         with self.cond:
             self.answers.append({"eof": True})
             self.cond.notify_all()
@@ -62,13 +58,6 @@ class _Output:
         if answer.get("eof"):
             raise RuntimeError("the engine process ended:\n" + self.text())
         return answer
-
-    def text(self) -> str:
-        return "\n".join(self.tail)
-
-    def whole(self) -> str:
-        """Everything the process printed so far."""
-        return self.log_path.read_text(errors="replace")
 
 
 class LLMEngine:
