@@ -26,7 +26,7 @@ from kvdepot.bench.fleet import Fleet
 from kvdepot.bench.geometry import BenchGeometry
 from kvdepot.bench.stats import GB, overlap_rate
 from kvdepot.server.core.planner import CopyPlan
-from kvdepot.server.cuda.dma import plan_dma
+from kvdepot.server.cuda.dma_plan import plan_dma
 from kvdepot.server.memory.copy_engine import (
     CopyEngine,
     MappedRegion,

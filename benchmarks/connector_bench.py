@@ -152,7 +152,7 @@ def run_connector_bench(
     the figures as a dict. `target` is the daemon ("unix:///path"); None starts one."""
     _cpu_env()
     from kvdepot.bench.daemon import OwnDaemon, target_of
-    from kvdepot.client.vllm.manager import EARLY_PIN_KEYS
+    from kvdepot.client.vllm.pins import EARLY_PIN_KEYS
     from kvdepot.testing.vllm_engine import EngineConfig, GroupDef, SyntheticEngine, prompt_for
 
     out = out if out is not None else sys.stderr

@@ -16,6 +16,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from kvdepot.common.jobs import Job, JobResult
 from kvdepot.v1 import depot_pb2 as pb
 
 LAYERS = 32
@@ -121,7 +122,7 @@ class CudaEngine:
         job_id = next(self._ids)
         self.export.record()
         self.stream.submit(
-            pb.TransferJob(
+            Job(
                 job_id=job_id,
                 direction=direction,
                 registration_id=self.registration.registration_id,
@@ -140,7 +141,7 @@ class CudaEngine:
         blocks: Sequence[int],
         job_chunks: int,
         timeout: float = 300.0,
-    ) -> tuple[list[pb.TransferResult], float]:
+    ) -> tuple[list[JobResult], float]:
         """Submits all jobs of `job_chunks` keys at once; waits for all; (results, seconds).
 
         Without an inter-process event, the device is synchronised first instead (the

@@ -93,7 +93,7 @@ def _planned_dma(
     """The daemon's DMA plan for one job, computed in process (same planner)."""
     from kvdepot.server.core.layout import NamespaceLayout
     from kvdepot.server.core.planner import LayerRef, MemoryMap, TensorView, plan_job
-    from kvdepot.server.cuda.dma import plan_dma
+    from kvdepot.server.cuda.dma_plan import plan_dma
 
     nb, page, layers = engine.num_blocks, engine.page, engine.layers
     lay = NamespaceLayout("inproc", 1, 1, ((page,) * layers,))

@@ -30,6 +30,7 @@ import numpy as np
 from kvdepot.bench.daemon import OwnDaemon
 from kvdepot.client import DepotClient, SharedKVBuffer
 from kvdepot.client.pvm import register_process_kv
+from kvdepot.common.jobs import Job
 from kvdepot.v1 import depot_pb2 as pb
 
 TARGET_RATIO = 0.8
@@ -92,7 +93,7 @@ class Bench:
         job_id, self._next = self._next, self._next + 1
         t = time.perf_counter()
         self.stream.submit(
-            pb.TransferJob(
+            Job(
                 job_id=job_id,
                 direction=direction,
                 registration_id=registration,

@@ -40,6 +40,7 @@ from kvdepot.bench.geometry import (
 )
 from kvdepot.bench.inproc import InProcessCopier
 from kvdepot.client import DepotClient, SharedKVBuffer
+from kvdepot.common.jobs import Job
 from kvdepot.v1 import depot_pb2 as pb
 
 DIRECTIONS = {"store": pb.STORE, "load": pb.LOAD}
@@ -196,7 +197,7 @@ class Worker:
                 shape = shapes[i][0]
                 job_id = self.next_job
                 self.next_job += 1
-                msg = pb.TransferJob(
+                job = Job(
                     job_id=job_id,
                     direction=direction,
                     registration_id=self.registration_id,
@@ -206,7 +207,7 @@ class Worker:
                     block_indices=shape.block_indices,
                 )
                 pending[job_id] = time.monotonic()
-                stream.submit(msg)
+                stream.submit(job)
                 i += 1
             oldest = min(pending)
             if not stream.wait({oldest}, timeout=120):

@@ -6,7 +6,7 @@ A vLLM worker hands the daemon its KV memory once:
     resp = register_cuda_kv(client, layout, rank, export, groups)
     ...
     export.record()                                      # before *every* submitted job
-    stream.submit(TransferJob(..., registration_id=resp.registration_id))
+    stream.submit(Job(..., registration_id=resp.registration_id))
 
 `export_kv_tensors` finds the allocation that holds each tensor (the driver's
 pointer attributes: base and size of the cudaMalloc allocation, which is what
@@ -256,14 +256,6 @@ def register_cuda_kv(
     `groups[g].layers[i].tensor_index` indexes the tensors in the order they were
     given to `export_kv_tensors`. Call again after a daemon restart (new session).
     """
-    return client.stub.RegisterKV(
-        depot_pb2.RegisterKVRequest(
-            session_id=client.session_id,
-            namespace=layout,
-            rank=rank,
-            regions=export.regions,
-            tensors=export.tensors,
-            groups=groups,
-        ),
-        timeout=timeout,
+    return client.register_memory(
+        layout, rank, export.regions, export.tensors, groups, timeout=timeout
     )

@@ -1,12 +1,12 @@
-"""A synchronous, thread-safe client for the kvdepot daemon (no vLLM needed).
+"""`DepotClient`: a synchronous, thread-safe client for the kvdepot daemon (no vLLM needed).
 
     client = DepotClient("unix:///run/kvdepot/kvdepot.sock", client_name="my-engine")
     client.start()                       # never raises: reconnects in the background
     client.wait_connected(5.0)
     reg = client.register_kv(layout, rank=0, shm=buf, tensors=[...], groups=[...])
     stream = client.transfer_stream()
-    stream.submit(TransferJob(job_id=1, direction=STORE, registration_id=reg.registration_id, ...))
-    stream.wait({1}, timeout=5.0); results = stream.poll()
+    stream.submit(Job(job_id=1, direction=STORE, registration_id=reg.registration_id, ...))
+    stream.wait({1}, timeout=5.0); results = stream.poll()  # JobResults
 
 Failure contract (what an engine relies on): calls made while the daemon is
 unreachable fail fast with `DepotUnavailable` or a gRPC error within their
@@ -15,28 +15,43 @@ failed result (`error_code="UNAVAILABLE"`); watchers get a reset (forget every
 key) when the daemon goes away and a fresh snapshot when it is back. The session
 reconnects by itself with backoff; listeners hear about every new session so
 they can re-register (registrations die with the daemon).
+
+The façade: every RPC the client library makes is made here, and every
+`RegisterKVRequest` is built by `_register_request` (a registration on any memory
+path, `register_memory`; an observer join, `join`). The other modules ask: the
+memory paths (kvdepot.client.cuda_ipc, kvdepot.client.pvm) call `register_memory`,
+the lanes `open_lane`, and the stream modules open their calls with `_open_session`,
+`_open_watch` and `_open_transfer` (tests/test_client_rpcs.py checks that no other
+module of the client calls a stub).
+
+Threads and ownership: the unary calls, `join`, `watch`, `transfer_stream`, `start`
+and `close` are called from any thread. The client owns three channels: the sync
+one (unary calls and the Transfer streams, kvdepot.client.transfer_stream); the
+`grpc.aio` one of its long-lived streams, Session and Watch (kvdepot.client.watch),
+held by its `SessionKeeper` (kvdepot.client.session) and used only on the process's
+stream loop thread (kvdepot.client.stream_loop), where `_open_session`, `_open_watch`,
+`_join_async` and `_rejoin` run; and the operator socket's, opened on first use of
+`admin` (under `_lock`). `close` ends all three. The joined namespaces are kept by
+`Memberships` (kvdepot.client.session), under a lock of their own.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
-import queue
-import random
 import threading
-import time
-from collections.abc import Callable, Coroutine, Iterable, Iterator, Sequence
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
 
 import grpc
 
-from kvdepot.client.fdpass import FdPassError, attest_async, send_fd
-from kvdepot.client.job_lane import LaneKeeper
-from kvdepot.client.job_lane import enabled_by_env as job_lane_enabled_by_env
+from kvdepot.client.fdpass import send_fd
+from kvdepot.client.session import DepotUnavailable, Memberships, SessionKeeper
 from kvdepot.client.shm import SharedKVBuffer
-from kvdepot.client.stream_loop import StreamLoop
+from kvdepot.client.transfer_stream import TransferStream
+from kvdepot.client.watch import Watch
 from kvdepot.v1 import admin_pb2_grpc, depot_pb2, depot_pb2_grpc
+
+__all__ = ["DepotClient", "DepotUnavailable", "normalize_target"]
 
 log = logging.getLogger("kvdepot.client")
 
@@ -61,15 +76,35 @@ _STREAM_CHANNEL_OPTIONS = (
 )
 
 
-class DepotUnavailable(RuntimeError):
-    """The daemon is not reachable right now (the client keeps reconnecting)."""
-
-
-def observer_join(session_id: str, namespace_id: str) -> depot_pb2.RegisterKVRequest:
-    """An observer join: a RegisterKV naming the namespace id alone and no memory."""
+def _register_request(
+    session_id: str,
+    layout: depot_pb2.NamespaceLayout,
+    rank: int = 0,
+    regions: Sequence[depot_pb2.MemoryRegion] = (),
+    tensors: Sequence[depot_pb2.KVTensor] = (),
+    groups: Sequence[depot_pb2.GroupRefs] = (),
+) -> depot_pb2.RegisterKVRequest:
+    """The one RegisterKVRequest builder: a registration (memory regions of any path)
+    or, with the layout's id alone and nothing else, an observer join."""
     return depot_pb2.RegisterKVRequest(
-        session_id=session_id, namespace=depot_pb2.NamespaceLayout(id=namespace_id)
+        session_id=session_id,
+        namespace=layout,
+        rank=rank,
+        regions=regions,
+        tensors=tensors,
+        groups=groups,
     )
+
+
+def _shm_region(
+    hello: depot_pb2.SessionHello | None, session_id: str, shm: SharedKVBuffer, timeout: float
+) -> depot_pb2.MemoryRegion:
+    """The shm path's region: the memfd passed to the daemon's fd socket (SCM_RIGHTS),
+    named in the registration by the token the daemon gave back."""
+    if hello is None or not hello.fd_socket:
+        raise DepotUnavailable("the daemon takes no fds (no fd socket)")
+    token = send_fd(hello.fd_socket, session_id, shm.fd, timeout=timeout)
+    return depot_pb2.MemoryRegion(shm=depot_pb2.SharedMemoryHandle(fd_token=token, size=shm.size))
 
 
 def normalize_target(target: str) -> str:
@@ -95,7 +130,6 @@ class DepotClient:
         self.target = normalize_target(target)
         self.client_name = client_name or f"pid {os.getpid()}"
         self.engine_id = engine_id
-        self._backoff = (backoff_initial, backoff_max)
         # The daemon sends a keepalive every few seconds; a daemon that says nothing
         # for this long is frozen (SIGSTOP, swapping, a hung loop): treat it as gone.
         self.keepalive_timeout = keepalive_timeout
@@ -105,30 +139,8 @@ class DepotClient:
         self._admin_channel: grpc.Channel | None = None
         self._admin: admin_pb2_grpc.AdminStub | None = None
         self._lock = threading.Lock()
-        self._connected = threading.Event()
-        self._closed = threading.Event()
-        self.hello: depot_pb2.SessionHello | None = None
-        self._listeners: list[Callable[[str], None]] = []
-        self._disconnect_listeners: list[Callable[[], None]] = []
-        # Session and Watch run on the process's stream loop (kvdepot.client.stream_loop),
-        # on a channel of their own opened by start() or the first watch();
-        # `_session_ready` mirrors `_connected` there; `_stream_tasks` are this
-        # client's tasks on the loop, ended by close().
-        self._stream_channel: grpc.aio.Channel | None = None
-        self._stream_stub: depot_pb2_grpc.DepotStub | None = None
-        self._session_ready: asyncio.Event | None = None
-        self._session_task: asyncio.Task[None] | None = None
-        self._stream_tasks: set[asyncio.Task[None]] = set()
-        self._start_lock = threading.Lock()
-        self._session_starting = False
-        self.sessions_opened = 0
-        # Namespaces are joined, not named (the daemon refuses calls naming others):
-        # every namespace this client joined (a registration or an observer join),
-        # joined again in each new session before the session is used; and those
-        # joined in the current session (`_joined_in`).
-        self._namespaces: dict[str, None] = {}  # ordered set
-        self._joined: set[str] = set()
-        self._joined_in = ""
+        self._session = SessionKeeper(self, _STREAM_CHANNEL_OPTIONS, backoff_initial, backoff_max)
+        self._memberships = Memberships()
 
     @property
     def admin_target(self) -> str:
@@ -149,73 +161,29 @@ class DepotClient:
                 self._admin = admin_pb2_grpc.AdminStub(self._admin_channel)
             return self._admin
 
-    # -- session ---------------------------------------------------------------------
+    # -- session (kvdepot.client.session) --------------------------------------------
 
     def start(self) -> DepotClient:
-        with self._start_lock:
-            if self._session_task is not None or self._session_starting or self._closed.is_set():
-                return self
-            self._session_starting = True
-        try:
-            task = self._start_stream(self._session_loop())
-        except DepotUnavailable:  # closed meanwhile
-            task = None
-        with self._start_lock:
-            self._session_starting = False
-            if not self._closed.is_set():
-                self._session_task = task
+        self._session.start()
         return self
 
-    def _start_stream(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None] | None:
-        """Runs `coro` on the stream loop, with the stream channel opened first if
-        need be; None where no stream can run (a process forked with streams open:
-        kvdepot.client.stream_loop). `_start_lock` is never held while this waits for
-        the loop: a session listener runs on the loop, and may start a stream of this
-        client too."""
-        streams = StreamLoop.shared()
-        if not streams.usable:
-            coro.close()
-            return None
-        with self._start_lock:
-            need_channel = self._stream_channel is None and not self._closed.is_set()
-        if need_channel:
-            channel: grpc.aio.Channel | None = streams.open_channel(
-                self.target, _STREAM_CHANNEL_OPTIONS
-            )
-            with self._start_lock:
-                if self._stream_channel is None and not self._closed.is_set():
-                    self._stream_channel, channel = channel, None
-                    self._stream_stub = depot_pb2_grpc.DepotStub(self._stream_channel)
-                    self._session_ready = asyncio.Event()
-            if channel is not None:  # another thread's won, or the client closed meanwhile
-                streams.close_channel(channel, ())
-        with self._start_lock:
-            if self._closed.is_set():
-                coro.close()
-                raise DepotUnavailable("this client is closed")
-        task = streams.start(coro)
-        with self._start_lock:
-            if not self._closed.is_set():
-                self._stream_tasks.add(task)
-                return task
-        streams.stop(task)  # close() came while the task was being made
-        raise DepotUnavailable("this client is closed")
+    @property
+    def hello(self) -> depot_pb2.SessionHello | None:
+        return self._session.hello
 
-    def _stop_stream(self, task: asyncio.Task[None]) -> None:
-        with self._start_lock:
-            if task not in self._stream_tasks:
-                return  # close() ended it
-            self._stream_tasks.discard(task)
-        StreamLoop.shared().stop(task)
+    @property
+    def sessions_opened(self) -> int:
+        return self._session.sessions_opened
 
     @property
     def connected(self) -> bool:
-        return self._connected.is_set()
+        return self._session.connected
 
     @property
     def session_id(self) -> str:
-        hello = self.hello
-        if hello is None or not self.connected:
+        session = self._session  # read per job (TransferStream.submit): no extra calls
+        hello = session.hello
+        if hello is None or not session.connected:
             raise DepotUnavailable(f"not connected to the kvdepot daemon at {self.target}")
         return hello.session_id
 
@@ -224,137 +192,31 @@ class DepotClient:
         return self.hello.boot_id if self.hello else None
 
     def wait_connected(self, timeout: float | None = None) -> bool:
-        return self._connected.wait(timeout)
+        return self._session.wait_connected(timeout)
 
     def add_session_listener(self, fn: Callable[[str], None]) -> None:
-        """fn(boot_id) after every (re)connect, on the session thread. Keep it short."""
-        with self._lock:
-            self._listeners.append(fn)
-        if self.connected and self.hello is not None:
-            fn(self.hello.boot_id)
+        """fn(boot_id) after every (re)connect, on the stream loop thread (shared by the
+        process's clients): keep it short, never wait for the loop."""
+        self._session.add_listener(fn)
 
     def add_disconnect_listener(self, fn: Callable[[], None]) -> None:
-        with self._lock:
-            self._disconnect_listeners.append(fn)
-
-    async def _session_loop(self) -> None:
-        """Keeps a Session open (on the stream loop); a daemon that sends nothing, not
-        even its keepalive, for `keepalive_timeout` is frozen (SIGSTOP, swapping, a hung
-        loop) and is treated as gone."""
-        stub, ready = self._stream_stub, self._session_ready
-        assert stub is not None and ready is not None
-        delay = self._backoff[0]
-        while True:
-            call = stub.Session(
-                depot_pb2.SessionRequest(
-                    client_name=self.client_name, pid=os.getpid(), engine_id=self.engine_id
-                )
-            )
-            try:
-                while True:
-                    try:
-                        event = await asyncio.wait_for(call.read(), self.keepalive_timeout)
-                    except TimeoutError:
-                        log.warning(
-                            "the kvdepot daemon at %s sent nothing for %.1f s; dropping the "
-                            "session",
-                            self.target,
-                            self.keepalive_timeout,
-                        )
-                        break
-                    if event is grpc.aio.EOF:
-                        break
-                    if event.HasField("hello"):
-                        if not await self._attest(event.hello):
-                            break  # the daemon refused this process the session: retry
-                        # Before anyone sees the session: Watch streams and lanes
-                        # restart in it only once their namespaces are joined again.
-                        await self._rejoin(stub, event.hello.session_id)
-                        delay = self._backoff[0]
-                        self._opened(event.hello)
-            except grpc.RpcError as exc:
-                log.debug("kvdepot session ended: %s", exc.code())
-            finally:
-                call.cancel()
-                # A cancelled task keeps this frame (in its exception's traceback):
-                # let go of the call, which holds the connection open.
-                del call
-                was_connected = self._connected.is_set()
-                self._connected.clear()
-                ready.clear()
-                if was_connected and not self._closed.is_set():
-                    log.warning("lost the kvdepot daemon at %s; reconnecting", self.target)
-                    for fn in list(self._disconnect_listeners):
-                        self._call_listener(fn)
-            await asyncio.sleep(delay * (0.5 + random.random()))
-            delay = min(delay * 2, self._backoff[1])
-
-    async def _attest(self, hello: depot_pb2.SessionHello) -> bool:
-        """Binds the new session to this process on the fd socket (kvdepot.client.fdpass),
-        before anyone uses it; False when the daemon refused (the session is ended)."""
-        if not hello.fd_socket:
-            return True
-        try:
-            await attest_async(hello.fd_socket, hello.session_id, self.keepalive_timeout)
-        except FdPassError as exc:
-            if exc.code in ("PERMISSION_DENIED", "RESOURCE_EXHAUSTED"):
-                log.warning("kvdepot daemon at %s refused the session: %s", self.target, exc)
-                return False
-            # An older daemon (no attest) or a busy one: the first fd attests instead.
-            log.info("kvdepot session %s not attested (%s)", hello.session_id[:8], exc)
-        return True
-
-    def _opened(self, hello: depot_pb2.SessionHello) -> None:
-        assert self._session_ready is not None
-        previous = self.hello.boot_id if self.hello else None
-        self.hello = hello
-        self.sessions_opened += 1
-        self._connected.set()
-        self._session_ready.set()
-        if previous is not None and previous != hello.boot_id:
-            log.warning("kvdepot daemon restarted (boot id %s -> %s)", previous, hello.boot_id)
-        log.info("kvdepot session %s… open", hello.session_id[:8])  # the id is a secret
-        for fn in list(self._listeners):
-            self._call_listener(fn, hello.boot_id)
-
-    @staticmethod
-    def _call_listener(fn: Callable[..., None], *args: object) -> None:
-        try:
-            fn(*args)
-        except Exception:
-            log.exception("kvdepot session listener failed")
+        self._session.add_disconnect_listener(fn)
 
     def close(self) -> None:
         """Ends the session: the daemon releases everything this client held."""
-        with self._start_lock:
-            self._closed.set()
-            # Dropped here: a finished task (and the stub) would keep the calls, and
-            # with them the connection, for as long as this object lives.
-            channel, self._stream_channel = self._stream_channel, None
-            tasks, self._stream_tasks = self._stream_tasks, set()
-            self._stream_stub = self._session_task = None
-        if channel is not None:
-            # Ends the Session, which the daemon sees at once.
-            StreamLoop.shared().close_channel(channel, tasks)
+        self._session.close()
         self._channel.close()
         with self._lock:
             admin_channel, self._admin_channel, self._admin = self._admin_channel, None, None
         if admin_channel is not None:
             admin_channel.close()
-        self._connected.clear()
+        self._session.mark_down()
 
     # -- namespaces ------------------------------------------------------------------
 
     def joined(self, namespace_id: str, session_id: str) -> bool:
         """Whether `namespace_id` is joined in session `session_id` (no call)."""
-        with self._lock:
-            return self._joined_in == session_id and namespace_id in self._joined
-
-    def _mark_joined(self, session_id: str, namespace_id: str) -> None:
-        with self._lock:
-            self._namespaces[namespace_id] = None
-            if self._joined_in == session_id:  # not a late answer in an older session
-                self._joined.add(namespace_id)
+        return self._memberships.joined(namespace_id, session_id)
 
     def join(self, namespace_id: str, timeout: float = DEFAULT_TIMEOUT) -> None:
         """Joins `namespace_id` as an observer (a RegisterKV of the id alone: Watch,
@@ -362,38 +224,57 @@ class DepotClient:
         session joined it already. Remembered: every later session joins it again
         before it is used. `watch`, `lookup`, `pin`, `unpin`, `prefetch` and the
         scheduler's lanes join by themselves; call this only to join early."""
-        with self._lock:
-            self._namespaces[namespace_id] = None
+        self._memberships.remember(namespace_id)
         session_id = self.session_id
         if self.joined(namespace_id, session_id):
             return
-        self.stub.RegisterKV(observer_join(session_id, namespace_id), timeout=timeout)
-        self._mark_joined(session_id, namespace_id)
+        observer = depot_pb2.NamespaceLayout(id=namespace_id)
+        self.stub.RegisterKV(_register_request(session_id, observer), timeout=timeout)
+        self._memberships.mark_joined(session_id, namespace_id)
 
     async def _join_async(
         self, stub: depot_pb2_grpc.DepotStub, session_id: str, namespace_id: str
     ) -> None:
         """`join` on the stream loop (a Watch stream's first step)."""
-        with self._lock:
-            self._namespaces[namespace_id] = None
+        self._memberships.remember(namespace_id)
         if not self.joined(namespace_id, session_id):
+            observer = depot_pb2.NamespaceLayout(id=namespace_id)
             await stub.RegisterKV(
-                observer_join(session_id, namespace_id), timeout=self.keepalive_timeout
+                _register_request(session_id, observer), timeout=self.keepalive_timeout
             )
-            self._mark_joined(session_id, namespace_id)
+            self._memberships.mark_joined(session_id, namespace_id)
 
     async def _rejoin(self, stub: depot_pb2_grpc.DepotStub, session_id: str) -> None:
         """Joins every remembered namespace in the new session `session_id`."""
-        with self._lock:
-            self._joined_in, self._joined = session_id, set()
-            namespaces = list(self._namespaces)
-        for namespace_id in namespaces:
+        for namespace_id in self._memberships.new_session(session_id):
             try:
                 await self._join_async(stub, session_id, namespace_id)
             except grpc.RpcError as exc:  # its calls join again (or say why not)
                 log.warning("kvdepot: could not join namespace %s again: %s", namespace_id, exc)
 
     # -- unary calls -----------------------------------------------------------------
+
+    def register_memory(
+        self,
+        layout: depot_pb2.NamespaceLayout,
+        rank: int,
+        regions: Sequence[depot_pb2.MemoryRegion],
+        tensors: Sequence[depot_pb2.KVTensor],
+        groups: Sequence[depot_pb2.GroupRefs],
+        timeout: float = 30.0,
+        *,
+        session_id: str | None = None,
+    ) -> depot_pb2.RegisterKVResponse:
+        """Declares `layout` and registers this rank's KV memory, described by
+        `regions` (memfd tokens, CUDA IPC handles or process ranges: see
+        `register_kv`, kvdepot.client.cuda_ipc, kvdepot.client.pvm). `session_id`:
+        the session the regions' fd tokens were made in (default: the current one).
+        A registration is a join: the namespace is joined again in later sessions."""
+        session_id = self.session_id if session_id is None else session_id
+        request = _register_request(session_id, layout, rank, regions, tensors, groups)
+        resp = self.stub.RegisterKV(request, timeout=timeout)
+        self._memberships.mark_joined(session_id, layout.id)
+        return resp
 
     def register_kv(
         self,
@@ -406,60 +287,31 @@ class DepotClient:
     ) -> depot_pb2.RegisterKVResponse:
         """Declares `layout` and registers this rank's KV memory (memfd over SCM_RIGHTS)."""
         session_id = self.session_id
-        regions = []
-        if shm is not None:
-            assert self.hello is not None
-            if not self.hello.fd_socket:
-                raise DepotUnavailable("the daemon takes no fds (no fd socket)")
-            token = send_fd(self.hello.fd_socket, session_id, shm.fd, timeout=timeout)
-            regions.append(
-                depot_pb2.MemoryRegion(
-                    shm=depot_pb2.SharedMemoryHandle(fd_token=token, size=shm.size)
-                )
-            )
-        resp = self.stub.RegisterKV(
-            depot_pb2.RegisterKVRequest(
-                session_id=session_id,
-                namespace=layout,
-                rank=rank,
-                regions=regions,
-                tensors=tensors,
-                groups=groups,
-            ),
-            timeout=timeout,
+        regions = [] if shm is None else [_shm_region(self.hello, session_id, shm, timeout)]
+        return self.register_memory(
+            layout, rank, regions, tensors, groups, timeout, session_id=session_id
         )
-        self._mark_joined(session_id, layout.id)  # a registration is a join
-        return resp
 
     def unregister_kv(self, registration_id: int, timeout: float = DEFAULT_TIMEOUT) -> None:
-        self.stub.UnregisterKV(
-            depot_pb2.UnregisterKVRequest(
-                session_id=self.session_id, registration_id=registration_id
-            ),
-            timeout=timeout,
-        )
+        sid = self.session_id
+        req = depot_pb2.UnregisterKVRequest(session_id=sid, registration_id=registration_id)
+        self.stub.UnregisterKV(req, timeout=timeout)
 
     def lookup(
         self, namespace_id: str, keys: Sequence[bytes], timeout: float = DEFAULT_TIMEOUT
     ) -> list[bool]:
         self.join(namespace_id, timeout)
-        resp = self.stub.Lookup(
-            depot_pb2.LookupRequest(
-                session_id=self.session_id, namespace_id=namespace_id, keys=keys
-            ),
-            timeout=timeout,
+        req = depot_pb2.LookupRequest(
+            session_id=self.session_id, namespace_id=namespace_id, keys=keys
         )
-        return list(resp.ready)
+        return list(self.stub.Lookup(req, timeout=timeout).ready)
 
     def pin(
         self, namespace_id: str, keys: Sequence[bytes], timeout: float = DEFAULT_TIMEOUT
     ) -> list[bool]:
         self.join(namespace_id, timeout)
-        resp = self.stub.Pin(
-            depot_pb2.PinRequest(session_id=self.session_id, namespace_id=namespace_id, keys=keys),
-            timeout=timeout,
-        )
-        return list(resp.pinned)
+        req = depot_pb2.PinRequest(session_id=self.session_id, namespace_id=namespace_id, keys=keys)
+        return list(self.stub.Pin(req, timeout=timeout).pinned)
 
     def unpin(
         self,
@@ -501,25 +353,47 @@ class DepotClient:
     def get(
         self, namespace_id: str, key: bytes, rank: int, timeout: float = DEFAULT_TIMEOUT
     ) -> bytes:
-        resp = self.stub.Get(
-            depot_pb2.GetRequest(
-                session_id=self.session_id, namespace_id=namespace_id, key=key, rank=rank
-            ),
-            timeout=timeout,
-        )
-        return resp.data
+        sid = self.session_id
+        req = depot_pb2.GetRequest(session_id=sid, namespace_id=namespace_id, key=key, rank=rank)
+        return self.stub.Get(req, timeout=timeout).data
 
     def prefetch(
         self, namespace_id: str, keys: Sequence[bytes], timeout: float = DEFAULT_TIMEOUT
     ) -> depot_pb2.PrefetchResponse:
         """Asks the daemon's remote tier for keys that miss locally (Depot/Prefetch)."""
         self.join(namespace_id, timeout)
-        return self.stub.Prefetch(
-            depot_pb2.PrefetchRequest(
-                session_id=self.session_id, namespace_id=namespace_id, keys=keys
-            ),
+        sid = self.session_id
+        req = depot_pb2.PrefetchRequest(session_id=sid, namespace_id=namespace_id, keys=keys)
+        return self.stub.Prefetch(req, timeout=timeout)
+
+    def open_lane(
+        self, session_id: str, fd_token: str, kind: int, timeout: float
+    ) -> depot_pb2.OpenJobLaneResponse:
+        """Attaches the socket the fd socket took as `fd_token` as a lane of `kind`
+        (Depot/OpenJobLane; kvdepot.client.job_lane, kvdepot.client.pin_lane)."""
+        return self.stub.OpenJobLane(
+            depot_pb2.OpenJobLaneRequest(session_id=session_id, fd_token=fd_token, kind=kind),
             timeout=timeout,
         )
+
+    # -- the streams' calls (opened here for kvdepot.client.session, .watch, and
+    # .transfer_stream, which own and read them) ---------------------------------------
+
+    def _open_session(self, stub: depot_pb2_grpc.DepotStub) -> grpc.aio.UnaryStreamCall:
+        request = depot_pb2.SessionRequest(
+            client_name=self.client_name, pid=os.getpid(), engine_id=self.engine_id
+        )
+        return stub.Session(request)
+
+    def _open_watch(
+        self, stub: depot_pb2_grpc.DepotStub, session_id: str, namespace_id: str
+    ) -> grpc.aio.UnaryStreamCall:
+        return stub.Watch(depot_pb2.WatchRequest(session_id=session_id, namespace_id=namespace_id))
+
+    def _open_transfer(
+        self, requests: Iterator[depot_pb2.TransferJob]
+    ) -> grpc.Future:  # also an iterator of TransferResults
+        return self.stub.Transfer(requests)
 
     # -- streams ---------------------------------------------------------------------
 
@@ -527,8 +401,7 @@ class DepotClient:
         """Follows the namespace's ready keys; see `Watch`. The namespace is joined
         (remembered at once; the join itself is the stream's first step, so this
         never waits on the daemon)."""
-        with self._lock:
-            self._namespaces[namespace_id] = None
+        self._memberships.remember(namespace_id)
         return Watch(self, namespace_id, on_event).start()
 
     def transfer_stream(
@@ -538,237 +411,3 @@ class DepotClient:
         `open_lane_now=False`: never wait for the lane here (a daemon that just
         stopped answering would cost up to 0.5 s); it opens in the background."""
         return TransferStream(self, job_lane, open_lane_now=open_lane_now)
-
-
-class Watch:
-    """A background subscription to a namespace's ready keys.
-
-    `on_event` gets the daemon's WatchEvents (a SNAPSHOT with reset=True, more
-    SNAPSHOT parts, SNAPSHOT_END, then STORED/REMOVED deltas). When the daemon
-    goes away it gets a synthetic SNAPSHOT with reset=True and no keys (forget
-    everything), and after a reconnect a fresh snapshot.
-    """
-
-    def __init__(
-        self,
-        client: DepotClient,
-        namespace_id: str,
-        on_event: Callable[[depot_pb2.WatchEvent], None],
-    ) -> None:
-        self.client = client
-        self.namespace_id = namespace_id
-        self.on_event = on_event
-        self._task: asyncio.Task[None] | None = None
-
-    def start(self) -> Watch:
-        self._task = self.client._start_stream(self._run())
-        return self
-
-    async def _run(self) -> None:
-        client = self.client
-        ready, stub = client._session_ready, client._stream_stub
-        assert ready is not None and stub is not None
-        while True:
-            await ready.wait()
-            call = None
-            try:
-                session_id = client.session_id
-                await client._join_async(stub, session_id, self.namespace_id)
-                call = stub.Watch(
-                    depot_pb2.WatchRequest(session_id=session_id, namespace_id=self.namespace_id)
-                )
-                async for event in call:
-                    self.on_event(event)
-            except (grpc.RpcError, DepotUnavailable):
-                pass
-            except Exception:
-                log.exception("kvdepot watch handler failed; resubscribing")
-            finally:
-                if call is not None:
-                    call.cancel()
-                call = None  # as in DepotClient._session_loop
-            self.on_event(depot_pb2.WatchEvent(kind=depot_pb2.WatchEvent.SNAPSHOT, reset=True))
-            await asyncio.sleep(0.1)
-
-    def stop(self) -> None:
-        """Ends the subscription; `on_event` is not called once this returns."""
-        task, self._task = self._task, None
-        if task is not None:
-            self.client._stop_stream(task)
-
-
-_STREAM_END = object()
-
-
-class TransferStream:
-    """One bidirectional Transfer stream: submit jobs, collect results.
-
-    `submit` never blocks. Results are kept until `poll` takes them; `wait`
-    blocks until the named jobs have results (or the timeout passes). When the
-    stream breaks, every job in flight gets a failed result; the next `submit`
-    opens a new stream.
-
-    Where the daemon offers one, jobs go on a job lane instead (kvdepot.client.job_lane:
-    a Unix socket pair, the same messages, no gRPC and no thread hand-off on the
-    way out), opened with the stream (or in the background when the client was not
-    connected yet, or after a break); until it is open, for jobs that do not fit
-    in a datagram, and with `job_lane=False` or KVDEPOT_JOB_LANE=0, they go on the
-    gRPC stream. A lane that breaks fails its jobs in flight like a broken stream.
-    """
-
-    def __init__(
-        self, client: DepotClient, job_lane: bool | None = None, *, open_lane_now: bool = True
-    ) -> None:
-        self.client = client
-        self._lock = threading.Condition()
-        # job id -> generation: > 0 a gRPC stream's, < 0 a lane's (LaneKeeper)
-        self._inflight: dict[int, int] = {}
-        self._done: dict[int, depot_pb2.TransferResult] = {}
-        self._requests: queue.SimpleQueue[object] | None = None
-        self._call: grpc.Future | None = None
-        self._generation = 0
-        wanted = job_lane_enabled_by_env() if job_lane is None else job_lane
-        self._lanes = LaneKeeper(client, self._lock, wanted, self._lane_result, self._lane_broke)
-        # Connected: open the lane now (a few ms, once) so that every job takes it;
-        # later (re)opens happen in the background while jobs use the gRPC stream.
-        self._lanes.maybe_open(background=not open_lane_now)
-
-    @property
-    def uses_lane(self) -> bool:
-        """True while jobs go on a job lane (informational; results arrive alike)."""
-        with self._lock:
-            return self._lanes.lane is not None
-
-    def _lane_result(self, result: depot_pb2.TransferResult, generation: int) -> None:
-        # A job aborted meanwhile already has its (CANCELLED) result.
-        if self._inflight.get(result.job_id) == generation:
-            del self._inflight[result.job_id]
-            self._done[result.job_id] = result
-            self._lock.notify_all()
-
-    def _lane_broke(self, generation: int, error: str) -> None:
-        for job_id, gen in list(self._inflight.items()):
-            if gen == generation:
-                self._fail(job_id, error)
-        self._lock.notify_all()
-
-    # -- the gRPC stream ---------------------------------------------------------------
-
-    def _requests_iter(self, q: queue.SimpleQueue[object]) -> Iterator[depot_pb2.TransferJob]:
-        while True:
-            item = q.get()
-            if item is _STREAM_END:
-                return
-            yield item  # type: ignore[misc]
-
-    def _open(self) -> queue.SimpleQueue[object]:
-        q: queue.SimpleQueue[object] = queue.SimpleQueue()
-        self._generation += 1
-        generation = self._generation
-        call = self._call = self.client.stub.Transfer(self._requests_iter(q))
-        threading.Thread(
-            target=self._read, args=(call, q, generation), name="kvdepot-transfer", daemon=True
-        ).start()
-        return q
-
-    def _read(
-        self,
-        call: Iterable[depot_pb2.TransferResult],
-        q: queue.SimpleQueue[object],
-        generation: int,
-    ) -> None:
-        error = "the Transfer stream ended"
-        try:
-            for result in call:
-                with self._lock:
-                    self._inflight.pop(result.job_id, None)
-                    self._done[result.job_id] = result
-                    self._lock.notify_all()
-        except grpc.RpcError as exc:
-            error = f"the Transfer stream broke: {exc.code() if hasattr(exc, 'code') else exc}"
-        with self._lock:
-            if self._requests is q:
-                self._requests = None
-            # Only this generation's jobs were on the broken stream.
-            for job_id, gen in list(self._inflight.items()):
-                if gen == generation:
-                    self._fail(job_id, error)
-            self._lock.notify_all()
-        q.put(_STREAM_END)  # ends the request-iterator thread gRPC runs
-
-    def _fail(self, job_id: int, error: str, code: str = "UNAVAILABLE") -> None:
-        self._inflight.pop(job_id, None)
-        self._done[job_id] = depot_pb2.TransferResult(
-            job_id=job_id, success=False, error=error, error_code=code
-        )
-
-    def abort(self, reason: str = "aborted by the client") -> None:
-        """Cancels the stream: every job in flight fails now (error_code CANCELLED).
-
-        The daemon skips the cancelled jobs it has not started; a copy already
-        running cannot be stopped and finishes in the daemon, so memory a LOAD
-        targets must not be handed out again unless the daemon is known to be
-        frozen or gone. The next `submit` opens a new stream (and lane).
-        """
-        with self._lock:
-            call, self._call = self._call, None
-            requests, self._requests = self._requests, None
-            self._lanes.cancel()
-            for job_id in list(self._inflight):
-                self._fail(job_id, reason, "CANCELLED")
-            self._lock.notify_all()
-        if requests is not None:
-            requests.put(_STREAM_END)
-        if call is not None:
-            call.cancel()
-
-    def submit(self, job: depot_pb2.TransferJob) -> None:
-        with self._lock:
-            if job.job_id in self._inflight or job.job_id in self._done:
-                raise ValueError(f"job id {job.job_id} is already in use on this stream")
-            try:
-                if not job.session_id:
-                    job.session_id = self.client.session_id
-                if self._lanes.send(job):
-                    self._inflight[job.job_id] = self._lanes.generation
-                    return
-                if self._requests is None:
-                    self._requests = self._open()
-            except (DepotUnavailable, grpc.RpcError, ValueError) as exc:
-                self._fail(job.job_id, f"kvdepot daemon unavailable: {exc}")
-                self._lock.notify_all()
-                return
-            self._inflight[job.job_id] = self._generation
-            self._requests.put(job)
-
-    def poll(self) -> list[depot_pb2.TransferResult]:
-        with self._lock:
-            done, self._done = list(self._done.values()), {}
-        return done
-
-    def wait(self, job_ids: Iterable[int], timeout: float | None = None) -> bool:
-        """Blocks until every job in `job_ids` has a result; False on timeout."""
-        ids = set(job_ids)
-        deadline = None if timeout is None else time.monotonic() + timeout
-        with self._lock:
-            while True:
-                missing = {j for j in ids if j not in self._done}
-                if not missing:
-                    return True
-                remaining = None if deadline is None else deadline - time.monotonic()
-                if remaining is not None and remaining <= 0:
-                    return False
-                self._lock.wait(remaining)
-
-    @property
-    def inflight(self) -> int:
-        with self._lock:
-            return len(self._inflight)
-
-    def close(self) -> None:
-        """Ends the stream (and lane): the daemon answers the jobs it has, then closes."""
-        with self._lock:
-            self._lanes.finish()
-            if self._requests is not None:
-                self._requests.put(_STREAM_END)
-                self._requests = None

@@ -26,6 +26,10 @@ from typing import TYPE_CHECKING
 import grpc
 
 from kvdepot.client.fdpass import FdPassError, send_fd
+from kvdepot.client.job_codec import result_from_bytes
+from kvdepot.common.backoff import Backoff
+from kvdepot.common.jobs import JobResult
+from kvdepot.common.lane_protocol import ClientLaneProtocol
 from kvdepot.v1 import depot_pb2
 
 if TYPE_CHECKING:
@@ -58,12 +62,15 @@ class LaneUnavailable(RuntimeError):
 
 
 class ClientLane:
-    """An attached lane. `send` from any thread; `recv` from one reader thread."""
+    """An attached lane: the socket adapter over its `protocol` (a ClientLaneProtocol,
+    or the pin lane's PinCalls), which says what may go and what came. `send` from
+    any thread; `recv` from one reader thread."""
 
     def __init__(self, sock: socket.socket, lane_id: int, max_job_bytes: int) -> None:
         self.sock = sock
         self.lane_id = lane_id
         self.max_job_bytes = max_job_bytes
+        self.protocol = ClientLaneProtocol(max_job_bytes)
 
     @classmethod
     def open(
@@ -88,10 +95,7 @@ class ClientLane:
             finally:
                 theirs.close()  # the daemon has its own copy now (or none)
             try:
-                resp = client.stub.OpenJobLane(
-                    depot_pb2.OpenJobLaneRequest(session_id=session_id, fd_token=token, kind=kind),
-                    timeout=timeout,
-                )
+                resp = client.open_lane(session_id, token, kind, timeout)
             except grpc.RpcError as exc:
                 code = exc.code() if hasattr(exc, "code") else None
                 details = exc.details() if hasattr(exc, "details") else str(exc)
@@ -107,9 +111,9 @@ class ClientLane:
     def send(self, data: bytes) -> bool:
         """Sends one job datagram without blocking. False: it did not go (the lane
         is full, or the job is larger than a datagram may be): send it elsewhere.
-        Raises OSError when the lane is broken."""
-        if not data or len(data) > self.max_job_bytes:
-            # An empty datagram would read as the end of the lane.
+        Raises OSError when the lane is broken: the caller tells the protocol what
+        that means for its calls."""
+        if not self.protocol.fits(data):
             return False
         try:
             self.sock.send(data, socket.MSG_DONTWAIT)
@@ -123,31 +127,35 @@ class ClientLane:
             raise
         return True
 
-    def recv(self) -> depot_pb2.TransferResult | None:
+    def recv(self) -> JobResult | None:
         """Blocks for the next result; None when the lane ended."""
         data = self.sock.recv(RESULT_BYTES)
         if not data:
             return None
-        return depot_pb2.TransferResult.FromString(data)
+        return result_from_bytes(data)
 
     def finish(self) -> None:
         """Half-close: the daemon answers the jobs it has, then closes the lane."""
+        self.protocol.close()  # nothing more goes
         with contextlib.suppress(OSError):
             self.sock.shutdown(socket.SHUT_WR)
 
     def cancel(self) -> None:
         """Closes both ways: the daemon skips the jobs it has not started. The reader
         thread's `recv` returns (None) and it closes the socket."""
+        self.protocol.close()
         with contextlib.suppress(OSError):
             self.sock.shutdown(socket.SHUT_RDWR)
 
     def close(self) -> None:
+        self.protocol.close()
         self.sock.close()
 
 
 class LaneKeeper:
     """The lane of one TransferStream: opens it in the background, reads its results
-    on a thread of its own, reopens it after a break (not before `retry_s`).
+    on a thread of its own, reopens it after a break (not before `retry_s`, the
+    wait of its Backoff).
 
     Shares the stream's lock (a Condition); methods without a leading underscore
     are called with it held. Lane generations are negative, so that they never
@@ -159,7 +167,7 @@ class LaneKeeper:
         client: DepotClient,
         lock: threading.Condition,
         wanted: bool,
-        deliver: Callable[[depot_pb2.TransferResult, int], None],
+        deliver: Callable[[JobResult, int], None],
         broken: Callable[[int, str], None],
         retry_s: float = 5.0,
     ) -> None:
@@ -168,7 +176,7 @@ class LaneKeeper:
         self.wanted = wanted
         self.deliver = deliver  # (result, generation): a result came
         self.broken = broken  # (generation, why): fail that lane's jobs in flight
-        self.retry_s = retry_s
+        self._retry = Backoff(retry_s, retry_s)  # a fixed wait between tries
         self.lane: ClientLane | None = None
         self.generation = 0
         self._opening = False
@@ -204,6 +212,7 @@ class LaneKeeper:
             return lane.send(job.SerializeToString())
         except OSError:
             # Broken: its reader fails the jobs in flight on it; this one goes elsewhere.
+            lane.protocol.broke()
             self.lane = None
             lane.cancel()
             return False
@@ -230,13 +239,14 @@ class LaneKeeper:
                 if isinstance(exc, LaneUnavailable) and exc.permanent:
                     self.wanted = False
                 else:
-                    self._retry_at = time.monotonic() + self.retry_s
+                    self._retry_at = time.monotonic() + self._retry.next_delay()
                 if not self._fallback_logged:
                     self._fallback_logged = True
                     log.info("kvdepot: no job lane (%s); jobs use the Transfer stream", exc)
             return
         with self.lock:
             self._opening = False
+            self._retry.reset()
             if not self.wanted:  # the stream closed meanwhile
                 lane.close()
                 return
@@ -252,10 +262,12 @@ class LaneKeeper:
             while True:
                 result = lane.recv()
                 if result is None:
+                    lane.protocol.peer_closed()
                     break
                 with self.lock:
                     self.deliver(result, generation)
         except Exception as exc:  # OSError, or a result that does not parse
+            lane.protocol.broke()
             error = f"the job lane broke: {exc}"
         with self.lock:
             if self.lane is lane:

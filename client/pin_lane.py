@@ -23,6 +23,11 @@ an answer. The scheduler's unpin thread uses it: a gRPC Unpin call kept that
 thread busy, holding the GIL the scheduler needs, for about a millisecond after
 every step that completed loads; a datagram costs it tens of microseconds. It
 returns the keys the lane could not take, and the caller unpins those over gRPC.
+
+The rules of which answer belongs to which call, and when a lane is spent, are
+the pin lane's sans-I/O protocol (`PinCalls`, kvdepot.common.lane_protocol); the
+classes here are its socket adapters and keep the lanes open (reopened after a
+break, not before a fixed `retry_s`: a kvdepot.common.backoff.Backoff).
 """
 
 from __future__ import annotations
@@ -34,6 +39,8 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from kvdepot.client.job_lane import ClientLane, LaneUnavailable, enabled_by_env
+from kvdepot.common.backoff import Backoff
+from kvdepot.common.lane_protocol import PinCalls
 from kvdepot.v1 import depot_pb2
 
 if TYPE_CHECKING:
@@ -61,7 +68,7 @@ class SessionLane:
 
     def __init__(self, client: DepotClient, retry_s: float = 5.0) -> None:
         self._client = client
-        self._retry_s = retry_s
+        self._retry = Backoff(retry_s, retry_s)  # a fixed wait between tries
         self._wanted = enabled_by_env()
         self._lock = threading.Lock()
         self._lane: ClientLane | None = None
@@ -111,6 +118,10 @@ class SessionLane:
         lane.close()
         self.open_soon()
 
+    def _attached(self, lane: ClientLane) -> None:
+        """A new lane, before anyone uses it: a kind with answers to match sets its
+        protocol here (the pin lane's PinCalls)."""
+
     def _open(self) -> None:
         try:
             session_id = self._client.session_id
@@ -121,13 +132,15 @@ class SessionLane:
                 if isinstance(exc, LaneUnavailable) and exc.permanent:
                     self._wanted = False
                 else:
-                    self._retry_at = time.monotonic() + self._retry_s
+                    self._retry_at = time.monotonic() + self._retry.next_delay()
                 logged, self._fallback_logged = self._fallback_logged, True
             if not logged:
                 log.info("kvdepot: no %s lane (%s); %ss use gRPC", self.noun, exc, self.noun)
             return
+        self._attached(lane)
         with self._lock:
             self._opening = False
+            self._retry.reset()
             old, self._lane, self._lane_session = self._lane, lane, session_id
         if old is not None:
             old.close()
@@ -144,9 +157,12 @@ class PinLane(SessionLane):
     def __init__(self, client: DepotClient, retry_s: float = 5.0) -> None:
         super().__init__(client, retry_s)
         self.lane_pins = 0  # pins answered on the lane (tests, benchmarks)
-        # Calls sent and not answered yet: the lane they went on, their key counts.
+        # The lane the calls owed an answer went on (None: none owed). Its PinCalls
+        # protocol counts them; a new lane takes calls only once they are read.
         self._sent_on: ClientLane | None = None
-        self._unanswered: list[int] = []
+
+    def _attached(self, lane: ClientLane) -> None:
+        lane.protocol = PinCalls(lane.max_job_bytes, _pinned_flags)
 
     def send(self, session_id: str, namespace_id: str, keys: Sequence[bytes]) -> bool:
         """Sends one pin call and returns at once; the next `answers` reads its answer.
@@ -154,10 +170,11 @@ class PinLane(SessionLane):
         datagram, answers still owed on an earlier lane, a broken lane, a namespace
         this session has not joined yet): pin those keys over gRPC."""
         lane = self._lane_for(session_id)
-        if lane is None or (self._unanswered and lane is not self._sent_on):
+        if lane is None or (self._sent_on is not None and lane is not self._sent_on):
             return False
         if not self._client.joined(namespace_id, session_id):
             return False  # the daemon would refuse it (and close the lane): gRPC joins first
+        calls = _calls(lane)
         data = depot_pb2.PinRequest(
             session_id=session_id, namespace_id=namespace_id, keys=keys
         ).SerializeToString()
@@ -169,12 +186,13 @@ class PinLane(SessionLane):
                 return False
         except OSError:
             # Closed by the daemon, which may have refused an earlier call: the answers
-            # it gave before are still to be read, so `answers` drops the lane then.
-            if not self._unanswered:
+            # it gave before are still to be read (PinCalls keeps the lane for them).
+            calls.send_refused()
+            if not calls.owed:
                 self._broken(lane)
             return False
+        calls.call_sent(len(keys))
         self._sent_on = lane
-        self._unanswered.append(len(keys))
         return True
 
     def answers(self, timeout: float) -> list[bool]:
@@ -185,18 +203,19 @@ class PinLane(SessionLane):
         those over gRPC. Raises `PinTimeout` when the answers are not all in within
         `timeout` seconds, and drops the lane (a late answer must never be read as a
         later call's)."""
-        lane, counts = self._sent_on, self._unanswered
-        self._sent_on, self._unanswered = None, []
+        lane, self._sent_on = self._sent_on, None
         pinned: list[bool] = []
         if lane is None:
             return pinned
+        calls = _calls(lane)
         deadline = time.monotonic() + timeout
-        for n in counts:
+        while calls.owed:
+            size = calls.answer_bytes()
             try:
                 lane.sock.settimeout(max(deadline - time.monotonic(), 1e-6))
-                # A PinResponse is one byte per key (packed bools) and a few of framing.
-                reply = lane.sock.recv(n + 64)
+                reply = lane.sock.recv(size)
             except TimeoutError:
+                calls.timed_out()
                 self._broken(lane)
                 raise PinTimeout(
                     f"no answer on the pin lane within {timeout * 1e3:.0f} ms"
@@ -205,18 +224,17 @@ class PinLane(SessionLane):
                 # The daemon closed the lane with calls of ours unread (it refused one):
                 # Linux reports that once, ahead of the answers it sent before, which
                 # are still there to read.
-                reply = _recv_or_nothing(lane, n)
+                calls.peer_closed()
+                reply = _recv_or_nothing(lane, size)
             except OSError:
                 reply = b""
-            try:
-                got = list(depot_pb2.PinResponse.FromString(reply).pinned) if reply else []
-            except Exception:  # DecodeError: never let it reach vLLM's scheduler
-                got = []
-            if len(got) != n:  # closed, broken, or not this call's answer: trust it no more
-                self._broken(lane)
-                return pinned
+            got = calls.receive(reply)
+            if got is None:  # closed, broken, or not this call's answer: the rest fall back
+                break
             pinned += got
             self.lane_pins += 1
+        if not calls.usable:
+            self._broken(lane)
         return pinned
 
     def pin(
@@ -224,15 +242,25 @@ class PinLane(SessionLane):
     ) -> list[bool] | None:
         """Per key, whether it was pinned; None: ask over gRPC instead. Not for use
         while calls sent with `send` wait for their answers."""
-        if self._unanswered or not self.send(session_id, namespace_id, keys):
+        if self._sent_on is not None or not self.send(session_id, namespace_id, keys):
             return None
         pinned = self.answers(timeout)
         return pinned if len(pinned) == len(keys) else None
 
 
-def _recv_or_nothing(lane: ClientLane, n: int) -> bytes:
+def _pinned_flags(answer: bytes) -> Sequence[bool]:
+    return depot_pb2.PinResponse.FromString(answer).pinned
+
+
+def _calls(lane: ClientLane) -> PinCalls:
+    calls = lane.protocol
+    assert isinstance(calls, PinCalls), "a pin lane's protocol is PinCalls (_attached)"
+    return calls
+
+
+def _recv_or_nothing(lane: ClientLane, size: int) -> bytes:
     try:
-        return lane.sock.recv(n + 64)
+        return lane.sock.recv(size)
     except OSError:
         return b""
 
@@ -270,6 +298,7 @@ class UnpinLane(SessionLane):
             try:
                 sent = lane.send(data)
             except OSError:
+                lane.protocol.broke()
                 self._broken(lane)
                 sent = False
             if not sent:

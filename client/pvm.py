@@ -227,15 +227,8 @@ def register_process_kv(
         )
         for (address, size), ident in zip(regions, identities, strict=True)
     ]
-    resp = client.stub.RegisterKV(
-        depot_pb2.RegisterKVRequest(
-            session_id=session_id,
-            namespace=layout,
-            rank=rank,
-            regions=memory,
-            tensors=tensors,
-            groups=groups,
-        ),
-        timeout=timeout,
+    # In the session the identities were sent in: their tokens are that session's.
+    resp = client.register_memory(
+        layout, rank, memory, tensors, groups, timeout=timeout, session_id=session_id
     )
     return resp, "; ".join(n for n in (access, pages) if n)

@@ -26,3 +26,7 @@ libc.madvise.restype = ctypes.c_int
 libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 libc.memcmp.restype = ctypes.c_int
 libc.memcmp.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t]  # memory, bytes
+# fallocate(2) itself, not posix_fallocate(3): where a file system cannot reserve
+# space, glibc's posix_fallocate writes zeros over the whole range instead.
+libc.fallocate.restype = ctypes.c_int
+libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]

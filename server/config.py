@@ -14,15 +14,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import grp
-import ipaddress
-import math
 import os
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn
 
+from kvdepot.server import setting_parsers as parsers
 from kvdepot.server.sizes import parse_size, pool_share_bytes
 
 
@@ -32,82 +30,6 @@ def default_socket_path() -> str:
         return "/run/kvdepot/kvdepot.sock"
     runtime = os.environ.get("XDG_RUNTIME_DIR") or f"/tmp/kvdepot-{os.geteuid()}"
     return str(Path(runtime) / "kvdepot" / "kvdepot.sock")
-
-
-# --- parsers: text -> value, or ValueError with a message that says what is allowed ------
-
-
-def _read(text: str, convert: Callable[[str], Any], complaint: str) -> Any:
-    """`convert(text.strip())`; when it cannot, ValueError(complaint) instead of the
-    converter's own exception (which says nothing a user can act on). The parsers that
-    convert text (numbers, modes, addresses, groups) read it through this, then check
-    the value's range."""
-    try:
-        return convert(text.strip())
-    except (ValueError, KeyError):
-        raise ValueError(complaint) from None
-
-
-def _text(text: str) -> str:
-    return text
-
-
-def _whole_number(minimum: int, maximum: int | None = None) -> Callable[[str], int]:
-    def parse(text: str) -> int:
-        value = _read(text, int, f"{text!r} is not a whole number")
-        if value < minimum or (maximum is not None and value > maximum):
-            upper = f" and <= {maximum}" if maximum is not None else ""
-            raise ValueError(f"{value} is out of range: must be >= {minimum}{upper}")
-        return value
-
-    return parse
-
-
-def _seconds(text: str) -> float:
-    value = _read(text, float, f"{text!r} is not a number of seconds")
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{text!r} must be a positive number of seconds")
-    return value
-
-
-def _octal_mode(text: str) -> int:
-    value = _read(
-        text, lambda t: int(t, 8), f"{text!r} is not an octal file mode such as 660 or 0600"
-    )
-    if not 0 <= value <= 0o777:
-        raise ValueError(f"{text!r} is not a file mode: use three octal digits, e.g. 660")
-    return value
-
-
-def _host_port(text: str) -> str:
-    host, _, port = text.strip().rpartition(":")
-    if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
-        raise ValueError(f"{text!r} is not HOST:PORT, e.g. 127.0.0.1:50051")
-    return text.strip()
-
-
-def _address(text: str) -> str:
-    value = text.strip().strip("[]")
-    _read(
-        value, ipaddress.ip_address, f"{text!r} is not an IP address, e.g. 127.0.0.1, 0.0.0.0 or ::"
-    )
-    return value
-
-
-def _group(text: str) -> str:
-    _read(text, grp.getgrnam, f"no group named {text!r} on this host")
-    return text.strip()
-
-
-def _one_of(*choices: str) -> Callable[[str], str]:
-    def parse(text: str) -> str:
-        value = text.strip().lower()
-        if value not in choices:
-            raise ValueError(f"{text!r} is not one of {', '.join(choices)}")
-        return value
-
-    parse.metavar = "{" + ",".join(choices) + "}"  # type: ignore[attr-defined]
-    return parse
 
 
 def _remote_url(text: str) -> str:
@@ -121,10 +43,6 @@ def _pool_share(text: str) -> str:
     """Checks a SIZE or PERCENT% setting; the text is kept (the pool size is known later)."""
     pool_share_bytes(text, 1 << 30)
     return text.strip()
-
-
-_TRUE = {"1", "true", "yes", "on"}
-_FALSE = {"0", "false", "no", "off"}
 
 
 # --- the table ----------------------------------------------------------------------------
@@ -143,7 +61,7 @@ class Setting:
 
     flag: str
     help: str
-    parse: Callable[[str], Any] = _text
+    parse: Callable[[str], Any] = parsers.text
     shown: str = ""
     switch: bool = False
     metavar: str | None = None
@@ -156,8 +74,8 @@ class Setting:
         if not self.switch:
             return self.parse(raw)
         word = raw.strip().lower()
-        if word in _TRUE | _FALSE:
-            return word in _TRUE
+        if word in parsers.TRUE | parsers.FALSE:
+            return word in parsers.TRUE
         raise ValueError(f"{raw!r} is not one of 1, true, yes, on, 0, false, no, off")
 
 
@@ -166,14 +84,14 @@ def setting(
     default: Any = None,
     *,
     help: str,
-    parse: Callable[[str], Any] = _text,
+    parse: Callable[[str], Any] = parsers.text,
     shown: str | None = None,
     default_factory: Callable[[], Any] | None = None,
     switch: bool = False,
     metavar: str | None = None,
 ) -> Any:
     """A `ServeConfig` field that is also a setting (one row of the table). A parser
-    that names its own value in --help (`_one_of`: its choices) gives the metavar."""
+    that names its own value in --help (`parsers.one_of`: its choices) gives the metavar."""
     if shown is None:
         shown = "" if default is None or switch else str(default)
     metavar = metavar or getattr(parse, "metavar", None)
@@ -183,9 +101,34 @@ def setting(
     return field(default=default, metadata=meta)
 
 
+class DerivedSockets:
+    """The socket paths and modes derived from three settings, so the table holds only
+    settings. `ServeConfig` inherits them (`cfg.fd_socket` reads like a setting); the
+    annotations name the settings they read (a plain class: no dataclass fields)."""
+
+    socket: str
+    admin_socket: str | None
+    admin_group: str | None
+
+    @property
+    def fd_socket(self) -> str:
+        return self.socket + ".fd"
+
+    @property
+    def admin_socket_path(self) -> str:
+        """The operators' socket: Admin is served there and nowhere else."""
+        return self.admin_socket or self.socket + ".admin"
+
+    @property
+    def admin_socket_mode(self) -> int:
+        # The daemon's user only, unless an operator group is named.
+        return 0o660 if self.admin_group else 0o600
+
+
 @dataclass
-class ServeConfig:
-    """What the daemon runs with. Fields with a `setting(...)` are the settings table."""
+class DaemonSettings(DerivedSockets):
+    """The daemon's own settings (the first part of `ServeConfig`'s table): sockets, the
+    pool, sessions and their quotas, operators, TLS, copy threads and job bounds."""
 
     socket: str = setting(
         "--socket",
@@ -196,7 +139,7 @@ class ServeConfig:
     )
     listen: str | None = setting(
         "--listen",
-        parse=_host_port,
+        parse=parsers.host_port,
         metavar="HOST:PORT",
         shown="off: TCP has no file-mode access control",
         help="also serve Depot (never Admin) on this TCP address, e.g. 127.0.0.1:50051; any "
@@ -220,7 +163,7 @@ class ServeConfig:
     )
     metrics_port: int | None = setting(
         "--metrics-port",
-        parse=_whole_number(0, 65535),
+        parse=parsers.whole_number(0, 65535),
         metavar="PORT",
         shown="off",
         help="serve Prometheus metrics on this port",
@@ -228,7 +171,7 @@ class ServeConfig:
     metrics_addr: str = setting(
         "--metrics-addr",
         "127.0.0.1",
-        parse=_address,
+        parse=parsers.address,
         metavar="ADDR",
         help="address the metrics endpoint listens on: loopback by default, 0.0.0.0 (or "
         "the pod IP) for a scrape from another host or pod",
@@ -236,14 +179,14 @@ class ServeConfig:
     max_sessions: int = setting(
         "--max-sessions",
         256,
-        parse=_whole_number(1),
+        parse=parsers.whole_number(1),
         metavar="N",
         help="open sessions (engine processes) at most; more are refused with RESOURCE_EXHAUSTED",
     )
     max_registrations_per_session: int = setting(
         "--max-registrations-per-session",
         64,
-        parse=_whole_number(1),
+        parse=parsers.whole_number(1),
         metavar="N",
         help="registrations one session may hold (each holds an fd and mappings); more "
         "are refused with RESOURCE_EXHAUSTED",
@@ -269,14 +212,14 @@ class ServeConfig:
     max_watches_per_session: int = setting(
         "--max-watches-per-session",
         16,
-        parse=_whole_number(1),
+        parse=parsers.whole_number(1),
         metavar="N",
         help="Watch streams one session may hold open; more are refused with RESOURCE_EXHAUSTED",
     )
     max_sessions_per_pid: int = setting(
         "--max-sessions-per-pid",
         16,
-        parse=_whole_number(1),
+        parse=parsers.whole_number(1),
         metavar="N",
         help="sessions one process may hold (the kernel names it on the fd socket); more "
         "are refused with RESOURCE_EXHAUSTED",
@@ -284,14 +227,14 @@ class ServeConfig:
     max_sessions_per_uid: int = setting(
         "--max-sessions-per-uid",
         128,
-        parse=_whole_number(1),
+        parse=parsers.whole_number(1),
         metavar="N",
         help="sessions the processes of one user may hold together",
     )
     max_unattested_sessions: int = setting(
         "--max-unattested-sessions",
         32,
-        parse=_whole_number(1),
+        parse=parsers.whole_number(1),
         metavar="N",
         help="sessions not yet bound to a process (kvdepot's client binds its own at "
         "once); beyond them the oldest is ended, so no client can lock others out",
@@ -306,7 +249,7 @@ class ServeConfig:
     fd_reserve: int = setting(
         "--fd-reserve",
         256,
-        parse=_whole_number(16),
+        parse=parsers.whole_number(16),
         metavar="N",
         help="file descriptors kept free below RLIMIT_NOFILE for connections and files: "
         "fds and registrations that would eat into them are refused",
@@ -314,20 +257,20 @@ class ServeConfig:
     log_level: str = setting(
         "--log-level",
         "info",
-        parse=_one_of("debug", "info", "warning", "error"),
+        parse=parsers.one_of("debug", "info", "warning", "error"),
         help="log level",
     )
     socket_mode: int = setting(
         "--socket-mode",
         0o660,
-        parse=_octal_mode,
+        parse=parsers.octal_mode,
         shown="660",
         metavar="MODE",
         help="octal file mode of the sockets",
     )
     socket_group: str | None = setting(
         "--socket-group",
-        parse=_group,
+        parse=parsers.group,
         metavar="GROUP",
         shown="the daemon's own group",
         help="group owning the sockets: engines in it may connect",
@@ -341,7 +284,7 @@ class ServeConfig:
     )
     admin_group: str | None = setting(
         "--admin-group",
-        parse=_group,
+        parse=parsers.group,
         metavar="GROUP",
         shown="none: mode 600, the daemon's user only",
         help="operator group: its members may use the admin socket (mode 660)",
@@ -372,14 +315,14 @@ class ServeConfig:
     copy_threads: int = setting(
         "--copy-threads",
         2,
-        parse=_whole_number(1),
+        parse=parsers.whole_number(1),
         metavar="N",
         help="threads that copy bytes",
     )
     max_job_keys: int = setting(
         "--max-job-keys",
         4096,
-        parse=_whole_number(1),
+        parse=parsers.whole_number(1),
         metavar="N",
         help="largest transfer job in keys",
     )
@@ -388,14 +331,14 @@ class ServeConfig:
     max_job_blocks: int = setting(
         "--max-job-blocks",
         16384,
-        parse=_whole_number(1),
+        parse=parsers.whole_number(1),
         metavar="N",
         help="largest transfer job in GPU block ids (16384 blocks of 16 tokens: 256k tokens)",
     )
     max_job_pages: int = setting(
         "--max-job-pages",
         1 << 20,
-        parse=_whole_number(1),
+        parse=parsers.whole_number(1),
         metavar="N",
         help="largest transfer job in pages (block ids x layers of their group; Llama-3-405B's "
         "126 layers x 8192 blocks fit); larger jobs are refused with RESOURCE_EXHAUSTED",
@@ -403,18 +346,26 @@ class ServeConfig:
     max_batch_keys: int = setting(
         "--max-batch-keys",
         16384,
-        parse=_whole_number(1),
+        parse=parsers.whole_number(1),
         metavar="N",
         help="keys in one Lookup, Pin, Unpin or Prefetch call",
     )
     reservation_timeout: float = setting(
         "--reservation-timeout",
         60.0,
-        parse=_seconds,
+        parse=parsers.seconds,
         shown="60",
         metavar="SECONDS",
         help="seconds a partly written block row may wait for its other ranks",
     )
+
+
+@dataclass
+class ServeConfig(DaemonSettings):
+    """What the daemon runs with. Fields with a `setting(...)` are the settings table: the
+    daemon's own (`DaemonSettings`, first) and then the tiers' below the pool (the
+    fleet's Redis, the local disk), in the order --help and the docs list them."""
+
     remote: str | None = setting(
         "--remote",
         parse=_remote_url,
@@ -428,14 +379,14 @@ class ServeConfig:
     remote_ttl: int = setting(
         "--remote-ttl",
         86400,
-        parse=_whole_number(0),
+        parse=parsers.whole_number(0),
         metavar="SECONDS",
         help="time to live of rows written to the remote tier (0: no expiry)",
     )
     remote_write: str = setting(
         "--remote-write",
         "ready",
-        parse=_one_of("ready", "evict"),
+        parse=parsers.one_of("ready", "evict"),
         help="write a row to the remote tier when it becomes ready, or only when LRU evicts it",
     )
     remote_max_inflight_bytes: int = setting(
@@ -474,23 +425,24 @@ class ServeConfig:
         help="run --remote without a fleet key: rows are checked with a CRC only, so anyone "
         "who can write to the store can plant rows this node loads",
     )
+    disk: str | None = setting(
+        "--disk",
+        metavar="DIR",
+        shown="off",
+        help="a disk tier below the pool, in the daemon's own directory DIR (one "
+        "preallocated file): ready rows are written behind, misses in RAM read back",
+    )
+    disk_size: int = setting(
+        "--disk-size",
+        64 << 30,
+        parse=parse_size,
+        shown="64GiB",
+        metavar="SIZE",
+        help="bytes of the disk tier's file, reserved at start; past it, LRU evicts",
+    )
     # Not settings: fixed for the daemon, changed only by tests that build a state directly.
     slot_granularity: int = 4096
     keepalive_seconds: float = 5.0
-
-    @property
-    def fd_socket(self) -> str:
-        return self.socket + ".fd"
-
-    @property
-    def admin_socket_path(self) -> str:
-        """The operators' socket: Admin is served there and nowhere else."""
-        return self.admin_socket or self.socket + ".admin"
-
-    @property
-    def admin_socket_mode(self) -> int:
-        # The daemon's user only, unless an operator group is named.
-        return 0o660 if self.admin_group else 0o600
 
 
 def settings() -> Iterator[tuple[str, Setting]]:

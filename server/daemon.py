@@ -41,6 +41,7 @@ from kvdepot.server.state import DepotState
 from kvdepot.v1 import admin_pb2, admin_pb2_grpc, depot_pb2, depot_pb2_grpc
 
 if TYPE_CHECKING:
+    from kvdepot.server.disk.link import DiskLink
     from kvdepot.server.remote.link import RemoteLink
 
 log = logging.getLogger("kvdepot")
@@ -143,6 +144,11 @@ class RemoteTierError(RuntimeError):
     fleet key)."""
 
 
+class DiskTierError(RuntimeError):
+    """--disk cannot be used (blake3 missing, someone else's directory or file, another
+    daemon's disk tier)."""
+
+
 class Daemon:
     def __init__(self, config: ServeConfig) -> None:
         self.config = config
@@ -155,6 +161,7 @@ class Daemon:
         self._stop = asyncio.Event()
         self._ready = False  # READY=1 sent (read by the warm-up thread's STATUS lines)
         self.remote: RemoteLink | None = None
+        self.disk: DiskLink | None = None
         self.depot: DepotServicer | None = None
         self.gc = GcPolicy()  # keeps the index out of full collections
 
@@ -194,6 +201,7 @@ class Daemon:
         enable_cuda(st, st.arena)  # before the warm-up: it page-locks each warm chunk
         enable_pvm(st, cfg.pvm)  # engines' plain memory (process_vm_readv/writev); --pvm
         self._start_warmup(st)
+        disk = self.disk = self._disk_tier(st)
         remote = self.remote = self._remote_tier(st)
 
         # Two servers on this loop: one grpc server cannot serve different services on
@@ -204,7 +212,7 @@ class Daemon:
         admin_server = self.admin_server = grpc.aio.server(options=_SERVER_OPTIONS)
         # Undecodable requests get INVALID_ARGUMENT, not grpcio's UNKNOWN, and requests
         # larger than any legal one are refused unparsed (see wire.py).
-        depot = self.depot = DepotServicer(st, remote)
+        depot = self.depot = DepotServicer(st)
         wire.add_servicer(
             depot_pb2_grpc.add_DepotServicer_to_server,
             depot,
@@ -214,7 +222,7 @@ class Daemon:
         server.add_generic_rpc_handlers((admin_refusal(cfg.admin_socket_path),))
         wire.add_servicer(
             admin_pb2_grpc.add_AdminServicer_to_server,
-            AdminServicer(st, remote, depot.lanes),
+            AdminServicer(st, depot.lanes),
             admin_server,
         )
         health_name = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
@@ -265,6 +273,10 @@ class Daemon:
                 from kvdepot.server.remote.metrics import RemoteCollector
 
                 metrics.registry.register(RemoteCollector(remote))
+            if disk is not None:
+                from kvdepot.server.disk.metrics import DiskCollector
+
+                metrics.registry.register(DiskCollector(disk))
             metrics.serve(cfg.metrics_port, cfg.metrics_addr)
             log.info(
                 "Prometheus metrics on http://%s:%d/metrics", cfg.metrics_addr, cfg.metrics_port
@@ -297,7 +309,7 @@ class Daemon:
         await self._shutdown(st, tasks)
 
     def _remote_tier(self, st: DepotState) -> RemoteLink | None:
-        """The remote tier (`--remote`), wired to the state's event listener hook."""
+        """The remote tier (`--remote`), attached to the state (DepotState.attach_remote_tier)."""
         cfg = self.config
         if not cfg.remote:
             return None
@@ -324,8 +336,29 @@ class Daemon:
             raise RemoteTierError(str(exc)) from None
         except OSError as exc:
             raise RemoteTierError(f"--remote-password-file: {exc}") from None
-        st.add_event_listener(link.on_event)
+        st.attach_remote_tier(link)  # Prefetch, GetStats, and every index event
         link.start()
+        return link
+
+    def _disk_tier(self, st: DepotState) -> DiskLink | None:
+        """The disk tier (`--disk`), opened at once (its index comes back in the
+        background) and attached to the state (DepotState.attach_disk_tier)."""
+        cfg = self.config
+        if not cfg.disk:
+            return None
+        try:
+            from kvdepot.server.disk.files import TierBusy
+            from kvdepot.server.disk.link import DiskLink, DiskSettings
+        except ImportError as exc:  # blake3 is the `disk` extra
+            raise DiskTierError(
+                f"--disk needs blake3 ({exc}): pip install 'kvdepot[disk]'"
+            ) from None
+        link = DiskLink.from_settings(DiskSettings(cfg.disk, cfg.disk_size), st.index, st.arena)
+        try:
+            link.start()
+        except (private_files.UnsafeFileError, TierBusy) as exc:
+            raise DiskTierError(f"--disk {cfg.disk}: {exc}") from None
+        st.attach_disk_tier(link)  # Prefetch, GetStats, and every index event
         return link
 
     def request_stop(self) -> None:
@@ -374,6 +407,8 @@ class Daemon:
         await asyncio.gather(*tasks, return_exceptions=True)
         if self.remote is not None:  # its copies must end before the pool is unmapped
             await self.remote.close()
+        if self.disk is not None:  # so must its I/O; and it writes its index checkpoint
+            await self.disk.close()
         st.close()
         for path in (self.config.socket, self.config.fd_socket, self.config.admin_socket_path):
             with contextlib.suppress(FileNotFoundError):
@@ -400,6 +435,7 @@ def serve(config: ServeConfig) -> int:
         PoolFileBusy,
         PoolFilePathError,
         RemoteTierError,
+        DiskTierError,
         ListenError,
     ) as exc:
         log.error("%s", exc)

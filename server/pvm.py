@@ -53,7 +53,7 @@ import os
 import socket
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Protocol
 
 import numpy as np
 
@@ -69,6 +69,7 @@ from kvdepot.server.memory.copy_engine import (
     PreparedCopy,
     check_runs,
 )
+from kvdepot.server.memory.paths import MemoryPaths, PassedFds
 from kvdepot.server.peer import Peer, PeerGone, pidfd_alive, socket_creator, start_time, uids
 
 log = logging.getLogger("kvdepot.pvm")
@@ -486,69 +487,92 @@ def probe(pid: int, address: int, size: int, uid: int | None) -> None:
             ) from None
 
 
-def open_region(state: Any, handle: Any, session: Any) -> tuple[MappedRegion, CopyEngine]:
-    """The "pvm" region opener (see `enable_pvm`): verifies who registers, probes
-    the access, and returns the region with the shared engine."""
-    if state.fd_receiver is None:
-        raise errors.precondition("this daemon takes no fds (no fd socket): pvm is off")
-    if handle.size <= 0:
-        raise errors.invalid("a pvm region needs a positive size")
-    if not 0 < handle.address < 1 << 64 or handle.address + handle.size > 1 << 64:
-        raise errors.invalid(f"address range [{handle.address:#x}, +{handle.size}) is invalid")
-    passed = state.claim_passed(handle.pid_token, session.id)
-    sender: Peer = passed.peer  # who sent the socket: the kernel's word
-    try:
+class ProcessMemoryHandle(Protocol):
+    """RegisterKV's ProcessMemory handle (depot.proto)."""
+
+    pid_token: str
+    pid: int
+    address: int
+    size: int
+
+
+class PvmHost(MemoryPaths, PassedFds, Protocol):
+    """What the pvm path needs of the state (DepotState): a place to plug in, and
+    the fd socket's fds."""
+
+
+class ProcessMemoryPath:
+    """The "pvm" memory path (see `enable_pvm`): each region verifies who registers,
+    probes the access, and is copied by the shared engine."""
+
+    kind = MemoryPath.PVM
+
+    def __init__(self, fds: PassedFds) -> None:
+        self.fds = fds
+
+    def open(self, handle: ProcessMemoryHandle, session_id: str) -> tuple[MappedRegion, CopyEngine]:
+        if not self.fds.takes_fds():
+            raise errors.precondition("this daemon takes no fds (no fd socket): pvm is off")
+        if handle.size <= 0:
+            raise errors.invalid("a pvm region needs a positive size")
+        if not 0 < handle.address < 1 << 64 or handle.address + handle.size > 1 << 64:
+            raise errors.invalid(f"address range [{handle.address:#x}, +{handle.size}) is invalid")
+        passed = self.fds.claim_passed(handle.pid_token, session_id)
+        sender: Peer = passed.peer  # who sent the socket: the kernel's word
         try:
-            check_creator(passed.fd, sender)
-        except errors.DepotError as exc:
-            if exc.code is errors.Code.PERMISSION_DENIED:
-                raise state.deny(exc.message) from None
+            try:
+                check_creator(passed.fd, sender)
+            except errors.DepotError as exc:
+                if exc.code is errors.Code.PERMISSION_DENIED:
+                    raise self.fds.deny(exc.message) from None
+                raise
+        finally:
+            os.close(passed.fd)
+        pidfd, uid_set = sender_pidfd(sender)
+        try:
+            own = _pidfd_pids(pidfd)[-1]  # the sender's own view of its pid
+            if handle.pid and handle.pid != own:
+                # The message's pid never chooses what is copied; a wrong one is a client
+                # bug (or a lie), and is said so.
+                raise self.fds.deny(
+                    f"ProcessMemory.pid {handle.pid} is not the process that made and sent the "
+                    f"pid_token socketpair (pid {own}): a process may register only its own memory"
+                )
+            probe(sender.pid, handle.address, handle.size, sender.uid)
+        except BaseException:
+            os.close(pidfd)
             raise
-    finally:
-        os.close(passed.fd)
-    pidfd, uid_set = sender_pidfd(sender)
-    try:
-        own = _pidfd_pids(pidfd)[-1]  # the sender's own view of its pid
-        if handle.pid and handle.pid != own:
-            # The message's pid never chooses what is copied; a wrong one is a client
-            # bug (or a lie), and is said so.
-            raise state.deny(
-                f"ProcessMemory.pid {handle.pid} is not the process that made and sent the "
-                f"pid_token socketpair (pid {own}): a process may register only its own memory"
-            )
-        probe(sender.pid, handle.address, handle.size, sender.uid)
-    except BaseException:
-        os.close(pidfd)
-        raise
-    region = ProcessMemoryRegion(
-        sender.pid, pidfd, handle.address, handle.size, sender.start_time, uid_set
-    )
-    return region, _ENGINE
+        region = ProcessMemoryRegion(
+            sender.pid, pidfd, handle.address, handle.size, sender.start_time, uid_set
+        )
+        return region, _ENGINE
 
 
 _ENGINE = PvmCopyEngine()
 
 
-def refuse_pvm(handle: Any, session: Any) -> tuple[MappedRegion, CopyEngine]:
-    """The pvm opener of a daemon started without --pvm."""
-    raise errors.precondition(
-        "the pvm memory path is off in this daemon: the operator enables it with --pvm "
-        "(KVDEPOT_PVM=1); until then use shared memory (kvdepot.client.SharedKVBuffer) or "
-        "inline Put/Get (kvdepot's connector falls back by itself)"
-    )
+class PvmOff:
+    """The pvm path of a daemon started without --pvm: refuses, saying how to turn it on."""
+
+    kind = MemoryPath.PVM
+
+    def open(self, handle: object, session_id: str) -> tuple[MappedRegion, CopyEngine]:
+        raise errors.precondition(
+            "the pvm memory path is off in this daemon: the operator enables it with --pvm "
+            "(KVDEPOT_PVM=1); until then use shared memory (kvdepot.client.SharedKVBuffer) or "
+            "inline Put/Get (kvdepot's connector falls back by itself)"
+        )
 
 
-def enable_pvm(state: Any, on: bool = True) -> None:
+def enable_pvm(state: PvmHost, on: bool = True) -> None:
     """Adds the "pvm" memory path to `state` (DepotState.add_memory_path) and logs
     what the host allows, or (`on` False, no --pvm) a path that refuses with how to
     turn it on. Registration-time probes decide per engine."""
     if not on:
-        state.add_memory_path(MemoryPath.PVM, refuse_pvm)
+        state.add_memory_path(PvmOff())
         log.info("pvm path off (--pvm, KVDEPOT_PVM=1 turns it on)")
         return
-    state.add_memory_path(
-        MemoryPath.PVM, lambda handle, session: open_region(state, handle, session)
-    )
+    state.add_memory_path(ProcessMemoryPath(state))
     scope = ptrace_scope()
     cap = has_cap_sys_ptrace()
     if scope == 3:

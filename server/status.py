@@ -252,6 +252,52 @@ def _pool_bar(capacity: int, used: int, pinned: int, width: int = BAR_WIDTH) -> 
     return bar
 
 
+def _disk(disk: dict[str, Any] | None, rates: dict[str, Any] | None) -> list[Any]:
+    """The disk tier: off, or its health, use, traffic, drops and index recovery."""
+    from rich.table import Table
+    from rich.text import Text
+
+    if not disk:
+        return []
+    g = Table.grid(padding=(0, 1))
+    g.add_column(style="bold", no_wrap=True, min_width=11)
+    g.add_column()
+    if not disk.get("disk_enabled"):
+        g.add_row("disk", Text("off (kvdepot serve --disk DIR)", style="dim"))
+        return [g]
+    capacity, used = disk.get("disk_capacity_bytes", 0), disk.get("disk_used_bytes", 0)
+    use = f"{fmt_bytes(used)} of {fmt_bytes(capacity)}, {disk.get('disk_records', 0)} records"
+    if disk.get("disk_healthy"):
+        g.add_row("disk", Text.assemble(("healthy", "green"), f" · {use}"))
+    else:
+        why = disk.get("disk_down_reason") or "not answering"
+        g.add_row("disk", Text(f"DOWN: {why} (RAM only until it recovers)", style="bold red"))
+    if rates is not None and "disk_writes_per_second" in rates:
+        asked = rates["disk_hits_per_second"] + rates["disk_misses_per_second"]
+        hit = f", {100 * rates['disk_hits_per_second'] / asked:.0f}% hit" if asked else ""
+        g.add_row(
+            "",
+            f"writes {fmt_bytes(rates['disk_write_bytes_per_second'])}/s · reads "
+            f"{fmt_bytes(rates['disk_read_bytes_per_second'])}/s{hit}",
+        )
+    drops = sum(disk.get("disk_write_drops", {}).values())
+    recovery = (
+        ""
+        if disk.get("disk_recovery_complete", True)
+        else " · index coming back: "
+        + (
+            f"{fmt_bytes(disk.get('disk_recovery_scanned_bytes', 0))} of "
+            f"{fmt_bytes(disk.get('disk_recovery_total_bytes', 0))} scanned"
+        )
+    )
+    g.add_row(
+        "",
+        f"dropped writes {drops} · rejected {disk.get('disk_rejected', 0)} · errors "
+        f"{disk.get('disk_errors', 0)}{recovery}",
+    )
+    return [g]
+
+
 def _remote(remote: dict[str, Any] | None, rates: dict[str, Any] | None) -> list[Any]:
     """The remote tier: off, or its health, traffic and trouble; fields this version
     does not know are listed as they come."""
@@ -430,6 +476,7 @@ def render(r: dict[str, Any]) -> Any:
         )
     parts.append(grid)
     parts.extend(_remote(r["remote"], r["rates"]))
+    parts.extend(_disk(r.get("disk"), r["rates"]))
 
     ns_table = Table(
         title="namespaces", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, expand=False

@@ -9,7 +9,8 @@ the interval between the two.
 
 Nothing here imports rich: the dict is the contract, the screen is one rendering.
 GetStats fields this module does not know (a newer daemon, e.g. a remote tier) are
-passed through generically under "remote" (names containing "remote") and "other".
+passed through generically under "remote" (names containing "remote"), "disk" (names
+starting "disk_") and "other".
 """
 
 from __future__ import annotations
@@ -114,6 +115,10 @@ REMOTE_COUNTERS = (
     "remote_writes", "remote_write_bytes", "remote_write_present", "remote_write_drops",
     "remote_reads", "remote_read_bytes", "remote_hits", "remote_misses", "remote_fetch_drops",
     "remote_verify_failures", "remote_errors",
+)  # fmt: skip
+# The disk tier's counters (`kvdepot serve --disk`), per second over the interval.
+DISK_COUNTERS = (
+    "disk_writes", "disk_write_bytes", "disk_reads", "disk_read_bytes", "disk_hits", "disk_misses",
 )  # fmt: skip
 OPTIONAL_RATES = {
     "pin_keys": "pin_keys",
@@ -384,7 +389,7 @@ def rates(prev: Sample | None, cur: Sample) -> dict[str, Any] | None:
     out: dict[str, Any] = {"interval_seconds": dt}
     fields = cur.stats.DESCRIPTOR.fields_by_name
     optional = {k: f for k, f in OPTIONAL_RATES.items() if f in fields}
-    optional |= {k: k for k in REMOTE_COUNTERS if k in fields}
+    optional |= {k: k for k in (*REMOTE_COUNTERS, *DISK_COUNTERS) if k in fields}
     for name, field in (RATE_COUNTERS | optional).items():
         out[f"{name}_per_second"] = (getattr(cur.stats, field) - getattr(prev.stats, field)) / dt
     before = prev.stats.evictions_by_reason
@@ -411,6 +416,7 @@ def build_report(
     s = cur.stats
     everything = plain(s)
     remote, other = _extras(everything)
+    disk = {k: other.pop(k) for k in list(other) if k.startswith("disk_")}
     capacity = s.capacity_bytes
     return {
         "socket": path,
@@ -462,5 +468,6 @@ def build_report(
         "totals": {k: everything[k] for k in (*TOTALS, *OPTIONAL_COUNTERS) if k in everything},
         "recovery": {k: everything[k] for k in RECOVERY if k in everything} or None,
         "remote": remote or None,
+        "disk": disk or None,
         "other": other,
     }

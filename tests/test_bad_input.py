@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import os
 import socket
+from typing import Any
 
 import grpc
 import pytest
 
 from kvdepot.client import DepotClient
 from kvdepot.client.fdpass import FdPassError, send_fd
+from kvdepot.common.jobs import Job, JobResult
 from kvdepot.v1 import admin_pb2
 from kvdepot.v1 import depot_pb2 as pb
 from tests.support.engine import Engine, Geometry, chunk_plan, make_key
@@ -36,9 +38,9 @@ def expect(code: grpc.StatusCode, words: str, fn, *args, **kwargs) -> None:
     assert words in info.value.details(), info.value.details()
 
 
-def job_result(eng: Engine, **fields: object) -> pb.TransferResult:
+def job_result(eng: Engine, **fields: Any) -> JobResult:
     fields.setdefault("registration_id", eng.registration.registration_id)
-    job = pb.TransferJob(job_id=eng._next_job, **fields)
+    job = Job(job_id=eng._next_job, **fields)
     eng._next_job += 1
     eng.stream.submit(job)
     assert eng.stream.wait({job.job_id}, timeout=10)

@@ -15,6 +15,7 @@ import time
 import pytest
 
 from kvdepot.client import DepotClient
+from kvdepot.common.jobs import Job
 from kvdepot.testing.waiting import wait_for
 from kvdepot.v1 import depot_pb2 as pb
 from tests.support.engine import Engine, Geometry, chunk_plan
@@ -51,7 +52,7 @@ def test_abort_fails_jobs_in_flight_and_the_stream_reopens(daemon) -> None:
     os.kill(daemon.proc.pid, signal.SIGSTOP)
     try:
         eng.stream.submit(
-            pb.TransferJob(
+            Job(
                 job_id=100,
                 direction=pb.STORE,
                 registration_id=eng.registration.registration_id,

@@ -23,6 +23,7 @@ import grpc
 import pytest
 
 from kvdepot.client import DepotClient, DepotUnavailable
+from kvdepot.common.jobs import Job, JobResult
 from kvdepot.testing.waiting import wait_for
 from kvdepot.v1 import depot_pb2 as pb
 from tests.support import soak
@@ -87,7 +88,7 @@ class Recorder:
             return [o for o in self.ops if o.kind == kind and t0 <= o.start < t1]
 
 
-def run_job(eng: Engine, direction: int, keys: list[bytes], base: int) -> pb.TransferResult | None:
+def run_job(eng: Engine, direction: int, keys: list[bytes], base: int) -> JobResult | None:
     """One job, waited for at most JOB_DEADLINE; None if no result came in time."""
     blocks, indices = soak.group_job(eng.geo, 0, keys, base)
     return eng.result(eng.submit(direction, keys, blocks, indices), JOB_DEADLINE)
@@ -278,7 +279,7 @@ def test_deadlines_hold_when_the_daemon_is_frozen(rig: tuple[DaemonProcess, Rig]
             assert took < 1.5, took
         blocks, indices = soak.group_job(eng.geo, 0, key, soak.STORE_BASE)
         eng.stream.submit(
-            pb.TransferJob(
+            Job(
                 job_id=999,
                 direction=pb.STORE,
                 registration_id=eng.registration.registration_id,

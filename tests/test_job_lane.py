@@ -25,6 +25,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvdepot.client import DepotClient
 from kvdepot.client.fdpass import send_fd
+from kvdepot.common.jobs import Job
 from kvdepot.testing.waiting import wait_for
 from kvdepot.v1 import admin_pb2, admin_pb2_grpc
 from kvdepot.v1 import depot_pb2 as pb
@@ -111,7 +112,7 @@ def test_abort_cancels_lane_jobs_and_the_next_submit_reopens(daemon, client) -> 
     keys, blocks, idx = chunk_plan(geo, range(0, 8))
     for j in range(1, 40):
         eng.stream.submit(
-            pb.TransferJob(
+            Job(
                 job_id=j,
                 direction=pb.STORE,
                 registration_id=eng.registration.registration_id,
@@ -138,6 +139,7 @@ VICTIM = """
 import json, sys
 sys.path.insert(0, sys.argv[2])
 from kvdepot.client import DepotClient
+from kvdepot.common.jobs import Job
 from kvdepot.v1 import depot_pb2 as pb
 from tests.support.engine import Engine, Geometry, chunk_plan
 from tests.test_job_lane import lane_engine
@@ -152,7 +154,7 @@ job_id = 100
 while True:
     for direction in (pb.STORE, pb.LOAD):
         job_id += 1
-        eng.stream.submit(pb.TransferJob(
+        eng.stream.submit(Job(
             job_id=job_id, direction=direction,
             registration_id=eng.registration.registration_id, keys=keys,
             block_ids=[b for g in blocks for b in g], group_sizes=[len(g) for g in blocks],
@@ -314,7 +316,7 @@ def test_daemon_shutdown_answers_lane_jobs_and_exits(daemon_factory) -> None:
         ids = list(range(2, 102))
         for j in ids:
             eng.stream.submit(
-                pb.TransferJob(
+                Job(
                     job_id=j,
                     direction=pb.STORE if j % 2 else pb.LOAD,
                     registration_id=eng.registration.registration_id,
@@ -376,7 +378,7 @@ def test_a_job_too_large_for_a_datagram_goes_on_grpc(daemon, client) -> None:
     # 120,000 keys (~5 MiB): more than a lane datagram, and than a job may name.
     keys = [make_key(i, 0) for i in range(120_000)]
     eng.stream.submit(
-        pb.TransferJob(
+        Job(
             job_id=1,
             direction=pb.STORE,
             registration_id=eng.registration.registration_id,

@@ -7,9 +7,11 @@ import asyncio
 import hashlib
 import os
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
+from kvdepot.common.kinds import MemoryPath
 from kvdepot.server import errors
 from kvdepot.server.config import ServeConfig
 from kvdepot.server.core.index import IndexEvent
@@ -70,13 +72,24 @@ def test_memory_paths_are_added_explicitly(state: DepotState) -> None:
     with pytest.raises(errors.DepotError, match="not available in this daemon") as exc:
         state.register(session.id, LAYOUT, 0, [("pvm", object())], [], [])
     assert exc.value.code is errors.Code.INVALID_ARGUMENT
-    with pytest.raises(ValueError, match="built in"):
-        state.add_memory_path("shm", lambda handle, s: (None, None))  # type: ignore[arg-type]
     opened = []
-    state.add_memory_path("pvm", lambda handle, s: opened.append(handle) or 1 / 0)
-    with pytest.raises(ZeroDivisionError):  # the opener ran (and its error propagated)
+
+    class Path:
+        kind = MemoryPath.PVM
+
+        def open(self, handle: object, session_id: str) -> Any:
+            opened.append((handle, session_id))
+            raise ZeroDivisionError
+
+    class Shm(Path):
+        kind = MemoryPath.SHM
+
+    with pytest.raises(ValueError, match="built in"):
+        state.add_memory_path(Shm())
+    state.add_memory_path(Path())
+    with pytest.raises(ZeroDivisionError):  # the path opened (and its error propagated)
         state.register(session.id, LAYOUT, 0, [("pvm", "handle")], [], [])
-    assert opened == ["handle"] and not state.registrations
+    assert opened == [("handle", session.id)] and not state.registrations
 
 
 def test_a_watcher_coalesces_runs_and_resyncs_when_it_falls_behind(

@@ -5,10 +5,11 @@ ptrace access). Slow: protobuf copies every byte, one key per call. A job's
 chunks are cut by the daemon's own arithmetic (kvdepot.common.chunks), so an
 inline store and a shared-memory load of the same key agree byte for byte.
 
-Contract: `submit(job)` never blocks; the job's result goes to `finish(job,
-success, error, nbytes, seconds)`, called on the transport's thread. Expedited
-jobs go first. A CUDA job waits for `job.cuda_event` (recorded by the submitter
-after the work it depends on) before touching the tensors.
+Contract: `submit(job, cuda_event)` never blocks; the job (kvdepot.common.jobs.Job,
+the same description the daemon gets) ends in `finish(job, result)`, a JobResult,
+called on the transport's thread. Expedited jobs go first. A CUDA job waits for
+its `cuda_event` (recorded by the submitter after the work it depends on) before
+touching the tensors.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Any, Protocol
+from typing import Any
 
 import grpc
 import torch
@@ -27,20 +28,9 @@ from vllm.v1.kv_offload.base import CanonicalKVCaches
 
 from kvdepot.client import DepotClient, DepotUnavailable
 from kvdepot.common.chunks import job_chunks
+from kvdepot.common.jobs import Job, JobResult
 
 log = logging.getLogger("kvdepot.vllm.worker")
-
-
-class InlineJob(Protocol):
-    job_id: int
-    is_load: bool
-    namespace_id: str
-    keys: list[bytes]
-    block_ids: list[int]
-    group_sizes: list[int]
-    block_indices: list[int]
-    expedited: bool
-    cuda_event: Any
 
 
 class InlineTransport:
@@ -53,7 +43,7 @@ class InlineTransport:
         *,
         rank: int,
         blocks_per_chunk: int,
-        finish: Callable[[InlineJob, bool, str, int, float], None],
+        finish: Callable[[Job, JobResult], None],
         on_dropped: Callable[[int], None],
     ) -> None:
         self._client = client
@@ -63,7 +53,8 @@ class InlineTransport:
         self._finish = finish
         self._on_dropped = on_dropped
         self._pages = [[ref.page_size_bytes for ref in refs] for refs in kv_caches.group_data_refs]
-        self._queue: queue.PriorityQueue[tuple[int, int, InlineJob | None]] = queue.PriorityQueue()
+        # (priority, sequence, job, the CUDA event to wait for): None ends the thread.
+        self._queue: queue.PriorityQueue[tuple[int, int, Job | None, Any]] = queue.PriorityQueue()
         self._seq = itertools.count()
         self._thread = threading.Thread(
             target=self._loop, name=f"kvdepot-inline-r{rank}", daemon=True
@@ -75,32 +66,33 @@ class InlineTransport:
         tensors = self._kv_caches.tensors
         return bool(tensors) and tensors[0].tensor.is_cuda
 
-    def submit(self, job: InlineJob) -> None:
-        self._queue.put((0 if job.expedited else 1, next(self._seq), job))
+    def submit(self, job: Job, cuda_event: torch.cuda.Event | None = None) -> None:
+        self._queue.put((0 if job.expedited else 1, next(self._seq), job, cuda_event))
 
     def close(self) -> None:
-        self._queue.put((-1, -1, None))
+        self._queue.put((-1, -1, None, None))
 
     def _loop(self) -> None:
         while True:
-            _, _, job = self._queue.get()
+            _, _, job, cuda_event = self._queue.get()
             if job is None:
                 return
             start = time.perf_counter()
             try:
-                if job.cuda_event is not None:
-                    job.cuda_event.synchronize()
+                if cuda_event is not None:
+                    cuda_event.synchronize()
                 nbytes = self._load(job) if job.is_load else self._store(job)
             except (DepotUnavailable, grpc.RpcError, ValueError) as exc:
                 detail = exc.details() if isinstance(exc, grpc.RpcError) else str(exc)
-                self._finish(job, False, str(detail), 0, 0.0)
+                self._finish(job, JobResult(job.job_id, False, error=str(detail)))
             except Exception as exc:  # never let the thread die: fail the job
                 log.exception("kvdepot inline transfer failed")
-                self._finish(job, False, repr(exc), 0, 0.0)
+                self._finish(job, JobResult(job.job_id, False, error=repr(exc)))
             else:
-                self._finish(job, True, "", nbytes, time.perf_counter() - start)
+                seconds = time.perf_counter() - start
+                self._finish(job, JobResult(job.job_id, True, bytes=nbytes, total_seconds=seconds))
 
-    def _chunks(self, job: InlineJob) -> Iterator[tuple[bytes, int, list[tuple[int, int]]]]:
+    def _chunks(self, job: Job) -> Iterator[tuple[bytes, int, list[tuple[int, int]]]]:
         """(key, group, [(sub_block, block_id)]) per key, exactly as the daemon plans it."""
         return job_chunks(job.keys, job.block_ids, job.group_sizes, job.block_indices, self._bpc)
 
@@ -108,7 +100,7 @@ class InlineTransport:
         ref = self._kv_caches.group_data_refs[g][layer]
         return self._kv_caches.tensors[ref.tensor_idx].tensor[block_id, : ref.page_size_bytes]
 
-    def _store(self, job: InlineJob) -> int:
+    def _store(self, job: Job) -> int:
         nbytes = 0
         for key, g, subs in self._chunks(job):
             if len(subs) != self._bpc:
@@ -125,7 +117,7 @@ class InlineTransport:
             nbytes += len(data)
         return nbytes
 
-    def _load(self, job: InlineJob) -> int:
+    def _load(self, job: Job) -> int:
         nbytes = 0
         pages = self._pages
         for key, g, subs in self._chunks(job):

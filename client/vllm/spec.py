@@ -28,8 +28,9 @@ from vllm.v1.kv_offload.config import OffloadingConfig
 from kvdepot.client import DepotClient
 from kvdepot.client.vllm.config import DepotSettings
 from kvdepot.client.vllm.logs import follow_vllm_logging
-from kvdepot.client.vllm.manager import KVDepotOffloadingManager, MetricName
+from kvdepot.client.vllm.manager import KVDepotOffloadingManager
 from kvdepot.client.vllm.namespace import NamespaceInputs, namespace_inputs, namespace_layout
+from kvdepot.client.vllm.stats import MetricName
 from kvdepot.client.vllm.worker import KVDepotOffloadingWorker
 from kvdepot.v1 import depot_pb2
 

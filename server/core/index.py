@@ -1,4 +1,4 @@
-"""The block index: (namespace, key) -> slot, with states, pins and LRU eviction.
+"""The block index: (namespace, key) -> slot, with states, pins and eviction.
 
 Sans-I/O: no sockets, threads or clocks of its own (the clock is injected). Every
 change that others must hear about (a key became READY, a READY key was removed)
@@ -16,19 +16,28 @@ A WRITING slot is invisible to lookups. It is dropped ("doomed") when a rank's
 copy fails, when a writer's session ends before the row is complete, or when the
 reservation outlives `reservation_timeout`; its extent is freed only once no copy
 is in flight on it, so a late copy can never land in someone else's slot.
-READY slots with no pins and no readers sit in the LRU list; they are the only
+READY slots with no pins and no readers are admitted to the eviction policy
+(`kvdepot.server.core.eviction`, least recently used first); they are the only
 ones eviction may take.
+
+`BlockIndex` owns the namespaces, the allocator and the policy, and hands three
+jobs to parts it owns and calls: `Writes` (index_writes: reservations, stores
+settling, dropped rows), `Pins` (index_pins) and `Evictions` (index_evict: room
+for a store, Evict, Clear).
 """
 
 from __future__ import annotations
 
 import time
-from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 
 from kvdepot.server.core.allocator import Extent, ExtentAllocator
+from kvdepot.server.core.eviction import EvictionPolicy, LruPolicy
 from kvdepot.server.core.index_check import check_index
-from kvdepot.server.core.index_evict import IndexEviction
+from kvdepot.server.core.index_evict import Evictions
+from kvdepot.server.core.index_part import IndexShared
+from kvdepot.server.core.index_pins import Pins
+from kvdepot.server.core.index_recovery import Recovery
 from kvdepot.server.core.index_types import (
     IndexEvent,
     IndexStats,
@@ -40,21 +49,9 @@ from kvdepot.server.core.index_types import (
     StoreDecision,
     UnknownNamespace,
 )
-from kvdepot.server.core.kinds import (
-    AbortReason,
-    DropReason,
-    EventKind,
-    EvictionReason,
-    SlotState,
-    StoreOutcome,
-)
-from kvdepot.server.core.layout import (
-    MAX_KEY_BYTES,
-    MIN_KEY_BYTES,
-    LayoutError,
-    NamespaceLayout,
-    check_key,
-)
+from kvdepot.server.core.index_writes import Writes
+from kvdepot.server.core.kinds import EvictionReason, SlotState, StoreOutcome
+from kvdepot.server.core.layout import LayoutError, NamespaceLayout
 
 __all__ = [
     "BlockIndex",
@@ -71,9 +68,9 @@ __all__ = [
 ]
 
 
-class BlockIndex(IndexEviction):
-    """Owns the allocator and every slot; emits stored/removed events. Its
-    eviction (room for a store, Evict, Clear) is in kvdepot.server.core.index_evict."""
+class BlockIndex:
+    """Owns the allocator, every slot and the eviction policy; emits stored/removed
+    events (see the module docstring)."""
 
     def __init__(
         self,
@@ -82,34 +79,28 @@ class BlockIndex(IndexEviction):
         reservation_timeout: float = 60.0,
         clock: Callable[[], float] = time.monotonic,
         on_event: Callable[[IndexEvent], None] | None = None,
+        policy: EvictionPolicy | None = None,
     ) -> None:
         """`on_event` receives each event as it happens; without it, events
-        collect until `take_events` (direct use, tests)."""
+        collect until `take_events` (direct use, tests). `policy` orders the
+        evictable rows (default: least recently used first)."""
         self.allocator = allocator
-        self.reservation_timeout = reservation_timeout
-        self._clock = clock
         self.namespaces: dict[str, Namespace] = {}
-        self._lru: OrderedDict[Slot, None] = OrderedDict()  # evictable, oldest first
-        self._doomed: set[Slot] = set()  # detached, waiting for copies to end
-        self._pins_by_owner: dict[Owner, Counter] = {}  # owner -> Counter[Slot]
-        self._writing: set[Slot] = set()
+        self._policy: EvictionPolicy = LruPolicy() if policy is None else policy
         self._events: list[IndexEvent] = []
         self._emit = self._events.append if on_event is None else on_event
         self.stats = IndexStats()
-        self.pinned_bytes = 0
-        # Per owner (session): bytes of the distinct slots it pins, and bytes of the
-        # WRITING rows it reserved (Slot.reserver), for the per-session quotas.
-        self._owner_pinned: dict[Owner, int] = {}
-        self._owner_writing: dict[Owner, int] = {}
-        # Bytes of WRITING rows one owner may reserve (None: no limit); owners in
-        # `writing_quota_exempt` (the daemon's own tiers) are not limited.
-        self.max_writing_per_owner: int | None = None
-        self.writing_quota_exempt: set[Owner] = set()
-        # Crash recovery: extents claimed for rows a journal lists, invisible until
-        # their bytes are verified (adopt_recovered) or dropped (drop_recovering).
-        self.recovering: dict[int, Extent] = {}
+        # The parts, each sharing the namespaces dict, allocator, policy and counters.
+        shared = IndexShared(
+            self.namespaces, allocator, self._policy, self.stats, self._emit, clock
+        )
+        self._evictions = Evictions(shared)
+        self._writes = Writes(shared, self._evictions)
+        self._writes.reservation_timeout = reservation_timeout
+        self._pins = Pins(shared)
+        self._recovery = Recovery(shared)
 
-    # -- namespaces ------------------------------------------------------------------
+    # -- namespaces and quotas -----------------------------------------------------
 
     def declare_namespace(self, layout: NamespaceLayout) -> Namespace:
         """Creates the namespace, or checks that `layout` matches the existing one."""
@@ -141,14 +132,6 @@ class BlockIndex(IndexEviction):
         del self.namespaces[namespace_id]
         return True
 
-    def owner_pinned_bytes(self, owner: Owner) -> int:
-        """Bytes of the distinct slots `owner` holds at least one pin on."""
-        return self._owner_pinned.get(owner, 0)
-
-    def owner_writing_bytes(self, owner: Owner) -> int:
-        """Bytes of the WRITING rows `owner` reserved and that are not settled yet."""
-        return self._owner_writing.get(owner, 0)
-
     def namespace(self, namespace_id: str) -> Namespace:
         ns = self.namespaces.get(namespace_id)
         if ns is None:
@@ -157,6 +140,37 @@ class BlockIndex(IndexEviction):
                 f"declares a namespace)"
             )
         return ns
+
+    @property
+    def max_writing_per_owner(self) -> int | None:
+        """Bytes of WRITING rows one owner may reserve (None: no limit)."""
+        return self._writes.max_per_owner
+
+    @max_writing_per_owner.setter
+    def max_writing_per_owner(self, limit: int | None) -> None:
+        self._writes.max_per_owner = limit
+
+    @property
+    def writing_quota_exempt(self) -> set[Owner]:
+        """Owners (the daemon's own tiers) that max_writing_per_owner does not limit."""
+        return self._writes.quota_exempt
+
+    @writing_quota_exempt.setter
+    def writing_quota_exempt(self, owners: set[Owner]) -> None:
+        self._writes.quota_exempt = owners
+
+    def owner_writing_bytes(self, owner: Owner) -> int:
+        """Bytes of the WRITING rows `owner` reserved and that are not settled yet."""
+        return self._writes.owner_writing.get(owner, 0)
+
+    def owner_pinned_bytes(self, owner: Owner) -> int:
+        """Bytes of the distinct slots `owner` holds at least one pin on."""
+        return self._pins.owner_bytes.get(owner, 0)
+
+    @property
+    def pinned_bytes(self) -> int:
+        """Bytes of the slots with at least one pin."""
+        return self._pins.pinned_bytes
 
     # -- lookups and pins --------------------------------------------------------------
 
@@ -176,88 +190,18 @@ class BlockIndex(IndexEviction):
     def pin(self, namespace_id: str, keys: Iterable[bytes], owner: Owner) -> list[bool]:
         """Pins each READY key once more for `owner` (not evictable while pinned);
         returns, per key, whether it was pinned (False: absent or not READY)."""
-        ns = self.namespace(namespace_id)
-        # The per-key work inlined: a step's Pin names up to thousands of keys, and
-        # the scheduler waits for it.
-        get, ready, lru_pop = ns.slots.get, SlotState.READY, self._lru.pop
-        owned = self._pins_by_owner.get(owner)
-        if owned is None:
-            owned = Counter()
-        out = []
-        first_pins = first_bytes = owner_bytes = 0
-        for key in keys:
-            slot = get(key)
-            if slot is None or slot.state is not ready:
-                out.append(False)
-                continue
-            pins = slot.pins
-            if not pins:
-                if not slot.readers:  # not held: it is on the LRU list
-                    lru_pop(slot, None)
-                first_pins += 1
-                first_bytes += slot.extent.size
-            pins[owner] = pins.get(owner, 0) + 1
-            held = owned.get(slot, 0)  # not owned[slot]: Counter.__missing__ is Python
-            owned[slot] = held + 1
-            if not held:
-                owner_bytes += slot.extent.size
-            out.append(True)
-        if owned:
-            self._pins_by_owner[owner] = owned
-        if owner_bytes:
-            self._owner_pinned[owner] = self._owner_pinned.get(owner, 0) + owner_bytes
-        self.pinned_bytes += first_bytes
-        ns.pinned_blocks += first_pins
-        ns.pinned_bytes += first_bytes
-        pinned = len(out) - out.count(False)
-        self.stats.pin_calls += 1
-        self.stats.pin_keys += len(out)
-        self.stats.pinned_keys += pinned
-        return out
+        return self._pins.pin(self.namespace(namespace_id), keys, owner)
 
     def unpin(self, namespace_id: str, keys: Iterable[bytes], owner: Owner) -> int:
         """Drops one pin per key; returns how many keys `owner` had not pinned."""
-        ns = self.namespace(namespace_id)
-        owned = self._pins_by_owner.get(owner)
-        missing = 0
-        for key in keys:
-            slot = ns.slots.get(key)
-            if slot is None or owned is None or owned[slot] <= 0:
-                missing += 1
-                continue
-            self._drop_pin(slot, owner)
-        return missing
-
-    def _drop_pin(self, slot: Slot, owner: Owner) -> None:
-        slot.pins[owner] -= 1
-        if slot.pins[owner] <= 0:
-            del slot.pins[owner]
-        owned = self._pins_by_owner[owner]
-        owned[slot] -= 1
-        if owned[slot] <= 0:
-            del owned[slot]
-            self._owner_pinned[owner] -= slot.extent.size
-            if not owned:
-                del self._pins_by_owner[owner]
-                del self._owner_pinned[owner]
-        if not slot.pins:
-            self.pinned_bytes -= slot.extent.size
-            ns = self.namespaces[slot.namespace]
-            ns.pinned_blocks -= 1
-            ns.pinned_bytes -= slot.extent.size
-        self._maybe_evictable(slot)
-
-    def _maybe_evictable(self, slot: Slot) -> None:
-        if slot.state is SlotState.READY and not slot.held and not slot.doomed:
-            self._lru[slot] = None
-            self._lru.move_to_end(slot)
+        return self._pins.unpin(self.namespace(namespace_id), keys, owner)
 
     # -- stores ----------------------------------------------------------------------
 
     def begin_store(self, namespace_id: str, key: bytes, rank: int, owner: Owner) -> StoreDecision:
         """Claims `rank`'s section of `key` for writing, reserving a slot if needed:
         `begin_store_many` for one key. A PRESENT decision carries the key's slot."""
-        claim = self.begin_store_many(namespace_id, (key,), rank, owner)
+        claim = self._writes.begin_store_many(self.namespace(namespace_id), (key,), rank, owner)
         if claim.slots:
             return StoreDecision(StoreOutcome.WRITE, claim.slots[0])
         if claim.present:
@@ -267,177 +211,21 @@ class BlockIndex(IndexEviction):
     def begin_store_many(
         self, namespace_id: str, keys: Sequence[bytes], rank: int, owner: Owner
     ) -> StoreClaim:
-        """Claims `rank`'s section of each of `keys` for writing (a store job's keys).
-
-        Promises:
-        - The namespace, the rank and every key are checked before anything
-          changes: UnknownNamespace or LayoutError leaves the index as it was.
-        - Key by key, in order, the decision one `begin_store` per key would make:
-          WRITE (a fresh WRITING slot, or this rank's part of a row other ranks
-          are writing), PRESENT (READY, or this rank's section written or in
-          flight, so a key named twice is written once), DROPPED (no room though
-          every evictable row was evicted; counted in stats.dropped_stores).
-        - Room comes from the LRU list's cold end, as ever; an evicted row whose
-          extent is exactly the size wanted hands that extent on (no free and
-          allocate), otherwise it is freed and allocation retried.
-        - The rows evicted are announced before it returns (REMOVED, reason LRU,
-          one event per namespace, keys in eviction order), when no copy into
-          the claimed slots can have started: a listener still finds an evicted
-          row's bytes in its former extent.
-        - If it raises anyway, whatever it had claimed is settled as failed.
-
-        The caller copies into `claim.offsets` and then settles `claim.slots`,
-        each once, success or not (finish_store_many).
-        """
-        ns = self.namespace(namespace_id)
-        layout = ns.layout
-        if not 0 <= rank < layout.world_size:
-            raise LayoutError(f"rank {rank} out of range [0, {layout.world_size})")
-        num_groups = layout.num_groups
-        groups: list[int] = []
-        for key in keys:  # all of them, before any change
-            group = int.from_bytes(key[-4:], "big")  # check_key's test, without two calls a key
-            if not MIN_KEY_BYTES <= len(key) <= MAX_KEY_BYTES or group >= num_groups:
-                group = check_key(key, num_groups)  # raises, with the reason
-            groups.append(group)
-        bit = 1 << rank
-        slots, sorted_keys, group_blocks = ns.slots, ns.sorted_keys, ns.group_blocks
-        ready = SlotState.READY
-        needs: dict[int, tuple[int, int]] = {}  # group -> (slot bytes, rounded up)
-        # Bytes this owner may still reserve (--max-writing-per-session); None: no limit.
-        budget = self.max_writing_per_owner
-        if budget is not None and owner not in self.writing_quota_exempt:
-            budget -= self._owner_writing.get(owner, 0)
-        else:
-            budget = None
-        claim = StoreClaim([], [])
-        offsets, writing = claim.offsets, claim.slots
-        removed: list[Slot] = []
-        now = self._clock()
-        try:
-            # The per-key path inlined (this runs for every key a store job names).
-            for key, group in zip(keys, groups, strict=True):
-                slot = slots.get(key)
-                if slot is None:
-                    sizes = needs.get(group)
-                    if sizes is None:
-                        size = layout.slot_bytes(group)
-                        sizes = needs[group] = (size, self.allocator.round_up(size))
-                    if budget is not None and sizes[1] > budget:
-                        self.stats.dropped_stores[DropReason.SESSION_QUOTA] += 1
-                        claim.dropped += 1
-                        claim.drop_reason = DropReason.SESSION_QUOTA
-                        offsets.append(None)
-                        continue
-                    extent = self._reserve(sizes[1], removed)
-                    if extent is None:
-                        reason = (
-                            DropReason.POOL_FULL
-                            if self.allocator.capacity >= sizes[0]
-                            else DropReason.ROW_TOO_LARGE
-                        )
-                        self.stats.dropped_stores[reason] += 1
-                        claim.dropped += 1
-                        claim.drop_reason = reason
-                        offsets.append(None)
-                        continue
-                    slot = Slot(namespace_id, key, group, extent, now)
-                    # _attach, for a WRITING slot
-                    slots[key] = slot
-                    sorted_keys.add(key)
-                    group_blocks[group] += 1
-                    size = extent.size
-                    # Charged at once: a failure below settles (and uncharges) it.
-                    slot.reserver = owner
-                    self._owner_writing[owner] = self._owner_writing.get(owner, 0) + size
-                    if budget is not None:
-                        budget -= size
-                    ns.used_bytes += size
-                    ns.writing_blocks += 1
-                    ns.writing_bytes += size
-                    self._writing.add(slot)
-                elif slot.state is ready or (slot.written_mask | slot.copying_mask) & bit:
-                    claim.present += 1
-                    offsets.append(None)
-                    continue
-                slot.copying_mask |= bit
-                slot.writers[rank] = owner
-                writing.append(slot)
-                offsets.append(slot.extent.offset)
-        except BaseException:
-            self.finish_store_many(writing, rank, False)  # the claim never reaches a caller
-            raise
-        finally:
-            if removed:
-                self.stats.evictions[EvictionReason.LRU] += len(removed)
-                self._announce(EventKind.REMOVED, removed, EvictionReason.LRU)
-        return claim
+        """Claims `rank`'s section of each of `keys` for writing (a store job's keys),
+        making room from the eviction policy's victims; the caller copies into
+        `claim.offsets` and then settles `claim.slots`, each once, success or not
+        (finish_store_many). Its promises: Writes.begin_store_many."""
+        return self._writes.begin_store_many(self.namespace(namespace_id), keys, rank, owner)
 
     def finish_store(self, slot: Slot, rank: int, ok: bool) -> bool:
         """Ends `rank`'s copy into `slot`. Returns True if the slot became READY."""
-        return self.finish_store_many((slot,), rank, ok) == 1
+        return self._writes.finish_store_many((slot,), rank, ok) == 1
 
     def finish_store_many(self, slots: Iterable[Slot], rank: int, ok: bool) -> int:
         """Ends `rank`'s copy into each of `slots` (each named once, each claimed
-        by this rank and not yet finished). Returns how many became READY.
-
-        Per slot: a doomed slot's extent is freed once no copy is left on it; on
-        failure (`ok` False) the row is dropped (AbortReason.COPY_FAILED), the
-        other ranks' sections with it; on success this rank's section counts as
-        written, and the row becomes READY (evictable, at the LRU list's young
-        end) when every rank's has. The rows that became READY are announced
-        before it returns (STORED, one event per namespace, keys in order).
-        """
-        bit = 1 << rank
-        keep = ~bit
-        became_ready: list[Slot] = []
-        ns: Namespace | None = None
-        full = 0  # ns.full_mask
-        try:
-            for slot in slots:
-                slot.copying_mask &= keep
-                if slot.doomed:
-                    self._maybe_free_doomed(slot)
-                    continue
-                if not ok:
-                    self._doom(slot, AbortReason.COPY_FAILED)
-                    continue
-                slot.written_mask |= bit
-                if ns is None or ns.layout.id != slot.namespace:
-                    ns = self.namespaces[slot.namespace]
-                    full = ns.full_mask
-                if slot.written_mask == full:
-                    size = slot.extent.size
-                    slot.state = SlotState.READY
-                    ns.writing_blocks -= 1
-                    ns.writing_bytes -= size
-                    ns.ready_blocks += 1
-                    ns.ready_bytes += size
-                    slot.writers.clear()
-                    self._writing.discard(slot)
-                    if slot.reserver is not None:
-                        self._end_reservation(slot)
-                    self._lru[slot] = None
-                    became_ready.append(slot)
-        finally:
-            if became_ready:
-                self._announce(EventKind.STORED, became_ready)
-        return len(became_ready)
-
-    def _announce(
-        self, kind: EventKind, slots: list[Slot], reason: EvictionReason | None = None
-    ) -> None:
-        """One event per namespace for `slots`, keys in the order given."""
-        namespaces = {slot.namespace for slot in slots}
-        if len(namespaces) == 1:  # a job's keys: the usual case
-            keys = tuple([slot.key for slot in slots])
-            self._emit(IndexEvent(namespaces.pop(), kind, keys, reason))
-            return
-        by_ns: dict[str, list[bytes]] = {}
-        for slot in slots:
-            by_ns.setdefault(slot.namespace, []).append(slot.key)
-        for namespace_id, keys_of_ns in by_ns.items():
-            self._emit(IndexEvent(namespace_id, kind, tuple(keys_of_ns), reason))
+        by this rank and not yet finished); returns how many became READY. Its
+        promises: Writes.finish_store_many."""
+        return self._writes.finish_store_many(slots, rank, ok)
 
     # -- loads -----------------------------------------------------------------------
 
@@ -447,99 +235,71 @@ class BlockIndex(IndexEviction):
         slot = ns.slots.get(key)
         if slot is None or slot.state is not SlotState.READY:
             return None
-        self._lru.pop(slot, None)
+        if not slot.readers and not slot.pins:  # unheld: the policy has it
+            self._policy.withdraw(slot)
         slot.readers += 1
         return slot
 
     def end_read(self, slot: Slot) -> None:
         slot.readers -= 1
-        self._maybe_evictable(slot)  # a read counts as a use: to the LRU's young end
+        if not slot.readers and not slot.pins and slot.state is SlotState.READY:
+            self._policy.admit(slot)  # a read counts as a use: admitted as the latest
 
     # -- sessions and expiry ------------------------------------------------------------
 
     def release_owner(self, owner: Owner) -> tuple[int, int]:
-        """Drops every pin of `owner` and every unfinished row it was writing.
-
-        Returns (pins dropped, reservations dropped).
-        """
-        pins = 0
-        for slot, count in list(self._pins_by_owner.get(owner, Counter()).items()):
-            for _ in range(count):
-                self._drop_pin(slot, owner)
-                pins += 1
-        dropped = 0
-        for slot in [s for s in self._writing if owner in s.writers.values()]:
-            self._doom(slot, AbortReason.WRITER_GONE)
-            dropped += 1
-        return pins, dropped
+        """Drops every pin of `owner` and every unfinished row it was writing;
+        returns (pins dropped, reservations dropped)."""
+        return self._pins.release(owner), self._writes.release(owner)
 
     def expire_reservations(self) -> int:
         """Drops rows that stayed WRITING longer than reservation_timeout."""
-        deadline = self._clock() - self.reservation_timeout
-        stale = [s for s in self._writing if s.created < deadline]
-        for slot in stale:
-            self._doom(slot, AbortReason.RESERVATION_TIMEOUT)
-        return len(stale)
+        return self._writes.expire_reservations()
 
-    def _end_reservation(self, slot: Slot) -> None:
-        """The row is settled (READY or dropped): its reserver's charge ends."""
-        owner, slot.reserver = slot.reserver, None
-        left = self._owner_writing[owner] - slot.extent.size
-        if left:
-            self._owner_writing[owner] = left
-        else:
-            del self._owner_writing[owner]
+    # -- eviction (Evictions) --------------------------------------------------------
 
-    def _doom(self, slot: Slot, reason: AbortReason) -> None:
-        ns = self.namespaces[slot.namespace]
-        if ns.slots.get(slot.key) is slot:
-            self._detach(ns, slot)
-        self._writing.discard(slot)
-        if slot.reserver is not None:
-            self._end_reservation(slot)
-        slot.doomed = True
-        self.stats.aborted_writes[reason] += 1
-        self._doomed.add(slot)
-        self._maybe_free_doomed(slot)
+    def evict(
+        self,
+        namespace_id: str,
+        keys: Iterable[bytes] | None = None,
+        reason: EvictionReason = EvictionReason.ADMIN,
+    ) -> tuple[int, int]:
+        """Evicts READY, unheld blocks (all of the namespace, or `keys`); returns
+        (evicted, skipped) (Evictions.evict)."""
+        return self._evictions.evict(self.namespace(namespace_id), keys, reason)
 
-    def _maybe_free_doomed(self, slot: Slot) -> None:
-        if slot.copying_mask == 0 and slot.readers == 0 and slot in self._doomed:
-            self._doomed.discard(slot)
-            self._release_extent(slot)
+    def evict_slice(
+        self,
+        namespace_id: str,
+        after: bytes | None,
+        limit: int,
+        reason: EvictionReason = EvictionReason.ADMIN,
+        budget_s: float | None = None,
+    ) -> tuple[int, int, bytes | None]:
+        """One slice of a whole-namespace eviction, in key order after `after`;
+        returns (evicted, skipped, where to go on or None) (Evictions.evict_slice)."""
+        ns = self.namespace(namespace_id)
+        return self._evictions.evict_slice(ns, after, limit, reason, budget_s)
 
-    # -- slot bookkeeping ------------------------------------------------------------
+    def evict_cold_slice(
+        self, limit: int, budget_s: float, reason: EvictionReason = EvictionReason.CLEAR
+    ) -> int:
+        """Evicts up to `limit` of the policy's victims, within about `budget_s`
+        seconds: one slice of a Clear (Evictions.evict_cold_slice)."""
+        return self._evictions.evict_cold_slice(limit, budget_s, reason)
 
-    @staticmethod
-    def _attach(ns: Namespace, slot: Slot) -> None:
-        """Puts `slot` into `ns` and counts it (by its state)."""
-        ns.slots[slot.key] = slot
-        ns.sorted_keys.add(slot.key)
-        ns.used_bytes += slot.extent.size
-        ns.group_blocks[slot.group] += 1
-        if slot.state is SlotState.READY:
-            ns.ready_blocks += 1
-            ns.ready_bytes += slot.extent.size
-        else:
-            ns.writing_blocks += 1
-            ns.writing_bytes += slot.extent.size
+    @property
+    def evictable_blocks(self) -> int:
+        """READY blocks nobody pins, reads or writes (the policy's length)."""
+        return len(self._policy)
 
-    @staticmethod
-    def _detach(ns: Namespace, slot: Slot) -> None:
-        """Takes `slot` out of `ns` and its counts; used_bytes stays until the
-        extent is freed."""
-        del ns.slots[slot.key]
-        ns.sorted_keys.remove(slot.key)
-        ns.group_blocks[slot.group] -= 1
-        if slot.state is SlotState.READY:
-            ns.ready_blocks -= 1
-            ns.ready_bytes -= slot.extent.size
-        else:
-            ns.writing_blocks -= 1
-            ns.writing_bytes -= slot.extent.size
+    def unevictable_blocks(self) -> int:
+        """Blocks pinned, being read or being written: what a Clear leaves."""
+        return self._evictions.unevictable_blocks()
 
-    def _release_extent(self, slot: Slot) -> None:
-        self.namespaces[slot.namespace].used_bytes -= slot.extent.size
-        self.allocator.free(slot.extent)
+    def clear(self) -> tuple[int, int]:
+        """Evicts every READY, unheld block; returns (evicted, skipped)."""
+        return self._evictions.clear()
 
     # -- events and introspection --------------------------------------------------------
 
@@ -556,11 +316,12 @@ class BlockIndex(IndexEviction):
             ready += ns.ready_blocks
             writing += ns.writing_blocks
             pinned += ns.pinned_blocks
-        return {"ready": ready, "writing": writing, "pinned": pinned, "doomed": len(self._doomed)}
+        doomed = len(self._writes.doomed)
+        return {"ready": ready, "writing": writing, "pinned": pinned, "doomed": doomed}
 
     def pinned_slot_count(self, owner: Owner) -> int:
         """How many distinct slots `owner` holds at least one pin on (for reporting)."""
-        return len(self._pins_by_owner.get(owner, ()))
+        return len(self._pins.by_owner.get(owner, ()))
 
     def ready_slots(self) -> list[Slot]:
         return [
@@ -571,74 +332,37 @@ class BlockIndex(IndexEviction):
         ]
 
     def ready_slots_by_age(self) -> list[Slot]:
-        """READY slots, least recently used first; held (pinned, read) ones last."""
+        """READY slots, next victim first; held (pinned, read) ones last."""
         held = [s for s in self.ready_slots() if s.held]
-        return [*self._lru, *held]
-
-    # -- warm restart ----------------------------------------------------------------
-
-    def claim_recovering(self, offset: int, size: int) -> Extent:
-        """Claims `[offset, offset+size)` for a row that a crash journal lists, so
-        no store lands there while its bytes are verified. Raises OutOfSpace or
-        ValueError when the range is not free (the journal is inconsistent)."""
-        extent = self.allocator.allocate_at(offset, size)
-        self.recovering[extent.offset] = extent
-        return extent
-
-    def drop_recovering(self, extent: Extent) -> None:
-        """Frees a claimed extent whose row failed verification (or was stored
-        again meanwhile)."""
-        del self.recovering[extent.offset]
-        self.allocator.free(extent)
-
-    def adopt_recovered(self, namespace_id: str, key: bytes, extent: Extent) -> Slot | None:
-        """Makes a verified row READY and announces it (STORED), as a store
-        would. Returns None, freeing the extent, when the key is present already
-        (an engine stored it during the verification) or does not fit the layout."""
-        del self.recovering[extent.offset]
-        ns = self.namespaces.get(namespace_id)
-        try:
-            if ns is None or key in ns.slots:
-                raise LayoutError("present already")
-            slot = self.adopt_ready(namespace_id, key, extent)
-        except LayoutError:
-            self.allocator.free(extent)
-            return None
-        self._emit(IndexEvent(namespace_id, EventKind.STORED, (key,)))
-        return slot
-
-    def adopt_ready(self, namespace_id: str, key: bytes, extent: Extent) -> Slot:
-        """Inserts a READY slot over `extent`, which the caller has just claimed from
-        this index's allocator (`allocate_at`): a warm restart re-creating its slots.
-
-        The slot joins the young end of the LRU list and emits no event. Raises
-        LayoutError (the caller frees nothing: it discards the whole index) when
-        the key does not fit the namespace, is present already, or the extent is
-        not the namespace's slot size for the key's group.
-        """
-        ns = self.namespace(namespace_id)
-        group = check_key(key, ns.layout.num_groups)
-        if key in ns.slots:
-            raise LayoutError(f"key {key.hex()[:16]}… appears twice in namespace {namespace_id}")
-        want = self.allocator.round_up(ns.layout.slot_bytes(group))
-        if extent.size != want:
-            raise LayoutError(
-                f"slot of {extent.size} bytes for a group-{group} row of {want} bytes"
-            )
-        slot = Slot(
-            namespace_id,
-            key,
-            group,
-            extent,
-            self._clock(),
-            state=SlotState.READY,
-            written_mask=ns.full_mask,
-        )
-        self._attach(ns, slot)
-        self._lru[slot] = None
-        return slot
+        return [*self._policy, *held]
 
     def check_invariants(self) -> None:
         """Raises AssertionError when index and allocator disagree (see
         kvdepot.server.core.index_check)."""
-        check_index(self)
+        check_index(self, self._policy, self._writes, self._pins)
+
+    # -- warm restart and crash recovery (Recovery) ---------------------------------
+
+    @property
+    def recovering(self) -> dict[int, Extent]:
+        """Extents claimed for a crash journal's rows, by offset, until verified."""
+        return self._recovery.recovering
+
+    def claim_recovering(self, offset: int, size: int) -> Extent:
+        """Claims an extent for a row a crash journal lists (Recovery.claim_recovering)."""
+        return self._recovery.claim_recovering(offset, size)
+
+    def drop_recovering(self, extent: Extent) -> None:
+        """Frees a claimed extent whose row failed verification."""
+        self._recovery.drop_recovering(extent)
+
+    def adopt_recovered(self, namespace_id: str, key: bytes, extent: Extent) -> Slot | None:
+        """Makes a verified row READY and announces it; None if it cannot be
+        (Recovery.adopt_recovered)."""
+        ns = self.namespaces.get(namespace_id)
+        return self._recovery.adopt_recovered(ns, key, extent)
+
+    def adopt_ready(self, namespace_id: str, key: bytes, extent: Extent) -> Slot:
+        """Inserts a READY slot over a claimed extent, silently: a warm restart
+        (Recovery.adopt_ready)."""
+        return self._recovery.adopt_ready(self.namespace(namespace_id), key, extent)

@@ -1,9 +1,10 @@
 """BlockIndex.check_invariants: the index and its allocator agree.
 
 The whole walk (O(blocks)), for tests and for the daemon under
-KVDEPOT_CHECK_INVARIANTS=1; it reads the index's private lists (the LRU list,
-the doomed and writing sets, the pins by owner), which is why it sits beside the
-index rather than with the daemon's own invariants (kvdepot.server.state.invariants).
+KVDEPOT_CHECK_INVARIANTS=1; it reads the state of the index's parts (the eviction
+policy, the doomed and writing rows, the pins by owner), which is why it sits
+beside the index rather than with the daemon's own invariants
+(kvdepot.server.state.invariants).
 """
 
 from __future__ import annotations
@@ -14,26 +15,30 @@ from typing import TYPE_CHECKING
 from kvdepot.server.core.kinds import SlotState
 
 if TYPE_CHECKING:
+    from kvdepot.server.core.eviction import EvictionPolicy
     from kvdepot.server.core.index import BlockIndex
+    from kvdepot.server.core.index_pins import Pins
+    from kvdepot.server.core.index_writes import Writes
 
 
-def check_index(ix: BlockIndex) -> None:
+def check_index(ix: BlockIndex, policy: EvictionPolicy, writes: Writes, pins: Pins) -> None:
     """Raises AssertionError when index and allocator disagree: every extent is
     a live, doomed or recovering slot's, once; the namespaces' counters match
-    their slots; the LRU list holds exactly the unheld READY slots; the pins by
-    owner match the slots' pins."""
+    their slots; the eviction policy holds exactly the unheld READY slots; the
+    pins by owner match the slots' pins."""
+    doomed = writes.doomed
     ix.allocator.check_invariants()
     live = [s for ns in ix.namespaces.values() for s in ns.slots.values()]
     extents = {s.extent.offset: s.extent.size for s in live}
-    extents.update({s.extent.offset: s.extent.size for s in ix._doomed})
+    extents.update({s.extent.offset: s.extent.size for s in doomed})
     extents.update({e.offset: e.size for e in ix.recovering.values()})
-    assert len(extents) == len(live) + len(ix._doomed) + len(ix.recovering), (
+    assert len(extents) == len(live) + len(doomed) + len(ix.recovering), (
         "a slot offset is used twice"
     )
     assert extents == ix.allocator.allocated_extents(), "allocator and index disagree"
     for ns in ix.namespaces.values():
         assert ns.used_bytes == sum(s.extent.size for s in ns.slots.values()) + sum(
-            s.extent.size for s in ix._doomed if s.namespace == ns.layout.id
+            s.extent.size for s in doomed if s.namespace == ns.layout.id
         )
         ready = [s for s in ns.slots.values() if s.state is SlotState.READY]
         writing = [s for s in ns.slots.values() if s.state is not SlotState.READY]
@@ -54,23 +59,25 @@ def check_index(ix: BlockIndex) -> None:
         assert list(ns.sorted_keys) == sorted(ns.slots), "sorted keys drifted"
     for slot in live:
         evictable = slot.state is SlotState.READY and not slot.held
-        assert (slot in ix._lru) == evictable, f"LRU membership wrong for {slot.key.hex()}"
-        assert (slot in ix._writing) == (slot.state is SlotState.WRITING)
+        assert (slot in policy) == evictable, f"eviction policy wrong for {slot.key.hex()}"
+        assert (slot in writes.writing) == (slot.state is SlotState.WRITING)
+    evictable_count = sum(s.state is SlotState.READY and not s.held for s in live)
+    assert len(policy) == evictable_count, "the eviction policy holds rows that are gone"
     assert not any(s.doomed for s in live)
     owner_pins = Counter()
-    for owned in ix._pins_by_owner.values():
+    for owned in pins.by_owner.values():
         owner_pins.update(owned)
     for slot in live:
         assert owner_pins[slot] == slot.pin_count, "pin counts unbalanced"
-    assert ix.pinned_bytes == sum(s.extent.size for s in live if s.pins)
+    assert pins.pinned_bytes == sum(s.extent.size for s in live if s.pins)
     # The per-owner figures the session quotas read (--max-pinned-per-session,
     # --max-writing-per-session).
-    assert ix._owner_pinned == {
-        owner: sum(slot.extent.size for slot in owned) for owner, owned in ix._pins_by_owner.items()
+    assert pins.owner_bytes == {
+        owner: sum(slot.extent.size for slot in owned) for owner, owned in pins.by_owner.items()
     }, "pinned bytes per owner drifted"
     writing: Counter = Counter()
-    for slot in ix._writing:
+    for slot in writes.writing:
         if slot.reserver is not None:
             writing[slot.reserver] += slot.extent.size
-    assert ix._owner_writing == dict(writing), "writing bytes per owner drifted"
+    assert writes.owner_writing == dict(writing), "writing bytes per owner drifted"
     assert all(s.reserver is None for s in live if s.state is SlotState.READY)

@@ -1,7 +1,8 @@
 """The block index's records: slots, namespaces, store decisions, events, counters.
 
 Plain data, kept apart from `kvdepot.server.core.index` (which re-exports them)
-so that the index module holds its operations only.
+so that the index's modules hold its operations only; a namespace keeps its own
+counters as slots come and go (`Namespace.attach`/`detach`).
 """
 
 from __future__ import annotations
@@ -80,6 +81,32 @@ class Namespace:
     @property
     def full_mask(self) -> int:
         return (1 << self.layout.world_size) - 1
+
+    def attach(self, slot: Slot) -> None:
+        """Puts `slot` into this namespace and counts it (by its state)."""
+        self.slots[slot.key] = slot
+        self.sorted_keys.add(slot.key)
+        self.used_bytes += slot.extent.size
+        self.group_blocks[slot.group] += 1
+        if slot.state is SlotState.READY:
+            self.ready_blocks += 1
+            self.ready_bytes += slot.extent.size
+        else:
+            self.writing_blocks += 1
+            self.writing_bytes += slot.extent.size
+
+    def detach(self, slot: Slot) -> None:
+        """Takes `slot` out of this namespace and its counts; used_bytes stays
+        until the slot's extent is freed."""
+        del self.slots[slot.key]
+        self.sorted_keys.remove(slot.key)
+        self.group_blocks[slot.group] -= 1
+        if slot.state is SlotState.READY:
+            self.ready_blocks -= 1
+            self.ready_bytes -= slot.extent.size
+        else:
+            self.writing_blocks -= 1
+            self.writing_bytes -= slot.extent.size
 
 
 @dataclass(frozen=True)

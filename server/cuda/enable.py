@@ -4,11 +4,12 @@
     arena.start_warmup(...)                        # page-locks each chunk it faults
 
 `enable_cuda` adds the "cuda_ipc" memory path to the state (a `CudaPath`, through
-`state.add_memory_path`), hooks page-locking into the arena's warm-up
-(`arena.add_warmup_hook`) and its cleanup into the arena's close
-(`arena.on_close`), and says in the log what it did. On a host without CUDA it
-logs why and returns False: the daemon stays on the shared-memory (CPU) path, and
-a cuda_ipc registration is refused with a message that says so.
+`state.add_memory_path`, as every memory path plugs in: kvdepot.server.memory.paths),
+hooks page-locking into the arena's warm-up (`arena.add_warmup_hook`) and its
+cleanup into the arena's close (`arena.on_close`), and says in the log what it
+did. On a host without CUDA it logs why and returns False: the daemon stays on the
+shared-memory (CPU) path, and a cuda_ipc registration is refused with a message
+that says so.
 
 Which devices are served: every device this process sees, or those named in
 KVDEPOT_CUDA_DEVICES (comma-separated UUIDs or ordinals; "none" turns CUDA off).
@@ -27,12 +28,19 @@ import os
 import threading
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvdepot.common import cuda_driver
 from kvdepot.common.cuda_handles import HandleError, format_uuid, parse_uuid
 from kvdepot.common.kinds import MemoryPath
-from kvdepot.server.cuda.pinning import fmt_bytes
+from kvdepot.server.cuda.pinning import PoolPinner, fmt_bytes
+
+if TYPE_CHECKING:  # annotations only: this module loads with the standard library alone
+    from kvdepot.server.cuda.dma import CudaCopyEngine
+    from kvdepot.server.memory.arena import Arena
+    from kvdepot.server.memory.copy_engine import CopyEngine
+    from kvdepot.server.memory.paths import MemoryPaths
+    from kvdepot.server.memory.regions import MappedRegion
 
 log = logging.getLogger("kvdepot.cuda")
 
@@ -41,15 +49,19 @@ FOLLOW_CHUNK_BYTES = 256 << 20  # page-locking pieces when following a running w
 
 
 class CudaPath:
-    """The CUDA IPC memory path of one daemon: its copy engine and the pool's
-    page-locking. Called as the state's region opener for "cuda_ipc"."""
+    """The CUDA IPC memory path of one daemon (a kvdepot.server.memory.paths
+    MemoryPathPlugin): its copy engine and the pool's page-locking."""
 
-    def __init__(self, engine: Any, pinner: Any) -> None:
+    kind = MemoryPath.CUDA_IPC
+
+    def __init__(self, engine: CudaCopyEngine, pinner: PoolPinner) -> None:
         self.engine = engine
         self.pinner = pinner
 
-    def __call__(self, handle: Any, session: Any) -> tuple[Any, Any]:
-        return self.engine.open_region(handle, session)
+    def open(self, handle: object, session_id: str) -> tuple[MappedRegion, CopyEngine]:
+        """`handle`: RegisterKV's CudaIpcHandle (any process may send one: the
+        driver maps only what its exporter shared)."""
+        return self.engine.open_region(handle)
 
     def page_locking_fields(self) -> dict[str, object]:
         """GetStats' page-locking fields (admin.proto: page_locking and after)."""
@@ -65,7 +77,7 @@ class CudaPath:
         self.engine.close()
 
 
-def cuda_path(state: Any) -> CudaPath | None:
+def cuda_path(state: MemoryPaths) -> CudaPath | None:
     """The CUDA path serving `state`, or None when CUDA is off (tests, stats)."""
     path = state.memory_path(MemoryPath.CUDA_IPC)
     return path if isinstance(path, CudaPath) else None
@@ -106,8 +118,8 @@ def select_devices(devices: Sequence[Any], spec: str | None) -> list[Any]:
 
 
 def enable_cuda(
-    state: Any,
-    arena: Any,
+    state: MemoryPaths,
+    arena: Arena,
     *,
     driver: Any = None,
     env: dict[str, str] | None = None,
@@ -160,7 +172,7 @@ def enable_cuda(
         return False
 
     path = CudaPath(engine, pinner)
-    state.add_memory_path(MemoryPath.CUDA_IPC, path)
+    state.add_memory_path(path)
     arena.on_close(path.close)
     if arena.warmup_started:
         # The warm-up started before we were enabled, so the hook would miss chunks:
@@ -188,7 +200,7 @@ def enable_cuda(
     return True
 
 
-def _follow_warmup(arena: Any, pinner: Any, chunk: int = FOLLOW_CHUNK_BYTES) -> None:
+def _follow_warmup(arena: Arena, pinner: PoolPinner, chunk: int = FOLLOW_CHUNK_BYTES) -> None:
     """Page-locks the arena in `chunk`-sized pieces as its warm-up passes them."""
 
     def run() -> None:

@@ -20,7 +20,6 @@ import fcntl
 import logging
 import os
 from dataclasses import dataclass
-from pathlib import Path
 
 from kvdepot.server.core import snapshot
 from kvdepot.server.core.index import BlockIndex
@@ -42,25 +41,7 @@ def identity_of(path: str | os.PathLike[str]) -> PoolFileIdentity | None:
 def save(path: str | os.PathLike[str], snap: IndexSnapshot) -> None:
     """Writes the snapshot atomically: a temporary file, fsync, rename, fsync the
     directory. A crash in the middle leaves either no snapshot or the whole one."""
-    data = snapshot.encode(snap)
-    target = Path(path)
-    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-    fd = private_files.open_private(
-        str(tmp), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, "the snapshot's temporary file"
-    )
-    try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view) :]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, target)
-    dir_fd = os.open(target.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+    private_files.write_atomically(path, snapshot.encode(snap), "the snapshot's temporary file")
 
 
 def take(path: str | os.PathLike[str]) -> bytes | None:

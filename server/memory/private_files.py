@@ -105,6 +105,28 @@ def read_private(path: str, what: str) -> bytes:
         os.close(fd)
 
 
+def write_atomically(path: str | os.PathLike[str], data: bytes, what: str) -> None:
+    """Writes `data` to `path` as the daemon's own file, atomically: a temporary file
+    beside it (opened as `open_private` does), fsync, rename, fsync the directory. A
+    crash in the middle leaves either no file or the whole one."""
+    target = Path(path)
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    fd = open_private(str(tmp), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, what)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, target)
+    dir_fd = os.open(target.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
 def prepare_directory(directory: Path) -> None:
     """Checks the pool file's directory; creates it 0700 when it is missing and its
     own parent exists. Raises UnsafeFileError, or FileNotFoundError when even the

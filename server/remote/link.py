@@ -22,7 +22,7 @@ from kvdepot.server.core.index import BlockIndex, IndexEvent
 from kvdepot.server.memory.arena import Arena
 from kvdepot.server.remote.codec import Codec
 from kvdepot.server.remote.fleet_key import KeyFileError, load_key_file
-from kvdepot.server.remote.health import TierHealth
+from kvdepot.server.remote.health import remote_health
 from kvdepot.server.remote.reader import Fetcher, KeyState
 from kvdepot.server.remote.stats import RemoteStats
 from kvdepot.server.remote.tier import RemoteTier, TierUnavailable
@@ -90,7 +90,7 @@ class RemoteLink:
         self.tier = tier
         self.settings = settings
         self.codec = codec
-        self.health = TierHealth(tier.description)
+        self.health = remote_health(tier.description)
         self.stats = RemoteStats()
         self.writer = WriteBehind(
             tier,

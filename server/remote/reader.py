@@ -33,10 +33,10 @@ from kvdepot.server.memory.arena import Arena
 from kvdepot.server.remote import codec
 from kvdepot.server.remote.batches import BatchWorkers
 from kvdepot.server.remote.codec import Codec
-from kvdepot.server.remote.health import TierHealth
 from kvdepot.server.remote.stats import RemoteStats
 from kvdepot.server.remote.tier import RemoteTier, TierUnavailable
 from kvdepot.server.remote.writer import WriteBehind
+from kvdepot.server.tier_health import TierHealth
 
 log = logging.getLogger("kvdepot.remote")
 

@@ -9,24 +9,24 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING
 
 import grpc
 
 import kvdepot
-from kvdepot.common.kinds import MemoryPath
+from kvdepot.common.jobs import JobResult
 from kvdepot.server import errors
 from kvdepot.server.core.index import IndexEvent
 from kvdepot.server.core.kinds import EventKind
-from kvdepot.server.core.layout import LayoutError, NamespaceLayout, check_key
-from kvdepot.server.core.planner import LayerRef, TensorView
 from kvdepot.server.service.bounds import check_register_size
+from kvdepot.server.service.codec import (
+    job_from_proto,
+    layout_from_proto,
+    memory_from_proto,
+    result_to_proto,
+)
 from kvdepot.server.service.job_lane import MAX_JOB_BYTES, JobLanes
 from kvdepot.server.service.status import abort_with, reports_errors
-from kvdepot.server.state import DepotState, JobOutcome, JobSpec
-
-if TYPE_CHECKING:
-    from kvdepot.server.remote.link import RemoteLink
+from kvdepot.server.state import DepotState
 from kvdepot.v1 import depot_pb2 as pb
 from kvdepot.v1 import depot_pb2_grpc
 
@@ -35,19 +35,6 @@ log = logging.getLogger("kvdepot.depot")
 SNAPSHOT_BATCH = 4096
 # Jobs of one Transfer stream running or answered but not yet taken by the client.
 MAX_UNREAD_RESULTS = 1024
-
-
-def layout_from_proto(msg: pb.NamespaceLayout) -> NamespaceLayout:
-    try:
-        return NamespaceLayout(
-            id=msg.id,
-            world_size=msg.world_size,
-            blocks_per_chunk=msg.blocks_per_chunk,
-            groups=tuple(tuple(g.layer_page_bytes) for g in msg.groups),
-            description=msg.description,
-        )
-    except LayoutError as exc:
-        raise errors.invalid(f"namespace layout: {exc}") from None
 
 
 # RegisterKVResponse.memory_path of an observer join.
@@ -60,38 +47,6 @@ def is_observer_join(request: pb.RegisterKVRequest) -> bool:
     return not (request.namespace.groups or request.regions or request.tensors or request.groups)
 
 
-def outcome_to_proto(o: JobOutcome) -> pb.TransferResult:
-    return pb.TransferResult(
-        job_id=o.job_id,
-        success=o.success,
-        bytes=o.bytes,
-        copy_seconds=o.copy_seconds,
-        total_seconds=o.total_seconds,
-        error=o.error,
-        error_code=o.error_code,
-        stored_keys=o.stored_keys,
-        present_keys=o.present_keys,
-        dropped_keys=o.dropped_keys,
-        drop_reason=o.drop_reason,
-    )
-
-
-def job_spec(job: pb.TransferJob) -> JobSpec:
-    # The message's own lists, not copies: the job's sizes are checked
-    # (JobRunner, check_job_size) before anything is built from them.
-    return JobSpec(
-        job_id=job.job_id,
-        direction=job.direction,
-        registration_id=job.registration_id,
-        keys=job.keys,
-        block_ids=job.block_ids,
-        group_sizes=job.group_sizes,
-        block_indices=job.block_indices,
-        expedited=job.expedited,
-        session_id=job.session_id,
-    )
-
-
 WATCH_KINDS = {EventKind.STORED: pb.WatchEvent.STORED, EventKind.REMOVED: pb.WatchEvent.REMOVED}
 
 
@@ -100,9 +55,8 @@ def event_reason(event: IndexEvent) -> str:
 
 
 class DepotServicer(depot_pb2_grpc.DepotServicer):
-    def __init__(self, state: DepotState, remote: RemoteLink | None = None) -> None:
+    def __init__(self, state: DepotState) -> None:
         self.state = state
-        self.remote = remote  # the remote tier (Prefetch), if the daemon has one
         # Job lanes (OpenJobLane) run their jobs through the same `answer_job`.
         self.lanes = JobLanes(state, self.answer_job, MAX_UNREAD_RESULTS)
 
@@ -111,10 +65,10 @@ class DepotServicer(depot_pb2_grpc.DepotServicer):
         try:  # namespaces are joined, not named (kvdepot.server.state.namespaces)
             self.state.check_job_namespace(job.session_id, job.registration_id)
         except errors.DepotError as exc:
-            return pb.TransferResult(
-                job_id=job.job_id, success=False, error=exc.message, error_code=exc.code.name
+            return result_to_proto(
+                JobResult(job.job_id, False, error=exc.message, error_code=exc.code.name)
             )
-        return outcome_to_proto(await self.state.run_job(job_spec(job)))
+        return result_to_proto(await self.state.run_job(job_from_proto(job)))
 
     async def Session(
         self, request: pb.SessionRequest, context: grpc.aio.ServicerContext
@@ -131,10 +85,10 @@ class DepotServicer(depot_pb2_grpc.DepotServicer):
                     session_id=session.id,
                     boot_id=st.boot_id,
                     version=kvdepot.__version__,
-                    pool_capacity_bytes=st.index.allocator.capacity,
+                    pool_capacity_bytes=st.capacity_bytes,
                     max_job_keys=st.config.max_job_keys,
                     fd_socket=st.config.fd_socket if st.fd_receiver else "",
-                    remote_tier=self.remote is not None,
+                    remote_tier=st.has_tier_below,
                 )
             )
             # Ends at shutdown, or when the daemon ends the session itself (evicted
@@ -171,31 +125,7 @@ class DepotServicer(depot_pb2_grpc.DepotServicer):
             self.state.observe(request.session_id, request.namespace.id)
             return pb.RegisterKVResponse(registration_id=0, memory_path=OBSERVER)
         layout = layout_from_proto(request.namespace)
-        regions: list[tuple[MemoryPath, object]] = []
-        for r in request.regions:
-            kind = r.WhichOneof("handle")
-            if kind == "shm":
-                regions.append((MemoryPath.SHM, (r.shm.fd_token, r.shm.size)))
-            elif kind == "cuda_ipc":
-                regions.append((MemoryPath.CUDA_IPC, r.cuda_ipc))
-            elif kind == "pvm":
-                regions.append((MemoryPath.PVM, r.pvm))
-            else:
-                raise errors.invalid("a memory region needs a handle (shm, cuda_ipc or pvm)")
-        tensors = [
-            TensorView(
-                t.region_index,
-                t.region_offset,
-                t.num_blocks,
-                t.block_stride_bytes,
-                t.page_bytes,
-            )
-            for t in request.tensors
-        ]
-        groups = [
-            [LayerRef(ref.tensor_index, ref.page_offset, ref.page_bytes) for ref in g.layers]
-            for g in request.groups
-        ]
+        regions, tensors, groups = memory_from_proto(request)
         reg = self.state.register(
             request.session_id, layout, request.rank, regions, tensors, groups
         )
@@ -363,26 +293,16 @@ class DepotServicer(depot_pb2_grpc.DepotServicer):
     async def Prefetch(
         self, request: pb.PrefetchRequest, context: grpc.aio.ServicerContext
     ) -> pb.PrefetchResponse:
-        """Keys missing locally, fetched from the remote tier (kvdepot.server.remote)."""
+        """Keys missing locally, fetched from the tiers below the pool: the disk
+        (kvdepot.server.disk), then the remote tier (kvdepot.server.remote)."""
         st = self.state
-        st.access.member(request.session_id, request.namespace_id)
-        limit = st.config.max_batch_keys
-        if len(request.keys) > limit:  # checked before the keys are copied
-            raise errors.exhausted(
-                f"{len(request.keys)} keys in one call; at most {limit} (--max-batch-keys): "
-                f"split it"
-            )
-        keys = list(request.keys)
-        if self.remote is None:
-            layout = st.index.namespace(request.namespace_id).layout
-            for key in keys:
-                check_key(key, layout.num_groups)
+        states = await st.prefetch(request.session_id, request.namespace_id, request.keys)
+        if states is None:  # no tier below the pool
             return pb.PrefetchResponse(
-                states=[pb.PrefetchResponse.ABSENT] * len(keys), remote_tier=False
+                states=[pb.PrefetchResponse.ABSENT] * len(request.keys), remote_tier=False
             )
-        states = await self.remote.prefetch(request.namespace_id, keys)
         return pb.PrefetchResponse(
             states=[int(s) for s in states],
             remote_tier=True,
-            remote_healthy=self.remote.health.up,
+            remote_healthy=st.tiers_healthy,
         )

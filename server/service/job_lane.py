@@ -8,7 +8,8 @@ cost and the client's thread hand-offs; the job itself runs exactly as a
 Transfer stream's (the same `answer` coroutine: validation, JobRunner,
 expedited handling, error codes).
 
-Contract, per lane:
+Contract, per lane (its state, read bound and backlog are a sans-I/O
+`DaemonLane`, kvdepot.common.lane_protocol; `JobLane` is its socket adapter):
 - never blocks the loop: the socket is non-blocking, read with `add_reader`;
   results that do not fit in the socket now wait in a backlog drained with
   `add_writer`;
@@ -34,7 +35,6 @@ millisecond after every step that finished loads.
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import itertools
 import logging
@@ -44,8 +44,14 @@ import socket
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from google.protobuf.internal import decoder as _wire
+from google.protobuf.internal import wire_format
+
+from kvdepot.common.jobs import JobResult
+from kvdepot.common.lane_protocol import DaemonLane
 from kvdepot.server import errors
 from kvdepot.server.peer import session_tag, socket_creator
+from kvdepot.server.service.codec import result_to_proto
 from kvdepot.server.state import DepotState
 from kvdepot.v1 import depot_pb2 as pb
 
@@ -64,43 +70,20 @@ _RECV_BUFFER = bytearray(MAX_JOB_BYTES + 1)
 
 def leading_job_id(data: bytes) -> int | None:
     """The job_id (field 1, varint) of a datagram that does not parse as a whole,
-    read from the well-formed fields before the damage; None if there is none."""
-    pos, n = 0, len(data)
-
-    def varint() -> int | None:
-        nonlocal pos
-        value = shift = 0
-        while pos < n and shift < 64:
-            b = data[pos]
-            pos += 1
-            value |= (b & 0x7F) << shift
-            if not b & 0x80:
+    read with protobuf's own wire decoder from the well-formed fields before the
+    damage; None if there is none."""
+    buffer, pos, end = memoryview(data), 0, len(data)
+    try:
+        while pos < end:
+            tag, pos = _wire._DecodeVarint(buffer, pos)
+            field, wire_type = wire_format.UnpackTag(tag)
+            if wire_type in (wire_format.WIRETYPE_START_GROUP, wire_format.WIRETYPE_END_GROUP):
+                return None  # no field of a TransferJob: the damage starts here
+            value, pos = _wire._DecodeUnknownField(buffer, pos, end, field, wire_type)
+            if field == 1 and wire_type == wire_format.WIRETYPE_VARINT:
                 return value
-            shift += 7
+    except Exception:  # the damage (DecodeError, IndexError, struct.error): no job_id before it
         return None
-
-    while pos < n:
-        tag = varint()
-        if tag is None:
-            return None
-        field, wire = tag >> 3, tag & 7
-        if wire == 0:
-            value = varint()
-            if value is None:
-                return None
-            if field == 1:
-                return value
-        elif wire == 1:
-            pos += 8
-        elif wire == 2:
-            length = varint()
-            if length is None:
-                return None
-            pos += length
-        elif wire == 5:
-            pos += 4
-        else:
-            return None
     return None
 
 
@@ -124,17 +107,20 @@ class JobLane:
         self.sock = sock
         self.fd = sock.fileno()
         self._answer = answer
-        self._max_unread = max_unread
+        # The lane's state, read bound and backlog (kvdepot.common.lane_protocol);
+        # this class is its socket adapter on the loop.
+        self.protocol = DaemonLane(max_unread)
         self._loop = asyncio.get_running_loop()
-        self._pending: set[asyncio.Task[None]] = set()
-        self._backlog: collections.deque[bytes] = collections.deque()
+        self._pending: set[asyncio.Task[None]] = set()  # to cancel them on close
         self._reading = False
         self._writing = False
-        self._draining = False  # the peer half-closed: answer what runs, then close
-        self.closed = False
         # Asked at every wake-up (see _hung_up): registered once, not per call.
         self._hangup_poll = select.poll()
         self._hangup_poll.register(self.fd, select.POLLOUT)
+
+    @property
+    def closed(self) -> bool:
+        return self.protocol.closed
 
     def start(self) -> None:
         self._resume_reading()
@@ -142,7 +128,7 @@ class JobLane:
     # -- reading -----------------------------------------------------------------------
 
     def _resume_reading(self) -> None:
-        if not self._reading and not self.closed and not self._draining:
+        if not self._reading and self.protocol.may_read():
             self._loop.add_reader(self.fd, self._on_readable)
             self._reading = True
 
@@ -150,9 +136,6 @@ class JobLane:
         if self._reading:
             self._loop.remove_reader(self.fd)
             self._reading = False
-
-    def _full(self) -> bool:
-        return len(self._pending) + len(self._backlog) >= self._max_unread
 
     def _hung_up(self) -> bool:
         """Both directions shut: the peer closed its end (abort, exit, death)."""
@@ -166,8 +149,9 @@ class JobLane:
             self.close("the client closed it")
             return
         budget = READ_BYTES
+        protocol = self.protocol
         for _ in range(READ_BATCH):
-            if self.closed or self._full() or budget <= 0:
+            if budget <= 0 or not protocol.may_read():
                 break
             try:
                 n = self.sock.recv_into(_RECV_BUFFER, len(_RECV_BUFFER), socket.MSG_TRUNC)
@@ -179,6 +163,7 @@ class JobLane:
             if n == 0:
                 self._on_eof()
                 return
+            protocol.received()
             budget -= n
             if n > MAX_JOB_BYTES:
                 self._reject(
@@ -188,8 +173,8 @@ class JobLane:
                 )
                 continue
             self._take(bytes(_RECV_BUFFER[:n]))
-        if self._full():
-            self._pause_reading()  # resumed when results go out
+        if not protocol.may_read():
+            self._pause_reading()  # resumed when results go out (or never: closed)
 
     def _take(self, data: bytes) -> None:
         try:
@@ -202,19 +187,19 @@ class JobLane:
             self.lanes.state.deny(
                 f"a job naming another session on a lane of session {session_tag(self.session_id)}"
             )
-            self._send(
-                pb.TransferResult(
-                    job_id=job.job_id,
-                    success=False,
-                    error="a job lane runs jobs of its own session only",
-                    error_code="PERMISSION_DENIED",
-                ).SerializeToString()
+            refused = JobResult(
+                job.job_id,
+                False,
+                error="a job lane runs jobs of its own session only",
+                error_code="PERMISSION_DENIED",
             )
+            self._send(result_to_proto(refused).SerializeToString())
             return
         # As the lane's session's job: `answer` refuses it (PERMISSION_DENIED) when
         # that session has not joined the namespace of the registration it names.
         job.session_id = self.session_id
         self.lanes.lane_jobs += 1
+        self.protocol.started()
         task = self._loop.create_task(self._run(job))
         self._pending.add(task)
         task.add_done_callback(self._job_done)
@@ -224,11 +209,8 @@ class JobLane:
         if job_id is None:
             self.close(f"{why}; no job_id could be read from it")
             return
-        self._send(
-            pb.TransferResult(
-                job_id=job_id, success=False, error=why, error_code="INVALID_ARGUMENT"
-            ).SerializeToString()
-        )
+        rejected = JobResult(job_id, False, error=why, error_code="INVALID_ARGUMENT")
+        self._send(result_to_proto(rejected).SerializeToString())
 
     async def _run(self, job: pb.TransferJob) -> None:
         result = await self._answer(job)
@@ -237,6 +219,7 @@ class JobLane:
 
     def _job_done(self, task: asyncio.Task[None]) -> None:
         self._pending.discard(task)
+        self.protocol.finished()
         if not task.cancelled() and task.exception() is not None:
             log.error("lane %d: a job failed unexpectedly", self.id, exc_info=task.exception())
         self._after_progress()
@@ -248,50 +231,47 @@ class JobLane:
         if self._hung_up():
             self.close("the client closed it")
             return
-        self._draining = True
+        self.protocol.half_closed()
         self._after_progress()
 
     # -- writing -----------------------------------------------------------------------
 
     def _send(self, data: bytes) -> None:
-        if self.closed:
+        if self.protocol.closed:
             return
-        if not self._backlog:
+        if self.protocol.answer(data):  # nothing queued before it: try now
             try:
                 self.sock.send(data)
                 return
             except (BlockingIOError, InterruptedError):
-                pass
+                self.protocol.queue(data)
             except OSError as exc:
                 self.close(f"sending a result failed: {exc}")
                 return
-        self._backlog.append(data)
         if not self._writing:
             self._loop.add_writer(self.fd, self._on_writable)
             self._writing = True
 
     def _on_writable(self) -> None:
-        while self._backlog and not self.closed:
+        backlog = self.protocol.backlog
+        while backlog and not self.closed:
             try:
-                self.sock.send(self._backlog[0])
+                self.sock.send(backlog[0])
             except (BlockingIOError, InterruptedError):
                 return
             except OSError as exc:
                 self.close(f"sending a result failed: {exc}")
                 return
-            self._backlog.popleft()
+            backlog.popleft()
         if self._writing and not self.closed:
             self._loop.remove_writer(self.fd)
             self._writing = False
         self._after_progress()
 
     def _after_progress(self) -> None:
-        if self.closed:
-            return
-        if self._draining:
-            if not self._pending and not self._backlog:
-                self.close("the client half-closed it and every job was answered")
-        elif not self._full():
+        if self.protocol.drained:
+            self.close("the client half-closed it and every job was answered")
+        else:
             self._resume_reading()
 
     # -- closing -----------------------------------------------------------------------
@@ -299,8 +279,9 @@ class JobLane:
     def stop_reading(self) -> None:
         """Shutdown: take no more jobs; the running ones finish and are answered."""
         self._pause_reading()
-        self._draining = True
-        self._after_progress()
+        if not self.closed:
+            self.protocol.half_closed()
+            self._after_progress()
 
     async def wait_pending(self, timeout: float) -> None:
         if self._pending:
@@ -310,14 +291,13 @@ class JobLane:
         """Idempotent. Jobs whose copy has not started are skipped (CopyQueue)."""
         if self.closed:
             return
-        self.closed = True
+        self.protocol.close()  # and its backlog is dropped
         self._pause_reading()
         if self._writing:
             self._loop.remove_writer(self.fd)
             self._writing = False
         for task in self._pending:
             task.cancel()
-        self._backlog.clear()
         self.sock.close()
         self.lanes.forget(self)
         log.info("lane %d of session %s closed: %s", self.id, session_tag(self.session_id), why)

@@ -121,9 +121,10 @@ class AdminEviction:
 
     async def clear_in_slices(self) -> tuple[int, int]:
         """Admin/Clear: every ready, unheld block, a slice at a time (see
-        `evict_in_slices`), coldest first. Blocks stored while it runs join the
-        LRU list's young end; the walk stops after as many blocks as the list
-        held at the start. Returns (evicted, skipped: pinned, read or written)."""
+        `evict_in_slices`), the eviction policy's victims first (least recently
+        used). Blocks stored while it runs are admitted behind them; the walk stops
+        after as many blocks as were evictable at the start. Returns (evicted,
+        skipped: pinned, read or written)."""
         self.check_destructive()
         evicted = 0
         todo = self.index.evictable_blocks

@@ -2,12 +2,16 @@
 
 Checked after every state operation when the daemon runs with
 KVDEPOT_CHECK_INVARIANTS=1 (the fuzz and fault tests do); a failure is logged
-and sticks, and Admin/GetStats then answers INTERNAL.
+and sticks, and Admin/GetStats then answers INTERNAL. `@mutation` marks the
+DepotState operations after which they are checked.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import functools
+import inspect
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from kvdepot.server.core.kinds import SlotState
 
@@ -41,3 +45,31 @@ def check_invariants(state: DepotState) -> None:
                     f"block {slot.key.hex()[:16]} reserved by a closed session"
                 )
     assert state.traffic.inflight_jobs >= 0
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def mutation(fn: F) -> F:
+    """Marks a state operation that may change the index, sessions or
+    registrations: with KVDEPOT_CHECK_INVARIANTS=1 the invariants are checked
+    when it returns (or raises)."""
+    if inspect.iscoroutinefunction(fn):
+
+        @functools.wraps(fn)
+        async def run_async(self: DepotState, *args: Any, **kwargs: Any) -> Any:
+            try:
+                return await fn(self, *args, **kwargs)
+            finally:
+                self.verify_invariants()
+
+        return run_async  # type: ignore[return-value]
+
+    @functools.wraps(fn)
+    def run(self: DepotState, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(self, *args, **kwargs)
+        finally:
+            self.verify_invariants()
+
+    return run  # type: ignore[return-value]

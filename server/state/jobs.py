@@ -1,7 +1,7 @@
 """The job runner: one Transfer job, checked once, planned once, copied once.
 
     check   the registration, the direction, the size, and the job's shape against
-            the namespace and the rank's memory (core.planner.check_job): once,
+            the namespace and the rank's memory (core.job_check.check_job): once,
             before anything is reserved
     claim   STORE: reserve each key's slot (BlockIndex.begin_store_many, one call for
             the job), skipping keys already present and those dropped for lack
@@ -18,8 +18,11 @@ block ids, pages) are checked against `JobLimits` before anything is built from
 it, and the per-key index work (claim, settle) and the per-page planning run in
 slices (`KEY_SLICE` keys, `PAGE_SLICE` pages) with the loop yielded between them.
 
-A job never raises: every failure becomes a JobOutcome with the status code name
-that the error table (kvdepot.server.errors) gives it.
+The job comes in as kvdepot.common.jobs.Job (the service reads it off the wire,
+kvdepot.server.service.codec) with its session filled in, and ends as a
+kvdepot.common.jobs.JobResult. A job never raises: every failure becomes a
+JobResult with the status code name that the error table (kvdepot.server.errors)
+gives it.
 """
 
 from __future__ import annotations
@@ -32,12 +35,14 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from kvdepot.common.jobs import Job, JobResult
 from kvdepot.common.kinds import Direction
 from kvdepot.server import errors
 from kvdepot.server.copy_queue import CopyQueue
 from kvdepot.server.core.index import BlockIndex, Slot
+from kvdepot.server.core.job_check import JobShape, check_job, slice_shape
 from kvdepot.server.core.layout import NamespaceLayout
-from kvdepot.server.core.planner import CopyPlan, JobShape, check_job, plan_copy, slice_shape
+from kvdepot.server.core.planner import CopyPlan, plan_copy
 from kvdepot.server.memory.arena import Arena
 from kvdepot.server.memory.copy_engine import PreparedCopy
 from kvdepot.server.state.sessions import Registration, Sessions
@@ -61,39 +66,6 @@ class JobLimits:
     pages: int = 1 << 20
 
 
-@dataclass
-class JobSpec:
-    """A transfer job, decoupled from protobuf."""
-
-    job_id: int
-    direction: int
-    registration_id: int
-    keys: Sequence[bytes]
-    block_ids: Sequence[int]
-    group_sizes: Sequence[int]
-    block_indices: Sequence[int]
-    expedited: bool
-    session_id: str
-
-
-@dataclass
-class JobOutcome:
-    job_id: int
-    success: bool
-    bytes: int = 0
-    copy_seconds: float = 0.0
-    total_seconds: float = 0.0
-    error: str = ""
-    error_code: str = ""
-    stored_keys: int = 0
-    present_keys: int = 0
-    dropped_keys: int = 0
-    drop_reason: str = ""
-
-    def fail(self, exc: errors.DepotError) -> None:
-        self.success, self.error, self.error_code = False, exc.message, exc.code.name
-
-
 class JobRunner:
     def __init__(
         self,
@@ -114,10 +86,11 @@ class JobRunner:
         self.limits = limits if isinstance(limits, JobLimits) else JobLimits(keys=limits)
         self._refusing = refusing  # True once the daemon shuts down
 
-    async def run(self, job: JobSpec) -> JobOutcome:
-        """Checks, plans and copies one job. Never raises: failures are outcomes."""
+    async def run(self, job: Job) -> JobResult:
+        """Checks, plans and copies one job of `job.session_id`. Never raises:
+        failures are results."""
         t0 = time.perf_counter()
-        out = JobOutcome(job.job_id, True)
+        out = JobResult(job.job_id, True)
         direction: Direction | None = None
         self._traffic.inflight_jobs += 1
         try:
@@ -131,7 +104,7 @@ class JobRunner:
             if err is None:
                 log.exception("job %d failed unexpectedly", job.job_id)
                 err = errors.internal(f"internal error: {exc}")
-            out.fail(err)
+            out.fail(err.code.name, err.message)
         finally:
             self._traffic.inflight_jobs -= 1
         out.total_seconds = time.perf_counter() - t0
@@ -145,7 +118,7 @@ class JobRunner:
         )
         return out
 
-    def _check(self, job: JobSpec) -> tuple[Direction, Registration, JobShape]:
+    def _check(self, job: Job) -> tuple[Direction, Registration, JobShape]:
         if self._refusing():
             raise errors.unavailable("the daemon is shutting down")
         reg = self._sessions.registration(job.session_id, job.registration_id)
@@ -168,9 +141,7 @@ class JobRunner:
         )
         return direction, reg, shape
 
-    async def _store(
-        self, job: JobSpec, reg: Registration, shape: JobShape, out: JobOutcome
-    ) -> None:
+    async def _store(self, job: Job, reg: Registration, shape: JobShape, out: JobResult) -> None:
         rank, index = reg.rank, self._index
         # One index call each way per KEY_SLICE keys: the per-key work, the
         # namespace lookup and the events are paid once a slice, and a large job
@@ -197,9 +168,7 @@ class JobRunner:
             await _in_slices(claimed, lambda part: index.finish_store_many(part, rank, ok))
         out.stored_keys = len(claimed)
 
-    async def _load(
-        self, job: JobSpec, reg: Registration, shape: JobShape, out: JobOutcome
-    ) -> None:
+    async def _load(self, job: Job, reg: Registration, shape: JobShape, out: JobResult) -> None:
         ns_id, index = reg.layout.id, self._index
         slots: list[Slot] = []
         try:
@@ -224,11 +193,11 @@ class JobRunner:
 
     async def _copy(
         self,
-        job: JobSpec,
+        job: Job,
         reg: Registration,
         shape: JobShape,
         offsets: Sequence[int | None],
-        out: JobOutcome,
+        out: JobResult,
     ) -> None:
         """Plans and copies; the bytes and copy time go into `out`. Raises
         DepotError (a copy that failed is INTERNAL, or what the engine said)."""
@@ -243,11 +212,11 @@ class JobRunner:
 
     async def _copy_in_slices(
         self,
-        job: JobSpec,
+        job: Job,
         reg: Registration,
         shape: JobShape,
         offsets: Sequence[int | None],
-        out: JobOutcome,
+        out: JobResult,
     ) -> None:
         """`_copy` for a job of more than PAGE_SLICE pages: each slice is planned and
         prepared on the loop, then handed to the copy threads at once (the slices
@@ -292,7 +261,7 @@ class JobRunner:
             out.copy_seconds = max(e for _, e in spans) - min(s for s, _ in spans)  # type: ignore[misc]
         out.bytes = nbytes  # only once the bytes have landed
 
-    async def _run_copy(self, job: JobSpec, reg: Registration, plan: CopyPlan) -> float:
+    async def _run_copy(self, job: Job, reg: Registration, plan: CopyPlan) -> float:
         """Copies on the copy threads; a large plan is cut into parts that
         several threads copy at once (one thread's memmove is slower than the
         machine's). Returns seconds from the first part's start to the last's end."""
@@ -338,7 +307,7 @@ class JobRunner:
                 raise errors.internal(f"copy failed: {exc}") from None
 
 
-def check_job_size(job: JobSpec, layout: NamespaceLayout, limits: JobLimits) -> None:
+def check_job_size(job: Job, layout: NamespaceLayout, limits: JobLimits) -> None:
     """Refuses (RESOURCE_EXHAUSTED, naming the limit) a job larger than `limits`, from
     its lists' lengths and group_sizes alone: nothing is built from the job before."""
     if len(job.keys) > limits.keys:

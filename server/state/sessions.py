@@ -3,9 +3,10 @@
 A session is one engine process's connection (Depot/Session stream); what it
 holds (registrations, pins, unfinished block rows, fds sent but not yet
 claimed) is released when it ends. A registration maps one rank's KV memory
-through one memory path: shared memory (an fd claimed from the fd socket and
-sealed against shrinking) is built in; other paths (CUDA IPC, process memory)
-plug in with `add_memory_path`.
+through one memory path (kvdepot.server.memory.paths.MemoryPathPlugin): shared
+memory (an fd claimed from the fd socket and sealed against shrinking) is there
+from the start; the others (CUDA IPC, process memory) plug in the same way, with
+`add_memory_path`.
 
 A session id is a bearer secret (128 random bits) of the process that opened it;
 logs and listings show its first 8 hex digits only (`session_tag`). The first
@@ -26,10 +27,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import secrets
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -38,7 +38,8 @@ from kvdepot.server import errors
 from kvdepot.server.core.layout import NamespaceLayout
 from kvdepot.server.core.planner import LayerRef, MemoryMap, TensorView
 from kvdepot.server.memory.copy_engine import CopyEngine, CpuCopyEngine
-from kvdepot.server.memory.regions import MappedRegion, SharedMemoryRegion
+from kvdepot.server.memory.paths import MemoryPathPlugin, PassedFd, SharedMemoryPath
+from kvdepot.server.memory.regions import MappedRegion
 from kvdepot.server.peer import Peer, session_tag
 from kvdepot.server.resources import Headroom, ResourceLow
 from kvdepot.server.sizes import format_size
@@ -56,7 +57,7 @@ class FdSource(Protocol):
     the daemon attaches one (DepotState.attach_fd_receiver); the state never imports it."""
 
     def claim(self, token: str, session_id: str) -> int: ...
-    def claim_pending(self, token: str, session_id: str) -> Any: ...
+    def claim_pending(self, token: str, session_id: str) -> PassedFd: ...
     def drop_session(self, session_id: str) -> int: ...
     def expire(self) -> int: ...
     def close(self) -> None: ...
@@ -88,11 +89,6 @@ class Session:
     def revoke(self, reason: errors.DepotError) -> None:
         self.end_reason = reason
         self.ended.set()
-
-
-# Opens one region of a memory path: (the handle from RegisterKV, the session)
-# -> (the mapped region, the engine that copies it). Raises DepotError.
-RegionOpener = Callable[[Any, Session], tuple[MappedRegion, CopyEngine]]
 
 
 @dataclass(eq=False)
@@ -148,44 +144,40 @@ class Sessions:
         self._next_registration = (secrets.randbits(32) << 20) + 1
         self.cpu_engine = CpuCopyEngine()
         self.fd_source: FdSource | None = None
-        self._openers: dict[MemoryPath, RegionOpener] = {}
+        self._paths: dict[MemoryPath, MemoryPathPlugin[Any]] = {
+            MemoryPath.SHM: SharedMemoryPath(self, self.cpu_engine)
+        }
 
     # -- memory paths ----------------------------------------------------------------
 
-    def add_memory_path(self, kind: MemoryPath, opener: RegionOpener) -> None:
+    def add_memory_path(self, path: MemoryPathPlugin[Any]) -> None:
+        """Serves registrations of `path.kind` with `path` (shm and inline are built in)."""
+        kind = MemoryPath(path.kind)
         if kind in (MemoryPath.SHM, MemoryPath.INLINE):
             raise ValueError(f"memory path {kind} is built in")
-        self._openers[MemoryPath(kind)] = opener
+        self._paths[kind] = path
 
-    def memory_path(self, kind: MemoryPath) -> RegionOpener | None:
-        """The opener added for `kind` (None for built-in or absent paths)."""
-        return self._openers.get(MemoryPath(kind))
+    def memory_path(self, kind: MemoryPath) -> MemoryPathPlugin[Any] | None:
+        """The path serving `kind` (None: this daemon has none)."""
+        return self._paths.get(MemoryPath(kind))
 
     def _open_region(
         self, kind: MemoryPath, handle: object, session: Session
     ) -> tuple[MappedRegion, CopyEngine]:
-        if kind is MemoryPath.SHM:
-            token, size = handle  # type: ignore[misc]
-            fd = self.claim_fd(token, session.id)
-            try:
-                return SharedMemoryRegion.from_passed_fd(fd, size), self.cpu_engine
-            except (OSError, ValueError) as exc:
-                raise errors.invalid(f"cannot map the passed fd: {exc}") from None
-            finally:
-                os.close(fd)  # the mapping holds the memory now
-        opener = self._openers.get(kind)
-        if opener is None:
+        path = self._paths.get(kind)
+        if path is None:
             raise errors.invalid(
                 f"memory path {kind.value!r} is not available in this daemon (no CUDA device, "
                 f"or built without it): use shared memory or inline Put/Get"
             )
-        return opener(handle, session)
+        return path.open(handle, session.id)
 
-    def claim_fd(self, token: str, session_id: str) -> int:
-        """Takes the fd a session sent to the fd socket (the caller closes it)."""
-        return self.claim_pending(token, session_id).fd
+    # -- the fd socket's fds (kvdepot.server.memory.paths.PassedFds) --------------------
 
-    def claim_pending(self, token: str, session_id: str) -> Any:
+    def takes_fds(self) -> bool:
+        return self.fd_source is not None
+
+    def claim_passed(self, token: str, session_id: str) -> PassedFd:
         """The fd_receiver's PendingFd behind `token` (fd and sender; the caller
         closes the fd). A token of another session is PERMISSION_DENIED, counted."""
         if self.fd_source is None:

@@ -13,7 +13,8 @@ import pytest
 from kvdepot.common.cuda_driver import CUDA_ERROR_INVALID_VALUE, CUDA_ERROR_NOT_SUPPORTED, CudaError
 from kvdepot.server import errors
 from kvdepot.server.core.planner import CopyPlan
-from kvdepot.server.cuda.dma import CudaCopyEngine, CudaIpcRegion
+from kvdepot.server.cuda.dma import CudaCopyEngine
+from kvdepot.server.cuda.ipc_region import CudaIpcRegion
 from kvdepot.server.memory.copy_engine import LOAD, STORE
 from tests.support.fake_cuda import UUID0, UUID1, FakeDriver, ipc_msg
 from tests.support.regions import ArrayRegion

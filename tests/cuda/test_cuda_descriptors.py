@@ -13,7 +13,7 @@ import pytest
 
 from kvdepot.server.core.layout import NamespaceLayout
 from kvdepot.server.core.planner import LayerRef, MemoryMap, TensorView, plan_job, stride_period
-from kvdepot.server.cuda.dma import DmaBatch, DmaPlan, plan_dma
+from kvdepot.server.cuda.dma_plan import DmaBatch, DmaPlan, plan_dma
 from kvdepot.server.memory.copy_engine import LOAD, STORE, CpuCopyEngine
 from tests.support.regions import ArrayRegion
 

@@ -11,6 +11,7 @@ import pytest
 from kvdepot.common import cuda_driver
 from kvdepot.common.cuda_driver import CudaUnavailable, DeviceInfo
 from kvdepot.common.cuda_handles import parse_uuid
+from kvdepot.common.kinds import MemoryPath
 from kvdepot.server import errors
 from kvdepot.server.core.layout import NamespaceLayout
 from kvdepot.server.core.planner import LayerRef, TensorView
@@ -56,8 +57,9 @@ def test_enabling_cuda_without_cuda_leaves_the_cpu_path(
             [[LayerRef(0, 0, 4096)]],
         )
     assert exc.value.code.name == "INVALID_ARGUMENT" and "not available" in exc.value.message
-    # The shared-memory path still has its CPU engine.
-    assert isinstance(state.cpu_engine, CpuCopyEngine)
+    # The shared-memory path is still served, by its CPU engine.
+    shm = state.memory_path(MemoryPath.SHM)
+    assert shm is not None and isinstance(shm.engine, CpuCopyEngine)
 
 
 def test_device_selection() -> None:

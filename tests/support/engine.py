@@ -45,6 +45,7 @@ from kvdepot.bench.geometry import registration_pb, tensor_offsets
 from kvdepot.client import DepotClient, SharedKVBuffer
 from kvdepot.client.pvm import register_process_kv
 from kvdepot.common.chunks import block_positions
+from kvdepot.common.jobs import Job, JobResult
 from kvdepot.common.libc import libc
 from kvdepot.v1 import depot_pb2 as pb
 
@@ -192,7 +193,7 @@ class Engine:
         job_id = self._next_job
         self._next_job += 1
         self.stream.submit(
-            pb.TransferJob(
+            Job(
                 job_id=job_id,
                 direction=direction,
                 registration_id=self.registration.registration_id,
@@ -205,7 +206,7 @@ class Engine:
         )
         return job_id
 
-    def result(self, job_id: int, timeout: float) -> pb.TransferResult | None:
+    def result(self, job_id: int, timeout: float) -> JobResult | None:
         """Waits for `job_id`'s result (results of other jobs are dropped); None on timeout."""
         if not self.stream.wait({job_id}, timeout=timeout):
             return None
@@ -219,7 +220,7 @@ class Engine:
         group_blocks: list[list[int]],
         block_indices: list[int],
         expedited: bool = False,
-    ) -> pb.TransferResult:
+    ) -> JobResult:
         """Submits one job and waits for its result."""
         job_id = self.submit(direction, keys, group_blocks, block_indices, expedited)
         result = self.result(job_id, timeout=60)
@@ -271,7 +272,7 @@ def _main() -> None:
         "errors": [],
     }
 
-    def run(eng: Engine, direction: int, chunks: range, salt: bytes = b"") -> pb.TransferResult:
+    def run(eng: Engine, direction: int, chunks: range, salt: bytes = b"") -> JobResult:
         keys, group_blocks, indices = chunk_plan(geo, chunks, salt, args.base_block)
         n = len(chunks)
         if direction == pb.STORE:
@@ -311,7 +312,7 @@ def _main() -> None:
     client.close()
 
 
-def _unmap(eng: Engine, run: Callable[..., pb.TransferResult], report: dict[str, Any]) -> None:
+def _unmap(eng: Engine, run: Callable[..., JobResult], report: dict[str, Any]) -> None:
     """Store two chunks, then unmap the second half of the memory: every job touches
     group 1's layers, which now lie (partly) in the hole."""
     geo, client = eng.geo, eng.client

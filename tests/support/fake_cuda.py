@@ -18,9 +18,10 @@ from kvdepot.common.cuda_driver import (
     DeviceInfo,
 )
 from kvdepot.common.cuda_handles import parse_uuid
+from kvdepot.common.jobs import Job
 from kvdepot.server.core.layout import NamespaceLayout
 from kvdepot.server.core.planner import LayerRef, TensorView
-from kvdepot.server.state import DepotState, JobSpec
+from kvdepot.server.state import DepotState
 from kvdepot.v1 import depot_pb2 as pb
 
 UUID0 = "GPU-8f5e2a1c-0b3d-4e6f-9a7b-1c2d3e4f5a6b"
@@ -240,5 +241,14 @@ def register_fake_engine(
 
 def job(
     reg: Any, session: Any, jid: int, direction: int, keys: list[bytes], blocks: list[int]
-) -> JobSpec:
-    return JobSpec(jid, direction, reg.id, keys, blocks, [len(blocks)], [0], False, session.id)
+) -> Job:
+    return Job(
+        jid,
+        direction,
+        keys,
+        blocks,
+        [len(blocks)],
+        [0],
+        registration_id=reg.id,
+        session_id=session.id,
+    )

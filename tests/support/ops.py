@@ -13,6 +13,7 @@ import grpc
 from grpc_health.v1 import health_pb2
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvdepot.common.jobs import JobResult
 from kvdepot.v1 import admin_pb2_grpc
 from kvdepot.v1 import depot_pb2 as pb
 from tests.support.daemon import DaemonProcess
@@ -52,7 +53,7 @@ def admin(d: DaemonProcess) -> tuple[grpc.Channel, admin_pb2_grpc.AdminStub]:
     return ch, admin_pb2_grpc.AdminStub(ch)
 
 
-def store(eng: Engine, chunks: range, base_block: int = 0, salt: bytes = b"") -> pb.TransferResult:
+def store(eng: Engine, chunks: range, base_block: int = 0, salt: bytes = b"") -> JobResult:
     """Fills `chunks` (every group) with their expected bytes and stores them."""
     keys, group_blocks, indices = chunk_plan(eng.geo, chunks, salt=salt, base_block=base_block)
     n = len(chunks)
@@ -63,7 +64,7 @@ def store(eng: Engine, chunks: range, base_block: int = 0, salt: bytes = b"") ->
     return res
 
 
-def load(eng: Engine, chunks: range, base_block: int) -> pb.TransferResult:
+def load(eng: Engine, chunks: range, base_block: int) -> JobResult:
     """Loads `chunks` into other blocks and checks every byte."""
     keys, group_blocks, indices = chunk_plan(eng.geo, chunks, base_block=base_block)
     res = eng.job(pb.LOAD, keys, group_blocks, indices)

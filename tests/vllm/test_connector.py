@@ -511,10 +511,10 @@ def test_a_steps_pins_go_early_in_parts_and_end_the_step_pinned(
     and completed loads leave nothing pinned."""
     from vllm.v1.kv_offload.base import ReqContext
 
-    from kvdepot.client.vllm import manager as manager_module
+    from kvdepot.client.vllm import pins as pins_module
     from kvdepot.v1 import admin_pb2, admin_pb2_grpc
 
-    monkeypatch.setattr(manager_module, "EARLY_PIN_KEYS", 4)
+    monkeypatch.setattr(pins_module, "EARLY_PIN_KEYS", 4)
     engine = make_engine(
         socket=daemon.target, num_gpu_blocks=64, extra_config={"kvdepot_pin_timeout_ms": 10_000}
     )

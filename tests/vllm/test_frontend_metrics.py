@@ -20,8 +20,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
     OffloadingConnectorStats,
 )
 
-from kvdepot.client.vllm.manager import MetricName
 from kvdepot.client.vllm.spec import KVDepotOffloadingSpec
+from kvdepot.client.vllm.stats import MetricName
 from kvdepot.testing.environment import find_model_dir
 
 pytestmark = pytest.mark.vllm

@@ -112,8 +112,9 @@ def test_an_old_namespace_event_being_applied_during_the_reset(daemon, make_engi
     engine = make_engine(socket=daemon.target, num_gpu_blocks=64)
     engine.wait_registered()
     manager = engine.manager
+    mirror = manager.mirror
     entered, release = threading.Event(), threading.Event()
-    apply_event = manager._on_watch_event
+    apply_event = mirror.apply
 
     def held(event) -> None:  # type: ignore[no-untyped-def]
         if event.keys and not entered.is_set():
@@ -121,7 +122,7 @@ def test_an_old_namespace_event_being_applied_during_the_reset(daemon, make_engi
             assert release.wait(10)
         apply_event(event)
 
-    manager._on_watch_event = held
+    mirror.apply = held
     prompt = prompt_for(320, TOKENS)
     engine.generate([prompt])  # its STORED event comes to `held`, which holds it
     assert entered.wait(10), "no STORED event arrived"
@@ -131,7 +132,7 @@ def test_an_old_namespace_event_being_applied_during_the_reset(daemon, make_engi
     release.set()
     resetting.join(10)
     assert not resetting.is_alive()
-    manager._on_watch_event = apply_event
+    mirror.apply = apply_event
     keys = engine.offload_keys(prompt)
     assert manager.mirror_size == 0 and misses(engine, keys)
     [after] = engine.generate([prompt])

@@ -11,8 +11,15 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetStatsResponse(_message.Message):
-    __slots__ = ("version", "boot_id", "uptime_seconds", "capacity_bytes", "used_bytes", "pinned_bytes", "largest_free_extent_bytes", "warmup_done_bytes", "warmup_complete", "ready_blocks", "writing_blocks", "pinned_blocks", "sessions", "registrations", "namespaces", "lookups", "hits", "misses", "evictions", "stores", "loads", "stored_bytes", "loaded_bytes", "dropped_stores", "inflight_jobs", "pool_backing", "warm_restarted", "evictions_by_reason", "store_jobs", "load_jobs", "stored_blocks", "loaded_blocks", "failed_store_jobs", "failed_load_jobs", "pin_calls", "pin_keys", "pinned_keys", "recovery_blocks_total", "recovery_blocks_verified", "recovery_blocks_rejected", "recovery_complete", "job_lanes_open", "lane_jobs", "page_locking", "page_locked_bytes", "page_locking_error", "populating_bytes", "lane_pins", "lane_unpins", "permission_denied", "remote_enabled", "remote_healthy", "remote_writes", "remote_write_bytes", "remote_write_present", "remote_write_drops", "remote_reads", "remote_read_bytes", "remote_hits", "remote_misses", "remote_fetch_drops", "remote_verify_failures", "remote_errors", "remote_inflight_bytes")
+    __slots__ = ("version", "boot_id", "uptime_seconds", "capacity_bytes", "used_bytes", "pinned_bytes", "largest_free_extent_bytes", "warmup_done_bytes", "warmup_complete", "ready_blocks", "writing_blocks", "pinned_blocks", "sessions", "registrations", "namespaces", "lookups", "hits", "misses", "evictions", "stores", "loads", "stored_bytes", "loaded_bytes", "dropped_stores", "inflight_jobs", "pool_backing", "warm_restarted", "evictions_by_reason", "store_jobs", "load_jobs", "stored_blocks", "loaded_blocks", "failed_store_jobs", "failed_load_jobs", "pin_calls", "pin_keys", "pinned_keys", "recovery_blocks_total", "recovery_blocks_verified", "recovery_blocks_rejected", "recovery_complete", "job_lanes_open", "lane_jobs", "page_locking", "page_locked_bytes", "page_locking_error", "populating_bytes", "lane_pins", "lane_unpins", "permission_denied", "remote_enabled", "remote_healthy", "remote_writes", "remote_write_bytes", "remote_write_present", "remote_write_drops", "remote_reads", "remote_read_bytes", "remote_hits", "remote_misses", "remote_fetch_drops", "remote_verify_failures", "remote_errors", "remote_inflight_bytes", "disk_enabled", "disk_healthy", "disk_down_reason", "disk_direct_io", "disk_capacity_bytes", "disk_used_bytes", "disk_records", "disk_inflight_bytes", "disk_writes", "disk_write_bytes", "disk_reads", "disk_read_bytes", "disk_hits", "disk_misses", "disk_write_drops", "disk_promote_drops", "disk_rejected", "disk_errors", "disk_evicted", "disk_recovery_complete", "disk_recovery_source", "disk_recovery_scanned_bytes", "disk_recovery_total_bytes", "disk_recovered")
     class EvictionsByReasonEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class DiskWriteDropsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
         VALUE_FIELD_NUMBER: _ClassVar[int]
@@ -83,6 +90,30 @@ class GetStatsResponse(_message.Message):
     REMOTE_VERIFY_FAILURES_FIELD_NUMBER: _ClassVar[int]
     REMOTE_ERRORS_FIELD_NUMBER: _ClassVar[int]
     REMOTE_INFLIGHT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DISK_ENABLED_FIELD_NUMBER: _ClassVar[int]
+    DISK_HEALTHY_FIELD_NUMBER: _ClassVar[int]
+    DISK_DOWN_REASON_FIELD_NUMBER: _ClassVar[int]
+    DISK_DIRECT_IO_FIELD_NUMBER: _ClassVar[int]
+    DISK_CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DISK_USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DISK_RECORDS_FIELD_NUMBER: _ClassVar[int]
+    DISK_INFLIGHT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DISK_WRITES_FIELD_NUMBER: _ClassVar[int]
+    DISK_WRITE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DISK_READS_FIELD_NUMBER: _ClassVar[int]
+    DISK_READ_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DISK_HITS_FIELD_NUMBER: _ClassVar[int]
+    DISK_MISSES_FIELD_NUMBER: _ClassVar[int]
+    DISK_WRITE_DROPS_FIELD_NUMBER: _ClassVar[int]
+    DISK_PROMOTE_DROPS_FIELD_NUMBER: _ClassVar[int]
+    DISK_REJECTED_FIELD_NUMBER: _ClassVar[int]
+    DISK_ERRORS_FIELD_NUMBER: _ClassVar[int]
+    DISK_EVICTED_FIELD_NUMBER: _ClassVar[int]
+    DISK_RECOVERY_COMPLETE_FIELD_NUMBER: _ClassVar[int]
+    DISK_RECOVERY_SOURCE_FIELD_NUMBER: _ClassVar[int]
+    DISK_RECOVERY_SCANNED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DISK_RECOVERY_TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DISK_RECOVERED_FIELD_NUMBER: _ClassVar[int]
     version: str
     boot_id: str
     uptime_seconds: float
@@ -147,7 +178,31 @@ class GetStatsResponse(_message.Message):
     remote_verify_failures: int
     remote_errors: int
     remote_inflight_bytes: int
-    def __init__(self, version: _Optional[str] = ..., boot_id: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., pinned_bytes: _Optional[int] = ..., largest_free_extent_bytes: _Optional[int] = ..., warmup_done_bytes: _Optional[int] = ..., warmup_complete: _Optional[bool] = ..., ready_blocks: _Optional[int] = ..., writing_blocks: _Optional[int] = ..., pinned_blocks: _Optional[int] = ..., sessions: _Optional[int] = ..., registrations: _Optional[int] = ..., namespaces: _Optional[int] = ..., lookups: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ..., stores: _Optional[int] = ..., loads: _Optional[int] = ..., stored_bytes: _Optional[int] = ..., loaded_bytes: _Optional[int] = ..., dropped_stores: _Optional[int] = ..., inflight_jobs: _Optional[int] = ..., pool_backing: _Optional[str] = ..., warm_restarted: _Optional[bool] = ..., evictions_by_reason: _Optional[_Mapping[str, int]] = ..., store_jobs: _Optional[int] = ..., load_jobs: _Optional[int] = ..., stored_blocks: _Optional[int] = ..., loaded_blocks: _Optional[int] = ..., failed_store_jobs: _Optional[int] = ..., failed_load_jobs: _Optional[int] = ..., pin_calls: _Optional[int] = ..., pin_keys: _Optional[int] = ..., pinned_keys: _Optional[int] = ..., recovery_blocks_total: _Optional[int] = ..., recovery_blocks_verified: _Optional[int] = ..., recovery_blocks_rejected: _Optional[int] = ..., recovery_complete: _Optional[bool] = ..., job_lanes_open: _Optional[int] = ..., lane_jobs: _Optional[int] = ..., page_locking: _Optional[bool] = ..., page_locked_bytes: _Optional[int] = ..., page_locking_error: _Optional[str] = ..., populating_bytes: _Optional[int] = ..., lane_pins: _Optional[int] = ..., lane_unpins: _Optional[int] = ..., permission_denied: _Optional[int] = ..., remote_enabled: _Optional[bool] = ..., remote_healthy: _Optional[bool] = ..., remote_writes: _Optional[int] = ..., remote_write_bytes: _Optional[int] = ..., remote_write_present: _Optional[int] = ..., remote_write_drops: _Optional[int] = ..., remote_reads: _Optional[int] = ..., remote_read_bytes: _Optional[int] = ..., remote_hits: _Optional[int] = ..., remote_misses: _Optional[int] = ..., remote_fetch_drops: _Optional[int] = ..., remote_verify_failures: _Optional[int] = ..., remote_errors: _Optional[int] = ..., remote_inflight_bytes: _Optional[int] = ...) -> None: ...
+    disk_enabled: bool
+    disk_healthy: bool
+    disk_down_reason: str
+    disk_direct_io: bool
+    disk_capacity_bytes: int
+    disk_used_bytes: int
+    disk_records: int
+    disk_inflight_bytes: int
+    disk_writes: int
+    disk_write_bytes: int
+    disk_reads: int
+    disk_read_bytes: int
+    disk_hits: int
+    disk_misses: int
+    disk_write_drops: _containers.ScalarMap[str, int]
+    disk_promote_drops: int
+    disk_rejected: int
+    disk_errors: int
+    disk_evicted: int
+    disk_recovery_complete: bool
+    disk_recovery_source: str
+    disk_recovery_scanned_bytes: int
+    disk_recovery_total_bytes: int
+    disk_recovered: int
+    def __init__(self, version: _Optional[str] = ..., boot_id: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., pinned_bytes: _Optional[int] = ..., largest_free_extent_bytes: _Optional[int] = ..., warmup_done_bytes: _Optional[int] = ..., warmup_complete: _Optional[bool] = ..., ready_blocks: _Optional[int] = ..., writing_blocks: _Optional[int] = ..., pinned_blocks: _Optional[int] = ..., sessions: _Optional[int] = ..., registrations: _Optional[int] = ..., namespaces: _Optional[int] = ..., lookups: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ..., stores: _Optional[int] = ..., loads: _Optional[int] = ..., stored_bytes: _Optional[int] = ..., loaded_bytes: _Optional[int] = ..., dropped_stores: _Optional[int] = ..., inflight_jobs: _Optional[int] = ..., pool_backing: _Optional[str] = ..., warm_restarted: _Optional[bool] = ..., evictions_by_reason: _Optional[_Mapping[str, int]] = ..., store_jobs: _Optional[int] = ..., load_jobs: _Optional[int] = ..., stored_blocks: _Optional[int] = ..., loaded_blocks: _Optional[int] = ..., failed_store_jobs: _Optional[int] = ..., failed_load_jobs: _Optional[int] = ..., pin_calls: _Optional[int] = ..., pin_keys: _Optional[int] = ..., pinned_keys: _Optional[int] = ..., recovery_blocks_total: _Optional[int] = ..., recovery_blocks_verified: _Optional[int] = ..., recovery_blocks_rejected: _Optional[int] = ..., recovery_complete: _Optional[bool] = ..., job_lanes_open: _Optional[int] = ..., lane_jobs: _Optional[int] = ..., page_locking: _Optional[bool] = ..., page_locked_bytes: _Optional[int] = ..., page_locking_error: _Optional[str] = ..., populating_bytes: _Optional[int] = ..., lane_pins: _Optional[int] = ..., lane_unpins: _Optional[int] = ..., permission_denied: _Optional[int] = ..., remote_enabled: _Optional[bool] = ..., remote_healthy: _Optional[bool] = ..., remote_writes: _Optional[int] = ..., remote_write_bytes: _Optional[int] = ..., remote_write_present: _Optional[int] = ..., remote_write_drops: _Optional[int] = ..., remote_reads: _Optional[int] = ..., remote_read_bytes: _Optional[int] = ..., remote_hits: _Optional[int] = ..., remote_misses: _Optional[int] = ..., remote_fetch_drops: _Optional[int] = ..., remote_verify_failures: _Optional[int] = ..., remote_errors: _Optional[int] = ..., remote_inflight_bytes: _Optional[int] = ..., disk_enabled: _Optional[bool] = ..., disk_healthy: _Optional[bool] = ..., disk_down_reason: _Optional[str] = ..., disk_direct_io: _Optional[bool] = ..., disk_capacity_bytes: _Optional[int] = ..., disk_used_bytes: _Optional[int] = ..., disk_records: _Optional[int] = ..., disk_inflight_bytes: _Optional[int] = ..., disk_writes: _Optional[int] = ..., disk_write_bytes: _Optional[int] = ..., disk_reads: _Optional[int] = ..., disk_read_bytes: _Optional[int] = ..., disk_hits: _Optional[int] = ..., disk_misses: _Optional[int] = ..., disk_write_drops: _Optional[_Mapping[str, int]] = ..., disk_promote_drops: _Optional[int] = ..., disk_rejected: _Optional[int] = ..., disk_errors: _Optional[int] = ..., disk_evicted: _Optional[int] = ..., disk_recovery_complete: _Optional[bool] = ..., disk_recovery_source: _Optional[str] = ..., disk_recovery_scanned_bytes: _Optional[int] = ..., disk_recovery_total_bytes: _Optional[int] = ..., disk_recovered: _Optional[int] = ...) -> None: ...
 
 class ListNamespacesRequest(_message.Message):
     __slots__ = ()

@@ -206,11 +206,12 @@ class DepotServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Prefetch(self, request, context):
-        """Asks the daemon to fetch keys that miss locally from its remote tier
-        (`kvdepot serve --remote`). Answers after one existence check in the tier
-        (bounded by a short deadline), never after the bytes: fetched rows are
-        verified, become ready in the pool and are announced on Watch (STORED)
-        like any stored row. Without a remote tier every key is ABSENT and
+        """Asks the daemon to fetch keys that miss locally from the tiers below the
+        pool: its disk (`kvdepot serve --disk`) first, then its remote tier
+        (`--remote`). Answers after the disk's index and one existence check in the
+        remote tier (bounded by a short deadline), never after the bytes: fetched
+        rows are verified, become ready in the pool and are announced on Watch
+        (STORED) like any stored row. Without a tier below every key is ABSENT and
         `remote_tier` is false.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)

@@ -1,0 +1,119 @@
+"""The scheduler's local copy of a namespace's ready keys, fed by the daemon's Watch stream.
+
+`OffloadingManager.lookup` answers from this set alone, so a lookup never touches the
+network. The daemon's Watch stream (kvdepot.client.DepotClient.watch) sends a snapshot
+and then every STORED and REMOVED change; a snapshot with `reset` (the daemon
+restarted, or the client lost it) replaces the set.
+
+Generations: each namespace the engine follows is a generation (0 at start, +1 per
+`reset_cache`). A Watch handler serves one generation: its events are checked and
+applied under `ReadyMirror`'s lock, and `start_generation` switches generation and set
+under the same lock, so an event of a namespace the engine left never reaches the new
+set, even one that passed its check while the switch was waiting (issue 29).
+
+Threads and ownership (`ReadyMirror` owns the set, the generation, the events and
+both locks):
+- the handlers returned by `handler` run on the client's stream loop thread
+  (kvdepot.client.stream_loop), one event at a time;
+- `start_generation`, `discard`, `take_events` and reads of `ready` run on vLLM's
+  scheduler thread. `ready` is read without the lock (lookup's hot path): the set only
+  changes one GIL-atomic operation at a time and is replaced, never cleared, so a
+  lookup never sees a half-emptied mirror.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterable
+
+from vllm.v1.kv_offload.base import Medium, OffloadingEvent
+
+from kvdepot.v1 import depot_pb2
+
+_SNAPSHOT = depot_pb2.WatchEvent.SNAPSHOT
+_STORED = depot_pb2.WatchEvent.STORED
+_REMOVED = depot_pb2.WatchEvent.REMOVED
+
+WatchHandler = Callable[[depot_pb2.WatchEvent], None]
+
+
+class ReadyMirror:
+    """The ready keys of the namespace the engine is in, and vLLM's KV events for them."""
+
+    def __init__(self, enable_events: bool, on_forget: Callable[[], None]) -> None:
+        """`enable_events`: collect OffloadingEvents for `take_events` (vLLM's KV events
+        are on). `on_forget` runs (on the stream loop thread) when a reset snapshot
+        makes the mirror forget everything."""
+        self.ready: set[bytes] = set()
+        self._on_forget = on_forget
+        # Held while a Watch event is checked and applied, and while the generation
+        # switches (never on lookup's path).
+        self._lock = threading.Lock()
+        self._generation = 0
+        self._events: list[OffloadingEvent] | None = [] if enable_events else None
+        self._events_lock = threading.Lock()
+        self.watch_events = 0  # events applied (a monotonic count for tools)
+
+    def handler(self, generation: int) -> WatchHandler:
+        """The Watch callback for `generation`'s namespace; stale once a later
+        generation starts."""
+
+        def on_event(event: depot_pb2.WatchEvent) -> None:
+            with self._lock:
+                if generation != self._generation:
+                    return
+                self.apply(event)
+
+        return on_event
+
+    def start_generation(self, generation: int) -> None:
+        """Empties the mirror for a new namespace; events of earlier generations,
+        including one being applied now, never reach it."""
+        with self._lock:
+            self._generation = generation
+            self.ready = set()
+
+    def apply(self, event: depot_pb2.WatchEvent) -> None:
+        """Applies one Watch event (the caller holds the lock and checked the generation)."""
+        self.watch_events += 1
+        kind = event.kind
+        if kind == _STORED:
+            keys = list(event.keys)
+            self.ready.update(keys)
+            self._emit(keys, removed=False)
+        elif kind == _REMOVED:
+            keys = list(event.keys)
+            self.ready.difference_update(keys)
+            self._emit(keys, removed=True)
+        elif kind == _SNAPSHOT:
+            if event.reset:
+                # Forget everything: the daemon restarted, or we lost it. A new set
+                # (not clear()): see the module docstring.
+                old, self.ready = self.ready, set()
+                self._on_forget()
+                if old:
+                    self._emit(list(old), removed=True)
+            keys = list(event.keys)
+            if keys:
+                self.ready.update(keys)
+                self._emit(keys, removed=False)
+        # SNAPSHOT_END: nothing to do, the snapshot keys are in already.
+
+    def discard(self, keys: Iterable[bytes]) -> None:
+        """Keys found gone (a pin missed them) before their REMOVED event arrives."""
+        self.ready.difference_update(keys)
+
+    def _emit(self, keys: list[bytes], removed: bool) -> None:
+        if self._events is None or not keys:
+            return
+        event = OffloadingEvent(keys=keys, medium=Medium.CPU, removed=removed)  # type: ignore[arg-type]
+        with self._events_lock:
+            self._events.append(event)
+
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        """The KV events since the last call (a plain function: vLLM drains it every step)."""
+        if not self._events:  # events off (None), or none since the last step
+            return ()
+        with self._events_lock:
+            events, self._events = self._events, []
+        return events

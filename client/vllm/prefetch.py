@@ -1,0 +1,165 @@
+"""The tiers below the pool, as the scheduler sees them: keys missing locally are asked
+for, not missed.
+
+When the daemon has a tier below its pool, `--disk` or `--remote` (SessionHello.remote_tier),
+and `kvdepot_remote_wait_ms` is above 0, a key missing from the mirror answers RETRY ("ask
+again next step") and is collected; at the step's end the step's keys go to the
+prefetch thread, which sends them in ONE Prefetch RPC. Keys the tier lacks become misses
+as soon as the answer arrives; fetched keys turn into hits when Watch announces them
+(the mirror's job); a key still not here after `kvdepot_remote_wait_ms` counts as a miss
+and is recomputed. A key the tier lacked, or gave up on, is not asked for again for
+`NO_REMOTE_S`. The scheduler thread never waits on the network for any of it.
+
+Threads and ownership (`RemotePrefetch` owns the keys being fetched, the keys not to
+ask for, the step's keys, the queue to the prefetch thread and that thread):
+- `lookup`, `end_step` and `reset` run on vLLM's scheduler thread;
+- `_run` is the "kvdepot-prefetch" thread: it sends the Prefetch RPCs of the current
+  generation (the namespace's: `reset` starts a new one) and marks the keys the tier
+  lacks, one GIL-atomic dict operation at a time. It waits without a timeout
+  (`close` wakes it to end);
+- `on_session` and `on_disconnect` run on the client's stream loop thread: `on` says
+  whether this session's daemon has a tier to ask.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import grpc
+from vllm.v1.kv_offload.base import LookupResult
+
+from kvdepot.client import DepotClient, DepotUnavailable
+from kvdepot.client.vllm.load_failures import LoadFailureBackoff
+from kvdepot.client.vllm.stats import MetricName, StepStats
+from kvdepot.v1 import depot_pb2
+
+log = logging.getLogger("kvdepot.vllm.manager")
+
+_MISS = LookupResult.MISS
+_RETRY = LookupResult.RETRY
+_ABSENT = depot_pb2.PrefetchResponse.ABSENT
+# A key the remote tier lacked (or gave up on) is not asked for again this long:
+# it is recomputed here and stored in this node's pool meanwhile.
+NO_REMOTE_S = 10.0
+
+
+class RemotePrefetch:
+    """Asks the daemon's remote tier for the keys a step misses locally."""
+
+    def __init__(
+        self,
+        client: DepotClient,
+        stats: StepStats,
+        failures: LoadFailureBackoff,
+        wait_s: float,
+    ) -> None:
+        """`failures`: keys in back-off are not asked for (read only)."""
+        self._client = client
+        self._stats = stats
+        self._failures = failures
+        self._wait_s = wait_s
+        self.on = False
+        self._generation = 0
+        # Keys asked of the tier -> monotonic deadline; keys it lacked (or that took
+        # too long) -> until when they count as misses; this step's keys to ask for.
+        self._fetching: dict[bytes, float] = {}
+        self._no_remote: dict[bytes, float] = {}
+        self._next_prune = 0.0
+        self._step_keys: list[bytes] = []
+        # (generation, namespace, keys) for the prefetch thread.
+        self._queue: list[tuple[int, str, list[bytes]]] = []
+        # Figures for benchmarks and tests (monotonic counters).
+        self.asked = 0
+        self.gave_up = 0
+        self.rpcs = 0
+        self._closed = False
+        self._wakeup = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kvdepot-prefetch", daemon=True)
+        self._thread.start()
+
+    def lookup(self, key: bytes) -> LookupResult:
+        """A key missing locally while `on`: RETRY while it may still arrive, MISS once
+        the tier lacked it or the wait is over."""
+        now = time.monotonic()
+        until = self._fetching.get(key)
+        if until is not None:
+            if now < until:
+                return _RETRY
+            self._fetching.pop(key, None)
+            self._no_remote[key] = now + NO_REMOTE_S
+            self.gave_up += 1
+            self._stats.count(MetricName.REMOTE_GAVE_UP)
+            return _MISS
+        backed_off = self._failures.until
+        if self._no_remote.get(key, 0.0) > now or (backed_off and key in backed_off):
+            return _MISS
+        self._fetching[key] = now + self._wait_s
+        self._step_keys.append(key)
+        return _RETRY
+
+    def end_step(self, generation: int, namespace_id: str, ready: set[bytes]) -> None:
+        """Hands the step's keys to the prefetch thread; forgets settled keys (keys now
+        `ready` in the mirror, or whose wait is long over), once a second at most."""
+        if self._step_keys:
+            keys, self._step_keys = self._step_keys, []
+            self.asked += len(keys)
+            self._stats.count(MetricName.REMOTE_PREFETCH_KEYS, len(keys))
+            self._queue.append((generation, namespace_id, keys))
+            self._wakeup.set()
+        if self._fetching or self._no_remote:
+            now = time.monotonic()
+            if now >= self._next_prune:
+                self._fetching = {
+                    k: t for k, t in self._fetching.items() if k not in ready and t > now - 1.0
+                }
+                self._no_remote = {k: t for k, t in self._no_remote.items() if t > now}
+                self._next_prune = now + 1.0
+
+    def reset(self, generation: int) -> None:
+        """A new namespace: what was asked for the old one no longer counts."""
+        self._generation = generation
+        self._fetching, self._no_remote, self._step_keys = {}, {}, []
+
+    def _run(self) -> None:
+        while not self._closed:
+            self._wakeup.wait()
+            self._wakeup.clear()
+            batch, self._queue = self._queue, []
+            for generation, namespace_id, keys in batch:
+                if generation == self._generation:
+                    self._prefetch(namespace_id, keys)
+
+    def _prefetch(self, namespace_id: str, keys: list[bytes]) -> None:
+        try:
+            resp = self._client.prefetch(namespace_id, keys, timeout=max(self._wait_s, 0.5))
+        except (DepotUnavailable, grpc.RpcError, ValueError) as exc:
+            code = exc.code() if isinstance(exc, grpc.RpcError) else None
+            if code == grpc.StatusCode.UNIMPLEMENTED:  # a daemon without the call
+                self.on = False
+            log.debug("kvdepot prefetch of %d keys failed: %s", len(keys), exc)
+            states = [_ABSENT] * len(keys)
+        else:
+            self.rpcs += 1
+            if not resp.remote_tier:
+                self.on = False
+            states = list(resp.states)
+        until = time.monotonic() + NO_REMOTE_S
+        fetching, no_remote = self._fetching, self._no_remote
+        for key, state in zip(keys, states, strict=False):
+            if state == _ABSENT:  # recompute it: a miss from the next lookup on
+                no_remote[key] = until
+                fetching.pop(key, None)
+
+    def on_session(self, hello: depot_pb2.SessionHello | None) -> None:
+        # kvdepot_remote_wait_ms = 0: this engine never waits for the tier, nor asks it.
+        self.on = bool(hello is not None and hello.remote_tier) and self._wait_s > 0
+
+    def on_disconnect(self) -> None:
+        self.on = False
+
+    def close(self) -> None:
+        """Ends the thread (it exits at its next wake-up, which this causes)."""
+        self._closed = True
+        self._wakeup.set()

@@ -1,0 +1,71 @@
+"""The scheduler-side manager's metrics: their names, and the step's figures its parts add to.
+
+vLLM asks the manager for its stats once per step (`OffloadingManager.get_stats`, on
+vLLM's scheduler thread) and ships a non-empty answer to its front end, which turns the
+names below into Prometheus metrics (kvdepot.client.vllm.spec declares them).
+
+Threads: the manager's parts count on vLLM's scheduler thread (pins, stores not offered,
+load failures, remote-tier asks and give-ups) and `take` runs there too. `StepStats`
+owns the accumulator and the lock that guards it, so a part may count from another
+thread without losing a figure.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
+    OffloadingConnectorStats,
+)
+
+
+class MetricName:
+    """Metrics the manager reports through vLLM's offloading stats."""
+
+    CONNECTED = "kvdepot_connected"
+    MIRROR_KEYS = "kvdepot_mirror_keys"
+    PINS = "kvdepot_pin_rpcs"
+    PIN_FAILURES = "kvdepot_pin_failures"
+    PIN_SECONDS = "kvdepot_pin_seconds"
+    PIN_MISSES = "kvdepot_pin_misses"
+    STORES_NOT_OFFERED = "kvdepot_stores_not_offered"
+    LOAD_FAILURES = "kvdepot_load_failures"
+    REMOTE_PREFETCH_KEYS = "kvdepot_remote_prefetch_keys"
+    REMOTE_GAVE_UP = "kvdepot_remote_gave_up"
+
+
+class StepStats:
+    """Counters and histograms since vLLM last took them, and the gauges last sent."""
+
+    def __init__(self) -> None:
+        self._stats = OffloadingConnectorStats()
+        self._lock = threading.Lock()
+        self._gauges_sent: tuple[float, float] | None = None  # (connected, mirror keys)
+
+    def count(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            self._stats.increase_counter(name, n)
+
+    def count_pin(self, seconds: float, misses: int) -> None:
+        """One step's pin call: its latency, and how many of its keys were gone."""
+        with self._lock:
+            self._stats.increase_counter(MetricName.PINS, 1)
+            self._stats.observe_histogram(MetricName.PIN_SECONDS, seconds)
+            if misses:
+                self._stats.increase_counter(MetricName.PIN_MISSES, misses)
+
+    def take(self, connected: bool, mirror_keys: int) -> OffloadingConnectorStats | None:
+        """What happened since the last call, and the gauges when they changed.
+
+        Prometheus keeps a gauge's last value, so an unchanged gauge need not travel,
+        and a quiet decode step reports nothing (None).
+        """
+        gauges = (1.0 if connected else 0.0, float(mirror_keys))
+        with self._lock:
+            if gauges == self._gauges_sent and self._stats.is_empty():
+                return None
+            stats, self._stats = self._stats, OffloadingConnectorStats()
+        self._gauges_sent = gauges
+        stats.set_gauge(MetricName.CONNECTED, gauges[0])
+        stats.set_gauge(MetricName.MIRROR_KEYS, gauges[1])
+        return stats

@@ -1,0 +1,80 @@
+"""Unpins: the pins of completed loads are dropped off the scheduler thread, batched.
+
+Even a fire-and-forget unary gRPC call costs about a millisecond of the calling thread in
+Python, so `complete_load` only queues its request's keys here; the unpin thread sends
+what has queued up on the unpin lane (kvdepot.client.pin_lane: datagrams, no answer
+awaited), one call per namespace, and whatever the lane cannot take in one Unpin RPC.
+A failed unpin is only logged: the daemon drops a session's pins when the session ends.
+
+Threads and ownership (`UnpinSender` owns the queue, its wake-up event, the thread and
+the UnpinLane):
+- `unpin` and `unpin_all` run on vLLM's scheduler thread (complete_load, reset_cache);
+- `_run` is the "kvdepot-unpin" thread. It waits without a timeout: a thread that wakes
+  to find nothing still takes the GIL from the scheduler (`close` wakes it to end);
+- `on_session` and `on_disconnect` run on the client's stream loop thread (the lane).
+The queue is swapped, never shared mid-change: appends and the swap are GIL-atomic.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterable
+
+import grpc
+
+from kvdepot.client import DepotClient, DepotUnavailable
+from kvdepot.client.pin_lane import UnpinLane
+
+log = logging.getLogger("kvdepot.vllm.manager")
+
+
+class UnpinSender:
+    """Drops pins in the daemon from its own thread, batched per namespace."""
+
+    def __init__(self, client: DepotClient) -> None:
+        self._client = client
+        self.lane = UnpinLane(client)
+        # (namespace, keys) pins to drop, one per key.
+        self._queue: list[tuple[str, list[bytes]]] = []
+        self._wakeup = threading.Event()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="kvdepot-unpin", daemon=True)
+        self._thread.start()
+
+    def unpin(self, namespace_id: str, keys: list[bytes]) -> None:
+        self._queue.append((namespace_id, keys))
+        self._wakeup.set()
+
+    def unpin_all(self, namespace_id: str, key_lists: Iterable[list[bytes]]) -> None:
+        self._queue.extend((namespace_id, keys) for keys in key_lists)
+        self._wakeup.set()
+
+    def _run(self) -> None:
+        while not self._closed:
+            self._wakeup.wait()
+            self._wakeup.clear()
+            if not self._queue:
+                continue
+            batch, self._queue = self._queue, []
+            by_namespace: dict[str, list[bytes]] = {}
+            for ns, keys in batch:
+                by_namespace.setdefault(ns, []).extend(keys)
+            for ns, keys in by_namespace.items():
+                try:
+                    left = self.lane.unpin(self._client.session_id, ns, keys)
+                    if left:  # no lane (yet), or it could not take them all
+                        self._client.unpin(ns, left, wait=True, timeout=5.0)
+                except (DepotUnavailable, grpc.RpcError, ValueError) as exc:
+                    log.debug("kvdepot unpin of %d keys skipped: %s", len(keys), exc)
+
+    def on_session(self) -> None:
+        self.lane.open_soon()
+
+    def on_disconnect(self) -> None:
+        self.lane.drop()
+
+    def close(self) -> None:
+        """Ends the thread (it exits at its next wake-up, which this causes)."""
+        self._closed = True
+        self._wakeup.set()

@@ -1,0 +1,87 @@
+"""`Watch`: a background subscription to one namespace's ready keys.
+
+Made by `DepotClient.watch`; the Watch stream runs as a task on the process's
+stream loop (kvdepot.client.stream_loop), on the client's stream channel
+(kvdepot.client.session), and follows the client's sessions: in each new session
+it joins its namespace first, then subscribes again and gets a fresh snapshot.
+
+Threads: `start` and `stop` from any thread. `on_event` runs on the loop thread,
+which every client of the process shares: it must be short and must never wait
+for the loop (a blocking call on the sync channel is fine). Once `stop` returns
+it is not called again.
+
+Ownership: the client owns the task (its `close` ends every Watch); the caller
+owns `on_event` and whatever it updates.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import grpc
+
+from kvdepot.client.session import DepotUnavailable
+from kvdepot.v1 import depot_pb2
+
+if TYPE_CHECKING:
+    from kvdepot.client.depot_client import DepotClient
+
+log = logging.getLogger("kvdepot.client")
+
+
+class Watch:
+    """A background subscription to a namespace's ready keys.
+
+    `on_event` gets the daemon's WatchEvents (a SNAPSHOT with reset=True, more
+    SNAPSHOT parts, SNAPSHOT_END, then STORED/REMOVED deltas). When the daemon
+    goes away it gets a synthetic SNAPSHOT with reset=True and no keys (forget
+    everything), and after a reconnect a fresh snapshot.
+    """
+
+    def __init__(
+        self,
+        client: DepotClient,
+        namespace_id: str,
+        on_event: Callable[[depot_pb2.WatchEvent], None],
+    ) -> None:
+        self.client = client
+        self.namespace_id = namespace_id
+        self.on_event = on_event
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> Watch:
+        self._task = self.client._session.start_stream(self._run())
+        return self
+
+    async def _run(self) -> None:
+        client = self.client
+        ready, stub = client._session.ready, client._session.stub
+        assert ready is not None and stub is not None
+        while True:
+            await ready.wait()
+            call = None
+            try:
+                session_id = client.session_id
+                await client._join_async(stub, session_id, self.namespace_id)
+                call = client._open_watch(stub, session_id, self.namespace_id)
+                async for event in call:
+                    self.on_event(event)
+            except (grpc.RpcError, DepotUnavailable):
+                pass
+            except Exception:
+                log.exception("kvdepot watch handler failed; resubscribing")
+            finally:
+                if call is not None:
+                    call.cancel()
+                call = None  # as in SessionKeeper._run: let go of the connection
+            self.on_event(depot_pb2.WatchEvent(kind=depot_pb2.WatchEvent.SNAPSHOT, reset=True))
+            await asyncio.sleep(0.1)
+
+    def stop(self) -> None:
+        """Ends the subscription; `on_event` is not called once this returns."""
+        task, self._task = self._task, None
+        if task is not None:
+            self.client._session.stop_stream(task)

@@ -1,0 +1,304 @@
+"""The lanes' protocols, without I/O: what may happen on a lane in which state.
+
+A lane is one end of `socketpair(AF_UNIX, SOCK_SEQPACKET)`: one datagram is one
+call or one answer (docs/architecture.md §3, "Job lanes", "Pin lanes", "Unpin
+lanes"). The objects here hold each lane's state and ordering rules; they never
+touch a socket, a clock or a thread. The socket code on each side is a thin
+adapter over them: the client's `kvdepot.client.job_lane` and
+`kvdepot.client.pin_lane` (blocking and non-blocking send/recv on the caller's
+thread), the daemon's `kvdepot.server.service.job_lane` (non-blocking, on its
+asyncio loop). The adapter reports what the socket did (a datagram sent, one
+received, the peer gone, a timeout) and does what the protocol answers; an
+event the state does not allow raises `LaneProtocolError` (a bug in the
+adapter, never the peer's doing).
+
+States, h11-style, one table per role (`CLIENT_TRANSITIONS`, `DAEMON_TRANSITIONS`):
+
+- OPEN: calls go and answers come.
+- CLOSED_BY_PEER: the peer closed its end (the client's view) or half-closed it
+  (the daemon's view). Nothing more is sent by the client; what the peer sent
+  before is still read (the daemon answers the jobs it has).
+- BROKEN: trust is lost (an answer that does not fit its call, a timeout, a
+  socket error): nothing more is read or sent; the adapter drops the lane.
+- CLOSED: closed by this side.
+
+The rules the protocols keep (each was once a bug, see `git log` of the lanes):
+
+- `PinCalls`: answers come in the order the calls went; a call gets exactly
+  one outcome, its answer or a fall-back (over gRPC) — never another call's
+  answer. A peer that closed the lane after refusing a call answered the calls
+  before it: those answers are still read, the rest fall back (the daemon
+  pinned none of them, so nothing is pinned twice). A timeout breaks the lane:
+  a late answer is never read as a later call's.
+- `DaemonLane`: while `max_unread` jobs of the lane are running or answered but
+  unsent, nothing more is read from it (a client that never reads cannot grow
+  the daemon); a half-closed lane answers what runs, then closes.
+
+Standard library only: the protobuf messages are encoded and decoded by the
+adapters (the pin answers through the `decode` they hand `PinCalls`).
+"""
+
+from __future__ import annotations
+
+import collections
+import enum
+from collections.abc import Callable, Sequence
+
+
+class LaneState(enum.Enum):
+    OPEN = "open"
+    CLOSED_BY_PEER = "closed by the peer"
+    BROKEN = "broken"
+    CLOSED = "closed"
+
+
+class LaneEvent(enum.Enum):
+    SEND = "a datagram sent"
+    RECEIVE = "a datagram received"
+    PEER_CLOSED = "the peer closed (or half-closed) its end"
+    BREAK = "trust lost: a bad datagram, a timeout, a socket error"
+    CLOSE = "closed by this side"
+
+
+class LaneProtocolError(RuntimeError):
+    """An event the lane's state does not allow (a bug in the adapter)."""
+
+
+_OPEN, _BY_PEER, _BROKEN, _CLOSED = (
+    LaneState.OPEN,
+    LaneState.CLOSED_BY_PEER,
+    LaneState.BROKEN,
+    LaneState.CLOSED,
+)
+_SEND, _RECEIVE, _PEER_CLOSED, _BREAK, _CLOSE = LaneEvent
+
+Transitions = dict[LaneState, dict[LaneEvent, LaneState]]
+
+# The client's end: it sends calls (jobs, pins, unpins) and reads answers.
+CLIENT_TRANSITIONS: Transitions = {
+    _OPEN: {
+        _SEND: _OPEN,
+        _RECEIVE: _OPEN,
+        _PEER_CLOSED: _BY_PEER,
+        _BREAK: _BROKEN,
+        _CLOSE: _CLOSED,
+    },
+    # The peer's answers sent before it closed are still read; nothing more goes.
+    _BY_PEER: {_RECEIVE: _BY_PEER, _PEER_CLOSED: _BY_PEER, _BREAK: _BROKEN, _CLOSE: _CLOSED},
+    _BROKEN: {_PEER_CLOSED: _BROKEN, _BREAK: _BROKEN, _CLOSE: _CLOSED},
+    _CLOSED: {_PEER_CLOSED: _CLOSED, _BREAK: _CLOSED, _CLOSE: _CLOSED},
+}
+
+# The daemon's end: it reads calls and sends answers. A half-closed lane
+# (CLOSED_BY_PEER) is read no more but still answered; a broken one is closed.
+DAEMON_TRANSITIONS: Transitions = {
+    _OPEN: {
+        _SEND: _OPEN,
+        _RECEIVE: _OPEN,
+        _PEER_CLOSED: _BY_PEER,
+        _BREAK: _CLOSED,
+        _CLOSE: _CLOSED,
+    },
+    _BY_PEER: {_SEND: _BY_PEER, _PEER_CLOSED: _BY_PEER, _BREAK: _CLOSED, _CLOSE: _CLOSED},
+    _CLOSED: {_BREAK: _CLOSED, _CLOSE: _CLOSED},
+}
+
+
+class LaneProtocol:
+    """A lane's state, moved only through its role's transition table."""
+
+    __slots__ = ("state",)
+    transitions: Transitions = CLIENT_TRANSITIONS
+
+    def __init__(self) -> None:
+        self.state = LaneState.OPEN
+
+    def event(self, event: LaneEvent) -> LaneState:
+        """Moves to the state the table names; raises LaneProtocolError if none."""
+        try:
+            self.state = self.transitions[self.state][event]
+        except KeyError:
+            raise LaneProtocolError(
+                f"{event.value} is not allowed on a lane that is {self.state.value}"
+            ) from None
+        return self.state
+
+    @property
+    def usable(self) -> bool:
+        """New calls may go on this lane."""
+        return self.state is LaneState.OPEN
+
+    def close(self) -> None:
+        self.event(LaneEvent.CLOSE)
+
+
+class ClientLaneProtocol(LaneProtocol):
+    """The client's end of a job or unpin lane: calls out, without per-call answers
+    to match (the job lane's results name their job; unpins are not answered)."""
+
+    __slots__ = ("max_datagram",)
+
+    def __init__(self, max_datagram: int) -> None:
+        super().__init__()
+        self.max_datagram = max_datagram
+
+    def fits(self, data: bytes) -> bool:
+        """Whether `data` may go on the lane now (SEND is allowed when OPEN only and
+        leaves it OPEN: the job lane's hot path asks this and reports no more).
+        False: send it elsewhere (gRPC). An empty datagram would read as the end of
+        the lane; a larger one than the daemon reads is refused by it."""
+        return self.state is LaneState.OPEN and 0 < len(data) <= self.max_datagram
+
+    def peer_closed(self) -> None:
+        """The socket reported the peer's end closed (EOF, EPIPE, ECONNRESET)."""
+        self.event(LaneEvent.PEER_CLOSED)
+
+    def broke(self) -> None:
+        self.event(LaneEvent.BREAK)
+
+
+class PinCalls(ClientLaneProtocol):
+    """The client's end of a pin lane: PinRequest calls out, one PinResponse per
+    call back, in order. `decode(answer)` is the answer's per-key pinned flags
+    (it raises on a datagram that is no PinResponse)."""
+
+    __slots__ = ("_decode", "_owed")
+
+    def __init__(self, max_datagram: int, decode: Callable[[bytes], Sequence[bool]]) -> None:
+        super().__init__(max_datagram)
+        self._decode = decode
+        self._owed: collections.deque[int] = collections.deque()  # key counts, oldest first
+
+    @property
+    def owed(self) -> int:
+        """Calls sent and not answered (nor given up)."""
+        return len(self._owed)
+
+    def answer_bytes(self) -> int:
+        """The receive size for the oldest call's answer: a PinResponse is one byte
+        per key (packed bools) and a few of framing."""
+        return self._owed[0] + 64
+
+    def call_sent(self, keys: int) -> None:
+        """One call of `keys` keys went; its answer is read after those owed before."""
+        self.event(LaneEvent.SEND)
+        self._owed.append(keys)
+
+    def send_refused(self) -> None:
+        """A send found the lane closed by the peer. With answers owed, they are
+        still to be read (the peer answered them before it closed); without, the
+        lane is of no more use."""
+        self.event(LaneEvent.PEER_CLOSED)
+        if not self._owed:
+            self.event(LaneEvent.BREAK)
+
+    def receive(self, data: bytes) -> list[bool] | None:
+        """The oldest owed call's answer, from `data` (b"": the peer closed). None:
+        no answer for it (the peer closed, or `data` does not fit the call): the
+        lane is broken and that call and every later one fall back."""
+        if self.state is LaneState.CLOSED:
+            # Closed by this side meanwhile (its session ended, on another thread):
+            # whatever is read now is no answer to trust.
+            self._owed.clear()
+            return None
+        if not self._owed:
+            raise LaneProtocolError("an answer was read with no call owed one")
+        self.event(LaneEvent.RECEIVE)
+        n = self._owed.popleft()
+        try:
+            pinned = list(self._decode(data)) if data else None
+        except Exception:  # DecodeError: never hand it to the caller
+            pinned = None
+        if pinned is None or len(pinned) != n:  # closed, or not this call's answer
+            self.give_up()
+            return None
+        if not self._owed and self.state is LaneState.CLOSED_BY_PEER:
+            self.event(LaneEvent.BREAK)  # every answer read: the lane is spent
+        return pinned
+
+    def timed_out(self) -> None:
+        """The answers did not come in time: a late one must never be read as a
+        later call's, so the lane breaks and the calls owed fall back."""
+        self.give_up()
+
+    def broke(self) -> None:
+        self.give_up()
+
+    def give_up(self) -> None:
+        """The calls owed get no answer here (they fall back); the lane is broken."""
+        self._owed.clear()
+        self.event(LaneEvent.BREAK)
+
+
+class DaemonLane(LaneProtocol):
+    """The daemon's end of a lane (jobs, pins or unpins), on its event loop.
+
+    Reads are bounded: `may_read` is False while `max_unread` calls are running
+    (`started`, not yet `finished`) or answered but unsent (`backlog`). `answer`
+    says whether an answer may be sent now (nothing queued before it) or joins
+    the backlog, which the adapter drains in order when the socket takes more.
+    """
+
+    __slots__ = ("backlog", "max_unread", "running")
+    transitions = DAEMON_TRANSITIONS
+
+    def __init__(self, max_unread: int) -> None:
+        super().__init__()
+        self.max_unread = max_unread
+        self.running = 0
+        self.backlog: collections.deque[bytes] = collections.deque()
+
+    def may_read(self) -> bool:
+        return self.state is LaneState.OPEN and self.running + len(self.backlog) < self.max_unread
+
+    def received(self) -> None:
+        """A call was read (the adapter reads only while `may_read`). RECEIVE keeps
+        an OPEN lane OPEN: checked here without the table, as this runs per job."""
+        if not self.may_read():
+            raise LaneProtocolError(
+                f"a datagram was read from a lane that is {self.state.value}, with "
+                f"{self.running} running and {len(self.backlog)} unsent of {self.max_unread}"
+            )
+
+    def started(self) -> None:
+        self.running += 1
+
+    def finished(self) -> None:
+        self.running -= 1
+
+    def answer(self, data: bytes) -> bool:
+        """True: send `data` now (nothing is queued before it); False: it was queued
+        behind the backlog. Call `queue` if the socket then refuses it. SEND keeps
+        the state as it is where allowed (OPEN, CLOSED_BY_PEER): checked here
+        without the table, as this runs per job."""
+        if self.state is LaneState.CLOSED:
+            self.event(LaneEvent.SEND)  # raises: nothing goes on a closed lane
+        if self.backlog:
+            self.backlog.append(data)
+            return False
+        return True
+
+    def queue(self, data: bytes) -> None:
+        """The socket could not take `data` now: it waits, in order."""
+        self.backlog.append(data)
+
+    def half_closed(self) -> None:
+        """The peer will send nothing more: answer what runs, then close."""
+        self.event(LaneEvent.PEER_CLOSED)
+
+    @property
+    def draining(self) -> bool:
+        return self.state is LaneState.CLOSED_BY_PEER
+
+    @property
+    def drained(self) -> bool:
+        """Half-closed and everything answered and sent: time to close."""
+        return self.state is LaneState.CLOSED_BY_PEER and not self.running and not self.backlog
+
+    @property
+    def closed(self) -> bool:
+        return self.state is LaneState.CLOSED
+
+    def close(self) -> None:
+        self.event(LaneEvent.CLOSE)
+        self.backlog.clear()

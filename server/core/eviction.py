@@ -1,0 +1,81 @@
+"""Which evictable block row goes first: the eviction policy behind the block index.
+
+The index (`kvdepot.server.core.index.BlockIndex`) decides *whether* a row may be
+evicted (READY, no pin, no reader, not dropped) and does the evicting; a policy only
+keeps the evictable rows in the order they are to go. Its calls, all from the index,
+on the daemon's event loop (a policy has no lock, no clock and no I/O):
+
+- `admit(slot)`: the row became evictable (it became READY, or its last pin or
+  read ended); this is its most recent use. A row is admitted at most once until
+  it is withdrawn or popped.
+- `withdraw(slot)`: an admitted row is no longer evictable (pinned, read, or
+  removed by Evict/Clear).
+- `pop_victim()`: takes the row to evict next out of the policy; None when no row
+  is evictable.
+- `len()`, iteration (next victim first), `in`: for figures, warm-restart
+  snapshots and the index's invariant check.
+
+A lookup is not a use: an engine's scheduler looks up keys it may never load. A
+use is a pin or a read, and a row in use is not evictable, so "touching" a row is
+its withdrawal and re-admission. This is the shape of vLLM's
+`kv_offload.cpu.policies.base.CachePolicy` (insert/touch/evict,
+mark_evictable/mark_non_evictable), less the slot storage, which the index keeps.
+
+`LruPolicy`, least recently used first, is the one the daemon runs.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from typing import Protocol
+
+from kvdepot.server.core.index_types import Slot
+
+
+class EvictionPolicy(Protocol):
+    """The order in which evictable rows go (see the module docstring)."""
+
+    # Callables rather than methods in the interface, so that an implementation
+    # may bind C functions there (LruPolicy does); a plain method serves as well.
+    admit: Callable[[Slot], object]
+    withdraw: Callable[[Slot], object]
+
+    def pop_victim(self) -> Slot | None: ...
+
+    def __len__(self) -> int: ...
+
+    def __iter__(self) -> Iterator[Slot]: ...
+
+    def __contains__(self, slot: object) -> bool: ...
+
+
+class LruPolicy:
+    """Evicts the least recently used row first: an ordered dict, oldest first."""
+
+    __slots__ = ("_order", "admit", "withdraw")
+
+    def __init__(self) -> None:
+        order: OrderedDict[Slot, None] = OrderedDict()
+        self._order = order
+        # The dict's own C methods, bound once: the index calls these once per key
+        # on its hottest paths (a Pin's keys, a load's reads, a store's rows becoming
+        # READY), where a Python method would add a frame per key.
+        # setdefault(slot) appends slot -> None at the young end (it is not there:
+        # a row is admitted once); `del` raises KeyError for a row never admitted.
+        self.admit: Callable[[Slot], object] = order.setdefault
+        self.withdraw: Callable[[Slot], object] = order.__delitem__
+
+    def pop_victim(self) -> Slot | None:
+        if not self._order:
+            return None
+        return self._order.popitem(last=False)[0]
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+    def __iter__(self) -> Iterator[Slot]:
+        return iter(self._order)
+
+    def __contains__(self, slot: object) -> bool:
+        return slot in self._order

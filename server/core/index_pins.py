@@ -1,0 +1,109 @@
+"""The block index's pins: which owner (session) holds which READY rows.
+
+`Pins` is a part of `kvdepot.server.core.index.BlockIndex`, which makes one and
+calls it on the daemon's event loop. It owns the pins by owner, each owner's
+pinned bytes (the --max-pinned-per-session quota) and the pool's pinned bytes; a
+row's own pin counts live on its `Slot`. A row's first pin (with no read in
+flight) withdraws it from the index's `EvictionPolicy`; its last pin's end
+admits it again, as its most recent use.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable
+
+from kvdepot.server.core.index_part import IndexPart, IndexShared
+from kvdepot.server.core.index_types import Namespace, Owner, Slot
+from kvdepot.server.core.kinds import SlotState
+
+
+class Pins(IndexPart):
+    """Pin counts by owner, and the pinned bytes of the pool and of each owner."""
+
+    def __init__(self, shared: IndexShared) -> None:
+        super().__init__(shared)
+        self.by_owner: dict[Owner, Counter[Slot]] = {}
+        self.owner_bytes: dict[Owner, int] = {}  # bytes of the distinct slots it pins
+        self.pinned_bytes = 0  # bytes of the slots with at least one pin
+
+    def pin(self, ns: Namespace, keys: Iterable[bytes], owner: Owner) -> list[bool]:
+        """BlockIndex.pin, for the namespace `ns`."""
+        # The per-key work inlined: a step's Pin names up to thousands of keys, and
+        # the scheduler waits for it.
+        get, ready, withdraw = ns.slots.get, SlotState.READY, self._policy.withdraw
+        owned = self.by_owner.get(owner)
+        if owned is None:
+            owned = Counter()
+        out = []
+        first_pins = first_bytes = owner_bytes = 0
+        for key in keys:
+            slot = get(key)
+            if slot is None or slot.state is not ready:
+                out.append(False)
+                continue
+            pins = slot.pins
+            if not pins:
+                if not slot.readers:  # not held: the policy has it
+                    withdraw(slot)
+                first_pins += 1
+                first_bytes += slot.extent.size
+            pins[owner] = pins.get(owner, 0) + 1
+            held = owned.get(slot, 0)  # not owned[slot]: Counter.__missing__ is Python
+            owned[slot] = held + 1
+            if not held:
+                owner_bytes += slot.extent.size
+            out.append(True)
+        if owned:
+            self.by_owner[owner] = owned
+        if owner_bytes:
+            self.owner_bytes[owner] = self.owner_bytes.get(owner, 0) + owner_bytes
+        self.pinned_bytes += first_bytes
+        ns.pinned_blocks += first_pins
+        ns.pinned_bytes += first_bytes
+        pinned = len(out) - out.count(False)
+        self._stats.pin_calls += 1
+        self._stats.pin_keys += len(out)
+        self._stats.pinned_keys += pinned
+        return out
+
+    def unpin(self, ns: Namespace, keys: Iterable[bytes], owner: Owner) -> int:
+        """BlockIndex.unpin, for the namespace `ns`."""
+        owned = self.by_owner.get(owner)
+        missing = 0
+        for key in keys:
+            slot = ns.slots.get(key)
+            if slot is None or owned is None or owned[slot] <= 0:
+                missing += 1
+                continue
+            self._drop_pin(slot, owner)
+        return missing
+
+    def release(self, owner: Owner) -> int:
+        """Drops every pin of `owner`; returns how many."""
+        pins = 0
+        for slot, count in list(self.by_owner.get(owner, Counter()).items()):
+            for _ in range(count):
+                self._drop_pin(slot, owner)
+                pins += 1
+        return pins
+
+    def _drop_pin(self, slot: Slot, owner: Owner) -> None:
+        slot.pins[owner] -= 1
+        if slot.pins[owner] <= 0:
+            del slot.pins[owner]
+        owned = self.by_owner[owner]
+        owned[slot] -= 1
+        if owned[slot] <= 0:
+            del owned[slot]
+            self.owner_bytes[owner] -= slot.extent.size
+            if not owned:
+                del self.by_owner[owner]
+                del self.owner_bytes[owner]
+        if not slot.pins:
+            self.pinned_bytes -= slot.extent.size
+            ns = self._namespaces[slot.namespace]
+            ns.pinned_blocks -= 1
+            ns.pinned_bytes -= slot.extent.size
+            if not slot.readers and slot.state is SlotState.READY and not slot.doomed:
+                self._policy.admit(slot)  # unheld again: used just now

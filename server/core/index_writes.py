@@ -1,0 +1,266 @@
+"""The block index's writing side: reserving rows for store jobs, settling them.
+
+`Writes` is a part of `kvdepot.server.core.index.BlockIndex`, which makes one and
+calls it on the daemon's event loop. It owns the rows being written (WRITING), the
+rows dropped while a copy is still in flight on them ("doomed"), and each owner's
+bytes reserved for writing (the --max-writing-per-session quota); it shares the
+index's namespaces, allocator, counters and event sink, makes room through the
+index's `Evictions`, and admits each row that becomes READY to the index's
+`EvictionPolicy`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+from kvdepot.server.core.index_evict import Evictions
+from kvdepot.server.core.index_part import IndexPart, IndexShared
+from kvdepot.server.core.index_types import (
+    IndexEvent,
+    Namespace,
+    Owner,
+    Slot,
+    StoreClaim,
+)
+from kvdepot.server.core.kinds import (
+    AbortReason,
+    DropReason,
+    EventKind,
+    EvictionReason,
+    SlotState,
+)
+from kvdepot.server.core.layout import MAX_KEY_BYTES, MIN_KEY_BYTES, LayoutError, check_key
+
+
+class Writes(IndexPart):
+    """Rows from their reservation to READY or dropped (see BlockIndex's docstring)."""
+
+    def __init__(self, shared: IndexShared, evictions: Evictions) -> None:
+        super().__init__(shared)
+        self._evictions = evictions
+        self.reservation_timeout = 60.0  # seconds a row may stay WRITING
+        self.writing: set[Slot] = set()
+        self.doomed: set[Slot] = set()  # detached, waiting for copies to end
+        # Per owner (session): bytes of the WRITING rows it reserved (Slot.reserver).
+        self.owner_writing: dict[Owner, int] = {}
+        # Bytes of WRITING rows one owner may reserve (None: no limit); owners in
+        # `quota_exempt` (the daemon's own tiers) are not limited.
+        self.max_per_owner: int | None = None
+        self.quota_exempt: set[Owner] = set()
+
+    def begin_store_many(
+        self, ns: Namespace, keys: Sequence[bytes], rank: int, owner: Owner
+    ) -> StoreClaim:
+        """Claims `rank`'s section of each of `keys` for writing (a store job's keys) in `ns`.
+
+        Promises:
+        - The namespace, the rank and every key are checked before anything
+          changes: UnknownNamespace or LayoutError leaves the index as it was.
+        - Key by key, in order, the decision one `begin_store` per key would make:
+          WRITE (a fresh WRITING slot, or this rank's part of a row other ranks
+          are writing), PRESENT (READY, or this rank's section written or in
+          flight, so a key named twice is written once), DROPPED (no room though
+          every evictable row was evicted; counted in stats.dropped_stores).
+        - Room comes from the eviction policy's victims (the least recently
+          used first), as ever; an evicted row whose extent is exactly the size
+          wanted hands that extent on (no free and allocate), otherwise it is
+          freed and allocation retried.
+        - The rows evicted are announced before it returns (REMOVED, reason LRU,
+          one event per namespace, keys in eviction order), when no copy into
+          the claimed slots can have started: a listener still finds an evicted
+          row's bytes in its former extent.
+        - If it raises anyway, whatever it had claimed is settled as failed.
+
+        The caller copies into `claim.offsets` and then settles `claim.slots`,
+        each once, success or not (finish_store_many).
+        """
+        layout = ns.layout
+        if not 0 <= rank < layout.world_size:
+            raise LayoutError(f"rank {rank} out of range [0, {layout.world_size})")
+        num_groups = layout.num_groups
+        groups: list[int] = []
+        for key in keys:  # all of them, before any change
+            group = int.from_bytes(key[-4:], "big")  # check_key's test, without two calls a key
+            if not MIN_KEY_BYTES <= len(key) <= MAX_KEY_BYTES or group >= num_groups:
+                group = check_key(key, num_groups)  # raises, with the reason
+            groups.append(group)
+        bit = 1 << rank
+        namespace_id = layout.id
+        slots, sorted_keys, group_blocks = ns.slots, ns.sorted_keys, ns.group_blocks
+        ready = SlotState.READY
+        allocator, make_room = self._allocator, self._evictions.make_room
+        needs: dict[int, tuple[int, int]] = {}  # group -> (slot bytes, rounded up)
+        # Bytes this owner may still reserve (--max-writing-per-session); None: no limit.
+        budget = self.max_per_owner
+        if budget is not None and owner not in self.quota_exempt:
+            budget -= self.owner_writing.get(owner, 0)
+        else:
+            budget = None
+        claim = StoreClaim([], [])
+        offsets, writing = claim.offsets, claim.slots
+        removed: list[Slot] = []
+        now = self._clock()
+        try:
+            # The per-key path inlined (this runs for every key a store job names).
+            for key, group in zip(keys, groups, strict=True):
+                slot = slots.get(key)
+                if slot is None:
+                    sizes = needs.get(group)
+                    if sizes is None:
+                        size = layout.slot_bytes(group)
+                        sizes = needs[group] = (size, allocator.round_up(size))
+                    if budget is not None and sizes[1] > budget:
+                        self._stats.dropped_stores[DropReason.SESSION_QUOTA] += 1
+                        claim.dropped += 1
+                        claim.drop_reason = DropReason.SESSION_QUOTA
+                        offsets.append(None)
+                        continue
+                    extent = make_room(sizes[1], removed)
+                    if extent is None:
+                        reason = (
+                            DropReason.POOL_FULL
+                            if allocator.capacity >= sizes[0]
+                            else DropReason.ROW_TOO_LARGE
+                        )
+                        self._stats.dropped_stores[reason] += 1
+                        claim.dropped += 1
+                        claim.drop_reason = reason
+                        offsets.append(None)
+                        continue
+                    slot = Slot(namespace_id, key, group, extent, now)
+                    # Namespace.attach, for a WRITING slot
+                    slots[key] = slot
+                    sorted_keys.add(key)
+                    group_blocks[group] += 1
+                    size = extent.size
+                    # Charged at once: a failure below settles (and uncharges) it.
+                    slot.reserver = owner
+                    self.owner_writing[owner] = self.owner_writing.get(owner, 0) + size
+                    if budget is not None:
+                        budget -= size
+                    ns.used_bytes += size
+                    ns.writing_blocks += 1
+                    ns.writing_bytes += size
+                    self.writing.add(slot)
+                elif slot.state is ready or (slot.written_mask | slot.copying_mask) & bit:
+                    claim.present += 1
+                    offsets.append(None)
+                    continue
+                slot.copying_mask |= bit
+                slot.writers[rank] = owner
+                writing.append(slot)
+                offsets.append(slot.extent.offset)
+        except BaseException:
+            self.finish_store_many(writing, rank, False)  # the claim never reaches a caller
+            raise
+        finally:
+            if removed:
+                self._stats.evictions[EvictionReason.LRU] += len(removed)
+                self._announce(EventKind.REMOVED, removed, EvictionReason.LRU)
+        return claim
+
+    def finish_store_many(self, slots: Iterable[Slot], rank: int, ok: bool) -> int:
+        """Ends `rank`'s copy into each of `slots` (each named once, each claimed
+        by this rank and not yet finished). Returns how many became READY.
+
+        Per slot: a doomed slot's extent is freed once no copy is left on it; on
+        failure (`ok` False) the row is dropped (AbortReason.COPY_FAILED), the
+        other ranks' sections with it; on success this rank's section counts as
+        written, and the row becomes READY (admitted to the eviction policy as
+        its most recent use) when every rank's has. The rows that became READY
+        are announced before it returns (STORED, one event per namespace, keys
+        in order).
+        """
+        bit = 1 << rank
+        keep = ~bit
+        became_ready: list[Slot] = []
+        namespaces, admit = self._namespaces, self._policy.admit
+        ns: Namespace | None = None
+        full = 0  # ns.full_mask
+        try:
+            for slot in slots:
+                slot.copying_mask &= keep
+                if slot.doomed:
+                    self._maybe_free_doomed(slot)
+                    continue
+                if not ok:
+                    self._doom(slot, AbortReason.COPY_FAILED)
+                    continue
+                slot.written_mask |= bit
+                if ns is None or ns.layout.id != slot.namespace:
+                    ns = namespaces[slot.namespace]
+                    full = ns.full_mask
+                if slot.written_mask == full:
+                    size = slot.extent.size
+                    slot.state = SlotState.READY
+                    ns.writing_blocks -= 1
+                    ns.writing_bytes -= size
+                    ns.ready_blocks += 1
+                    ns.ready_bytes += size
+                    slot.writers.clear()
+                    self.writing.discard(slot)
+                    if slot.reserver is not None:
+                        self._end_reservation(slot)
+                    admit(slot)
+                    became_ready.append(slot)
+        finally:
+            if became_ready:
+                self._announce(EventKind.STORED, became_ready)
+        return len(became_ready)
+
+    def _announce(
+        self, kind: EventKind, slots: list[Slot], reason: EvictionReason | None = None
+    ) -> None:
+        """One event per namespace for `slots`, keys in the order given."""
+        namespaces = {slot.namespace for slot in slots}
+        if len(namespaces) == 1:  # a job's keys: the usual case
+            keys = tuple([slot.key for slot in slots])
+            self._emit(IndexEvent(namespaces.pop(), kind, keys, reason))
+            return
+        by_ns: dict[str, list[bytes]] = {}
+        for slot in slots:
+            by_ns.setdefault(slot.namespace, []).append(slot.key)
+        for namespace_id, keys_of_ns in by_ns.items():
+            self._emit(IndexEvent(namespace_id, kind, tuple(keys_of_ns), reason))
+
+    def release(self, owner: Owner) -> int:
+        """Drops every unfinished row `owner` was writing; returns how many."""
+        mine = [s for s in self.writing if owner in s.writers.values()]
+        for slot in mine:
+            self._doom(slot, AbortReason.WRITER_GONE)
+        return len(mine)
+
+    def expire_reservations(self) -> int:
+        """Drops rows that stayed WRITING longer than reservation_timeout."""
+        deadline = self._clock() - self.reservation_timeout
+        stale = [s for s in self.writing if s.created < deadline]
+        for slot in stale:
+            self._doom(slot, AbortReason.RESERVATION_TIMEOUT)
+        return len(stale)
+
+    def _end_reservation(self, slot: Slot) -> None:
+        """The row is settled (READY or dropped): its reserver's charge ends."""
+        owner, slot.reserver = slot.reserver, None
+        left = self.owner_writing[owner] - slot.extent.size
+        if left:
+            self.owner_writing[owner] = left
+        else:
+            del self.owner_writing[owner]
+
+    def _doom(self, slot: Slot, reason: AbortReason) -> None:
+        ns = self._namespaces[slot.namespace]
+        if ns.slots.get(slot.key) is slot:
+            ns.detach(slot)
+        self.writing.discard(slot)
+        if slot.reserver is not None:
+            self._end_reservation(slot)
+        slot.doomed = True
+        self._stats.aborted_writes[reason] += 1
+        self.doomed.add(slot)
+        self._maybe_free_doomed(slot)
+
+    def _maybe_free_doomed(self, slot: Slot) -> None:
+        if slot.copying_mask == 0 and slot.readers == 0 and slot in self.doomed:
+            self.doomed.discard(slot)
+            self._namespaces[slot.namespace].used_bytes -= slot.extent.size
+            self._allocator.free(slot.extent)

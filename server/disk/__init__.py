@@ -1,0 +1,17 @@
+"""The disk tier: a node-local disk below the RAM pool (docs/disk-tier.md).
+
+    record.py      the record: header page (namespace, key, length, BLAKE3 digest) + payload
+    space.py       DiskSpace (sans-I/O): placement, the index, LRU eviction, the write bound
+    files.py       TierFile: the preallocated file, O_DIRECT record I/O, buffered fallback
+    scan.py        the scan of the records' headers (the index after a crash)
+    checkpoint.py  the index written at a clean stop (sans-I/O encode and decode)
+    recovery.py    the index brought back at open, in the background: checkpoint or scan
+    health.py      up/down with back-off, logged in words
+    stats.py       counters and recovery progress
+    tier.py        DiskTier: all of it, with its I/O threads
+    link.py        DiskLink: the tier attached to the daemon (write-behind, promotion, figures)
+    metrics.py     its Prometheus series (kvdepot_disk_*)
+
+The daemon builds a DiskLink for `kvdepot serve --disk DIR`; nothing else imports
+these modules. blake3 is the `disk` extra.
+"""

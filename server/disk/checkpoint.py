@@ -1,0 +1,75 @@
+"""The disk tier's index at a clean stop: written at close, taken back at the next open.
+
+A clean stop writes every readable record's namespace, key, offset, length and
+digest, least recently used first, to `kvdepot-disk.index` beside the tier's file,
+with the file's identity (device, inode, size, modification time) at that moment.
+The next open reads and deletes it (so a later SIGKILL leaves none behind, and that
+start scans the headers instead: kvdepot.server.disk.scan) and uses it only when
+the file's identity is unchanged, so the index comes back in one read instead of a
+scan. A checkpoint that does not apply is ignored, never trusted in part; and every
+read checks the record's digest anyway, so even a wrong checkpoint costs misses,
+never a wrong byte.
+
+Format (integers little-endian): magic, version, the identity, the count, then
+per record u16 namespace length, u16 key length, u64 offset, u64 length, the
+digest, namespace, key; last, a CRC-32 of everything before it. Pure functions.
+"""
+
+from __future__ import annotations
+
+import struct
+import zlib
+from collections.abc import Iterable
+
+from kvdepot.server.disk.record import DIGEST_BYTES
+
+FILE_NAME = "kvdepot-disk.index"
+MAGIC = b"KVDINDEX"
+VERSION = 1
+_HEAD = struct.Struct("<8sHQQQqQ")  # magic, version, dev, ino, size, mtime_ns, count
+_ENTRY = struct.Struct(f"<HHQQ{DIGEST_BYTES}s")
+_CRC = struct.Struct("<I")
+
+Identity = tuple[int, int, int, int]  # st_dev, st_ino, st_size, st_mtime_ns
+Item = tuple[str, bytes, int, int, bytes]  # namespace, key, offset, length, digest
+
+
+def encode(identity: Identity, items: Iterable[Item]) -> bytes:
+    body = bytearray()
+    count = 0
+    for namespace, key, offset, length, digest in items:
+        ns = namespace.encode()
+        body += _ENTRY.pack(len(ns), len(key), offset, length, digest) + ns + key
+        count += 1
+    data = _HEAD.pack(MAGIC, VERSION, *identity, count) + body
+    return bytes(data) + _CRC.pack(zlib.crc32(data))
+
+
+def decode(data: bytes, identity: Identity) -> list[Item] | None:
+    """The records, or None when `data` is not a whole checkpoint of this very file
+    (another file, a file written since, torn, damaged, another version). Never
+    raises."""
+    if len(data) < _HEAD.size + _CRC.size:
+        return None
+    (crc,) = _CRC.unpack_from(data, len(data) - _CRC.size)
+    if crc != zlib.crc32(memoryview(data)[: len(data) - _CRC.size]):
+        return None
+    magic, version, dev, ino, size, mtime, count = _HEAD.unpack_from(data, 0)
+    if magic != MAGIC or version != VERSION or (dev, ino, size, mtime) != identity:
+        return None
+    items: list[Item] = []
+    pos = _HEAD.size
+    end = len(data) - _CRC.size
+    try:
+        for _ in range(count):
+            ns_len, key_len, offset, length, digest = _ENTRY.unpack_from(data, pos)
+            pos += _ENTRY.size
+            if pos + ns_len + key_len > end:
+                return None
+            namespace = data[pos : pos + ns_len].decode()
+            key = data[pos + ns_len : pos + ns_len + key_len]
+            pos += ns_len + key_len
+            items.append((namespace, key, offset, length, digest))
+    except (struct.error, UnicodeDecodeError):
+        return None
+    return items if pos == end else None

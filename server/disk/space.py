@@ -1,0 +1,212 @@
+"""The disk tier's space: where each record lives, what to evict, what to drop.
+
+`DiskSpace` is the tier's sans-I/O core: a preallocated file of `capacity` bytes,
+records placed by the pool's own extent allocator
+(kvdepot.server.core.allocator, 4096-byte granularity, so every record is
+O_DIRECT-aligned), an index (namespace, key) -> `Entry` in LRU order, and the
+bound on bytes being written.
+
+- `begin_write` answers a `WriteVerdict`: a block already on disk or being
+  written is never written twice; past `max_inflight_bytes` of writes in flight
+  the block is dropped (never queued); when the allocator has no room, the least
+  recently used records are evicted (in memory: their bytes stay on disk until
+  overwritten, and a record read meanwhile is skipped) until the record fits.
+- `begin_read` touches the entry (LRU) and holds it against eviction until
+  `finish_read`; a read that did not verify drops the entry.
+- `adopt` re-creates an entry found by the recovery scan; `clear` forgets all
+  (the file was replaced). Entries of before a `clear` are told apart by their
+  generation, so their late completions change nothing.
+
+Not thread-safe: DiskTier calls it under its own lock. No files, threads or clocks.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from kvdepot.server.core.allocator import Extent, ExtentAllocator, OutOfSpace
+from kvdepot.server.disk.record import PAGE, record_size
+
+
+class WriteVerdict(enum.Enum):
+    ACCEPTED = "accepted"  # the caller writes it now and calls finish_write
+    ON_DISK = "on_disk"  # already there, or being written
+    BACKLOG_FULL = "backlog_full"  # past the bound on bytes in flight: dropped
+    NO_SPACE = "no_space"  # larger than the tier, or nothing evictable: dropped
+    # The tier's own answers (DiskTier.write), before the space is asked:
+    TIER_DOWN = "tier_down"  # the disk failed and is not back yet: dropped
+    RECOVERING = "recovering"  # the index is being rebuilt: dropped
+
+
+@dataclass(slots=True, eq=False)
+class Entry:
+    namespace: str
+    key: bytes
+    offset: int
+    size: int  # the record's extent (header page + padded payload)
+    length: int  # payload bytes
+    digest: bytes | None  # None while being written
+    generation: int
+    readers: int = 0
+    dropped: bool = False  # to be freed when its last reader finishes
+
+
+@dataclass(slots=True)
+class SpaceCounters:
+    evicted: int = 0
+    on_disk: int = 0  # writes skipped: the block was there already
+    backlog_full: int = 0
+    no_space: int = 0
+    dropped_entries: int = 0  # reads that did not verify
+
+
+class DiskSpace:
+    def __init__(self, capacity: int, max_inflight_bytes: int) -> None:
+        self.capacity = capacity
+        self.max_inflight_bytes = max_inflight_bytes
+        self.counters = SpaceCounters()
+        self.generation = 0
+        self._reset()
+
+    def _reset(self) -> None:
+        self.allocator = ExtentAllocator(self.capacity, PAGE)
+        self._ready: OrderedDict[tuple[str, bytes], Entry] = OrderedDict()  # LRU first
+        self._writing: dict[tuple[str, bytes], Entry] = {}
+        self.inflight_bytes = 0
+
+    # -- queries -------------------------------------------------------------------------
+
+    @property
+    def records(self) -> int:
+        return len(self._ready)
+
+    @property
+    def used_bytes(self) -> int:
+        return self.allocator.used_bytes
+
+    def contains(self, namespace: str, key: bytes) -> bool:
+        """On disk (readable) now."""
+        return (namespace, key) in self._ready
+
+    def length_of(self, namespace: str, key: bytes) -> int | None:
+        entry = self._ready.get((namespace, key))
+        return None if entry is None else entry.length
+
+    def ready_items(self) -> list[tuple[str, bytes, int, int, bytes]]:
+        """(namespace, key, offset, length, digest) of the readable records, least
+        recently used first (a checkpoint's items)."""
+        ready = self._ready.values()
+        return [(e.namespace, e.key, e.offset, e.length, e.digest or b"") for e in ready]
+
+    # -- writes --------------------------------------------------------------------------
+
+    def begin_write(
+        self, namespace: str, key: bytes, length: int
+    ) -> tuple[WriteVerdict, Entry | None]:
+        ident = (namespace, key)
+        if ident in self._ready or ident in self._writing:
+            self.counters.on_disk += 1
+            return WriteVerdict.ON_DISK, None
+        size = record_size(length)
+        if self.inflight_bytes + size > self.max_inflight_bytes:
+            self.counters.backlog_full += 1
+            return WriteVerdict.BACKLOG_FULL, None
+        extent = self._allocate(size)
+        if extent is None:
+            self.counters.no_space += 1
+            return WriteVerdict.NO_SPACE, None
+        entry = Entry(namespace, key, extent.offset, extent.size, length, None, self.generation)
+        self._writing[ident] = entry
+        self.inflight_bytes += extent.size
+        return WriteVerdict.ACCEPTED, entry
+
+    def finish_write(self, entry: Entry, digest: bytes | None) -> None:
+        """The write of `entry` ended: with its digest it is readable, with None
+        (failed) its extent is free again."""
+        if entry.generation != self.generation:
+            return  # written to a file that is gone
+        del self._writing[(entry.namespace, entry.key)]
+        self.inflight_bytes -= entry.size
+        if digest is None:
+            self.allocator.free(Extent(entry.offset, entry.size))
+            return
+        entry.digest = digest
+        self._ready[(entry.namespace, entry.key)] = entry
+
+    def _allocate(self, size: int) -> Extent | None:
+        if size > self.allocator.capacity:
+            return None
+        skipped: list[Entry] = []
+        try:
+            while True:
+                try:
+                    return self.allocator.allocate(size)
+                except OutOfSpace:
+                    if not self._ready:
+                        return None
+                    _, victim = self._ready.popitem(last=False)
+                    if victim.readers:
+                        skipped.append(victim)  # being read: stays, most recent now
+                        continue
+                    self.allocator.free(Extent(victim.offset, victim.size))
+                    self.counters.evicted += 1
+        finally:
+            for entry in skipped:
+                self._ready[(entry.namespace, entry.key)] = entry
+
+    # -- reads ---------------------------------------------------------------------------
+
+    def begin_read(self, namespace: str, key: bytes) -> Entry | None:
+        """The readable entry, touched and held against eviction; None: not on disk."""
+        entry = self._ready.get((namespace, key))
+        if entry is None:
+            return None
+        self._ready.move_to_end((namespace, key))
+        entry.readers += 1
+        return entry
+
+    def finish_read(self, entry: Entry, verified: bool) -> None:
+        if entry.generation != self.generation:
+            return
+        entry.readers -= 1
+        if not verified and not entry.dropped:
+            entry.dropped = True
+            self.counters.dropped_entries += 1
+            if self._ready.get((entry.namespace, entry.key)) is entry:
+                del self._ready[(entry.namespace, entry.key)]
+        if entry.dropped and entry.readers == 0:
+            self.allocator.free(Extent(entry.offset, entry.size))
+
+    # -- recovery ------------------------------------------------------------------------
+
+    def adopt(self, namespace: str, key: bytes, offset: int, length: int, digest: bytes) -> bool:
+        """Re-creates a record the scan found: `claim` then `publish`."""
+        return self.claim(offset, length) and self.publish(namespace, key, offset, length, digest)
+
+    def claim(self, offset: int, length: int) -> bool:
+        """Claims a found record's extent, invisible until `publish`; False when it is
+        taken (a write since start, an overlap): the caller drops the record. Claims
+        in offset order keep the allocator's free list short."""
+        try:
+            self.allocator.allocate_at(offset, record_size(length))
+        except (OutOfSpace, ValueError):
+            return False
+        return True
+
+    def publish(self, namespace: str, key: bytes, offset: int, length: int, digest: bytes) -> bool:
+        """Makes a claimed record readable, as the most recently used; False (and its
+        extent freed) when its key is known already."""
+        size = record_size(length)
+        if (namespace, key) in self._ready or (namespace, key) in self._writing:
+            self.allocator.free(Extent(offset, size))
+            return False
+        entry = Entry(namespace, key, offset, size, length, digest, self.generation)
+        self._ready[(namespace, key)] = entry
+        return True
+
+    def clear(self) -> None:
+        """Forgets every record (the file was removed or replaced)."""
+        self.generation += 1
+        self._reset()

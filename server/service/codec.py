@@ -1,0 +1,179 @@
+"""The daemon's protobuf<->dataclass code for the Depot and Admin services, in one place.
+
+A Transfer job is read into kvdepot.common.jobs.Job and its JobResult written back
+(`job_from_proto`, `result_to_proto`), the same two types the client uses; a
+RegisterKV request is read into the core's NamespaceLayout, TensorView and
+LayerRef (`layout_from_proto`, `memory_from_proto`). Admin's listings are written
+from the state's objects (`namespace_info`, `registration_info`, `engine_info`,
+`block_infos`). No other module of kvdepot.server.service builds a TransferJob or
+TransferResult (tests/test_job_codecs.py checks).
+
+Pure functions, called on the event loop by the servicers and the job lanes
+(kvdepot.server.service.depot, admin, job_lane). Field for field, nothing per key: a
+Job holds the message's own repeated fields, not copies, because the job's sizes
+are checked (JobRunner, check_job_size) before anything is built from them. A
+malformed layout raises DepotError INVALID_ARGUMENT (kvdepot.server.errors).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvdepot.common.jobs import Job, JobResult
+from kvdepot.common.kinds import MemoryPath
+from kvdepot.server import errors
+from kvdepot.server.core.index import Namespace, Slot
+from kvdepot.server.core.layout import LayoutError, NamespaceLayout
+from kvdepot.server.core.planner import LayerRef, TensorView
+from kvdepot.server.state.sessions import Registration, Session
+from kvdepot.v1 import admin_pb2
+from kvdepot.v1 import depot_pb2 as pb
+
+
+def job_from_proto(job: pb.TransferJob) -> Job:
+    """The job a TransferJob describes, its session as the message names it (the
+    stream's client, or the lane's session, filled in by the lane)."""
+    # Positional, in Job's field order (namespace_id is not on the wire): every job
+    # pays this, and keywords cost half as much again (tests/test_job_codecs.py).
+    return Job(
+        job.job_id,
+        job.direction,
+        job.keys,
+        job.block_ids,
+        job.group_sizes,
+        job.block_indices,
+        job.expedited,
+        job.registration_id,
+        "",
+        job.session_id,
+    )
+
+
+def result_to_proto(result: JobResult) -> pb.TransferResult:
+    return pb.TransferResult(
+        job_id=result.job_id,
+        success=result.success,
+        bytes=result.bytes,
+        copy_seconds=result.copy_seconds,
+        total_seconds=result.total_seconds,
+        error=result.error,
+        error_code=result.error_code,
+        stored_keys=result.stored_keys,
+        present_keys=result.present_keys,
+        dropped_keys=result.dropped_keys,
+        drop_reason=result.drop_reason,
+    )
+
+
+def layout_from_proto(msg: pb.NamespaceLayout) -> NamespaceLayout:
+    try:
+        return NamespaceLayout(
+            id=msg.id,
+            world_size=msg.world_size,
+            blocks_per_chunk=msg.blocks_per_chunk,
+            groups=tuple(tuple(g.layer_page_bytes) for g in msg.groups),
+            description=msg.description,
+        )
+    except LayoutError as exc:
+        raise errors.invalid(f"namespace layout: {exc}") from None
+
+
+def memory_from_proto(
+    request: pb.RegisterKVRequest,
+) -> tuple[list[tuple[MemoryPath, object]], list[TensorView], list[list[LayerRef]]]:
+    """A registration's memory: its regions (memory path, handle), the tensors in
+    them, and each KV-cache group's layers. A region with no handle is INVALID_ARGUMENT."""
+    regions: list[tuple[MemoryPath, object]] = []
+    for r in request.regions:
+        kind = r.WhichOneof("handle")
+        if kind == "shm":
+            regions.append((MemoryPath.SHM, (r.shm.fd_token, r.shm.size)))
+        elif kind == "cuda_ipc":
+            regions.append((MemoryPath.CUDA_IPC, r.cuda_ipc))
+        elif kind == "pvm":
+            regions.append((MemoryPath.PVM, r.pvm))
+        else:
+            raise errors.invalid("a memory region needs a handle (shm, cuda_ipc or pvm)")
+    tensors = [
+        TensorView(
+            t.region_index,
+            t.region_offset,
+            t.num_blocks,
+            t.block_stride_bytes,
+            t.page_bytes,
+        )
+        for t in request.tensors
+    ]
+    groups = [
+        [LayerRef(ref.tensor_index, ref.page_offset, ref.page_bytes) for ref in g.layers]
+        for g in request.groups
+    ]
+    return regions, tensors, groups
+
+
+# -- Admin's listings -----------------------------------------------------------------
+
+
+def namespace_info(ns: Namespace) -> admin_pb2.NamespaceInfo:
+    """A namespace's layout and block counts (ListNamespaces)."""
+    lay = ns.layout
+    return admin_pb2.NamespaceInfo(
+        id=lay.id,
+        world_size=lay.world_size,
+        blocks_per_chunk=lay.blocks_per_chunk,
+        slot_bytes=[lay.slot_bytes(g) for g in range(lay.num_groups)],
+        ready_blocks=ns.ready_blocks,
+        writing_blocks=ns.writing_blocks,
+        used_bytes=ns.used_bytes,
+        description=lay.description,
+    )
+
+
+def registration_info(r: Registration) -> admin_pb2.RegistrationInfo:
+    """One registration of an engine (ListEngines)."""
+    return admin_pb2.RegistrationInfo(
+        registration_id=r.id,
+        namespace_id=r.layout.id,
+        rank=r.rank,
+        memory_path=r.memory_path.value,
+        registered_bytes=r.registered_bytes,
+    )
+
+
+def engine_info(
+    s: Session,
+    registrations: list[Registration],
+    pinned_blocks: int,
+    job_lanes: int,
+    now: float,
+) -> admin_pb2.EngineInfo:
+    """An open session (ListEngines): `registrations` are its own, in id order;
+    `now` is time.monotonic() (its connected_seconds count from s.opened)."""
+    return admin_pb2.EngineInfo(
+        session_id=s.tag,  # the id itself is the session's secret
+        client_name=s.client_name,
+        pid=s.owner.pid if s.owner is not None else s.pid,
+        engine_id=s.engine_id,
+        connected_seconds=now - s.opened,
+        registrations=[registration_info(r) for r in registrations],
+        pinned_blocks=pinned_blocks,
+        job_lanes=job_lanes,
+    )
+
+
+def block_infos(slots: Sequence[Slot]) -> list[admin_pb2.BlockInfo]:
+    """One BlockInfo per slot, in order (ListBlocks builds a page a slice at a time)."""
+    return [
+        admin_pb2.BlockInfo(
+            namespace_id=s.namespace,
+            key_hex=s.key.hex(),
+            key=s.key,
+            group=s.group,
+            state=s.state.value,
+            pins=s.pin_count,
+            bytes=s.extent.size,
+            pool_offset=s.extent.offset,
+            written_ranks_mask=s.written_mask,
+        )
+        for s in slots
+    ]

@@ -1,0 +1,94 @@
+"""The calls on a joined namespace's keys: a facet of `DepotState`.
+
+`KeyCalls` answers Lookup, Pin and Unpin and opens and closes Watch subscriptions,
+each for a session that has joined the namespace (`NamespaceAccess.member`), with
+at most --max-batch-keys keys a call (`check_batch`, also the remote tier's
+Prefetch) and at most --max-pinned-per-session bytes pinned (a Pin beyond it is
+undone, all or nothing).
+
+Owned by `DepotState`, which offers these calls as its own (kvdepot.server.state.facade);
+everything runs on the event loop. Errors are DepotError or the index's own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from kvdepot.server import errors
+from kvdepot.server.core.index import BlockIndex
+from kvdepot.server.core.kinds import SlotState
+from kvdepot.server.state.events import EventBus, Watcher
+from kvdepot.server.state.invariants import mutation
+from kvdepot.server.state.namespaces import NamespaceAccess
+from kvdepot.server.state.sessions import Sessions
+
+
+class KeyCalls:
+    """Lookup, Pin, Unpin and Watch over `index`, checked by `access`."""
+
+    def __init__(
+        self,
+        index: BlockIndex,
+        bus: EventBus,
+        access: NamespaceAccess,
+        sessions: Sessions,
+        max_batch_keys: int,
+        verify_invariants: Callable[[], object],
+    ) -> None:
+        self.index = index
+        self.bus = bus
+        self.access = access
+        self._sessions = sessions
+        self.max_batch_keys = max_batch_keys
+        self.verify_invariants = verify_invariants
+
+    def check_batch(self, keys: Sequence[bytes]) -> None:
+        limit = self.max_batch_keys
+        if len(keys) > limit:
+            raise errors.exhausted(
+                f"{len(keys)} keys in one call; at most {limit} (--max-batch-keys): split it"
+            )
+
+    def lookup(self, session_id: str, namespace_id: str, keys: Sequence[bytes]) -> list[bool]:
+        self.access.member(session_id, namespace_id)
+        self.check_batch(keys)
+        return self.index.lookup(namespace_id, keys)
+
+    @mutation
+    def pin(self, session_id: str, namespace_id: str, keys: Sequence[bytes]) -> list[bool]:
+        self.access.member(session_id, namespace_id)
+        self.check_batch(keys)
+        pinned = self.index.pin(namespace_id, keys, session_id)
+        try:
+            self.access.check_pinned(session_id)  # --max-pinned-per-session
+        except errors.DepotError:
+            # All or nothing: the call's own pins are dropped again.
+            mine = [k for k, p in zip(keys, pinned, strict=True) if p]
+            self.index.unpin(namespace_id, mine, session_id)
+            raise
+        return pinned
+
+    @mutation
+    def unpin(self, session_id: str, namespace_id: str, keys: Sequence[bytes]) -> int:
+        self.access.member(session_id, namespace_id)
+        self.check_batch(keys)
+        return self.index.unpin(namespace_id, keys, session_id)
+
+    def add_watcher(self, session_id: str, namespace_id: str) -> tuple[Watcher, list[bytes]]:
+        """Subscribes and returns the current ready keys (no event can fall between).
+        The session must have joined the namespace and have a Watch stream to spare."""
+        session = self.access.member(session_id, namespace_id)
+        self.access.open_watch(session)  # --max-watches-per-session
+        return self.bus.subscribe(namespace_id, session_id), self.ready_keys(namespace_id)
+
+    def remove_watcher(self, w: Watcher) -> None:
+        self.bus.unsubscribe(w)
+        session = self._sessions.sessions.get(w.session_id)
+        if session is not None:
+            self.access.close_watch(session)
+
+    def ready_keys(self, namespace_id: str) -> list[bytes]:
+        ns = self.index.namespaces.get(namespace_id)
+        if ns is None:
+            return []
+        return [k for k, s in ns.slots.items() if s.state is SlotState.READY]

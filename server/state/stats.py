@@ -1,0 +1,82 @@
+"""The figures Admin/GetStats and the Prometheus collector read from a DepotState.
+
+`stats_fields(state)` gathers the pool's, the index's, the sessions' and the
+traffic counters' figures into one dict keyed by GetStatsResponse's field names
+(admin.proto says what each one means). Called on the event loop, which owns
+everything it reads, so the figures are one consistent snapshot; the dict is the
+caller's.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import kvdepot
+from kvdepot.common.kinds import MemoryPath
+
+if TYPE_CHECKING:
+    from kvdepot.server.state.depot import DepotState
+
+
+def stats_fields(state: DepotState) -> dict[str, object]:
+    """GetStatsResponse's fields of the pool, index, sessions and traffic."""
+    counts = state.index.counts()
+    alloc = state.index.allocator
+    ix = state.index.stats
+    store, load = state.traffic.store, state.traffic.load
+    return {
+        "version": kvdepot.__version__,
+        "boot_id": state.boot_id,
+        "uptime_seconds": state.uptime,
+        "capacity_bytes": alloc.capacity,
+        "used_bytes": alloc.used_bytes,
+        "pinned_bytes": state.index.pinned_bytes,
+        "largest_free_extent_bytes": alloc.largest_free_extent,
+        "warmup_done_bytes": state.arena.warmup_done_bytes,
+        "warmup_complete": state.arena.warmup_complete,
+        "ready_blocks": counts["ready"],
+        "writing_blocks": counts["writing"],
+        "pinned_blocks": counts["pinned"],
+        "sessions": len(state.sessions),
+        "permission_denied": state.permission_denied,
+        "registrations": len(state.registrations),
+        "populating_bytes": sum(
+            r.populating_bytes for reg in state.registrations.values() for r in reg.regions
+        ),
+        "namespaces": len(state.index.namespaces),
+        "lookups": ix.lookups,
+        "hits": ix.hits,
+        "misses": ix.misses,
+        "evictions": sum(ix.evictions.values()),
+        "stores": store.jobs,
+        "loads": load.jobs,
+        "stored_bytes": store.bytes,
+        "loaded_bytes": load.bytes,
+        "dropped_stores": sum(ix.dropped_stores.values()),
+        "inflight_jobs": state.traffic.inflight_jobs,
+        "pool_backing": state.arena.backing,
+        "warm_restarted": state.warm_restarted,
+        "store_jobs": store.jobs,
+        "load_jobs": load.jobs,
+        "stored_blocks": store.blocks,
+        "loaded_blocks": load.blocks,
+        "failed_store_jobs": store.failed_jobs,
+        "failed_load_jobs": load.failed_jobs,
+        "pin_calls": ix.pin_calls,
+        "pin_keys": ix.pin_keys,
+        "pinned_keys": ix.pinned_keys,
+        "recovery_blocks_total": state.recovery.total,
+        "recovery_blocks_verified": state.recovery.verified,
+        "recovery_blocks_rejected": state.recovery.rejected,
+        "recovery_complete": state.recovery.complete,
+        **_page_locking_fields(state),
+    }
+
+
+def _page_locking_fields(state: DepotState) -> dict[str, object]:
+    """The CUDA path's page-locking figures (server/cuda/enable.py), when it serves."""
+    path = state.memory_path(MemoryPath.CUDA_IPC)
+    report = getattr(path, "page_locking_fields", None)
+    if report is None:
+        return {"page_locking": False, "page_locked_bytes": 0, "page_locking_error": ""}
+    return report()

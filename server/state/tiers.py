@@ -1,0 +1,117 @@
+"""The tiers below the pool as the services see them: a facet of `DepotState`.
+
+`TiersBelow` holds the tiers below the pool once the daemon attaches them (the
+disk, kvdepot.server.disk.link.DiskLink; the fleet's, kvdepot.server.remote.link.
+RemoteLink; the daemon starts and closes both): each hears every index event, and
+Prefetch asks them in order for the keys missing locally (RAM, then the disk, then
+the fleet); their figures join GetStats. Without either, Prefetch still checks the
+call and fetches nothing. The services never hold the links
+(tests/test_service_facade.py).
+
+Owned by `DepotState`, which offers these calls as its own (kvdepot.server.state.facade);
+everything runs on the event loop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from kvdepot.server.core.index import BlockIndex
+from kvdepot.server.core.layout import check_key
+from kvdepot.server.state.events import EventBus
+from kvdepot.server.state.key_calls import KeyCalls
+from kvdepot.server.state.namespaces import NamespaceAccess
+
+if TYPE_CHECKING:  # the tiers' extras (redis, blake3) may be missing
+    from kvdepot.server.disk.link import DiskLink
+    from kvdepot.server.remote.link import RemoteLink
+    from kvdepot.server.remote.reader import KeyState
+
+
+class TiersBelow:
+    """The attached tiers below the pool (disk, fleet), if any, and the calls that go
+    to them."""
+
+    def __init__(
+        self, index: BlockIndex, bus: EventBus, access: NamespaceAccess, keys: KeyCalls
+    ) -> None:
+        self.index = index
+        self.bus = bus
+        self.access = access
+        self.keys = keys
+        self.link: RemoteLink | None = None
+        self.disk: DiskLink | None = None
+
+    def attach_remote_tier(self, link: RemoteLink) -> None:
+        """The tier below the pool (kvdepot.server.remote; the daemon starts and
+        closes it): it hears every index event, answers Prefetch, and its figures
+        join GetStats."""
+        self.link = link
+        self.bus.add_listener(link.on_event)
+
+    def attach_disk_tier(self, disk: DiskLink) -> None:
+        """The disk tier below the pool (kvdepot.server.disk; the daemon starts and
+        closes it): it hears every index event, Prefetch asks it first, and its
+        figures join GetStats."""
+        self.disk = disk
+        self.bus.add_listener(disk.on_event)
+
+    @property
+    def has_tier_below(self) -> bool:
+        """A tier below the pool (the disk or the fleet's): SessionHello.remote_tier,
+        so that the connector asks Prefetch for what RAM misses."""
+        return self.link is not None or self.disk is not None
+
+    @property
+    def tiers_healthy(self) -> bool:
+        return (self.link is not None and self.link.health.up) or (
+            self.disk is not None and self.disk.healthy
+        )
+
+    def tier_stats(self) -> dict[str, object]:
+        """The tiers' GetStats fields; none without them."""
+        out = self.link.stats_fields() if self.link is not None else {}
+        if self.disk is not None:
+            out.update(self.disk.stats_fields())
+        return out
+
+    async def prefetch(
+        self, session_id: str, namespace_id: str, keys: Sequence[bytes]
+    ) -> list[KeyState] | None:
+        """Depot/Prefetch: fetches the keys missing locally from the tiers below (the
+        disk, then the fleet) and says, per key, where it is. None when the daemon has
+        no tier below the pool (the keys are checked; nothing is fetched)."""
+        self.access.member(session_id, namespace_id)
+        self.keys.check_batch(keys)  # before the keys are copied
+        keys = list(keys)
+        if self.link is None and self.disk is None:
+            layout = self.index.namespace(namespace_id).layout
+            for key in keys:
+                check_key(key, layout.num_groups)
+            return None
+        if self.disk is None:
+            assert self.link is not None
+            return await self.link.prefetch(namespace_id, keys)
+        return await self._prefetch_from_disk_first(namespace_id, keys)
+
+    async def _prefetch_from_disk_first(
+        self, namespace_id: str, keys: list[bytes]
+    ) -> list[KeyState]:
+        """RAM, then the disk, then (for what the disk lacks) the fleet."""
+        from kvdepot.server.remote.reader import KeyState  # blake3: the disk needs it too
+
+        assert self.disk is not None
+        slots = self.index.namespace(namespace_id).slots
+        states = [KeyState.LOCAL if key in slots else KeyState.ABSENT for key in keys]
+        missing = [i for i, state in enumerate(states) if state is KeyState.ABSENT]
+        on_disk = self.disk.promote(namespace_id, [keys[i] for i in missing])
+        rest = [i for i, found in zip(missing, on_disk, strict=True) if not found]
+        for i, found in zip(missing, on_disk, strict=True):
+            if found:
+                states[i] = KeyState.FETCHING
+        if rest and self.link is not None:
+            fleet = await self.link.prefetch(namespace_id, [keys[i] for i in rest])
+            for i, state in zip(rest, fleet, strict=True):
+                states[i] = state
+        return states

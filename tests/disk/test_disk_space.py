@@ -1,0 +1,69 @@
+"""The disk tier's sans-I/O parts, directly: a record being read is never evicted
+under it; a header page that is not a whole record header is never taken for one."""
+
+from __future__ import annotations
+
+import os
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvdepot.server.disk import record
+from kvdepot.server.disk.record import PAGE, Header
+from kvdepot.server.disk.space import DiskSpace, WriteVerdict
+
+
+def written(space: DiskSpace, key: bytes) -> None:
+    verdict, entry = space.begin_write("ns", key, PAGE)
+    assert verdict is WriteVerdict.ACCEPTED and entry is not None
+    space.finish_write(entry, b"d" * 16)
+
+
+def test_a_record_being_read_is_not_evicted_under_its_reader() -> None:
+    space = DiskSpace(capacity=3 * 2 * PAGE, max_inflight_bytes=1 << 20)
+    for k in (b"a", b"b", b"c"):
+        written(space, k)
+    reading = space.begin_read("ns", b"a")
+    assert reading is not None
+    space.begin_read("ns", b"b")  # b is now more recent than a, and free to go
+    space.finish_read(space.begin_read("ns", b"b"), True)  # type: ignore[arg-type]
+    written(space, b"d")  # needs room: c goes (a is held, though least recent)
+    assert space.contains("ns", b"a") and not space.contains("ns", b"c")
+    space.finish_read(reading, False)  # did not verify: dropped, its extent freed
+    assert not space.contains("ns", b"a")
+    written(space, b"e")
+    space.allocator.check_invariants()
+    assert space.counters.dropped_entries == 1
+
+
+def test_a_write_of_a_file_that_is_gone_changes_nothing() -> None:
+    space = DiskSpace(capacity=4 * 2 * PAGE, max_inflight_bytes=1 << 20)
+    verdict, entry = space.begin_write("ns", b"a", PAGE)
+    assert entry is not None
+    space.clear()  # the file was removed meanwhile
+    space.finish_write(entry, b"d" * 16)
+    assert not space.contains("ns", b"a") and space.used_bytes == 0
+
+
+def test_a_header_round_trips() -> None:
+    page = memoryview(bytearray(PAGE))
+    header = Header("ns-1", b"k" * 36, 12345, record.digest("ns-1", b"k" * 36, b"x" * 12345))
+    record.encode_header(header, page)
+    assert record.decode_header(page) == header
+    assert header.record_size == PAGE + 4 * PAGE
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(0, 80), st.integers(0, 255), st.sampled_from([PAGE, PAGE - 1, 100, 0]))
+def test_a_damaged_or_short_header_is_never_taken_for_one(at: int, value: int, cut: int) -> None:
+    page = bytearray(PAGE)
+    record.encode_header(Header("ns", b"key", 5, b"\1" * 16), memoryview(page))
+    original = bytes(page)
+    page[at] = value
+    found = record.decode_header(bytes(page[:cut]) if cut < PAGE else bytes(page))
+    used = len(original.rstrip(b"\0"))  # the header's bytes, its CRC last
+    if cut < PAGE or (at < used and page[at] != original[at]):
+        assert found is None
+    else:
+        assert found is not None  # the page's unused tail is not checked
+    assert record.decode_header(os.urandom(PAGE)) is None

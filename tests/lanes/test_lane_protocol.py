@@ -1,0 +1,399 @@
+"""The lanes' sans-I/O protocols (kvdepot.common.lane_protocol), driven through any
+interleaving of calls, answers, peer closes, refusals and timeouts.
+
+The pin lane's client end runs against a model daemon that behaves as the real
+one and as Linux's SOCK_SEQPACKET does: calls answered in order; a refused call
+closes the lane and drops the calls behind it unread, which the kernel reports
+to the client once, as a reset, ahead of the answers already queued; a frozen
+daemon answers nothing. Whatever happens, every call gets exactly one outcome
+(its own answer, a fall-back to gRPC or a timeout), an answer is never handed to
+another call, and no key the daemon pinned falls back to gRPC (pinned twice).
+The daemon's end keeps its read bound and answer order under any interleaving.
+The adapters' sockets are covered by tests/test_pin_lane.py and
+tests/test_job_lane.py against a real daemon.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import re
+from dataclasses import dataclass, field
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvdepot.common.lane_protocol import (
+    CLIENT_TRANSITIONS,
+    DAEMON_TRANSITIONS,
+    DaemonLane,
+    LaneEvent,
+    LaneProtocol,
+    LaneProtocolError,
+    LaneState,
+    PinCalls,
+)
+
+# -- the tables -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("table", [CLIENT_TRANSITIONS, DAEMON_TRANSITIONS])
+def test_every_event_moves_as_the_table_says_or_raises(table) -> None:
+    role = type("Role", (LaneProtocol,), {"__slots__": (), "transitions": table})
+    for state, event in itertools.product(LaneState, LaneEvent):
+        lane = role()
+        lane.state = state
+        if state in table and event in table[state]:
+            assert lane.event(event) is table[state][event]
+        else:
+            with pytest.raises(LaneProtocolError, match=re.escape(event.value)):
+                lane.event(event)
+            assert lane.state is state  # an illegal event changes nothing
+
+
+def test_close_is_always_allowed_and_final() -> None:
+    for table in (CLIENT_TRANSITIONS, DAEMON_TRANSITIONS):
+        for state in table:
+            assert table[state][LaneEvent.CLOSE] is LaneState.CLOSED
+        assert set(table[LaneState.CLOSED].values()) == {LaneState.CLOSED}
+
+
+def test_the_daemon_per_job_checks_agree_with_its_table() -> None:
+    """`received` and `answer` check the state inline (they run per job)."""
+    for state in DAEMON_TRANSITIONS:
+        row = DAEMON_TRANSITIONS[state]
+        lane = DaemonLane(4)
+        lane.state = state
+        if LaneEvent.RECEIVE in row:
+            lane.received()
+        else:
+            with pytest.raises(LaneProtocolError):
+                lane.received()
+        if LaneEvent.SEND in row:
+            lane.answer(b"r")
+            assert lane.state is row[LaneEvent.SEND]
+        else:
+            with pytest.raises(LaneProtocolError):
+                lane.answer(b"r")
+
+
+# -- the pin lane, client end, against a model daemon -------------------------------------
+
+
+def encode_answer(call_id: int, keys: int) -> bytes:
+    return call_id.to_bytes(4, "big") + b"\x01" * keys
+
+
+@dataclass
+class ModelDaemon:
+    """One lane's daemon end and the kernel between them."""
+
+    inbox: collections.deque[tuple[int, int, bool]] = field(default_factory=collections.deque)
+    outbox: collections.deque[bytes] = field(default_factory=collections.deque)
+    closed: bool = False
+    reset_pending: bool = False  # closed with calls unread: reported once, as a reset
+    frozen: bool = False
+
+    def step(self, pinned: set[int]) -> None:
+        """Takes the next call: pins it and answers, or refuses it and closes."""
+        call_id, keys, refuse = self.inbox.popleft()
+        if refuse:
+            self.close()
+        else:
+            pinned.add(call_id)
+            self.outbox.append(encode_answer(call_id, keys))
+
+    def close(self) -> None:
+        self.reset_pending = bool(self.inbox)
+        self.inbox.clear()  # dropped unread: never pinned
+        self.closed = True
+
+
+class PinClient:
+    """Drives PinCalls exactly as kvdepot.client.pin_lane.PinLane does its socket."""
+
+    def __init__(self) -> None:
+        self.ids = itertools.count(1)
+        self.outcome: dict[int, str] = {}
+        self.pinned_by_daemon: set[int] = set()
+        self.decoded: list[int] = []
+        self._open()
+
+    def _open(self) -> None:
+        self.daemon = ModelDaemon()
+        self.calls = PinCalls(1 << 16, self._decode)
+        self.owed_ids: collections.deque[int] = collections.deque()
+
+    def _decode(self, data: bytes) -> list[bool]:
+        self.decoded.append(int.from_bytes(data[:4], "big"))
+        return [True] * (len(data) - 4)
+
+    def _settle(self, call_id: int, outcome: str) -> None:
+        assert call_id not in self.outcome, f"call {call_id}: a second outcome {outcome}"
+        self.outcome[call_id] = outcome
+
+    def send(self, keys: int, refuse: bool) -> None:
+        call_id = next(self.ids)
+        if not self.calls.fits(b"x" * (keys + 1)):  # not OPEN: the call goes over gRPC
+            self._settle(call_id, "fallback")
+            return
+        if self.daemon.closed:  # the send fails: EPIPE
+            self.calls.send_refused()
+            self._settle(call_id, "fallback")
+            self._drop_if_spent()
+            return
+        self.daemon.inbox.append((call_id, keys, refuse))
+        self.calls.call_sent(keys)
+        self.owed_ids.append(call_id)
+
+    def answers(self) -> None:
+        calls, daemon = self.calls, self.daemon
+        while calls.owed:
+            if daemon.closed and daemon.reset_pending:  # ConnectionResetError, once
+                daemon.reset_pending = False
+                calls.peer_closed()
+                reply = daemon.outbox.popleft() if daemon.outbox else b""
+            elif daemon.outbox:
+                reply = daemon.outbox.popleft()
+            elif daemon.closed:
+                reply = b""  # EOF
+            elif daemon.frozen:  # TimeoutError
+                calls.timed_out()
+                for call_id in self.owed_ids:
+                    self._settle(call_id, "timeout")
+                self.owed_ids.clear()
+                break
+            else:
+                daemon.step(self.pinned_by_daemon)  # the recv waits while it works
+                continue
+            expected = self.owed_ids.popleft()
+            before = len(self.decoded)
+            got = calls.receive(reply)
+            if got is None:
+                for call_id in (expected, *self.owed_ids):
+                    self._settle(call_id, "fallback")
+                self.owed_ids.clear()
+                break
+            assert self.decoded[before:] == [expected], "an answer handed to another call"
+            self._settle(expected, "answered")
+        self._drop_if_spent()
+
+    def _drop_if_spent(self) -> None:
+        if not self.calls.usable and not self.calls.owed:
+            self.calls.close()
+            self._open()  # reopened in the background: a new lane, a new daemon end
+
+    def finish(self) -> None:
+        self.daemon.frozen = False
+        self.answers()
+        # Every key the daemon pinned was answered or timed out, never sent to gRPC.
+        sent = set(range(1, next(self.ids)))
+        assert set(self.outcome) == sent, "a call without an outcome"
+        for call_id, outcome in self.outcome.items():
+            if outcome == "fallback":
+                assert call_id not in self.pinned_by_daemon, f"call {call_id} pinned twice"
+            if outcome == "answered":
+                assert call_id in self.pinned_by_daemon
+
+
+ops = st.one_of(
+    st.tuples(st.just("send"), st.integers(0, 4), st.booleans()),
+    st.tuples(st.just("daemon_step")),
+    st.tuples(st.just("daemon_close")),
+    st.tuples(st.just("freeze"), st.booleans()),
+    st.tuples(st.just("answers")),
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(ops, max_size=40))
+def test_pin_calls_keep_every_call_to_one_outcome_of_its_own(script) -> None:
+    client = PinClient()
+    for op in script:
+        daemon = client.daemon
+        if op[0] == "send":
+            client.send(op[1], refuse=op[2])
+        elif op[0] == "daemon_step" and daemon.inbox and not daemon.closed and not daemon.frozen:
+            daemon.step(client.pinned_by_daemon)
+        elif op[0] == "daemon_close" and not daemon.closed:
+            daemon.close()
+        elif op[0] == "freeze":
+            daemon.frozen = op[1]
+        elif op[0] == "answers":
+            client.answers()
+    client.finish()
+
+
+def test_answers_before_a_refusal_are_read_after_the_reset() -> None:
+    """The bug of 7838590: the daemon refused the second of three calls and closed
+    the lane with the third unread; the client must still read the first's answer."""
+    client = PinClient()
+    client.send(2, refuse=False)
+    client.send(1, refuse=True)
+    client.send(2, refuse=False)
+    daemon = client.daemon
+    daemon.step(client.pinned_by_daemon)
+    daemon.step(client.pinned_by_daemon)  # refused: closes, the third dropped unread
+    assert daemon.closed and daemon.reset_pending
+    client.answers()
+    assert client.outcome == {1: "answered", 2: "fallback", 3: "fallback"}
+    client.finish()
+
+
+def test_an_answer_that_does_not_fit_its_call_is_never_handed_out() -> None:
+    calls = PinCalls(1 << 16, lambda data: [True] * len(data))
+    calls.call_sent(2)
+    calls.call_sent(1)
+    assert calls.receive(b"\x01") is None  # one flag for a call of two keys
+    assert calls.state is LaneState.BROKEN and calls.owed == 0  # both fall back
+    with pytest.raises(LaneProtocolError):
+        calls.call_sent(1)  # a broken lane takes no call
+
+
+def test_an_answer_that_does_not_parse_breaks_the_lane() -> None:
+    def decode(data: bytes) -> list[bool]:
+        raise ValueError("not a PinResponse")
+
+    calls = PinCalls(1 << 16, decode)
+    calls.call_sent(1)
+    assert calls.receive(b"junk") is None and calls.state is LaneState.BROKEN
+
+
+def test_an_answer_with_no_call_owed_is_a_protocol_error() -> None:
+    calls = PinCalls(1 << 16, lambda data: [True])
+    with pytest.raises(LaneProtocolError, match="no call owed"):
+        calls.receive(b"\x01")
+
+
+def test_a_lane_closed_by_this_side_answers_nothing_more() -> None:
+    """The session ended (another thread closed the lane) while answers were owed."""
+    calls = PinCalls(1 << 16, lambda data: [True])
+    calls.call_sent(1)
+    calls.close()
+    assert calls.receive(b"\x01") is None and calls.owed == 0
+
+
+def test_send_limits_of_a_client_lane() -> None:
+    calls = PinCalls(8, lambda data: [])
+    assert calls.fits(b"x" * 8)
+    assert not calls.fits(b"")  # would read as the end of the lane
+    assert not calls.fits(b"x" * 9)  # larger than the daemon reads
+
+
+# -- the daemon's end -------------------------------------------------------------------
+
+
+daemon_ops = st.one_of(
+    st.tuples(st.just("datagram"), st.booleans()),  # True: a pin, answered at once
+    st.tuples(st.just("finish")),
+    st.tuples(st.just("client_reads"), st.integers(0, 5)),
+    st.tuples(st.just("writable")),  # the loop's writer callback, some time after a read
+    st.tuples(st.just("half_close")),
+    st.tuples(st.just("close")),
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.integers(1, 6), st.integers(0, 4), st.lists(daemon_ops, max_size=60))
+def test_daemon_lane_stays_within_its_bound_and_answers_in_order(
+    max_unread: int, socket_room: int, script
+) -> None:
+    """Drives DaemonLane as kvdepot.server.service.job_lane.JobLane does its socket:
+    it reads only while `may_read`; an answer goes now if the socket has room and
+    nothing is queued, else waits in the backlog, drained in order."""
+    lane = DaemonLane(max_unread)
+    waiting = collections.deque(range(1000))  # the client's calls, in its socket
+    running: collections.deque[int] = collections.deque()
+    answered: list[int] = []  # what the client read, in order
+    in_socket: collections.deque[bytes] = collections.deque()
+    produced: list[int] = []  # answers in the order the daemon made them
+
+    def send(call: int) -> None:
+        data = call.to_bytes(4, "big")
+        produced.append(call)
+        if lane.answer(data):
+            if len(in_socket) < socket_room:
+                in_socket.append(data)
+            else:
+                lane.queue(data)
+
+    def drain() -> None:  # the socket became writable
+        while lane.backlog and len(in_socket) < socket_room and not lane.closed:
+            in_socket.append(lane.backlog.popleft())
+
+    def after_progress() -> None:
+        if lane.drained:
+            lane.close()
+
+    for op in script:
+        if op[0] == "datagram" and lane.may_read():
+            lane.received()
+            call = waiting.popleft()
+            if op[1]:
+                send(call)
+            else:
+                lane.started()
+                running.append(call)
+        elif op[0] == "finish" and running:
+            call = running.popleft()
+            lane.finished()
+            if not lane.closed:
+                send(call)
+            after_progress()
+        elif op[0] == "client_reads":
+            for _ in range(min(op[1], len(in_socket))):
+                answered.append(int.from_bytes(in_socket.popleft(), "big"))
+        elif op[0] == "writable":
+            drain()
+            after_progress()
+        elif op[0] == "half_close" and not lane.closed:
+            lane.half_closed()
+            after_progress()
+        elif op[0] == "close" and not lane.closed:
+            lane.close()
+        assert lane.running + len(lane.backlog) <= max_unread, "read past the bound"
+        assert answered == produced[: len(answered)], "answers out of order"
+        if lane.closed:
+            assert not lane.backlog and not lane.may_read()
+    if lane.state is LaneState.OPEN:
+        assert lane.may_read() == (lane.running + len(lane.backlog) < max_unread)
+
+
+def test_an_answer_waits_behind_the_backlog_even_when_the_socket_has_room() -> None:
+    """The writer callback runs some time after the client read: an answer made in
+    between must not overtake the ones queued before it."""
+    lane = DaemonLane(4)
+    for _ in range(3):
+        lane.received()
+        lane.started()
+    lane.finished()
+    assert lane.answer(b"1")  # the socket takes it
+    lane.finished()
+    assert lane.answer(b"2")
+    lane.queue(b"2")  # the socket was full
+    lane.finished()
+    assert not lane.answer(b"3")  # the socket has room again, but "2" goes first
+    assert list(lane.backlog) == [b"2", b"3"]
+
+
+def test_daemon_lane_refuses_a_read_past_its_bound() -> None:
+    lane = DaemonLane(1)
+    lane.received()
+    lane.started()
+    with pytest.raises(LaneProtocolError, match="1 running"):
+        lane.received()
+    lane.half_closed()
+    with pytest.raises(LaneProtocolError):
+        lane.received()  # half-closed: nothing more is read
+    lane.finished()
+    assert lane.answer(b"r") and lane.drained
+
+
+def test_daemon_lane_sends_nothing_once_closed() -> None:
+    lane = DaemonLane(4)
+    lane.queue(b"a")
+    lane.close()
+    assert not lane.backlog
+    with pytest.raises(LaneProtocolError):
+        lane.answer(b"b")

@@ -1,0 +1,47 @@
+"""The disk tier (`kvdepot serve --disk`) under vLLM 0.33.0's real Scheduler and worker
+connectors: a prompt computed before the daemon restarted (its pool empty since, the
+blocks only on disk) is an external hit, through the same RETRY/Prefetch path as the
+remote tier, with the bytes the first engine computed.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("vllm")
+pytest.importorskip("blake3")
+
+from kvdepot.testing.vllm_engine import prompt_for
+from kvdepot.v1 import admin_pb2
+from tests.vllm.engine_proc import run_engine_process
+
+pytestmark = pytest.mark.vllm
+
+
+def test_a_prompt_only_on_disk_is_an_external_hit(daemon_factory, make_engine, tmp_path) -> None:
+    d = daemon_factory(
+        "--pool-size", "64MiB", "--disk", str(tmp_path / "disk"), "--disk-size", "64MiB"
+    )
+    first = run_engine_process(d.target, prompt_seed=11)
+    d.stop()  # a clean stop: the disk's index is written, the pool (memfd) is gone
+    d.start()
+
+    prompt = prompt_for(11, 160)
+    engine = make_engine(socket=d.target, num_gpu_blocks=64)
+    engine.wait_registered()
+    m = engine.manager
+    assert m.namespace_id == first["namespace"]
+    keys = engine.offload_keys(prompt)
+    assert not any(m.is_ready(k) for k in keys)  # nothing in RAM
+
+    engine.add_request(prompt)
+    engine.step()  # RETRY for every key: nothing scheduled, nothing waited for
+    assert m.remote_asked == len(keys)
+    engine.wait_ready(keys)  # read from disk into the pool, announced on Watch
+    engine.run()
+    rec = next(iter(engine.records.values()))
+    assert rec.external_tokens == 160
+    assert m.prefetch_rpcs == 1 and m.remote_gave_up == 0
+    assert engine.kv_digest(0, 0, rec.block_ids[0][:10]) == first["digest"]
+    s = m._client.admin.GetStats(admin_pb2.GetStatsRequest())
+    assert s.disk_hits == len(keys) and s.disk_rejected == 0

@@ -1,0 +1,140 @@
+"""The scheduler-side manager's parts that need no daemon, each on its own: the mirror's
+generation rule and its events, the back-off after failed loads, the step's figures.
+
+The parts that talk to the daemon (pins, unpins, prefetch) are tested through the
+manager against a real `kvdepot serve` (test_connector.py, test_reset_race.py,
+test_remote_tier.py).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from kvdepot.client.vllm.load_failures import LoadFailureBackoff
+from kvdepot.client.vllm.mirror import ReadyMirror
+from kvdepot.client.vllm.stats import MetricName, StepStats
+from kvdepot.v1 import depot_pb2
+
+WatchEvent = depot_pb2.WatchEvent
+
+
+def stored(*keys: bytes) -> WatchEvent:
+    return WatchEvent(kind=WatchEvent.STORED, keys=list(keys))
+
+
+def removed(*keys: bytes) -> WatchEvent:
+    return WatchEvent(kind=WatchEvent.REMOVED, keys=list(keys))
+
+
+def snapshot(*keys: bytes, reset: bool) -> WatchEvent:
+    return WatchEvent(kind=WatchEvent.SNAPSHOT, keys=list(keys), reset=reset)
+
+
+# -- the mirror -------------------------------------------------------------------------
+
+
+def test_the_mirror_follows_stored_and_removed_events() -> None:
+    mirror = ReadyMirror(enable_events=False, on_forget=lambda: None)
+    on_event = mirror.handler(0)
+    on_event(stored(b"a", b"b", b"c"))
+    on_event(removed(b"b"))
+    assert mirror.ready == {b"a", b"c"}
+    mirror.discard([b"c"])  # a pin found it gone before its REMOVED event
+    assert mirror.ready == {b"a"}
+    assert mirror.take_events() == ()  # events off
+
+
+def test_events_of_an_earlier_generation_never_reach_the_mirror() -> None:
+    mirror = ReadyMirror(enable_events=False, on_forget=lambda: None)
+    old = mirror.handler(0)
+    old(stored(b"old"))
+    mirror.start_generation(1)
+    assert mirror.ready == set()
+    old(stored(b"late"))  # the left namespace's stream, still running
+    new = mirror.handler(1)
+    new(stored(b"new"))
+    assert mirror.ready == {b"new"}
+
+
+def test_an_event_being_applied_while_the_generation_switches_stays_in_the_old_one() -> None:
+    """The Watch thread passed its generation check and is applying an event when the
+    scheduler resets: the switch waits for it, and the new mirror starts empty."""
+    mirror = ReadyMirror(enable_events=False, on_forget=lambda: None)
+    applying, release = threading.Event(), threading.Event()
+    apply_event = mirror.apply
+
+    def held(event: WatchEvent) -> None:
+        applying.set()
+        assert release.wait(10)
+        apply_event(event)
+
+    mirror.apply = held  # type: ignore[method-assign]
+    watch = threading.Thread(target=mirror.handler(0), args=(stored(b"old"),))
+    watch.start()
+    assert applying.wait(10)
+    switch = threading.Thread(target=mirror.start_generation, args=(1,))
+    switch.start()
+    release.set()
+    watch.join(10)
+    switch.join(10)
+    assert not watch.is_alive() and not switch.is_alive()
+    assert mirror.ready == set()
+
+
+def test_a_reset_snapshot_forgets_everything_and_reports_it() -> None:
+    forgotten: list[bool] = []
+    mirror = ReadyMirror(enable_events=True, on_forget=lambda: forgotten.append(True))
+    on_event = mirror.handler(0)
+    on_event(snapshot(b"a", b"b", reset=False))
+    on_event(WatchEvent(kind=WatchEvent.SNAPSHOT_END))
+    assert [(sorted(e.keys), e.removed) for e in mirror.take_events()] == [([b"a", b"b"], False)]
+    assert forgotten == []
+    on_event(snapshot(b"c", reset=True))  # the daemon restarted
+    assert mirror.ready == {b"c"} and forgotten == [True]
+    events = [(sorted(e.keys), e.removed) for e in mirror.take_events()]
+    assert events == [([b"a", b"b"], True), ([b"c"], False)]
+    assert mirror.take_events() == ()  # drained
+
+
+# -- the back-off after failed loads ----------------------------------------------------
+
+
+def test_keys_whose_load_failed_stay_backed_off_until_their_time_is_over() -> None:
+    failures = LoadFailureBackoff(backoff_s=60.0)
+    before = failures.until
+    assert failures.note(iter([b"a", b"b"])) == 2
+    assert set(failures.until) == {b"a", b"b"}
+    assert before == {}  # replaced, not changed: a reader holding it saw a whole dict
+    failures.prune()
+    assert set(failures.until) == {b"a", b"b"}  # 60 s to go
+    failures.clear()
+    assert failures.until == {}
+    assert failures.note([]) == 0
+
+
+def test_an_expired_back_off_is_pruned() -> None:
+    failures = LoadFailureBackoff(backoff_s=0.0)
+    failures.note([b"a"])
+    failures.prune()
+    assert failures.until == {}
+
+
+# -- the step's figures -----------------------------------------------------------------
+
+
+def test_a_quiet_step_reports_nothing_and_gauges_travel_when_they_change() -> None:
+    stats = StepStats()
+    first = stats.take(connected=True, mirror_keys=3)
+    assert first is not None and first.reduce()[MetricName.MIRROR_KEYS] == 3.0
+    assert stats.take(connected=True, mirror_keys=3) is None  # nothing new
+    stats.count_pin(0.001, misses=2)
+    taken = stats.take(connected=True, mirror_keys=3)
+    assert taken is not None
+    figures = taken.reduce()
+    assert figures[MetricName.PINS] == 1 and figures[MetricName.PIN_MISSES] == 2
+    assert figures[f"{MetricName.PIN_SECONDS}_count"] == 1
+    assert stats.take(connected=False, mirror_keys=3) is not None  # a gauge changed
