@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from kvdepot.bench.daemon import OwnDaemon
@@ -92,8 +93,7 @@ def measure_ceiling(
         fleet = Fleet(ENGINES, geo.tp)
         fleet.setup(daemon.target, vars(geo), num_blocks, salt, namespace, arena_bytes=1 << 20)
         daemon.wait_mapped()
-        seq = 1 << 40  # key numbers apart from the data-path series' keys
-        pattern = 1 << 20
+        keys = KeyCursor()
         for chunks in sizes:
             job_bytes = geo.job_bytes(chunks)
             # Slots in flight (2 x 4 jobs) and a load set must fit the pool twice over.
@@ -102,29 +102,11 @@ def measure_ceiling(
                 skipped.append(chunks)
                 continue
             for direction in ("store", "load"):
-                if direction == "load":  # the keys the loads cycle over
-                    key_seq, key_sets = seq, sets
-                    run_fleet(fleet, "store", chunks, sets, 0, key_seq, 0, pattern)
-                    seq += sets * chunks
-                else:
-                    key_seq, key_sets = seq, 0
-                    seq += (jobs + warmup) * chunks
-                cpu0 = [
-                    cpu_seconds(daemon.proc.pid),
-                    *(cpu_seconds(w.proc.pid) for w in fleet.workers),
-                ]
-                replies = run_fleet(
-                    fleet, direction, chunks, jobs, warmup, key_seq, key_sets, pattern
+                run = timed_run(
+                    fleet, [daemon.proc.pid], keys, direction, chunks, jobs, warmup, sets
                 )
-                cpu1 = [
-                    cpu_seconds(daemon.proc.pid),
-                    *(cpu_seconds(w.proc.pid) for w in fleet.workers),
-                ]
-                n_jobs = (jobs + warmup) * len(fleet.workers)
-                pattern += jobs + warmup
-                per_worker = [[(j[0], j[1], int(j[2])) for j in r["jobs"]] for r in replies]
-                rate, window = overlap_rate(per_worker)
-                in_daemon = [j[4] for r in replies for j in r["jobs"]]
+                rate, window = run.rate()
+                in_daemon = [j[4] for r in run.replies for j in r["jobs"]]
                 rows.append(
                     {
                         "chunks": chunks,
@@ -132,17 +114,15 @@ def measure_ceiling(
                         "depth": DEPTH,
                         "direction": direction,
                         "job_bytes": job_bytes,
-                        "jobs": sum(len(r["jobs"]) for r in replies),
+                        "jobs": sum(len(r["jobs"]) for r in run.replies),
                         "jobs_per_s": rate / job_bytes,
                         "equivalent_gbps": rate / GB,
                         "in_daemon_ms_mean": 1e3 * sum(in_daemon) / max(1, len(in_daemon)),
                         "window_s": window,
                         # CPU time per job (warm-up included), to tell who limits the rate
                         # on a machine with few cores: the daemon or the engine processes.
-                        "daemon_cpu_ms_per_job": 1e3 * (cpu1[0] - cpu0[0]) / n_jobs,
-                        "engine_cpu_ms_per_job": 1e3
-                        * sum(b - a for a, b in zip(cpu0[1:], cpu1[1:], strict=True))
-                        / n_jobs,
+                        "daemon_cpu_ms_per_job": 1e3 * run.daemon_cpu_s / run.submitted,
+                        "engine_cpu_ms_per_job": 1e3 * run.engine_cpu_s / run.submitted,
                     }
                 )
     finally:
@@ -168,6 +148,75 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+class KeyCursor:
+    """Where the next series' key numbers and block patterns start: every store names
+    fresh keys, every load set is stored first (the key numbers sit apart from the
+    data-path series' keys)."""
+
+    def __init__(self) -> None:
+        self.seq = 1 << 40
+        self.pattern = 1 << 20
+
+
+@dataclass(frozen=True)
+class TimedRun:
+    """One synchronized series of jobs on every worker, copies off, and the CPU it cost."""
+
+    replies: list[dict[str, Any]]  # each worker's `run` reply (timed jobs only)
+    daemon_cpu_s: float  # every daemon process, warm-up jobs included
+    engine_cpu_s: float  # every worker process, warm-up jobs included
+    submitted: int  # jobs the CPU time paid for: (jobs + warm-up) x workers
+    dropped: int  # store keys dropped, a load's set included (only where allowed)
+
+    def rate(self) -> tuple[float, float]:
+        """Bytes/s while every worker ran, and that window (stats.overlap_rate)."""
+        return overlap_rate([[(j[0], j[1], int(j[2])) for j in r["jobs"]] for r in self.replies])
+
+    def overhead_ms(self) -> list[float]:
+        """Round trip - copy of every timed job (the copy is nil here: copies are off)."""
+        return [1e3 * (j[1] - j[0] - j[3]) for r in self.replies for j in r["jobs"]]
+
+
+def timed_run(
+    fleet: Fleet,
+    daemon_pids: Sequence[int],
+    keys: KeyCursor,
+    direction: str,
+    chunks: int,
+    jobs: int,
+    warmup: int,
+    sets: int,
+    allow_dropped: bool = False,
+) -> TimedRun:
+    """`jobs` (+ `warmup`) jobs of `chunks` chunks on every worker of `fleet`, DEPTH in
+    flight each, all starting together; a load first stores the `sets` jobs it cycles
+    over (untimed). CPU time is read from /proc of `daemon_pids` and the workers.
+    A dropped key fails the run unless `allow_dropped` (then it is counted; a load
+    of a key whose store was dropped still fails)."""
+    dropped = 0
+    if direction == "load":  # the keys the loads cycle over
+        key_seq, key_sets = keys.seq, sets
+        stored = run_fleet(fleet, "store", chunks, sets, 0, key_seq, 0, keys.pattern, allow_dropped)
+        dropped = sum(r["dropped"] for r in stored)
+        keys.seq += sets * chunks
+    else:
+        key_seq, key_sets = keys.seq, 0
+        keys.seq += (jobs + warmup) * chunks
+    engine_pids = [w.proc.pid for w in fleet.workers]
+    d0, e0 = cpu_total(daemon_pids), cpu_total(engine_pids)
+    replies = run_fleet(
+        fleet, direction, chunks, jobs, warmup, key_seq, key_sets, keys.pattern, allow_dropped
+    )
+    d1, e1 = cpu_total(daemon_pids), cpu_total(engine_pids)
+    keys.pattern += jobs + warmup
+    dropped += sum(r["dropped"] for r in replies)
+    return TimedRun(replies, d1 - d0, e1 - e0, (jobs + warmup) * len(fleet.workers), dropped)
+
+
+def cpu_total(pids: Sequence[int]) -> float:
+    return sum(cpu_seconds(pid) for pid in pids)
+
+
 def run_fleet(
     fleet: Fleet,
     direction: str,
@@ -177,6 +226,7 @@ def run_fleet(
     key_seq: int,
     key_sets: int,
     pattern: int,
+    allow_dropped: bool = False,
 ) -> list[dict[str, Any]]:
     replies = fleet.call(
         fleet.workers,
@@ -195,7 +245,7 @@ def run_fleet(
         synchronized=True,
     )
     for r in replies:
-        if r["failed"] or r["dropped"]:
+        if r["failed"] or (r["dropped"] and not allow_dropped):
             raise RuntimeError(
                 f"control-plane ceiling: {r['failed']} job(s) failed, {r['dropped']} key(s) "
                 f"dropped: {r['error']}"

@@ -3,6 +3,7 @@
     kvdepot bench                        # full run on a daemon it starts (~1 min)
     kvdepot bench --quick --json         # smoke run, JSON on stdout (the test uses it)
     kvdepot bench --socket /run/kvdepot/kvdepot.sock --plot bench.png
+    kvdepot bench --node                 # only the node series: ranks over 1..N daemons
 
 What runs, in order: a daemon (or the one at --socket) with its pool pre-faulted;
 synthetic engine processes (benchmarks/worker.py) with pre-faulted memfd KV
@@ -189,6 +190,25 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         help="measure only the remote tier at this redis:// URL against bare "
         "redis-py, and the miss-to-loaded-block time (kvdepot.bench.remote_bench)",
     )
+    g = parser.add_argument_group("node series (kvdepot.bench.node; runs alone)")
+    g.add_argument(
+        "--node",
+        action="store_true",
+        help="run only the node series: engines x TP ranks over 1..N daemon shards, copies "
+        "off, TP=8 70B-like and TP=1 8B-like (--pool-size: the node's pool, split)",
+    )
+    g.add_argument("--node-engines", type=int, help="engines (default: CPUs / 2, between 2 and 8)")
+    g.add_argument(
+        "--node-shards",
+        type=_ints,
+        help="daemon processes, e.g. 1,2,4 (default: 1, 2, 4 ... up to CPUs / 2, at least 2)",
+    )
+    g.add_argument(
+        "--node-geometry",
+        default="70b-tp8,8b-tp1",
+        help="geometries to run, of 70b-tp8, 8b-tp1 (default both)",
+    )
+    g.add_argument("--node-chunks", type=int, default=16, help="chunks per job (default 16)")
     g = parser.add_argument_group("output")
     g.add_argument(
         "--quick",
@@ -264,6 +284,8 @@ def run_bench(args: argparse.Namespace) -> int:
         if args.json:
             print(json.dumps(remote, indent=1))
         return 1 if args.strict and not all(t["met"] for t in remote["targets"]) else 0
+    if args.node:
+        return _node(args)
     started = time.monotonic()
     load_before = os.getloadavg()[0]
     try:
@@ -501,6 +523,74 @@ def _ceiling(
         )
     except Exception as exc:  # reported, not fatal: the data-path figures stand
         return {"error": f"{type(exc).__name__}: {exc}"}
+
+
+def _node(args: argparse.Namespace) -> int:
+    """`kvdepot bench --node`: the node series alone, its table and JSON."""
+    from kvdepot.bench import node
+
+    cores = os.cpu_count() or 1
+    names = [n.strip() for n in args.node_geometry.split(",") if n.strip()]
+    unknown = [n for n in names if n not in node.GEOMETRIES]
+    engines = args.node_engines or node.default_engines(cores)
+    if unknown or not names or engines < 1 or args.node_chunks < 1:
+        print(
+            f"kvdepot bench: --node-geometry takes {', '.join(node.GEOMETRIES)}; "
+            f"--node-engines and --node-chunks at least 1",
+            file=sys.stderr,
+        )
+        return 2
+    if args.socket or args.plot:
+        print(
+            "kvdepot bench: --node starts its own daemons and draws no plot (not with "
+            "--socket or --plot)",
+            file=sys.stderr,
+        )
+        return 2
+    started, load_before = time.monotonic(), os.getloadavg()[0]
+    progress = Progress(1, enabled=not args.quiet)
+    pool = args.pool_size or _pick(args, "ceiling_pool")
+    try:
+        measured = node.measure_node(
+            names,
+            engines,
+            sorted(set(args.node_shards or node.default_shards(cores))),
+            args.node_chunks,
+            16 * _pick(args, "ceiling_jobs"),  # the ceiling's 2 x 8 ranks' worth
+            max(_pick(args, "warmup"), 3),
+            _parse_size(pool),
+            f"kvdepot-bench-node-{secrets.token_hex(6)}",
+            secrets.token_bytes(16),
+            quick=args.quick,
+            on_step=progress.label,
+        )
+    except KeyboardInterrupt:
+        progress.close()
+        print("kvdepot bench: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:
+        progress.close()
+        print(f"kvdepot bench: failed: {exc}", file=sys.stderr)
+        return 1
+    progress.close()
+    result = {
+        "version": kvdepot.__version__,
+        "command": " ".join(["kvdepot", "bench", *_argv_tail()]),
+        "machine": machine_info(),
+        "node": measured,
+        "node_ceiling": measured["rows"],
+        "elapsed_s": time.monotonic() - started,
+        "loadavg_1min": {"start": load_before, "end": os.getloadavg()[0]},
+    }
+    emit(
+        result,
+        node.format_node_table(result),
+        as_json=args.json,
+        plot_path=None,  # no plot of this series
+        plot=plot,
+        command="kvdepot bench --node",
+    )
+    return 0
 
 
 def _argv_tail() -> list[str]:

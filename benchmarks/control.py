@@ -35,6 +35,8 @@ class KeyMirror:
         self.synced = threading.Event()
 
     def on_event(self, event: pb.WatchEvent) -> None:
+        if event.tier == pb.WatchEvent.TIER_DISK:  # on disk only: never a hit, as in the connector
+            return
         if event.kind == pb.WatchEvent.SNAPSHOT:
             if event.reset:
                 self._ready = set()

@@ -3,6 +3,7 @@
     python -m kvdepot.bench.disk_bench                      # /var/tmp, 1 GiB, 1 MiB, QD 4
     python -m kvdepot.bench.disk_bench --dir /mnt/nvme/kv --size 4G --scan-records 100000
     python -m kvdepot.bench.disk_bench --json
+    python -m kvdepot.bench.disk_bench --working-set --pool 256MiB   # 8x the pool, replayed
 
 1. Write and read GB/s of the tier (kvdepot.server.disk.tier: O_DIRECT from
    page-aligned memory, BLAKE3 digest on write and check on read, `--qd` I/O
@@ -15,6 +16,11 @@
    and the scan of the throughput run's file (one header per block).
 3. The digests a record could carry, on one core, over `--block` bytes: BLAKE3
    (what the tier uses), CRC-32 (zlib), BLAKE2b.
+4. With `--working-set` (instead of 1-3): real daemons with a `--pool` RAM pool, one
+   with a disk tier and one without, a Zipf-like trace over a working set `--ws-ratio`
+   (8) times the pool: hit rate by tier, the GB/s at which promoted blocks reach the
+   engine, and stores to RAM while the disk writes against the same without a disk
+   tier (kvdepot.bench.disk_working_set).
 
 GB/s counts payload bytes (a record adds one header page). Files are removed after.
 """
@@ -39,6 +45,8 @@ from typing import Any
 
 import blake3
 
+from kvdepot.bench.disk_working_set import run_working_set
+from kvdepot.bench.disk_working_set import working_set_table as ws_table
 from kvdepot.server.disk.checkpoint import FILE_NAME as CHECKPOINT
 from kvdepot.server.disk.record import PAGE
 from kvdepot.server.disk.space import WriteVerdict
@@ -250,6 +258,33 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         shutil.rmtree(base, ignore_errors=True)
 
 
+def working_set(args: argparse.Namespace) -> dict[str, Any]:
+    base = Path(args.dir)
+    result = {
+        "file_system": file_system_of(base),
+        "load": os.getloadavg(),
+        **run_working_set(
+            base,
+            args.pool,
+            ratio=args.ws_ratio,
+            disk_size=args.disk_size,
+            chunks=args.chunks,
+            requests=args.requests,
+            zipf_s=args.zipf,
+            rounds=args.rounds,
+        ),
+    }
+    result["load_after"] = os.getloadavg()
+    return result
+
+
+def working_set_table(r: dict[str, Any]) -> str:
+    return (
+        f"disk tier working-set bench: {r['file_system']}, load {r['load'][0]:.2f} "
+        f"(after {r['load_after'][0]:.2f})\n" + ws_table(r)
+    )
+
+
 def table(r: dict[str, Any]) -> str:
     lines = [
         f"disk tier bench: {r['file_system']}, {r['size'] >> 20} MiB, block {r['block']} B, "
@@ -291,13 +326,26 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--qd", type=int, default=4, help="queue depth = I/O threads (default 4)")
     p.add_argument("--scan-records", type=int, default=20000, help="0: no scan figure")
     p.add_argument("--json", action="store_true", help="JSON on stdout, the table on stderr")
+    ws = p.add_argument_group("--working-set")
+    ws.add_argument("--working-set", action="store_true", help="the working-set replay")
+    ws.add_argument("--pool", type=parse_size, default=256 << 20, help="RAM pool (256MiB)")
+    ws.add_argument("--ws-ratio", type=int, default=8, help="working set / pool (8)")
+    ws.add_argument("--disk-size", type=parse_size, help="disk tier ((ratio+2) x pool)")
+    ws.add_argument("--chunks", type=int, default=8, help="2 MiB chunks per prompt (8)")
+    ws.add_argument("--requests", type=int, default=0, help="trace length (4 x prompts)")
+    ws.add_argument("--zipf", type=float, default=1.0, help="Zipf exponent of the trace (1.0)")
+    ws.add_argument("--rounds", type=int, default=3, help="store series per daemon (3)")
     args = p.parse_args(argv)
-    result = run(args)
+    if args.working_set:
+        result = working_set(args)
+        render: Callable[[dict[str, Any]], str] = working_set_table
+    else:
+        result, render = run(args), table
     if args.json:
-        print(table(result), file=sys.stderr)
+        print(render(result), file=sys.stderr)
         print(json.dumps(result, indent=1))
     else:
-        print(table(result))
+        print(render(result))
     return 0
 
 

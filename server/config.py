@@ -39,6 +39,16 @@ def _remote_url(text: str) -> str:
     return text.strip()
 
 
+def _numa(text: str) -> str:
+    """Checks a --numa value and that the nodes it names have memory on this host."""
+    from kvdepot.server.memory import numa
+
+    value = numa.parse_setting(text)
+    if value[0].isdigit():
+        numa.check_nodes(value, numa.read_topology())  # NumaError is a ValueError
+    return value
+
+
 def _pool_share(text: str) -> str:
     """Checks a SIZE or PERCENT% setting; the text is kept (the pool size is known later)."""
     pool_share_bytes(text, 1 << 30)
@@ -318,6 +328,17 @@ class DaemonSettings(DerivedSockets):
         parse=parsers.whole_number(1),
         metavar="N",
         help="threads that copy bytes",
+    )
+    numa: str = setting(
+        "--numa",
+        "auto",
+        parse=_numa,
+        metavar="auto|off|interleave|NODE[,NODE]",
+        help="NUMA placement of the pool and the copy threads: auto puts the pool on the "
+        "node of the host's GPUs (interleaved over their nodes if several; without GPUs, "
+        "the nodes of the daemon's CPUs) and the copy threads on those nodes' CPUs; "
+        "interleave spreads the pool over every node; NODE[,NODE] binds it there; off "
+        "leaves both to the kernel",
     )
     max_job_keys: int = setting(
         "--max-job-keys",

@@ -2,29 +2,56 @@
 
 Copies never run on the event loop: a job's copy is queued here and its
 coroutine awaits an asyncio future that the worker thread resolves.
+
+The queue is a heap under a plain lock plus a `queue.SimpleQueue` of wake-up
+tokens, one per item: a put is a heap push and one C-level wake-up, where
+`queue.PriorityQueue`'s Condition cost about twice the CPU per hand-off (every
+job pays it). A thread that takes a token pops the most urgent item at that
+moment, so expedited work still jumps the queue.
+
+With `cpus` (one CPU set or None per thread: the NUMA placement's, server/memory/numa.py)
+each thread pins itself to its set before its first copy; `thread_cpus` is what each
+thread then runs on, as it read its own affinity back (None: not pinned).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import heapq
 import itertools
+import logging
+import os
 import queue
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
+
+log = logging.getLogger("kvdepot.copy")
 
 
 class CopyQueue:
-    def __init__(self, threads: int) -> None:
-        self._queue: queue.PriorityQueue[tuple[int, int, Any]] = queue.PriorityQueue()
+    def __init__(self, threads: int, cpus: Sequence[frozenset[int] | None] = ()) -> None:
+        # (priority, sequence, item) under `_lock`; one token in `_tokens` per item.
+        self._heap: list[tuple[int, int, Any]] = []
+        self._lock = threading.Lock()
+        self._tokens: queue.SimpleQueue[None] = queue.SimpleQueue()
         self._seq = itertools.count()
+        self.thread_cpus: list[frozenset[int] | None] = [None] * threads
+        pinned = [threading.Event() for _ in range(threads)]
         self._threads = [
-            threading.Thread(target=self._work, name=f"kvdepot-copy-{i}", daemon=True)
+            threading.Thread(
+                target=self._start,
+                args=(i, cpus[i] if i < len(cpus) else None, pinned[i]),
+                name=f"kvdepot-copy-{i}",
+                daemon=True,
+            )
             for i in range(threads)
         ]
         for t in self._threads:
             t.start()
+        for e in pinned:  # `thread_cpus` is whole once the constructor returns
+            e.wait()
 
     @property
     def threads(self) -> int:
@@ -43,35 +70,56 @@ class CopyQueue:
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[Any] = loop.create_future()
         ticket = _Ticket()
-        self._queue.put((0 if expedited else 1, next(self._seq), (loop, fut, fn, ticket)))
+        self._put(0 if expedited else 1, (loop, fut, fn, ticket))
         try:
-            return await asyncio.shield(fut)
+            # Awaited bare (no shield: every job pays for one): a cancellation
+            # cancels `fut`, and the thread's end is then told by `ticket`.
+            return await fut
         except asyncio.CancelledError:
-            with ticket.lock:
+            with self._lock:  # the lock under which a thread takes the copy
                 if not ticket.started:
                     ticket.skipped = True
                     raise
-            while not fut.done():  # already copying: hold the caller until it ends
-                with contextlib.suppress(BaseException):
-                    await asyncio.shield(fut)
+            if not ticket.ended:  # already copying: hold the caller until it ends
+                ticket.waiter = waiter = loop.create_future()
+                while not waiter.done():
+                    with contextlib.suppress(BaseException):
+                        await asyncio.shield(waiter)
             raise  # the copy ended; the caller was cancelled all the same
 
     def close(self, timeout: float = 10.0) -> bool:
         """Stops the threads after the queued copies; False if one is still
         copying after `timeout` (its memory must then stay mapped)."""
         for _ in self._threads:
-            self._queue.put((2, next(self._seq), None))
+            self._put(2, None)
         for t in self._threads:
             t.join(timeout=timeout)
         return not any(t.is_alive() for t in self._threads)
 
+    def _start(self, i: int, cpus: frozenset[int] | None, pinned: threading.Event) -> None:
+        if cpus:
+            try:
+                os.sched_setaffinity(0, cpus)  # 0: this thread, not the process
+                self.thread_cpus[i] = frozenset(os.sched_getaffinity(0))
+            except OSError as exc:  # a cpuset changed since the placement: run anywhere
+                log.warning("copy thread %d not pinned to CPUs %s: %s", i, sorted(cpus), exc)
+        pinned.set()
+        self._work()
+
+    def _put(self, priority: int, item: Any) -> None:
+        with self._lock:
+            heapq.heappush(self._heap, (priority, next(self._seq), item))
+        self._tokens.put(None)
+
     def _work(self) -> None:
+        tokens, heap, lock = self._tokens, self._heap, self._lock
         while True:
-            _, _, item = self._queue.get()
-            if item is None:
-                return
-            loop, fut, fn, ticket = item
-            with ticket.lock:
+            tokens.get()  # one per item pushed: the heap holds at least one
+            with lock:
+                _, _, item = heapq.heappop(heap)
+                if item is None:
+                    return
+                loop, fut, fn, ticket = item
                 if ticket.skipped:  # its caller was cancelled before it started
                     continue
                 ticket.started = True
@@ -83,25 +131,40 @@ class CopyQueue:
                 done, value = _set_result, result
             # RuntimeError: the loop closed during shutdown, nobody waits.
             with contextlib.suppress(RuntimeError):
-                loop.call_soon_threadsafe(done, fut, value)
+                loop.call_soon_threadsafe(_finish, ticket, fut, done, value)
 
 
 class _Ticket:
-    """Whether a queued copy started, or was skipped because its caller went away."""
+    """Whether a queued copy started (or was skipped because its caller went away:
+    both under CopyQueue's lock) and ended (on the loop), and who waits for its end."""
 
-    __slots__ = ("lock", "skipped", "started")
+    __slots__ = ("ended", "skipped", "started", "waiter")
 
     def __init__(self) -> None:
-        self.lock = threading.Lock()
         self.started = False
         self.skipped = False
+        self.ended = False
+        self.waiter: asyncio.Future[None] | None = None
+
+
+def _finish(
+    ticket: _Ticket,
+    fut: asyncio.Future[Any],
+    done: Callable[[asyncio.Future[Any], Any], None],
+    value: Any,
+) -> None:
+    """On the loop: the copy ended; its result goes to `fut` unless the caller was
+    cancelled meanwhile, in which case the caller waits on `ticket.waiter`."""
+    ticket.ended = True
+    if not fut.done():
+        done(fut, value)
+    if ticket.waiter is not None and not ticket.waiter.done():
+        ticket.waiter.set_result(None)
 
 
 def _set_result(fut: asyncio.Future[Any], value: Any) -> None:
-    if not fut.done():
-        fut.set_result(value)
+    fut.set_result(value)
 
 
 def _set_exception(fut: asyncio.Future[Any], exc: BaseException) -> None:
-    if not fut.done():
-        fut.set_exception(exc)
+    fut.set_exception(exc)

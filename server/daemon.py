@@ -196,6 +196,7 @@ class Daemon:
             cfg.max_registrations_per_session,
         )
         log.info("shared-memory copies: %s", copier())
+        log.info("%s", st.arena.placement.describe())
         log.info("copy planning: %s", planning())
         # Memory paths beyond shared memory; each logs whether it is on, and why.
         enable_cuda(st, st.arena)  # before the warm-up: it page-locks each warm chunk

@@ -361,6 +361,32 @@ def _progress(total: int, done: int, fraction: float, complete: bool) -> Any:
     return line
 
 
+def _numa_lines(numa: dict[str, Any] | None) -> list[str]:
+    """The placement in a line or two: one node needs no CPU list (every CPU is on it)."""
+    if numa is None:
+        return []
+    threads = numa["copy_threads"]
+    if numa["policy"] == "off":
+        pinned = sum(1 for t in threads if t["cpus"])
+        return [f"off ({numa['basis']})" + (f", {pinned} copy threads pinned" if pinned else "")]
+    nodes = ",".join(str(n) for n in numa["pool_nodes"])
+    hosts = plural(numa["host_nodes"], "node")
+    if numa["host_nodes"] == 1:
+        return [
+            f"{hosts}: pool {numa['policy']} on node {nodes}, {len(threads)} copy threads on it"
+        ]
+    per_node: dict[tuple[Any, Any], int] = {}
+    for t in threads:
+        per_node[t["node"], t["cpus"]] = per_node.get((t["node"], t["cpus"]), 0) + 1
+    where = ", ".join(
+        f"{k} on node {n} (CPUs {c})" if c else f"{k} not pinned" for (n, c), k in per_node.items()
+    )
+    return [
+        f"{hosts}: pool {numa['policy']} on nodes {nodes} ({numa['basis']})",
+        f"copy threads: {where}",
+    ]
+
+
 def render(r: dict[str, Any]) -> Any:
     """The screen for one report (see build_report)."""
     from rich import box
@@ -408,6 +434,8 @@ def render(r: dict[str, Any]) -> Any:
                     style="yellow",
                 ),
             )
+    for i, line in enumerate(_numa_lines(r.get("numa"))):
+        grid.add_row("numa" if i == 0 else "", line)
     rec = r.get("recovery") or {}
     if rec.get("recovery_blocks_total") or rec.get("recovery_complete") is False:
         grid.add_row(

@@ -69,6 +69,12 @@ KNOWN_STATS = frozenset(
         "pool_backing",
         "warm_restarted",
         "evictions_by_reason",
+        "numa_host_nodes",
+        "numa_policy",
+        "numa_pool_nodes",
+        "numa_basis",
+        "numa_copy_thread_nodes",
+        "numa_copy_thread_cpus",
     }
 )
 # Fields of newer daemons that this command shows where they exist (older daemons lack
@@ -408,6 +414,22 @@ def _extras(stats: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     return remote, {k: v for k, v in unknown.items() if k not in remote}
 
 
+def _numa(s: admin_pb2.GetStatsResponse) -> dict[str, Any] | None:
+    """The NUMA placement; None from a daemon older than --numa."""
+    if "numa_policy" not in s.DESCRIPTOR.fields_by_name or not s.numa_policy:
+        return None
+    return {
+        "host_nodes": s.numa_host_nodes,
+        "policy": s.numa_policy,
+        "pool_nodes": list(s.numa_pool_nodes),
+        "basis": s.numa_basis,
+        "copy_threads": [
+            {"node": n if n >= 0 else None, "cpus": c or None}
+            for n, c in zip(s.numa_copy_thread_nodes, s.numa_copy_thread_cpus, strict=False)
+        ],
+    }
+
+
 def build_report(
     path: str, prev: Sample | None, cur: Sample, *, admin_socket: str | None = None
 ) -> dict[str, Any]:
@@ -455,6 +477,7 @@ def build_report(
         }
         if getattr(s, "page_locking", False)
         else None,
+        "numa": _numa(s),
         "blocks": {
             "ready": s.ready_blocks,
             "writing": s.writing_blocks,

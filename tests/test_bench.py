@@ -54,9 +54,11 @@ def _positive(x: Any) -> bool:
 
 
 def _ratio(x: Any) -> bool:
-    # Daemon / in-process: below 0 or above 2 means one side did not measure what it says
-    # (a copy that moved nothing, a clock read in the wrong place).
-    return isinstance(x, float) and 0 < x < 2
+    # Daemon / in-process: below 0 or far above 1 means one side did not measure what it
+    # says (a copy that moved nothing reads 100x or more; a clock read in the wrong place).
+    # Not 2: on a busy machine one repetition of the in-process side can lose its core
+    # (a 7x repetition was seen at load 9 on 2 CPUs).
+    return isinstance(x, float) and 0 < x < 20
 
 
 def _sane_gbps(x: Any) -> bool:
@@ -337,3 +339,89 @@ def test_the_bench_is_its_own_program_and_kvdepot_bench_hands_on_to_it(
     )
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr == "kvdepot bench: error: argument --layers: invalid int value: 'many'\n"
+
+
+# -- the node series (`kvdepot bench --node`) ---------------------------------------------
+
+
+def test_node_series_runs_one_and_two_daemon_shards() -> None:
+    """A short `kvdepot bench --node --quick` (the 70B-like geometry cut to 8 layers and
+    TP=2, 2 engines): a row per shard count and direction, with the jobs' rate and the
+    CPU the daemons and engines spent, read from /proc (figures, no speed threshold)."""
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvdepot.server.cli",
+            "bench",
+            "--node",
+            "--quick",
+            "--json",
+            "--quiet",
+            "--node-geometry",
+            "70b-tp8",
+            "--node-engines",
+            "2",
+            "--node-shards",
+            "1,2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, f"bench --node failed ({proc.returncode}):\n{proc.stderr[-4000:]}"
+    result = json.loads(proc.stdout)
+    rows = result["node_ceiling"]
+    assert sorted((r["shards"], r["direction"]) for r in rows) == [
+        (1, "load"),
+        (1, "store"),
+        (2, "load"),
+        (2, "store"),
+    ]
+    info = result["node"]
+    for r in rows:
+        assert r["geometry"] == "70b-tp8" and r["engines"] == 2 and r["tp"] == 2
+        assert r["cores"] == result["machine"]["cpus"]
+        # One KV head per rank, 8 KiB pages, as the 70B-like geometry at TP=8.
+        assert r["rank_job_bytes"] == info["chunks"] * 8 * 8192
+        assert r["rank_jobs"] == 16 * 60  # --quick: 16 x 60 timed jobs over the 4 ranks
+        assert _positive(r["rank_jobs_per_s"]) and _positive(r["overhead_ms_p50"])
+        assert r["equivalent_gbps"] == pytest.approx(
+            r["rank_jobs_per_s"] * r["rank_job_bytes"] / 1e9
+        )
+        assert _positive(r["daemon_cpu_us_per_rank_job"]) and r["engine_cpu_us_per_rank_job"] >= 0
+        one = next(o for o in rows if o["shards"] == 1 and o["direction"] == r["direction"])
+        assert r["vs_one_shard"] == pytest.approx(r["rank_jobs_per_s"] / one["rank_jobs_per_s"])
+        # Stores the pool had no room for (ranks out of step on a busy host): counted.
+        assert isinstance(r["dropped_keys"], int) and r["dropped_keys"] >= 0
+    assert info["skipped"] == []
+    table = proc.stderr
+    assert "kvdepot bench --node" in table and "rank jobs/s" in table
+    assert len([line for line in table.splitlines() if line.startswith(" 70b-tp8")]) == 4
+
+
+def test_node_series_deals_ranks_to_shards_round_robin() -> None:
+    """Global rank g = engine x TP + rank goes to shard g mod S; there an engine is a
+    world of the ranks it sent, renumbered, each rank's page unchanged."""
+    from kvdepot.bench.node import preset, shard_views
+
+    geo = preset("70b-tp8", quick=False)
+    views = shard_views(geo, engines=2, shards=3)
+    assert len(views) == 16
+    for (engine, rank), (shard, view, local) in views.items():
+        assert shard == (engine * 8 + rank) % 3
+        assert view.page_bytes == geo.page_bytes == 8192 and view.layers == 80
+        mates = sorted(r for (e, r), v in views.items() if e == engine and v[0] == shard)
+        assert view.tp == len(mates) and local == mates.index(rank)
+    assert {v[1].tp for v in shard_views(geo, engines=2, shards=1).values()} == {8}
+
+
+def test_node_series_refuses_an_unknown_geometry() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvdepot.bench", "--node", "--node-geometry", "405b"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert "--node-geometry takes 70b-tp8, 8b-tp1" in proc.stderr

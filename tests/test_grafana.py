@@ -156,6 +156,14 @@ def test_dashboard_variables_and_panels() -> None:
         "kvdepot_remote_up",
         "kvdepot_remote_errors_total",
         "kvdepot_aborted_writes_total",
+        "kvdepot_disk_capacity_bytes",
+        "kvdepot_disk_used_bytes",
+        "kvdepot_disk_write_bytes_total",
+        "kvdepot_disk_read_bytes_total",
+        "kvdepot_disk_write_drops_total",
+        "kvdepot_disk_hits_total",
+        "kvdepot_disk_recovery_scanned_bytes",
+        "kvdepot_disk_up",
     ):
         assert needed in used, f"no panel shows {needed}"
 
@@ -178,8 +186,8 @@ def exported(port: int) -> tuple[set[str], set[str]]:
 
 @pytest.fixture
 def busy_daemon(daemon_factory: Any, tmp_path: Path) -> Iterator[tuple[DaemonProcess, int]]:
-    """A daemon with metrics on and a remote tier (a real redis-server), after a few stores
-    and a load (histograms non-empty)."""
+    """A daemon with metrics on, a remote tier (a real redis-server) and a disk tier,
+    after a few stores and a load (histograms non-empty)."""
     if not redis_available():
         pytest.fail("redis-server not found: apt-get install redis-server (scripts/test.sh does)")
     (port, redis_port) = free_ports(2)
@@ -193,6 +201,10 @@ def busy_daemon(daemon_factory: Any, tmp_path: Path) -> Iterator[tuple[DaemonPro
             "--remote",
             redis.url,
             *shared_key_args(),
+            "--disk",
+            str(tmp_path / "disk"),
+            "--disk-size",
+            "16MiB",
         )
         client = connect(d.target, "grafana-test")
         try:
@@ -222,7 +234,7 @@ def test_every_panel_names_exported_metrics(busy_daemon: tuple[DaemonProcess, in
     assert not missing, "panels query metrics the daemon does not export:\n" + "\n".join(missing)
     # The check can fail: a name the daemon does not export is reported.
     assert "kvdepot_no_such_metric_total" not in names
-    assert {"kvdepot_remote_up", "kvdepot_transfer_copy_seconds_bucket"} <= names
+    assert {"kvdepot_remote_up", "kvdepot_disk_up", "kvdepot_transfer_copy_seconds_bucket"} <= names
     assert metric_names('rate(kvdepot_no_such_metric_total{instance=~"$instance"}[5m])') == {
         "kvdepot_no_such_metric_total"
     }

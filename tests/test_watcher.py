@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 
 from kvdepot.server.core.index import IndexEvent
-from kvdepot.server.core.kinds import EventKind, EvictionReason
+from kvdepot.server.core.kinds import EventKind, EvictionReason, Tier
 from kvdepot.server.state.events import Watcher
 
 
@@ -31,5 +31,26 @@ def test_a_job_sized_event_is_sent_in_messages_of_at_most_max_keys() -> None:
         stored_keys = [k for kind, ks, _ in runs[1:] for k in ks if kind is stored]
         assert stored_keys == [key(i) for i in range(10, 22)]
         assert w.queued_keys == 0 and not w.queue
+
+    asyncio.run(run())
+
+
+def test_the_disk_tiers_events_are_never_merged_with_the_pools() -> None:
+    async def run() -> None:
+        w = Watcher("ns")
+        stored, disk = EventKind.STORED, Tier.DISK
+        w.push(IndexEvent("ns", stored, (key(1),)))
+        w.push(IndexEvent("ns", stored, (key(2), key(3)), None, disk))
+        w.push(IndexEvent("ns", stored, (key(4),), None, disk))
+        w.push(IndexEvent("ns", stored, (key(5),)))
+        runs = []
+        while (r := w.take_run(max_keys=2)) is not None:
+            runs.append((r.keys, r.tier))
+        assert runs == [
+            ((key(1),), Tier.POOL),
+            ((key(2), key(3)), disk),
+            ((key(4),), disk),  # the rest of the disk's run, split at max_keys
+            ((key(5),), Tier.POOL),
+        ]
 
     asyncio.run(run())

@@ -259,6 +259,8 @@ class KVDepotOffloadingManager(OffloadingManager):
         # Readiness comes from the Watch stream only (a store may have been
         # dropped by the daemon, or need another rank's section first).
         self._storing.difference_update(keys)
+        if success and self._remote.on:
+            self._remote.stored(keys)
 
     # -- step hooks ------------------------------------------------------------------------
 

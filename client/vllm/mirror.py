@@ -3,13 +3,17 @@
 `OffloadingManager.lookup` answers from this set alone, so a lookup never touches the
 network. The daemon's Watch stream (kvdepot.client.DepotClient.watch) sends a snapshot
 and then every STORED and REMOVED change; a snapshot with `reset` (the daemon
-restarted, or the client lost it) replaces the set.
+restarted, or the client lost it) replaces the set. Events of tier DISK (the
+daemon's disk tier wrote or dropped a block) never change the set: a block on disk
+only is fetched by Prefetch, never a hit; they become vLLM KV events of medium
+STORAGE (the pool's are CPU), checked against the generation like the rest.
 
 Generations: each namespace the engine follows is a generation (0 at start, +1 per
 `reset_cache`). A Watch handler serves one generation: its events are checked and
 applied under `ReadyMirror`'s lock, and `start_generation` switches generation and set
 under the same lock, so an event of a namespace the engine left never reaches the new
-set, even one that passed its check while the switch was waiting (issue 29).
+set, even one that passed its check while the switch was waiting (the reset race,
+tests/vllm/test_reset_race.py).
 
 Threads and ownership (`ReadyMirror` owns the set, the generation, the events and
 both locks):
@@ -26,13 +30,14 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterable
 
-from vllm.v1.kv_offload.base import Medium, OffloadingEvent
+from vllm.v1.kv_offload.base import Locality, Medium, OffloadingEvent
 
 from kvdepot.v1 import depot_pb2
 
 _SNAPSHOT = depot_pb2.WatchEvent.SNAPSHOT
 _STORED = depot_pb2.WatchEvent.STORED
 _REMOVED = depot_pb2.WatchEvent.REMOVED
+_TIER_DISK = depot_pb2.WatchEvent.TIER_DISK
 
 WatchHandler = Callable[[depot_pb2.WatchEvent], None]
 
@@ -77,7 +82,10 @@ class ReadyMirror:
         """Applies one Watch event (the caller holds the lock and checked the generation)."""
         self.watch_events += 1
         kind = event.kind
-        if kind == _STORED:
+        if event.tier == _TIER_DISK:  # where a block lives, for routers: not a hit
+            if kind in (_STORED, _REMOVED):
+                self._emit(list(event.keys), kind == _REMOVED, Medium.STORAGE, Locality.LOCAL)
+        elif kind == _STORED:
             keys = list(event.keys)
             self.ready.update(keys)
             self._emit(keys, removed=False)
@@ -103,10 +111,16 @@ class ReadyMirror:
         """Keys found gone (a pin missed them) before their REMOVED event arrives."""
         self.ready.difference_update(keys)
 
-    def _emit(self, keys: list[bytes], removed: bool) -> None:
+    def _emit(
+        self,
+        keys: list[bytes],
+        removed: bool,
+        medium: Medium = Medium.CPU,
+        locality: Locality | None = None,
+    ) -> None:
         if self._events is None or not keys:
             return
-        event = OffloadingEvent(keys=keys, medium=Medium.CPU, removed=removed)  # type: ignore[arg-type]
+        event = OffloadingEvent(keys=keys, medium=medium, removed=removed, locality=locality)  # type: ignore[arg-type]
         with self._events_lock:
             self._events.append(event)
 

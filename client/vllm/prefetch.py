@@ -8,11 +8,13 @@ prefetch thread, which sends them in ONE Prefetch RPC. Keys the tier lacks becom
 as soon as the answer arrives; fetched keys turn into hits when Watch announces them
 (the mirror's job); a key still not here after `kvdepot_remote_wait_ms` counts as a miss
 and is recomputed. A key the tier lacked, or gave up on, is not asked for again for
-`NO_REMOTE_S`. The scheduler thread never waits on the network for any of it.
+`NO_REMOTE_S`, unless it is stored in the meantime (by this engine, or seen in the pool):
+it then goes below the pool when RAM evicts it. The scheduler thread never waits on the
+network for any of it.
 
 Threads and ownership (`RemotePrefetch` owns the keys being fetched, the keys not to
 ask for, the step's keys, the queue to the prefetch thread and that thread):
-- `lookup`, `end_step` and `reset` run on vLLM's scheduler thread;
+- `lookup`, `stored`, `end_step` and `reset` run on vLLM's scheduler thread;
 - `_run` is the "kvdepot-prefetch" thread: it sends the Prefetch RPCs of the current
   generation (the namespace's: `reset` starts a new one) and marks the keys the tier
   lacks, one GIL-atomic dict operation at a time. It waits without a timeout
@@ -26,6 +28,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Iterable
 
 import grpc
 from vllm.v1.kv_offload.base import LookupResult
@@ -114,8 +117,18 @@ class RemotePrefetch:
                 self._fetching = {
                     k: t for k, t in self._fetching.items() if k not in ready and t > now - 1.0
                 }
-                self._no_remote = {k: t for k, t in self._no_remote.items() if t > now}
+                # A key now in the pool (another engine stored it) is no longer absent.
+                self._no_remote = {
+                    k: t for k, t in self._no_remote.items() if t > now and k not in ready
+                }
                 self._next_prune = now + 1.0
+
+    def stored(self, keys: Iterable[bytes]) -> None:
+        """Keys this engine stored: the tier's "absent" for them is stale (they go
+        below the pool when RAM evicts them), so a later miss asks again."""
+        no_remote = self._no_remote
+        for key in keys:
+            no_remote.pop(key, None)
 
     def reset(self, generation: int) -> None:
         """A new namespace: what was asked for the old one no longer counts."""

@@ -105,6 +105,15 @@ class KVDepotOffloadingSpec(OffloadingSpec):
             MetricName.LOAD_FAILURES: OffloadingCounterMetadata(
                 documentation="Chunks whose load failed (vLLM recomputed them)."
             ),
+            MetricName.REMOTE_PREFETCH_KEYS: OffloadingCounterMetadata(
+                documentation=(
+                    "Keys missing in the pool asked of the tiers below it (disk, fleet) "
+                    "with Prefetch."
+                )
+            ),
+            MetricName.REMOTE_GAVE_UP: OffloadingCounterMetadata(
+                documentation="Keys asked of the tiers below the pool that did not arrive in time."
+            ),
         }
 
     @classmethod

@@ -14,11 +14,13 @@ from dataclasses import dataclass, field
 from kvdepot.server.core.allocator import Extent
 from kvdepot.server.core.kinds import (
     AbortReason,
+    DiskRemoval,
     DropReason,
     EventKind,
     EvictionReason,
     SlotState,
     StoreOutcome,
+    Tier,
 )
 from kvdepot.server.core.layout import NamespaceLayout
 from kvdepot.server.core.sorted_keys import SortedKeys
@@ -132,7 +134,8 @@ class IndexEvent:
     namespace: str
     kind: EventKind
     keys: tuple[bytes, ...]
-    reason: EvictionReason | None = None  # REMOVED events
+    reason: EvictionReason | DiskRemoval | None = None  # REMOVED events
+    tier: Tier = Tier.POOL  # DISK: the disk tier's event, announced to watchers only
 
 
 @dataclass

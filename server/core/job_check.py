@@ -11,7 +11,7 @@ loop; plain functions over plain values, no state of their own.
 
 from __future__ import annotations
 
-import itertools
+import functools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -28,6 +28,11 @@ from kvdepot.server.core.layout import (
 
 if TYPE_CHECKING:  # the planner imports this module, not the other way round
     from kvdepot.server.core.planner import MemoryMap
+
+
+# Jobs of up to this many block ids are bounds-checked on a Python list, larger ones
+# with numpy (the same checks; whichever is cheaper at that size).
+SMALL_JOB_BLOCKS = 256
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,31 +75,39 @@ def check_job(
             f"{sum(per_group)} chunk(s) ({per_group} per group)"
         )
     if keys is not None:
+        # check_key for every key, in C-speed passes over one list (a job has
+        # thousands of keys; a protobuf repeated field makes a bytes object per read).
+        keys = list(keys)
         if len(set(keys)) != len(keys):
             raise LayoutError("a job names the same key twice")
-        # check_key for every key, in C-speed passes (a job has thousands of keys).
-        lengths = list(map(len, keys))
-        if keys and not MIN_KEY_BYTES <= min(lengths) <= max(lengths) <= MAX_KEY_BYTES:
+        if keys and not (
+            min(map(len, keys)) >= MIN_KEY_BYTES and max(map(len, keys)) <= MAX_KEY_BYTES
+        ):
             check_key(next(k for k in keys if not MIN_KEY_BYTES <= len(k) <= MAX_KEY_BYTES), 1)
-        found = [int.from_bytes(k[-4:], "big") for k in keys]
-        wanted = list(
-            itertools.chain.from_iterable(itertools.repeat(g, n) for g, n in enumerate(per_group))
-        )
+        # Group-major: each key's 4-byte suffix is its group's, compared as bytes.
+        wanted: list[bytes] = []
+        for g, n in enumerate(per_group):
+            wanted += [_suffix(g)] * n
+        found = [k[-4:] for k in keys]
         if found != wanted:
             i = next(i for i, (f, w) in enumerate(zip(found, wanted, strict=True)) if f != w)
             key = keys[i]
             check_key(key, layout.num_groups)  # raises if the group does not exist
             raise LayoutError(
                 f"key {key.hex()[:16]}… is of group {key[-4:].hex()} but sits among "
-                f"group {wanted[i]}'s keys: keys are group-major, like group_sizes"
+                f"group {int.from_bytes(wanted[i], 'big')}'s keys: keys are group-major, "
+                f"like group_sizes"
             )
     if sum(group_sizes) != len(block_ids):
         raise LayoutError(
             f"sum(group_sizes) = {sum(group_sizes)} but {len(block_ids)} block id(s) given"
         )
-    # Column-wise from here: no Python object per block (a job's blocks are many).
+    # Column-wise from here: no Python object per block (a job's blocks are many),
+    # except that a small job's bounds are two builtin calls on a list (numpy's
+    # reductions cost microseconds each, whatever their length).
+    id_list = list(block_ids) if len(block_ids) <= SMALL_JOB_BLOCKS else None
     try:
-        all_ids = np.asarray(block_ids, dtype=np.int64)
+        all_ids = np.asarray(block_ids if id_list is None else id_list, dtype=np.int64)
     except OverflowError:
         raise LayoutError("a block id does not fit in 64 bits") from None
     bpc = layout.blocks_per_chunk
@@ -106,16 +119,22 @@ def check_job(
         block_pos += n
         if n == 0:
             continue
-        # Block ids are checked per group with min/max, not per page.
-        lo, hi = int(ids.min()), int(ids.max())
-        for ref in memory.groups[g]:
-            t = tensors[ref.tensor_index]
-            if lo < 0 or hi >= t.num_blocks:
-                bad = int(ids[np.flatnonzero((ids < 0) | (ids >= t.num_blocks))[0]])
-                raise LayoutError(
-                    f"block id {bad} of group {g} is out of range: tensor "
-                    f"{ref.tensor_index} has {t.num_blocks} blocks"
-                )
+        # Block ids are checked per group with min/max against the fewest blocks of
+        # the group's tensors (MemoryMap.group_blocks): not per page, nor per layer.
+        if id_list is None:
+            outside = ids.min() < 0 or ids.max() >= memory.group_blocks[g]
+        else:
+            part = id_list[block_pos - n : block_pos]
+            outside = min(part) < 0 or max(part) >= memory.group_blocks[g]
+        if outside:
+            for ref in memory.groups[g]:  # the first tensor, in layer order, it leaves
+                t = tensors[ref.tensor_index]
+                if (ids < 0).any() or (ids >= t.num_blocks).any():
+                    bad = int(ids[np.flatnonzero((ids < 0) | (ids >= t.num_blocks))[0]])
+                    raise LayoutError(
+                        f"block id {bad} of group {g} is out of range: tensor "
+                        f"{ref.tensor_index} has {t.num_blocks} blocks"
+                    )
         if bpc == 1:
             key_of: Sequence[int] = range(key_pos, key_pos + n)
             subs = None
@@ -128,6 +147,12 @@ def check_job(
         groups.append((g, ids, key_of, subs))
         key_pos += per_group[g]
     return JobShape(n_keys, tuple(groups))
+
+
+@functools.cache
+def _suffix(group: int) -> bytes:
+    """The last 4 bytes of a key of `group` (kvdepot.server.core.layout.check_key)."""
+    return group.to_bytes(4, "big")
 
 
 def slice_shape(layout: NamespaceLayout, shape: JobShape, max_pages: int) -> Iterator[JobShape]:

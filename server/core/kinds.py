@@ -36,6 +36,25 @@ class EventKind(enum.StrEnum):
     REMOVED = "removed"  # a READY key left the index (evicted)
 
 
+class Tier(enum.StrEnum):
+    """Where the block of an event lives (Watch's `tier`)."""
+
+    POOL = "pool"  # the RAM pool: the index's own events
+    DISK = "disk"  # the disk tier below it (kvdepot.server.disk), announced to watchers only
+
+
+class DiskRemoval(enum.StrEnum):
+    """Why the disk tier dropped a record (Watch's `reason` of a disk REMOVED event)."""
+
+    LRU = "lru"  # room for a newer record
+    REJECTED = "rejected"  # the record did not verify when read
+    LOST = "lost"  # the tier's file was removed or replaced
+
+    @property
+    def text(self) -> str:
+        return self.value
+
+
 class EvictionReason(enum.StrEnum):
     """Why a READY block was evicted (Watch's `reason`, evictions_by_reason)."""
 

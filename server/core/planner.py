@@ -11,6 +11,7 @@ the same plans.
 
 from __future__ import annotations
 
+import functools
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -115,6 +116,16 @@ class MemoryMap:
     @property
     def num_blocks(self) -> tuple[int, ...]:
         return tuple(t.num_blocks for t in self.tensors)
+
+    @functools.cached_property
+    def group_blocks(self) -> tuple[int, ...]:
+        """Per group, the fewest blocks of the tensors its layers live in: a block id
+        below it is inside every one (check_job checks a group's ids against it once,
+        not once per layer)."""
+        return tuple(
+            min((self.tensors[r.tensor_index].num_blocks for r in refs), default=0)
+            for refs in self.groups
+        )
 
 
 class CopyPlan:

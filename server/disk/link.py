@@ -18,6 +18,10 @@ asks it first on Depot/Prefetch; Admin/GetStats and the Prometheus collector
   (`begin_store`, as the remote fetcher does), `DiskTier.read` reads the record
   straight into it, and `done` makes it READY (`finish_store`, announced on Watch)
   or drops it (a record that did not verify: never served).
+- Events: the tier's record changes (`DiskTier.watch`: a record written; one
+  evicted, not verified or lost with its file) reach `announce` (the event bus's
+  Watch streams, set by kvdepot.server.state.tiers) on the loop, in order, as
+  STORED/REMOVED events of tier DISK, so routers see where a block lives.
 
 Threads: everything here runs on the event loop, except the tier's `done`
 callbacks, which run on its I/O threads and only hand their result to the loop.
@@ -34,12 +38,13 @@ import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from itertools import groupby
 from typing import Any
 
 from kvdepot.server.core.index import BlockIndex, IndexEvent, Slot, UnknownNamespace
-from kvdepot.server.core.kinds import EventKind, StoreOutcome
+from kvdepot.server.core.kinds import EventKind, StoreOutcome, Tier
 from kvdepot.server.core.layout import check_key
-from kvdepot.server.disk.space import WriteVerdict
+from kvdepot.server.disk.space import Change, WriteVerdict
 from kvdepot.server.disk.tier import DiskTier
 from kvdepot.server.memory.arena import Arena
 
@@ -82,6 +87,8 @@ class DiskLink:
         self._stored: list[tuple[str, tuple[bytes, ...]]] = []  # STORED, not yet written
         self._promoting: set[tuple[str, bytes]] = set()  # being read into the pool
         self._from_disk: set[tuple[str, bytes]] = set()  # promoted: not written back
+        # Where the disk's events go (the Watch streams); None: nowhere.
+        self.announce: Callable[[IndexEvent], None] | None = None
 
     @classmethod
     def from_settings(cls, settings: DiskSettings, index: BlockIndex, arena: Arena) -> DiskLink:
@@ -94,6 +101,7 @@ class DiskLink:
         """Opens the tier (on the event loop; its index comes back in the background).
         Raises UnsafeFileError or TierBusy: start-up errors."""
         self._loop = asyncio.get_running_loop()
+        self.tier.watch(self._tier_changed)
         self.tier.open()
         snap = self.tier.snapshot()
         if snap["up"]:
@@ -172,6 +180,22 @@ class DiskLink:
 
     def _written(self, slot: Slot) -> None:  # an I/O thread
         self._on_loop(self._index.end_read, slot)
+
+    # -- events ---------------------------------------------------------------------------
+
+    def _tier_changed(self, changes: list[Change]) -> None:  # any thread, the tier's lock
+        if self.announce is not None:
+            self._on_loop(self._announce_changes, changes)
+
+    def _announce_changes(self, changes: list[Change]) -> None:
+        announce = self.announce
+        if announce is None:
+            return
+        # Runs of one namespace and reason: one event each, in order.
+        for (namespace_id, why), run in groupby(changes, key=lambda c: (c[0], c[2])):
+            kind = EventKind.STORED if why is None else EventKind.REMOVED
+            keys = tuple(change[1] for change in run)
+            announce(IndexEvent(namespace_id, kind, keys, why, Tier.DISK))
 
     # -- promotion ------------------------------------------------------------------------
 

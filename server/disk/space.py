@@ -16,6 +16,9 @@ bound on bytes being written.
 - `adopt` re-creates an entry found by the recovery scan; `clear` forgets all
   (the file was replaced). Entries of before a `clear` are told apart by their
   generation, so their late completions change nothing.
+- once `watch`ed, every record that became readable and every readable record
+  dropped (evicted, not verified, forgotten) is collected in `changes`, in order,
+  and `flush` hands them on (the daemon's Watch streams, kvdepot.server.disk.link).
 
 Not thread-safe: DiskTier calls it under its own lock. No files, threads or clocks.
 """
@@ -24,9 +27,11 @@ from __future__ import annotations
 
 import enum
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvdepot.server.core.allocator import Extent, ExtentAllocator, OutOfSpace
+from kvdepot.server.core.kinds import DiskRemoval
 from kvdepot.server.disk.record import PAGE, record_size
 
 
@@ -53,6 +58,11 @@ class Entry:
     dropped: bool = False  # to be freed when its last reader finishes
 
 
+# (namespace, key, why): why is None for a record that became readable.
+Change = tuple[str, bytes, DiskRemoval | None]
+OnChanges = Callable[[list[Change]], None]
+
+
 @dataclass(slots=True)
 class SpaceCounters:
     evicted: int = 0
@@ -68,6 +78,8 @@ class DiskSpace:
         self.max_inflight_bytes = max_inflight_bytes
         self.counters = SpaceCounters()
         self.generation = 0
+        self.changes: list[Change] | None = None  # None: nobody follows them
+        self._on_changes: OnChanges | None = None
         self._reset()
 
     def _reset(self) -> None:
@@ -134,6 +146,7 @@ class DiskSpace:
             return
         entry.digest = digest
         self._ready[(entry.namespace, entry.key)] = entry
+        self._changed(entry, None)
 
     def _allocate(self, size: int) -> Extent | None:
         if size > self.allocator.capacity:
@@ -152,6 +165,7 @@ class DiskSpace:
                         continue
                     self.allocator.free(Extent(victim.offset, victim.size))
                     self.counters.evicted += 1
+                    self._changed(victim, DiskRemoval.LRU)
         finally:
             for entry in skipped:
                 self._ready[(entry.namespace, entry.key)] = entry
@@ -176,6 +190,7 @@ class DiskSpace:
             self.counters.dropped_entries += 1
             if self._ready.get((entry.namespace, entry.key)) is entry:
                 del self._ready[(entry.namespace, entry.key)]
+                self._changed(entry, DiskRemoval.REJECTED)
         if entry.dropped and entry.readers == 0:
             self.allocator.free(Extent(entry.offset, entry.size))
 
@@ -208,5 +223,24 @@ class DiskSpace:
 
     def clear(self) -> None:
         """Forgets every record (the file was removed or replaced)."""
+        if self.changes is not None:
+            self.changes.extend((ns, key, DiskRemoval.LOST) for ns, key in self._ready)
         self.generation += 1
         self._reset()
+
+    def watch(self, on_changes: OnChanges) -> None:
+        """Collects the changes from now on; `flush` calls `on_changes` with them."""
+        self._on_changes = on_changes
+        self.changes = []
+
+    def flush(self) -> None:
+        """Hands the changes collected so far on (the caller holds the tier's lock, so
+        the order is the records' own; `on_changes` must only pass them on)."""
+        changes = self.changes
+        if changes and self._on_changes is not None:
+            self.changes = []
+            self._on_changes(changes)
+
+    def _changed(self, entry: Entry, why: DiskRemoval | None) -> None:
+        if self.changes is not None:
+            self.changes.append((entry.namespace, entry.key, why))

@@ -5,6 +5,7 @@
     tier.write(ns, key, view, done)    # -> WriteVerdict; done(ok) on an I/O thread
     tier.read(ns, key, dest, done)     # -> False: not on disk; else done(verified)
     tier.close()                       # writes the index checkpoint for the next open
+    tier.watch(on_changes)             # records written and dropped, in order
 
 Who calls what: `write`, `read`, `length_of`, `contains` and `snapshot` from any
 thread (the daemon's event loop); they never block on the disk (a lock held for
@@ -13,6 +14,8 @@ there and must hand its result back to its owner's thread itself. The caller
 owns the memory it passes (page-aligned: a slot of the pool's mmap) and keeps it
 valid, and the rows it names unchanged, until `done` is called. `done` is called
 exactly once for every ACCEPTED write and every read that answered True.
+`watch`'s callback runs under the tier's lock, on whichever thread changed the
+records (the caller's or an I/O thread): it must only hand the list on.
 
 Promises:
 - a block is written once; writes past `max_inflight_bytes` in flight, while the
@@ -43,7 +46,7 @@ from kvdepot.server.disk.health import disk_health
 from kvdepot.server.disk.record import PAGE, Header
 from kvdepot.server.disk.recovery import IndexRebuild, save_checkpoint
 from kvdepot.server.disk.scan import ScanProgress
-from kvdepot.server.disk.space import DiskSpace, Entry, WriteVerdict
+from kvdepot.server.disk.space import DiskSpace, Entry, OnChanges, WriteVerdict
 from kvdepot.server.disk.stats import DiskStats
 from kvdepot.server.memory.private_files import UnsafeFileError
 
@@ -73,7 +76,11 @@ class DiskTier:
         # The file's last page is the probe's (DiskTier._probe), never a record's.
         self._space = DiskSpace(self.size - PAGE, max_inflight_bytes)
         self._lock = threading.Lock()
-        self._pool = ThreadPoolExecutor(io_threads, thread_name_prefix="kvdepot-disk")
+        # Reads promote blocks an engine waits for: they never queue behind the
+        # background writes (a write that cannot keep up is dropped by the in-flight
+        # bound, never queued).
+        self._reads = ThreadPoolExecutor(io_threads, thread_name_prefix="kvdepot-disk-read")
+        self._writes = ThreadPoolExecutor(io_threads, thread_name_prefix="kvdepot-disk-write")
         self._file: TierFile | None = None
         self._recovering = False
         self._recovered = threading.Event()
@@ -105,7 +112,8 @@ class DiskTier:
         self._stop.set()
         if self._rebuild is not None:
             self._rebuild.join()
-        self._pool.shutdown(wait=True)
+        self._writes.shutdown(wait=True)
+        self._reads.shutdown(wait=True)
         with self._lock:
             file, self._file = self._file, None
             whole = file is not None and self.health.up and not self._recovering
@@ -119,6 +127,12 @@ class DiskTier:
             log.warning("disk tier: the index checkpoint was not written (%s)", _why(exc))
         finally:
             file.close()
+
+    def watch(self, on_changes: OnChanges) -> None:
+        """From now on `on_changes(changes)` hears every record written and every one
+        dropped (DiskSpace.watch; records recovered at start are not announced)."""
+        with self._lock:
+            self._space.watch(on_changes)
 
     def wait_recovered(self, timeout: float | None = None) -> bool:
         return self._recovered.wait(timeout)
@@ -181,11 +195,12 @@ class DiskTier:
                 self.stats.dropped_recovering += 1
                 return WriteVerdict.RECOVERING
             verdict, entry = self._space.begin_write(namespace, key, len(payload))
+            self._space.flush()  # the records it evicted
             if entry is None:
                 return verdict
             file = self._file
             file.users += 1
-        self._pool.submit(self._write, file, entry, payload, done)
+        self._writes.submit(self._write, file, entry, payload, done)
         return verdict
 
     def _write(self, file: TierFile, entry: Entry, payload: memoryview, done: Done | None) -> None:
@@ -209,6 +224,7 @@ class DiskTier:
             else:
                 self.stats.written_records += 1
                 self.stats.written_bytes += entry.length
+            self._space.flush()
             self._release(file)
         _call(done, digest is not None)
 
@@ -232,7 +248,7 @@ class DiskTier:
                 raise ValueError(f"{len(dest)} bytes cannot hold a {entry.length}-byte block")
             file = self._file
             file.users += 1
-        self._pool.submit(self._read, file, entry, dest[: entry.length], done)
+        self._reads.submit(self._read, file, entry, dest[: entry.length], done)
         return True
 
     def _read(self, file: TierFile, entry: Entry, dest: memoryview, done: Done) -> None:
@@ -257,6 +273,7 @@ class DiskTier:
                 self.stats.read_errors += 1
             else:
                 self.stats.rejected += 1
+            self._space.flush()
             self._release(file)
         if not verified and not failed:
             log.warning(
@@ -275,6 +292,7 @@ class DiskTier:
             self.health.failed(why)
             if gone:
                 self._retire()
+                self._space.flush()
 
     def _retire(self) -> None:  # under the lock: the file is gone, so is its index
         if self._file is not None:
@@ -287,7 +305,7 @@ class DiskTier:
     def _maybe_probe(self) -> None:  # under the lock
         if not self._probing and self.health.probe_due() and not self._stop.is_set():
             self._probing = True
-            self._pool.submit(self._probe)
+            self._writes.submit(self._probe)
 
     def _probe(self) -> None:
         with self._lock:
@@ -307,6 +325,7 @@ class DiskTier:
                 return
             if new is not None:
                 self._retire()
+                self._space.flush()
                 self._install(new)
             self.health.succeeded()
 

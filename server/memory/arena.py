@@ -10,6 +10,13 @@ Other parts plug in through hooks, not by patching: `add_warmup_hook(fn)` runs
 `fn(offset, nbytes)` after each pre-faulted chunk (the CUDA path page-locks it
 there), and `on_close(fn)` runs before the pool is unmapped (the CUDA path
 unregisters the page-locked memory there).
+
+NUMA: a `Placement` (server/memory/numa.py) sets the pool's memory policy with mbind(2)
+as soon as it is mapped, before any page is faulted, so the warm-up allocates every page
+where the policy says (on a memfd or a tmpfs file the policy is the file's own, shared
+by every mapping). Pages a pool file already holds (a warm restart) stay where they are.
+If the kernel refuses the policy, the pool is served all the same and `placement` says
+"off" with the reason.
 """
 
 from __future__ import annotations
@@ -20,17 +27,28 @@ import os
 import threading
 from collections.abc import Callable
 
-from kvdepot.common.libc import MADV_POPULATE_WRITE, libc
-from kvdepot.server.memory import private_files
+from kvdepot.common.libc import (
+    MADV_POPULATE_WRITE,
+    MPOL_BIND,
+    MPOL_INTERLEAVE,
+    MPOL_PREFERRED,
+    libc,
+    mbind,
+)
+from kvdepot.server.memory import numa, private_files
 from kvdepot.server.memory.regions import buffer_address
 
 log = logging.getLogger("kvdepot.arena")
+
+_POLICIES = {"preferred": MPOL_PREFERRED, "bind": MPOL_BIND, "interleave": MPOL_INTERLEAVE}
 
 
 class Arena:
     """A shared mapping the copy engines read and write by address."""
 
-    def __init__(self, size: int, path: str | None = None) -> None:
+    def __init__(
+        self, size: int, path: str | None = None, placement: numa.Placement = numa.OFF
+    ) -> None:
         if size <= 0:
             raise ValueError("pool size must be positive")
         self.size = size
@@ -54,11 +72,32 @@ class Arena:
         finally:
             os.close(fd)
         self.address = buffer_address(self._mmap)
+        self.placement = self._place(placement)
         self.warmup_done_bytes = 0
         self._warmup_thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._warmup_hooks: list[Callable[[int, int], None]] = []
         self._close_hooks: list[Callable[[], None]] = []
+
+    def _place(self, placement: numa.Placement) -> numa.Placement:
+        """Applies the placement's memory policy to the whole pool; what holds."""
+        if placement.policy == "off":
+            return placement
+        err = mbind(self.address, self.size, _POLICIES[placement.policy], placement.nodes)
+        if err:
+            why = f"mbind {placement.policy} {numa.format_list(placement.nodes)} refused: " + (
+                os.strerror(err)
+            )
+            log.warning("the pool's NUMA placement: %s; the kernel places it", why)
+            # The threads stay as placed: they are near the nodes asked for.
+            return numa.Placement(
+                "off",
+                basis=why,
+                host_nodes=placement.host_nodes,
+                thread_cpus=placement.thread_cpus,
+                thread_nodes=placement.thread_nodes,
+            )
+        return placement
 
     def add_warmup_hook(self, hook: Callable[[int, int], None]) -> None:
         """Runs `hook(offset, nbytes)` on the warm-up thread after each chunk is

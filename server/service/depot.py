@@ -16,7 +16,7 @@ import kvdepot
 from kvdepot.common.jobs import JobResult
 from kvdepot.server import errors
 from kvdepot.server.core.index import IndexEvent
-from kvdepot.server.core.kinds import EventKind
+from kvdepot.server.core.kinds import EventKind, Tier
 from kvdepot.server.service.bounds import check_register_size
 from kvdepot.server.service.codec import (
     job_from_proto,
@@ -48,6 +48,7 @@ def is_observer_join(request: pb.RegisterKVRequest) -> bool:
 
 
 WATCH_KINDS = {EventKind.STORED: pb.WatchEvent.STORED, EventKind.REMOVED: pb.WatchEvent.REMOVED}
+WATCH_TIERS = {Tier.POOL: pb.WatchEvent.TIER_POOL, Tier.DISK: pb.WatchEvent.TIER_DISK}
 
 
 def event_reason(event: IndexEvent) -> str:
@@ -181,6 +182,7 @@ class DepotServicer(depot_pb2_grpc.DepotServicer):
                         keys=run.keys,
                         reason=event_reason(run),
                         boot_id=st.boot_id,
+                        tier=WATCH_TIERS[run.tier],
                     )
                 keys = st.ready_keys(request.namespace_id)  # lagged: resync
                 log.warning(

@@ -99,7 +99,7 @@ class DepotState:
             max_unattested=config.max_unattested_sessions,
         )
         self.traffic = Traffic()
-        self.copy_queue = CopyQueue(config.copy_threads)
+        self.copy_queue = CopyQueue(config.copy_threads, arena.placement.cpus(config.copy_threads))
         self.jobs = JobRunner(
             index,
             self._sessions,

@@ -13,6 +13,7 @@ import asyncio
 import logging
 from collections import deque
 from collections.abc import Callable
+from dataclasses import replace
 
 from kvdepot.server.core.index import IndexEvent
 
@@ -47,7 +48,7 @@ class Watcher:
 
     def take_run(self, max_keys: int) -> IndexEvent | None:
         """The oldest queued keys, merged with the events right behind them of
-        the same kind and reason, at most `max_keys` of them (one Watch message);
+        the same kind, reason and tier, at most `max_keys` of them (one Watch message);
         None when nothing is queued. An event of more keys (a whole store job's)
         is split: the rest stays first in the queue."""
         q = self.queue
@@ -55,14 +56,14 @@ class Watcher:
             return None
         first = q.popleft()
         keys = list(first.keys)
-        while q and len(keys) < max_keys and (q[0].kind, q[0].reason) == (first.kind, first.reason):
+        run = (first.kind, first.reason, first.tier)
+        while q and len(keys) < max_keys and (q[0].kind, q[0].reason, q[0].tier) == run:
             keys.extend(q.popleft().keys)
         if len(keys) > max_keys:
-            rest = IndexEvent(first.namespace, first.kind, tuple(keys[max_keys:]), first.reason)
-            q.appendleft(rest)
+            q.appendleft(replace(first, keys=tuple(keys[max_keys:])))
             del keys[max_keys:]
         self.queued_keys -= len(keys)
-        return IndexEvent(first.namespace, first.kind, tuple(keys), first.reason)
+        return replace(first, keys=tuple(keys))
 
 
 class EventBus:
@@ -87,6 +88,12 @@ class EventBus:
                 listener(event)
             except Exception:  # a listener's bug must not break the index's change
                 log.exception("an index event listener failed")
+
+    def publish_to_watchers(self, event: IndexEvent) -> None:
+        """A tier's event (the disk's, kvdepot.server.disk.link) for the Watch streams
+        only: the listeners follow the pool's rows, not the tiers below it."""
+        for w in self.watchers.get(event.namespace, ()):
+            w.push(event)
 
     def subscribe(self, namespace_id: str, session_id: str = "") -> Watcher:
         w = Watcher(namespace_id, session_id)

@@ -31,6 +31,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import operator
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -165,7 +166,10 @@ class JobRunner:
             await self._copy(job, reg, shape, offsets, out)
             ok = True
         finally:
-            await _in_slices(claimed, lambda part: index.finish_store_many(part, rank, ok))
+            if len(claimed) <= KEY_SLICE:  # one slice: settled at once, no coroutine
+                index.finish_store_many(claimed, rank, ok)
+            else:
+                await _in_slices(claimed, lambda part: index.finish_store_many(part, rank, ok))
         out.stored_keys = len(claimed)
 
     async def _load(self, job: Job, reg: Registration, shape: JobShape, out: JobResult) -> None:
@@ -189,7 +193,10 @@ class JobRunner:
                 for slot in part:
                     index.end_read(slot)
 
-            await _in_slices(slots, end_reads)
+            if len(slots) <= KEY_SLICE:  # one slice: settled at once, no coroutine
+                end_reads(slots)
+            else:
+                await _in_slices(slots, end_reads)
 
     async def _copy(
         self,
@@ -272,11 +279,6 @@ class JobRunner:
         if engine.parallel_min_bytes:
             parts = plan.split(self._copy_queue.threads, engine.parallel_min_bytes)
 
-        def work(copy: PreparedCopy) -> tuple[float, float]:
-            t = time.perf_counter()
-            copy()
-            return t, time.perf_counter()
-
         with self._sessions.in_use(reg):
             try:
                 # Planned here, on the loop: the copy threads then hardly need the GIL.
@@ -284,13 +286,15 @@ class JobRunner:
                     engine.prepare(direction, regions, pool, p, self._arena.size) for p in parts
                 ]
                 if len(copies) == 1:
-                    t0, t1 = await self._copy_queue.run(lambda: work(copies[0]), job.expedited)
+                    t0, t1 = await self._copy_queue.run(
+                        functools.partial(_timed, copies[0]), job.expedited
+                    )
                     return t1 - t0
                 # Every part ends before the job does (return_exceptions): a
                 # failed part must not release slots another part still writes.
                 spans = await asyncio.gather(
                     *(
-                        self._copy_queue.run(functools.partial(work, c), job.expedited)
+                        self._copy_queue.run(functools.partial(_timed, c), job.expedited)
                         for c in copies
                     ),
                     return_exceptions=True,
@@ -322,7 +326,8 @@ def check_job_size(job: Job, layout: NamespaceLayout, limits: JobLimits) -> None
         )
     if len(job.group_sizes) != layout.num_groups:
         return  # check_job says what is wrong
-    pages = sum(n * len(layers) for n, layers in zip(job.group_sizes, layout.groups, strict=True))
+    # group_sizes and layout.groups have the same length (checked just above).
+    pages = sum(map(operator.mul, job.group_sizes, map(len, layout.groups)))
     if pages > limits.pages:
         raise errors.exhausted(
             f"job of {pages} pages (block ids x layers of their group); this daemon takes at "

@@ -19,6 +19,7 @@ class StateConfig(Protocol):
     slot_granularity: int
     reservation_timeout: float
     copy_threads: int
+    numa: str  # --numa: where the pool and the copy threads go (server/memory/numa.py)
     # Sessions and what one may hold (Sessions, NamespaceAccess).
     max_sessions: int
     max_sessions_per_pid: int

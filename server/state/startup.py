@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 from kvdepot.server.core.allocator import Extent, ExtentAllocator
 from kvdepot.server.core.index import BlockIndex
-from kvdepot.server.memory import journal_file, pool_file
+from kvdepot.server.memory import journal_file, numa, pool_file
 from kvdepot.server.memory.arena import Arena
 from kvdepot.server.state.events import EventBus
 from kvdepot.server.state.settings import StateConfig
@@ -61,7 +61,7 @@ def open_pool(config: StateConfig) -> OpenedPool:
     if config.pool_file:
         pool_lock = pool_file.lock_pool_file(config.pool_file)  # raises PoolFileBusy
         plan = pool_file.prepare_start(config.pool_file, config.pool_size, config.slot_granularity)
-    arena = Arena(config.pool_size, config.pool_file)
+    arena = Arena(config.pool_size, config.pool_file, numa.host_placement(config.numa))
     bus = EventBus()
 
     def new_index() -> BlockIndex:

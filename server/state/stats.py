@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 import kvdepot
 from kvdepot.common.kinds import MemoryPath
+from kvdepot.server.memory.numa import format_cpulist
 
 if TYPE_CHECKING:
     from kvdepot.server.state.depot import DepotState
@@ -70,6 +71,23 @@ def stats_fields(state: DepotState) -> dict[str, object]:
         "recovery_blocks_rejected": state.recovery.rejected,
         "recovery_complete": state.recovery.complete,
         **_page_locking_fields(state),
+        **_numa_fields(state),
+    }
+
+
+def _numa_fields(state: DepotState) -> dict[str, object]:
+    """Where the pool and the copy threads are (--numa; server/memory/numa.py)."""
+    placement, queue = state.arena.placement, state.copy_queue
+    threads = placement.threads(queue.threads)
+    return {
+        "numa_host_nodes": placement.host_nodes,
+        "numa_policy": placement.policy,
+        "numa_pool_nodes": list(placement.nodes),
+        "numa_basis": placement.basis,
+        "numa_copy_thread_nodes": [
+            t[0] if t and cpus else -1 for t, cpus in zip(threads, queue.thread_cpus, strict=True)
+        ],
+        "numa_copy_thread_cpus": [format_cpulist(c) if c else "" for c in queue.thread_cpus],
     }
 
 

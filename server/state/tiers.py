@@ -52,10 +52,11 @@ class TiersBelow:
 
     def attach_disk_tier(self, disk: DiskLink) -> None:
         """The disk tier below the pool (kvdepot.server.disk; the daemon starts and
-        closes it): it hears every index event, Prefetch asks it first, and its
-        figures join GetStats."""
+        closes it): it hears every index event, its own events (tier DISK) reach the
+        Watch streams, Prefetch asks it first, and its figures join GetStats."""
         self.disk = disk
         self.bus.add_listener(disk.on_event)
+        disk.announce = self.bus.publish_to_watchers  # the disk's own events: Watch only
 
     @property
     def has_tier_below(self) -> bool:

@@ -8,6 +8,7 @@ import os
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvdepot.server.core.kinds import DiskRemoval
 from kvdepot.server.disk import record
 from kvdepot.server.disk.record import PAGE, Header
 from kvdepot.server.disk.space import DiskSpace, WriteVerdict
@@ -34,6 +35,27 @@ def test_a_record_being_read_is_not_evicted_under_its_reader() -> None:
     written(space, b"e")
     space.allocator.check_invariants()
     assert space.counters.dropped_entries == 1
+
+
+def test_changes_name_every_record_written_and_dropped_in_order() -> None:
+    """What the daemon announces on Watch as the disk's events (tier DISK)."""
+    space = DiskSpace(capacity=2 * PAGE, max_inflight_bytes=1 << 20)  # one record
+    written(space, b"x")  # before anyone follows: not collected
+    got: list[tuple[str, bytes, DiskRemoval | None]] = []
+    space.watch(got.extend)
+    written(space, b"a")  # x goes for it (least recently used)
+    reading = space.begin_read("ns", b"a")
+    assert reading is not None
+    space.finish_read(reading, False)  # did not verify
+    written(space, b"b")
+    written(space, b"c")  # b goes for it
+    space.clear()  # the file was lost: c goes with it
+    space.flush()
+    L, R, LOST = DiskRemoval.LRU, DiskRemoval.REJECTED, DiskRemoval.LOST
+    assert got == [
+        ("ns", b"x", L), ("ns", b"a", None), ("ns", b"a", R), ("ns", b"b", None),
+        ("ns", b"b", L), ("ns", b"c", None), ("ns", b"c", LOST),
+    ]  # fmt: skip
 
 
 def test_a_write_of_a_file_that_is_gone_changes_nothing() -> None:

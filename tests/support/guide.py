@@ -41,6 +41,13 @@ VOLATILE_FIELDS = {
     "connected_seconds",
     "version",
     "registration_id",
+    # The NUMA placement is the host's (its nodes, GPUs and CPUs): tests/test_numa.py.
+    "numa_host_nodes",
+    "numa_policy",
+    "numa_pool_nodes",
+    "numa_basis",
+    "numa_copy_thread_nodes",
+    "numa_copy_thread_cpus",
 }  # registration ids start at random per boot
 
 # --- the guide's scenario -------------------------------------------------------------------

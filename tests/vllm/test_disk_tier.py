@@ -45,3 +45,45 @@ def test_a_prompt_only_on_disk_is_an_external_hit(daemon_factory, make_engine, t
     assert engine.kv_digest(0, 0, rec.block_ids[0][:10]) == first["digest"]
     s = m._client.admin.GetStats(admin_pb2.GetStatsRequest())
     assert s.disk_hits == len(keys) and s.disk_rejected == 0
+
+
+def test_a_prompt_stored_after_the_disk_lacked_it_comes_back_from_disk(
+    daemon_factory, make_engine, tmp_path
+) -> None:
+    """The first time, the tiers below the pool lack the prompt (ABSENT: computed, and
+    not asked for again for a while); the engine then stores it and RAM evicts it to
+    disk. Asked again seconds later, it is asked of the disk again (the store made the
+    "absent" stale) and is an external hit."""
+    d = daemon_factory(
+        "--pool-size", "4MiB", "--disk", str(tmp_path / "disk"), "--disk-size", "64MiB"
+    )  # fmt: skip
+    engine = make_engine(socket=d.target, num_gpu_blocks=64)
+    engine.wait_registered()
+    m = engine.manager
+    prompt = prompt_for(12, 160)
+    keys = engine.offload_keys(prompt)
+    [rec] = engine.generate([prompt])
+    assert rec.external_tokens == 0 and m.remote_asked == len(keys)  # absent below: computed
+    engine.wait_ready(keys)
+
+    def admin() -> admin_pb2.GetStatsResponse:
+        return m._client.admin.GetStats(admin_pb2.GetStatsRequest())
+
+    engine.wait_until(lambda: admin().disk_writes >= len(keys), what="the prompt on disk")
+    # Other prompts push it out of the 4 MiB pool (the mirror follows the evictions).
+    for seed in range(100, 140):
+        engine.generate([prompt_for(seed, 160)])
+        if not any(m.is_ready(k) for k in keys):
+            break
+    assert not any(m.is_ready(k) for k in keys), "the prompt was not evicted from RAM"
+
+    engine.reset_gpu_prefix_cache()
+    asked = m.remote_asked
+    engine.add_request(prompt)
+    engine.step()
+    assert m.remote_asked == asked + len(keys)  # asked of the disk again, not missed
+    engine.wait_ready(keys)
+    engine.run()
+    rec = list(engine.records.values())[-1]
+    assert rec.external_tokens == 160
+    assert admin().disk_hits >= len(keys)

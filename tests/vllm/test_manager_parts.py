@@ -14,6 +14,8 @@ import pytest
 
 pytest.importorskip("vllm")
 
+from vllm.v1.kv_offload.base import Locality
+
 from kvdepot.client.vllm.load_failures import LoadFailureBackoff
 from kvdepot.client.vllm.mirror import ReadyMirror
 from kvdepot.client.vllm.stats import MetricName, StepStats
@@ -98,6 +100,25 @@ def test_a_reset_snapshot_forgets_everything_and_reports_it() -> None:
     events = [(sorted(e.keys), e.removed) for e in mirror.take_events()]
     assert events == [([b"a", b"b"], True), ([b"c"], False)]
     assert mirror.take_events() == ()  # drained
+
+
+def test_disk_tier_events_are_storage_events_and_never_hits() -> None:
+    mirror = ReadyMirror(enable_events=True, on_forget=lambda: None)
+    on_event = mirror.handler(0)
+    on_event(stored(b"a"))
+    disk = WatchEvent.TIER_DISK
+    on_event(WatchEvent(kind=WatchEvent.STORED, keys=[b"a", b"b"], tier=disk))
+    on_event(WatchEvent(kind=WatchEvent.REMOVED, keys=[b"a"], tier=disk, reason="lru"))
+    assert mirror.ready == {b"a"}  # only the pool's events move the ready set
+    got = [(e.keys, e.medium.value, e.removed, e.locality) for e in mirror.take_events()]
+    assert got == [
+        ([b"a"], "CPU", False, None),
+        ([b"a", b"b"], "STORAGE", False, Locality.LOCAL),
+        ([b"a"], "STORAGE", True, Locality.LOCAL),
+    ]
+    mirror.start_generation(1)  # an engine reset: the old namespace's disk events drop too
+    on_event(WatchEvent(kind=WatchEvent.STORED, keys=[b"c"], tier=disk))
+    assert mirror.take_events() == () and mirror.ready == set()
 
 
 # -- the back-off after failed loads ----------------------------------------------------

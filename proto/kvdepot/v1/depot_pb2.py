@@ -24,17 +24,17 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvdepot/v1/depot.proto\x12\nkvdepot.v1\"E\n\x0eSessionRequest\x12\x13\n\x0b\x63lient_name\x18\x01 \x01(\t\x12\x0b\n\x03pid\x18\x02 \x01(\x03\x12\x11\n\tengine_id\x18\x03 \x01(\t\"u\n\x0cSessionEvent\x12)\n\x05hello\x18\x01 \x01(\x0b\x32\x18.kvdepot.v1.SessionHelloH\x00\x12\x31\n\tkeepalive\x18\x02 \x01(\x0b\x32\x1c.kvdepot.v1.SessionKeepaliveH\x00\x42\x07\n\x05\x65vent\"\x9f\x01\n\x0cSessionHello\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0f\n\x07\x62oot_id\x18\x02 \x01(\t\x12\x0f\n\x07version\x18\x03 \x01(\t\x12\x1b\n\x13pool_capacity_bytes\x18\x04 \x01(\x04\x12\x14\n\x0cmax_job_keys\x18\x05 \x01(\r\x12\x11\n\tfd_socket\x18\x06 \x01(\t\x12\x13\n\x0bremote_tier\x18\x07 \x01(\x08\"*\n\x10SessionKeepalive\x12\x16\n\x0euptime_seconds\x18\x01 \x01(\x01\"\x89\x01\n\x0fNamespaceLayout\x12\n\n\x02id\x18\x01 \x01(\t\x12\x12\n\nworld_size\x18\x02 \x01(\r\x12\x18\n\x10\x62locks_per_chunk\x18\x03 \x01(\r\x12\'\n\x06groups\x18\x04 \x03(\x0b\x32\x17.kvdepot.v1.GroupLayout\x12\x13\n\x0b\x64\x65scription\x18\x05 \x01(\t\"\'\n\x0bGroupLayout\x12\x18\n\x10layer_page_bytes\x18\x01 \x03(\x04\"\xa0\x01\n\x0cMemoryRegion\x12-\n\x03shm\x18\x01 \x01(\x0b\x32\x1e.kvdepot.v1.SharedMemoryHandleH\x00\x12-\n\x08\x63uda_ipc\x18\x02 \x01(\x0b\x32\x19.kvdepot.v1.CudaIpcHandleH\x00\x12(\n\x03pvm\x18\x03 \x01(\x0b\x32\x19.kvdepot.v1.ProcessMemoryH\x00\x42\x08\n\x06handle\"4\n\x12SharedMemoryHandle\x12\x10\n\x08\x66\x64_token\x18\x01 \x01(\t\x12\x0c\n\x04size\x18\x02 \x01(\x04\"l\n\rCudaIpcHandle\x12\x12\n\nipc_handle\x18\x01 \x01(\x0c\x12\x13\n\x0b\x64\x65vice_uuid\x18\x02 \x01(\t\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x0c\n\x04size\x18\x04 \x01(\x04\x12\x14\n\x0c\x65vent_handle\x18\x05 \x01(\x0c\"N\n\rProcessMemory\x12\x0b\n\x03pid\x18\x01 \x01(\r\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\x04\x12\x0c\n\x04size\x18\x03 \x01(\x04\x12\x11\n\tpid_token\x18\x04 \x01(\t\"{\n\x08KVTensor\x12\x14\n\x0cregion_index\x18\x01 \x01(\r\x12\x15\n\rregion_offset\x18\x02 \x01(\x04\x12\x12\n\nnum_blocks\x18\x03 \x01(\x04\x12\x1a\n\x12\x62lock_stride_bytes\x18\x04 \x01(\x04\x12\x12\n\npage_bytes\x18\x05 \x01(\x04\"I\n\x08LayerRef\x12\x14\n\x0ctensor_index\x18\x01 \x01(\r\x12\x13\n\x0bpage_offset\x18\x02 \x01(\x04\x12\x12\n\npage_bytes\x18\x03 \x01(\x04\"1\n\tGroupRefs\x12$\n\x06layers\x18\x01 \x03(\x0b\x32\x14.kvdepot.v1.LayerRef\"\xde\x01\n\x11RegisterKVRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12.\n\tnamespace\x18\x02 \x01(\x0b\x32\x1b.kvdepot.v1.NamespaceLayout\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12)\n\x07regions\x18\x04 \x03(\x0b\x32\x18.kvdepot.v1.MemoryRegion\x12%\n\x07tensors\x18\x05 \x03(\x0b\x32\x14.kvdepot.v1.KVTensor\x12%\n\x06groups\x18\x06 \x03(\x0b\x32\x15.kvdepot.v1.GroupRefs\"V\n\x12RegisterKVResponse\x12\x17\n\x0fregistration_id\x18\x01 \x01(\x04\x12\x13\n\x0bmemory_path\x18\x02 \x01(\t\x12\x12\n\nslot_bytes\x18\x03 \x03(\x04\"B\n\x13UnregisterKVRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x17\n\x0fregistration_id\x18\x02 \x01(\x04\"\x16\n\x14UnregisterKVResponse\"8\n\x0cWatchRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x14\n\x0cnamespace_id\x18\x02 \x01(\t\"\xcc\x01\n\nWatchEvent\x12)\n\x04kind\x18\x01 \x01(\x0e\x32\x1b.kvdepot.v1.WatchEvent.Kind\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\x12\r\n\x05reset\x18\x03 \x01(\x08\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12\x0f\n\x07\x62oot_id\x18\x05 \x01(\t\"U\n\x04Kind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\x0c\n\x08SNAPSHOT\x10\x01\x12\x10\n\x0cSNAPSHOT_END\x10\x02\x12\n\n\x06STORED\x10\x03\x12\x0b\n\x07REMOVED\x10\x04\"G\n\rLookupRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x14\n\x0cnamespace_id\x18\x02 \x01(\t\x12\x0c\n\x04keys\x18\x03 \x03(\x0c\"\x1f\n\x0eLookupResponse\x12\r\n\x05ready\x18\x01 \x03(\x08\"D\n\nPinRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x14\n\x0cnamespace_id\x18\x02 \x01(\t\x12\x0c\n\x04keys\x18\x03 \x03(\x0c\"\x1d\n\x0bPinResponse\x12\x0e\n\x06pinned\x18\x01 \x03(\x08\"F\n\x0cUnpinRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x14\n\x0cnamespace_id\x18\x02 \x01(\t\x12\x0c\n\x04keys\x18\x03 \x03(\x0c\"#\n\rUnpinResponse\x12\x12\n\nnot_pinned\x18\x01 \x01(\r\"\xd4\x01\n\x0bTransferJob\x12\x0e\n\x06job_id\x18\x01 \x01(\x04\x12(\n\tdirection\x18\x02 \x01(\x0e\x32\x15.kvdepot.v1.Direction\x12\x17\n\x0fregistration_id\x18\x03 \x01(\x04\x12\x0c\n\x04keys\x18\x04 \x03(\x0c\x12\x11\n\tblock_ids\x18\x05 \x03(\x03\x12\x13\n\x0bgroup_sizes\x18\x06 \x03(\r\x12\x15\n\rblock_indices\x18\x07 \x03(\x04\x12\x11\n\texpedited\x18\x08 \x01(\x08\x12\x12\n\nsession_id\x18\t \x01(\t\"\xe6\x01\n\x0eTransferResult\x12\x0e\n\x06job_id\x18\x01 \x01(\x04\x12\x0f\n\x07success\x18\x02 \x01(\x08\x12\r\n\x05\x62ytes\x18\x03 \x01(\x04\x12\x14\n\x0c\x63opy_seconds\x18\x04 \x01(\x01\x12\x15\n\rtotal_seconds\x18\x05 \x01(\x01\x12\r\n\x05\x65rror\x18\x06 \x01(\t\x12\x13\n\x0bstored_keys\x18\x07 \x01(\r\x12\x14\n\x0cpresent_keys\x18\x08 \x01(\r\x12\x14\n\x0c\x64ropped_keys\x18\t \x01(\r\x12\x13\n\x0b\x64rop_reason\x18\n \x01(\t\x12\x12\n\nerror_code\x18\x0b \x01(\t\"^\n\x12OpenJobLaneRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x10\n\x08\x66\x64_token\x18\x02 \x01(\t\x12\"\n\x04kind\x18\x03 \x01(\x0e\x32\x14.kvdepot.v1.LaneKind\"=\n\x13OpenJobLaneResponse\x12\x0f\n\x07lane_id\x18\x01 \x01(\x04\x12\x15\n\rmax_job_bytes\x18\x02 \x01(\r\"_\n\nPutRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x14\n\x0cnamespace_id\x18\x02 \x01(\t\x12\x0b\n\x03key\x18\x03 \x01(\x0c\x12\x0c\n\x04rank\x18\x04 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\x0c\"B\n\x0bPutResponse\x12\x0f\n\x07outcome\x18\x01 \x01(\t\x12\r\n\x05ready\x18\x02 \x01(\x08\x12\x13\n\x0b\x64rop_reason\x18\x03 \x01(\t\"Q\n\nGetRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x14\n\x0cnamespace_id\x18\x02 \x01(\t\x12\x0b\n\x03key\x18\x03 \x01(\x0c\x12\x0c\n\x04rank\x18\x04 \x01(\r\"\x1b\n\x0bGetResponse\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\"I\n\x0fPrefetchRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x14\n\x0cnamespace_id\x18\x02 \x01(\t\x12\x0c\n\x04keys\x18\x03 \x03(\x0c\"\xc2\x01\n\x10PrefetchResponse\x12\x35\n\x06states\x18\x01 \x03(\x0e\x32%.kvdepot.v1.PrefetchResponse.KeyState\x12\x13\n\x0bremote_tier\x18\x02 \x01(\x08\x12\x16\n\x0eremote_healthy\x18\x03 \x01(\x08\"J\n\x08KeyState\x12\x19\n\x15KEY_STATE_UNSPECIFIED\x10\x00\x12\t\n\x05LOCAL\x10\x01\x12\x0c\n\x08\x46\x45TCHING\x10\x02\x12\n\n\x06\x41\x42SENT\x10\x03*;\n\tDirection\x12\x19\n\x15\x44IRECTION_UNSPECIFIED\x10\x00\x12\t\n\x05STORE\x10\x01\x12\x08\n\x04LOAD\x10\x02*B\n\x08LaneKind\x12\x16\n\x12LANE_TRANSFER_JOBS\x10\x00\x12\r\n\tLANE_PINS\x10\x01\x12\x0f\n\x0bLANE_UNPINS\x10\x02\x32\xaa\x06\n\x05\x44\x65pot\x12\x41\n\x07Session\x12\x1a.kvdepot.v1.SessionRequest\x1a\x18.kvdepot.v1.SessionEvent0\x01\x12K\n\nRegisterKV\x12\x1d.kvdepot.v1.RegisterKVRequest\x1a\x1e.kvdepot.v1.RegisterKVResponse\x12Q\n\x0cUnregisterKV\x12\x1f.kvdepot.v1.UnregisterKVRequest\x1a .kvdepot.v1.UnregisterKVResponse\x12;\n\x05Watch\x12\x18.kvdepot.v1.WatchRequest\x1a\x16.kvdepot.v1.WatchEvent0\x01\x12?\n\x06Lookup\x12\x19.kvdepot.v1.LookupRequest\x1a\x1a.kvdepot.v1.LookupResponse\x12\x36\n\x03Pin\x12\x16.kvdepot.v1.PinRequest\x1a\x17.kvdepot.v1.PinResponse\x12<\n\x05Unpin\x12\x18.kvdepot.v1.UnpinRequest\x1a\x19.kvdepot.v1.UnpinResponse\x12\x43\n\x08Transfer\x12\x17.kvdepot.v1.TransferJob\x1a\x1a.kvdepot.v1.TransferResult(\x01\x30\x01\x12N\n\x0bOpenJobLane\x12\x1e.kvdepot.v1.OpenJobLaneRequest\x1a\x1f.kvdepot.v1.OpenJobLaneResponse\x12\x36\n\x03Put\x12\x16.kvdepot.v1.PutRequest\x1a\x17.kvdepot.v1.PutResponse\x12\x36\n\x03Get\x12\x16.kvdepot.v1.GetRequest\x1a\x17.kvdepot.v1.GetResponse\x12\x45\n\x08Prefetch\x12\x1b.kvdepot.v1.PrefetchRequest\x1a\x1c.kvdepot.v1.PrefetchResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvdepot/v1/depot.proto\x12\nkvdepot.v1\"E\n\x0eSessionRequest\x12\x13\n\x0b\x63lient_name\x18\x01 \x01(\t\x12\x0b\n\x03pid\x18\x02 \x01(\x03\x12\x11\n\tengine_id\x18\x03 \x01(\t\"u\n\x0cSessionEvent\x12)\n\x05hello\x18\x01 \x01(\x0b\x32\x18.kvdepot.v1.SessionHelloH\x00\x12\x31\n\tkeepalive\x18\x02 \x01(\x0b\x32\x1c.kvdepot.v1.SessionKeepaliveH\x00\x42\x07\n\x05\x65vent\"\x9f\x01\n\x0cSessionHello\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0f\n\x07\x62oot_id\x18\x02 \x01(\t\x12\x0f\n\x07version\x18\x03 \x01(\t\x12\x1b\n\x13pool_capacity_bytes\x18\x04 \x01(\x04\x12\x14\n\x0cmax_job_keys\x18\x05 \x01(\r\x12\x11\n\tfd_socket\x18\x06 \x01(\t\x12\x13\n\x0bremote_tier\x18\x07 \x01(\x08\"*\n\x10SessionKeepalive\x12\x16\n\x0euptime_seconds\x18\x01 \x01(\x01\"\x89\x01\n\x0fNamespaceLayout\x12\n\n\x02id\x18\x01 \x01(\t\x12\x12\n\nworld_size\x18\x02 \x01(\r\x12\x18\n\x10\x62locks_per_chunk\x18\x03 \x01(\r\x12\'\n\x06groups\x18\x04 \x03(\x0b\x32\x17.kvdepot.v1.GroupLayout\x12\x13\n\x0b\x64\x65scription\x18\x05 \x01(\t\"\'\n\x0bGroupLayout\x12\x18\n\x10layer_page_bytes\x18\x01 \x03(\x04\"\xa0\x01\n\x0cMemoryRegion\x12-\n\x03shm\x18\x01 \x01(\x0b\x32\x1e.kvdepot.v1.SharedMemoryHandleH\x00\x12-\n\x08\x63uda_ipc\x18\x02 \x01(\x0b\x32\x19.kvdepot.v1.CudaIpcHandleH\x00\x12(\n\x03pvm\x18\x03 \x01(\x0b\x32\x19.kvdepot.v1.ProcessMemoryH\x00\x42\x08\n\x06handle\"4\n\x12SharedMemoryHandle\x12\x10\n\x08\x66\x64_token\x18\x01 \x01(\t\x12\x0c\n\x04size\x18\x02 \x01(\x04\"l\n\rCudaIpcHandle\x12\x12\n\nipc_handle\x18\x01 \x01(\x0c\x12\x13\n\x0b\x64\x65vice_uuid\x18\x02 \x01(\t\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x0c\n\x04size\x18\x04 \x01(\x04\x12\x14\n\x0c\x65vent_handle\x18\x05 \x01(\x0c\"N\n\rProcessMemory\x12\x0b\n\x03pid\x18\x01 \x01(\r\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\x04\x12\x0c\n\x04size\x18\x03 \x01(\x04\x12\x11\n\tpid_token\x18\x04 \x01(\t\"{\n\x08KVTensor\x12\x14\n\x0cregion_index\x18\x01 \x01(\r\x12\x15\n\rregion_offset\x18\x02 \x01(\x04\x12\x12\n\nnum_blocks\x18\x03 \x01(\x04\x12\x1a\n\x12\x62lock_stride_bytes\x18\x04 \x01(\x04\x12\x12\n\npage_bytes\x18\x05 \x01(\x04\"I\n\x08LayerRef\x12\x14\n\x0ctensor_index\x18\x01 \x01(\r\x12\x13\n\x0bpage_offset\x18\x02 \x01(\x04\x12\x12\n\npage_bytes\x18\x03 \x01(\x04\"1\n\tGroupRefs\x12$\n\x06layers\x18\x01 \x03(\x0b\x32\x14.kvdepot.v1.LayerRef\"\xde\x01\n\x11RegisterKVRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12.\n\tnamespace\x18\x02 \x01(\x0b\x32\x1b.kvdepot.v1.NamespaceLayout\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12)\n\x07regions\x18\x04 \x03(\x0b\x32\x18.kvdepot.v1.MemoryRegion\x12%\n\x07tensors\x18\x05 \x03(\x0b\x32\x14.kvdepot.v1.KVTensor\x12%\n\x06groups\x18\x06 \x03(\x0b\x32\x15.kvdepot.v1.GroupRefs\"V\n\x12RegisterKVResponse\x12\x17\n\x0fregistration_id\x18\x01 \x01(\x04\x12\x13\n\x0bmemory_path\x18\x02 \x01(\t\x12\x12\n\nslot_bytes\x18\x03 \x03(\x04\"B\n\x13UnregisterKVRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x17\n\x0fregistration_id\x18\x02 \x01(\x04\"\x16\n\x14UnregisterKVResponse\"8\n\x0cWatchRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x14\n\x0cnamespace_id\x18\x02 \x01(\t\"\x9d\x02\n\nWatchEvent\x12)\n\x04kind\x18\x01 \x01(\x0e\x32\x1b.kvdepot.v1.WatchEvent.Kind\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\x12\r\n\x05reset\x18\x03 \x01(\x08\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12\x0f\n\x07\x62oot_id\x18\x05 \x01(\t\x12)\n\x04tier\x18\x06 \x01(\x0e\x32\x1b.kvdepot.v1.WatchEvent.Tier\"U\n\x04Kind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\x0c\n\x08SNAPSHOT\x10\x01\x12\x10\n\x0cSNAPSHOT_END\x10\x02\x12\n\n\x06STORED\x10\x03\x12\x0b\n\x07REMOVED\x10\x04\"$\n\x04Tier\x12\r\n\tTIER_POOL\x10\x00\x12\r\n\tTIER_DISK\x10\x01\"G\n\rLookupRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x14\n\x0cnamespace_id\x18\x02 \x01(\t\x12\x0c\n\x04keys\x18\x03 \x03(\x0c\"\x1f\n\x0eLookupResponse\x12\r\n\x05ready\x18\x01 \x03(\x08\"D\n\nPinRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x14\n\x0cnamespace_id\x18\x02 \x01(\t\x12\x0c\n\x04keys\x18\x03 \x03(\x0c\"\x1d\n\x0bPinResponse\x12\x0e\n\x06pinned\x18\x01 \x03(\x08\"F\n\x0cUnpinRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x14\n\x0cnamespace_id\x18\x02 \x01(\t\x12\x0c\n\x04keys\x18\x03 \x03(\x0c\"#\n\rUnpinResponse\x12\x12\n\nnot_pinned\x18\x01 \x01(\r\"\xd4\x01\n\x0bTransferJob\x12\x0e\n\x06job_id\x18\x01 \x01(\x04\x12(\n\tdirection\x18\x02 \x01(\x0e\x32\x15.kvdepot.v1.Direction\x12\x17\n\x0fregistration_id\x18\x03 \x01(\x04\x12\x0c\n\x04keys\x18\x04 \x03(\x0c\x12\x11\n\tblock_ids\x18\x05 \x03(\x03\x12\x13\n\x0bgroup_sizes\x18\x06 \x03(\r\x12\x15\n\rblock_indices\x18\x07 \x03(\x04\x12\x11\n\texpedited\x18\x08 \x01(\x08\x12\x12\n\nsession_id\x18\t \x01(\t\"\xe6\x01\n\x0eTransferResult\x12\x0e\n\x06job_id\x18\x01 \x01(\x04\x12\x0f\n\x07success\x18\x02 \x01(\x08\x12\r\n\x05\x62ytes\x18\x03 \x01(\x04\x12\x14\n\x0c\x63opy_seconds\x18\x04 \x01(\x01\x12\x15\n\rtotal_seconds\x18\x05 \x01(\x01\x12\r\n\x05\x65rror\x18\x06 \x01(\t\x12\x13\n\x0bstored_keys\x18\x07 \x01(\r\x12\x14\n\x0cpresent_keys\x18\x08 \x01(\r\x12\x14\n\x0c\x64ropped_keys\x18\t \x01(\r\x12\x13\n\x0b\x64rop_reason\x18\n \x01(\t\x12\x12\n\nerror_code\x18\x0b \x01(\t\"^\n\x12OpenJobLaneRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x10\n\x08\x66\x64_token\x18\x02 \x01(\t\x12\"\n\x04kind\x18\x03 \x01(\x0e\x32\x14.kvdepot.v1.LaneKind\"=\n\x13OpenJobLaneResponse\x12\x0f\n\x07lane_id\x18\x01 \x01(\x04\x12\x15\n\rmax_job_bytes\x18\x02 \x01(\r\"_\n\nPutRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x14\n\x0cnamespace_id\x18\x02 \x01(\t\x12\x0b\n\x03key\x18\x03 \x01(\x0c\x12\x0c\n\x04rank\x18\x04 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\x0c\"B\n\x0bPutResponse\x12\x0f\n\x07outcome\x18\x01 \x01(\t\x12\r\n\x05ready\x18\x02 \x01(\x08\x12\x13\n\x0b\x64rop_reason\x18\x03 \x01(\t\"Q\n\nGetRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x14\n\x0cnamespace_id\x18\x02 \x01(\t\x12\x0b\n\x03key\x18\x03 \x01(\x0c\x12\x0c\n\x04rank\x18\x04 \x01(\r\"\x1b\n\x0bGetResponse\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\"I\n\x0fPrefetchRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x14\n\x0cnamespace_id\x18\x02 \x01(\t\x12\x0c\n\x04keys\x18\x03 \x03(\x0c\"\xc2\x01\n\x10PrefetchResponse\x12\x35\n\x06states\x18\x01 \x03(\x0e\x32%.kvdepot.v1.PrefetchResponse.KeyState\x12\x13\n\x0bremote_tier\x18\x02 \x01(\x08\x12\x16\n\x0eremote_healthy\x18\x03 \x01(\x08\"J\n\x08KeyState\x12\x19\n\x15KEY_STATE_UNSPECIFIED\x10\x00\x12\t\n\x05LOCAL\x10\x01\x12\x0c\n\x08\x46\x45TCHING\x10\x02\x12\n\n\x06\x41\x42SENT\x10\x03*;\n\tDirection\x12\x19\n\x15\x44IRECTION_UNSPECIFIED\x10\x00\x12\t\n\x05STORE\x10\x01\x12\x08\n\x04LOAD\x10\x02*B\n\x08LaneKind\x12\x16\n\x12LANE_TRANSFER_JOBS\x10\x00\x12\r\n\tLANE_PINS\x10\x01\x12\x0f\n\x0bLANE_UNPINS\x10\x02\x32\xaa\x06\n\x05\x44\x65pot\x12\x41\n\x07Session\x12\x1a.kvdepot.v1.SessionRequest\x1a\x18.kvdepot.v1.SessionEvent0\x01\x12K\n\nRegisterKV\x12\x1d.kvdepot.v1.RegisterKVRequest\x1a\x1e.kvdepot.v1.RegisterKVResponse\x12Q\n\x0cUnregisterKV\x12\x1f.kvdepot.v1.UnregisterKVRequest\x1a .kvdepot.v1.UnregisterKVResponse\x12;\n\x05Watch\x12\x18.kvdepot.v1.WatchRequest\x1a\x16.kvdepot.v1.WatchEvent0\x01\x12?\n\x06Lookup\x12\x19.kvdepot.v1.LookupRequest\x1a\x1a.kvdepot.v1.LookupResponse\x12\x36\n\x03Pin\x12\x16.kvdepot.v1.PinRequest\x1a\x17.kvdepot.v1.PinResponse\x12<\n\x05Unpin\x12\x18.kvdepot.v1.UnpinRequest\x1a\x19.kvdepot.v1.UnpinResponse\x12\x43\n\x08Transfer\x12\x17.kvdepot.v1.TransferJob\x1a\x1a.kvdepot.v1.TransferResult(\x01\x30\x01\x12N\n\x0bOpenJobLane\x12\x1e.kvdepot.v1.OpenJobLaneRequest\x1a\x1f.kvdepot.v1.OpenJobLaneResponse\x12\x36\n\x03Put\x12\x16.kvdepot.v1.PutRequest\x1a\x17.kvdepot.v1.PutResponse\x12\x36\n\x03Get\x12\x16.kvdepot.v1.GetRequest\x1a\x17.kvdepot.v1.GetResponse\x12\x45\n\x08Prefetch\x12\x1b.kvdepot.v1.PrefetchRequest\x1a\x1c.kvdepot.v1.PrefetchResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvdepot.v1.depot_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DIRECTION']._serialized_start=3415
-  _globals['_DIRECTION']._serialized_end=3474
-  _globals['_LANEKIND']._serialized_start=3476
-  _globals['_LANEKIND']._serialized_end=3542
+  _globals['_DIRECTION']._serialized_start=3496
+  _globals['_DIRECTION']._serialized_end=3555
+  _globals['_LANEKIND']._serialized_start=3557
+  _globals['_LANEKIND']._serialized_end=3623
   _globals['_SESSIONREQUEST']._serialized_start=38
   _globals['_SESSIONREQUEST']._serialized_end=107
   _globals['_SESSIONEVENT']._serialized_start=109
@@ -72,43 +72,45 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_WATCHREQUEST']._serialized_start=1678
   _globals['_WATCHREQUEST']._serialized_end=1734
   _globals['_WATCHEVENT']._serialized_start=1737
-  _globals['_WATCHEVENT']._serialized_end=1941
-  _globals['_WATCHEVENT_KIND']._serialized_start=1856
-  _globals['_WATCHEVENT_KIND']._serialized_end=1941
-  _globals['_LOOKUPREQUEST']._serialized_start=1943
-  _globals['_LOOKUPREQUEST']._serialized_end=2014
-  _globals['_LOOKUPRESPONSE']._serialized_start=2016
-  _globals['_LOOKUPRESPONSE']._serialized_end=2047
-  _globals['_PINREQUEST']._serialized_start=2049
-  _globals['_PINREQUEST']._serialized_end=2117
-  _globals['_PINRESPONSE']._serialized_start=2119
-  _globals['_PINRESPONSE']._serialized_end=2148
-  _globals['_UNPINREQUEST']._serialized_start=2150
-  _globals['_UNPINREQUEST']._serialized_end=2220
-  _globals['_UNPINRESPONSE']._serialized_start=2222
-  _globals['_UNPINRESPONSE']._serialized_end=2257
-  _globals['_TRANSFERJOB']._serialized_start=2260
-  _globals['_TRANSFERJOB']._serialized_end=2472
-  _globals['_TRANSFERRESULT']._serialized_start=2475
-  _globals['_TRANSFERRESULT']._serialized_end=2705
-  _globals['_OPENJOBLANEREQUEST']._serialized_start=2707
-  _globals['_OPENJOBLANEREQUEST']._serialized_end=2801
-  _globals['_OPENJOBLANERESPONSE']._serialized_start=2803
-  _globals['_OPENJOBLANERESPONSE']._serialized_end=2864
-  _globals['_PUTREQUEST']._serialized_start=2866
-  _globals['_PUTREQUEST']._serialized_end=2961
-  _globals['_PUTRESPONSE']._serialized_start=2963
-  _globals['_PUTRESPONSE']._serialized_end=3029
-  _globals['_GETREQUEST']._serialized_start=3031
-  _globals['_GETREQUEST']._serialized_end=3112
-  _globals['_GETRESPONSE']._serialized_start=3114
-  _globals['_GETRESPONSE']._serialized_end=3141
-  _globals['_PREFETCHREQUEST']._serialized_start=3143
-  _globals['_PREFETCHREQUEST']._serialized_end=3216
-  _globals['_PREFETCHRESPONSE']._serialized_start=3219
-  _globals['_PREFETCHRESPONSE']._serialized_end=3413
-  _globals['_PREFETCHRESPONSE_KEYSTATE']._serialized_start=3339
-  _globals['_PREFETCHRESPONSE_KEYSTATE']._serialized_end=3413
-  _globals['_DEPOT']._serialized_start=3545
-  _globals['_DEPOT']._serialized_end=4355
+  _globals['_WATCHEVENT']._serialized_end=2022
+  _globals['_WATCHEVENT_KIND']._serialized_start=1899
+  _globals['_WATCHEVENT_KIND']._serialized_end=1984
+  _globals['_WATCHEVENT_TIER']._serialized_start=1986
+  _globals['_WATCHEVENT_TIER']._serialized_end=2022
+  _globals['_LOOKUPREQUEST']._serialized_start=2024
+  _globals['_LOOKUPREQUEST']._serialized_end=2095
+  _globals['_LOOKUPRESPONSE']._serialized_start=2097
+  _globals['_LOOKUPRESPONSE']._serialized_end=2128
+  _globals['_PINREQUEST']._serialized_start=2130
+  _globals['_PINREQUEST']._serialized_end=2198
+  _globals['_PINRESPONSE']._serialized_start=2200
+  _globals['_PINRESPONSE']._serialized_end=2229
+  _globals['_UNPINREQUEST']._serialized_start=2231
+  _globals['_UNPINREQUEST']._serialized_end=2301
+  _globals['_UNPINRESPONSE']._serialized_start=2303
+  _globals['_UNPINRESPONSE']._serialized_end=2338
+  _globals['_TRANSFERJOB']._serialized_start=2341
+  _globals['_TRANSFERJOB']._serialized_end=2553
+  _globals['_TRANSFERRESULT']._serialized_start=2556
+  _globals['_TRANSFERRESULT']._serialized_end=2786
+  _globals['_OPENJOBLANEREQUEST']._serialized_start=2788
+  _globals['_OPENJOBLANEREQUEST']._serialized_end=2882
+  _globals['_OPENJOBLANERESPONSE']._serialized_start=2884
+  _globals['_OPENJOBLANERESPONSE']._serialized_end=2945
+  _globals['_PUTREQUEST']._serialized_start=2947
+  _globals['_PUTREQUEST']._serialized_end=3042
+  _globals['_PUTRESPONSE']._serialized_start=3044
+  _globals['_PUTRESPONSE']._serialized_end=3110
+  _globals['_GETREQUEST']._serialized_start=3112
+  _globals['_GETREQUEST']._serialized_end=3193
+  _globals['_GETRESPONSE']._serialized_start=3195
+  _globals['_GETRESPONSE']._serialized_end=3222
+  _globals['_PREFETCHREQUEST']._serialized_start=3224
+  _globals['_PREFETCHREQUEST']._serialized_end=3297
+  _globals['_PREFETCHRESPONSE']._serialized_start=3300
+  _globals['_PREFETCHRESPONSE']._serialized_end=3494
+  _globals['_PREFETCHRESPONSE_KEYSTATE']._serialized_start=3420
+  _globals['_PREFETCHRESPONSE_KEYSTATE']._serialized_end=3494
+  _globals['_DEPOT']._serialized_start=3626
+  _globals['_DEPOT']._serialized_end=4436
 # @@protoc_insertion_point(module_scope)

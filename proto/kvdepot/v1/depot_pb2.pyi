@@ -208,7 +208,7 @@ class WatchRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., namespace_id: _Optional[str] = ...) -> None: ...
 
 class WatchEvent(_message.Message):
-    __slots__ = ("kind", "keys", "reset", "reason", "boot_id")
+    __slots__ = ("kind", "keys", "reset", "reason", "boot_id", "tier")
     class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         KIND_UNSPECIFIED: _ClassVar[WatchEvent.Kind]
@@ -221,17 +221,25 @@ class WatchEvent(_message.Message):
     SNAPSHOT_END: WatchEvent.Kind
     STORED: WatchEvent.Kind
     REMOVED: WatchEvent.Kind
+    class Tier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        TIER_POOL: _ClassVar[WatchEvent.Tier]
+        TIER_DISK: _ClassVar[WatchEvent.Tier]
+    TIER_POOL: WatchEvent.Tier
+    TIER_DISK: WatchEvent.Tier
     KIND_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     RESET_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     BOOT_ID_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
     kind: WatchEvent.Kind
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     reset: bool
     reason: str
     boot_id: str
-    def __init__(self, kind: _Optional[_Union[WatchEvent.Kind, str]] = ..., keys: _Optional[_Iterable[bytes]] = ..., reset: _Optional[bool] = ..., reason: _Optional[str] = ..., boot_id: _Optional[str] = ...) -> None: ...
+    tier: WatchEvent.Tier
+    def __init__(self, kind: _Optional[_Union[WatchEvent.Kind, str]] = ..., keys: _Optional[_Iterable[bytes]] = ..., reset: _Optional[bool] = ..., reason: _Optional[str] = ..., boot_id: _Optional[str] = ..., tier: _Optional[_Union[WatchEvent.Tier, str]] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
     __slots__ = ("session_id", "namespace_id", "keys")

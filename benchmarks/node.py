@@ -1,0 +1,353 @@
+"""The node series (`kvdepot bench --node`): how the node's control-plane ceiling grows
+with daemon processes on this host.
+
+For each geometry (a TP=8 70B-like one: 80 layers, one KV head per rank, 8 KiB pages;
+a TP=1 8B-like one: 32 layers, 64 KiB pages) and each shard count S, the series starts S
+independent daemons (`kvdepot serve`, each with its own socket and a pool of
+pool/S, copies off as in kvdepot.bench.ceiling) and `engines` x TP engine-rank processes,
+the ranks dealt to the shards round robin (global rank index mod S), then drives rank
+jobs of `chunks` chunks, 4 in flight per rank, both directions, with the ceiling bench's
+own driver (ceiling.timed_run). It measures one design for using more than one core,
+shards (several daemon processes), without client routing: a shard serves whole ranks,
+not a partition of the keys.
+
+A shard sees only some ranks of an engine; to keep its TP rows completable it gets each
+engine as a world of those ranks (renumbered 0..k-1, `kv_heads` scaled so the per-rank
+page is unchanged) in a namespace of that engine's own. A rank's job is then the same
+job as on one daemon; what one shard does not do is wait for the ranks another serves.
+Where a world has more than one rank, jobs run in rounds of ROUND_JOBS per rank started
+together (see _one_node); rates are summed over the rounds' windows.
+
+Runs on the bench's main thread; owns its daemons and worker processes and stops them
+before it returns (or raises).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from typing import Any
+
+from kvdepot.bench.ceiling import DEPTH, KeyCursor, TimedRun, timed_run
+from kvdepot.bench.daemon import OwnDaemon
+from kvdepot.bench.fleet import Fleet, WorkerProc
+from kvdepot.bench.geometry import BenchGeometry
+from kvdepot.bench.stats import GB, percentile
+
+# Presets: (description, geometry). Heads per rank and page size are what a rank's job
+# costs by; --quick keeps them and cuts layers (and TP to 2) to run in seconds.
+GEOMETRIES = {
+    "70b-tp8": ("Llama-3-70B-like, TP=8", BenchGeometry(layers=80, kv_heads=8, tp=8)),
+    "8b-tp1": ("Llama-3-8B-like, TP=1", BenchGeometry(layers=32, kv_heads=8, tp=1)),
+}
+QUICK_LAYERS = 8
+QUICK_MAX_TP = 2
+ROUND_JOBS = 50  # jobs per rank between two synchronized starts
+
+
+def _split(jobs: int, size: int) -> list[int]:
+    """`jobs` as rounds of at most `size`: 250, 100 -> [100, 100, 50]."""
+    return [min(size, jobs - i) for i in range(0, jobs, size)]
+
+
+class Series:
+    """Rounds of one direction, merged: rates over the rounds' windows, CPU summed."""
+
+    def __init__(self, rounds: list[TimedRun]) -> None:
+        rates = [r.rate() for r in rounds]
+        self.window_s = sum(w for _, w in rates)
+        self.bytes_per_s = sum(b * w for b, w in rates) / self.window_s if self.window_s else 0.0
+        self.daemon_cpu_s = sum(r.daemon_cpu_s for r in rounds)
+        self.engine_cpu_s = sum(r.engine_cpu_s for r in rounds)
+        self.submitted = sum(r.submitted for r in rounds)
+        self.dropped = sum(r.dropped for r in rounds)
+        self.timed_jobs = sum(len(w["jobs"]) for r in rounds for w in r.replies)
+        self.overhead_ms = [x for r in rounds for x in r.overhead_ms()]
+        # Each round from its first timed submit to its last answer (no start barriers).
+        self.span_s = sum(_span(r) for r in rounds)
+
+    def rate(self) -> tuple[float, float]:
+        return self.bytes_per_s, self.window_s
+
+
+def _span(run: TimedRun) -> float:
+    jobs = [j for r in run.replies for j in r["jobs"]]
+    return max(j[1] for j in jobs) - min(j[0] for j in jobs) if jobs else 0.0
+
+
+def default_engines(cores: int) -> int:
+    """Engines of the series: 2 here, up to 8 (a node of eight GPUs) on a large host."""
+    return min(8, max(2, cores // 2))
+
+
+def default_shards(cores: int) -> list[int]:
+    """1, 2, 4, ... up to half the cores (at least 2): 1..8 on a 16-core host."""
+    top, out = max(2, cores // 2), [1]
+    while out[-1] * 2 <= top:
+        out.append(out[-1] * 2)
+    return out
+
+
+def preset(name: str, quick: bool) -> BenchGeometry:
+    geo = GEOMETRIES[name][1]
+    if not quick:
+        return geo
+    tp = min(geo.tp, QUICK_MAX_TP)
+    heads = geo.kv_heads // geo.tp * tp  # the same heads per rank: the same page
+    return replace(geo, layers=min(geo.layers, QUICK_LAYERS), kv_heads=heads, tp=tp)
+
+
+def shard_views(
+    geo: BenchGeometry, engines: int, shards: int
+) -> dict[tuple[int, int], tuple[int, BenchGeometry, int]]:
+    """(engine, rank) -> (shard, the rank's geometry on it, its rank there).
+
+    Global rank index g = engine * tp + rank goes to shard g mod `shards`; on its
+    shard an engine is a world of the ranks it sent there."""
+    placed: dict[tuple[int, int], int] = {
+        (e, r): (e * geo.tp + r) % shards for e in range(engines) for r in range(geo.tp)
+    }
+    out: dict[tuple[int, int], tuple[int, BenchGeometry, int]] = {}
+    for (e, r), s in placed.items():
+        mates = [q for q in range(geo.tp) if placed[(e, q)] == s]
+        heads = geo.kv_heads // geo.tp * len(mates)
+        out[(e, r)] = (s, replace(geo, kv_heads=heads, tp=len(mates)), mates.index(r))
+    return out
+
+
+def measure_node(
+    geometries: Sequence[str],
+    engines: int,
+    shard_counts: Sequence[int],
+    chunks: int,
+    rank_jobs: int,
+    warmup: int,
+    pool_bytes: int,
+    namespace: str,
+    salt: bytes,
+    quick: bool = False,
+    on_step: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """Every (geometry, shards, direction) row; `pool_bytes` is the node's, split evenly.
+    Each series times about `rank_jobs` rank jobs over the node (split over its ranks,
+    so that a TP=1 series runs as long as a TP=8 one)."""
+    cores = os.cpu_count() or 1
+    rows: list[dict[str, Any]] = []
+    skipped: list[str] = []
+    for name in geometries:
+        geo = preset(name, quick)
+        for shards in shard_counts:
+            if shards > engines * geo.tp:
+                skipped.append(f"{name}: {shards} shards > {engines * geo.tp} ranks")
+                continue
+            if on_step is not None:
+                on_step(f"node series: {name}, {engines} x TP={geo.tp}, {shards} shard(s)")
+            try:
+                runs = _one_node(
+                    geo,
+                    engines,
+                    shards,
+                    chunks,
+                    max(1, rank_jobs // (engines * geo.tp)),
+                    warmup,
+                    pool_bytes,
+                    f"{namespace}-{name}-s{shards}",
+                    salt,
+                )
+            except _PoolTooSmall as exc:
+                skipped.append(f"{name}, {shards} shard(s): {exc}")
+                continue
+            for direction, run in runs:
+                rows.append(_row(name, geo, engines, shards, cores, chunks, direction, run))
+    base = {(r["geometry"], r["direction"]): r for r in rows if r["shards"] == 1}
+    for r in rows:
+        one = base.get((r["geometry"], r["direction"]))
+        r["vs_one_shard"] = r["rank_jobs_per_s"] / one["rank_jobs_per_s"] if one else None
+    return {
+        "rows": rows,
+        "skipped": skipped,
+        "engines": engines,
+        "depth": DEPTH,
+        "chunks": chunks,
+        "cores": cores,
+        "pool_bytes": pool_bytes,
+        "quick": quick,
+        "geometries": {n: f"{GEOMETRIES[n][0]}: {preset(n, quick).describe()}" for n in geometries},
+        "copy_engine": "NullCopyEngine (CUDA descriptors planned, no bytes moved)",
+    }
+
+
+class _PoolTooSmall(ValueError):
+    pass
+
+
+def _one_node(
+    geo: BenchGeometry,
+    engines: int,
+    shards: int,
+    chunks: int,
+    jobs: int,
+    warmup: int,
+    pool_bytes: int,
+    namespace: str,
+    salt: bytes,
+) -> list[tuple[str, Series]]:
+    """`shards` daemons and one fleet; a store series then a load series."""
+    views = shard_views(geo, engines, shards)
+    rank_job = chunks * geo.chunk_bytes_per_rank()
+    busiest = max(sum(1 for v in views.values() if v[0] == s) for s in range(shards))
+    # In-flight slots and a load set must fit a shard's pool four times over (as in
+    # the ceiling bench): the busiest shard decides.
+    sets = min(16, pool_bytes // shards // 4 // (busiest * rank_job))
+    if sets < DEPTH:
+        raise _PoolTooSmall(
+            f"a pool of {pool_bytes >> 20} MiB holds {sets} load sets per shard, "
+            f"{DEPTH} needed (--pool-size)"
+        )
+    num_blocks = 4 * chunks * geo.blocks_per_chunk
+    launcher = [sys.executable, "-m", "kvdepot.bench.ceiling"]
+    # A row is charged to the rank that reserves it until every rank wrote it. The
+    # bench's ranks are not held in step as a model's are (16 processes on a few cores
+    # drift apart by dozens of jobs), so one session may hold the whole pool in rows.
+    extra = ["--max-writing-per-session", "100%"]
+    daemons: list[OwnDaemon] = []
+    fleet: Fleet | None = None
+    try:
+        for _ in range(shards):
+            daemons.append(
+                OwnDaemon(f"{max(1, pool_bytes // shards >> 20)}MiB", extra=extra, command=launcher)
+            )
+        for d in daemons:
+            d.wait_warm()
+        fleet = Fleet(engines, geo.tp)
+
+        def setup(w: WorkerProc) -> dict[str, Any]:
+            shard, view, rank = views[(w.engine, w.rank)]
+            return {
+                "cmd": "setup",
+                "target": daemons[shard].target,
+                "geometry": vars(view),
+                "rank": rank,
+                "engine": w.engine,
+                "num_blocks": num_blocks,
+                "salt": salt.hex(),
+                "namespace": f"{namespace}-e{w.engine}",  # per engine: its world per shard
+                "arena_bytes": 1 << 20,
+            }
+
+        fleet.call(fleet.workers, setup)
+        for d in daemons:
+            d.wait_mapped()
+        pids = [d.proc.pid for d in daemons]
+        keys = KeyCursor()
+        out = []
+        for direction in ("store", "load"):
+            # Rounds of ROUND_JOBS, each started together: the bench's ranks are not
+            # held in step as a model's are (a step is every rank's job), and over a
+            # long series on few cores some run dozens of jobs ahead. Their rows wait,
+            # reserved, for the slow ranks, and the pool fills with them. On a host
+            # busy with other work a rank can still stall for a round: the keys its
+            # mates then find no room for are dropped, counted, and said (a load
+            # whose key was dropped still fails the series).
+            # A world of one rank has no mates to wait for: one round.
+            size = ROUND_JOBS if max(v[1].tp for v in views.values()) > 1 else jobs
+            try:
+                rounds = [
+                    timed_run(fleet, pids, keys, direction, chunks, n, warmup, sets, True)
+                    for n in _split(jobs, size)
+                ]
+            except RuntimeError as exc:
+                raise RuntimeError(
+                    f"node series, {engines} x TP={geo.tp} on {shards} shard(s), {direction}: {exc}"
+                ) from exc
+            out.append((direction, Series(rounds)))
+        return out
+    finally:
+        if fleet is not None:
+            fleet.close()
+        for d in daemons:
+            d.stop()
+
+
+def _row(
+    name: str,
+    geo: BenchGeometry,
+    engines: int,
+    shards: int,
+    cores: int,
+    chunks: int,
+    direction: str,
+    run: Series,
+) -> dict[str, Any]:
+    rate, window = run.rate()
+    rank_job = chunks * geo.chunk_bytes_per_rank()
+    daemon_us = 1e6 * run.daemon_cpu_s / run.submitted
+    return {
+        "geometry": name,
+        "engines": engines,
+        "tp": geo.tp,
+        "shards": shards,
+        "cores": cores,
+        "direction": direction,
+        "chunks": chunks,
+        "rank_job_bytes": rank_job,
+        "rank_jobs": run.timed_jobs,
+        "dropped_keys": run.dropped,  # stores (a load's: of its set) with no room
+        "rank_jobs_per_s": rate / rank_job,
+        "equivalent_gbps": rate / GB,
+        "window_s": window,
+        # CPU per rank job, warm-up included, from /proc of every daemon / worker.
+        "daemon_cpu_us_per_rank_job": daemon_us,
+        "engine_cpu_us_per_rank_job": 1e6 * run.engine_cpu_s / run.submitted,
+        # What one daemon core, fully busy at this cost, could feed: the scaling model.
+        "one_core_gbps": rank_job / daemon_us * 1e6 / GB if daemon_us > 0 else 0.0,
+        # The host's cores the daemons and engines used over the rounds (1.0: all of
+        # them; CPU of the warm-up jobs included, /proc's tick-sampled accounting).
+        "host_cpu_share": (run.daemon_cpu_s + run.engine_cpu_s) / (run.span_s * cores)
+        if run.span_s > 0
+        else 0.0,
+        "overhead_ms_p50": percentile(run.overhead_ms, 50),
+    }
+
+
+def format_node_table(result: dict[str, Any]) -> str:
+    """The node series' table (printed by kvdepot.bench.output.emit)."""
+    info = result["node"]
+    load = result["loadavg_1min"]
+    lines = [
+        f"kvdepot bench --node {result['version']} ({result['elapsed_s']:.0f} s): "
+        f"control-plane ceiling of the node, copies off, {info['engines']} engines x TP ranks, "
+        f"{info['depth']} jobs in flight per rank, {info['chunks']}-chunk jobs",
+        f"host: {info['cores']} cores (daemons and engines share them); load average "
+        f"{load['start']:.1f} at start, {load['end']:.1f} at end; node pool "
+        f"{info['pool_bytes'] >> 20} MiB split over the shards",
+        *(f"{n}: {text}" for n, text in info["geometries"].items()),
+        "",
+        " geometry  dir   engxTP shards | rank jobs/s  GB/s-eq  vs 1 | daemon us  engine us"
+        "  /rank job | 1 core GB/s  host CPU | ovh p50 ms",
+    ]
+    for r in info["rows"]:
+        vs = f"{r['vs_one_shard']:4.2f}" if r["vs_one_shard"] is not None else "   -"
+        lines.append(
+            f" {r['geometry']:8s}  {r['direction']:5s} {r['engines']:2d}x{r['tp']:<2d}  "
+            f"{r['shards']:5d} | {r['rank_jobs_per_s']:11.0f}  {r['equivalent_gbps']:7.1f}  "
+            f"{vs} | {r['daemon_cpu_us_per_rank_job']:9.0f}  "
+            f"{r['engine_cpu_us_per_rank_job']:9.0f}            | "
+            f"{r['one_core_gbps']:11.1f}  {r['host_cpu_share']:8.0%} | "
+            f"{r['overhead_ms_p50']:10.2f}"
+        )
+    for r in info["rows"]:
+        if r["dropped_keys"]:
+            lines.append(
+                f" note: {r['geometry']} {r['direction']} {r['shards']} shard(s): "
+                f"{r['dropped_keys']} key(s) dropped (ranks out of step on a busy host)"
+            )
+    for s in info["skipped"]:
+        lines.append(f" not run: {s}")
+    lines.append(
+        " 1 core GB/s: what one daemon core, fully busy at this CPU per rank job, could feed; "
+        "host CPU: daemons + engines CPU over the series / all cores"
+    )
+    return "\n".join(lines)
