@@ -72,7 +72,7 @@ if [ "$engine" = 1 ]; then
     fi
     .venv-engine/bin/pip uninstall --disable-pip-version-check -y -q \
         torchvision torchaudio torchcodec >/dev/null 2>&1 || true
-    .venv-engine/bin/pip install --disable-pip-version-check -q -e '.[server]' \
+    .venv-engine/bin/pip install --disable-pip-version-check -q -e '.[server,disk]' \
         pytest pytest-timeout 2>&1 | grep -v "^WARNING: Location" || true
     .venv-engine/bin/python -c "import kvdepot.client.vllm, vllm" >/dev/null 2>&1 \
         || { echo ".venv-engine installation incomplete"; exit 1; }
