@@ -20,7 +20,9 @@ from kvdepot.v1 import admin_pb2
 pytestmark = pytest.mark.vllm
 
 
-def test_take_events_shows_blocks_on_disk_as_storage(daemon_factory, make_engine, tmp_path) -> None:
+def test_take_events_shows_blocks_on_disk_as_storage(
+    daemon_factory, make_engine, tmp_path, monkeypatch
+) -> None:
     d = daemon_factory(
         "--pool-size", "64MiB", "--disk", str(tmp_path / "disk"), "--disk-size", "64MiB"
     )  # fmt: skip
@@ -30,21 +32,30 @@ def test_take_events_shows_blocks_on_disk_as_storage(daemon_factory, make_engine
     prompt = prompt_for(13, 160)
     keys = engine.offload_keys(prompt)
     hashes = {maybe_convert_block_hash(k[:-4]) for k in keys}
+    # vLLM drains the connector's events at every step: record what every caller takes
+    # (a disk write that ends while the engine still steps is taken by vLLM, not us).
+    seen: list[BlockStored | BlockRemoved] = []
+    take_events = engine.scheduler_connector.take_events
+
+    def recorded() -> list:
+        events = list(take_events())
+        seen.extend(events)
+        return events
+
+    monkeypatch.setattr(engine.scheduler_connector, "take_events", recorded)
     [rec] = engine.generate([prompt])
     assert rec.external_tokens == 0
     engine.wait_ready(keys)
 
-    seen: list[BlockStored | BlockRemoved] = []
-
     def stored(medium: str) -> set:
-        seen.extend(e for e in engine.scheduler_connector.take_events())
+        engine.scheduler_connector.take_events()
         return {
             h for e in seen if isinstance(e, BlockStored) and e.medium == medium
             for h in e.block_hashes
         }  # fmt: skip
 
-    # (The pool's CPU events went while the engine stepped: vLLM drains them each step.)
     engine.wait_until(lambda: stored("STORAGE") >= hashes, what="STORAGE events for the prompt")
+    assert stored("CPU") >= hashes  # the pool's, taken by vLLM's steps, recorded too
     assert {e.locality for e in seen if isinstance(e, BlockStored) and e.medium == "STORAGE"} == {
         "LOCAL"
     }
