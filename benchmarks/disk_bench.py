@@ -272,6 +272,8 @@ def working_set(args: argparse.Namespace) -> dict[str, Any]:
             requests=args.requests,
             zipf_s=args.zipf,
             rounds=args.rounds,
+            disk_write=args.disk_write,
+            disk_write_priority=args.disk_write_priority,
         ),
     }
     result["load_after"] = os.getloadavg()
@@ -335,6 +337,18 @@ def main(argv: list[str] | None = None) -> int:
     ws.add_argument("--requests", type=int, default=0, help="trace length (4 x prompts)")
     ws.add_argument("--zipf", type=float, default=1.0, help="Zipf exponent of the trace (1.0)")
     ws.add_argument("--rounds", type=int, default=3, help="store series per daemon (3)")
+    ws.add_argument(
+        "--disk-write",
+        choices=("ready", "evict"),
+        default="ready",
+        help="the disk daemon's --disk-write (ready)",
+    )
+    ws.add_argument(
+        "--disk-write-priority",
+        choices=("low", "normal"),
+        default="low",
+        help="the disk daemon's --disk-write-priority (low)",
+    )
     args = p.parse_args(argv)
     if args.working_set:
         result = working_set(args)

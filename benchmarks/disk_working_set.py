@@ -1,7 +1,8 @@
 """The disk tier under a working set larger than RAM (`disk_bench --working-set`).
 
 Two real daemons (`kvdepot serve`), each with the same RAM pool of `pool` bytes: one
-with a disk tier of `disk_size` (at least 8x the pool), one without. One bench worker
+with a disk tier of `disk_size` (at least 8x the pool; its `--disk-write` mode and
+`--disk-write-priority` as given), one without. One bench worker
 process (benchmarks/worker.py, an engine rank with its KV cache in a memfd) per daemon.
 
 1. **Replay.** A trace of `requests` requests over `prompts` prompts of `chunks`
@@ -14,7 +15,8 @@ process (benchmarks/worker.py, an engine rank with its KV cache in a memfd) per 
    keys copy nothing). Chunks are counted by tier: RAM hit, disk hit, miss. The same
    trace runs on the daemon without a disk tier (its hits: RAM only).
    Promoted GB/s: the bytes of the LOAD jobs of requests with a disk hit over the
-   time from their Prefetch to the end of their LOAD (what reaches the engine).
+   time from their Prefetch to the end of their LOAD (what reaches the engine); and
+   the bytes the replay wrote to disk (what each `--disk-write` mode costs the disk).
 2. **Stores while the disk writes.** Series of STORE jobs of fresh keys (each series
    `store_mib` MiB, more than the pool, so RAM evicts and the disk writes behind the
    whole time), on both daemons alternately, `rounds` times each: GB/s of each, and
@@ -188,6 +190,8 @@ def run_working_set(
     zipf_s: float = 1.0,
     rounds: int = 3,
     seed: int = 7,
+    disk_write: str = "ready",
+    disk_write_priority: str = "low",
 ) -> dict[str, Any]:
     geo = BenchGeometry()
     job_bytes = geo.job_bytes(chunks)
@@ -197,7 +201,13 @@ def run_working_set(
     trace = zipf_trace(prompts, requests, zipf_s, seed)
     work = Path(tempfile.mkdtemp(prefix="kvdepot-ws-", dir=directory))
     with_disk = _Side(
-        pool, ["--disk", str(work / "disk"), "--disk-size", str(disk_size)], geo, chunks
+        pool,
+        [
+            *("--disk", str(work / "disk"), "--disk-size", str(disk_size)),
+            *("--disk-write", disk_write, "--disk-write-priority", disk_write_priority),
+        ],
+        geo,
+        chunks,
     )
     try:
         without = _Side(pool, [], geo, chunks)
@@ -213,8 +223,11 @@ def run_working_set(
             "working_set": prompts * job_bytes,
             "requests": requests,
             "trace": f"Zipf-like, s={zipf_s}, seed {seed}",
+            "disk_write": disk_write,
+            "disk_write_priority": disk_write_priority,
         }
         result["replay_disk"] = replay(with_disk, trace, job_bytes)
+        replay_written = with_disk.daemon.stats().disk_write_bytes
         result["replay_ram_only"] = replay(without, trace, job_bytes)
         series_jobs = max(4, 2 * pool // job_bytes)  # twice the pool per series
         seq = STORE_SERIES_BASE
@@ -225,6 +238,7 @@ def run_working_set(
                 gbps[name].append(store_series(side, seq, series_jobs, job_bytes))
                 seq += series_jobs * chunks
         s = with_disk.daemon.stats()
+        result["replay_disk"]["write_bytes"] = replay_written
         result["stores"] = {
             "series_bytes": series_jobs * job_bytes,
             "disk_GBps": gbps["disk"],
@@ -252,7 +266,8 @@ def working_set_table(r: dict[str, Any]) -> str:
     lines = [
         f"working set: pool {r['pool'] // mib} MiB, disk {r['disk_size'] // mib} MiB, "
         f"{r['prompts']} prompts of {r['job_bytes'] // mib} MiB = "
-        f"{r['working_set'] / r['pool']:.1f}x the pool; {r['requests']} requests, {r['trace']}"
+        f"{r['working_set'] / r['pool']:.1f}x the pool; {r['requests']} requests, {r['trace']}; "
+        f"--disk-write {r['disk_write']}, --disk-write-priority {r['disk_write_priority']}"
     ]
     for name in ("replay_disk", "replay_ram_only"):
         x = r[name]
@@ -266,6 +281,8 @@ def working_set_table(r: dict[str, Any]) -> str:
                 f"{x['promoted_requests']} requests (Prefetch to ready "
                 f"{x['prefetch_to_ready_ms']:.1f} ms each)"
             )
+        if "write_bytes" in x:
+            row += f"; {x['write_bytes'] / 1e9:.2f} GB written to disk"
         if x["load_failed"]:
             row += f"; {x['load_failed']} loads failed (recomputed)"
         lines.append(row)

@@ -461,6 +461,21 @@ class ServeConfig(DaemonSettings):
         metavar="SIZE",
         help="bytes of the disk tier's file, reserved at start; past it, LRU evicts",
     )
+    disk_write: str = setting(
+        "--disk-write",
+        "ready",
+        parse=parsers.one_of("ready", "evict"),
+        help="write a row to the disk tier when it becomes ready, or only ahead of eviction "
+        "(the pool's least recently used rows, once the pool is over 80 percent full)",
+    )
+    disk_write_priority: str = setting(
+        "--disk-write-priority",
+        "low",
+        parse=parsers.one_of("low", "normal"),
+        help="CPU and I/O priority of the disk tier's write threads: low (nice 19, the "
+        "lowest best-effort I/O class: stores and loads always win the CPU, and writes the "
+        "disk cannot take in time are dropped) or normal (as the daemon's other threads)",
+    )
     # Not settings: fixed for the daemon, changed only by tests that build a state directly.
     slot_granularity: int = 4096
     keepalive_seconds: float = 5.0

@@ -354,7 +354,16 @@ class Daemon:
             raise DiskTierError(
                 f"--disk needs blake3 ({exc}): pip install 'kvdepot[disk]'"
             ) from None
-        link = DiskLink.from_settings(DiskSettings(cfg.disk, cfg.disk_size), st.index, st.arena)
+        link = DiskLink.from_settings(
+            DiskSettings(
+                cfg.disk,
+                cfg.disk_size,
+                write_mode=cfg.disk_write,
+                background_writes=cfg.disk_write_priority == "low",
+            ),
+            st.index,
+            st.arena,
+        )
         try:
             link.start()
         except (private_files.UnsafeFileError, TierBusy) as exc:

@@ -267,6 +267,8 @@ def _disk(disk: dict[str, Any] | None, rates: dict[str, Any] | None) -> list[Any
         return [g]
     capacity, used = disk.get("disk_capacity_bytes", 0), disk.get("disk_used_bytes", 0)
     use = f"{fmt_bytes(used)} of {fmt_bytes(capacity)}, {disk.get('disk_records', 0)} records"
+    if disk.get("disk_write_mode"):
+        use += f", writes on {disk['disk_write_mode']}"
     if disk.get("disk_healthy"):
         g.add_row("disk", Text.assemble(("healthy", "green"), f" · {use}"))
     else:

@@ -58,6 +58,7 @@ class NewestFirst:
     def __init__(self) -> None:
         self._rows: list[Slot] = []
         self.admit = self._rows.append
+        self.admit_coldest = self._rows.append  # the next victim: the last admitted
         self.withdraw = self._rows.remove
 
     def pop_victim(self) -> Slot | None:
@@ -88,4 +89,33 @@ def test_the_index_evicts_its_policys_victims_and_spares_pinned_rows() -> None:
     ]
     assert ix.lookup("ns", [key(0), key(1), key(2)]) == [True, False, True]
     assert ix.evictable_blocks == 1  # key 0; key 2 pinned, key 3 writing
+    ix.check_invariants()
+
+
+def test_a_hold_that_was_no_use_leaves_the_row_the_next_victim() -> None:
+    """The disk tier's write of a cold row (end_read(use=False)) does not make it the
+    latest use, as a load's read does: it goes back to the cold end."""
+    lru = LruPolicy()
+    a, b, c = slot(0), slot(1), slot(2)
+    for s in (a, b, c):
+        lru.admit(s)
+    lru.withdraw(b)
+    lru.admit_coldest(b)
+    assert list(lru) == [b, a, c]
+
+    ix = BlockIndex(ExtentAllocator(3 * SLOT))
+    ix.declare_namespace(NamespaceLayout("ns", 1, 1, ((SLOT,),)))
+    for i in range(3):
+        claim = ix.begin_store_many("ns", [key(i)], 0, "s1")
+        ix.finish_store_many(claim.slots, 0, True)
+    coldest = [s.key for s in ix.coldest()]
+    assert coldest == [key(0), key(1), key(2)]
+    held = ix.begin_read("ns", key(1))
+    assert held is not None and [s.key for s in ix.coldest()] == [key(0), key(2)]
+    ix.end_read(held, use=False)
+    assert [s.key for s in ix.coldest()] == [key(1), key(0), key(2)]
+    read = ix.begin_read("ns", key(0))
+    assert read is not None
+    ix.end_read(read)  # a load's read: the latest use
+    assert [s.key for s in ix.coldest()] == [key(1), key(2), key(0)]
     ix.check_invariants()

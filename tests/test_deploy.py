@@ -73,6 +73,8 @@ KNOWN_SETTINGS = frozenset(
         "KVDEPOT_REMOTE_KEY_FILE",
         "KVDEPOT_DISK",
         "KVDEPOT_DISK_SIZE",
+        "KVDEPOT_DISK_WRITE",
+        "KVDEPOT_DISK_WRITE_PRIORITY",
         "KVDEPOT_REMOTE_INSECURE",
     }
 )

@@ -41,6 +41,11 @@ class EvictionPolicy(Protocol):
     admit: Callable[[Slot], object]
     withdraw: Callable[[Slot], object]
 
+    def admit_coldest(self, slot: Slot) -> object:
+        """Admits `slot` as the next victim: a hold that was not a use ended (the disk
+        tier wrote the cold row behind; kvdepot.server.disk.link)."""
+        ...
+
     def pop_victim(self) -> Slot | None: ...
 
     def __len__(self) -> int: ...
@@ -65,6 +70,10 @@ class LruPolicy:
         # a row is admitted once); `del` raises KeyError for a row never admitted.
         self.admit: Callable[[Slot], object] = order.setdefault
         self.withdraw: Callable[[Slot], object] = order.__delitem__
+
+    def admit_coldest(self, slot: Slot) -> None:
+        self._order[slot] = None
+        self._order.move_to_end(slot, last=False)
 
     def pop_victim(self) -> Slot | None:
         if not self._order:

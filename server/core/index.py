@@ -87,6 +87,7 @@ class BlockIndex:
         self.allocator = allocator
         self.namespaces: dict[str, Namespace] = {}
         self._policy: EvictionPolicy = LruPolicy() if policy is None else policy
+        self.coldest = self._policy.__iter__  # evictable rows, next victim first, lazily
         self._events: list[IndexEvent] = []
         self._emit = self._events.append if on_event is None else on_event
         self.stats = IndexStats()
@@ -240,10 +241,11 @@ class BlockIndex:
         slot.readers += 1
         return slot
 
-    def end_read(self, slot: Slot) -> None:
+    def end_read(self, slot: Slot, *, use: bool = True) -> None:
         slot.readers -= 1
         if not slot.readers and not slot.pins and slot.state is SlotState.READY:
-            self._policy.admit(slot)  # a read counts as a use: admitted as the latest
+            # A read is a use (the latest); use=False (a disk write behind): the next victim
+            (self._policy.admit if use else self._policy.admit_coldest)(slot)
 
     # -- sessions and expiry ------------------------------------------------------------
 

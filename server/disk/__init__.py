@@ -8,6 +8,8 @@
     recovery.py    the index brought back at open, in the background: checkpoint or scan
     health.py      up/down with back-off, logged in words
     stats.py       counters and recovery progress
+    io_threads.py  IOThreads: daemon I/O threads with a bounded wait (a hung disk)
+    upkeep.py      the tier's file kept in order: users, failures, probes, fdatasync
     tier.py        DiskTier: all of it, with its I/O threads
     link.py        DiskLink: the tier attached to the daemon (write-behind, promotion, figures)
     metrics.py     its Prometheus series (kvdepot_disk_*)

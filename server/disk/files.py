@@ -133,6 +133,12 @@ class TierFile:
         ):
             raise OSError(errno.EIO, "the probe page did not read back")
 
+    def sync(self) -> None:
+        """fdatasync(2): the records written so far are on the disk's stable storage
+        (O_DIRECT leaves them in a drive's volatile cache, and an extent's first write
+        in the file system's journal). Blocks while the file system is frozen."""
+        os.fdatasync(self.fd)
+
     def close(self) -> None:
         if not self._closed:
             self._closed = True

@@ -6,13 +6,30 @@ the index and arena APIs. The state's tier facet (kvdepot.server.state.tiers)
 asks it first on Depot/Prefetch; Admin/GetStats and the Prometheus collector
 (kvdepot.server.disk.metrics) read its figures.
 
-- Write-behind: a row that becomes READY (its STORED event) is noted; right after
-  the event (a listener must not call back into the index) each row still ready is
-  held with `begin_read` and handed to `DiskTier.write` straight from the pool's
-  memory (page-aligned: nothing is staged); the hold ends when the write's `done`
-  comes back to the loop. What the tier cannot take (the bound on bytes in flight,
-  the disk down or its index coming back, no space) is dropped and counted there:
-  a store never waits on the disk.
+- Write-behind, `--disk-write ready`: a row that becomes READY (its STORED event)
+  is noted; right after the event (a listener must not call back into the index)
+  each row still ready is held with `begin_read` and handed to `DiskTier.write`
+  straight from the pool's memory (page-aligned: nothing is staged); the hold ends
+  when the write's `done` comes back to the loop. A row that finds the bound on
+  bytes in flight reached waits, as a key only (nothing held, so RAM may still
+  evict it), in a list of at most WAITING_ROWS, written oldest first as writes
+  finish: a burst larger than the bound still reaches the disk. Past that list,
+  and whatever the tier cannot take (the disk down or its index coming back, no
+  space), is dropped and counted: a store never waits on the disk.
+- Write-behind, `--disk-write evict`: nothing is written while the pool is below
+  its high-water fill. Above it, a walk from the cold end of the pool's LRU
+  (`BlockIndex.coldest`) writes the least recently used rows not on disk yet, the
+  same way and under the same bound, so that eviction finds them written; a row
+  reused meanwhile moves to the hot end and is not written. The walk covers only
+  the coldest bytes above the high-water mark and runs again after new rows or
+  finished writes worth an eighth of what it last walked (amortized: a few checks
+  per stored row). The write's hold ends as no use (`end_read(use=False)`): a
+  written row stays the next victim.
+- With `--disk-write-priority low` (the default) the write threads run at nice 19
+  and the lowest best-effort I/O priority (`io_threads.lower_priority`): stores' copies and
+  the event loop win the CPU, and what the disk cannot take in time is dropped.
+- Writes in flight hold at most half the pool (`POOL_SHARE`; a row being written is
+  unevictable, and a pool all held would drop stores).
 - Promotion: `promote(namespace, keys)` claims, for each key on disk whose record
   is a whole row of the namespace's layout, every rank's section of a fresh slot
   (`begin_store`, as the remote fetcher does), `DiskTier.read` reads the record
@@ -21,7 +38,10 @@ asks it first on Depot/Prefetch; Admin/GetStats and the Prometheus collector
 - Events: the tier's record changes (`DiskTier.watch`: a record written; one
   evicted, not verified or lost with its file) reach `announce` (the event bus's
   Watch streams, set by kvdepot.server.state.tiers) on the loop, in order, as
-  STORED/REMOVED events of tier DISK, so routers see where a block lives.
+  STORED/REMOVED events of tier DISK, so routers see where a block lives; the
+  records the index rebuild brings back at start are announced the same way, in
+  its batches, and a Watch stream that starts later is told what is on disk by
+  `on_watch` (the event bus's greeting).
 
 Threads: everything here runs on the event loop, except the tier's `done`
 callbacks, which run on its I/O threads and only hand their result to the loop.
@@ -35,15 +55,16 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from itertools import groupby
 from typing import Any
 
 from kvdepot.server.core.index import BlockIndex, IndexEvent, Slot, UnknownNamespace
-from kvdepot.server.core.kinds import EventKind, StoreOutcome, Tier
+from kvdepot.server.core.kinds import EventKind, EvictionReason, StoreOutcome, Tier
 from kvdepot.server.core.layout import check_key
+from kvdepot.server.disk.io_threads import lower_priority
 from kvdepot.server.disk.space import Change, WriteVerdict
 from kvdepot.server.disk.tier import DiskTier
 from kvdepot.server.memory.arena import Arena
@@ -51,6 +72,11 @@ from kvdepot.server.memory.arena import Arena
 log = logging.getLogger("kvdepot.disk")
 
 OWNER = "disk-tier"  # the index's writer id for rows promoted from the disk
+# Keys a new Watch stream is told are on disk (a quarter of what it may lag behind).
+WATCH_DISK_KEYS = 16384
+# Ready rows that found the bound on bytes in flight reached, waiting (as keys) for
+# writes to finish; more than this are dropped (`backlog_full`).
+WAITING_ROWS = 4096
 # The tier's write verdicts that drop a row, as GetStats and Prometheus name them.
 _DROPS = {
     WriteVerdict.BACKLOG_FULL: "backlog_full",
@@ -60,11 +86,22 @@ _DROPS = {
 }
 
 
+WRITE_MODES = ("ready", "evict")
+# Writes in flight hold at most half the pool (DiskLink.from_settings): a row being
+# written is unevictable, and a pool all held would drop stores.
+POOL_SHARE = 2
+
+
 @dataclass(frozen=True)
 class DiskSettings:
     directory: str
     size: int
     max_inflight_bytes: int = 256 << 20
+    write_mode: str = "ready"  # --disk-write: when a row becomes ready, or ahead of eviction
+    high_water: float = 0.8  # evict mode: pool fill above which the coldest rows are written
+    # --disk-write-priority low: the write threads at the lowest priorities
+    # (kvdepot.server.disk.io_threads.lower_priority)
+    background_writes: bool = True
 
 
 @dataclass
@@ -78,24 +115,43 @@ class DiskLinkStats:
 
 
 class DiskLink:
-    def __init__(self, tier: DiskTier, index: BlockIndex, arena: Arena) -> None:
+    def __init__(
+        self,
+        tier: DiskTier,
+        index: BlockIndex,
+        arena: Arena,
+        write_mode: str = "ready",
+        high_water: float = 0.8,
+    ) -> None:
+        if write_mode not in WRITE_MODES:
+            raise ValueError(f"disk write mode {write_mode!r}: one of {', '.join(WRITE_MODES)}")
         self.tier = tier
         self._index = index
         self._arena = arena
+        self.write_mode = write_mode
+        self.high_water = high_water
         self.stats = DiskLinkStats()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stored: list[tuple[str, tuple[bytes, ...]]] = []  # STORED, not yet written
+        self._waiting: deque[tuple[str, bytes]] = deque()  # found the bound reached
         self._promoting: set[tuple[str, bytes]] = set()  # being read into the pool
+        self._cold = ColdEndWriter(self, high_water) if write_mode == "evict" else None
         self._from_disk: set[tuple[str, bytes]] = set()  # promoted: not written back
         # Where the disk's events go (the Watch streams); None: nowhere.
         self.announce: Callable[[IndexEvent], None] | None = None
 
     @classmethod
     def from_settings(cls, settings: DiskSettings, index: BlockIndex, arena: Arena) -> DiskLink:
+        # A row being written is held in the pool (unevictable): writes in flight never
+        # hold more than a share of it, or stores would find nothing to evict and drop.
+        inflight = min(settings.max_inflight_bytes, index.allocator.capacity // POOL_SHARE)
         tier = DiskTier(
-            settings.directory, settings.size, max_inflight_bytes=settings.max_inflight_bytes
+            settings.directory,
+            settings.size,
+            max_inflight_bytes=inflight,
+            write_thread_setup=lower_priority if settings.background_writes else None,
         )
-        return cls(tier, index, arena)
+        return cls(tier, index, arena, settings.write_mode, settings.high_water)
 
     def start(self) -> None:
         """Opens the tier (on the event loop; its index comes back in the background).
@@ -106,10 +162,13 @@ class DiskLink:
         snap = self.tier.snapshot()
         if snap["up"]:
             log.info(
-                "disk tier %s: %d MiB, %s I/O, writing rows when they become ready%s",
+                "disk tier %s: %d MiB, %s I/O, writing rows %s%s",
                 self.tier.directory,
                 self.tier.size >> 20,
                 "direct" if snap["direct_io"] else "buffered",
+                "when they become ready"
+                if self.write_mode == "ready"
+                else f"ahead of eviction (the pool over {self.high_water:.0%} full)",
                 "" if snap["recovery_complete"] else "; its index comes back in the background",
             )
         else:
@@ -147,8 +206,14 @@ class DiskLink:
     # -- write-behind ---------------------------------------------------------------------
 
     def on_event(self, event: IndexEvent) -> None:
-        """The event bus listener: notes rows that became ready, written right after."""
-        if event.kind is not EventKind.STORED or self._loop is None:
+        """The event bus listener: notes rows that became ready, written right after
+        (ready mode), or hands the event to the cold end's writer (evict mode)."""
+        if self._loop is None:
+            return
+        if self._cold is not None:
+            self._cold.on_event(event)
+            return
+        if event.kind is not EventKind.STORED:
             return
         if not self._stored:
             self._loop.call_soon(self._write_stored)
@@ -156,30 +221,53 @@ class DiskLink:
 
     def _write_stored(self) -> None:
         stored, self._stored = self._stored, []
-        index, arena, tier, drops = self._index, self._arena, self.tier, self.stats.write_drops
+        waiting, drops = self._waiting, self.stats.write_drops
         for namespace_id, keys in stored:
-            try:
-                layout = index.namespace(namespace_id).layout
-            except UnknownNamespace:
-                continue
             for key in keys:
-                if (namespace_id, key) in self._from_disk:
+                if (namespace_id, key) in self._from_disk:  # read from there: not again
                     self._from_disk.discard((namespace_id, key))
-                    continue
-                slot = index.begin_read(namespace_id, key)
-                if slot is None:  # evicted or replaced since its event
-                    drops["evicted"] += 1
-                    continue
-                size = layout.slot_bytes(check_key(key, layout.num_groups))
-                view = arena.view(slot.extent.offset, size)
-                verdict = tier.write(namespace_id, key, view, lambda ok, s=slot: self._written(s))
-                if verdict is not WriteVerdict.ACCEPTED:
-                    index.end_read(slot)
-                    if verdict in _DROPS:
-                        drops[_DROPS[verdict]] += 1
+                elif len(waiting) < WAITING_ROWS:
+                    waiting.append((namespace_id, key))
+                else:
+                    drops["backlog_full"] += 1
+        self._drain()
+
+    def _drain(self) -> None:
+        """Writes the waiting rows, oldest first, until the bound on bytes in flight
+        stops it (the next write that finishes drains on)."""
+        waiting, drops = self._waiting, self.stats.write_drops
+        while waiting:
+            verdict = self._write_row(*waiting[0])
+            if verdict is WriteVerdict.BACKLOG_FULL:
+                return
+            waiting.popleft()
+            if verdict in _DROPS:
+                drops[_DROPS[verdict]] += 1
+
+    def _write_row(self, namespace_id: str, key: bytes) -> WriteVerdict | None:
+        """Holds a ready row and hands it to the tier; None when it is gone."""
+        index = self._index
+        try:
+            layout = index.namespace(namespace_id).layout
+        except UnknownNamespace:
+            return None
+        slot = index.begin_read(namespace_id, key)
+        if slot is None:  # evicted or replaced since its event
+            self.stats.write_drops["evicted"] += 1
+            return None
+        view = self._arena.view(slot.extent.offset, layout.slot_bytes(slot.group))
+        verdict = self.tier.write(namespace_id, key, view, lambda ok: self._written(slot))
+        if verdict is not WriteVerdict.ACCEPTED:
+            index.end_read(slot)
+        return verdict
 
     def _written(self, slot: Slot) -> None:  # an I/O thread
-        self._on_loop(self._index.end_read, slot)
+        self._on_loop(self._write_done, slot)
+
+    def _write_done(self, slot: Slot) -> None:
+        self._index.end_read(slot)
+        if self._waiting:
+            self._drain()
 
     # -- events ---------------------------------------------------------------------------
 
@@ -196,6 +284,15 @@ class DiskLink:
             kind = EventKind.STORED if why is None else EventKind.REMOVED
             keys = tuple(change[1] for change in run)
             announce(IndexEvent(namespace_id, kind, keys, why, Tier.DISK))
+
+    def on_watch(self, namespace_id: str) -> list[IndexEvent]:
+        """What a new Watch stream is told is on disk (after the pool's snapshot): one
+        STORED event of tier DISK with the namespace's records, most recently used
+        first, at most WATCH_DISK_KEYS of them (so it never lags a stream at once)."""
+        keys = tuple(self.tier.keys_of(namespace_id, WATCH_DISK_KEYS))
+        if not keys:
+            return []
+        return [IndexEvent(namespace_id, EventKind.STORED, keys, None, Tier.DISK)]
 
     # -- promotion ------------------------------------------------------------------------
 
@@ -253,7 +350,7 @@ class DiskLink:
 
     def _promoted(self, namespace_id: str, key: bytes, slot: Slot, world: int, ok: bool) -> None:
         self._promoting.discard((namespace_id, key))
-        if ok:
+        if ok and self.write_mode == "ready":  # its STORED event must not write it back
             self._from_disk.add((namespace_id, key))
         if self._settle(slot, world, ok):
             self.stats.hits += 1
@@ -276,6 +373,7 @@ class DiskLink:
         drops["error"] = int(snap["write_errors"])  # type: ignore[call-overload]
         return {
             "disk_enabled": True,
+            "disk_write_mode": self.write_mode,
             "disk_healthy": bool(snap["up"]),
             "disk_down_reason": str(snap["down_reason"] or ""),
             "disk_direct_io": bool(snap["direct_io"]),
@@ -283,6 +381,7 @@ class DiskLink:
             "disk_used_bytes": snap["used_bytes"],
             "disk_records": snap["records"],
             "disk_inflight_bytes": snap["inflight_bytes"],
+            "disk_write_waiting": len(self._waiting),
             "disk_writes": snap["written_records"],
             "disk_write_bytes": snap["written_bytes"],
             "disk_reads": snap["read_records"],
@@ -300,3 +399,102 @@ class DiskLink:
             "disk_recovery_total_bytes": snap["recovery_total_bytes"],
             "disk_recovered": snap["recovered"],
         }
+
+
+# Rows one walk goes over at most, so a large pool's walk (a lookup under the tier's
+# lock per row) never holds the loop for long; written rows are evicted first, so the
+# walks keep up as long as RAM evicts fewer rows than this between two of them.
+MAX_WALK = 4096
+
+
+class ColdEndWriter:
+    """`--disk-write evict`: writes the pool's least recently used rows not on disk
+    yet once the pool is over `high_water` full (the module docstring). On the event
+    loop, but for `_done` (an I/O thread, handing over to the loop)."""
+
+    def __init__(self, link: DiskLink, high_water: float) -> None:
+        self._link = link
+        self._index, self._arena, self.tier = link._index, link._arena, link.tier
+        self.high_water = high_water
+        self._credit = 0  # rows stored or written since the last walk
+        self._walk_rows = 0  # rows the last walk went over
+        self._walk_due = False
+        self._writing = 0  # rows being written: held, so not in the LRU the walk sees
+        self._writing_bytes = 0
+
+    def on_event(self, event: IndexEvent) -> None:
+        """New rows count towards the next walk; a row RAM evicted before it was
+        written is counted as a dropped write (`evicted`)."""
+        if event.kind is EventKind.STORED:
+            self._credit += len(event.keys)
+            self._schedule()
+        elif event.reason is EvictionReason.LRU and self.tier.health.up:
+            contains, ns = self.tier.contains, event.namespace
+            lost = sum(1 for key in event.keys if not contains(ns, key))
+            self._link.stats.write_drops["evicted"] += lost
+
+    def _schedule(self) -> None:
+        # Amortized: a walk of N rows runs again after N/8 rows stored or written.
+        if not self._walk_due and self._credit * 8 >= self._walk_rows:
+            self._walk_due = True
+            asyncio.get_running_loop().call_soon(self._walk)
+
+    def _walk(self) -> None:
+        """Writes the coldest rows above the high-water mark not on disk yet, until
+        the bound on bytes in flight stops it (BACKLOG_FULL: not a drop, the next
+        walk takes them)."""
+        self._walk_due = False
+        self._credit = 0
+        allocator = self._index.allocator
+        # The coldest bytes over the mark, less the rows being written (held: the
+        # walk does not see them).
+        ahead = allocator.used_bytes - int(self.high_water * allocator.capacity)
+        ahead -= self._writing_bytes
+        if ahead <= 0 or not self.tier.health.up:
+            self._walk_rows = 0
+            return
+        contains, todo, walked = self.tier.contains, [], 0
+        for slot in self._index.coldest():  # no index change until the loop ends
+            if ahead <= 0 or walked >= MAX_WALK:
+                break
+            ahead -= slot.extent.size
+            walked += 1
+            if not contains(slot.namespace, slot.key):
+                todo.append(slot)
+        self._walk_rows = walked
+        for cold in todo:
+            verdict = self._write(cold)
+            if verdict is WriteVerdict.BACKLOG_FULL:
+                break
+            if verdict in _DROPS:
+                self._link.stats.write_drops[_DROPS[verdict]] += 1
+
+    def _write(self, cold: Slot) -> WriteVerdict | None:
+        index = self._index
+        try:
+            layout = index.namespace(cold.namespace).layout
+        except UnknownNamespace:
+            return None
+        slot = index.begin_read(cold.namespace, cold.key)
+        if slot is None:
+            return None
+        view = self._arena.view(slot.extent.offset, layout.slot_bytes(slot.group))
+        verdict = self.tier.write(slot.namespace, slot.key, view, lambda ok: self._done(slot))
+        if verdict is WriteVerdict.ACCEPTED:
+            self._writing += 1
+            self._writing_bytes += slot.extent.size
+        else:
+            index.end_read(slot, use=False)
+        return verdict
+
+    def _done(self, slot: Slot) -> None:  # an I/O thread
+        self._link._on_loop(self._written, slot)
+
+    def _written(self, slot: Slot) -> None:
+        self._index.end_read(slot, use=False)  # no use: the row stays the next victim
+        self._writing -= 1
+        self._writing_bytes -= slot.extent.size
+        self._credit += 1
+        if self._writing == 0:  # the bound may have stopped the last walk
+            self._credit = self._walk_rows
+        self._schedule()

@@ -26,6 +26,11 @@ _GAUGES = (
     ("used_bytes", "Bytes of the disk tier's file in use by records.", "used_bytes"),
     ("records", "Records in the disk tier's index.", "records"),
     ("inflight_bytes", "Row bytes being written to the disk now.", "inflight_bytes"),
+    (
+        "write_waiting",
+        "Ready rows waiting for the bound on bytes in flight (keys only).",
+        "write_waiting",
+    ),
     ("recovery_complete", "1 once the disk's index is whole after a start.", "recovery_complete"),
     (
         "recovery_scanned_bytes",

@@ -8,7 +8,8 @@ bound on bytes being written.
 
 - `begin_write` answers a `WriteVerdict`: a block already on disk or being
   written is never written twice; past `max_inflight_bytes` of writes in flight
-  the block is dropped (never queued); when the allocator has no room, the least
+  the block is dropped (never queued; one record always goes, however large);
+  when the allocator has no room, the least
   recently used records are evicted (in memory: their bytes stay on disk until
   overwritten, and a record read meanwhile is skipped) until the record fits.
 - `begin_read` touches the entry (LRU) and holds it against eviction until
@@ -122,7 +123,8 @@ class DiskSpace:
             self.counters.on_disk += 1
             return WriteVerdict.ON_DISK, None
         size = record_size(length)
-        if self.inflight_bytes + size > self.max_inflight_bytes:
+        # One record always goes, however large: a bound below one row never stalls.
+        if self.inflight_bytes and self.inflight_bytes + size > self.max_inflight_bytes:
             self.counters.backlog_full += 1
             return WriteVerdict.BACKLOG_FULL, None
         extent = self._allocate(size)
@@ -211,15 +213,28 @@ class DiskSpace:
         return True
 
     def publish(self, namespace: str, key: bytes, offset: int, length: int, digest: bytes) -> bool:
-        """Makes a claimed record readable, as the most recently used; False (and its
-        extent freed) when its key is known already."""
+        """Makes a claimed record readable, as the most recently used (a change, as a
+        write's is: recovered records are announced); False (and its extent freed)
+        when its key is known already."""
         size = record_size(length)
         if (namespace, key) in self._ready or (namespace, key) in self._writing:
             self.allocator.free(Extent(offset, size))
             return False
         entry = Entry(namespace, key, offset, size, length, digest, self.generation)
         self._ready[(namespace, key)] = entry
+        self._changed(entry, None)
         return True
+
+    def keys_of(self, namespace: str, limit: int) -> list[bytes]:
+        """The keys of a namespace's readable records, most recently used first, at
+        most `limit` (what a new watcher is told is on disk)."""
+        out: list[bytes] = []
+        for ns, key in reversed(self._ready):
+            if ns == namespace:
+                out.append(key)
+                if len(out) >= limit:
+                    break
+        return out
 
     def clear(self) -> None:
         """Forgets every record (the file was removed or replaced)."""

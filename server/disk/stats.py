@@ -18,6 +18,7 @@ class DiskStats:
     written_records: int = 0
     written_bytes: int = 0
     write_errors: int = 0
+    syncs: int = 0  # fdatasync calls that succeeded (DiskTier._sync)
     dropped_down: int = 0  # writes dropped while the disk was down
     dropped_recovering: int = 0  # writes dropped while the index was rebuilt
     read_records: int = 0

@@ -32,34 +32,34 @@ Promises:
 
 from __future__ import annotations
 
+import errno
 import logging
-import mmap
 import os
 import threading
+import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from kvdepot.server.disk import record
-from kvdepot.server.disk.files import TierBusy, TierFile, is_aligned, reopen
+from kvdepot.server.disk.files import TierBusy, TierFile, is_aligned
 from kvdepot.server.disk.health import disk_health
+from kvdepot.server.disk.io_threads import IOThreads
 from kvdepot.server.disk.record import PAGE, Header
 from kvdepot.server.disk.recovery import IndexRebuild, save_checkpoint
 from kvdepot.server.disk.scan import ScanProgress
 from kvdepot.server.disk.space import DiskSpace, Entry, OnChanges, WriteVerdict
 from kvdepot.server.disk.stats import DiskStats
+from kvdepot.server.disk.upkeep import SYNC_INTERVAL, FileUpkeep, pages, why
 from kvdepot.server.memory.private_files import UnsafeFileError
 
 log = logging.getLogger("kvdepot.disk")
 
 Done = Callable[[bool], None]
 
-
-def _why(exc: OSError) -> str:
-    return f"{exc.strerror or exc}" + (f" [{os.strerror(exc.errno)}]" if exc.errno else "")
+CLOSE_WAIT = 5.0  # seconds close waits for I/O in flight (a frozen disk never ends it)
 
 
-class DiskTier:
+class DiskTier(FileUpkeep):
     def __init__(
         self,
         directory: str | os.PathLike[str],
@@ -67,7 +67,10 @@ class DiskTier:
         *,
         max_inflight_bytes: int = 256 << 20,
         io_threads: int = 4,
+        write_thread_setup: Callable[[], None] | None = None,
     ) -> None:
+        """`write_thread_setup` runs first on each write thread (DiskLink lowers their
+        CPU and I/O priority there: writes behind are background work)."""
         self.directory = Path(directory)
         self.size = size - size % PAGE
         self.health = disk_health(str(self.directory))
@@ -79,8 +82,12 @@ class DiskTier:
         # Reads promote blocks an engine waits for: they never queue behind the
         # background writes (a write that cannot keep up is dropped by the in-flight
         # bound, never queued).
-        self._reads = ThreadPoolExecutor(io_threads, thread_name_prefix="kvdepot-disk-read")
-        self._writes = ThreadPoolExecutor(io_threads, thread_name_prefix="kvdepot-disk-write")
+        self._reads = IOThreads(io_threads, "kvdepot-disk-read")
+        self._writes = IOThreads(
+            io_threads, "kvdepot-disk-write", write_thread_setup, (SYNC_INTERVAL, self._sync)
+        )
+        self._unsynced = False  # records written since the last fdatasync began
+        self._synced_at = time.monotonic()
         self._file: TierFile | None = None
         self._recovering = False
         self._recovered = threading.Event()
@@ -100,37 +107,59 @@ class DiskTier:
             raise
         except OSError as exc:
             with self._lock:
-                self.health.failed(_why(exc))
+                self.health.failed(why(exc))
             self._recovered.set()
             return
         with self._lock:
             self._install(file)
 
     def close(self) -> None:
-        """Stops the scan, waits for the I/O in flight (its callbacks run), writes the
-        index checkpoint (when the index is whole and the disk up) and closes."""
+        """Stops the scan, waits for the I/O in flight (its callbacks run; at most
+        CLOSE_WAIT seconds: a frozen or hung disk is left behind, logged), fdatasyncs
+        the file and writes the index checkpoint (when the index is whole and the
+        disk up and synced: the checkpoint lists only records that are on the disk)."""
+        if self._stop.is_set():
+            return
         self._stop.set()
         if self._rebuild is not None:
-            self._rebuild.join()
-        self._writes.shutdown(wait=True)
-        self._reads.shutdown(wait=True)
+            self._rebuild.join(CLOSE_WAIT)
+        with self._lock:  # the last sync, whatever a periodic one still does
+            self._unsynced = self._unsynced or self.stats.written_records > 0
+        self._writes.submit(self._sync)  # queued after the writes
+        self._writes.shutdown()
+        self._reads.shutdown()
+        idle = self._writes.wait_idle(CLOSE_WAIT) and self._reads.wait_idle(CLOSE_WAIT)
         with self._lock:
             file, self._file = self._file, None
-            whole = file is not None and self.health.up and not self._recovering
+            whole = idle and file is not None and self.health.up and not self._recovering
+            whole = whole and not self._unsynced
             items = self._space.ready_items()
+            if file is not None:
+                file.retired = True  # closed by its last user: a hung call keeps it open
+                file.users += 1
+        if not idle:
+            log.warning(
+                "disk tier %s: disk I/O still blocked after %.0f s (a frozen or hung file "
+                "system): closed without it and without an index checkpoint (the next start "
+                "scans the records)",
+                self.directory,
+                CLOSE_WAIT,
+            )
         if file is None:
             return
         try:
             if whole and file.still_there():
                 save_checkpoint(file, items)
         except OSError as exc:
-            log.warning("disk tier: the index checkpoint was not written (%s)", _why(exc))
+            log.warning("disk tier: the index checkpoint was not written (%s)", why(exc))
         finally:
-            file.close()
+            with self._lock:
+                self._release(file)
 
     def watch(self, on_changes: OnChanges) -> None:
-        """From now on `on_changes(changes)` hears every record written and every one
-        dropped (DiskSpace.watch; records recovered at start are not announced)."""
+        """From now on `on_changes(changes)` hears every record written, every one the
+        index rebuild brings back (in its batches, as they become readable) and every
+        one dropped (DiskSpace.watch)."""
         with self._lock:
             self._space.watch(on_changes)
 
@@ -157,16 +186,17 @@ class DiskTier:
         )
         self._rebuild.start()
 
-    def _release(self, file: TierFile) -> None:  # under the lock
-        file.users -= 1
-        if file.retired and file.users == 0:
-            file.close()
-
     # -- queries -------------------------------------------------------------------------
 
     def contains(self, namespace: str, key: bytes) -> bool:
         with self._lock:
             return self._space.contains(namespace, key)
+
+    def keys_of(self, namespace: str, limit: int) -> list[bytes]:
+        """The keys of a namespace's records on disk, most recently used first, at
+        most `limit`."""
+        with self._lock:
+            return self._space.keys_of(namespace, limit)
 
     def length_of(self, namespace: str, key: bytes) -> int | None:
         """The payload bytes of a block on disk, None when it is not there."""
@@ -208,13 +238,16 @@ class DiskTier:
         try:
             if not file.still_there():
                 raise FileNotFoundError(2, f"{file.path} was removed")
-            header, tail = _pages()
+            header, tail = pages()
             value = record.digest(entry.namespace, entry.key, payload)
             record.encode_header(Header(entry.namespace, entry.key, entry.length, value), header)
             file.write_record(entry.offset, header, payload, tail)
             digest = value
         except OSError as exc:
-            self._failed(file, _why(exc), gone=isinstance(exc, FileNotFoundError))
+            # A read-only file system is let go of as a removed file is: its repair
+            # (unmount, fsck, mount) needs the file closed; the probe opens it again.
+            gone = isinstance(exc, FileNotFoundError) or exc.errno == errno.EROFS
+            self._failed(file, why(exc), gone=gone)
         except Exception:
             log.exception("disk tier write of a block failed")
         with self._lock:
@@ -224,9 +257,13 @@ class DiskTier:
             else:
                 self.stats.written_records += 1
                 self.stats.written_bytes += entry.length
+                self._unsynced = True
             self._space.flush()
             self._release(file)
+            sync_due = time.monotonic() - self._synced_at >= SYNC_INTERVAL
         _call(done, digest is not None)
+        if sync_due:  # a busy tier's threads are never idle: sync here
+            self._sync()
 
     # -- reads ---------------------------------------------------------------------------
 
@@ -254,7 +291,7 @@ class DiskTier:
     def _read(self, file: TierFile, entry: Entry, dest: memoryview, done: Done) -> None:
         verified = failed = False
         try:
-            header, tail = _pages()
+            header, tail = pages()
             if file.read_record(entry.offset, header, dest, tail):
                 found = record.decode_header(header)
                 verified = (
@@ -263,7 +300,7 @@ class DiskTier:
                 )
         except OSError as exc:
             failed = True
-            self._failed(file, _why(exc))
+            self._failed(file, why(exc))
         with self._lock:
             self._space.finish_read(entry, verified)
             if verified:
@@ -283,52 +320,6 @@ class DiskTier:
             )
         _call(done, verified)
 
-    # -- failures and probes ---------------------------------------------------------------
-
-    def _failed(self, file: TierFile, why: str, *, gone: bool = False) -> None:
-        with self._lock:
-            if file is not self._file:
-                return  # a late failure of a file already replaced
-            self.health.failed(why)
-            if gone:
-                self._retire()
-                self._space.flush()
-
-    def _retire(self) -> None:  # under the lock: the file is gone, so is its index
-        if self._file is not None:
-            self._file.retired = True
-            self._file.users += 1
-            self._release(self._file)
-            self._file = None
-        self._space.clear()
-
-    def _maybe_probe(self) -> None:  # under the lock
-        if not self._probing and self.health.probe_due() and not self._stop.is_set():
-            self._probing = True
-            self._writes.submit(self._probe)
-
-    def _probe(self) -> None:
-        with self._lock:
-            old = self._file
-            if old is not None:
-                old.users += 1
-        try:
-            new, failure = reopen(old, self.directory, self.size, _pages()[0]), ""
-        except (OSError, ValueError) as exc:
-            new, failure = None, _why(exc) if isinstance(exc, OSError) else str(exc)
-        with self._lock:
-            self._probing = False
-            if old is not None:
-                self._release(old)
-            if failure:
-                self.health.failed(failure)
-                return
-            if new is not None:
-                self._retire()
-                self._space.flush()
-                self._install(new)
-            self.health.succeeded()
-
     # -- the index rebuild's hand-over (its thread) ----------------------------------------
 
     def _adopt(self, file: TierFile, work: Callable[[DiskSpace], tuple[int, int]]) -> None:
@@ -337,6 +328,7 @@ class DiskTier:
                 kept, dropped = work(self._space)
                 self.stats.recovered += kept
                 self.stats.recovery_dropped += dropped
+                self._space.flush()  # the batch's records, announced (DiskLink)
 
     def _rebuilt(self, file: TierFile, error: str | None) -> None:
         if error is not None:
@@ -354,17 +346,6 @@ class DiskTier:
             recovered,
             dropped,
         )
-
-
-_scratch = threading.local()
-
-
-def _pages() -> tuple[memoryview, memoryview]:
-    """This I/O thread's header and tail pages (page-aligned, reused)."""
-    pages = getattr(_scratch, "pages", None)
-    if pages is None:
-        pages = _scratch.pages = memoryview(mmap.mmap(-1, 2 * PAGE))
-    return pages[:PAGE], pages[PAGE:]
 
 
 def _call(done: Done | None, ok: bool) -> None:

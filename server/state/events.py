@@ -72,6 +72,7 @@ class EventBus:
     def __init__(self) -> None:
         self.watchers: dict[str, set[Watcher]] = {}
         self._listeners: list[Callable[[IndexEvent], None]] = []
+        self._greetings: list[Callable[[str], list[IndexEvent]]] = []
 
     def add_listener(self, listener: Callable[[IndexEvent], None]) -> None:
         """Calls `listener(event)` for every event of every namespace, on the event
@@ -95,9 +96,18 @@ class EventBus:
         for w in self.watchers.get(event.namespace, ()):
             w.push(event)
 
+    def add_greeting(self, greeting: Callable[[str], list[IndexEvent]]) -> None:
+        """A tier's word to every new watcher: `greeting(namespace_id)`'s events are
+        its first queued events, after the pool's snapshot (the disk's records:
+        kvdepot.server.disk.link)."""
+        self._greetings.append(greeting)
+
     def subscribe(self, namespace_id: str, session_id: str = "") -> Watcher:
         w = Watcher(namespace_id, session_id)
         self.watchers.setdefault(namespace_id, set()).add(w)
+        for greeting in self._greetings:
+            for event in greeting(namespace_id):
+                w.push(event)
         return w
 
     def unsubscribe(self, w: Watcher) -> None:

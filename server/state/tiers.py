@@ -57,6 +57,7 @@ class TiersBelow:
         self.disk = disk
         self.bus.add_listener(disk.on_event)
         disk.announce = self.bus.publish_to_watchers  # the disk's own events: Watch only
+        self.bus.add_greeting(disk.on_watch)  # a new Watch stream hears what is on disk
 
     @property
     def has_tier_below(self) -> bool:

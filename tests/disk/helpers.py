@@ -1,5 +1,6 @@
 """Real files for the disk tier's tests: page-aligned memory, blocks whose bytes
-follow from their key, synchronous writes and reads, small mounted file systems."""
+follow from their key, synchronous writes and reads, small mounted file systems
+(tmpfs; ext4 on a loop device, which a test can turn read-only or freeze)."""
 
 from __future__ import annotations
 
@@ -7,9 +8,11 @@ import contextlib
 import hashlib
 import mmap
 import os
+import shutil
 import subprocess
 import threading
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -97,3 +100,73 @@ def mounted(fstype: str, where: Path, size: str | None = None) -> Iterator[Path]
         yield where
     finally:
         subprocess.run(["umount", "-l", str(where)], check=False)
+
+
+def _run(*argv: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(argv, capture_output=True, text=True, check=False)
+
+
+@dataclass
+class LoopExt4:
+    """A real ext4 on a loop device, mounted at `mnt` (see `loop_ext4`)."""
+
+    image: Path
+    mnt: Path
+    options: str
+
+    @property
+    def device(self) -> str:
+        """The loop device now mounted at `mnt` (e.g. loop3)."""
+        return Path(_run("findmnt", "-n", "-o", "SOURCE", str(self.mnt)).stdout.strip()).name
+
+    def trigger_error(self) -> None:
+        """A real file-system error (ext4's trigger_fs_error): with errors=remount-ro,
+        the file system turns read-only at once; every write then fails with EROFS."""
+        knob = Path("/sys/fs/ext4") / self.device / "trigger_fs_error"
+        if not knob.exists():
+            pytest.skip(f"this kernel has no {knob}")
+        knob.write_text("1")
+
+    def freeze(self) -> None:
+        """fsfreeze: every write blocks in the kernel until `thaw` (reads go on)."""
+        proc = _run("fsfreeze", "-f", str(self.mnt))
+        if proc.returncode:
+            pytest.skip(f"cannot freeze ext4: {proc.stderr.strip()}")
+
+    def thaw(self) -> None:
+        _run("fsfreeze", "-u", str(self.mnt))  # EINVAL when not frozen: fine
+
+    def mount_again(self) -> None:
+        """The operator's repair: unmount (lazily: the daemon still has its file
+        open), fsck, mount again (another loop device, so another st_dev)."""
+        _run("umount", "-l", str(self.mnt))
+        fsck = _run("e2fsck", "-f", "-y", str(self.image))
+        assert fsck.returncode in (0, 1), fsck.stdout + fsck.stderr  # 1: errors fixed
+        _mount(self)
+
+
+def _mount(fs: LoopExt4) -> None:
+    options = ",".join(filter(None, ["loop", fs.options]))
+    proc = _run("mount", "-o", options, str(fs.image), str(fs.mnt))
+    if proc.returncode:
+        pytest.skip(f"cannot loop-mount ext4: {proc.stderr.strip()}")
+
+
+@contextlib.contextmanager
+def loop_ext4(where: Path, size: str = "64M", options: str = "") -> Iterator[LoopExt4]:
+    """A real ext4 on a loop device (root only, mount options `options`); always
+    thawed and unmounted afterwards, so no test leaves a frozen mount behind."""
+    if os.geteuid() != 0 or not shutil.which("mkfs.ext4") or not shutil.which("losetup"):
+        pytest.skip("a loop-mounted ext4 needs root, mkfs.ext4 and losetup")
+    if not any(Path("/dev").glob("loop*")):
+        pytest.skip("no loop devices on this machine")
+    fs = LoopExt4(where / "ext4.img", where / "mnt", options)
+    fs.mnt.mkdir(parents=True, exist_ok=True)
+    subprocess.run(["truncate", "-s", size, str(fs.image)], check=True)
+    subprocess.run(["mkfs.ext4", "-q", "-F", str(fs.image)], check=True)
+    _mount(fs)
+    try:
+        yield fs
+    finally:
+        fs.thaw()
+        _run("umount", "-l", str(fs.mnt))

@@ -215,3 +215,33 @@ def test_sigkill_mid_write_keeps_the_finished_records_and_serves_no_torn_one(
         assert len(served) < 64  # the kill came while writes were in flight
     finally:
         tier.close()
+
+
+def test_a_clean_stop_syncs_the_records_before_its_checkpoint_lists_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A checkpoint lists records that are on stable storage: fdatasync first."""
+    import kvdepot.server.disk.tier as tier_module
+    from kvdepot.server.disk.files import TierFile
+
+    order: list[str] = []
+    real_sync, real_save = TierFile.sync, tier_module.save_checkpoint
+
+    def sync(file: TierFile) -> None:
+        order.append("fdatasync")
+        real_sync(file)
+
+    def save(file: TierFile, items: list) -> None:
+        order.append("checkpoint")
+        real_save(file, items)
+
+    monkeypatch.setattr(TierFile, "sync", sync)
+    monkeypatch.setattr(tier_module, "save_checkpoint", save)
+    with opened(tmp_path, SIZE) as tier:
+        for i in range(3):
+            assert write(tier, key(i), LENGTH) is WriteVerdict.ACCEPTED
+    assert order == ["fdatasync", "checkpoint"] and tier.snapshot()["syncs"] == 1
+    order.clear()
+    with opened(tmp_path, SIZE) as tier:  # nothing written since: nothing to sync
+        assert tier.snapshot()["recovery_source"] == "checkpoint"
+    assert order == ["checkpoint"] and tier.snapshot()["syncs"] == 0
