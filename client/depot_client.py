@@ -367,14 +367,15 @@ class DepotClient:
         return self.stub.Prefetch(req, timeout=timeout)
 
     def open_lane(
-        self, session_id: str, fd_token: str, kind: int, timeout: float
+        self, session_id: str, fd_token: str, kind: int, timeout: float, batched: bool = False
     ) -> depot_pb2.OpenJobLaneResponse:
         """Attaches the socket the fd socket took as `fd_token` as a lane of `kind`
-        (Depot/OpenJobLane; kvdepot.client.job_lane, kvdepot.client.pin_lane)."""
-        return self.stub.OpenJobLane(
-            depot_pb2.OpenJobLaneRequest(session_id=session_id, fd_token=fd_token, kind=kind),
-            timeout=timeout,
+        (Depot/OpenJobLane; kvdepot.client.job_lane, kvdepot.client.pin_lane);
+        `batched`: the caller reads TransferResults datagrams if the daemon says so."""
+        req = depot_pb2.OpenJobLaneRequest(
+            session_id=session_id, fd_token=fd_token, kind=kind, batched_results=batched
         )
+        return self.stub.OpenJobLane(req, timeout=timeout)
 
     # -- the streams' calls (opened here for kvdepot.client.session, .watch, and
     # .transfer_stream, which own and read them) ---------------------------------------

@@ -1,5 +1,6 @@
 """The client's only protobuf<->job code: `Job` to kvdepot.v1.TransferJob, and
-kvdepot.v1.TransferResult (a message, or a job lane's datagram) to `JobResult`
+kvdepot.v1.TransferResult (a message, or a job lane's datagram, or the several of a
+batched lane's TransferResults datagram) to `JobResult`
 (kvdepot.common.jobs). kvdepot.client.transfer_stream encodes each job once and
 decodes each result once, on the thread that reads it (the stream's or the lane's
 reader); no other client module builds or reads these messages
@@ -56,3 +57,9 @@ def result_from_bytes(data: bytes) -> JobResult:
     """A result as the daemon sent it on a job lane (one serialized TransferResult;
     raises protobuf's DecodeError when the datagram is not one)."""
     return result_from_proto(depot_pb2.TransferResult.FromString(data))
+
+
+def results_from_bytes(data: bytes) -> list[JobResult]:
+    """The results of a batched job lane's datagram (one serialized TransferResults,
+    OpenJobLaneRequest.batched_results; raises DecodeError when it is not one)."""
+    return [result_from_proto(msg) for msg in depot_pb2.TransferResults.FromString(data).results]

@@ -4,8 +4,12 @@
 end to the daemon's fd socket (kvdepot.client.fdpass) and attaches it with
 Depot/OpenJobLane. Then one datagram is one serialized TransferJob (sent from
 the caller's thread, never blocking) and one datagram back one serialized
-TransferResult. `TransferStream` uses a lane when it can and the gRPC stream
-otherwise; see kvdepot.server.service.job_lane for the daemon's side.
+TransferResults: every result the daemon had ready for the lane at one turn of its
+loop (asked for with OpenJobLaneRequest.batched_results; a daemon that does not
+say it batches sends one TransferResult a datagram, read as such). The reader
+thread files a datagram's results under one lock hold. `TransferStream` uses a
+lane when it can and the gRPC stream otherwise; see
+kvdepot.server.service.job_lane for the daemon's side.
 
 Set KVDEPOT_JOB_LANE=0 in the environment (or pass `job_lane=False` to
 DepotClient) to keep every job on the gRPC stream.
@@ -26,7 +30,7 @@ from typing import TYPE_CHECKING
 import grpc
 
 from kvdepot.client.fdpass import FdPassError, send_fd
-from kvdepot.client.job_codec import result_from_bytes
+from kvdepot.client.job_codec import result_from_bytes, results_from_bytes
 from kvdepot.common.backoff import Backoff
 from kvdepot.common.jobs import JobResult
 from kvdepot.common.lane_protocol import ClientLaneProtocol
@@ -42,6 +46,9 @@ ENV = "KVDEPOT_JOB_LANE"
 # them at net.core.{w,r}mem_max; a job larger than what it allows goes on gRPC.
 BUFFER_BYTES = 4 << 20
 RESULT_BYTES = 1 << 16  # a TransferResult is a few hundred bytes at most
+# A batched datagram is at most 64 KiB (the daemon's RESULTS_DATAGRAM_BYTES) unless
+# one result alone is larger: read with room to spare.
+RESULTS_BYTES = 1 << 17
 OPEN_TIMEOUT = 5.0  # in the background
 # The first open runs inside transfer_stream(), maybe on an engine's hot path (a new
 # stream after the daemon stopped answering): a healthy daemon needs a few ms.
@@ -66,11 +73,15 @@ class ClientLane:
     or the pin lane's PinCalls), which says what may go and what came. `send` from
     any thread; `recv` from one reader thread."""
 
-    def __init__(self, sock: socket.socket, lane_id: int, max_job_bytes: int) -> None:
+    def __init__(
+        self, sock: socket.socket, lane_id: int, max_job_bytes: int, batched: bool = False
+    ) -> None:
         self.sock = sock
         self.lane_id = lane_id
         self.max_job_bytes = max_job_bytes
         self.protocol = ClientLaneProtocol(max_job_bytes)
+        # The daemon sends TransferResults datagrams (it said so when the lane opened).
+        self.batched = batched
 
     @classmethod
     def open(
@@ -94,8 +105,10 @@ class ClientLane:
                 raise LaneUnavailable(f"the fd socket refused the lane: {exc}") from None
             finally:
                 theirs.close()  # the daemon has its own copy now (or none)
+            # Job lanes ask for batched results; the daemon's answer says if it sends them.
+            batched = kind == depot_pb2.LANE_TRANSFER_JOBS
             try:
-                resp = client.open_lane(session_id, token, kind, timeout)
+                resp = client.open_lane(session_id, token, kind, timeout, batched)
             except grpc.RpcError as exc:
                 code = exc.code() if hasattr(exc, "code") else None
                 details = exc.details() if hasattr(exc, "details") else str(exc)
@@ -106,7 +119,7 @@ class ClientLane:
         except BaseException:
             mine.close()
             raise
-        return cls(mine, resp.lane_id, resp.max_job_bytes)
+        return cls(mine, resp.lane_id, resp.max_job_bytes, resp.batched_results)
 
     def send(self, data: bytes) -> bool:
         """Sends one job datagram without blocking. False: it did not go (the lane
@@ -127,12 +140,13 @@ class ClientLane:
             raise
         return True
 
-    def recv(self) -> JobResult | None:
-        """Blocks for the next result; None when the lane ended."""
+    def recv(self) -> list[JobResult] | None:
+        """Blocks for the next datagram's results; None when the lane ended."""
+        if self.batched:
+            data = self.sock.recv(RESULTS_BYTES)
+            return results_from_bytes(data) if data else None
         data = self.sock.recv(RESULT_BYTES)
-        if not data:
-            return None
-        return result_from_bytes(data)
+        return [result_from_bytes(data)] if data else None
 
     def finish(self) -> None:
         """Half-close: the daemon answers the jobs it has, then closes the lane."""
@@ -260,12 +274,13 @@ class LaneKeeper:
         error = "the job lane closed"
         try:
             while True:
-                result = lane.recv()
-                if result is None:
+                results = lane.recv()
+                if results is None:
                     lane.protocol.peer_closed()
                     break
                 with self.lock:
-                    self.deliver(result, generation)
+                    for result in results:
+                        self.deliver(result, generation)
         except Exception as exc:  # OSError, or a result that does not parse
             lane.protocol.broke()
             error = f"the job lane broke: {exc}"

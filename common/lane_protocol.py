@@ -1,16 +1,16 @@
 """The lanes' protocols, without I/O: what may happen on a lane in which state.
 
 A lane is one end of `socketpair(AF_UNIX, SOCK_SEQPACKET)`: one datagram is one
-call or one answer (docs/architecture.md §3, "Job lanes", "Pin lanes", "Unpin
-lanes"). The objects here hold each lane's state and ordering rules; they never
-touch a socket, a clock or a thread. The socket code on each side is a thin
-adapter over them: the client's `kvdepot.client.job_lane` and
-`kvdepot.client.pin_lane` (blocking and non-blocking send/recv on the caller's
-thread), the daemon's `kvdepot.server.service.job_lane` (non-blocking, on its
-asyncio loop). The adapter reports what the socket did (a datagram sent, one
-received, the peer gone, a timeout) and does what the protocol answers; an
-event the state does not allow raises `LaneProtocolError` (a bug in the
-adapter, never the peer's doing).
+call or one answer, or on a batched job lane several answers
+(docs/architecture.md §3, "Job lanes", "Pin lanes", "Unpin lanes"). The objects
+here hold each lane's state and ordering rules; they never touch a socket, a
+clock or a thread. The socket code on each side is a thin adapter over them: the
+client's `kvdepot.client.job_lane` and `kvdepot.client.pin_lane` (blocking and
+non-blocking send/recv on the caller's thread), the daemon's
+`kvdepot.server.service.job_lane` (non-blocking, on its asyncio loop). The
+adapter reports what the socket did (a datagram sent, one received, the peer
+gone, a timeout) and does what the protocol answers; an event the state does not
+allow raises `LaneProtocolError` (a bug in the adapter, never the peer's doing).
 
 States, h11-style, one table per role (`CLIENT_TRANSITIONS`, `DAEMON_TRANSITIONS`):
 
@@ -32,7 +32,8 @@ The rules the protocols keep (each was once a bug, see `git log` of the lanes):
   a late answer is never read as a later call's.
 - `DaemonLane`: while `max_unread` jobs of the lane are running or answered but
   unsent, nothing more is read from it (a client that never reads cannot grow
-  the daemon); a half-closed lane answers what runs, then closes.
+  the daemon); a half-closed lane answers what runs, then closes; a closed one
+  drops what it has not sent. Each answer is sent once, in the order made.
 
 Standard library only: the protobuf messages are encoded and decoded by the
 adapters (the pin answers through the `decode` they hand `PinCalls`).
@@ -233,23 +234,30 @@ class PinCalls(ClientLaneProtocol):
 class DaemonLane(LaneProtocol):
     """The daemon's end of a lane (jobs, pins or unpins), on its event loop.
 
+    Answers wait in `outbox` until the adapter's one flush per loop turn
+    (`answer` returns True for the first, when a flush must be scheduled), which
+    `take_answers` empties into datagrams: one answer each, or several packed in
+    one where the lane is batched. A datagram the socket does not take now waits
+    in `backlog` (with how many answers it carries), drained in order.
+
     Reads are bounded: `may_read` is False while `max_unread` calls are running
-    (`started`, not yet `finished`) or answered but unsent (`backlog`). `answer`
-    says whether an answer may be sent now (nothing queued before it) or joins
-    the backlog, which the adapter drains in order when the socket takes more.
+    (`started`, not yet `finished`) or answered but unsent (`unsent`: in the
+    outbox or the backlog).
     """
 
-    __slots__ = ("backlog", "max_unread", "running")
+    __slots__ = ("backlog", "max_unread", "outbox", "running", "unsent")
     transitions = DAEMON_TRANSITIONS
 
     def __init__(self, max_unread: int) -> None:
         super().__init__()
         self.max_unread = max_unread
         self.running = 0
-        self.backlog: collections.deque[bytes] = collections.deque()
+        self.unsent = 0
+        self.outbox: list[bytes] = []
+        self.backlog: collections.deque[tuple[bytes, int]] = collections.deque()
 
     def may_read(self) -> bool:
-        return self.state is LaneState.OPEN and self.running + len(self.backlog) < self.max_unread
+        return self.state is LaneState.OPEN and self.running + self.unsent < self.max_unread
 
     def received(self) -> None:
         """A call was read (the adapter reads only while `may_read`). RECEIVE keeps
@@ -257,7 +265,7 @@ class DaemonLane(LaneProtocol):
         if not self.may_read():
             raise LaneProtocolError(
                 f"a datagram was read from a lane that is {self.state.value}, with "
-                f"{self.running} running and {len(self.backlog)} unsent of {self.max_unread}"
+                f"{self.running} running and {self.unsent} unsent of {self.max_unread}"
             )
 
     def started(self) -> None:
@@ -267,20 +275,31 @@ class DaemonLane(LaneProtocol):
         self.running -= 1
 
     def answer(self, data: bytes) -> bool:
-        """True: send `data` now (nothing is queued before it); False: it was queued
-        behind the backlog. Call `queue` if the socket then refuses it. SEND keeps
-        the state as it is where allowed (OPEN, CLOSED_BY_PEER): checked here
-        without the table, as this runs per job."""
+        """`data` joins the outbox; True when it is the first there (the adapter
+        then schedules its flush). SEND keeps the state as it is where allowed
+        (OPEN, CLOSED_BY_PEER): checked here without the table, as this runs per
+        job."""
         if self.state is LaneState.CLOSED:
             self.event(LaneEvent.SEND)  # raises: nothing goes on a closed lane
-        if self.backlog:
-            self.backlog.append(data)
-            return False
-        return True
+        self.outbox.append(data)
+        self.unsent += 1
+        return len(self.outbox) == 1
 
-    def queue(self, data: bytes) -> None:
-        """The socket could not take `data` now: it waits, in order."""
-        self.backlog.append(data)
+    def take_answers(self) -> list[bytes]:
+        """The outbox's answers, oldest first, for the adapter to send as datagrams
+        (each datagram it makes goes to `sent`, or to `queue` if the socket
+        refuses it); the outbox is empty after."""
+        answers, self.outbox = self.outbox, []
+        return answers
+
+    def queue(self, datagram: bytes, answers: int) -> None:
+        """The socket could not take `datagram` (carrying `answers` answers) now,
+        or a datagram is queued before it: it waits, in order."""
+        self.backlog.append((datagram, answers))
+
+    def sent(self, answers: int) -> None:
+        """A datagram carrying `answers` answers went into the socket."""
+        self.unsent -= answers
 
     def half_closed(self) -> None:
         """The peer will send nothing more: answer what runs, then close."""
@@ -293,12 +312,15 @@ class DaemonLane(LaneProtocol):
     @property
     def drained(self) -> bool:
         """Half-closed and everything answered and sent: time to close."""
-        return self.state is LaneState.CLOSED_BY_PEER and not self.running and not self.backlog
+        return self.state is LaneState.CLOSED_BY_PEER and not self.running and not self.unsent
 
     @property
     def closed(self) -> bool:
         return self.state is LaneState.CLOSED
 
     def close(self) -> None:
+        """Closed: what is unsent is dropped (nobody reads it)."""
         self.event(LaneEvent.CLOSE)
         self.backlog.clear()
+        self.outbox.clear()
+        self.unsent = 0

@@ -9,6 +9,12 @@ tokens, one per item: a put is a heap push and one C-level wake-up, where
 job pays it). A thread that takes a token pops the most urgent item at that
 moment, so expedited work still jumps the queue.
 
+Copies that end report back to the loop in batches: a thread that ends a copy adds
+it to its loop's list of ended copies, and wakes the loop (`call_soon_threadsafe`:
+a byte on its self-pipe) only when that list was empty; the loop's one `_drain`
+then settles every copy that ended meanwhile. Under load, one wake-up of the loop
+serves many copies instead of one each.
+
 With `cpus` (one CPU set or None per thread: the NUMA placement's, server/memory/numa.py)
 each thread pins itself to its set before its first copy; `thread_cpus` is what each
 thread then runs on, as it read its own affinity back (None: not pinned).
@@ -37,6 +43,10 @@ class CopyQueue:
         self._lock = threading.Lock()
         self._tokens: queue.SimpleQueue[None] = queue.SimpleQueue()
         self._seq = itertools.count()
+        # Ended copies not yet settled on their loop, by loop, under `_ended_lock`;
+        # a loop has an entry exactly while its `_drain` is scheduled.
+        self._ended: dict[asyncio.AbstractEventLoop, list[_Ended]] = {}
+        self._ended_lock = threading.Lock()
         self.thread_cpus: list[frozenset[int] | None] = [None] * threads
         pinned = [threading.Event() for _ in range(threads)]
         self._threads = [
@@ -126,12 +136,32 @@ class CopyQueue:
             try:
                 result = fn()
             except BaseException as exc:  # reported to the awaiting job
-                done, value = _set_exception, exc
+                ended = (ticket, fut, _set_exception, exc)
             else:
-                done, value = _set_result, result
-            # RuntimeError: the loop closed during shutdown, nobody waits.
-            with contextlib.suppress(RuntimeError):
-                loop.call_soon_threadsafe(_finish, ticket, fut, done, value)
+                ended = (ticket, fut, _set_result, result)
+            self._report(loop, ended)
+
+    def _report(self, loop: asyncio.AbstractEventLoop, ended: _Ended) -> None:
+        """On a copy thread: `ended` is settled by the loop's next `_drain`, which is
+        scheduled here if none is yet (one wake-up of the loop per batch)."""
+        with self._ended_lock:
+            batch = self._ended.get(loop)
+            if batch is not None:
+                batch.append(ended)
+                return
+            self._ended[loop] = [ended]
+        try:
+            loop.call_soon_threadsafe(self._drain, loop)
+        except RuntimeError:  # the loop closed during shutdown: nobody waits
+            with self._ended_lock:
+                self._ended.pop(loop, None)
+
+    def _drain(self, loop: asyncio.AbstractEventLoop) -> None:
+        """On the loop: settles every copy that ended since the last drain."""
+        with self._ended_lock:
+            batch = self._ended.pop(loop, ())
+        for ticket, fut, done, value in batch:
+            _finish(ticket, fut, done, value)
 
 
 class _Ticket:
@@ -145,6 +175,9 @@ class _Ticket:
         self.skipped = False
         self.ended = False
         self.waiter: asyncio.Future[None] | None = None
+
+
+_Ended = tuple["_Ticket", "asyncio.Future[Any]", Callable[["asyncio.Future[Any]", Any], None], Any]
 
 
 def _finish(

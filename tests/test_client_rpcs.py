@@ -75,7 +75,7 @@ def test_register_kv_request_is_built_once() -> None:
         # What job_lane.py, cuda_ipc.py and pvm.py did before DepotClient made their calls.
         (
             "job_lane.py",
-            "resp = client.open_lane(session_id, token, kind, timeout)",
+            "resp = client.open_lane(session_id, token, kind, timeout, batched)",
             "resp = client.stub.OpenJobLane(depot_pb2.OpenJobLaneRequest(session_id=session_id))",
         ),
         (

@@ -4,6 +4,7 @@ walks, and a frozen object freed by reference counting is really freed."""
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import time
 import weakref
@@ -83,3 +84,30 @@ def test_a_serving_daemon_freezes_and_says_so(tmp_path) -> None:
         assert sample(m, "python_gc_collections_total", generation="0") > 0
     finally:
         d.stop()
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in (
+            "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+            "fsmblks", "uordblks", "fordblks", "keepcost",
+        )
+    ]  # fmt: skip
+
+
+def test_the_daemon_keeps_freed_heap_for_the_next_job() -> None:
+    """A job's plan arrays are made and freed per job: with the policy, glibc keeps
+    the freed top of its heap (reused by the next job) instead of giving it back to
+    the kernel and faulting it in again page by page."""
+    libc = ctypes.CDLL(None)
+    if not hasattr(libc, "mallinfo2"):
+        pytest.skip("not glibc >= 2.33")
+    libc.mallinfo2.restype = _MallInfo2
+    libc.malloc.restype = ctypes.c_void_p
+    libc.free.argtypes = (ctypes.c_void_p,)
+    assert GcPolicy().heap_kept
+    block = libc.malloc(2 << 20)  # a large plan: from the heap, not a mapping of its own
+    ctypes.memset(block, 1, 2 << 20)  # touched, as a plan's columns are
+    libc.free(block)
+    assert libc.mallinfo2().keepcost >= 2 << 20, "the freed heap went back to the kernel"

@@ -27,7 +27,7 @@ from tests.support.source_rules import ROOT, assert_check_catches
 
 # (folder, its one codec): every module below the folder but the codec is checked.
 CODEC_HOMES = [(ROOT / "client", "job_codec.py"), (ROOT / "server" / "service", "codec.py")]
-JOB_MESSAGES = {"TransferJob", "TransferResult"}
+JOB_MESSAGES = {"TransferJob", "TransferResult", "TransferResults"}
 # The daemon's lane reads a job datagram into the message answer_job takes from a
 # stream too (kvdepot.server.service.job_lane); it builds nothing from it.
 ALLOWED = {("job_lane.py", "pb.TransferJob.FromString")}
@@ -165,8 +165,8 @@ def test_the_codecs_themselves_are_seen_building_them() -> None:
         ),
         (
             "client/job_lane.py",
-            "return result_from_bytes(data)",
-            "return depot_pb2.TransferResult.FromString(data)",
+            "return results_from_bytes(data) if data else None",
+            "return list(depot_pb2.TransferResults.FromString(data).results) if data else None",
         ),
         (
             "client/vllm/worker.py",

@@ -34,8 +34,11 @@ from tests.support.engine import Engine, Geometry, chunk_plan, make_key
 from tests.support.faults import rss_mib
 
 
-def raw_lane(client: DepotClient, bufsize: int | None = None) -> socket.socket:
-    """A lane opened by hand (no TransferStream): the test plays the client's end."""
+def raw_lane(
+    client: DepotClient, bufsize: int | None = None, batched: bool = False
+) -> socket.socket:
+    """A lane opened by hand (no TransferStream): the test plays the client's end, an
+    older client's (one TransferResult a datagram) unless `batched`."""
     mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     if bufsize:
         for s in (mine, theirs):
@@ -45,9 +48,13 @@ def raw_lane(client: DepotClient, bufsize: int | None = None) -> socket.socket:
     token = send_fd(client.hello.fd_socket, client.session_id, theirs.fileno())
     theirs.close()
     resp = client.stub.OpenJobLane(
-        pb.OpenJobLaneRequest(session_id=client.session_id, fd_token=token), timeout=10
+        pb.OpenJobLaneRequest(
+            session_id=client.session_id, fd_token=token, batched_results=batched
+        ),
+        timeout=10,
     )
     assert resp.lane_id > 0 and resp.max_job_bytes >= 1 << 20
+    assert resp.batched_results == batched
     return mine
 
 
@@ -212,6 +219,81 @@ def test_engine_killed_with_lane_jobs_in_flight_releases_everything(daemon) -> N
         assert eng.job(pb.LOAD, keys, blocks, idx).success
     finally:
         c.close()
+
+
+@pytest.mark.parametrize("batched", [True, False], ids=["batched", "older client"])
+def test_every_job_is_answered_once_batched_or_not(daemon, client, batched: bool) -> None:
+    """Jobs waiting at once (sent while the daemon was stopped, as many as the socket
+    queues): a lane that asked for batched results reads TransferResults datagrams
+    carrying several results (the daemon reads every waiting job in one wake-up and
+    answers those of one turn together); an older client's lane reads one
+    TransferResult a datagram. Either way each job has exactly one answer."""
+    n = 600  # several socketfuls
+    lane = raw_lane(client, batched=batched)
+    lane.settimeout(10)
+    jobs = [
+        pb.TransferJob(job_id=job_id, registration_id=4242, session_id=client.session_id)
+        for job_id in range(1, n + 1)  # each fails at once (no such registration)
+    ]
+    answers: list[pb.TransferResult] = []
+    datagrams = bursts = 0
+    while jobs:
+        bursts += 1
+        burst = 0
+        os.kill(daemon.proc.pid, signal.SIGSTOP)
+        lane.setblocking(False)
+        try:  # until the socket's queue is full (its buffer: about 120 small datagrams)
+            while jobs:
+                lane.send(jobs[0].SerializeToString())
+                jobs.pop(0)
+                burst += 1
+        except BlockingIOError:
+            pass
+        finally:
+            os.kill(daemon.proc.pid, signal.SIGCONT)
+            lane.settimeout(10)
+        expected = len(answers) + burst
+        while len(answers) < expected:
+            data = lane.recv(1 << 17)
+            assert data, "the lane closed before every job was answered"
+            datagrams += 1
+            if batched:
+                answers += pb.TransferResults.FromString(data).results
+            else:
+                answers.append(pb.TransferResult.FromString(data))
+    assert sorted(r.job_id for r in answers) == list(range(1, n + 1))
+    assert {r.error_code for r in answers} == {"FAILED_PRECONDITION"}
+    if batched:
+        assert bursts > 1 and datagrams <= n / 8, (datagrams, bursts)
+    else:
+        assert datagrams == n
+    lane.shutdown(socket.SHUT_WR)  # half-closed: answered everything, the daemon closes
+    assert lane.recv(1 << 17) == b""
+    lane.close()
+    if not batched:
+        return
+    # Over the client's own lane (batched), real jobs come back each once too.
+    geo = Geometry(world_size=1, namespace="lane-once")
+    eng = lane_engine(client, geo)
+    keys, blocks, idx = chunk_plan(geo, range(0, 4))
+    assert eng.job(pb.STORE, keys, blocks, idx).success
+    ids = list(range(1000, 1064))
+    for j in ids:
+        eng.stream.submit(
+            Job(
+                job_id=j,
+                direction=pb.LOAD,
+                registration_id=eng.registration.registration_id,
+                keys=keys,
+                block_ids=[b for g in blocks for b in g],
+                group_sizes=[len(g) for g in blocks],
+                block_indices=idx,
+            )
+        )
+    assert eng.stream.wait(ids, timeout=20)
+    results = eng.stream.poll()
+    assert sorted(r.job_id for r in results) == ids and all(r.success for r in results)
+    assert eng.stream.uses_lane
 
 
 def test_garbage_datagrams_fail_clearly_and_others_are_served(daemon, client) -> None:

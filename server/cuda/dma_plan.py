@@ -105,9 +105,11 @@ def plan_dma(
     page of block b at a constant layer stride on the GPU, and block b's pages one
     after another in its pool row) becomes one 2-D copy per chain: 16 driver calls
     for a 16-block job of 32 layers instead of 512 descriptors, which the driver
-    takes about a microsecond each to queue. Otherwise, and without `strided`,
-    descriptor batches of at most `max_batch` copies, in the runs' order (one
-    descriptor per run, cut at `host_split`).
+    takes about a microsecond each to queue. A chain that crosses a multiple of
+    `host_split` (a block's row straddling two page-locked pieces: most 16-block
+    jobs have one) goes as descriptors beside the others' 2-D copies. Otherwise,
+    and without `strided`, descriptor batches of at most `max_batch` copies, in the
+    runs' order (one descriptor per run, cut at `host_split`).
 
     Runs on the event loop for every job: `CopyPlan.address_columns` and
     `stride_period` do the per-run work in one call each.
@@ -124,23 +126,38 @@ def plan_dma(
     dev, host, n = plan.address_columns(region_addresses, pool_address, host_split)
     srcs, dsts = (dev, host) if direction == STORE else (host, dev)
     if strided:
-        copies = _strided(dsts, srcs, n, dev, host, pool_address, host_split, plan.nbytes)
-        if copies is not None:
-            return DmaPlan([], copies)
+        found = _strided(dsts, srcs, n, dev, host, pool_address, host_split, plan.nbytes)
+        if found is not None:
+            copies, rest = found
+            if rest is None:
+                return DmaPlan([], copies)
+            left = n[rest]
+            return DmaPlan(
+                _batches(dsts[rest], srcs[rest], left, max_batch, plan.nbytes - copies.nbytes),
+                copies,
+            )
+    return DmaPlan(_batches(dsts, srcs, n, max_batch, plan.nbytes))
+
+
+def _batches(
+    dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray, max_batch: int, nbytes: int
+) -> list[DmaBatch]:
+    """Descriptor batches of at most `max_batch` copies, in the columns' order;
+    `nbytes` is what all of them move."""
     batches = []
-    for i in range(0, len(n), max_batch):
-        part = n[i : i + max_batch]
+    for i in range(0, len(sizes), max_batch):
+        part = sizes[i : i + max_batch]
         batches.append(
             DmaBatch(
                 _words(dsts[i : i + max_batch]),
                 _words(srcs[i : i + max_batch]),
                 _words(part),
-                # One batch holds the plan's bytes (a cut keeps them): no sum, whose
-                # numpy reduction would release the GIL on the event loop.
-                plan.nbytes if len(part) == len(n) else int(part.sum()),
+                # One batch holds all the bytes: no sum, whose numpy reduction
+                # would release the GIL on the event loop.
+                nbytes if len(part) == len(sizes) else int(part.sum()),
             )
         )
-    return DmaPlan(batches)
+    return batches
 
 
 def _strided(
@@ -152,25 +169,56 @@ def _strided(
     pool_address: int,
     host_split: int,
     nbytes: int,
-) -> StridedCopies | None:
-    """The columns as strided copies, when they have a period whose chains each
-    stay inside one page-locked piece of the pool and whose pitches the driver
-    takes; else None."""
+) -> tuple[StridedCopies, np.ndarray | None] | None:
+    """The columns as strided copies, when they have a period whose pitches the
+    driver takes; else None. With the copies, the entries left to descriptors (None:
+    none): the chains that cross a page-locking boundary of the pool. A block's row
+    that straddles one (most 16-block jobs have one) costs its own pages as
+    descriptors, not the whole job's."""
+    keep: slice | list[int] = slice(None, None)
+    rest, moved = None, nbytes
     p = stride_period(dev, host, sizes, MIN_STRIDED_ROWS, pool_address, host_split)
-    if not p:
+    if p:
+        rows = len(sizes) // p
+        keep = slice(None, p)
+    elif host_split:
+        # Some chain crosses a boundary (or there is no period): the period regardless
+        # of the boundaries, then which chains cross, in Python ints (a handful of
+        # chains cost less than numpy's calls).
+        p = stride_period(dev, host, sizes, MIN_STRIDED_ROWS)
+        if not p:
+            return None
+        rows = len(sizes) // p
+        span = (rows - 1) * int(host[p] - host[0]) - 1
+        starts = [a - pool_address for a in host[:p].tolist()]
+        widths = sizes[:p].tolist()
+        cross = [
+            k
+            for k in range(p)
+            if starts[k] // host_split != (starts[k] + span + widths[k]) // host_split
+        ]
+        if len(cross) == p:
+            return None
+        crossing = set(cross)
+        keep = [k for k in range(p) if k not in crossing]
+        # Entry k + r*p is chain k's row r: the crossing chains' rows, chain by chain.
+        rest = np.array([k + r * p for k in cross for r in range(rows)], dtype=np.intp)
+        moved = sum(widths[k] for k in keep) * rows
+    else:
         return None
     dst_pitch, src_pitch = int(dsts[p] - dsts[0]), int(srcs[p] - srcs[0])
     if max(dst_pitch, src_pitch) > MAX_PITCH:
         return None
-    return StridedCopies(
-        _words(dsts[:p]),
-        _words(srcs[:p]),
-        _words(sizes[:p]),
-        len(sizes) // p,
+    copies = StridedCopies(
+        _words(dsts[keep]),
+        _words(srcs[keep]),
+        _words(sizes[keep]),
+        rows,
         dst_pitch,
         src_pitch,
-        nbytes,
+        moved,
     )
+    return copies, rest
 
 
 def _words(values: np.ndarray) -> array:

@@ -270,8 +270,12 @@ class DepotServicer(depot_pb2_grpc.DepotServicer):
         self, request: pb.OpenJobLaneRequest, context: grpc.aio.ServicerContext
     ) -> pb.OpenJobLaneResponse:
         """Attaches a job lane (kvdepot.server.service.job_lane)."""
-        lane = self.lanes.open(request.session_id, request.fd_token, request.kind)
-        return pb.OpenJobLaneResponse(lane_id=lane.id, max_job_bytes=MAX_JOB_BYTES)
+        lane = self.lanes.open(
+            request.session_id, request.fd_token, request.kind, request.batched_results
+        )
+        return pb.OpenJobLaneResponse(
+            lane_id=lane.id, max_job_bytes=MAX_JOB_BYTES, batched_results=lane.batched
+        )
 
     @reports_errors
     async def Put(

@@ -3,7 +3,10 @@
 A lane is an optional fast path beside the Transfer stream (Depot/OpenJobLane):
 the client sends one end of `socketpair(AF_UNIX, SOCK_SEQPACKET)` to the fd
 socket and names its token. Then one datagram is one serialized TransferJob and
-one datagram back is one serialized TransferResult. It skips gRPC's per-message
+one datagram back is one serialized TransferResult, or, where the client asked
+for it (OpenJobLaneRequest.batched_results), one TransferResults carrying every
+result of the lane that became ready in one turn of the loop: one `send` (and
+one wake-up of the client's reader) for them all. It skips gRPC's per-message
 cost and the client's thread hand-offs; the job itself runs exactly as a
 Transfer stream's (the same `answer` coroutine: validation, JobRunner,
 expedited handling, error codes).
@@ -11,8 +14,10 @@ expedited handling, error codes).
 Contract, per lane (its state, read bound and backlog are a sans-I/O
 `DaemonLane`, kvdepot.common.lane_protocol; `JobLane` is its socket adapter):
 - never blocks the loop: the socket is non-blocking, read with `add_reader`;
-  results that do not fit in the socket now wait in a backlog drained with
-  `add_writer`;
+  results wait in the lane's outbox until its one flush per loop turn
+  (`call_soon`), and datagrams that do not fit in the socket then wait in a
+  backlog drained with `add_writer`;
+- each job is answered once (results need not come in the order of the jobs);
 - bounded: while `max_unread` jobs are running or answered-but-unsent the lane
   is not read (the client's sends then fill the socket and fail with EAGAIN), so
   a client that never reads its results cannot grow the daemon's memory;
@@ -45,6 +50,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from google.protobuf.internal import decoder as _wire
+from google.protobuf.internal import encoder as _encoder
 from google.protobuf.internal import wire_format
 
 from kvdepot.common.jobs import JobResult
@@ -61,11 +67,39 @@ MAX_JOB_BYTES = 4 << 20  # the largest job datagram read; larger ones go on a Tr
 MAX_LANES_PER_SESSION = 8
 READ_BATCH = 64  # datagrams per wake-up, so one busy lane cannot hold the loop
 READ_BYTES = 1 << 20  # nor bytes parsed per wake-up (64 jobs of 4 MiB took ~0.3 s)
+# A batched lane's datagram carries results up to this size (a result alone may be
+# larger: it goes alone); the client reads with a buffer of twice this.
+RESULTS_DATAGRAM_BYTES = 1 << 16
+# The tag of TransferResults.results (field 1, length-delimited): a batch is its
+# results' bytes, each behind this tag and its length, with no message built.
+_RESULTS_TAG = b"\x0a"
+_varint = _encoder._VarintBytes
 
 Answer = Callable[[pb.TransferJob], Awaitable[pb.TransferResult]]
 
 # One receive buffer for every lane: they are all read on the loop thread.
 _RECV_BUFFER = bytearray(MAX_JOB_BYTES + 1)
+
+
+def pack_results(answers: list[bytes]) -> list[tuple[bytes, int]]:
+    """Serialized TransferResults as TransferResults datagrams of at most
+    RESULTS_DATAGRAM_BYTES (a larger result alone in its own), each with how
+    many results it carries."""
+    datagrams: list[tuple[bytes, int]] = []
+    parts: list[bytes] = []
+    size = count = 0
+    for data in answers:
+        length = _varint(len(data))
+        item = 1 + len(length) + len(data)
+        if count and size + item > RESULTS_DATAGRAM_BYTES:
+            datagrams.append((b"".join(parts), count))
+            parts, size, count = [], 0, 0
+        parts += (_RESULTS_TAG, length, data)
+        size += item
+        count += 1
+    if count:
+        datagrams.append((b"".join(parts), count))
+    return datagrams
 
 
 def leading_job_id(data: bytes) -> int | None:
@@ -100,6 +134,7 @@ class JobLane:
         sock: socket.socket,
         answer: Answer,
         max_unread: int,
+        batched: bool = False,
     ) -> None:
         self.lanes = lanes
         self.id = lane_id
@@ -110,6 +145,8 @@ class JobLane:
         # The lane's state, read bound and backlog (kvdepot.common.lane_protocol);
         # this class is its socket adapter on the loop.
         self.protocol = DaemonLane(max_unread)
+        # TransferResults datagrams (the client asked; job lanes only).
+        self.batched = batched
         self._loop = asyncio.get_running_loop()
         self._pending: set[asyncio.Task[None]] = set()  # to cancel them on close
         self._reading = False
@@ -237,32 +274,58 @@ class JobLane:
     # -- writing -----------------------------------------------------------------------
 
     def _send(self, data: bytes) -> None:
-        if self.protocol.closed:
+        """Answers: on a batched lane `data` goes out at the lane's flush, once this
+        turn of the loop has made every answer it will (one flush per lane per
+        turn); on another (a pin lane's answer, an older client's result) now."""
+        if not self.protocol.closed and self.protocol.answer(data):
+            if self.batched:
+                self._loop.call_soon(self._flush)
+            else:
+                self._flush()
+
+    def _flush(self) -> None:
+        protocol = self.protocol
+        if protocol.closed:
+            return  # the outbox was dropped with the lane
+        datagrams = self._datagrams(protocol.take_answers())
+        if self._writing:  # a backlog waits: these go after it
+            for datagram, count in datagrams:
+                protocol.queue(datagram, count)
             return
-        if self.protocol.answer(data):  # nothing queued before it: try now
+        send = self.sock.send
+        for i, (datagram, count) in enumerate(datagrams):
             try:
-                self.sock.send(data)
-                return
+                send(datagram)
             except (BlockingIOError, InterruptedError):
-                self.protocol.queue(data)
+                for late, late_count in datagrams[i:]:
+                    protocol.queue(late, late_count)
+                self._loop.add_writer(self.fd, self._on_writable)
+                self._writing = True
+                return
             except OSError as exc:
                 self.close(f"sending a result failed: {exc}")
                 return
-        if not self._writing:
-            self._loop.add_writer(self.fd, self._on_writable)
-            self._writing = True
+            protocol.sent(count)
+        self._after_progress()
+
+    def _datagrams(self, answers: list[bytes]) -> list[tuple[bytes, int]]:
+        """Answers as this lane's datagrams, each with how many answers it carries."""
+        return pack_results(answers) if self.batched else [(a, 1) for a in answers]
 
     def _on_writable(self) -> None:
-        backlog = self.protocol.backlog
+        protocol = self.protocol
+        backlog = protocol.backlog
         while backlog and not self.closed:
+            datagram, count = backlog[0]
             try:
-                self.sock.send(backlog[0])
+                self.sock.send(datagram)
             except (BlockingIOError, InterruptedError):
                 return
             except OSError as exc:
                 self.close(f"sending a result failed: {exc}")
                 return
             backlog.popleft()
+            protocol.sent(count)
         if self._writing and not self.closed:
             self._loop.remove_writer(self.fd)
             self._writing = False
@@ -291,6 +354,13 @@ class JobLane:
         """Idempotent. Jobs whose copy has not started are skipped (CopyQueue)."""
         if self.closed:
             return
+        outbox = self.protocol.take_answers()
+        if outbox and not self._writing:
+            # Answers made this turn, before the close, go if the socket takes them
+            # now (a lane closed for a bad datagram); a peer gone refuses them.
+            with contextlib.suppress(OSError):
+                for datagram, _ in self._datagrams(outbox):
+                    self.sock.send(datagram)
         self.protocol.close()  # and its backlog is dropped
         self._pause_reading()
         if self._writing:
@@ -387,9 +457,16 @@ class JobLanes:
         self.lane_pins = 0  # pin calls that came by a pin lane, since start
         self.lane_unpins = 0  # unpin calls that came by an unpin lane, since start
 
-    def open(self, session_id: str, fd_token: str, kind: int = pb.LANE_TRANSFER_JOBS) -> JobLane:
+    def open(
+        self,
+        session_id: str,
+        fd_token: str,
+        kind: int = pb.LANE_TRANSFER_JOBS,
+        batched_results: bool = False,
+    ) -> JobLane:
         """Attaches the socket behind `fd_token` as a lane of `kind` (a LaneKind);
-        raises a DepotError with why not."""
+        raises a DepotError with why not. `batched_results`: the client reads
+        TransferResults datagrams (honoured on job lanes; `lane.batched` says)."""
         cls = _LANE_CLASSES.get(kind)
         if cls is None:
             raise errors.invalid(
@@ -429,7 +506,8 @@ class JobLanes:
                 f"{creator[0] if creator else 'none'}, sent by {passed.peer})"
             )
         sock.setblocking(False)
-        lane = cls(self, next(self._ids), session_id, sock, self._answer, self._max_unread)
+        batched = batched_results and cls is JobLane
+        lane = cls(self, next(self._ids), session_id, sock, self._answer, self._max_unread, batched)
         self._lanes[lane.id] = lane
         lane.start()
         log.info("%s lane %d of session %s open", cls.noun, lane.id, session.tag)

@@ -272,6 +272,40 @@ def test_vllm_jobs_become_one_strided_copy_per_block(planner_impl: str) -> None:
     assert split.strided is None and sum(len(b) for b in split.batches) == 4 * 32
 
 
+def test_a_row_across_a_page_locking_boundary_costs_only_its_own_pages(
+    planner_impl: str,
+) -> None:
+    """Two of four blocks' rows straddle a page-locked piece of the pool: those two
+    go as descriptors, the other two stay strided copies, and the bytes are the CPU
+    engine's both ways."""
+    nb, layers, page = 16, 8, 4096
+    lay, mem, size = vllm_geometry(nb, layers=layers, page=page)
+    row, split = layers * page, 4 * layers * page  # a block's row; a piece of 4 rows
+    ids = [3, 7, 8, 12]
+    slots = [0, split - row // 2, split + row, 2 * split - row // 4]  # 2nd and 4th cross
+    plan = plan_job(lay, 0, mem, ids, [4], [0], slots)
+    rng = np.random.default_rng(7)
+    src = rng.integers(0, 256, size, dtype=np.uint8)
+    pool_a, pool_b = np.zeros(3 * split, np.uint8), np.zeros(3 * split, np.uint8)
+    CpuCopyEngine().copy(STORE, [ArrayRegion(src)], pool_a.ctypes.data, plan)
+    dma = plan_dma(STORE, plan, [src.ctypes.data], pool_b.ctypes.data, host_split=split)
+    s = dma.strided
+    assert s is not None and s.rows == layers
+    assert list(s.dsts) == [pool_b.ctypes.data + slots[k] for k in (0, 2)]
+    assert sum(len(b) for b in dma.batches) == 2 * layers  # the crossing rows' pages
+    assert s.nbytes + sum(b.nbytes for b in dma.batches) == 4 * row
+    for b in dma.batches:  # no descriptor spans a boundary
+        for dst, _, n in b.descriptors():
+            off = dst - pool_b.ctypes.data
+            assert off // split == (off + n - 1) // split
+    apply_dma(dma)
+    assert pool_a.any() and np.array_equal(pool_a, pool_b)
+    dst_a, dst_b = np.zeros(size, np.uint8), np.zeros(size, np.uint8)
+    CpuCopyEngine().copy(LOAD, [ArrayRegion(dst_a)], pool_a.ctypes.data, plan)
+    apply_dma(plan_dma(LOAD, plan, [dst_b.ctypes.data], pool_b.ctypes.data, host_split=split))
+    assert dst_a.any() and np.array_equal(dst_a, dst_b)
+
+
 @pytest.mark.parametrize(("bpc", "world", "rank"), [(1, 1, 0), (4, 2, 1), (2, 1, 0)])
 def test_strided_copies_move_exactly_the_bytes_the_cpu_engine_moves(
     bpc: int, world: int, rank: int, planner_impl: str

@@ -287,6 +287,7 @@ def test_send_limits_of_a_client_lane() -> None:
 daemon_ops = st.one_of(
     st.tuples(st.just("datagram"), st.booleans()),  # True: a pin, answered at once
     st.tuples(st.just("finish")),
+    st.tuples(st.just("turn")),  # the loop's turn ends: a batched lane's flush runs
     st.tuples(st.just("client_reads"), st.integers(0, 5)),
     st.tuples(st.just("writable")),  # the loop's writer callback, some time after a read
     st.tuples(st.just("half_close")),
@@ -295,43 +296,57 @@ daemon_ops = st.one_of(
 
 
 @settings(max_examples=400, deadline=None)
-@given(st.integers(1, 6), st.integers(0, 4), st.lists(daemon_ops, max_size=60))
-def test_daemon_lane_stays_within_its_bound_and_answers_in_order(
-    max_unread: int, socket_room: int, script
+@given(st.integers(1, 6), st.integers(0, 4), st.booleans(), st.lists(daemon_ops, max_size=60))
+def test_daemon_lane_stays_within_its_bound_and_answers_each_call_once(
+    max_unread: int, socket_room: int, batched: bool, script
 ) -> None:
     """Drives DaemonLane as kvdepot.server.service.job_lane.JobLane does its socket:
-    it reads only while `may_read`; an answer goes now if the socket has room and
-    nothing is queued, else waits in the backlog, drained in order."""
+    it reads only while `may_read`; an answer goes into the outbox, flushed at once
+    (unbatched) or at the end of the loop's turn (batched: one datagram for all);
+    a datagram goes now if the socket has room and nothing is queued, else waits
+    in the backlog, drained in order. Every answer reaches the client once, in the
+    order made, unless the lane closed first."""
     lane = DaemonLane(max_unread)
     waiting = collections.deque(range(1000))  # the client's calls, in its socket
     running: collections.deque[int] = collections.deque()
     answered: list[int] = []  # what the client read, in order
-    in_socket: collections.deque[bytes] = collections.deque()
+    in_socket: collections.deque[bytes] = collections.deque()  # datagrams
     produced: list[int] = []  # answers in the order the daemon made them
-
-    def send(call: int) -> None:
-        data = call.to_bytes(4, "big")
-        produced.append(call)
-        if lane.answer(data):
-            if len(in_socket) < socket_room:
-                in_socket.append(data)
-            else:
-                lane.queue(data)
-
-    def drain() -> None:  # the socket became writable
-        while lane.backlog and len(in_socket) < socket_room and not lane.closed:
-            in_socket.append(lane.backlog.popleft())
+    flush_due = False
+    writing = False
 
     def after_progress() -> None:
         if lane.drained:
             lane.close()
+
+    def flush() -> None:
+        nonlocal writing
+        answers = lane.take_answers()
+        datagrams = [(b"".join(answers), len(answers))] if batched else [(a, 1) for a in answers]
+        for datagram, count in datagrams:
+            if writing or len(in_socket) >= socket_room:
+                lane.queue(datagram, count)
+                writing = True
+            else:
+                in_socket.append(datagram)
+                lane.sent(count)
+        after_progress()
+
+    def answer(call: int) -> None:
+        nonlocal flush_due
+        produced.append(call)
+        if lane.answer(call.to_bytes(4, "big")):
+            if batched:
+                flush_due = True
+            else:
+                flush()
 
     for op in script:
         if op[0] == "datagram" and lane.may_read():
             lane.received()
             call = waiting.popleft()
             if op[1]:
-                send(call)
+                answer(call)
             else:
                 lane.started()
                 running.append(call)
@@ -339,42 +354,62 @@ def test_daemon_lane_stays_within_its_bound_and_answers_in_order(
             call = running.popleft()
             lane.finished()
             if not lane.closed:
-                send(call)
+                answer(call)
             after_progress()
+        elif op[0] == "turn" and flush_due:
+            flush_due = False
+            if not lane.closed:
+                flush()
         elif op[0] == "client_reads":
             for _ in range(min(op[1], len(in_socket))):
-                answered.append(int.from_bytes(in_socket.popleft(), "big"))
-        elif op[0] == "writable":
-            drain()
+                data = in_socket.popleft()
+                answered += [int.from_bytes(data[i : i + 4], "big") for i in range(0, len(data), 4)]
+        elif op[0] == "writable" and writing:
+            while lane.backlog and len(in_socket) < socket_room and not lane.closed:
+                datagram, count = lane.backlog.popleft()
+                in_socket.append(datagram)
+                lane.sent(count)
+            if not lane.backlog:
+                writing = False
             after_progress()
         elif op[0] == "half_close" and not lane.closed:
             lane.half_closed()
             after_progress()
         elif op[0] == "close" and not lane.closed:
             lane.close()
-        assert lane.running + len(lane.backlog) <= max_unread, "read past the bound"
-        assert answered == produced[: len(answered)], "answers out of order"
+        assert lane.running + lane.unsent <= max_unread, "read past the bound"
+        in_outbox = len(lane.outbox) + sum(count for _, count in lane.backlog)
+        assert lane.unsent == in_outbox, "unsent answers miscounted"
+        assert answered == produced[: len(answered)], "answers out of order, lost or doubled"
         if lane.closed:
-            assert not lane.backlog and not lane.may_read()
+            assert not lane.backlog and not lane.outbox and not lane.may_read()
     if lane.state is LaneState.OPEN:
-        assert lane.may_read() == (lane.running + len(lane.backlog) < max_unread)
+        assert lane.may_read() == (lane.running + lane.unsent < max_unread)
 
 
 def test_an_answer_waits_behind_the_backlog_even_when_the_socket_has_room() -> None:
-    """The writer callback runs some time after the client read: an answer made in
-    between must not overtake the ones queued before it."""
+    """The writer callback runs some time after the client read: a datagram made in
+    between must not overtake the ones queued before it (the adapter queues it)."""
     lane = DaemonLane(4)
     for _ in range(3):
         lane.received()
         lane.started()
+        lane.finished()
+    assert lane.answer(b"1")  # the first in the outbox: the adapter flushes
+    assert not lane.answer(b"2")  # the same flush takes it
+    assert lane.take_answers() == [b"1", b"2"] and lane.unsent == 2
+    lane.queue(b"12", 2)  # the socket was full
+    assert lane.answer(b"3")
+    lane.queue(b"3", 1)  # the writer is on: it goes after "12"
+    assert list(lane.backlog) == [(b"12", 2), (b"3", 1)]
+    assert lane.unsent == 3 and lane.may_read()
+    lane.received()
+    lane.started()
+    assert not lane.may_read()  # 3 unsent + 1 running: the bound of 4
     lane.finished()
-    assert lane.answer(b"1")  # the socket takes it
-    lane.finished()
-    assert lane.answer(b"2")
-    lane.queue(b"2")  # the socket was full
-    lane.finished()
-    assert not lane.answer(b"3")  # the socket has room again, but "2" goes first
-    assert list(lane.backlog) == [b"2", b"3"]
+    lane.sent(2)
+    lane.sent(1)
+    assert lane.unsent == 0 and lane.may_read()
 
 
 def test_daemon_lane_refuses_a_read_past_its_bound() -> None:
@@ -387,13 +422,17 @@ def test_daemon_lane_refuses_a_read_past_its_bound() -> None:
     with pytest.raises(LaneProtocolError):
         lane.received()  # half-closed: nothing more is read
     lane.finished()
-    assert lane.answer(b"r") and lane.drained
+    assert lane.answer(b"r") and not lane.drained  # answered, not sent yet
+    lane.take_answers()
+    lane.sent(1)
+    assert lane.drained
 
 
 def test_daemon_lane_sends_nothing_once_closed() -> None:
     lane = DaemonLane(4)
-    lane.queue(b"a")
+    lane.answer(b"a")
+    lane.queue(b"b", 1)
     lane.close()
-    assert not lane.backlog
+    assert not lane.backlog and not lane.outbox and lane.unsent == 0
     with pytest.raises(LaneProtocolError):
         lane.answer(b"b")

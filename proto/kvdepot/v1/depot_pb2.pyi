@@ -338,22 +338,32 @@ class TransferResult(_message.Message):
     def __init__(self, job_id: _Optional[int] = ..., success: _Optional[bool] = ..., bytes: _Optional[int] = ..., copy_seconds: _Optional[float] = ..., total_seconds: _Optional[float] = ..., error: _Optional[str] = ..., stored_keys: _Optional[int] = ..., present_keys: _Optional[int] = ..., dropped_keys: _Optional[int] = ..., drop_reason: _Optional[str] = ..., error_code: _Optional[str] = ...) -> None: ...
 
 class OpenJobLaneRequest(_message.Message):
-    __slots__ = ("session_id", "fd_token", "kind")
+    __slots__ = ("session_id", "fd_token", "kind", "batched_results")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     FD_TOKEN_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
+    BATCHED_RESULTS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     fd_token: str
     kind: LaneKind
-    def __init__(self, session_id: _Optional[str] = ..., fd_token: _Optional[str] = ..., kind: _Optional[_Union[LaneKind, str]] = ...) -> None: ...
+    batched_results: bool
+    def __init__(self, session_id: _Optional[str] = ..., fd_token: _Optional[str] = ..., kind: _Optional[_Union[LaneKind, str]] = ..., batched_results: _Optional[bool] = ...) -> None: ...
 
 class OpenJobLaneResponse(_message.Message):
-    __slots__ = ("lane_id", "max_job_bytes")
+    __slots__ = ("lane_id", "max_job_bytes", "batched_results")
     LANE_ID_FIELD_NUMBER: _ClassVar[int]
     MAX_JOB_BYTES_FIELD_NUMBER: _ClassVar[int]
+    BATCHED_RESULTS_FIELD_NUMBER: _ClassVar[int]
     lane_id: int
     max_job_bytes: int
-    def __init__(self, lane_id: _Optional[int] = ..., max_job_bytes: _Optional[int] = ...) -> None: ...
+    batched_results: bool
+    def __init__(self, lane_id: _Optional[int] = ..., max_job_bytes: _Optional[int] = ..., batched_results: _Optional[bool] = ...) -> None: ...
+
+class TransferResults(_message.Message):
+    __slots__ = ("results",)
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[TransferResult]
+    def __init__(self, results: _Optional[_Iterable[_Union[TransferResult, _Mapping]]] = ...) -> None: ...
 
 class PutRequest(_message.Message):
     __slots__ = ("session_id", "namespace_id", "key", "rank", "data")

@@ -172,7 +172,8 @@ class DepotServicer:
         host: one end of a SOCK_SEQPACKET Unix socket pair, first sent to the fd
         socket (fd_token). Each datagram the client sends is one serialized
         TransferJob and each datagram the daemon sends back one serialized
-        TransferResult; jobs run exactly as on a Transfer stream. Closing the
+        TransferResult (or, where both sides agree on batched_results, one
+        TransferResults); jobs run exactly as on a Transfer stream. Closing the
         socket cancels the lane's jobs not started yet (as cancelling a Transfer
         stream does); a half-close (SHUT_WR) lets them finish and be answered.
         The lane also closes when its session ends.
