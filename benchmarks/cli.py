@@ -34,7 +34,7 @@ from kvdepot.bench.control import measure_control
 from kvdepot.bench.daemon import DaemonUnderTest, OwnDaemon, target_of
 from kvdepot.bench.fleet import Fleet
 from kvdepot.bench.geometry import BenchGeometry
-from kvdepot.bench.output import emit
+from kvdepot.bench.output import emit, report_stop
 from kvdepot.bench.progress import Progress
 from kvdepot.bench.report import check_targets, format_table, plot
 from kvdepot.bench.throughput import ThroughputBench, ThroughputPlan
@@ -434,14 +434,8 @@ def run_bench(args: argparse.Namespace) -> int:
             "gpu": gpu,
             "notes": bench.notes,
         }
-    except KeyboardInterrupt:
-        progress.close()
-        print("kvdepot bench: interrupted", file=sys.stderr)
-        return 130
-    except Exception as exc:
-        progress.close()
-        print(f"kvdepot bench: failed: {exc}", file=sys.stderr)
-        return 1
+    except (KeyboardInterrupt, Exception) as exc:
+        return report_stop("kvdepot bench", exc, progress)
     finally:
         if fleet is not None:
             fleet.close()
@@ -564,14 +558,8 @@ def _node(args: argparse.Namespace) -> int:
             quick=args.quick,
             on_step=progress.label,
         )
-    except KeyboardInterrupt:
-        progress.close()
-        print("kvdepot bench: interrupted", file=sys.stderr)
-        return 130
-    except Exception as exc:
-        progress.close()
-        print(f"kvdepot bench: failed: {exc}", file=sys.stderr)
-        return 1
+    except (KeyboardInterrupt, Exception) as exc:
+        return report_stop("kvdepot bench", exc, progress)
     progress.close()
     result = {
         "version": kvdepot.__version__,

@@ -1,12 +1,29 @@
 """How `kvdepot bench` and `kvdepot bench serve` hand over their result: the table (on
-stderr when JSON goes to stdout), the JSON, and the plot."""
+stderr when JSON goes to stdout), the JSON, and the plot; or, when a run stops early,
+why, and its exit code."""
 
 from __future__ import annotations
 
 import json
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
+
+
+class _Closable(Protocol):
+    def close(self) -> None: ...
+
+
+def report_stop(command: str, exc: BaseException, progress: _Closable | None = None) -> int:
+    """A run that stopped early: closes the progress line, says why on stderr and
+    returns the exit code (130 interrupted, as a shell's, else 1)."""
+    if progress is not None:
+        progress.close()
+    if isinstance(exc, KeyboardInterrupt):
+        print(f"{command}: interrupted", file=sys.stderr)
+        return 130
+    print(f"{command}: failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+    return 1
 
 
 def emit(

@@ -171,18 +171,14 @@ def _pick(args: argparse.Namespace, name: str) -> Any:
 
 
 def run(args: argparse.Namespace) -> int:
+    from kvdepot.bench.output import emit, report_stop
     from kvdepot.bench.serve_run import ServeBench
 
     try:
         bench = ServeBench(args, _pick)
         result = bench.run()
-    except KeyboardInterrupt:
-        print("kvdepot bench serve: interrupted", file=sys.stderr)
-        return 130
-    except Exception as exc:
-        print(f"kvdepot bench serve: failed: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return 1
-    from kvdepot.bench.output import emit
+    except (KeyboardInterrupt, Exception) as exc:
+        return report_stop("kvdepot bench serve", exc)
     from kvdepot.bench.serve_report import format_table, plot
 
     shown = emit(

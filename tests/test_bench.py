@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 import kvdepot
-from kvdepot.bench import optional
+from kvdepot.bench import optional, output
 from kvdepot.bench.stats import median, overlap_rate, percentile
 
 SIZES = [1, 16, 64]
@@ -305,6 +305,24 @@ def test_an_error_inside_a_section_is_reported_not_raised() -> None:
     assert out["error"] == "gpu_bench: RuntimeError: boom"
     assert "broken" in out["traceback"]
     assert optional.guarded("gpu_bench", lambda: {"gbps": 1.0}) == {"gbps": 1.0}
+
+
+def test_a_run_that_stops_early_says_why_and_exits_as_a_shell_would(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    closed: list[bool] = []
+
+    class Bar:
+        def close(self) -> None:
+            closed.append(True)
+
+    assert output.report_stop("kvdepot bench", KeyboardInterrupt(), Bar()) == 130
+    assert output.report_stop("kvdepot bench serve", OSError(28, "No space left")) == 1
+    assert closed == [True]
+    assert capsys.readouterr().err == (
+        "kvdepot bench: interrupted\n"
+        "kvdepot bench serve: failed: OSError: [Errno 28] No space left\n"
+    )
 
 
 def test_plan_cost_times_both_planners() -> None:
