@@ -51,9 +51,11 @@ SLOW_TICK_S = 0.005
 # glibc mallopt(3) parameters and the daemon's values (see the module docstring).
 _M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3
 # Bounded, so that memory a burst freed (a large inline Put's) still goes back: at
-# most TRIM_THRESHOLD + TOP_PAD of freed heap stays resident.
-TRIM_THRESHOLD = 32 << 20  # free heap top kept before it goes back to the kernel
-TOP_PAD = 4 << 20  # extra heap asked for at each growth
+# most TRIM_THRESHOLD + TOP_PAD of freed heap stays resident, per malloc arena (glibc
+# gives threads arenas of their own: a few MiB each, not tens, or a busy daemon's
+# threads would keep hundreds of MiB). A job's plan arrays are tens of KiB.
+TRIM_THRESHOLD = 8 << 20  # free heap top kept before it goes back to the kernel
+TOP_PAD = 1 << 20  # extra heap asked for at each growth
 MMAP_THRESHOLD = 4 << 20  # larger allocations get their own mapping (fixed: no drift)
 
 

@@ -204,3 +204,30 @@ def test_evictions_across_namespaces_are_announced_per_namespace() -> None:
     assert ix.finish_store_many(claim.slots, 0, True) == 3
     assert events(ix) == [(EventKind.STORED, (key(7), key(8), key(9)), None)]
     ix.check_invariants()
+
+
+def test_a_load_job_holds_its_keys_up_to_the_first_missing_one() -> None:
+    ix = make(slots=4)
+    fill(ix, [key(0), key(1), key(3)])
+    held = ix.begin_read_many("ns", [key(0), key(1), key(2), key(3)])
+    assert [s.key for s in held] == [key(0), key(1)]  # key(2) is the one not ready
+    assert ix.namespaces["ns"].slots[key(3)].readers == 0  # nothing held past it
+    # Held: a Clear evicts only the key not held.
+    assert ix.clear() == (1, 2)
+    for slot in held:
+        ix.end_read(slot)
+    assert ix.clear() == (2, 0)
+    ix.check_invariants()
+
+
+def test_a_claim_takes_the_job_checks_groups_and_checks_keys_without_them() -> None:
+    ix = BlockIndex(ExtentAllocator(4 * SLOT))
+    ix.declare_namespace(NamespaceLayout("ns", 1, 1, ((SLOT // 2,), (SLOT,))))
+    keys = [key(0, 0), key(1, 1)]
+    claim = ix.begin_store_many("ns", keys, 0, "s1", groups=(0, 1))
+    assert [s.group for s in claim.slots] == [0, 1]
+    ix.finish_store_many(claim.slots, 0, True)
+    ix.check_invariants()
+    # Without them (or with a count that does not match) every key is checked again.
+    with pytest.raises(LayoutError):
+        ix.begin_store_many("ns", [key(2, 7)], 0, "s1", groups=(0, 1))

@@ -259,10 +259,14 @@ def test_refused_large_puts_leave_rss_flat(daemon_factory) -> None:
                         timeout=60,
                     )
                 assert info.value.code() == code
-        time.sleep(0.5)
-        grown = rss_mib(d.proc.pid) - before
-    # Before: every refused request stayed (10 x 64 MiB) until the cyclic GC ran.
-    assert grown < 2 * size / (1 << 20), f"RSS grew {grown:.0f} MiB"
+        # The last request's buffers go when the daemon is done with its call (a busy
+        # machine: give it a few seconds); before, every refused request stayed
+        # (10 x 64 MiB) until the cyclic GC ran.
+        limit = 2 * size / (1 << 20)
+        deadline = time.monotonic() + 5
+        while (grown := rss_mib(d.proc.pid) - before) >= limit and time.monotonic() < deadline:
+            time.sleep(0.1)
+    assert grown < limit, f"RSS grew {grown:.0f} MiB"
     assert c.lookup("rss", [make_key(0, 0)]) == [False]  # still answers
     c.close()
 

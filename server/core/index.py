@@ -210,13 +210,16 @@ class BlockIndex:
         return StoreDecision(StoreOutcome.DROPPED, None, claim.drop_reason)
 
     def begin_store_many(
-        self, namespace_id: str, keys: Sequence[bytes], rank: int, owner: Owner
+        self,
+        ns_id: str,
+        keys: Sequence[bytes],
+        rank: int,
+        owner: Owner,
+        groups: Sequence[int] | None = None,
     ) -> StoreClaim:
-        """Claims `rank`'s section of each of `keys` for writing (a store job's keys),
-        making room from the eviction policy's victims; the caller copies into
-        `claim.offsets` and then settles `claim.slots`, each once, success or not
-        (finish_store_many). Its promises: Writes.begin_store_many."""
-        return self._writes.begin_store_many(self.namespace(namespace_id), keys, rank, owner)
+        """Claims `rank`'s section of each of `keys` in `ns_id` for writing (`groups`: their
+        groups, as a job check found them); settled by finish_store_many. See Writes'."""
+        return self._writes.begin_store_many(self.namespace(ns_id), keys, rank, owner, groups)
 
     def finish_store(self, slot: Slot, rank: int, ok: bool) -> bool:
         """Ends `rank`'s copy into `slot`. Returns True if the slot became READY."""
@@ -232,14 +235,11 @@ class BlockIndex:
 
     def begin_read(self, namespace_id: str, key: bytes) -> Slot | None:
         """A READY slot held against eviction until end_read; None if not ready."""
-        ns = self.namespace(namespace_id)
-        slot = ns.slots.get(key)
-        if slot is None or slot.state is not SlotState.READY:
-            return None
-        if not slot.readers and not slot.pins:  # unheld: the policy has it
-            self._policy.withdraw(slot)
-        slot.readers += 1
-        return slot
+        return next(iter(_hold_ready(self.namespace(namespace_id), self._policy, (key,))), None)
+
+    def begin_read_many(self, namespace_id: str, keys: Sequence[bytes]) -> list[Slot]:
+        """`begin_read` of `keys` in order up to the first not READY (a load job's: _hold_ready)."""
+        return _hold_ready(self.namespace(namespace_id), self._policy, keys)
 
     def end_read(self, slot: Slot, *, use: bool = True) -> None:
         slot.readers -= 1
@@ -368,3 +368,19 @@ class BlockIndex:
         """Inserts a READY slot over a claimed extent, silently: a warm restart
         (Recovery.adopt_ready)."""
         return self._recovery.adopt_ready(self.namespace(namespace_id), key, extent)
+
+
+def _hold_ready(ns: Namespace, policy: EvictionPolicy, keys: Iterable[bytes]) -> list[Slot]:
+    """Holds each of `keys`' READY slots in `ns` against eviction (a reader more), in
+    order, up to the first key not READY; returns the slots held."""
+    held: list[Slot] = []
+    get, ready = ns.slots.get, SlotState.READY
+    for key in keys:
+        slot = get(key)
+        if slot is None or slot.state is not ready:
+            break
+        if not slot.readers and not slot.pins:  # unheld: the policy has it
+            policy.withdraw(slot)
+        slot.readers += 1
+        held.append(slot)
+    return held

@@ -49,7 +49,12 @@ class Writes(IndexPart):
         self.quota_exempt: set[Owner] = set()
 
     def begin_store_many(
-        self, ns: Namespace, keys: Sequence[bytes], rank: int, owner: Owner
+        self,
+        ns: Namespace,
+        keys: Sequence[bytes],
+        rank: int,
+        owner: Owner,
+        groups: Sequence[int] | None = None,
     ) -> StoreClaim:
         """Claims `rank`'s section of each of `keys` for writing (a store job's keys) in `ns`.
 
@@ -72,18 +77,22 @@ class Writes(IndexPart):
         - If it raises anyway, whatever it had claimed is settled as failed.
 
         The caller copies into `claim.offsets` and then settles `claim.slots`,
-        each once, success or not (finish_store_many).
+        each once, success or not (finish_store_many). `groups`, when given, is
+        each key's group as the job check found it (core.job_check.JobShape.key_groups):
+        the keys are then not decoded and checked again.
         """
         layout = ns.layout
         if not 0 <= rank < layout.world_size:
             raise LayoutError(f"rank {rank} out of range [0, {layout.world_size})")
         num_groups = layout.num_groups
-        groups: list[int] = []
-        for key in keys:  # all of them, before any change
-            group = int.from_bytes(key[-4:], "big")  # check_key's test, without two calls a key
-            if not MIN_KEY_BYTES <= len(key) <= MAX_KEY_BYTES or group >= num_groups:
-                group = check_key(key, num_groups)  # raises, with the reason
-            groups.append(group)
+        if groups is None or len(groups) != len(keys):
+            decoded: list[int] = []
+            for key in keys:  # all of them, before any change
+                group = int.from_bytes(key[-4:], "big")  # check_key's test, without two calls
+                if not MIN_KEY_BYTES <= len(key) <= MAX_KEY_BYTES or group >= num_groups:
+                    group = check_key(key, num_groups)  # raises, with the reason
+                decoded.append(group)
+            groups = decoded
         bit = 1 << rank
         namespace_id = layout.id
         slots, sorted_keys, group_blocks = ns.slots, ns.sorted_keys, ns.group_blocks

@@ -48,6 +48,9 @@ class JobShape:
     groups: tuple[tuple[int, Sequence[int], Sequence[int], Sequence[int] | None], ...]
     # per non-empty group: (group, block ids, key index per block, sub-block per block
     # or None when blocks_per_chunk is 1)
+    # The group of each key, as checked (empty when the keys were not given): the
+    # index's claim takes it instead of decoding and checking every key again.
+    key_groups: tuple[int, ...] = ()
 
 
 def check_job(
@@ -74,10 +77,12 @@ def check_job(
             f"job carries {n_keys} key(s) but group_sizes/block_indices describe "
             f"{sum(per_group)} chunk(s) ({per_group} per group)"
         )
+    key_groups: tuple[int, ...] = ()  # known once the keys are checked
     if keys is not None:
         # check_key for every key, in C-speed passes over one list (a job has
         # thousands of keys; a protobuf repeated field makes a bytes object per read).
-        keys = list(keys)
+        if not isinstance(keys, list):  # the daemon's codec hands a list already
+            keys = list(keys)
         if len(set(keys)) != len(keys):
             raise LayoutError("a job names the same key twice")
         if keys and not (
@@ -85,9 +90,7 @@ def check_job(
         ):
             check_key(next(k for k in keys if not MIN_KEY_BYTES <= len(k) <= MAX_KEY_BYTES), 1)
         # Group-major: each key's 4-byte suffix is its group's, compared as bytes.
-        wanted: list[bytes] = []
-        for g, n in enumerate(per_group):
-            wanted += [_suffix(g)] * n
+        wanted, key_groups = _group_major(tuple(per_group))
         found = [k[-4:] for k in keys]
         if found != wanted:
             i = next(i for i, (f, w) in enumerate(zip(found, wanted, strict=True)) if f != w)
@@ -105,7 +108,9 @@ def check_job(
     # Column-wise from here: no Python object per block (a job's blocks are many),
     # except that a small job's bounds are two builtin calls on a list (numpy's
     # reductions cost microseconds each, whatever their length).
-    id_list = list(block_ids) if len(block_ids) <= SMALL_JOB_BLOCKS else None
+    id_list: list[int] | None = None
+    if len(block_ids) <= SMALL_JOB_BLOCKS:
+        id_list = block_ids if isinstance(block_ids, list) else list(block_ids)
     try:
         all_ids = np.asarray(block_ids if id_list is None else id_list, dtype=np.int64)
     except OverflowError:
@@ -146,7 +151,17 @@ def check_job(
             subs = pos % bpc
         groups.append((g, ids, key_of, subs))
         key_pos += per_group[g]
-    return JobShape(n_keys, tuple(groups))
+    return JobShape(n_keys, tuple(groups), key_groups)
+
+
+@functools.lru_cache(maxsize=64)  # a node's few job shapes; 4 MB at most
+def _group_major(per_group: tuple[int, ...]) -> tuple[list[bytes], tuple[int, ...]]:
+    """For a job of `per_group` keys per group: each key's 4-byte group suffix and
+    each key's group, in group-major order (shared by every such job: read only)."""
+    wanted: list[bytes] = []
+    for g, n in enumerate(per_group):
+        wanted += [_suffix(g)] * n
+    return wanted, tuple(g for g, n in enumerate(per_group) for _ in range(n))
 
 
 @functools.cache

@@ -414,9 +414,9 @@ def plan_copy(
     """
     if len(slot_offsets) != shape.num_keys:
         raise ValueError(f"{len(slot_offsets)} slot offsets for {shape.num_keys} keys")
-    slots_all = np.fromiter(
-        (-1 if s is None else s for s in slot_offsets), dtype=np.int64, count=len(slot_offsets)
-    )
+    # A list, not a generator, into numpy: a job's keys are few, and fromiter's
+    # per-item generator cost the loop more than the list.
+    slots_all = np.array([-1 if s is None else s for s in slot_offsets], dtype=np.int64)
     groups: list[_GroupPages] = []
     for g, ids, key_of, subs in shape.groups:
         if isinstance(key_of, range):  # one block per key: a slice, not a gather

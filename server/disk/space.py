@@ -27,6 +27,7 @@ Not thread-safe: DiskTier calls it under its own lock. No files, threads or cloc
 from __future__ import annotations
 
 import enum
+import itertools
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -227,9 +228,12 @@ class DiskSpace:
 
     def keys_of(self, namespace: str, limit: int) -> list[bytes]:
         """The keys of a namespace's readable records, most recently used first, at
-        most `limit` (what a new watcher is told is on disk)."""
+        most `limit` (what a new watcher is told is on disk), among the 4 x `limit`
+        most recently used records of all namespaces: the caller holds the event
+        loop, so a namespace with few records among many others' is told only of
+        its recent ones (the others still read as disk hits)."""
         out: list[bytes] = []
-        for ns, key in reversed(self._ready):
+        for ns, key in itertools.islice(reversed(self._ready), 4 * limit):
             if ns == namespace:
                 out.append(key)
                 if len(out) >= limit:

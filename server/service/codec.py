@@ -35,11 +35,13 @@ def job_from_proto(job: pb.TransferJob) -> Job:
     stream's client, or the lane's session, filled in by the lane)."""
     # Positional, in Job's field order (namespace_id is not on the wire): every job
     # pays this, and keywords cost half as much again (tests/test_job_codecs.py).
+    # Keys and block ids as lists, once: a protobuf repeated field makes a new object
+    # at every read, and the check, the index and the planner each read them.
     return Job(
         job.job_id,
         job.direction,
-        job.keys,
-        job.block_ids,
+        list(job.keys),
+        list(job.block_ids),
         job.group_sizes,
         job.block_indices,
         job.expedited,

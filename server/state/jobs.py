@@ -56,6 +56,7 @@ log = logging.getLogger("kvdepot.state")
 # loop for well under 5 ms; the loop is yielded between slices.
 KEY_SLICE = 256
 PAGE_SLICE = 4096
+_DIRECTIONS = {int(d): d for d in Direction}
 
 
 @dataclass(frozen=True)
@@ -127,10 +128,9 @@ class JobRunner:
             raise errors.precondition(
                 f"registration {reg.id} has no shared memory (inline): use Put/Get"
             )
-        try:
-            direction = Direction(job.direction)
-        except ValueError:
-            raise errors.invalid(f"direction must be STORE or LOAD, got {job.direction}") from None
+        direction = _DIRECTIONS.get(job.direction)  # a dict: Direction(x) costs more
+        if direction is None:
+            raise errors.invalid(f"direction must be STORE or LOAD, got {job.direction}")
         check_job_size(job, reg.layout, self.limits)
         shape = check_job(
             reg.layout,
@@ -154,8 +154,13 @@ class JobRunner:
             for start in range(0, len(job.keys), KEY_SLICE):
                 if start:
                     await asyncio.sleep(0)
+                end = start + KEY_SLICE
                 claim = index.begin_store_many(
-                    reg.layout.id, job.keys[start : start + KEY_SLICE], rank, job.session_id
+                    reg.layout.id,
+                    job.keys[start:end],
+                    rank,
+                    job.session_id,
+                    shape.key_groups[start:end],  # checked by check_job
                 )
                 claimed += claim.slots
                 offsets += claim.offsets
@@ -175,17 +180,21 @@ class JobRunner:
     async def _load(self, job: Job, reg: Registration, shape: JobShape, out: JobResult) -> None:
         ns_id, index = reg.layout.id, self._index
         slots: list[Slot] = []
+        keys = job.keys
         try:
-            for i, key in enumerate(job.keys):
-                if i and not i % KEY_SLICE:
+            # One index call per KEY_SLICE keys, as for stores.
+            for start in range(0, len(keys), KEY_SLICE):
+                if start:
                     await asyncio.sleep(0)
-                slot = index.begin_read(ns_id, key)
-                if slot is None:
+                part = keys[start : start + KEY_SLICE]
+                held = index.begin_read_many(ns_id, part)
+                slots += held
+                if len(held) < len(part):
+                    key = part[len(held)]
                     raise errors.not_found(
                         f"key {key.hex()[:16]}… is not ready in namespace {ns_id} (evicted, or "
                         f"never stored): pin keys before loading them"
                     )
-                slots.append(slot)
             await self._copy(job, reg, shape, [s.extent.offset for s in slots], out)
         finally:
 
