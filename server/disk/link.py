@@ -244,25 +244,34 @@ class DiskLink:
             if verdict in _DROPS:
                 drops[_DROPS[verdict]] += 1
 
-    def _write_row(self, namespace_id: str, key: bytes) -> WriteVerdict | None:
-        """Holds a ready row and hands it to the tier; None when it is gone."""
+    def write_row(
+        self, namespace_id: str, key: bytes, written: Callable[[Slot], None], use: bool = True
+    ) -> tuple[WriteVerdict | None, Slot | None]:
+        """Holds a ready row and hands it to the tier straight from the pool's memory;
+        `written(slot)` runs on the loop when the write is done and must end the hold.
+        A write the tier refuses ends it here (`use`: whether that counts as a use of
+        the row in RAM's LRU). (None, None): the row is gone (its namespace, or evicted
+        or replaced since it was noted)."""
         index = self._index
         try:
             layout = index.namespace(namespace_id).layout
         except UnknownNamespace:
-            return None
+            return None, None
         slot = index.begin_read(namespace_id, key)
-        if slot is None:  # evicted or replaced since its event
-            self.stats.write_drops["evicted"] += 1
-            return None
+        if slot is None:
+            return None, None
         view = self._arena.view(slot.extent.offset, layout.slot_bytes(slot.group))
-        verdict = self.tier.write(namespace_id, key, view, lambda ok: self._written(slot))
+        on_loop = self._on_loop
+        verdict = self.tier.write(namespace_id, key, view, lambda ok: on_loop(written, slot))
         if verdict is not WriteVerdict.ACCEPTED:
-            index.end_read(slot)
-        return verdict
+            index.end_read(slot, use=use)
+        return verdict, slot
 
-    def _written(self, slot: Slot) -> None:  # an I/O thread
-        self._on_loop(self._write_done, slot)
+    def _write_row(self, namespace_id: str, key: bytes) -> WriteVerdict | None:
+        verdict, slot = self.write_row(namespace_id, key, self._write_done)
+        if slot is None:
+            self.stats.write_drops["evicted"] += 1
+        return verdict
 
     def _write_done(self, slot: Slot) -> None:
         self._index.end_read(slot)
@@ -470,25 +479,11 @@ class ColdEndWriter:
                 self._link.stats.write_drops[_DROPS[verdict]] += 1
 
     def _write(self, cold: Slot) -> WriteVerdict | None:
-        index = self._index
-        try:
-            layout = index.namespace(cold.namespace).layout
-        except UnknownNamespace:
-            return None
-        slot = index.begin_read(cold.namespace, cold.key)
-        if slot is None:
-            return None
-        view = self._arena.view(slot.extent.offset, layout.slot_bytes(slot.group))
-        verdict = self.tier.write(slot.namespace, slot.key, view, lambda ok: self._done(slot))
-        if verdict is WriteVerdict.ACCEPTED:
+        verdict, slot = self._link.write_row(cold.namespace, cold.key, self._written, use=False)
+        if slot is not None and verdict is WriteVerdict.ACCEPTED:
             self._writing += 1
             self._writing_bytes += slot.extent.size
-        else:
-            index.end_read(slot, use=False)
         return verdict
-
-    def _done(self, slot: Slot) -> None:  # an I/O thread
-        self._link._on_loop(self._written, slot)
 
     def _written(self, slot: Slot) -> None:
         self._index.end_read(slot, use=False)  # no use: the row stays the next victim
