@@ -74,6 +74,21 @@ def serve_with_null_engine(argv: list[str]) -> int:
     return cli.main(argv)
 
 
+def null_copy_daemon(pool_size: str) -> OwnDaemon:
+    """A `kvdepot serve` with copies off (this module's `serve`) for the bench's ranks.
+
+    A row is charged to the rank that reserves it until every rank wrote it, and the
+    bench's ranks are not held in step as a model's are: a rank can run dozens of jobs
+    ahead (more with results batched per loop turn) and pass the per-session writing
+    quota (half the pool), which dropped keys in about half the TP=8 ceiling runs. So
+    one session may hold the whole pool in rows; what still finds it full is counted."""
+    return OwnDaemon(
+        pool_size,
+        extra=["--max-writing-per-session", "100%"],
+        command=[sys.executable, "-m", "kvdepot.bench.ceiling"],
+    )
+
+
 def measure_ceiling(
     geo: BenchGeometry,
     sizes: Sequence[int],
@@ -86,16 +101,7 @@ def measure_ceiling(
     salt: bytes,
 ) -> dict[str, Any]:
     """Store and load series of each size, 2 engine processes x 4 jobs in flight."""
-    # A row is charged to the rank that reserves it until every rank wrote it, and the
-    # bench's ranks are not held in step as a model's are: with results batched per
-    # loop turn a rank can run a dozen jobs ahead and pass the per-session writing
-    # quota (half the pool), which dropped keys in about half the TP=8 runs. The node
-    # series lifts it the same way; what still finds the pool full is counted.
-    daemon = OwnDaemon(
-        pool_size,
-        extra=["--max-writing-per-session", "100%"],
-        command=[sys.executable, "-m", "kvdepot.bench.ceiling"],
-    )
+    daemon = null_copy_daemon(pool_size)
     fleet: Fleet | None = None
     rows: list[dict[str, Any]] = []
     skipped: list[int] = []

@@ -25,12 +25,11 @@ before it returns (or raises).
 from __future__ import annotations
 
 import os
-import sys
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
-from kvdepot.bench.ceiling import DEPTH, KeyCursor, TimedRun, timed_run
+from kvdepot.bench.ceiling import DEPTH, KeyCursor, TimedRun, null_copy_daemon, timed_run
 from kvdepot.bench.daemon import OwnDaemon
 from kvdepot.bench.fleet import Fleet, WorkerProc
 from kvdepot.bench.geometry import BenchGeometry
@@ -207,18 +206,11 @@ def _one_node(
             f"{DEPTH} needed (--pool-size)"
         )
     num_blocks = 4 * chunks * geo.blocks_per_chunk
-    launcher = [sys.executable, "-m", "kvdepot.bench.ceiling"]
-    # A row is charged to the rank that reserves it until every rank wrote it. The
-    # bench's ranks are not held in step as a model's are (16 processes on a few cores
-    # drift apart by dozens of jobs), so one session may hold the whole pool in rows.
-    extra = ["--max-writing-per-session", "100%"]
     daemons: list[OwnDaemon] = []
     fleet: Fleet | None = None
     try:
         for _ in range(shards):
-            daemons.append(
-                OwnDaemon(f"{max(1, pool_bytes // shards >> 20)}MiB", extra=extra, command=launcher)
-            )
+            daemons.append(null_copy_daemon(f"{max(1, pool_bytes // shards >> 20)}MiB"))
         for d in daemons:
             d.wait_warm()
         fleet = Fleet(engines, geo.tp)

@@ -33,6 +33,15 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvdepot.v1 import admin_pb2, admin_pb2_grpc
 
+# GetStats' NUMA placement fields (`kvdepot serve --numa`): the "numa" line.
+NUMA_FIELDS = (
+    "numa_host_nodes",
+    "numa_policy",
+    "numa_pool_nodes",
+    "numa_basis",
+    "numa_copy_thread_nodes",
+    "numa_copy_thread_cpus",
+)
 # GetStats fields shown in their own sections; any other field goes to "remote"/"other".
 KNOWN_STATS = frozenset(
     {
@@ -69,12 +78,7 @@ KNOWN_STATS = frozenset(
         "pool_backing",
         "warm_restarted",
         "evictions_by_reason",
-        "numa_host_nodes",
-        "numa_policy",
-        "numa_pool_nodes",
-        "numa_basis",
-        "numa_copy_thread_nodes",
-        "numa_copy_thread_cpus",
+        *NUMA_FIELDS,
     }
 )
 # Fields of newer daemons that this command shows where they exist (older daemons lack

@@ -277,19 +277,7 @@ def test_every_job_is_answered_once_batched_or_not(daemon, client, batched: bool
     eng = lane_engine(client, geo)
     keys, blocks, idx = chunk_plan(geo, range(0, 4))
     assert eng.job(pb.STORE, keys, blocks, idx).success
-    ids = list(range(1000, 1064))
-    for j in ids:
-        eng.stream.submit(
-            Job(
-                job_id=j,
-                direction=pb.LOAD,
-                registration_id=eng.registration.registration_id,
-                keys=keys,
-                block_ids=[b for g in blocks for b in g],
-                group_sizes=[len(g) for g in blocks],
-                block_indices=idx,
-            )
-        )
+    ids = [eng.submit(pb.LOAD, keys, blocks, idx) for _ in range(64)]
     assert eng.stream.wait(ids, timeout=20)
     results = eng.stream.poll()
     assert sorted(r.job_id for r in results) == ids and all(r.success for r in results)

@@ -10,7 +10,7 @@ import os
 import re
 import shutil
 import subprocess
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -62,6 +62,30 @@ def store(engine: Engine, chunks: range, paced: DepotClient | None = None) -> li
             done = start + len(keys)
             wait_for(lambda n=done: stats(paced).disk_writes >= n, what="the job's rows on disk")
     return keys
+
+
+def settled(c: DepotClient) -> pb.GetStatsResponse:
+    """Stats once no disk write is in flight or waiting."""
+    return wait_for(
+        lambda: (s := stats(c)).disk_inflight_bytes == 0 and s.disk_write_waiting == 0 and s,
+        what="writes done",
+    )
+
+
+def store_until_up(
+    engine: Engine, c: DepotClient, fresh: range, timeout: float, log: Callable[[], str]
+) -> None:
+    """Stores rows of `fresh` one at a time (each not in RAM yet, so each makes a disk
+    write, which lets the tier's probe through after its back-off) until the disk tier
+    is healthy again."""
+    rows = iter(fresh)
+
+    def back_up() -> bool:
+        chunk = next(rows)
+        store(engine, range(chunk, chunk + 1))
+        return stats(c).disk_healthy
+
+    wait_for(back_up, timeout=timeout, what="disk back up", interval=0.2, detail=log)
 
 
 def load_mismatches(engine: Engine, chunks: range) -> int:
@@ -142,10 +166,7 @@ def test_a_burst_larger_than_the_pool_is_written_or_counted_never_lost_silently(
     c = connect(d, "engine")
     engine = Engine(c, GEO, 0)
     keys = store(engine, range(STORED))
-    s = wait_for(
-        lambda: (s := stats(c)).disk_inflight_bytes == 0 and s.disk_write_waiting == 0 and s,
-        what="writes done",
-    )
+    s = settled(c)
     lost = s.disk_write_drops.get("evicted", 0) + s.disk_write_drops.get("backlog_full", 0)
     assert s.disk_writes + lost == STORED and s.disk_writes > 0, s
     assert not s.dropped_stores and s.evictions > 0
@@ -189,14 +210,7 @@ def test_directory_removed_while_serving_degrades_to_ram_and_recovers(
     assert re.search(r"^disk\s+DOWN:", screen, re.M) and "was removed" in screen, screen
 
     # A probe (on a later write, after a back-off) creates the directory and file anew.
-    fresh = iter(range(350, 400))
-
-    def back_up() -> bool:
-        chunk = next(fresh)  # a row not in RAM yet: its store makes a disk write
-        store(engine, range(chunk, chunk + 1))
-        return stats(c).disk_healthy
-
-    wait_for(back_up, timeout=10, what="disk back up", interval=0.2, detail=d.log)
+    store_until_up(engine, c, range(350, 400), 10, d.log)
     store(engine, range(400, 410))
     wait_for(lambda: stats(c).disk_records >= 10, what="rows written to the new file")
     assert (disk / "kvdepot-disk.tier").exists()

@@ -17,7 +17,7 @@ import pytest
 from kvdepot.testing.waiting import wait_for
 from kvdepot.v1 import depot_pb2 as pb
 from tests.disk.helpers import loop_ext4
-from tests.disk.test_disk_daemon import GEO, load_mismatches, store
+from tests.disk.test_disk_daemon import GEO, load_mismatches, settled, store, store_until_up
 from tests.support.daemon import connect, stats
 from tests.support.engine import Engine
 
@@ -32,14 +32,6 @@ def serve_on(daemon_factory, mnt: Path):
     return daemon_factory(
         "--pool-size", "16MiB", "--disk", str(mnt / "disk"), "--disk-size", "32MiB"
     )  # fmt: skip
-
-
-def settled(c) -> pb.GetStatsResponse:
-    """Stats once no disk write is in flight or waiting."""
-    return wait_for(
-        lambda: (s := stats(c)).disk_inflight_bytes == 0 and s.disk_write_waiting == 0 and s,
-        what="writes done",
-    )
 
 
 def test_a_file_system_turned_read_only_degrades_to_ram_and_recovers(
@@ -66,14 +58,7 @@ def test_a_file_system_turned_read_only_degrades_to_ram_and_recovers(
         # The operator repairs it: unmount, fsck, mount. A probe (on a later write,
         # after its back-off) opens the file there again and the tier comes back.
         fs.mount_again()
-        fresh = iter(range(80, 200))
-
-        def back_up() -> bool:
-            chunk = next(fresh)  # a row not in RAM yet: its store makes a disk write
-            store(engine, range(chunk, chunk + 1))
-            return stats(c).disk_healthy
-
-        wait_for(back_up, timeout=15, what="disk back up", interval=0.2, detail=d.log)
+        store_until_up(engine, c, range(80, 200), 15, d.log)
         assert "works again" in d.log()
         s = wait_for(lambda: (s := stats(c)).disk_recovery_complete and s, what="index back")
         before = s.disk_writes

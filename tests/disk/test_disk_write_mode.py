@@ -11,7 +11,7 @@ import pytest
 
 from kvdepot.testing.waiting import wait_for
 from kvdepot.v1 import depot_pb2 as pb
-from tests.disk.test_disk_daemon import GEO, ROW, load_mismatches, serve, store
+from tests.disk.test_disk_daemon import GEO, ROW, load_mismatches, serve, settled, store
 from tests.disk.test_disk_events import DISK, POOL, Events
 from tests.support.daemon import connect, stats
 from tests.support.engine import Engine
@@ -61,7 +61,7 @@ def test_evict_mode_writes_the_cold_end_ahead_of_eviction(daemon_factory, tmp_pa
     # evicted is on disk or counted as a write dropped; those on disk come back through
     # Prefetch, byte for byte.
     store(engine, range(240, 400))
-    s = wait_for(lambda: (s := stats(c)).disk_inflight_bytes == 0 and s, what="writes done")
+    s = settled(c)
     assert s.evictions >= 144 and not s.dropped_stores and s.disk_writes > cold
     lost = s.disk_write_drops.get("evicted", 0)
     gone = [i for i, here in enumerate(c.lookup(GEO.namespace, keys)) if not here]

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvdepot.client import DepotClient
+from kvdepot.server.status_report import NUMA_FIELDS
 from kvdepot.v1 import admin_pb2
 from kvdepot.v1 import depot_pb2 as pb
 from tests.support.daemon import DaemonProcess, connect
@@ -42,12 +43,7 @@ VOLATILE_FIELDS = {
     "version",
     "registration_id",
     # The NUMA placement is the host's (its nodes, GPUs and CPUs): tests/test_numa.py.
-    "numa_host_nodes",
-    "numa_policy",
-    "numa_pool_nodes",
-    "numa_basis",
-    "numa_copy_thread_nodes",
-    "numa_copy_thread_cpus",
+    *NUMA_FIELDS,
 }  # registration ids start at random per boot
 
 # --- the guide's scenario -------------------------------------------------------------------
