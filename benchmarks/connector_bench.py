@@ -1,6 +1,6 @@
 """The vLLM connector's scheduler-side cost, next to vLLM's own CPU offloading manager.
 
-    python -m kvdepot.bench.connector_bench [--socket PATH] [--quick] [--json]
+    python -m kvdepot.bench.connector_bench [--socket PATH] [--quick] [--json] [--shards N]
     (also run by `kvdepot bench`, which calls `run_connector_bench`)
 
 What it measures, in one run, against a real daemon (the one at --socket, or a
@@ -20,6 +20,11 @@ private one it starts):
   admission step per engine is too few to judge on a noisy machine). Workers are
   out of the picture (their jobs complete at once): this is what the connector
   costs the scheduler thread, the budget docs/architecture.md §10 sets.
+
+With `--shards N` the daemon is `kvdepot serve --shards N` and kvdepot's engines run at
+TP=N with `kvdepot_shards: N` (the scheduler is one whatever the TP): each step then
+reads N Watch streams and pins on N shards, which is what sharding costs the scheduler.
+The pin figures are shard 0's lane and gRPC call alone.
 """
 
 from __future__ import annotations
@@ -147,9 +152,11 @@ def run_connector_bench(
     new_tokens: int = 256,
     out: TextIO | None = None,
     rounds: int | None = None,
+    shards: int = 1,
 ) -> dict[str, Any]:
     """Runs the measurements; prints a table to `out` (default stderr) and returns
-    the figures as a dict. `target` is the daemon ("unix:///path"); None starts one."""
+    the figures as a dict. `target` is the daemon ("unix:///path"); None starts one
+    (of `shards` shards; kvdepot's engines then run at TP=`shards`)."""
     _cpu_env()
     from kvdepot.bench.daemon import OwnDaemon, target_of
     from kvdepot.client.vllm.pins import EARLY_PIN_KEYS
@@ -162,7 +169,7 @@ def run_connector_bench(
     rounds = rounds or (1 if quick else 5)
     own = None
     if target is None:
-        own = OwnDaemon("256MiB")
+        own = OwnDaemon(f"{256 * shards}MiB", extra=["--shards", str(shards)])
         own.wait_serving()
         target = own.target
     target = target_of(target)
@@ -189,12 +196,15 @@ def run_connector_bench(
             "target": target,
             # A step's loads go to the pin lane in parts of this many keys.
             "early_pin_keys": EARLY_PIN_KEYS,
+            "shards": shards,
         },
     }
+    # kvdepot's engines: at TP=shards, each rank on its own shard.
+    depot_config = dict(common, tp=shards, extra_config={"kvdepot_shards": shards})
     engines: list[Any] = []
     try:
         # 1. The real write path fills the daemon with every prompt's hit prefix.
-        writer = SyntheticEngine(EngineConfig(socket=target, **common))
+        writer = SyntheticEngine(EngineConfig(socket=target, **depot_config))
         engines.append(writer)
         writer.wait_registered()
         writer.generate(hit_prefixes, timeout=120)
@@ -206,7 +216,7 @@ def run_connector_bench(
         writer.shutdown()
 
         def make_depot() -> Any:  # kvdepot, scheduler side only
-            engine = SyntheticEngine(EngineConfig(socket=target, workers=False, **common))
+            engine = SyntheticEngine(EngineConfig(socket=target, workers=False, **depot_config))
             try:
                 engine.wait_ready(hit_keys, timeout=60)
                 # The steps' pins and unpins take their lanes once they are open (in
@@ -346,7 +356,12 @@ def format_table(r: dict[str, Any]) -> str:
     lines = [
         f"vLLM connector, scheduler side ({cfg['requests']} requests, "
         f"{cfg['hit_tokens']}-token hits + {cfg['new_tokens']} new tokens, "
-        f"{cfg['decode_steps']} decode steps; medians of {cfg['rounds']} round(s))",
+        f"{cfg['decode_steps']} decode steps; medians of {cfg['rounds']} round(s))"
+        + (
+            f"; kvdepot on {cfg['shards']} shards at TP={cfg['shards']}"
+            if cfg.get("shards", 1) > 1
+            else ""
+        ),
         f"{'':44}{'kvdepot':>12}{'vLLM CPU':>12}{'none':>12}",
         f"{'lookup (us per key)':44}{r['lookup_us']['kvdepot']:>12.3f}"
         f"{r['lookup_us']['vllm_cpu']:>12.3f}{'-':>12}",
@@ -411,9 +426,20 @@ def main(argv: list[str] | None = None) -> int:
         "--rounds", type=int, help="rounds of scheduler steps (default 5; 1 with --quick)"
     )
     ap.add_argument("--json", action="store_true", help="print the figures as JSON too")
+    ap.add_argument(
+        "--shards",
+        type=int,
+        default=1,
+        help="start a daemon of N shards and run kvdepot's engines at TP=N on them",
+    )
     args = ap.parse_args(argv)
     result = run_connector_bench(
-        args.socket, quick=args.quick, requests=args.requests, out=sys.stdout, rounds=args.rounds
+        args.socket,
+        quick=args.quick,
+        requests=args.requests,
+        out=sys.stdout,
+        rounds=args.rounds,
+        shards=args.shards,
     )
     if args.json:
         print(json.dumps(result, indent=2))

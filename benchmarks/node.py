@@ -5,16 +5,17 @@ For each geometry (a TP=8 70B-like one: 80 layers, one KV head per rank, 8 KiB p
 a TP=1 8B-like one: 32 layers, 64 KiB pages) and each shard count S, the series starts S
 independent daemons (`kvdepot serve`, each with its own socket and a pool of
 pool/S, copies off as in kvdepot.bench.ceiling) and `engines` x TP engine-rank processes,
-the ranks dealt to the shards round robin (global rank index mod S), then drives rank
-jobs of `chunks` chunks, 4 in flight per rank, both directions, with the ceiling bench's
-own driver (ceiling.timed_run). It measures one design for using more than one core,
-shards (several daemon processes), without client routing: a shard serves whole ranks,
-not a partition of the keys.
+the ranks dealt to the shards as the connector deals them (kvdepot.common.shards: rank r
+of an engine to shard r // (TP / gcd(S, TP)); a TP=1 engine uses shard 0 alone), then drives
+rank jobs of `chunks` chunks, 4 in flight per rank, both directions, with the ceiling
+bench's own driver (ceiling.timed_run). It measures the "shards by rank" design
+(`kvdepot serve --shards`) at the level of rank jobs; the scheduler's side (one Watch
+stream and one pin per shard) is not in it.
 
-A shard sees only some ranks of an engine; to keep its TP rows completable it gets each
-engine as a world of those ranks (renumbered 0..k-1, `kv_heads` scaled so the per-rank
-page is unchanged) in a namespace of that engine's own. A rank's job is then the same
-job as on one daemon; what one shard does not do is wait for the ranks another serves.
+A shard sees only some ranks of an engine: it gets each engine as a world of those ranks
+(renumbered 0..k-1, `kv_heads` scaled so the per-rank page is unchanged) in a namespace of
+that engine's own, as the connector declares it. A rank's job is then the same job as on
+one daemon; what one shard does not do is wait for the ranks another serves.
 Where a world has more than one rank, jobs run in rounds of ROUND_JOBS per rank started
 together (see _one_node); rates are summed over the rounds' windows.
 
@@ -34,6 +35,7 @@ from kvdepot.bench.daemon import OwnDaemon
 from kvdepot.bench.fleet import Fleet, WorkerProc
 from kvdepot.bench.geometry import BenchGeometry
 from kvdepot.bench.stats import GB, percentile
+from kvdepot.common.shards import route_rank
 
 # Presets: (description, geometry). Heads per rank and page size are what a rank's job
 # costs by; --quick keeps them and cuts layers (and TP to 2) to run in seconds.
@@ -101,18 +103,16 @@ def preset(name: str, quick: bool) -> BenchGeometry:
 def shard_views(
     geo: BenchGeometry, engines: int, shards: int
 ) -> dict[tuple[int, int], tuple[int, BenchGeometry, int]]:
-    """(engine, rank) -> (shard, the rank's geometry on it, its rank there).
-
-    Global rank index g = engine * tp + rank goes to shard g mod `shards`; on its
-    shard an engine is a world of the ranks it sent there."""
-    placed: dict[tuple[int, int], int] = {
-        (e, r): (e * geo.tp + r) % shards for e in range(engines) for r in range(geo.tp)
-    }
+    """(engine, rank) -> (shard, the rank's geometry on it, its rank there), routed as
+    the connector routes (kvdepot.common.shards.route_rank); on its shard an engine is
+    a world of the ranks it sent there."""
     out: dict[tuple[int, int], tuple[int, BenchGeometry, int]] = {}
-    for (e, r), s in placed.items():
-        mates = [q for q in range(geo.tp) if placed[(e, q)] == s]
-        heads = geo.kv_heads // geo.tp * len(mates)
-        out[(e, r)] = (s, replace(geo, kv_heads=heads, tp=len(mates)), mates.index(r))
+    for e in range(engines):
+        for r in range(geo.tp):
+            route = route_rank(r, geo.tp, shards)
+            heads = geo.kv_heads // geo.tp * route.world_size
+            view = replace(geo, kv_heads=heads, tp=route.world_size)
+            out[(e, r)] = (route.shard, view, route.rank)
     return out
 
 

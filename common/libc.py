@@ -1,6 +1,6 @@
 """The C library calls kvdepot makes through ctypes, with their prototypes declared
 once (ctypes guesses int for every argument and result otherwise, which truncates
-addresses): mmap, munmap, madvise, memcmp, fallocate, and mbind through syscall.
+addresses): mmap, munmap, madvise, memcmp, fallocate, prctl, and mbind through syscall.
 Linux only, like the rest of kvdepot."""
 
 from __future__ import annotations
@@ -34,6 +34,26 @@ libc.memcmp.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t]  # me
 # space, glibc's posix_fallocate writes zeros over the whole range instead.
 libc.fallocate.restype = ctypes.c_int
 libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
+
+# prctl(2) is variadic in glibc; its options take unsigned longs.
+PR_SET_PDEATHSIG = 1
+libc.prctl.restype = ctypes.c_int
+libc.prctl.argtypes = [
+    ctypes.c_int,
+    ctypes.c_ulong,
+    ctypes.c_ulong,
+    ctypes.c_ulong,
+    ctypes.c_ulong,
+]
+
+
+def set_parent_death_signal(signum: int) -> int:
+    """Asks the kernel to send `signum` to this process when the thread that made it
+    exits (PR_SET_PDEATHSIG): 0, or the errno."""
+    if libc.prctl(PR_SET_PDEATHSIG, signum, 0, 0, 0) != 0:
+        return ctypes.get_errno()
+    return 0
+
 
 # mbind(2) has no glibc wrapper (libnuma has one; kvdepot does not depend on it): it is
 # made through syscall(2), whose variadic arguments are passed with explicit C types.

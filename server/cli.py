@@ -42,8 +42,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "serve":
         from kvdepot.server.daemon import serve
+        from kvdepot.server.shards import check_shards
 
-        return serve(config_from_args(args))
+        config = config_from_args(args)
+        try:  # settings that cannot be split --shards ways: a bad setting like any other
+            check_shards(config)
+        except ValueError as exc:
+            serve_p.error(str(exc))
+        return serve(config)
     if args.command == "status":
         return run_status(args)
     return run_bench([])

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn
 
+from kvdepot.common.shards import MAX_SHARDS
 from kvdepot.server import setting_parsers as parsers
 from kvdepot.server.sizes import parse_size, pool_share_bytes
 
@@ -340,6 +341,15 @@ class DaemonSettings(DerivedSockets):
         "interleave spreads the pool over every node; NODE[,NODE] binds it there; off "
         "leaves both to the kernel",
     )
+    shards: int = setting(
+        "--shards",
+        1,
+        parse=parsers.whole_number(1, MAX_SHARDS),
+        metavar="N",
+        help="run the daemon as N processes (shards), each with its own event loop, copy "
+        "threads, pool (--pool-size / N) and index; shard i > 0 listens on PATH.shardI. "
+        "Engines must set kv_connector_extra_config kvdepot_shards to the same N",
+    )
     max_job_keys: int = setting(
         "--max-job-keys",
         4096,
@@ -479,6 +489,8 @@ class ServeConfig(DaemonSettings):
     # Not settings: fixed for the daemon, changed only by tests that build a state directly.
     slot_granularity: int = 4096
     keepalive_seconds: float = 5.0
+    # Which of the `shards` this process is: set only by the supervisor (server/shards.py).
+    shard: int = 0
 
 
 def settings() -> Iterator[tuple[str, Setting]]:

@@ -1,5 +1,6 @@
 """`kvdepot serve`: assembles the state, the gRPC server and the sockets, and runs
-until SIGTERM/SIGINT."""
+until SIGTERM/SIGINT; with --shards N > 1, hands the process to the shards' supervisor
+(server/shards.py), whose shards run `serve_one` each."""
 
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ from kvdepot.server.sdnotify import SystemdNotifier, run_watchdog
 from kvdepot.server.service import bounds, wire
 from kvdepot.server.service.admin import AdminServicer
 from kvdepot.server.service.depot import DepotServicer
+from kvdepot.server.shards import serve_shards
 from kvdepot.server.sizes import format_size
 from kvdepot.server.state import DepotState
 from kvdepot.v1 import admin_pb2, admin_pb2_grpc, depot_pb2, depot_pb2_grpc
@@ -294,13 +296,14 @@ class Daemon:
             cfg.admin_socket_path,
             cfg.admin_socket_mode,
         )
+        # Before READY=1: whoever stops us on hearing it must find the handlers in place.
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._stop.set)
         self.notifier.ready()
         self._ready = True
         self.notifier.status(f"serving; pool warm-up {self._warmup_percent(st)}%")
 
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, self._stop.set)
         tasks = [
             asyncio.create_task(self._housekeeping(st)),
             asyncio.create_task(self.gc.run(self._stop)),
@@ -426,12 +429,30 @@ class Daemon:
         log.info("stopped; sockets removed")
 
 
-def serve(config: ServeConfig) -> int:
-    log_format = "%(asctime)s %(levelname)s %(name)s: %(message)s"
-    logging.basicConfig(level=config.log_level.upper(), format=log_format)
+def configure_logging(level: str, tag: str = "") -> None:
+    """The process's log format; `tag` (e.g. "shard 1/4") starts every line of a shard."""
+    prefix = f"{tag} " if tag else ""
+    log_format = f"%(asctime)s %(levelname)s {prefix}%(name)s: %(message)s"
+    logging.basicConfig(level=level.upper(), format=log_format)
     for handler in logging.getLogger().handlers:  # clients' strings reach the log escaped
         handler.setFormatter(EscapingFormatter(log_format))
     logging.getLogger("grpc").setLevel(max(logging.INFO, logging.getLogger().level))
+
+
+def serve(config: ServeConfig) -> int:
+    """`kvdepot serve`: the daemon in this process, or with --shards N > 1 a supervisor
+    of N shard processes, each running `serve_one` (server/shards.py)."""
+    if config.shards > 1:
+        configure_logging(config.log_level)
+        return serve_shards(config, serve_one)
+    return serve_one(config)
+
+
+def serve_one(config: ServeConfig) -> int:
+    """One daemon process: the whole daemon, or shard `config.shard` of `config.shards`
+    (then in a process of the supervisor's). Its exit status: 2 when it cannot start."""
+    tag = f"shard {config.shard}/{config.shards}" if config.shards > 1 else ""
+    configure_logging(config.log_level, tag)
     try:
         import uvloop
 

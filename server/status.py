@@ -11,7 +11,8 @@ One screen (rendered with rich, 80 columns is enough): the pool with a bar (used
 pinned, free, largest free extent), warm-up progress and, on CUDA hosts, page-locking
 progress, blocks, traffic rates over the last interval, namespaces, engines (pid, ranks,
 memory path and what it means, age), the remote tier when the daemon reports one, and
-boot id, version and uptime.
+boot id, version and uptime. A daemon run with `--shards N` is N daemons, each on
+sockets of its own: the header then says "shard i of N" and how to read the others.
 
 Rates need two readings: a one-shot status reads twice, `--interval` apart (default
 1 s; `--interval 0` reads once and shows no rates). `--watch` redraws every interval
@@ -389,6 +390,22 @@ def _numa_lines(numa: dict[str, Any] | None) -> list[str]:
     ]
 
 
+def _other_shards(r: dict[str, Any], shard: int, count: int) -> str:
+    """How to see the other shards: each is a daemon of its own, on its own sockets
+    (kvdepot.common.shards.shard_socket: shard 0 on the socket, shard i on PATH.shardI)."""
+    suffix = f".shard{shard}"
+    base = r["socket"].removesuffix(suffix) if shard else r["socket"]
+    others = f"--socket {base}.shard{1 if count == 2 else 'I'}"
+    if count > 2:
+        others += f", I = 1..{count - 1}"
+    if shard:
+        others = f"--socket {base} (shard 0) or {others}"
+    hint = f"figures are this shard's; other shards: kvdepot status {others}"
+    if r["admin_socket"] != admin_socket_of(r["socket"]):  # a named --admin-socket
+        hint += " (with --admin-socket ADMIN.shardI)"
+    return hint
+
+
 def render(r: dict[str, Any]) -> Any:
     """The screen for one report (see build_report)."""
     from rich import box
@@ -401,7 +418,12 @@ def render(r: dict[str, Any]) -> Any:
     header = Text()
     header.append(f"kvdepot {d['version']}", style="bold")
     header.append(f"  boot {d['boot_id']}  up {fmt_age(d['uptime_seconds'])}")
+    count = d.get("shard_count", 1)
+    if count > 1:
+        header.append(f"  shard {d['shard']} of {count}", style="bold")
     parts.append(header)
+    if count > 1:
+        parts.append(Text(_other_shards(r, d["shard"], count), style="dim"))
 
     grid = Table.grid(padding=(0, 1))
     grid.add_column(style="bold", no_wrap=True)

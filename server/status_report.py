@@ -48,6 +48,8 @@ KNOWN_STATS = frozenset(
         "version",
         "boot_id",
         "uptime_seconds",
+        "shard",
+        "shard_count",
         "capacity_bytes",
         "used_bytes",
         "pinned_bytes",
@@ -454,6 +456,10 @@ def build_report(
             "uptime_seconds": s.uptime_seconds,
             "pool_backing": s.pool_backing,
             "warm_restarted": s.warm_restarted,
+            # Shard `shard` of `shard_count` (kvdepot serve --shards); 1: not sharded
+            # (an older daemon says 0, read as 1).
+            "shard": s.shard,
+            "shard_count": max(1, s.shard_count),
         },
         "pool": {
             "capacity_bytes": capacity,

@@ -420,20 +420,23 @@ def test_node_series_runs_one_and_two_daemon_shards() -> None:
     assert len([line for line in table.splitlines() if line.startswith(" 70b-tp8")]) == 4
 
 
-def test_node_series_deals_ranks_to_shards_round_robin() -> None:
-    """Global rank g = engine x TP + rank goes to shard g mod S; there an engine is a
+def test_node_series_deals_ranks_to_shards_as_the_connector_does() -> None:
+    """Rank r of every engine goes to shard r // (TP / gcd(S, TP)); there an engine is a
     world of the ranks it sent, renumbered, each rank's page unchanged."""
     from kvdepot.bench.node import preset, shard_views
 
     geo = preset("70b-tp8", quick=False)
-    views = shard_views(geo, engines=2, shards=3)
+    views = shard_views(geo, engines=2, shards=4)
     assert len(views) == 16
     for (engine, rank), (shard, view, local) in views.items():
-        assert shard == (engine * 8 + rank) % 3
+        assert shard == rank // 2
         assert view.page_bytes == geo.page_bytes == 8192 and view.layers == 80
         mates = sorted(r for (e, r), v in views.items() if e == engine and v[0] == shard)
-        assert view.tp == len(mates) and local == mates.index(rank)
+        assert view.tp == len(mates) == 2 and local == mates.index(rank)
+    assert {v[0] for v in shard_views(geo, engines=2, shards=3).values()} == {0}  # gcd 1
     assert {v[1].tp for v in shard_views(geo, engines=2, shards=1).values()} == {8}
+    one_rank = preset("8b-tp1", quick=False)  # TP=1 engines use shard 0 alone
+    assert {v[0] for v in shard_views(one_rank, engines=2, shards=2).values()} == {0}
 
 
 def test_node_series_refuses_an_unknown_geometry() -> None:

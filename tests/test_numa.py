@@ -90,6 +90,24 @@ def test_auto_interleaves_over_the_gpus_nodes_and_spreads_the_threads(
     assert "node 0: 0-15,32-47; node 1: 16-31,48-63" in p.describe()
 
 
+def test_auto_gives_each_shard_the_node_of_its_gpus(host: numa.Topology) -> None:
+    """Shard s serves consecutive ranks, so consecutive GPUs: on two sockets of four GPUs,
+    two shards each keep to one socket; four shards pair up; three do not split evenly."""
+    two = [numa.place("auto", host, ALL_CPUS, shard=s, shards=2) for s in (0, 1)]
+    assert [(p.policy, p.nodes) for p in two] == [("preferred", (0,)), ("preferred", (1,))]
+    assert two[1].threads(2) == [(1, NODE1)] * 2 and "shard 1 of 2" in two[1].basis
+    four = [numa.place("auto", host, ALL_CPUS, shard=s, shards=4).nodes for s in range(4)]
+    assert four == [(0,), (0,), (1,), (1,)]
+    assert numa.place("auto", host, ALL_CPUS, shard=2, shards=3).nodes == (0, 1)
+    # Explicit settings are the operator's: every shard takes them as given.
+    assert numa.place("1", host, ALL_CPUS, shard=0, shards=2).nodes == (1,)
+
+
+def test_auto_without_gpus_shards_split_the_cpus_nodes(tmp_path: Path) -> None:
+    topo = numa.read_topology(_sysfs(tmp_path, TWO_SOCKETS, {}))
+    assert [numa.place("auto", topo, ALL_CPUS, s, 2).nodes for s in (0, 1)] == [(0,), (1,)]
+
+
 def test_auto_on_one_gpu_node_prefers_it(tmp_path: Path) -> None:
     gpus = {bdf: 1 for bdf in EIGHT_GPUS}
     topo = numa.read_topology(_sysfs(tmp_path, TWO_SOCKETS, gpus))

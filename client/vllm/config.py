@@ -14,6 +14,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvdepot.common.shards import MAX_SHARDS
+
 DEFAULT_SOCKET = "unix:///run/kvdepot/kvdepot.sock"
 
 MEMORY_PATHS = ("auto", "shm", "pvm", "inline")
@@ -46,6 +48,19 @@ def _socket(key: str, raw: Any) -> str:
     value = str(raw).strip()
     if not value:
         raise ValueError(f"{_where(key)} must not be empty")
+    return value
+
+
+def _shards(key: str, raw: Any) -> int:
+    try:
+        value = int(str(raw).strip())
+    except ValueError:
+        value = 0
+    if not 1 <= value <= MAX_SHARDS:
+        raise ValueError(
+            f"{_where(key)} must be a whole number from 1 to {MAX_SHARDS} (the daemon's "
+            f"--shards), got {raw!r}"
+        )
     return value
 
 
@@ -85,6 +100,8 @@ class DepotSettings:
     client_name: shown by `Admin/ListEngines` (default: role and engine id).
     remote_wait_s: how long a lookup may answer RETRY for a block the daemon's remote
         tier is fetching before it counts as a miss (see KVDepotOffloadingManager).
+    shards: the daemon's `--shards`: an engine of world size W uses gcd(shards, W) of
+        them, W / E consecutive ranks on each (kvdepot.common.shards).
     """
 
     socket: str = _key("kvdepot_socket", DEFAULT_SOCKET, _socket)
@@ -96,6 +113,7 @@ class DepotSettings:
     load_failure_backoff_s: float = _key("kvdepot_load_failure_backoff_s", 10.0, _number(0.0))
     client_name: str = _key("kvdepot_client_name", "", _text)
     remote_wait_s: float = _key("kvdepot_remote_wait_ms", 200.0, _number(0.0, per=1000))
+    shards: int = _key("kvdepot_shards", 1, _shards)
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any]) -> DepotSettings:

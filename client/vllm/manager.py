@@ -36,6 +36,13 @@ each part's module says which thread calls what and what it owns:
 - `StepStats` (stats.py): the figures `get_stats` hands vLLM.
 What stays here is the namespace and its generation (reset_cache) and the store
 decision (scheduler thread only).
+
+Shards (kvdepot.common.shards): an engine that uses E > 1 of the daemon's shards gets one
+client per shard, and with it one Watch stream, one `StepPins` and one `UnpinSender` per
+shard, each in that shard's namespace. The mirror counts a key ready when every shard has
+it; a step's pins go to every shard before any answer is read, so the step waits for the
+slowest shard, not for their sum; a load's keys are unpinned on each shard that pinned
+them. vLLM sees one manager and one namespace.
 """
 
 from __future__ import annotations
@@ -72,6 +79,7 @@ from kvdepot.client.vllm.prefetch import RemotePrefetch
 from kvdepot.client.vllm.stats import MetricName, StepStats
 from kvdepot.client.vllm.transfer_specs import KVDepotLoadSpec, KVDepotStoreSpec
 from kvdepot.client.vllm.unpins import UnpinSender
+from kvdepot.common.shards import shard_namespace_id
 
 log = logging.getLogger("kvdepot.vllm.manager")
 
@@ -92,54 +100,76 @@ class KVDepotOffloadingManager(OffloadingManager):
 
     def __init__(
         self,
-        client: DepotClient,
+        clients: DepotClient | Sequence[DepotClient],
         namespace_id: str,
         settings: DepotSettings,
         enable_events: bool = False,
     ) -> None:
-        self._client = client
+        """`clients`: the daemon's, or one per shard the engine uses, shard 0 first."""
+        self._clients = [clients] if isinstance(clients, DepotClient) else list(clients)
+        self._client = self._clients[0]
         self._settings = settings
         self._base_namespace_id = namespace_id
         self.namespace_id = namespace_id
         self._generation = 0  # resets so far: the namespace's generation
         self._stats = StepStats()
         self._failures = LoadFailureBackoff(settings.load_failure_backoff_s)
-        self._mirror = ReadyMirror(enable_events, on_forget=self._failures.clear)
+        self._mirror = ReadyMirror(
+            enable_events, on_forget=self._failures.clear, shards=len(self._clients)
+        )
         # Keys offered for store whose job has not completed.
         self._storing: set[bytes] = set()
         # The generation each request was added in.
         self._request_generation: dict[str, int] = {}
         self._closed = False
-        self._unpins = UnpinSender(client)
+        self._unpins = [UnpinSender(c) for c in self._clients]
         self._remote = RemotePrefetch(
-            client,
+            self._clients,
             self._stats,
             self._failures,
             float(getattr(settings, "remote_wait_s", 0.2)),
+            self._shard_namespace,
         )
-        self._pins = StepPins(client, self._stats, settings.pin_timeout_s)
-        client.add_session_listener(self._on_session)
-        client.add_disconnect_listener(self._on_disconnect)
-        self._watch = client.watch(namespace_id, self._mirror.handler(0))
+        self._pins = [StepPins(c, self._stats, settings.pin_timeout_s) for c in self._clients]
+        for shard, client in enumerate(self._clients):
+            client.add_session_listener(lambda _boot, s=shard: self._on_session(s))
+            client.add_disconnect_listener(lambda s=shard: self._on_disconnect(s))
+        self._watches = self._watch_all()
+
+    def _shard_namespace(self, namespace_id: str, shard: int) -> str:
+        return shard_namespace_id(namespace_id, shard, len(self._clients))
+
+    def _watch_all(self) -> list:
+        """One Watch stream per shard, for the current namespace and generation."""
+        return [
+            client.watch(
+                self._shard_namespace(self.namespace_id, shard),
+                self._mirror.handler(self._generation, shard),
+            )
+            for shard, client in enumerate(self._clients)
+        ]
 
     # -- the session (stream loop thread) --------------------------------------------------
 
-    def _on_disconnect(self) -> None:
+    def _on_disconnect(self, shard: int) -> None:
         # Pins die with the session; never unpin them in the next one.
-        self._pins.on_disconnect()
-        self._unpins.on_disconnect()
-        self._remote.on_disconnect()
+        self._pins[shard].on_disconnect()
+        self._unpins[shard].on_disconnect()
+        if shard == 0:
+            self._remote.on_disconnect()
 
-    def _on_session(self, boot_id: str) -> None:
-        self._pins.on_session()
-        self._unpins.on_session()
-        self._remote.on_session(self._client.hello)
+    def _on_session(self, shard: int) -> None:
+        self._pins[shard].on_session()
+        self._unpins[shard].on_session()
+        if shard == 0:
+            self._remote.on_session(self._client.hello)
 
     # -- figures for tests, tools and benchmarks ------------------------------------------
 
     @property
     def connected(self) -> bool:
-        return self._client.connected
+        """Whether every shard the engine uses is connected."""
+        return all(c.connected for c in self._clients)
 
     @property
     def mirror(self) -> ReadyMirror:
@@ -149,12 +179,12 @@ class KVDepotOffloadingManager(OffloadingManager):
     @property
     def pin_lane(self) -> PinLane:
         """The lane the step's pins take when it is open (tests and benchmarks)."""
-        return self._pins.lane
+        return self._pins[0].lane
 
     @property
     def unpin_lane(self) -> UnpinLane:
         """The lane the unpin thread uses when it is open (tests and benchmarks)."""
-        return self._unpins.lane
+        return self._unpins[0].lane
 
     @property
     def mirror_size(self) -> int:
@@ -167,15 +197,15 @@ class KVDepotOffloadingManager(OffloadingManager):
     @property
     def pin_rpcs(self) -> int:
         """Pin calls completed (one per step with loads)."""
-        return self._pins.calls
+        return self._pins[0].calls
 
     @property
     def pin_failures(self) -> int:
-        return self._pins.failures
+        return sum(p.failures for p in self._pins)
 
     @property
     def pin_latencies(self) -> list[float]:
-        return self._pins.latencies
+        return self._pins[0].latencies
 
     @property
     def remote_asked(self) -> int:
@@ -207,13 +237,16 @@ class KVDepotOffloadingManager(OffloadingManager):
 
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
         keys = list(keys)
-        self._pins.add(req_context.req_id, self.namespace_id, keys)
+        req_id = req_context.req_id
+        for shard, pins in enumerate(self._pins):
+            pins.add(req_id, self._shard_namespace(self.namespace_id, shard), keys)
         return KVDepotLoadSpec(self.namespace_id, keys)
 
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
-        held = self._pins.release(req_context.req_id)
-        if held:
-            self._unpins.unpin(self.namespace_id, held)
+        for shard, pins in enumerate(self._pins):
+            held = pins.release(req_context.req_id)
+            if held:
+                self._unpins[shard].unpin(self._shard_namespace(self.namespace_id, shard), held)
 
     def note_load_failures(self, keys: Iterable[bytes]) -> None:
         """Keys whose load failed: miss on them for `load_failure_backoff_s`, so a
@@ -227,7 +260,7 @@ class KVDepotOffloadingManager(OffloadingManager):
     def prepare_store(
         self, keys: Collection[OffloadKey], req_context: ReqContext
     ) -> PrepareStoreOutput | None:
-        if not self._client.connected:
+        if not self.connected:
             # Dropped, not refused: returning None would make vLLM log a warning
             # per request per step while the daemon is away.
             self._stats.count(MetricName.STORES_NOT_OFFERED, len(keys))
@@ -272,11 +305,16 @@ class KVDepotOffloadingManager(OffloadingManager):
         self._request_generation.pop(req_context.req_id, None)
 
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
-        if self._pins.step_loads:
-            missing = self._pins.pin_step(self.namespace_id)
-            if missing:
-                # Gone since the mirror said ready (the REMOVED event is on its way).
-                self._mirror.discard(missing)
+        if self._pins[0].step_loads:
+            shards = [self._shard_namespace(self.namespace_id, s) for s in range(len(self._pins))]
+            if len(shards) > 1:  # every shard at work before the first answer is read
+                for pins, namespace_id in zip(self._pins, shards, strict=True):
+                    pins.send_waiting(namespace_id)
+            for pins, namespace_id in zip(self._pins, shards, strict=True):
+                missing = pins.pin_step(namespace_id)
+                if missing:
+                    # Gone since the mirror said ready (the REMOVED event is on its way).
+                    self._mirror.discard(missing)
         self._remote.end_step(self._generation, self.namespace_id, self._mirror.ready)
         self._failures.prune()
 
@@ -308,15 +346,16 @@ class KVDepotOffloadingManager(OffloadingManager):
             uuid.uuid4().hex,
         )
         self._mirror.start_generation(self._generation)
-        old_held = self._pins.reset()
         self._failures.clear()
         self._storing = set()
-        if old_held:
-            self._unpins.unpin_all(old_namespace, old_held)
-        old_watch = self._watch
-        self._watch = self._client.watch(self.namespace_id, self._mirror.handler(self._generation))
-        # Stopping joins the old Watch thread: not on the scheduler thread.
-        threading.Thread(target=old_watch.stop, name="kvdepot-watch-stop", daemon=True).start()
+        for shard, pins in enumerate(self._pins):
+            old_held = pins.reset()
+            if old_held:
+                self._unpins[shard].unpin_all(self._shard_namespace(old_namespace, shard), old_held)
+        old_watches, self._watches = self._watches, self._watch_all()
+        for old_watch in old_watches:
+            # Stopping joins the old Watch thread: not on the scheduler thread.
+            threading.Thread(target=old_watch.stop, name="kvdepot-watch-stop", daemon=True).start()
         log.info("kvdepot: cache reset; this engine now uses namespace %s", self.namespace_id)
 
     # -- metrics and shutdown -------------------------------------------------------------
@@ -324,7 +363,7 @@ class KVDepotOffloadingManager(OffloadingManager):
     def get_stats(self) -> OffloadingConnectorStats | None:
         """What happened since the last call, and the gauges when they changed (None on
         a quiet step); see StepStats.take."""
-        return self._stats.take(self._client.connected, len(self._mirror.ready))
+        return self._stats.take(self.connected, len(self._mirror.ready))
 
     def config_info(self) -> Sequence[Mapping[str, object]]:
         # vLLM 0.33's ConfigInfoMapping is a plain mapping; 0.32 has neither the type
@@ -340,12 +379,15 @@ class KVDepotOffloadingManager(OffloadingManager):
         if self._closed:
             return
         self._closed = True
-        self._unpins.close()
+        for unpins in self._unpins:
+            unpins.close()
         self._remote.close()
         try:
-            self._watch.stop()
+            for watch in self._watches:
+                watch.stop()
         finally:
             # Ending the session releases our pins in the daemon.
-            self._pins.lane.drop()
-            self._unpins.lane.drop()
-            self._client.close()
+            for pins, unpins, client in zip(self._pins, self._unpins, self._clients, strict=True):
+                pins.lane.drop()
+                unpins.lane.drop()
+                client.close()

@@ -15,6 +15,12 @@ under the same lock, so an event of a namespace the engine left never reaches th
 set, even one that passed its check while the switch was waiting (the reset race,
 tests/vllm/test_reset_race.py).
 
+Shards (kvdepot.common.shards): an engine that uses E > 1 of the daemon's shards has one
+Watch stream per shard, each handler naming its shard. The mirror keeps what each shard
+holds and lists a key as ready only when every shard has its sections: a key one shard
+lost (evicted first there, or that shard restarted) is a miss, never a hit. The disk
+tier's events are taken from shard 0 alone (one event per block, not one per shard).
+
 Threads and ownership (`ReadyMirror` owns the set, the generation, the events and
 both locks):
 - the handlers returned by `handler` run on the client's stream loop thread
@@ -45,11 +51,14 @@ WatchHandler = Callable[[depot_pb2.WatchEvent], None]
 class ReadyMirror:
     """The ready keys of the namespace the engine is in, and vLLM's KV events for them."""
 
-    def __init__(self, enable_events: bool, on_forget: Callable[[], None]) -> None:
+    def __init__(self, enable_events: bool, on_forget: Callable[[], None], shards: int = 1) -> None:
         """`enable_events`: collect OffloadingEvents for `take_events` (vLLM's KV events
         are on). `on_forget` runs (on the stream loop thread) when a reset snapshot
-        makes the mirror forget everything."""
+        makes the mirror forget everything (with shards: what one shard held).
+        `shards`: the daemon shards the engine uses, one Watch stream each."""
         self.ready: set[bytes] = set()
+        # What each shard holds, when there are several (`ready` is their intersection).
+        self._held: list[set[bytes]] = [set() for _ in range(shards)] if shards > 1 else []
         self._on_forget = on_forget
         # Held while a Watch event is checked and applied, and while the generation
         # switches (never on lookup's path).
@@ -59,15 +68,18 @@ class ReadyMirror:
         self._events_lock = threading.Lock()
         self.watch_events = 0  # events applied (a monotonic count for tools)
 
-    def handler(self, generation: int) -> WatchHandler:
-        """The Watch callback for `generation`'s namespace; stale once a later
-        generation starts."""
+    def handler(self, generation: int, shard: int = 0) -> WatchHandler:
+        """The Watch callback for `generation`'s namespace on `shard`; stale once a
+        later generation starts."""
 
         def on_event(event: depot_pb2.WatchEvent) -> None:
             with self._lock:
                 if generation != self._generation:
                     return
-                self.apply(event)
+                if self._held:
+                    self.apply_shard(event, shard)
+                else:
+                    self.apply(event)
 
         return on_event
 
@@ -77,6 +89,7 @@ class ReadyMirror:
         with self._lock:
             self._generation = generation
             self.ready = set()
+            self._held = [set() for _ in self._held]
 
     def apply(self, event: depot_pb2.WatchEvent) -> None:
         """Applies one Watch event (the caller holds the lock and checked the generation)."""
@@ -106,6 +119,41 @@ class ReadyMirror:
                 self.ready.update(keys)
                 self._emit(keys, removed=False)
         # SNAPSHOT_END: nothing to do, the snapshot keys are in already.
+
+    def apply_shard(self, event: depot_pb2.WatchEvent, shard: int) -> None:
+        """Applies one event of one shard's Watch stream (the caller holds the lock and
+        checked the generation): a key is ready once every shard holds it."""
+        self.watch_events += 1
+        kind = event.kind
+        if event.tier == _TIER_DISK:
+            if shard == 0 and kind in (_STORED, _REMOVED):
+                self._emit(list(event.keys), kind == _REMOVED, Medium.STORAGE, Locality.LOCAL)
+            return
+        held = self._held[shard]
+        if kind == _REMOVED:
+            keys = list(event.keys)
+            held.difference_update(keys)
+            gone = [k for k in keys if k in self.ready]
+            self.ready.difference_update(gone)
+            self._emit(gone, removed=True)
+            return
+        if kind == _SNAPSHOT and event.reset:
+            # This shard forgot everything (it restarted, or we lost it): so do its
+            # keys here. A new set, not removals in place: see the module docstring.
+            old, self._held[shard] = held, set()
+            held = self._held[shard]
+            lost = [k for k in old if k in self.ready]
+            if lost:
+                self.ready = self.ready.difference(lost)
+                self._emit(lost, removed=True)
+            self._on_forget()
+        if kind in (_STORED, _SNAPSHOT):
+            keys = list(event.keys)
+            held.update(keys)
+            others = [h for h in self._held if h is not held]
+            ready = [k for k in keys if k not in self.ready and all(k in h for h in others)]
+            self.ready.update(ready)
+            self._emit(ready, removed=False)
 
     def discard(self, keys: Iterable[bytes]) -> None:
         """Keys found gone (a pin missed them) before their REMOVED event arrives."""

@@ -159,11 +159,14 @@ def namespace_layout(
     namespace_id: str,
     inputs: NamespaceInputs,
     layer_page_bytes: list[list[int]],
+    world_size: int | None = None,
 ) -> depot_pb2.NamespaceLayout:
-    """The NamespaceLayout a worker declares: the id plus its real per-layer pages."""
+    """The NamespaceLayout a worker declares: the id plus its real per-layer pages;
+    `world_size`: the ranks whose sections make a row there (a shard's share of the
+    engine's world; default the whole world)."""
     return depot_pb2.NamespaceLayout(
         id=namespace_id,
-        world_size=inputs.world_size,
+        world_size=inputs.world_size if world_size is None else world_size,
         blocks_per_chunk=inputs.blocks_per_chunk,
         groups=[depot_pb2.GroupLayout(layer_page_bytes=pages) for pages in layer_page_bytes],
         description=inputs.description(),

@@ -67,11 +67,11 @@ class StepPins:
         self.step_loads.append((req_id, keys))
         self._keys_waiting += len(keys)
         if self._keys_waiting >= EARLY_PIN_KEYS:
-            self._send_early(namespace_id)
+            self.send_waiting(namespace_id)
 
-    def _send_early(self, namespace_id: str) -> None:
+    def send_waiting(self, namespace_id: str) -> None:
         """Sends the step's keys not sent yet as one pin call on the lane, answered at
-        the step's end. Keys that cannot go now are pinned there."""
+        the step's end (`pin_step`). Keys that cannot go now are pinned there."""
         loads = self.step_loads
         keys = [k for _, request_keys in loads[self._loads_sent :] for k in request_keys]
         self._keys_waiting = 0

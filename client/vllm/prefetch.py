@@ -28,7 +28,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 import grpc
 from vllm.v1.kv_offload.base import LookupResult
@@ -53,13 +53,17 @@ class RemotePrefetch:
 
     def __init__(
         self,
-        client: DepotClient,
+        clients: Sequence[DepotClient],
         stats: StepStats,
         failures: LoadFailureBackoff,
         wait_s: float,
+        shard_namespace: Callable[[str, int], str],
     ) -> None:
-        """`failures`: keys in back-off are not asked for (read only)."""
-        self._client = client
+        """`clients`: one per daemon shard the engine uses (each fetches its sections);
+        `shard_namespace(namespace, shard)` names the namespace on a shard.
+        `failures`: keys in back-off are not asked for (read only)."""
+        self._clients = list(clients)
+        self._shard_namespace = shard_namespace
         self._stats = stats
         self._failures = failures
         self._wait_s = wait_s
@@ -145,25 +149,37 @@ class RemotePrefetch:
                     self._prefetch(namespace_id, keys)
 
     def _prefetch(self, namespace_id: str, keys: list[bytes]) -> None:
+        """Asks every shard for its sections of `keys`; a key any shard lacks is a miss."""
+        absent = [False] * len(keys)
+        for shard, client in enumerate(self._clients):
+            for i, state in enumerate(self._prefetch_shard(client, namespace_id, shard, keys)):
+                if state == _ABSENT:
+                    absent[i] = True
+        until = time.monotonic() + NO_REMOTE_S
+        fetching, no_remote = self._fetching, self._no_remote
+        for key, lacked in zip(keys, absent, strict=True):
+            if lacked:  # recompute it: a miss from the next lookup on
+                no_remote[key] = until
+                fetching.pop(key, None)
+
+    def _prefetch_shard(
+        self, client: DepotClient, namespace_id: str, shard: int, keys: list[bytes]
+    ) -> list[int]:
+        """One shard's Prefetch answer: a state per key (all ABSENT when it failed)."""
         try:
-            resp = self._client.prefetch(namespace_id, keys, timeout=max(self._wait_s, 0.5))
+            resp = client.prefetch(
+                self._shard_namespace(namespace_id, shard), keys, timeout=max(self._wait_s, 0.5)
+            )
         except (DepotUnavailable, grpc.RpcError, ValueError) as exc:
             code = exc.code() if isinstance(exc, grpc.RpcError) else None
             if code == grpc.StatusCode.UNIMPLEMENTED:  # a daemon without the call
                 self.on = False
             log.debug("kvdepot prefetch of %d keys failed: %s", len(keys), exc)
-            states = [_ABSENT] * len(keys)
-        else:
-            self.rpcs += 1
-            if not resp.remote_tier:
-                self.on = False
-            states = list(resp.states)
-        until = time.monotonic() + NO_REMOTE_S
-        fetching, no_remote = self._fetching, self._no_remote
-        for key, state in zip(keys, states, strict=False):
-            if state == _ABSENT:  # recompute it: a miss from the next lookup on
-                no_remote[key] = until
-                fetching.pop(key, None)
+            return [_ABSENT] * len(keys)
+        self.rpcs += 1
+        if not resp.remote_tier:
+            self.on = False
+        return list(resp.states)
 
     def on_session(self, hello: depot_pb2.SessionHello | None) -> None:
         # kvdepot_remote_wait_ms = 0: this engine never waits for the tier, nor asks it.

@@ -25,6 +25,7 @@ from kvdepot.client import DepotClient, DepotUnavailable
 from kvdepot.client.fdpass import FdPassError
 from kvdepot.client.vllm import memory_paths
 from kvdepot.client.vllm.memory_paths import MemoryPath, MemoryPlan
+from kvdepot.common.shards import RankRoute, shard_mismatch
 from kvdepot.v1 import depot_pb2
 
 log = logging.getLogger("kvdepot.vllm.worker")
@@ -53,8 +54,14 @@ class Registrar:
         on_registered: Callable[[str], None],
         on_refused: Callable[[str, str], None],
         on_memory_changed: Callable[[MemoryPlan], None],
+        route: RankRoute | None = None,
+        node_shards: int = 1,
     ) -> None:
+        """`rank` is the rank on the daemon (on a shard: `route.rank`); `route` and
+        `node_shards` say which shard the client must reach (unsharded: None, 1)."""
         self._client = client
+        self._route = route
+        self._node_shards = node_shards
         self.memory = plan
         self._rank = rank
         self._make_layout = make_layout
@@ -165,6 +172,14 @@ class Registrar:
     def _register(self, namespace_id: str) -> bool:
         """Registers one namespace; False when it must be retried later."""
         plan = self.memory
+        hello = self._client.hello
+        wrong = (
+            None
+            if self._route is None or hello is None
+            else shard_mismatch(self._route, self._node_shards, hello.shard, hello.shard_count)
+        )
+        if wrong is not None:
+            return self._refuse(namespace_id, wrong)
         try:
             session = self._client.session_id
             layout = self._make_layout(namespace_id, self._layer_pages)
@@ -184,18 +199,7 @@ class Registrar:
                 self._now.set()
                 return False
             if code in PERMANENT:
-                reason = f"{code}: {details}"
-                with self._lock:
-                    self._refused[namespace_id] = reason
-                log.error(
-                    "kvdepot refused rank %d's registration in namespace %s (%s); this "
-                    "rank offloads nothing in it until the daemon restarts",
-                    self._rank,
-                    namespace_id,
-                    reason,
-                )
-                self._on_refused(namespace_id, reason)
-                return True
+                return self._refuse(namespace_id, f"{code}: {details}")
             log.warning("kvdepot registration failed (%s: %s); retrying", code, details)
             self._retry_later()
             return False
@@ -214,6 +218,21 @@ class Registrar:
             f"; {note}" if note else "",
         )
         self._on_registered(namespace_id)
+        return True
+
+    def _refuse(self, namespace_id: str, reason: str) -> bool:
+        """The daemon refused this registration, or is not the shard this rank needs:
+        retrying will not change it (a new session, a restarted daemon, may)."""
+        with self._lock:
+            self._refused[namespace_id] = reason
+        log.error(
+            "kvdepot cannot register rank %d in namespace %s (%s); this rank "
+            "offloads nothing in it until the daemon restarts",
+            self._rank,
+            namespace_id,
+            reason,
+        )
+        self._on_refused(namespace_id, reason)
         return True
 
     def _fall_back_inline(self, reason: str) -> None:

@@ -8,6 +8,7 @@ same configuration, so they meet in the daemon without talking to each other.
 from __future__ import annotations
 
 import contextvars
+import functools
 import logging
 import os
 from dataclasses import dataclass
@@ -32,6 +33,7 @@ from kvdepot.client.vllm.manager import KVDepotOffloadingManager
 from kvdepot.client.vllm.namespace import NamespaceInputs, namespace_inputs, namespace_layout
 from kvdepot.client.vllm.stats import MetricName
 from kvdepot.client.vllm.worker import KVDepotOffloadingWorker
+from kvdepot.common.shards import engine_shards, route_rank, shard_socket
 from kvdepot.v1 import depot_pb2
 
 if TYPE_CHECKING:
@@ -85,8 +87,8 @@ class KVDepotOffloadingSpec(OffloadingSpec):
             ),
             MetricName.PINS: OffloadingCounterMetadata(
                 documentation=(
-                    "Pin calls made by the scheduler (one per step with hits, on its pin "
-                    "lane or over gRPC)."
+                    "Pin calls made by the scheduler (one per step with hits and per daemon "
+                    "shard the engine uses, on its pin lane or over gRPC)."
                 )
             ),
             MetricName.PIN_FAILURES: OffloadingCounterMetadata(
@@ -151,13 +153,12 @@ class KVDepotOffloadingSpec(OffloadingSpec):
         self._worker: KVDepotOffloadingWorker | None = None
         log.info("kvdepot namespace %s: %s", self.namespace_id, self.namespace.description())
 
-    def _client(self, role: str) -> DepotClient:
+    def _client(self, role: str, shard: int = 0) -> DepotClient:
+        socket = shard_socket(self.settings.socket, shard)
         name = self.settings.client_name or (
             f"vllm-{role} engine={self.config.engine_id} pid={os.getpid()}"
         )
-        client = DepotClient(
-            self.settings.socket, client_name=name, engine_id=self.config.engine_id
-        )
+        client = DepotClient(socket, client_name=name, engine_id=self.config.engine_id)
         client.start()
         if self.settings.startup_wait_s > 0 and not client.wait_connected(
             self.settings.startup_wait_s
@@ -165,20 +166,26 @@ class KVDepotOffloadingSpec(OffloadingSpec):
             log.warning(
                 "kvdepot daemon at %s is not reachable yet; running without it (lookups "
                 "miss) and reconnecting in the background",
-                self.settings.socket,
+                socket,
             )
         return client
 
     def make_layout(
-        self, namespace_id: str, layer_pages: list[list[int]]
+        self, namespace_id: str, layer_pages: list[list[int]], world_size: int | None = None
     ) -> depot_pb2.NamespaceLayout:
-        """The NamespaceLayout a worker declares in `namespace_id`."""
-        return namespace_layout(namespace_id, self.namespace, layer_pages)
+        """The NamespaceLayout a worker declares in `namespace_id` (on a shard: of the
+        `world_size` ranks that shard serves)."""
+        return namespace_layout(namespace_id, self.namespace, layer_pages, world_size)
+
+    @property
+    def engine_shards(self) -> int:
+        """The daemon shards this engine uses (kvdepot.common.shards)."""
+        return engine_shards(self.settings.shards, self.namespace.world_size)
 
     def get_manager(self) -> OffloadingManager:
         if self._manager is None:
             self._manager = KVDepotOffloadingManager(
-                self._client("scheduler"),
+                [self._client("scheduler", s) for s in range(self.engine_shards)],
                 self.namespace_id,
                 self.settings,
                 enable_events=self.kv_events_config.enable_kv_cache_events,
@@ -188,15 +195,27 @@ class KVDepotOffloadingSpec(OffloadingSpec):
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
         if self._worker is None:
             rank = self.config.parallel.rank
+            route = route_rank(rank, self.namespace.world_size, self.settings.shards)
+            if route.shards > 1:
+                log.info(
+                    "kvdepot: rank %d uses shard %d of %d as its rank %d of %d",
+                    rank,
+                    route.shard,
+                    route.shards,
+                    route.rank,
+                    route.world_size,
+                )
             self._worker = KVDepotOffloadingWorker(
-                self._client(f"worker rank={rank}"),
+                self._client(f"worker rank={rank}", route.shard),
                 kv_caches,
                 namespace_id=self.namespace_id,
-                make_layout=self.make_layout,
-                rank=rank,
+                make_layout=functools.partial(self.make_layout, world_size=route.world_size),
+                rank=route.rank,
                 blocks_per_chunk=self.blocks_per_chunk,
                 memory_path=self.settings.memory_path,
                 job_timeout_s=self.settings.job_timeout_s,
+                route=route if route.shards > 1 else None,
+                node_shards=self.settings.shards,
             )
             if self.settings.startup_wait_s > 0 and self._worker._client.connected:
                 # Registration runs in the background; give it a moment so the

@@ -48,6 +48,7 @@ from kvdepot.client.vllm.registration import Registrar
 from kvdepot.client.vllm.transfer_specs import KVDepotLoadStoreSpec
 from kvdepot.common.jobs import Job, JobResult
 from kvdepot.common.kinds import Direction
+from kvdepot.common.shards import RankRoute, shard_namespace_id
 from kvdepot.v1 import depot_pb2
 
 log = logging.getLogger("kvdepot.vllm.worker")
@@ -69,8 +70,14 @@ class KVDepotOffloadingWorker(OffloadingWorker):
         blocks_per_chunk: int,
         memory_path: str = "auto",
         job_timeout_s: float = 15.0,
+        route: RankRoute | None = None,
+        node_shards: int = 1,
     ) -> None:
+        """`rank`: the rank on the daemon; with shards, `route` says which shard `client`
+        reaches (the rank is `route.rank` there) and the scheduler's namespaces are
+        renamed for it (kvdepot.common.shards)."""
         self._client = client
+        self._route = route
         self._kv_caches = kv_caches
         self._rank = rank
         self._bpc = blocks_per_chunk
@@ -94,15 +101,24 @@ class KVDepotOffloadingWorker(OffloadingWorker):
             client,
             plan,
             rank=rank,
-            namespace_id=namespace_id,
+            namespace_id=self._on_shard(namespace_id),
             make_layout=make_layout,
             layer_pages=self.layer_pages,
             on_registered=self._release_held,
             on_refused=self._fail_held,
             on_memory_changed=self._memory_changed,
+            route=route,
+            node_shards=node_shards,
         )
         client.add_disconnect_listener(self._on_disconnect)
         self._registrar.start()
+
+    def _on_shard(self, namespace_id: str) -> str:
+        """The scheduler's namespace as this rank's shard names it."""
+        route = self._route
+        if route is None:
+            return namespace_id
+        return shard_namespace_id(namespace_id, route.shard, route.shards)
 
     # -- registration ---------------------------------------------------------------------
 
@@ -197,7 +213,7 @@ class KVDepotOffloadingWorker(OffloadingWorker):
             [int(i) for i in gpu_spec.block_indices],  # block_indices
             expedited,
             0,  # registration_id: set when the job is sent
-            depot_spec.namespace_id,
+            self._on_shard(depot_spec.namespace_id),
         )
         if not job.keys:
             self._ledger.finish_local(job, JobResult(job_id, True))

@@ -10,7 +10,11 @@ the copy threads pin themselves to `Placement.thread_cpus` (server/copy_queue.py
 `auto` (the default) serves the GPUs: the pool goes on the node of the host's NVIDIA
 GPUs, interleaved over their nodes when they span several (the daemon serves every
 engine on the host, and an engine's GPU is not known before it registers); a host
-without GPUs uses the nodes of the CPUs the daemon may run on (its cpuset). Only nodes
+without GPUs uses the nodes of the CPUs the daemon may run on (its cpuset). Shard s of
+S (`--shards`) serves consecutive ranks (kvdepot.common.shards), which run on
+consecutive GPUs: it takes the s-th S-th of the GPUs in PCI order (CUDA's order on a
+host of one GPU model), or of the nodes without GPUs, when they split evenly, so a
+two-socket host's two shards each keep their pool and copy threads on their own socket. Only nodes
 with CPUs count for `auto`: a node of memory alone (a GPU's HBM exposed as a node, CXL)
 is never chosen without being named. One node gets MPOL_PREFERRED, which falls back to
 other nodes when it is full rather than failing a page fault; several get
@@ -165,9 +169,21 @@ def check_nodes(setting: str, topo: Topology) -> list[int]:
     return nodes
 
 
-def place(setting: str, topo: Topology, allowed_cpus: Iterable[int]) -> Placement:
-    """The placement for a parsed `--numa` value on `topo`, for a daemon that may run on
-    `allowed_cpus`. Raises NumaError for nodes the host does not have."""
+def _share(items: list[int], shard: int, shards: int) -> tuple[list[int], str]:
+    """Shard `shard`'s slice of `items` when they split evenly (else all), and how the
+    basis says it."""
+    if shards <= 1 or not items or len(items) % shards:
+        return items, ""
+    per = len(items) // shards
+    return items[shard * per : (shard + 1) * per], f", shard {shard} of {shards}'s share"
+
+
+def place(
+    setting: str, topo: Topology, allowed_cpus: Iterable[int], shard: int = 0, shards: int = 1
+) -> Placement:
+    """The placement for a parsed `--numa` value on `topo`, for a daemon (shard `shard`
+    of `shards`) that may run on `allowed_cpus`. Raises NumaError for nodes the host
+    does not have."""
     setting = parse_setting(setting)
     allowed = frozenset(allowed_cpus)
     with_cpus = topo.nodes_of(allowed)
@@ -175,11 +191,14 @@ def place(setting: str, topo: Topology, allowed_cpus: Iterable[int]) -> Placemen
         basis = "--numa off" if setting == "off" else "no NUMA nodes in sysfs"
         return Placement("off", basis=basis, host_nodes=len(topo.nodes))
     if setting == "auto":
-        gpu = sorted({n for n in topo.gpu_nodes if n in with_cpus})
+        gpus, share = _share(list(topo.gpu_nodes), shard, shards)
+        gpu = sorted({n for n in gpus if n in with_cpus})
         if gpu:
-            nodes, basis = gpu, f"auto: the node(s) of the host's {len(topo.gpu_nodes)} GPU(s)"
+            nodes = gpu
+            basis = f"auto: the node(s) of the host's {len(topo.gpu_nodes)} GPU(s){share}"
         else:
-            nodes, basis = with_cpus, "auto: the nodes of the daemon's CPUs"
+            nodes, share = _share(with_cpus, shard, shards)
+            basis = f"auto: the nodes of the daemon's CPUs{share}"
         policy = "preferred" if len(nodes) == 1 else "interleave"
     elif setting == "interleave":
         nodes, basis, policy = with_cpus, "--numa interleave", "interleave"
@@ -239,8 +258,10 @@ def read_topology(root: Path | str = "/") -> Topology:
     return Topology(tuple(nodes), tuple(gpus))
 
 
-def host_placement(setting: str, root: Path | str = "/") -> Placement:
+def host_placement(
+    setting: str, root: Path | str = "/", shard: int = 0, shards: int = 1
+) -> Placement:
     """`place` for this host and this process's CPU affinity."""
     if parse_setting(setting) == "off":
         return place("off", Topology(()), ())
-    return place(setting, read_topology(root), os.sched_getaffinity(0))
+    return place(setting, read_topology(root), os.sched_getaffinity(0), shard, shards)

@@ -90,6 +90,8 @@ class DepotServicer(depot_pb2_grpc.DepotServicer):
                     max_job_keys=st.config.max_job_keys,
                     fd_socket=st.config.fd_socket if st.fd_receiver else "",
                     remote_tier=st.has_tier_below,
+                    shard=st.config.shard,
+                    shard_count=st.config.shards,
                 )
             )
             # Ends at shutdown, or when the daemon ends the session itself (evicted

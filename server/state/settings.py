@@ -38,6 +38,9 @@ class StateConfig(Protocol):
     destructive_admin: bool
     # Read by the Depot service through the state (SessionHello, the Session stream).
     keepalive_seconds: float
+    # Which shard of how many this daemon is (SessionHello, GetStats; server/shards.py).
+    shard: int
+    shards: int
 
     @property
     def fd_socket(self) -> str: ...

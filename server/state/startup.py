@@ -61,7 +61,8 @@ def open_pool(config: StateConfig) -> OpenedPool:
     if config.pool_file:
         pool_lock = pool_file.lock_pool_file(config.pool_file)  # raises PoolFileBusy
         plan = pool_file.prepare_start(config.pool_file, config.pool_size, config.slot_granularity)
-    arena = Arena(config.pool_size, config.pool_file, numa.host_placement(config.numa))
+    placement = numa.host_placement(config.numa, shard=config.shard, shards=config.shards)
+    arena = Arena(config.pool_size, config.pool_file, placement)
     bus = EventBus()
 
     def new_index() -> BlockIndex:

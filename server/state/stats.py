@@ -29,6 +29,8 @@ def stats_fields(state: DepotState) -> dict[str, object]:
         "version": kvdepot.__version__,
         "boot_id": state.boot_id,
         "uptime_seconds": state.uptime,
+        "shard": state.config.shard,
+        "shard_count": state.config.shards,
         "capacity_bytes": alloc.capacity,
         "used_bytes": alloc.used_bytes,
         "pinned_bytes": state.index.pinned_bytes,

@@ -121,6 +121,40 @@ def test_disk_tier_events_are_storage_events_and_never_hits() -> None:
     assert mirror.take_events() == () and mirror.ready == set()
 
 
+def test_with_shards_a_key_is_ready_only_while_every_shard_holds_it() -> None:
+    forgotten: list[bool] = []
+    mirror = ReadyMirror(enable_events=True, on_forget=lambda: forgotten.append(True), shards=2)
+    shard0, shard1 = mirror.handler(0, shard=0), mirror.handler(0, shard=1)
+    shard0(snapshot(b"a", b"b", reset=True))
+    shard0(stored(b"c"))
+    assert mirror.ready == set()  # shard 1 holds none of their sections yet
+    shard1(snapshot(b"b", reset=True))
+    shard1(stored(b"a", b"x"))
+    assert mirror.ready == {b"a", b"b"}  # c: shard 1 lacks it; x: shard 0 does
+    shard0(removed(b"a"))  # evicted on shard 0 first: a miss, never a hit
+    assert mirror.ready == {b"b"}
+    shard0(stored(b"a"))
+    assert mirror.ready == {b"a", b"b"}
+    shard1(snapshot(b"c", reset=True))  # shard 1 restarted and kept only c
+    assert mirror.ready == {b"c"} and len(forgotten) == 3
+    events = [(sorted(e.keys), e.removed) for e in mirror.take_events()]
+    assert events == [
+        ([b"b"], False),
+        ([b"a"], False),
+        ([b"a"], True),
+        ([b"a"], False),
+        ([b"a", b"b"], True),
+        ([b"c"], False),
+    ]
+    disk = WatchEvent.TIER_DISK  # one event per block: shard 0's
+    shard1(WatchEvent(kind=WatchEvent.STORED, keys=[b"d"], tier=disk))
+    shard0(WatchEvent(kind=WatchEvent.STORED, keys=[b"d"], tier=disk))
+    assert [(e.keys, e.medium.value) for e in mirror.take_events()] == [([b"d"], "STORAGE")]
+    mirror.start_generation(1)
+    mirror.handler(1, shard=0)(stored(b"c"))
+    assert mirror.ready == set()  # the new generation starts with nothing on any shard
+
+
 # -- the back-off after failed loads ----------------------------------------------------
 
 

@@ -44,7 +44,7 @@ class SessionEvent(_message.Message):
     def __init__(self, hello: _Optional[_Union[SessionHello, _Mapping]] = ..., keepalive: _Optional[_Union[SessionKeepalive, _Mapping]] = ...) -> None: ...
 
 class SessionHello(_message.Message):
-    __slots__ = ("session_id", "boot_id", "version", "pool_capacity_bytes", "max_job_keys", "fd_socket", "remote_tier")
+    __slots__ = ("session_id", "boot_id", "version", "pool_capacity_bytes", "max_job_keys", "fd_socket", "remote_tier", "shard", "shard_count")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     BOOT_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -52,6 +52,8 @@ class SessionHello(_message.Message):
     MAX_JOB_KEYS_FIELD_NUMBER: _ClassVar[int]
     FD_SOCKET_FIELD_NUMBER: _ClassVar[int]
     REMOTE_TIER_FIELD_NUMBER: _ClassVar[int]
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    SHARD_COUNT_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     boot_id: str
     version: str
@@ -59,7 +61,9 @@ class SessionHello(_message.Message):
     max_job_keys: int
     fd_socket: str
     remote_tier: bool
-    def __init__(self, session_id: _Optional[str] = ..., boot_id: _Optional[str] = ..., version: _Optional[str] = ..., pool_capacity_bytes: _Optional[int] = ..., max_job_keys: _Optional[int] = ..., fd_socket: _Optional[str] = ..., remote_tier: _Optional[bool] = ...) -> None: ...
+    shard: int
+    shard_count: int
+    def __init__(self, session_id: _Optional[str] = ..., boot_id: _Optional[str] = ..., version: _Optional[str] = ..., pool_capacity_bytes: _Optional[int] = ..., max_job_keys: _Optional[int] = ..., fd_socket: _Optional[str] = ..., remote_tier: _Optional[bool] = ..., shard: _Optional[int] = ..., shard_count: _Optional[int] = ...) -> None: ...
 
 class SessionKeepalive(_message.Message):
     __slots__ = ("uptime_seconds",)

@@ -1,0 +1,77 @@
+"""Shards by rank: how a node's ranks are dealt to the daemon's shards.
+
+A daemon run with `--shards S` is S processes (shards), each with its own event loop,
+copy threads, pool and index; shard 0 listens on the configured socket and shard s on
+`shard_socket(socket, s)`. An engine of world size W uses E = gcd(S, W) of them, each
+serving K = W / E consecutive ranks: rank r goes to shard r // K, where it is rank r % K
+of a world of K ranks, in a namespace of its own (`shard_namespace_id`), so that a
+shard's rows hold the sections of exactly the ranks it serves and every guarantee of
+one daemon (rows ready when all their ranks wrote, pins, eviction, restart) holds per
+shard. Consecutive, not dealt round robin: GPUs are numbered by NUMA node on the hosts
+this serves (0-3 on one socket, 4-7 on the other), so a shard's ranks share a node and
+its pool and copy threads can sit there. The scheduler reads every shard the engine
+uses and counts a key ready when all of them have it.
+
+Pure functions of their arguments: the daemon, the connector and the benchmarks all
+route with these, so they cannot disagree.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+MAX_SHARDS = 64
+
+
+def shard_socket(socket: str, shard: int) -> str:
+    """The socket (a path or a unix:// target) of `shard`: shard 0's is `socket` itself,
+    so a daemon of one shard and a client that knows nothing of shards are unchanged."""
+    return socket if shard == 0 else f"{socket}.shard{shard}"
+
+
+def engine_shards(node_shards: int, world_size: int) -> int:
+    """How many of the node's shards an engine of `world_size` ranks uses: gcd, so that
+    every shard it uses serves the same number of its ranks (TP=1 engines use shard 0)."""
+    return math.gcd(max(1, node_shards), max(1, world_size))
+
+
+class RankRoute(NamedTuple):
+    """Where one rank of an engine goes."""
+
+    shard: int  # the shard it talks to
+    rank: int  # its rank there
+    world_size: int  # the ranks of its engine that shard serves
+    shards: int  # the shards its engine uses (E)
+
+
+def route_rank(rank: int, world_size: int, node_shards: int) -> RankRoute:
+    """Rank `rank` of an engine of `world_size` ranks on a node of `node_shards` shards."""
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is outside a world of {world_size}")
+    used = engine_shards(node_shards, world_size)
+    per_shard = world_size // used
+    return RankRoute(rank // per_shard, rank % per_shard, per_shard, used)
+
+
+def shard_namespace_id(namespace_id: str, shard: int, shards: int) -> str:
+    """The namespace an engine's `namespace_id` is on `shard`, one of the `shards` it
+    uses: the id itself when it uses one shard (unsharded daemons see what they always
+    saw), else an id of that shard's own (its rows hold other ranks' sections, so its
+    bytes, disk records and remote entries must never meet another shard's)."""
+    return namespace_id if shards == 1 else f"{namespace_id}.s{shard}of{shards}"
+
+
+def shard_mismatch(route: RankRoute, node_shards: int, shard: int, shard_count: int) -> str | None:
+    """Why a daemon whose hello says it is `shard` of `shard_count` (0: unsharded) cannot
+    serve a rank routed to `route` on a node of `node_shards`; None when it can. An engine
+    that uses one shard talks to shard 0's socket, which serves whole rows on any daemon."""
+    if route.shards == 1:
+        return None
+    count = shard_count or 1
+    if (shard, count) == (route.shard, node_shards):
+        return None
+    return (
+        f"the daemon there is shard {shard} of {count}, but this rank expects shard "
+        f"{route.shard} of {node_shards} (kvdepot_shards must equal the daemon's --shards)"
+    )

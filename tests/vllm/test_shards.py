@@ -1,0 +1,219 @@
+"""An engine on a sharded daemon (`kvdepot serve --shards 2`, `kvdepot_shards: 2`), driven
+by vLLM 0.33.0's real Scheduler and real WORKER-role connectors: rank r talks to shard
+r, the scheduler reads both shards, and a block is a hit only while both shards
+hold their sections (kvdepot.common.shards).
+"""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+import pytest
+
+pytest.importorskip("vllm")
+
+from kvdepot.common.shards import shard_namespace_id, shard_socket
+from kvdepot.testing.daemon import stats
+from kvdepot.testing.vllm_engine import SyntheticEngine, prompt_for
+from kvdepot.v1 import admin_pb2, admin_pb2_grpc
+from tests.vllm.test_connector import assert_expected, assert_same_bytes, pages
+
+pytestmark = pytest.mark.vllm
+
+SHARDED = {"kvdepot_shards": 2, "kvdepot_pin_timeout_ms": 10_000}
+
+
+def shard_admin(d, shard: int) -> str:
+    """The operators' socket of `shard`: beside its data socket, as for one daemon."""
+    return f"unix://{shard_socket(d.socket_path, shard)}.admin"
+
+
+def shard_stats(d, shard: int) -> admin_pb2.GetStatsResponse:
+    return stats(shard_admin(d, shard))
+
+
+@pytest.fixture
+def sharded(daemon_factory):
+    """A daemon of two shards, 64 MiB of pool each, both serving."""
+    d = daemon_factory("--pool-size", "128MiB", "--shards", "2")
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        try:
+            if shard_stats(d, 1).shard == 1:
+                break
+        except grpc.RpcError:
+            time.sleep(0.1)
+    return d
+
+
+def test_tp2_ranks_each_use_their_shard_and_get_their_bytes_back(sharded, make_engine) -> None:
+    engine: SyntheticEngine = make_engine(
+        socket=sharded.target, tp=2, num_gpu_blocks=64, extra_config=SHARDED
+    )
+    engine.wait_registered()
+    for r in (0, 1):  # rank r is rank 0 of a world of one on shard r
+        client = engine.ranks[r].offloading_worker._client
+        assert (client.hello.shard, client.hello.shard_count) == (r, 2)
+    manager = engine.manager
+    prompt = prompt_for(7, 100)  # 6 full blocks
+    keys = engine.offload_keys(prompt)
+
+    engine.ranks[1].paused = True  # rank 1 (shard 1) lags: its stores wait
+    engine.add_request(prompt)
+    for _ in range(6):
+        engine.step()
+        time.sleep(0.02)
+    r0 = engine.ranks[0].offloading_worker
+    engine.wait_until(lambda: (engine.step(), r0.stats["stores"])[1] >= 1, what="rank 0's store")
+    on_shard0 = shard_namespace_id(manager.namespace_id, 0, 2)
+    engine.wait_until(
+        lambda: all(manager._clients[0].lookup(on_shard0, keys)), what="shard 0's rows"
+    )
+    # Shard 0's rows are complete, shard 1 has nothing: the scheduler sees no hit.
+    assert not any(manager.is_ready(k) for k in keys)
+
+    engine.ranks[1].paused = False
+    engine.run()
+    engine.wait_ready(keys)
+    # Each shard holds one rank's section of every block, and only that.
+    held = [shard_stats(sharded, s) for s in (0, 1)]
+    assert [s.shard for s in held] == [0, 1]
+    assert held[0].used_bytes == held[1].used_bytes > 0
+    first = engine.records["req-0"]
+    before = [pages(engine, r, 0, first.block_ids[0][:6]) for r in (0, 1)]
+
+    engine.reset_gpu_prefix_cache()
+    [second] = engine.generate([prompt])
+    assert second.external_tokens == 96
+    for r in (0, 1):  # each rank got its own section back, from its own shard
+        assert_same_bytes(before[r], pages(engine, r, 0, second.block_ids[0][:6]))
+        assert_expected(engine, prompt, r, 0, second.block_ids[0][:6])
+    assert manager.pin_failures == 0
+    # The load's pins were taken on both shards and handed back on both.
+    engine.wait_until(
+        lambda: all(shard_stats(sharded, s).pinned_blocks == 0 for s in (0, 1)),
+        what="both shards unpinned",
+    )
+
+
+def test_a_block_one_shard_lost_is_recomputed_not_loaded(sharded, make_engine) -> None:
+    engine = make_engine(socket=sharded.target, tp=2, num_gpu_blocks=64, extra_config=SHARDED)
+    engine.wait_registered()
+    manager = engine.manager
+    prompt = prompt_for(8, 100)
+    keys = engine.offload_keys(prompt)
+    engine.generate([prompt])
+    engine.wait_ready(keys)
+
+    # Shard 1 alone evicts the first block (its LRU, or an operator): shard 0 still
+    # holds its section, so the block must read as a miss from now on.
+    with grpc.insecure_channel(shard_admin(sharded, 1)) as ch:
+        answer = admin_pb2_grpc.AdminStub(ch).Evict(
+            admin_pb2.EvictRequest(
+                namespace_id=shard_namespace_id(manager.namespace_id, 1, 2), keys=keys[:1]
+            ),
+            timeout=5,
+        )
+    assert answer.evicted_blocks == 1
+    engine.wait_until(lambda: not manager.is_ready(keys[0]), what="the mirror to drop key 0")
+    assert all(manager.is_ready(k) for k in keys[1:])
+    on_shard0 = shard_namespace_id(manager.namespace_id, 0, 2)
+    assert manager._clients[0].lookup(on_shard0, keys[:1]) == [True]
+
+    engine.reset_gpu_prefix_cache()
+    [second] = engine.generate([prompt])
+    assert second.external_tokens == 0  # the prefix's first block missed: nothing after it
+    for r in (0, 1):
+        assert_expected(engine, prompt, r, 0, second.block_ids[0][:6])
+    worker_failures = [engine.ranks[r].offloading_worker.stats["failed_loads"] for r in (0, 1)]
+    assert worker_failures == [0, 0]
+
+
+def test_an_engine_set_for_shards_refuses_an_unsharded_daemon(daemon, make_engine) -> None:
+    """kvdepot_shards: 2 against a daemon of one shard: rank 0 is refused with the fix
+    in its words (rank 1's shard socket does not exist), and the engine runs on, missing."""
+    engine = make_engine(socket=daemon.target, tp=2, num_gpu_blocks=64, extra_config=SHARDED)
+    worker = engine.ranks[0].offloading_worker
+    namespace = shard_namespace_id(engine.manager.namespace_id, 0, 2)
+    engine.wait_until(lambda: worker._registrar.refused(namespace) is not None, what="a refusal")
+    reason = worker._registrar.refused(namespace)
+    assert "shard 0 of 1" in reason and "kvdepot_shards must equal" in reason
+    prompt = prompt_for(9, 100)
+    [first] = engine.generate([prompt])
+    assert first.external_tokens == 0
+    assert_expected(engine, prompt, 0, 0, first.block_ids[0][:6])
+    assert stats(daemon.admin_target).used_bytes == 0  # nothing stored in a wrong layout
+
+
+def test_a_connector_reset_moves_every_shard_to_the_new_namespace(sharded, make_engine) -> None:
+    engine = make_engine(socket=sharded.target, tp=2, num_gpu_blocks=64, extra_config=SHARDED)
+    engine.wait_registered()
+    prompt = prompt_for(11, 100)
+    engine.generate([prompt])
+    keys = engine.offload_keys(prompt)
+    engine.wait_ready(keys)
+    manager = engine.manager
+    base = manager.namespace_id
+    assert engine.scheduler.reset_prefix_cache(reset_connector=True)
+    [after] = engine.generate([prompt])
+    assert after.external_tokens == 0  # nothing from before the reset, on either shard
+    for shard in (0, 1):  # the old rows stay on both shards for other engines
+        old = shard_namespace_id(base, shard, 2)
+        assert manager._clients[shard].lookup(old, keys) == [True] * len(keys)
+    new_prompt = prompt_for(12, 100)
+    engine.wait_registered()
+    engine.generate([new_prompt])
+    engine.wait_ready(engine.offload_keys(new_prompt))
+    engine.reset_gpu_prefix_cache()
+    [again] = engine.generate([new_prompt])
+    assert again.external_tokens == 96
+    for r in (0, 1):
+        assert_expected(engine, new_prompt, r, 0, again.block_ids[0][:6])
+
+
+def test_a_block_on_both_shards_disks_is_fetched_from_both(
+    daemon_factory, make_engine, tmp_path
+) -> None:
+    """With `--disk`, each shard writes its ranks' sections to its own directory. A prompt
+    RAM no longer holds on either shard is asked of both (one Prefetch each), comes back
+    into both pools, and loads each rank's own bytes."""
+    pytest.importorskip("blake3")
+    d = daemon_factory(
+        "--pool-size", "128MiB", "--shards", "2",
+        "--disk", str(tmp_path / "disk"), "--disk-size", "64MiB",
+    )  # fmt: skip
+    engine = make_engine(socket=d.target, tp=2, num_gpu_blocks=64, extra_config=SHARDED)
+    engine.wait_registered()
+    m = engine.manager
+    prompt = prompt_for(13, 100)
+    keys = engine.offload_keys(prompt)
+    [first] = engine.generate([prompt])
+    assert first.external_tokens == 0
+    engine.wait_ready(keys)
+    engine.wait_until(
+        lambda: all(shard_stats(d, s).disk_writes >= len(keys) for s in (0, 1)),
+        what="both shards' sections on disk",
+    )
+    before = [pages(engine, r, 0, first.block_ids[0][:6]) for r in (0, 1)]
+    for shard in (0, 1):  # RAM lets go of them on both shards; the disks keep them
+        with grpc.insecure_channel(shard_admin(d, shard)) as ch:
+            namespace = shard_namespace_id(m.namespace_id, shard, 2)
+            admin_pb2_grpc.AdminStub(ch).Evict(
+                admin_pb2.EvictRequest(namespace_id=namespace), timeout=5
+            )
+    engine.wait_until(lambda: not any(m.is_ready(k) for k in keys), what="the mirror to drop them")
+
+    engine.reset_gpu_prefix_cache()
+    asked, rpcs = m.remote_asked, m.prefetch_rpcs  # the first run asked too (absent then)
+    engine.add_request(prompt)
+    engine.step()  # RETRY for every key: asked of both shards
+    assert m.remote_asked == asked + len(keys)
+    engine.wait_ready(keys)
+    engine.run()
+    second = next(r for r in engine.records.values() if r is not first)
+    assert second.external_tokens == 96
+    assert m.prefetch_rpcs == rpcs + 2  # one per shard
+    for r in (0, 1):
+        assert_same_bytes(before[r], pages(engine, r, 0, second.block_ids[0][:6]))
+    assert [shard_stats(d, s).disk_hits for s in (0, 1)] == [len(keys)] * 2
