@@ -160,6 +160,7 @@ def run_connector_bench(
     _cpu_env()
     from kvdepot.bench.daemon import OwnDaemon, target_of
     from kvdepot.client.vllm.pins import EARLY_PIN_KEYS
+    from kvdepot.common.shards import shard_namespace_id
     from kvdepot.testing.vllm_engine import EngineConfig, GroupDef, SyntheticEngine, prompt_for
 
     out = out if out is not None else sys.stderr
@@ -262,7 +263,8 @@ def run_connector_bench(
         result["lookup_us"] = {"kvdepot": _time_lookups(manager, lookup_keys, lookup_rounds)}
 
         pins: dict[str, Any] = {}
-        client, ns, lane = manager._client, manager.namespace_id, manager.pin_lane
+        client, lane = manager._client, manager.pin_lane
+        ns = shard_namespace_id(manager.namespace_id, 0, shards)  # shard 0's
         for batch in (16, 1024):
             keys = hit_keys[:batch]
             for path in ("lane", "gRPC"):

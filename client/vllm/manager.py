@@ -122,6 +122,7 @@ class KVDepotOffloadingManager(OffloadingManager):
         # The generation each request was added in.
         self._request_generation: dict[str, int] = {}
         self._closed = False
+        self._shards_said = False  # a shard count mismatch was logged
         self._unpins = [UnpinSender(c) for c in self._clients]
         self._remote = RemotePrefetch(
             self._clients,
@@ -163,6 +164,28 @@ class KVDepotOffloadingManager(OffloadingManager):
         self._unpins[shard].on_session()
         if shard == 0:
             self._remote.on_session(self._client.hello)
+            self._check_shards()
+
+    def _check_shards(self) -> None:
+        """Says so when the daemon runs another number of shards than `kvdepot_shards`
+        (once): with too few, the engine works on shard 0 alone; with too many, the
+        workers refuse to register (kvdepot.client.vllm.registration)."""
+        hello = self._client.hello
+        running = (hello.shard_count or 1) if hello is not None else 1
+        if running == self._settings.shards or self._shards_said:
+            return
+        self._shards_said = True
+        log.warning(
+            "kvdepot: the daemon at %s runs %d shard(s) but kvdepot_shards is %d; set "
+            "kvdepot_shards to %d%s",
+            self._settings.socket,
+            running,
+            self._settings.shards,
+            running,
+            " to spread this engine's ranks over them (until then every rank uses shard 0)"
+            if running > self._settings.shards
+            else " (until then this engine's ranks offload nothing)",
+        )
 
     # -- figures for tests, tools and benchmarks ------------------------------------------
 

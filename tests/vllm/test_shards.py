@@ -217,3 +217,24 @@ def test_a_block_on_both_shards_disks_is_fetched_from_both(
     for r in (0, 1):
         assert_same_bytes(before[r], pages(engine, r, 0, second.block_ids[0][:6]))
     assert [shard_stats(d, s).disk_hits for s in (0, 1)] == [len(keys)] * 2
+
+
+def test_an_engine_not_told_of_the_shards_works_on_shard_0_and_says_so(
+    sharded, make_engine, caplog
+) -> None:
+    """The daemon runs two shards, the engine keeps kvdepot_shards at 1: every rank uses
+    shard 0 as one daemon (correct, one core), and the scheduler's log names the fix."""
+    caplog.set_level("WARNING", logger="kvdepot.vllm.manager")
+    engine = make_engine(socket=sharded.target, tp=2, num_gpu_blocks=64)
+    engine.wait_registered()
+    prompt = prompt_for(14, 100)
+    [first] = engine.generate([prompt])
+    engine.wait_ready(engine.offload_keys(prompt))
+    engine.reset_gpu_prefix_cache()
+    [second] = engine.generate([prompt])
+    assert second.external_tokens == 96
+    for r in (0, 1):
+        assert_expected(engine, prompt, r, 0, second.block_ids[0][:6])
+    assert shard_stats(sharded, 1).used_bytes == 0  # shard 1 was never used
+    said = [r.getMessage() for r in caplog.records if "kvdepot_shards" in r.getMessage()]
+    assert said and "runs 2 shard(s) but kvdepot_shards is 1" in said[0]
