@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU checks of the CUDA data path, in one run on one H200 (under five minutes):
+# The GPU checks of the CUDA data path, in one run on one H200 (under nine minutes):
 # tests/gpu (IPC registration, every byte back, store ordering, a killed engine's
 # mappings released, bad handles refused, expandable segments detected) and the
 # GPU benchmark (store/load GB/s through the daemon next to in-process
@@ -18,12 +18,14 @@
 #      (device tool: command "bash tests/gpu/run_h200.sh", carry ["build/gpu-wheels"],
 #      timeout_s 450). Logs go to $OUT (or build/gpu-out): run_h200.log (everything),
 #      env.txt, daemons.log, gpu_bench.txt, gpu_bench.json, gpu_bench_daemon.log,
-#      cpu_bench.json (kvdepot bench's CPU series on the GPU machine's cores).
+#      cpu_bench.json (kvdepot bench's CPU series on the GPU machine's cores),
+#      node_bench.json (the node series: 8 engines x TP=8 over 1-8 daemon shards).
 #
 #   Settings: KVDEPOT_GPU_SWEEP="1:16,64 4:16" also runs the GPU benchmark against a
 #   daemon per entry, THREADS:SIZES (its --copy-threads, the job sizes in chunks),
 #   with each table and the daemon's own account of its copy threads in the log;
-#   KVDEPOT_GPU_CPU_BENCH=0 skips the CPU series, KVDEPOT_GPU_TESTS=0 the tests.
+#   KVDEPOT_GPU_CPU_BENCH=0 skips the CPU series, KVDEPOT_GPU_NODE_BENCH=0 the node
+#   series, KVDEPOT_GPU_TESTS=0 the tests.
 #
 # Nothing is fetched on the GPU machine: the wheels go to a private --target folder,
 # and kvdepot itself is imported from this tree through a symlink farm that
@@ -124,6 +126,13 @@ if [[ "${KVDEPOT_GPU_CPU_BENCH:-1}" != 0 ]]; then
     echo "== the CPU series of kvdepot bench on this machine's cores (no GPU, no vLLM here)"
     timeout 90 "$PY" -m kvdepot.server.cli bench --json --no-gpu --no-connector \
         > "$OUT/cpu_bench.json" || rc=1
+fi
+if [[ "${KVDEPOT_GPU_NODE_BENCH:-1}" != 0 ]]; then
+    # How the node's control plane grows with daemon shards where there are cores for
+    # them (docs/architecture.md 10.1): 8 engines x TP=8, 1 to 8 shards, copies off.
+    echo "== the node series: 8 engines x TP=8 over 1, 2, 4, 8 shards (copies off)"
+    timeout 240 "$PY" -m kvdepot.server.cli bench --node --json --node-geometry 70b-tp8 \
+        --node-shards 1,2,4,8 --node-engines 8 --pool-size 16GiB > "$OUT/node_bench.json" || rc=1
 fi
 echo "== all done after $(( $(date +%s) - started )) s (rc=$rc)"
 exit $rc
