@@ -110,10 +110,15 @@ class Registrar:
             return self._wanted[-1] in self._registrations
 
     def wait_registered(self, timeout: float) -> bool:
+        """Until the current namespace is registered (True), refused or `timeout` (False)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if self.registered:
-                return True
+            with self._lock:
+                current = self._wanted[-1]
+                if current in self._registrations:
+                    return True
+                if current in self._refused:  # waiting longer cannot help
+                    return False
             time.sleep(0.01)
         return self.registered
 

@@ -133,12 +133,18 @@ def test_a_block_one_shard_lost_is_recomputed_not_loaded(sharded, make_engine) -
 def test_an_engine_set_for_shards_refuses_an_unsharded_daemon(daemon, make_engine) -> None:
     """kvdepot_shards: 2 against a daemon of one shard: rank 0 is refused with the fix
     in its words (rank 1's shard socket does not exist), and the engine runs on, missing."""
-    engine = make_engine(socket=daemon.target, tp=2, num_gpu_blocks=64, extra_config=SHARDED)
+    # Shard 1's socket never appears: wait for it briefly (the scheduler and rank 1 start
+    # without it either way).
+    start_fast = {**SHARDED, "kvdepot_startup_wait_s": 0.2}
+    engine = make_engine(socket=daemon.target, tp=2, num_gpu_blocks=64, extra_config=start_fast)
     worker = engine.ranks[0].offloading_worker
     namespace = shard_namespace_id(engine.manager.namespace_id, 0, 2)
     engine.wait_until(lambda: worker._registrar.refused(namespace) is not None, what="a refusal")
     reason = worker._registrar.refused(namespace)
     assert "shard 0 of 1" in reason and "kvdepot_shards must equal" in reason
+    started = time.monotonic()
+    assert not worker.wait_registered(5.0)  # refused: no use waiting out the timeout
+    assert time.monotonic() - started < 1.0
     prompt = prompt_for(9, 100)
     [first] = engine.generate([prompt])
     assert first.external_tokens == 0
