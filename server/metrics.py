@@ -127,11 +127,14 @@ class _StateCollector(Collector):
 
         yield InfoMetricFamily(
             "kvdepot_build",
-            "The daemon's version, boot id and pool backing.",
+            "The daemon's version, boot id, pool backing, and which shard of how many it is "
+            "(kvdepot serve --shards; 0 of 1 unsharded).",
             value={
                 "version": str(s["version"]),
                 "boot_id": str(s["boot_id"]),
                 "pool_backing": str(s["pool_backing"]),
+                "shard": str(s["shard"]),
+                "shards": str(s["shard_count"]),
             },
         )
         yield gauge("uptime_seconds", "Seconds since the daemon started.", s["uptime_seconds"])

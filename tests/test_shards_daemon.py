@@ -17,6 +17,7 @@ import stat
 import struct
 import subprocess
 import time
+import urllib.request
 from dataclasses import replace
 from pathlib import Path
 
@@ -30,6 +31,7 @@ from kvdepot.server.shards import MIN_SHARD_POOL_BYTES, shard_config
 from kvdepot.testing.waiting import wait_for
 from tests.support.daemon import DaemonProcess, connect, kvdepot_command, stats
 from tests.support.faults import DaemonFactory
+from tests.support.ops import free_port
 
 MiB = 1 << 20
 
@@ -113,6 +115,25 @@ def test_two_shards_each_serve_half_the_pool_on_their_own_sockets(
     assert out.returncode == 0, out.stderr
     assert "shard 1 of 2" in out.stdout, out.stdout
     assert f"--socket {sockets[0]} (shard 0)" in out.stdout, out.stdout
+
+
+def test_each_shard_serves_its_metrics_on_its_own_port(daemon_factory: DaemonFactory) -> None:
+    port = free_port()
+    _start_two(daemon_factory, "--metrics-port", str(port), "--metrics-addr", "127.0.0.1")
+    for i in range(2):
+        url = f"http://127.0.0.1:{port + i}/metrics"
+        text = wait_for(lambda u=url: _scrape(u), 20, f"shard {i}'s metrics")
+        info = next(line for line in text.splitlines() if line.startswith("kvdepot_build_info"))
+        assert f'shard="{i}"' in info and 'shards="2"' in info, info
+        assert f"kvdepot_pool_capacity_bytes {32 * MiB:.7e}" in text, text
+
+
+def _scrape(url: str) -> str | None:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as r:
+            return r.read().decode()
+    except OSError:
+        return None
 
 
 def test_sigterm_stops_every_shard_and_removes_their_sockets(
