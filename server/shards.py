@@ -84,17 +84,10 @@ def shard_config(cfg: ServeConfig, i: int) -> ServeConfig:
             f"--listen {cfg.listen} with --shards {n}: one TCP address cannot serve "
             f"several shards; drop --listen or run one shard"
         )
-    pool = cfg.pool_size // n // cfg.slot_granularity * cfg.slot_granularity
-    if pool < MIN_SHARD_POOL_BYTES:
-        raise ValueError(
-            f"--pool-size {format_size(cfg.pool_size)} split over --shards {n} gives each "
-            f"shard {format_size(pool)}, less than the {format_size(MIN_SHARD_POOL_BYTES)} a "
-            f"shard needs: raise --pool-size or lower --shards"
-        )
     changes: dict[str, object] = {
         "shard": i,
         "socket": shard_socket(cfg.socket, i),
-        "pool_size": pool,
+        "pool_size": _share(cfg, cfg.pool_size, "--pool-size", MIN_SHARD_POOL_BYTES),
     }
     # A derived admin socket follows the socket (PATH.shardI.admin); a named one is split.
     if cfg.admin_socket:
@@ -110,19 +103,26 @@ def shard_config(cfg: ServeConfig, i: int) -> ServeConfig:
             )
         changes["metrics_port"] = port
     if cfg.disk:
-        disk_size = cfg.disk_size // n // cfg.slot_granularity * cfg.slot_granularity
-        if disk_size < MIN_SHARD_DISK_BYTES:
-            raise ValueError(
-                f"--disk-size {format_size(cfg.disk_size)} split over --shards {n} gives "
-                f"each shard {format_size(disk_size)}, less than the "
-                f"{format_size(MIN_SHARD_DISK_BYTES)} a shard needs: raise --disk-size or "
-                f"lower --shards"
-            )
+        disk_size = _share(cfg, cfg.disk_size, "--disk-size", MIN_SHARD_DISK_BYTES)
         # Every shard in a directory of its own, also shard 0: a tier's file holds one
         # shard's sections, and is locked by the process that uses it.
         changes["disk"] = str(Path(cfg.disk) / f"shard{i}")
         changes["disk_size"] = disk_size
     return dataclasses.replace(cfg, **changes)  # type: ignore[arg-type]
+
+
+def _share(cfg: ServeConfig, size: int, flag: str, minimum: int) -> int:
+    """One shard's share of `size` (the value of `flag`), in whole slots; ValueError
+    when that is below `minimum`."""
+    n = cfg.shards
+    share = size // n // cfg.slot_granularity * cfg.slot_granularity
+    if share < minimum:
+        raise ValueError(
+            f"{flag} {format_size(size)} split over --shards {n} gives each shard "
+            f"{format_size(share)}, less than the {format_size(minimum)} a shard needs: "
+            f"raise {flag} or lower --shards"
+        )
+    return share
 
 
 def check_shards(cfg: ServeConfig) -> None:
