@@ -12,7 +12,8 @@ pinned, free, largest free extent), warm-up progress and, on CUDA hosts, page-lo
 progress, blocks, traffic rates over the last interval, namespaces, engines (pid, ranks,
 memory path and what it means, age), the remote tier when the daemon reports one, and
 boot id, version and uptime. A daemon run with `--shards N` is N daemons, each on
-sockets of its own: the header then says "shard i of N" and how to read the others.
+sockets of its own: the header then says "shard i of N" and how to read the others, and
+a one-shot status (not `--watch`) adds a table of every shard's pool, sessions and jobs.
 
 Rates need two readings: a one-shot status reads twice, `--interval` apart (default
 1 s; `--interval 0` reads once and shows no rates). `--watch` redraws every interval
@@ -49,6 +50,8 @@ from kvdepot.server.status_report import (
     build_report,
     connect,
     health_probe,
+    read_shards,
+    shard_sockets,
     socket_path_of,
 )
 
@@ -117,6 +120,8 @@ def _read(data: str, path: str, timeout: float, interval: float) -> dict[str, An
 
 def _print_once(data: str, path: str, args: argparse.Namespace) -> None:
     report = _read(data, path, args.timeout, args.interval)
+    if report["daemon"]["shard_count"] > 1:  # the node: every shard's pool and jobs
+        report["shards"] = read_shards(report, args.timeout)
     if args.json:
         print(json.dumps(report, indent=2))
         return
@@ -391,19 +396,46 @@ def _numa_lines(numa: dict[str, Any] | None) -> list[str]:
 
 
 def _other_shards(r: dict[str, Any], shard: int, count: int) -> str:
-    """How to see the other shards: each is a daemon of its own, on its own sockets
-    (kvdepot.common.shards.shard_socket: shard 0 on the socket, shard i on PATH.shardI)."""
-    suffix = f".shard{shard}"
-    base = r["socket"].removesuffix(suffix) if shard else r["socket"]
-    others = f"--socket {base}.shard{1 if count == 2 else 'I'}"
-    if count > 2:
-        others += f", I = 1..{count - 1}"
-    if shard:
-        others = f"--socket {base} (shard 0) or {others}"
-    hint = f"figures are this shard's; other shards: kvdepot status {others}"
+    """How to see the other shards in full: each is a daemon of its own, on its own
+    sockets (kvdepot.common.shards.shard_socket: shard 0 on the socket, shard i on
+    PATH.shardI)."""
+    sockets = [data for data, _ in shard_sockets(r["socket"], r["admin_socket"], shard, count)]
+    others = [f"--socket {path}" for i, path in enumerate(sockets) if i != shard]
+    if count > 3:  # shard 0 and the pattern, not every path
+        others = [f"--socket {sockets[0]}", f"--socket {sockets[0]}.shardI (I = 1..{count - 1})"]
+    hint = f"figures are this shard's; the others: kvdepot status {' or '.join(others)}"
     if r["admin_socket"] != admin_socket_of(r["socket"]):  # a named --admin-socket
         hint += " (with --admin-socket ADMIN.shardI)"
     return hint
+
+
+def _shards_table(rows: list[dict[str, Any]], this: int) -> Any:
+    """The node: every shard's pool, blocks, sessions and jobs (one reading, no rates)."""
+    from rich import box
+    from rich.table import Table
+    from rich.text import Text
+
+    table = Table(title="shards", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
+    for name in ("shard", "pool used", "ready", "sessions", "ranks", "lane jobs"):
+        table.add_column(name, justify="right", no_wrap=True)
+    total_used = total_cap = 0
+    for row in rows:
+        label = f"{row['shard']}{' *' if row['shard'] == this else ''}"
+        if "error" in row:
+            table.add_row(label, Text(shown(row["error"]), style="red"), "", "", "", "")
+            continue
+        total_used += row["used_bytes"]
+        total_cap += row["capacity_bytes"]
+        table.add_row(
+            label,
+            f"{fmt_bytes(row['used_bytes'])} of {fmt_bytes(row['capacity_bytes'])}",
+            str(row["ready_blocks"]),
+            str(row["sessions"]),
+            str(row["registrations"]),
+            str(row["lane_jobs"]),
+        )
+    table.add_row("node", f"{fmt_bytes(total_used)} of {fmt_bytes(total_cap)}", "", "", "", "")
+    return table
 
 
 def render(r: dict[str, Any]) -> Any:
@@ -527,6 +559,8 @@ def render(r: dict[str, Any]) -> Any:
             f"failed jobs {failed}",
         )
     parts.append(grid)
+    if r.get("shards"):
+        parts.append(_shards_table(r["shards"], d["shard"]))
     parts.extend(_remote(r["remote"], r["rates"]))
     parts.extend(_disk(r.get("disk"), r["rates"]))
 

@@ -31,6 +31,7 @@ import grpc
 from google.protobuf.message import Message
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from kvdepot.common.shards import shard_socket
 from kvdepot.v1 import admin_pb2, admin_pb2_grpc
 
 # GetStats' NUMA placement fields (`kvdepot serve --numa`): the "numa" line.
@@ -312,6 +313,56 @@ def health_probe(path: str, timeout: float = 3.0) -> None:
     if resp.status != health_pb2.HealthCheckResponse.SERVING:
         name = health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
         raise StatusError(f"{path}: health is {name}")
+
+
+def shard_sockets(data: str, admin: str, shard: int, count: int) -> list[tuple[str, str]]:
+    """(data socket, operator socket) of every shard of a daemon run with `--shards
+    count`, from shard `shard`'s (kvdepot.common.shards.shard_socket: shard 0 on PATH,
+    shard i on PATH.shardI; a derived operator socket beside each data socket, a named
+    one split the same way)."""
+    base = data.removesuffix(f".shard{shard}") if shard else data
+    named = admin != admin_socket_of(data)
+    base_admin = admin.removesuffix(f".shard{shard}") if named and shard else admin
+    return [
+        (
+            shard_socket(base, i),
+            shard_socket(base_admin, i) if named else admin_socket_of(shard_socket(base, i)),
+        )
+        for i in range(count)
+    ]
+
+
+def read_shards(report: dict[str, Any], timeout: float) -> list[dict[str, Any]]:
+    """Every shard's pool, sessions and jobs in one GetStats each, for the node's view;
+    a shard that does not answer is listed with its error."""
+    d = report["daemon"]
+    rows = []
+    for i, (data, admin) in enumerate(
+        shard_sockets(report["socket"], report["admin_socket"], d["shard"], d["shard_count"])
+    ):
+        row: dict[str, Any] = {"shard": i, "socket": data}
+        try:
+            with connect(admin, timeout) as channel:
+                try:
+                    s = admin_pb2_grpc.AdminStub(channel).GetStats(
+                        admin_pb2.GetStatsRequest(), timeout=timeout
+                    )
+                except grpc.RpcError as err:
+                    raise rpc_error(admin, err, timeout) from None
+        except StatusError as err:
+            row["error"] = str(err)
+        else:
+            row.update(
+                capacity_bytes=s.capacity_bytes,
+                used_bytes=s.used_bytes,
+                ready_blocks=s.ready_blocks,
+                sessions=s.sessions,
+                registrations=s.registrations,
+                lane_jobs=s.lane_jobs,
+                boot_id=s.boot_id,
+            )
+        rows.append(row)
+    return rows
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ no shard behind; settings that cannot be split are refused in one line. And
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import signal
@@ -114,7 +115,24 @@ def test_two_shards_each_serve_half_the_pool_on_their_own_sockets(
     )
     assert out.returncode == 0, out.stderr
     assert "shard 1 of 2" in out.stdout, out.stdout
-    assert f"--socket {sockets[0]} (shard 0)" in out.stdout, out.stdout
+    assert f"the others: kvdepot status --socket {sockets[0]}\n" in out.stdout, out.stdout
+    # The node's view: a row per shard, each with its half of the pool, and the sum.
+    rows = [
+        ln.split()
+        for ln in out.stdout.splitlines()
+        if re.match(r"\s*(0|1 \*|node)\s+\S+ \S+ of ", ln)
+    ]
+    assert [r[0] for r in rows] == ["0", "1", "node"], out.stdout
+    assert rows[0][1:5] == ["0", "B", "of", "32.0"] and rows[2][-2:] == ["64.0", "MiB"], rows
+    as_json = subprocess.run(
+        [*kvdepot_command(), "status", "--socket", sockets[0], "--interval", "0", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    shards = json.loads(as_json.stdout)["shards"]
+    assert [(s["shard"], s["capacity_bytes"]) for s in shards] == [(0, 32 * MiB), (1, 32 * MiB)]
+    assert shards[0]["boot_id"] != shards[1]["boot_id"]
 
 
 def test_each_shard_serves_its_metrics_on_its_own_port(daemon_factory: DaemonFactory) -> None:
