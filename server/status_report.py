@@ -343,12 +343,7 @@ def read_shards(report: dict[str, Any], timeout: float) -> list[dict[str, Any]]:
         row: dict[str, Any] = {"shard": i, "socket": data}
         try:
             with connect(admin, timeout) as channel:
-                try:
-                    s = admin_pb2_grpc.AdminStub(channel).GetStats(
-                        admin_pb2.GetStatsRequest(), timeout=timeout
-                    )
-                except grpc.RpcError as err:
-                    raise rpc_error(admin, err, timeout) from None
+                s = Sampler(admin, channel, timeout).stats()
         except StatusError as err:
             row["error"] = str(err)
         else:
@@ -383,9 +378,16 @@ class Sampler:
         self.timeout = timeout
         self.stub = admin_pb2_grpc.AdminStub(channel)
 
-    def sample(self) -> Sample:
+    def stats(self) -> admin_pb2.GetStatsResponse:
+        """GetStats alone."""
         try:
-            stats = self.stub.GetStats(admin_pb2.GetStatsRequest(), timeout=self.timeout)
+            return self.stub.GetStats(admin_pb2.GetStatsRequest(), timeout=self.timeout)
+        except grpc.RpcError as err:
+            raise rpc_error(self.path, err, self.timeout) from None
+
+    def sample(self) -> Sample:
+        stats = self.stats()
+        try:
             namespaces = self.stub.ListNamespaces(
                 admin_pb2.ListNamespacesRequest(), timeout=self.timeout
             ).namespaces
