@@ -251,3 +251,116 @@ def test_address_columns_refuse_runs_no_planner_makes(planner_impl: str) -> None
     with pytest.raises(ValueError, match="split"):
         CopyPlan([(0, 0, 0, 8)]).address_columns([0], 0, -1)
     assert CopyPlan().address_columns([0], 0).shape == (3, 0)
+
+
+# -- plans of chains (vLLM's layout, planned per block) --------------------------------
+
+
+def vllm_memmap(
+    layers: int, page: int, bpc: int, world: int, num_blocks: int = 64, gap: int = 0
+) -> tuple[NamespaceLayout, MemoryMap, int]:
+    """One region, each layer a (num_blocks, page) tensor `gap` bytes after the one
+    before: layers one pitch apart, as vLLM allocates them."""
+    lay = NamespaceLayout("vllm", world, bpc, ((page,) * layers,))
+    pitch = num_blocks * page + gap
+    tensors = [TensorView(0, i * pitch, num_blocks, page, page) for i in range(layers)]
+    refs = [[LayerRef(i, 0, page) for i in range(layers)]]
+    return lay, MemoryMap.build(lay, [layers * pitch], tensors, refs), layers * pitch
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_chained_plans_are_the_page_by_page_runs(seed: int) -> None:
+    """vLLM's layout plans per block (a plan of chains, its runs built only when
+    asked for), and those runs are exactly the page-by-page reference, skipped keys,
+    sub-blocks and partial chunks included."""
+    rng = np.random.default_rng(100 + seed)
+    bpc, world = [(1, 1), (2, 2), (4, 1), (1, 8)][seed % 4]
+    rank = int(rng.integers(0, world))
+    lay, mm, size = vllm_memmap(6, 4096, bpc, world, gap=4096 * (seed % 3))
+    first = [int(rng.integers(0, bpc))]
+    sizes = [int(rng.integers(1, 20))]
+    block_ids = [int(b) for b in rng.choice(64, sizes[0], replace=False)]
+    slot = lay.slot_bytes(0)
+    n_keys = lay.chunks_per_group(sizes, first)[0]
+    slots = [None if rng.random() < 0.25 else int(k) * slot for k in rng.permutation(n_keys)]
+    plan = plan_job(lay, rank, mm, block_ids, sizes, first, slots)
+    want = reference_runs(lay, rank, mm, block_ids, sizes, first, slots)
+    if not want:
+        assert len(plan) == 0 and plan.nbytes == 0
+        return
+    chains = plan.chains
+    assert chains is not None and chains.rows == 6 and chains.width == 4096
+    assert len(plan) == len(want) and plan.nbytes == sum(r[3] for r in want)  # before runs
+    assert plan.runs == want
+    # The chains hold the same pages, and their bounds are the pages' own.
+    pages = sorted(
+        (chains.region, int(r0) + i * chains.region_pitch, int(p0) + i * chains.pool_pitch)
+        for r0, p0 in zip(chains.region_starts, chains.pool_starts, strict=True)
+        for i in range(chains.rows)
+    )
+    assert pages == sorted(r[:3] for r in want)
+    assert (chains.region_low, chains.region_end) == (
+        min(r[1] for r in want),
+        max(r[1] + r[3] for r in want),
+    )
+    assert (chains.pool_low, chains.pool_end) == (
+        min(r[2] for r in want),
+        max(r[2] + r[3] for r in want),
+    )
+    assert chains.inside([size], chains.pool_end)
+    assert not chains.inside([size], chains.pool_end - 1)
+    assert not chains.inside([chains.region_end - 1], None)
+
+
+def test_layouts_that_are_not_chains_plan_page_by_page() -> None:
+    """Hybrid jobs, layers at uneven distances, one layer, and jobs whose pages the
+    per-page plan merges are planned page by page: the same runs either way."""
+    hybrid = layout(world=1, bpc=1)
+    mm, _ = memmap(hybrid)
+    assert plan_job(hybrid, 0, mm, [1, 2, 3], [2, 1], [0, 0], [0, 8192, 16384]).chains is None
+    # Layers at uneven distances.
+    lay = NamespaceLayout("uneven", 1, 1, ((4096,) * 3,))
+    tensors = [TensorView(0, off, 16, 4096, 4096) for off in (0, 65536, 200_000)]
+    uneven = MemoryMap.build(lay, [300_000], tensors, [[LayerRef(i, 0, 4096) for i in range(3)]])
+    plan = plan_job(lay, 0, uneven, [1, 5], [2], [0], [0, 3 * 4096])
+    assert plan.chains is None
+    assert plan.runs == reference_runs(lay, 0, uneven, [1, 5], [2], [0], [0, 3 * 4096])
+    one, mm1, _ = vllm_memmap(1, 4096, 1, 1)
+    assert plan_job(one, 0, mm1, [1, 2], [2], [0], [0, 8192]).chains is None
+    # Adjacent blocks into adjacent pool bytes: the per-page plan merges them.
+    lay6, mm6, _ = vllm_memmap(6, 4096, 1, 1)
+    merged = plan_job(lay6, 0, mm6, [3, 4], [2], [0], [0, 4096])
+    assert merged.chains is None
+    assert merged.runs == reference_runs(lay6, 0, mm6, [3, 4], [2], [0], [0, 4096])
+    assert len(merged) == 6  # one run of two pages per layer
+
+
+def test_copy_engines_refuse_a_chained_plan_outside_its_region_or_the_pool() -> None:
+    """check_runs, every engine's defence in depth, bounds a plan of chains by its
+    chains' ends: a region or pool one byte short refuses the job; the exact sizes
+    pass, and the CPU engine then moves the pages."""
+    from kvdepot.server.errors import DepotError
+    from kvdepot.server.memory.copy_engine import check_runs
+
+    lay, mm, size = vllm_memmap(4, 4096, 1, 1)
+    slot = lay.slot_bytes(0)
+    plan = plan_job(lay, 0, mm, [9, 2], [2], [0], [3 * slot, slot])
+    assert plan.chains is not None
+    pool_size = 4 * slot
+    src = np.arange(size, dtype=np.uint64).view(np.uint8)[:size].copy()
+    check_runs([ArrayRegion(src)], plan, pool_size)
+    for regions, pool in (
+        ([ArrayRegion(src[: plan.chains.region_end - 1])], pool_size),
+        ([ArrayRegion(src)], pool_size - 1),
+        ([], pool_size),
+    ):
+        with pytest.raises(DepotError) as err:
+            check_runs(regions, plan, pool)
+        assert err.value.code.name == "INVALID_ARGUMENT"
+    pool = np.zeros(pool_size, np.uint8)
+    CpuCopyEngine().copy(STORE, [ArrayRegion(src)], pool.ctypes.data, plan)
+    for layer in range(4):
+        t = mm.tensors[layer]
+        for block, off in ((9, 3 * slot), (2, slot)):
+            got = pool[off + layer * 4096 :][:4096]
+            assert np.array_equal(got, src[t.region_offset + block * 4096 :][:4096])

@@ -7,13 +7,21 @@ checked job (its `JobShape`) and its slot offsets into
 `(region, region_offset, pool_offset, nbytes)` runs, merging runs that are
 contiguous on both sides. Every copy engine (CPU, CUDA, process memory) executes
 the same plans.
+
+A one-group job over vLLM's layout (every layer one pitch after the one before, on
+the GPU and in the pool row) is planned per block, not per page: a plan of
+`PageChains`, one chain of a page per layer for each block, built by one C loop over
+the blocks (`_plan.chain_starts`). The CUDA engine turns the chains into its 2-D
+copies directly (`kvdepot.server.cuda.dma_plan`), and the bounds check reads their
+ends; the per-page runs are planned only for an engine that asks for them (CPU,
+process memory), and are then the same runs as a per-page plan's.
 """
 
 from __future__ import annotations
 
 import functools
 from array import array
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -128,21 +136,69 @@ class MemoryMap:
         )
 
 
+@dataclass(frozen=True, slots=True)
+class PageChains:
+    """A job's pages as equal chains, one per block: chain i is `rows` pages (one per
+    layer) of `width` bytes, page r at region offset `region_starts[i] + r *
+    region_pitch` of region `region` and at pool offset `pool_starts[i] + r *
+    pool_pitch`. vLLM's layout is this (its layers one pitch apart in one
+    allocation, a block's pages one after another in its pool row), and a chain is
+    then what one 2-D DMA copy moves: planned per block, not per page.
+
+    The starts are int64 columns; `*_low` and `*_end` bound every chain's bytes (the
+    lowest start, one past the highest byte), computed with them.
+    """
+
+    region: int
+    region_starts: np.ndarray
+    pool_starts: np.ndarray
+    width: int
+    rows: int
+    region_pitch: int
+    pool_pitch: int
+    region_low: int
+    region_end: int
+    pool_low: int
+    pool_end: int
+
+    def __len__(self) -> int:
+        return len(self.region_starts)
+
+    @property
+    def nbytes(self) -> int:
+        return len(self) * self.rows * self.width
+
+    def inside(self, region_sizes: Sequence[int], pool_size: int | None) -> bool:
+        """Every page inside its region (of `region_sizes`) and, with `pool_size`, the
+        pool: the copy engines' defence in depth (copy_engine.check_runs), per chain."""
+        return (
+            0 <= self.region < len(region_sizes)
+            and self.width > 0
+            and min(self.region_low, self.pool_low) >= 0
+            and self.region_end <= region_sizes[self.region]
+            and (pool_size is None or self.pool_end <= pool_size)
+        )
+
+
 class CopyPlan:
     """Runs of (region, region_offset, pool_offset, nbytes); direction-free.
 
     Held as four int64 columns (`columns`, shape (4, n)) when the planner built
     it, so that engines can turn it into addresses without a per-run Python
-    loop; `runs` gives the same as a list of tuples (built on first use).
+    loop; `runs` gives the same as a list of tuples (built on first use). A plan
+    of `chains` (PageChains) builds its columns only when an engine asks for them:
+    the CUDA engine plans its 2-D copies from the chains alone.
     """
 
-    __slots__ = ("_cols", "_runs", "nbytes")
+    __slots__ = ("_build", "_cols", "_runs", "chains", "nbytes")
 
     def __init__(
         self, runs: Sequence[tuple[int, int, int, int]] | None = None, nbytes: int | None = None
     ) -> None:
         self._runs: list[tuple[int, int, int, int]] | None = list(runs or [])
         self._cols: np.ndarray | None = None
+        self._build: Callable[[], CopyPlan] | None = None
+        self.chains: PageChains | None = None
         self.nbytes = sum(r[3] for r in self._runs) if nbytes is None else nbytes
 
     @classmethod
@@ -151,8 +207,7 @@ class CopyPlan:
     ) -> CopyPlan:
         """A plan from per-page columns in copy order, merging pages that are
         contiguous on both sides (what `add` does one run at a time)."""
-        plan = cls.__new__(cls)
-        plan._runs = None
+        plan = cls._empty()
         plan.nbytes = int(n.sum())
         if len(n) > 1:
             cont = (
@@ -172,15 +227,32 @@ class CopyPlan:
         """(4, n) int64, rows contiguous: region, region offset, pool offset, bytes of
         each run."""
         if self._cols is None:
-            runs = self._runs or []
-            self._cols = np.array(runs, dtype=np.int64).reshape(len(runs), 4).T.copy()
+            if self._build is not None:  # a plan of chains: its pages, planned now
+                self._cols, self._build = self._build().columns, None
+            else:
+                runs = self._runs or []
+                self._cols = np.array(runs, dtype=np.int64).reshape(len(runs), 4).T.copy()
         return self._cols
+
+    @classmethod
+    def _empty(cls) -> CopyPlan:
+        plan = cls.__new__(cls)
+        plan._runs, plan._cols, plan._build, plan.chains, plan.nbytes = None, None, None, None, 0
+        return plan
 
     @classmethod
     def from_columns(cls, cols: np.ndarray, nbytes: int) -> CopyPlan:
         """A plan holding `cols` ((4, n) int64, rows contiguous) as its runs."""
-        plan = cls.__new__(cls)
-        plan._runs, plan._cols, plan.nbytes = None, cols, nbytes
+        plan = cls._empty()
+        plan._cols, plan.nbytes = cols, nbytes
+        return plan
+
+    @classmethod
+    def from_chains(cls, chains: PageChains, build: Callable[[], CopyPlan]) -> CopyPlan:
+        """A plan of `chains`, whose runs `build` plans when they are first asked for:
+        one run per page, layer-major (`len(chains) * chains.rows` of them)."""
+        plan = cls._empty()
+        plan.chains, plan._build, plan.nbytes = chains, build, chains.nbytes
         return plan
 
     def addresses(
@@ -219,16 +291,19 @@ class CopyPlan:
     @property
     def runs(self) -> list[tuple[int, int, int, int]]:
         if self._runs is None:
-            assert self._cols is not None
-            self._runs = list(zip(*self._cols.tolist(), strict=True))
+            self._runs = list(zip(*self.columns.tolist(), strict=True))
         return self._runs
 
     def __len__(self) -> int:
-        return self._cols.shape[1] if self._cols is not None else len(self._runs or ())
+        if self._cols is not None:
+            return self._cols.shape[1]
+        if self._runs is None and self.chains is not None:
+            return len(self.chains) * self.chains.rows  # no two of its pages merge
+        return len(self._runs or ())
 
     def add(self, region: int, region_off: int, pool_off: int, n: int) -> None:
         runs = self.runs
-        self._cols = None
+        self._cols, self.chains = None, None
         if runs:
             r, ro, po, pn = runs[-1]
             if r == region and ro + pn == region_off and po + pn == pool_off:
@@ -347,6 +422,9 @@ class _GroupGeometry:
     stride: np.ndarray  # block stride of each layer's tensor
     page: np.ndarray  # page bytes of each layer
     slot_base: np.ndarray  # offset of each layer's page (sub-block 0) inside a slot
+    # (region, base, stride, page, slot_base, region_pitch, pool_pitch) when every
+    # layer is the one before it moved by one pitch on each side (`_chained`), else None
+    chain: tuple[int, int, int, int, int, int, int] | None
 
 
 def _geometry(layout: NamespaceLayout, rank: int, memory: MemoryMap, g: int) -> _GroupGeometry:
@@ -370,9 +448,34 @@ def _geometry(layout: NamespaceLayout, rank: int, memory: MemoryMap, g: int) -> 
         np.array([t.block_stride for t in tensors], dtype=np.int64),
         np.array(layout.groups[g], dtype=np.int64),
         _slot_bases(layout, rank, g),
+        None,
     )
+    geo.chain = _chained(geo)
     cache[key] = geo
     return geo
+
+
+def _chained(geo: _GroupGeometry) -> tuple[int, int, int, int, int, int, int] | None:
+    """The group's pages as chains (PageChains), when its layers allow: at least two,
+    in one region, of one page size and block stride, each layer one pitch after the
+    one before on both sides, the pitches at least a page (vLLM's layout; checked
+    once per memory map, layout and rank)."""
+    region, base, stride = geo.region.tolist(), geo.base.tolist(), geo.stride.tolist()
+    page, slot_base = geo.page.tolist(), geo.slot_base.tolist()
+    if len(page) < 2:
+        return None
+    region_pitch, pool_pitch = base[1] - base[0], slot_base[1] - slot_base[0]
+    same = all(
+        region[i] == region[0]
+        and stride[i] == stride[0]
+        and page[i] == page[0]
+        and base[i] == base[0] + i * region_pitch
+        and slot_base[i] == slot_base[0] + i * pool_pitch
+        for i in range(len(page))
+    )
+    if not same or min(region_pitch, pool_pitch) < page[0]:
+        return None
+    return (region[0], base[0], stride[0], page[0], slot_base[0], region_pitch, pool_pitch)
 
 
 def _slot_bases(layout: NamespaceLayout, rank: int, g: int) -> np.ndarray:
@@ -433,6 +536,50 @@ def plan_copy(
         )
     if compiled is None:
         return _plan_pages_numpy(groups)
+    if len(groups) == 1 and groups[0][0].chain is not None:
+        plan = _plan_chains(groups[0])
+        if plan is not None:
+            return plan
+    return _plan_pages(groups)
+
+
+def _plan_chains(group: _GroupPages) -> CopyPlan | None:
+    """A one-group job of a chained group as a plan of chains (C, per block); None
+    when some of its pages are contiguous on both sides, which the per-page plan
+    merges (the caller plans it page by page)."""
+    geo, blocks, slots, sub = group
+    assert geo.chain is not None
+    region, base, stride, page, slot_base, region_pitch, pool_pitch = geo.chain
+    region_starts = np.empty(len(blocks), np.int64)
+    pool_starts = np.empty(len(blocks), np.int64)
+    found = compiled.chain_starts(
+        blocks, slots, sub, region_starts, pool_starts,
+        base, stride, slot_base, page, region_pitch, pool_pitch,
+    )  # fmt: skip
+    if found is None:
+        return None
+    count, r_lo, r_hi, p_lo, p_hi = found
+    if not count:
+        return CopyPlan()
+    rows = len(geo.page)
+    chains = PageChains(
+        region,
+        region_starts[:count],
+        pool_starts[:count],
+        page,
+        rows,
+        region_pitch,
+        pool_pitch,
+        r_lo,
+        r_hi + (rows - 1) * region_pitch + page,
+        p_lo,
+        p_hi + (rows - 1) * pool_pitch + page,
+    )
+    return CopyPlan.from_chains(chains, functools.partial(_plan_pages, [group]))
+
+
+def _plan_pages(groups: Sequence[_GroupPages]) -> CopyPlan:
+    """plan_copy's runs, page by page with the compiled planner."""
     # One C loop per group over the (layers, blocks) pages: numpy's dozen array
     # operations per job each released the GIL on the event loop (see _plan.c).
     table = np.empty((4, sum(len(geo.page) * len(b) for geo, b, _, _ in groups)), np.int64)

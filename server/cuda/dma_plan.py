@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvdepot.server.core.planner import CopyPlan, stride_period
+from kvdepot.server.core.planner import CopyPlan, PageChains, compiled, stride_period
 from kvdepot.server.memory.copy_engine import LOAD, STORE
 
 DEFAULT_MAX_BATCH = 1024  # copies per cuMemcpyBatchAsync call
@@ -124,6 +124,12 @@ def plan_dma(
     plan = runs if isinstance(runs, CopyPlan) else CopyPlan(runs)
     if not len(plan):
         return DmaPlan([])
+    if strided and plan.chains is not None:
+        found = _chain_copies(
+            direction, plan.chains, region_addresses, pool_address, max_batch, host_split
+        )
+        if found is not None:
+            return found
     dev, host, n = plan.address_columns(region_addresses, pool_address, host_split)
     srcs, dsts = (dev, host) if direction == STORE else (host, dev)
     if strided:
@@ -138,6 +144,57 @@ def plan_dma(
                 copies,
             )
     return DmaPlan(_batches(dsts, srcs, n, max_batch, plan.nbytes))
+
+
+def _chain_copies(
+    direction: int,
+    chains: PageChains,
+    region_addresses: Sequence[int],
+    pool_address: int,
+    max_batch: int,
+    host_split: int,
+) -> DmaPlan | None:
+    """A plan of chains (vLLM's layout, planned per block) as 2-D copies, one per
+    chain, straight from the chains in one C call (`_plan.chain_dma`): no per-page
+    columns, no period to search. A chain that crosses a multiple of `host_split`
+    goes as its pages' descriptors (cut at the boundary), as in `_strided`. None when
+    the chains make no 2-D copies the driver takes (too few rows, a pitch over
+    MAX_PITCH): the caller plans per page."""
+    c = chains
+    if c.rows < MIN_STRIDED_ROWS or max(c.region_pitch, c.pool_pitch) > MAX_PITCH:
+        return None
+    if not 0 <= c.region < len(region_addresses):
+        raise ValueError(f"run names region {c.region}; {len(region_addresses)} mapped")
+    count = len(c)
+    s_dev, s_host = array("Q", bytes(8 * count)), array("Q", bytes(8 * count))
+    # Each crossing page is cut at most width // split + 1 times.
+    cap = count * c.rows * (2 + c.width // host_split) if host_split else 0
+    d_cols = np.empty((3, cap), np.uint64)
+    kept, cut = compiled.chain_dma(
+        c.region_starts, c.pool_starts, s_dev, s_host, d_cols[0], d_cols[1], d_cols[2],
+        c.rows, c.width, c.region_pitch, c.pool_pitch,
+        region_addresses[c.region], pool_address, host_split,
+    )  # fmt: skip
+    rest: list[DmaBatch] = []
+    if cut:
+        dev, host, n = d_cols[:, :cut]
+        srcs, dsts = (dev, host) if direction == STORE else (host, dev)
+        rest = _batches(dsts, srcs, n, max_batch, (count - kept) * c.rows * c.width)
+    if not kept:
+        return DmaPlan(rest)
+    if kept < count:
+        s_dev, s_host = s_dev[:kept], s_host[:kept]
+    store = direction == STORE
+    copies = StridedCopies(
+        s_host if store else s_dev,
+        s_dev if store else s_host,
+        array("Q", [c.width]) * kept,
+        c.rows,
+        c.pool_pitch if store else c.region_pitch,
+        c.region_pitch if store else c.pool_pitch,
+        kept * c.rows * c.width,
+    )
+    return DmaPlan(rest, copies)
 
 
 def _batches(

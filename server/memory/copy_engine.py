@@ -59,13 +59,23 @@ def check_runs(regions: Sequence[MappedRegion], plan: CopyPlan, pool_size: int |
     the planner or a layout let through. Raises DepotError (INVALID_ARGUMENT: the
     job fails, nothing has moved).
 
-    One loop over the plan's (4, n) columns in the compiled planner, which keeps
-    the GIL (about a microsecond for 512 runs); numpy's reductions over as many
-    runs each released it, and on the event loop every release handed the GIL to
+    A plan of chains is bounded by its chains' ends (PageChains.inside). Else one
+    loop over the plan's (4, n) columns in the compiled planner, which keeps the GIL
+    (about a microsecond for 512 runs); numpy's reductions over as many runs each
+    released it, and on the event loop every release handed the GIL to
     a copy thread (a job paid milliseconds of thread switches for them). Without
     the compiled planner: three numpy reductions, minima (no negative offset, no
     empty run, known regions), maxima (no value near 2**63, so the sums below
     cannot overflow), and the largest end on each side."""
+    chains = plan.chains
+    if chains is not None:  # a plan of chains: bounds per chain, no per-page columns
+        if chains.inside([r.size for r in regions], pool_size):
+            return
+        raise errors.invalid(
+            f"a copy chain names region {chains.region} of {len(regions)} or lies outside "
+            f"it (bytes [{chains.region_low}, {chains.region_end})) or the pool (bytes "
+            f"[{chains.pool_low}, {chains.pool_end}) of {pool_size}): the job is refused"
+        )
     cols = plan.columns
     if not cols.shape[1]:
         return

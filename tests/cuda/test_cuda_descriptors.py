@@ -12,7 +12,14 @@ import numpy as np
 import pytest
 
 from kvdepot.server.core.layout import NamespaceLayout
-from kvdepot.server.core.planner import LayerRef, MemoryMap, TensorView, plan_job, stride_period
+from kvdepot.server.core.planner import (
+    CopyPlan,
+    LayerRef,
+    MemoryMap,
+    TensorView,
+    plan_job,
+    stride_period,
+)
 from kvdepot.server.cuda.dma_plan import DmaBatch, DmaPlan, plan_dma
 from kvdepot.server.memory.copy_engine import LOAD, STORE, CpuCopyEngine
 from tests.support.regions import ArrayRegion
@@ -331,3 +338,64 @@ def test_strided_copies_move_exactly_the_bytes_the_cpu_engine_moves(
     CpuCopyEngine().copy(LOAD, [ArrayRegion(dst_a)], pool_a.ctypes.data, plan)
     apply_dma(plan_dma(LOAD, plan, [dst_b.ctypes.data], pool_b.ctypes.data))
     assert dst_a.any() and np.array_equal(dst_a, dst_b)
+
+
+def boundary_safe(dma: DmaPlan, pool: int, split: int, store: bool) -> bool:
+    """No descriptor and no 2-D copy's rows leave one split-sized piece of the pool
+    (the destination of a store, the source of a load)."""
+    pieces = [(d if store else s, n) for b in dma.batches for d, s, n in b.descriptors()]
+    if dma.strided is not None:
+        c = dma.strided
+        host, pitch = (c.dsts, c.dst_pitch) if store else (c.srcs, c.src_pitch)
+        pieces += [(a, (c.rows - 1) * pitch + w) for a, w in zip(host, c.widths, strict=True)]
+    return all((a - pool) // split == (a - pool + n - 1) // split for a, n in pieces)
+
+
+@pytest.mark.parametrize("split_kind", ["none", "rows", "mid-page"])
+@pytest.mark.parametrize(
+    ("bpc", "world", "rank", "layers"), [(1, 1, 0, 6), (2, 4, 3, 8), (1, 1, 0, 3)]
+)
+def test_chained_plans_make_the_dma_of_their_pages(
+    split_kind: str, bpc: int, world: int, rank: int, layers: int
+) -> None:
+    """A plan of chains goes to DMA from its chains alone (a 2-D copy per block, the
+    blocks whose rows cross a page-locking boundary as descriptors cut there), and
+    moves exactly the bytes of the per-page plan's DMA and of the CPU engine, both
+    ways. Three layers are too few rows for 2-D copies: descriptors, the same bytes."""
+    nb, page = 32, 4096
+    lay, mem, size = vllm_geometry(nb, layers=layers, page=page, bpc=bpc, world=world)
+    slot = lay.slot_bytes(0)
+    split = {"none": 0, "rows": 2 * slot, "mid-page": 3 * page + 512}[split_kind]
+    rng = np.random.default_rng(layers * 10 + bpc)
+    # No two ids adjacent: a chunk's adjacent blocks would merge (no chains then).
+    block_ids = [2 * int(b) for b in rng.choice(nb // 2, 14, replace=False)]
+    chunks = lay.chunks_per_group([14], [1 % bpc])[0]
+    offsets: list[int | None] = [
+        None if k == 2 else int(k * (slot + slot // 3)) for k in rng.permutation(chunks)
+    ]
+    plan = plan_job(lay, rank, mem, block_ids, [14], [1 % bpc], offsets)
+    assert plan.chains is not None
+    pool_bytes = (chunks + 2) * 2 * slot
+    src = rng.integers(0, 256, size, dtype=np.uint8)
+    pool_cpu, pool_chain, pool_pages = (np.zeros(pool_bytes, np.uint8) for _ in range(3))
+    CpuCopyEngine().copy(STORE, [ArrayRegion(src)], pool_cpu.ctypes.data, plan)
+    by_pages = CopyPlan(plan.runs)  # the same runs, planned page by page
+    for pool, p in ((pool_chain, plan), (pool_pages, by_pages)):
+        dma = plan_dma(STORE, p, [src.ctypes.data], pool.ctypes.data, host_split=split, max_batch=9)
+        if p is plan:
+            assert (dma.strided is not None) == (layers >= 4 and split_kind != "mid-page")
+            assert dma.strided is None or dma.strided.rows == layers
+        if split:
+            assert boundary_safe(dma, pool.ctypes.data, split, True)
+        moved = sum(b.nbytes for b in dma.batches)
+        assert moved + (dma.strided.nbytes if dma.strided else 0) == plan.nbytes
+        apply_dma(dma)
+    assert pool_cpu.any()
+    assert np.array_equal(pool_cpu, pool_chain) and np.array_equal(pool_cpu, pool_pages)
+    dst_cpu, dst_chain = np.zeros(size, np.uint8), np.zeros(size, np.uint8)
+    CpuCopyEngine().copy(LOAD, [ArrayRegion(dst_cpu)], pool_cpu.ctypes.data, plan)
+    load = plan_dma(LOAD, plan, [dst_chain.ctypes.data], pool_chain.ctypes.data, host_split=split)
+    if split:
+        assert boundary_safe(load, pool_chain.ctypes.data, split, False)
+    apply_dma(load)
+    assert dst_cpu.any() and np.array_equal(dst_cpu, dst_chain)
