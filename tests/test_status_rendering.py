@@ -44,7 +44,7 @@ def test_older_daemon_without_job_and_pin_counters(guide_daemon: DaemonProcess) 
     """A daemon that predates the job, block and pin counters: shown without them."""
     from rich.console import Console
 
-    from kvdepot.server.status import render
+    from kvdepot.server.status_render import render
     from kvdepot.server.status_report import OPTIONAL_COUNTERS, Sample, build_report
 
     older = _stats_class({}, drop=OPTIONAL_COUNTERS)
@@ -71,7 +71,7 @@ def test_remote_tier_and_unknown_fields(guide_daemon: DaemonProcess) -> None:
     from google.protobuf.descriptor_pb2 import FieldDescriptorProto as F
     from rich.console import Console
 
-    from kvdepot.server.status import render
+    from kvdepot.server.status_render import render
     from kvdepot.server.status_report import Sample, build_report
 
     def screen(report: dict[str, Any]) -> str:
