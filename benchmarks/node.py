@@ -6,7 +6,8 @@ a TP=1 8B-like one: 32 layers, 64 KiB pages) and each shard count S, the series 
 independent daemons (`kvdepot serve`, each with its own socket and a pool of
 pool/S, copies off as in kvdepot.bench.ceiling) and `engines` x TP engine-rank processes,
 the ranks dealt to the shards as the connector deals them (kvdepot.common.shards: rank r
-of an engine to shard r // (TP / gcd(S, TP)); a TP=1 engine uses shard 0 alone), then drives
+of an engine to its shard r // (TP / gcd(S, TP)), counted from the first shard its
+namespace picks; each engine is a namespace of its own, as distinct models), then drives
 rank jobs of `chunks` chunks, 4 in flight per rank, both directions, with the ceiling
 bench's own driver (ceiling.timed_run). It measures the "shards by rank" design
 (`kvdepot serve --shards`) at the level of rank jobs; the scheduler's side (one Watch
@@ -35,7 +36,7 @@ from kvdepot.bench.daemon import OwnDaemon
 from kvdepot.bench.fleet import Fleet, WorkerProc
 from kvdepot.bench.geometry import BenchGeometry
 from kvdepot.bench.stats import GB, percentile
-from kvdepot.common.shards import route_rank
+from kvdepot.common.shards import first_shard, route_rank
 
 # Presets: (description, geometry). Heads per rank and page size are what a rank's job
 # costs by; --quick keeps them and cuts layers (and TP to 2) to run in seconds.
@@ -101,19 +102,26 @@ def preset(name: str, quick: bool) -> BenchGeometry:
 
 
 def shard_views(
-    geo: BenchGeometry, engines: int, shards: int
+    geo: BenchGeometry, engines: int, shards: int, namespace: str = "node"
 ) -> dict[tuple[int, int], tuple[int, BenchGeometry, int]]:
     """(engine, rank) -> (shard, the rank's geometry on it, its rank there), routed as
-    the connector routes (kvdepot.common.shards.route_rank); on its shard an engine is
+    the connector routes (kvdepot.common.shards: engine e, in namespace
+    `engine_namespace(namespace, e)`, from its `first_shard`); on its shard an engine is
     a world of the ranks it sent there."""
     out: dict[tuple[int, int], tuple[int, BenchGeometry, int]] = {}
     for e in range(engines):
+        first = first_shard(engine_namespace(namespace, e), shards, geo.tp)
         for r in range(geo.tp):
-            route = route_rank(r, geo.tp, shards)
+            route = route_rank(r, geo.tp, shards, first)
             heads = geo.kv_heads // geo.tp * route.world_size
             view = replace(geo, kv_heads=heads, tp=route.world_size)
             out[(e, r)] = (route.shard, view, route.rank)
     return out
+
+
+def engine_namespace(namespace: str, engine: int) -> str:
+    """The namespace of the series' engine `engine`: each its own, as distinct models'."""
+    return f"{namespace}-e{engine}"
 
 
 def measure_node(
@@ -194,7 +202,7 @@ def _one_node(
     salt: bytes,
 ) -> list[tuple[str, Series]]:
     """`shards` daemons and one fleet; a store series then a load series."""
-    views = shard_views(geo, engines, shards)
+    views = shard_views(geo, engines, shards, namespace)
     rank_job = chunks * geo.chunk_bytes_per_rank()
     busiest = max(sum(1 for v in views.values() if v[0] == s) for s in range(shards))
     # In-flight slots and a load set must fit a shard's pool four times over (as in
@@ -225,7 +233,7 @@ def _one_node(
                 "engine": w.engine,
                 "num_blocks": num_blocks,
                 "salt": salt.hex(),
-                "namespace": f"{namespace}-e{w.engine}",  # per engine: its world per shard
+                "namespace": engine_namespace(namespace, w.engine),  # its world per shard
                 "arena_bytes": 1 << 20,
             }
 

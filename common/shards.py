@@ -2,15 +2,22 @@
 
 A daemon run with `--shards S` is S processes (shards), each with its own event loop,
 copy threads, pool and index; shard 0 listens on the configured socket and shard s on
-`shard_socket(socket, s)`. An engine of world size W uses E = gcd(S, W) of them, each
-serving K = W / E consecutive ranks: rank r goes to shard r // K, where it is rank r % K
-of a world of K ranks, in a namespace of its own (`shard_namespace_id`), so that a
-shard's rows hold the sections of exactly the ranks it serves and every guarantee of
-one daemon (rows ready when all their ranks wrote, pins, eviction, restart) holds per
-shard. Consecutive, not dealt round robin: GPUs are numbered by NUMA node on the hosts
-this serves (0-3 on one socket, 4-7 on the other), so a shard's ranks share a node and
-its pool and copy threads can sit there. The scheduler reads every shard the engine
-uses and counts a key ready when all of them have it.
+`shard_socket(socket, s)`. An engine of world size W uses E = gcd(S, W) of them,
+consecutive ones from `first_shard`, each serving K = W / E consecutive ranks: rank r
+goes to the engine's shard r // K (its `part`), where it is rank r % K of a world of K
+ranks, in a namespace of its own (`shard_namespace_id`), so that a shard's rows hold
+the sections of exactly the ranks it serves and every guarantee of one daemon (rows
+ready when all their ranks wrote, pins, eviction, restart) holds per shard.
+Consecutive, not dealt round robin: GPUs are numbered by NUMA node on the hosts this
+serves (0-3 on one socket, 4-7 on the other), so a shard's ranks share a node and its
+pool and copy threads can sit there. The scheduler reads every shard the engine uses
+and counts a key ready when all of them have it.
+
+An engine that uses fewer shards than the node has (E < S: TP=1, or TP=2 on four
+shards) starts at a shard its namespace picks (`first_shard`): the engines of one
+namespace, which share blocks, always meet on the same shards, and engines of other
+models or salts spread over the node's shards and pools rather than all crowding
+shard 0.
 
 Pure functions of their arguments: the daemon, the connector and the benchmarks all
 route with these, so they cannot disagree.
@@ -18,6 +25,7 @@ route with these, so they cannot disagree.
 
 from __future__ import annotations
 
+import hashlib
 import math
 from typing import NamedTuple
 
@@ -43,30 +51,51 @@ class RankRoute(NamedTuple):
     rank: int  # its rank there
     world_size: int  # the ranks of its engine that shard serves
     shards: int  # the shards its engine uses (E)
+    part: int = 0  # which of those E shards, from the engine's first: names its namespace
 
 
-def route_rank(rank: int, world_size: int, node_shards: int) -> RankRoute:
-    """Rank `rank` of an engine of `world_size` ranks on a node of `node_shards` shards."""
+def first_shard(namespace_id: str, node_shards: int, world_size: int) -> int:
+    """The first of the E consecutive shards an engine of `world_size` ranks in
+    `namespace_id` uses on a node of `node_shards`: a multiple of E picked by a hash of
+    the namespace (0 when E is every shard). The same for every rank and the scheduler
+    of the engine, for every engine of the namespace, and across restarts: nothing to
+    agree on."""
+    used = engine_shards(node_shards, world_size)
+    groups = max(1, node_shards) // used
+    if groups == 1:
+        return 0
+    digest = hashlib.sha256(namespace_id.encode()).digest()
+    return int.from_bytes(digest[:8], "big") % groups * used
+
+
+def route_rank(rank: int, world_size: int, node_shards: int, first: int = 0) -> RankRoute:
+    """Rank `rank` of an engine of `world_size` ranks on a node of `node_shards` shards,
+    whose shards start at `first` (`first_shard`)."""
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside a world of {world_size}")
     used = engine_shards(node_shards, world_size)
+    if first % used or first + used > max(1, node_shards):
+        raise ValueError(f"an engine's {used} shard(s) cannot start at shard {first}")
     per_shard = world_size // used
-    return RankRoute(rank // per_shard, rank % per_shard, per_shard, used)
+    part = rank // per_shard
+    return RankRoute(first + part, rank % per_shard, per_shard, used, part)
 
 
-def shard_namespace_id(namespace_id: str, shard: int, shards: int) -> str:
-    """The namespace an engine's `namespace_id` is on `shard`, one of the `shards` it
-    uses: the id itself when it uses one shard (unsharded daemons see what they always
-    saw), else an id of that shard's own (its rows hold other ranks' sections, so its
-    bytes, disk records and remote entries must never meet another shard's)."""
-    return namespace_id if shards == 1 else f"{namespace_id}.s{shard}of{shards}"
+def shard_namespace_id(namespace_id: str, part: int, shards: int) -> str:
+    """The namespace an engine's `namespace_id` is on the `part`-th of the `shards` it
+    uses (RankRoute.part): the id itself when it uses one shard (unsharded daemons see
+    what they always saw), else an id of that shard's own (its rows hold other ranks'
+    sections, so its bytes, disk records and remote entries must never meet another
+    shard's)."""
+    return namespace_id if shards == 1 else f"{namespace_id}.s{part}of{shards}"
 
 
 def shard_mismatch(route: RankRoute, node_shards: int, shard: int, shard_count: int) -> str | None:
     """Why a daemon whose hello says it is `shard` of `shard_count` (0: unsharded) cannot
     serve a rank routed to `route` on a node of `node_shards`; None when it can. An engine
-    that uses one shard talks to shard 0's socket, which serves whole rows on any daemon."""
-    if route.shards == 1:
+    that uses shard 0 alone talks to shard 0's socket, which serves whole rows on any
+    daemon."""
+    if route.shards == 1 and route.shard == 0:
         return None
     count = shard_count or 1
     if (shard, count) == (route.shard, node_shards):

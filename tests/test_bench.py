@@ -433,10 +433,17 @@ def test_node_series_deals_ranks_to_shards_as_the_connector_does() -> None:
         assert view.page_bytes == geo.page_bytes == 8192 and view.layers == 80
         mates = sorted(r for (e, r), v in views.items() if e == engine and v[0] == shard)
         assert view.tp == len(mates) == 2 and local == mates.index(rank)
-    assert {v[0] for v in shard_views(geo, engines=2, shards=3).values()} == {0}  # gcd 1
+    gcd_one = shard_views(geo, engines=2, shards=3)  # each engine whole on one shard
+    for engine in range(2):
+        assert len({v[0] for (e, _), v in gcd_one.items() if e == engine}) == 1
+    assert {v[1].tp for v in gcd_one.values()} == {8}
     assert {v[1].tp for v in shard_views(geo, engines=2, shards=1).values()} == {8}
-    one_rank = preset("8b-tp1", quick=False)  # TP=1 engines use shard 0 alone
-    assert {v[0] for v in shard_views(one_rank, engines=2, shards=2).values()} == {0}
+    # TP=1 engines, each a namespace of its own (as distinct models): each on the shard
+    # its namespace picks, and together spread over the node's shards.
+    one_rank = preset("8b-tp1", quick=False)
+    spread = shard_views(one_rank, engines=16, shards=4)
+    assert {local for _, _, local in spread.values()} == {0}
+    assert len({shard for shard, _, _ in spread.values()}) > 1
 
 
 def test_node_series_refuses_an_unknown_geometry() -> None:

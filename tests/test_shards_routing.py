@@ -8,6 +8,7 @@ import pytest
 from kvdepot.common.shards import (
     RankRoute,
     engine_shards,
+    first_shard,
     route_rank,
     shard_mismatch,
     shard_namespace_id,
@@ -61,3 +62,34 @@ def test_a_daemon_that_is_not_the_expected_shard_is_named() -> None:
     assert shard_mismatch(route, 2, 1, 4) is not None
     # An engine on one shard talks to shard 0's socket, which serves whole rows anywhere.
     assert shard_mismatch(route_rank(0, 1, 2), 2, 0, 2) is None
+
+
+def test_an_engine_on_fewer_shards_than_the_node_starts_where_its_namespace_says() -> None:
+    """TP=1 and TP=2 engines on an 8-shard node: engines of one namespace always meet on
+    the same shards (they share blocks); engines of many namespaces spread over all of
+    them, each on E consecutive shards starting at a multiple of E."""
+    for world in (1, 2, 4):
+        used = engine_shards(8, world)
+        firsts = {first_shard(f"kvd1-model{i}", 8, world) for i in range(64)}
+        assert firsts == set(range(0, 8, used)), world  # every group of E shards in use
+        first = first_shard("kvd1-model7", 8, world)
+        assert first == first_shard("kvd1-model7", 8, world)
+        routes = [route_rank(r, world, 8, first) for r in range(world)]
+        assert [x.shard for x in routes] == [first + r // (world // used) for r in range(world)]
+        assert [x.part for x in routes] == [r // (world // used) for r in range(world)]
+    # An engine that uses every shard starts at shard 0, and a daemon of one shard
+    # is shard 0 for everyone.
+    assert first_shard("kvd1-any", 8, 8) == 0 and first_shard("kvd1-any", 1, 1) == 0
+    with pytest.raises(ValueError, match="cannot start at shard 3"):
+        route_rank(0, 2, 8, 3)
+
+
+def test_a_single_shard_engine_off_shard_0_checks_whom_it_reached() -> None:
+    """A TP=1 engine the namespace put on shard 5 of 8 must reach shard 5 of 8: another
+    shard, or an unsharded daemon, is named; shard 0 alone serves whole rows anywhere."""
+    route = route_rank(0, 1, 8, 5)
+    assert (route.shard, route.rank, route.world_size, route.shards, route.part) == (5, 0, 1, 1, 0)
+    assert shard_mismatch(route, 8, 5, 8) is None
+    wrong = shard_mismatch(route, 8, 0, 0)
+    assert wrong is not None and "expects shard 5 of 8" in wrong
+    assert shard_namespace_id("kvd1-abc", route.part, route.shards) == "kvd1-abc"

@@ -33,7 +33,7 @@ from kvdepot.client.vllm.manager import KVDepotOffloadingManager
 from kvdepot.client.vllm.namespace import NamespaceInputs, namespace_inputs, namespace_layout
 from kvdepot.client.vllm.stats import MetricName
 from kvdepot.client.vllm.worker import KVDepotOffloadingWorker
-from kvdepot.common.shards import engine_shards, route_rank, shard_socket
+from kvdepot.common.shards import engine_shards, first_shard, route_rank, shard_socket
 from kvdepot.v1 import depot_pb2
 
 if TYPE_CHECKING:
@@ -182,10 +182,19 @@ class KVDepotOffloadingSpec(OffloadingSpec):
         """The daemon shards this engine uses (kvdepot.common.shards)."""
         return engine_shards(self.settings.shards, self.namespace.world_size)
 
+    @property
+    def first_shard(self) -> int:
+        """The first of them: picked by the namespace, so that engines of other models
+        spread over the node's shards (kvdepot.common.shards.first_shard)."""
+        return first_shard(self.namespace_id, self.settings.shards, self.namespace.world_size)
+
     def get_manager(self) -> OffloadingManager:
         if self._manager is None:
             self._manager = KVDepotOffloadingManager(
-                [self._client("scheduler", s) for s in range(self.engine_shards)],
+                [
+                    self._client("scheduler", self.first_shard + s)
+                    for s in range(self.engine_shards)
+                ],
                 self.namespace_id,
                 self.settings,
                 enable_events=self.kv_events_config.enable_kv_cache_events,
@@ -195,13 +204,15 @@ class KVDepotOffloadingSpec(OffloadingSpec):
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
         if self._worker is None:
             rank = self.config.parallel.rank
-            route = route_rank(rank, self.namespace.world_size, self.settings.shards)
-            if route.shards > 1:
+            world = self.namespace.world_size
+            route = route_rank(rank, world, self.settings.shards, self.first_shard)
+            sharded = route.shard or route.shards > 1
+            if sharded:
                 log.info(
-                    "kvdepot: rank %d uses shard %d of %d as its rank %d of %d",
+                    "kvdepot: rank %d uses shard %d of the node's %d as its rank %d of %d",
                     rank,
                     route.shard,
-                    route.shards,
+                    self.settings.shards,
                     route.rank,
                     route.world_size,
                 )
@@ -214,7 +225,7 @@ class KVDepotOffloadingSpec(OffloadingSpec):
                 blocks_per_chunk=self.blocks_per_chunk,
                 memory_path=self.settings.memory_path,
                 job_timeout_s=self.settings.job_timeout_s,
-                route=route if route.shards > 1 else None,
+                route=route if sharded else None,
                 node_shards=self.settings.shards,
             )
             if self.settings.startup_wait_s > 0 and self._worker._client.connected:

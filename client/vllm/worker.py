@@ -118,7 +118,7 @@ class KVDepotOffloadingWorker(OffloadingWorker):
         route = self._route
         if route is None:
             return namespace_id
-        return shard_namespace_id(namespace_id, route.shard, route.shards)
+        return shard_namespace_id(namespace_id, route.part, route.shards)
 
     # -- registration ---------------------------------------------------------------------
 

@@ -244,3 +244,45 @@ def test_an_engine_not_told_of_the_shards_works_on_shard_0_and_says_so(
     assert shard_stats(sharded, 1).used_bytes == 0  # shard 1 was never used
     said = [r.getMessage() for r in caplog.records if "kvdepot_shards" in r.getMessage()]
     assert said and "runs 2 shard(s) but kvdepot_shards is 1" in said[0]
+
+
+def test_tp1_engines_of_other_models_spread_over_the_shards(sharded, make_engine) -> None:
+    """TP=1 engines use one shard of the two, the one their namespace picks
+    (kvdepot.common.shards.first_shard): engines of two salts (two models) land on
+    both shards and each gets its bytes back there; an engine of the same salt as
+    another meets it on its shard and loads the blocks it stored."""
+    on_shard: dict[int, tuple[str, SyntheticEngine]] = {}
+    for salt in [f"model-{c}" for c in "abcdefgh"]:
+        config = {**SHARDED, "kvdepot_namespace_salt": salt}
+        engine = make_engine(socket=sharded.target, tp=1, num_gpu_blocks=64, extra_config=config)
+        engine.wait_registered()
+        hello = engine.ranks[0].offloading_worker._client.hello
+        assert hello.shard_count == 2
+        assert engine.manager._clients[0].hello.shard == hello.shard  # scheduler agrees
+        on_shard.setdefault(hello.shard, (salt, engine))
+        if len(on_shard) == 2:
+            break
+    assert sorted(on_shard) == [0, 1]
+    for shard, (_, engine) in on_shard.items():
+        prompt = prompt_for(30 + shard, 100)
+        engine.generate([prompt])
+        engine.wait_ready(engine.offload_keys(prompt))
+        engine.reset_gpu_prefix_cache()
+        [again] = engine.generate([prompt])
+        assert again.external_tokens == 96
+        assert_expected(engine, prompt, 0, 0, again.block_ids[0][:6])
+    assert all(shard_stats(sharded, s).used_bytes > 0 for s in (0, 1))
+    salt, _ = on_shard[1]
+    twin = make_engine(
+        socket=sharded.target,
+        tp=1,
+        num_gpu_blocks=64,
+        extra_config={**SHARDED, "kvdepot_namespace_salt": salt},
+    )
+    twin.wait_registered()
+    assert twin.ranks[0].offloading_worker._client.hello.shard == 1
+    prompt = prompt_for(31, 100)
+    twin.wait_ready(twin.offload_keys(prompt))  # the mirror has the other engine's rows
+    [shared] = twin.generate([prompt])
+    assert shared.external_tokens == 96
+    assert_expected(twin, prompt, 0, 0, shared.block_ids[0][:6])
