@@ -151,23 +151,28 @@ def measure_node(
                 continue
             if on_step is not None:
                 on_step(f"node series: {name}, {engines} x TP={geo.tp}, {shards} shard(s)")
+            series_ns = f"{namespace}-{name}-s{shards}"
+            views = shard_views(geo, engines, shards, series_ns)
             try:
                 runs = _one_node(
                     geo,
+                    views,
                     engines,
                     shards,
                     chunks,
                     max(1, rank_jobs // (engines * geo.tp)),
                     warmup,
                     pool_bytes,
-                    f"{namespace}-{name}-s{shards}",
+                    series_ns,
                     salt,
                 )
             except _PoolTooSmall as exc:
                 skipped.append(f"{name}, {shards} shard(s): {exc}")
                 continue
+            used = len({shard for shard, _, _ in views.values()})
             for direction, run in runs:
-                rows.append(_row(name, geo, engines, shards, cores, chunks, direction, run))
+                row = _row(name, geo, engines, shards, cores, chunks, direction, run)
+                rows.append({**row, "shards_used": used})
     base = {(r["geometry"], r["direction"]): r for r in rows if r["shards"] == 1}
     for r in rows:
         one = base.get((r["geometry"], r["direction"]))
@@ -192,6 +197,7 @@ class _PoolTooSmall(ValueError):
 
 def _one_node(
     geo: BenchGeometry,
+    views: dict[tuple[int, int], tuple[int, BenchGeometry, int]],
     engines: int,
     shards: int,
     chunks: int,
@@ -201,8 +207,8 @@ def _one_node(
     namespace: str,
     salt: bytes,
 ) -> list[tuple[str, Series]]:
-    """`shards` daemons and one fleet; a store series then a load series."""
-    views = shard_views(geo, engines, shards, namespace)
+    """`shards` daemons and one fleet, the ranks dealt as `views` (shard_views of
+    `namespace`) says; a store series then a load series."""
     rank_job = chunks * geo.chunk_bytes_per_rank()
     busiest = max(sum(1 for v in views.values() if v[0] == s) for s in range(shards))
     # In-flight slots and a load set must fit a shard's pool four times over (as in
@@ -338,6 +344,12 @@ def format_node_table(result: dict[str, Any]) -> str:
             f"{r['one_core_gbps']:11.1f}  {r['host_cpu_share']:8.0%} | "
             f"{r['overhead_ms_p50']:10.2f}"
         )
+    for r in info["rows"]:
+        if r["direction"] == "store" and r.get("shards_used", r["shards"]) < r["shards"]:
+            lines.append(
+                f" note: {r['geometry']} on {r['shards']} shards: the engines' namespaces "
+                f"picked {r['shards_used']} of them (kvdepot.common.shards.first_shard)"
+            )
     for r in info["rows"]:
         if r["dropped_keys"]:
             lines.append(

@@ -414,6 +414,7 @@ def test_node_series_runs_one_and_two_daemon_shards() -> None:
         assert r["vs_one_shard"] == pytest.approx(r["rank_jobs_per_s"] / one["rank_jobs_per_s"])
         # Stores the pool had no room for (ranks out of step on a busy host): counted.
         assert isinstance(r["dropped_keys"], int) and r["dropped_keys"] >= 0
+        assert r["shards_used"] == r["shards"]  # TP=2 on 1 or 2 shards: every one
     assert info["skipped"] == []
     table = proc.stderr
     assert "kvdepot bench --node" in table and "rank jobs/s" in table
@@ -455,3 +456,32 @@ def test_node_series_refuses_an_unknown_geometry() -> None:
     )
     assert proc.returncode == 2, proc.stderr
     assert "--node-geometry takes 70b-tp8, 8b-tp1" in proc.stderr
+
+
+def test_node_table_says_when_engines_picked_fewer_shards_than_the_node_has() -> None:
+    from kvdepot.bench.node import format_node_table
+
+    def row(shards: int, used: int, direction: str) -> dict:
+        return {
+            "geometry": "8b-tp1", "engines": 2, "tp": 1, "shards": shards, "shards_used": used,
+            "direction": direction, "rank_jobs_per_s": 100.0, "equivalent_gbps": 3.2,
+            "vs_one_shard": 1.0, "daemon_cpu_us_per_rank_job": 200.0,
+            "engine_cpu_us_per_rank_job": 90.0, "one_core_gbps": 50.0, "host_cpu_share": 0.6,
+            "overhead_ms_p50": 2.0, "dropped_keys": 0,
+        }  # fmt: skip
+
+    node = {
+        "engines": 2, "depth": 4, "chunks": 16, "cores": 2, "pool_bytes": 1 << 32,
+        "geometries": {"8b-tp1": "TP=1"}, "skipped": [],
+        "rows": [row(1, 1, "store"), row(2, 1, "store"), row(2, 1, "load"), row(4, 2, "store")],
+    }  # fmt: skip
+    table = format_node_table(
+        {"version": "x", "elapsed_s": 1.0, "node": node, "loadavg_1min": {"start": 0, "end": 0}}
+    )
+    notes = [line for line in table.splitlines() if "namespaces picked" in line]
+    assert notes == [
+        " note: 8b-tp1 on 2 shards: the engines' namespaces picked 1 of them "
+        "(kvdepot.common.shards.first_shard)",
+        " note: 8b-tp1 on 4 shards: the engines' namespaces picked 2 of them "
+        "(kvdepot.common.shards.first_shard)",
+    ]
