@@ -62,8 +62,9 @@
  *   in one split-sized piece of offsets (split 0: every chain) becomes a 2-D copy,
  *   its start written to s_dev/s_host; the others' pages become descriptors in
  *   d_dev/d_host/d_size, chain by chain, each page cut where its pool offset crosses
- *   a multiple of split. Returns (2-D copies, descriptors). Raises ValueError on a
- *   negative start and when an output is too small.
+ *   a multiple of split. Returns (2-D copies, descriptors). With d_dev None it
+ *   writes no descriptors and returns the number it would write (to size them).
+ *   Raises ValueError on a negative start and when an output is too small.
  *
  * run_bounds(runs, sizes, pool_size)
  *   Whether every run of the table `runs` (4, n) lies inside its region (sizes[r]
@@ -416,8 +417,10 @@ static PyObject *chain_dma(PyObject *self, PyObject *args) {
     }
     static const char *names[7] = {"region_starts", "pool_starts", "s_dev", "s_host",
                                    "d_dev",         "d_host",      "d_size"};
+    int counting = objs[4] == Py_None; /* descriptors counted, not written */
+    int n_views = counting ? 4 : 7;
     Py_buffer v[7];
-    for (int i = 0; i < 7; i++) {
+    for (int i = 0; i < n_views; i++) {
         if (get_column(objs[i], &v[i], names[i], 1, i >= 2) < 0) {
             release_all(v, i);
             return NULL;
@@ -426,9 +429,9 @@ static PyObject *chain_dma(PyObject *self, PyObject *args) {
     PyObject *result = NULL;
     Py_ssize_t count = v[0].shape[0];
     Py_ssize_t s_cap = v[2].shape[0] < v[3].shape[0] ? v[2].shape[0] : v[3].shape[0];
-    Py_ssize_t d_cap = v[4].shape[0];
-    if (v[5].shape[0] < d_cap) d_cap = v[5].shape[0];
-    if (v[6].shape[0] < d_cap) d_cap = v[6].shape[0];
+    Py_ssize_t d_cap = counting ? PY_SSIZE_T_MAX : v[4].shape[0];
+    if (!counting && v[5].shape[0] < d_cap) d_cap = v[5].shape[0];
+    if (!counting && v[6].shape[0] < d_cap) d_cap = v[6].shape[0];
     if (v[1].shape[0] != count || rows < 1 || width <= 0 || split < 0) {
         PyErr_SetString(PyExc_ValueError,
                         "chain_dma: starts of different lengths, no rows, no width or a negative "
@@ -437,7 +440,8 @@ static PyObject *chain_dma(PyObject *self, PyObject *args) {
     }
     const int64_t *rs = v[0].buf, *ps = v[1].buf;
     uint64_t *s_dev = v[2].buf, *s_host = v[3].buf;
-    uint64_t *d_dev = v[4].buf, *d_host = v[5].buf, *d_size = v[6].buf;
+    uint64_t *d_dev = counting ? NULL : v[4].buf, *d_host = counting ? NULL : v[5].buf;
+    uint64_t *d_size = counting ? NULL : v[6].buf;
     Py_ssize_t kept = 0, out = 0;
     int64_t span = (int64_t)(rows - 1) * pool_pitch + width - 1;
     for (Py_ssize_t k = 0; k < count; k++) {
@@ -466,9 +470,11 @@ static PyObject *chain_dma(PyObject *self, PyObject *args) {
                                     "chain_dma: the descriptor columns are too small");
                     goto done;
                 }
-                d_dev[out] = d;
-                d_host[out] = h;
-                d_size[out] = (uint64_t)piece;
+                if (!counting) {
+                    d_dev[out] = d;
+                    d_host[out] = h;
+                    d_size[out] = (uint64_t)piece;
+                }
                 out++;
                 d += (uint64_t)piece;
                 h += (uint64_t)piece;
@@ -479,7 +485,7 @@ static PyObject *chain_dma(PyObject *self, PyObject *args) {
     }
     result = Py_BuildValue("nn", kept, out);
 done:
-    release_all(v, 7);
+    release_all(v, n_views);
     return result;
 }
 
@@ -509,7 +515,7 @@ static PyMethodDef methods[] = {
      "chain_dma(region_starts, pool_starts, s_dev, s_host, d_dev, d_host, d_size, rows, width, "
      "region_pitch, pool_pitch, dev_base, pool_address, split) -> (copies, descriptors): a "
      "plan of chains as 2-D copy starts and, for chains crossing a multiple of split, "
-     "descriptors (see the module's documentation)."},
+     "descriptors (d_dev None: only counted; see the module's documentation)."},
     {NULL, NULL, 0, NULL},
 };
 

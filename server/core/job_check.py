@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from kvdepot.common import chunks
 from kvdepot.server.core.layout import (
     MAX_KEY_BYTES,
     MIN_KEY_BYTES,
@@ -68,14 +69,16 @@ def check_job(
     just `num_keys`), that keys are distinct and group-major like group_sizes,
     and that every block id is inside every tensor its group's layers live in.
     """
-    per_group = layout.chunks_per_group(group_sizes, block_indices)
+    frame = _frame(
+        layout.blocks_per_chunk, layout.num_groups, tuple(group_sizes), tuple(block_indices)
+    )
     n_keys = len(keys) if keys is not None else num_keys
     if n_keys is None:
         raise ValueError("check_job needs keys or num_keys")
-    if sum(per_group) != n_keys:
+    if frame.num_keys != n_keys:
         raise LayoutError(
             f"job carries {n_keys} key(s) but group_sizes/block_indices describe "
-            f"{sum(per_group)} chunk(s) ({per_group} per group)"
+            f"{frame.num_keys} chunk(s) ({frame.per_group} per group)"
         )
     key_groups: tuple[int, ...] = ()  # known once the keys are checked
     if keys is not None:
@@ -90,7 +93,7 @@ def check_job(
         ):
             check_key(next(k for k in keys if not MIN_KEY_BYTES <= len(k) <= MAX_KEY_BYTES), 1)
         # Group-major: each key's 4-byte suffix is its group's, compared as bytes.
-        wanted, key_groups = _group_major(tuple(per_group))
+        wanted, key_groups = frame.suffixes, frame.key_groups
         found = [k[-4:] for k in keys]
         if found != wanted:
             i = next(i for i, (f, w) in enumerate(zip(found, wanted, strict=True)) if f != w)
@@ -101,9 +104,9 @@ def check_job(
                 f"group {int.from_bytes(wanted[i], 'big')}'s keys: keys are group-major, "
                 f"like group_sizes"
             )
-    if sum(group_sizes) != len(block_ids):
+    if frame.num_blocks != len(block_ids):
         raise LayoutError(
-            f"sum(group_sizes) = {sum(group_sizes)} but {len(block_ids)} block id(s) given"
+            f"sum(group_sizes) = {frame.num_blocks} but {len(block_ids)} block id(s) given"
         )
     # Column-wise from here: no Python object per block (a job's blocks are many),
     # except that a small job's bounds are two builtin calls on a list (numpy's
@@ -115,21 +118,16 @@ def check_job(
         all_ids = np.asarray(block_ids if id_list is None else id_list, dtype=np.int64)
     except OverflowError:
         raise LayoutError("a block id does not fit in 64 bits") from None
-    bpc = layout.blocks_per_chunk
     tensors = memory.tensors
     groups = []
-    block_pos = key_pos = 0
-    for g, n in enumerate(group_sizes):
-        ids = all_ids[block_pos : block_pos + n]
-        block_pos += n
-        if n == 0:
-            continue
+    for g, start, stop, key_of, subs in frame.groups:
+        ids = all_ids[start:stop]
         # Block ids are checked per group with min/max against the fewest blocks of
         # the group's tensors (MemoryMap.group_blocks): not per page, nor per layer.
         if id_list is None:
             outside = ids.min() < 0 or ids.max() >= memory.group_blocks[g]
         else:
-            part = id_list[block_pos - n : block_pos]
+            part = id_list[start:stop]
             outside = min(part) < 0 or max(part) >= memory.group_blocks[g]
         if outside:
             for ref in memory.groups[g]:  # the first tensor, in layer order, it leaves
@@ -140,18 +138,51 @@ def check_job(
                         f"block id {bad} of group {g} is out of range: tensor "
                         f"{ref.tensor_index} has {t.num_blocks} blocks"
                     )
-        if bpc == 1:
-            key_of: Sequence[int] = range(key_pos, key_pos + n)
-            subs = None
-        else:
-            # block_positions, column-wise: block i is sub-block (skip + i) % bpc
-            # of the group's chunk (skip + i) // bpc.
-            pos = np.arange(block_indices[g] % bpc, block_indices[g] % bpc + n, dtype=np.int64)
-            key_of = key_pos + pos // bpc
-            subs = pos % bpc
         groups.append((g, ids, key_of, subs))
-        key_pos += per_group[g]
     return JobShape(n_keys, tuple(groups), key_groups)
+
+
+@dataclass(frozen=True, slots=True)
+class _Frame:
+    """What check_job derives from a job's group_sizes and block_indices alone, shared
+    by every job of that shape (read only)."""
+
+    per_group: list[int]  # keys per group
+    num_keys: int
+    num_blocks: int
+    suffixes: list[bytes]  # each key's 4-byte group suffix, group-major
+    key_groups: tuple[int, ...]  # each key's group
+    # per non-empty group: (group, first and end block position in the job, key index
+    # per block, sub-block per block or None when blocks_per_chunk is 1)
+    groups: tuple[tuple[int, int, int, Sequence[int], Sequence[int] | None], ...]
+
+
+@functools.lru_cache(maxsize=256)  # a node's few job shapes
+def _frame(
+    bpc: int, num_groups: int, group_sizes: tuple[int, ...], block_indices: tuple[int, ...]
+) -> _Frame:
+    """The frame of jobs of this shape; raises LayoutError on lists no job may have (an
+    error is not cached)."""
+    per_group = chunks.chunks_per_group(group_sizes, block_indices, bpc, num_groups)
+    suffixes, key_groups = _group_major(tuple(per_group))
+    groups = []
+    block_pos = key_pos = 0
+    for g, n in enumerate(group_sizes):
+        if n:
+            if bpc == 1:
+                key_of: Sequence[int] = range(key_pos, key_pos + n)
+                subs = None
+            else:
+                # block_positions, column-wise: block i is sub-block (skip + i) % bpc
+                # of the group's chunk (skip + i) // bpc.
+                skip = block_indices[g] % bpc
+                pos = np.arange(skip, skip + n, dtype=np.int64)
+                key_of, subs = key_pos + pos // bpc, pos % bpc
+                key_of.flags.writeable = subs.flags.writeable = False  # shared by jobs
+            groups.append((g, block_pos, block_pos + n, key_of, subs))
+        block_pos += n
+        key_pos += per_group[g]
+    return _Frame(per_group, sum(per_group), block_pos, suffixes, key_groups, tuple(groups))
 
 
 @functools.lru_cache(maxsize=64)  # a node's few job shapes; 4 MB at most

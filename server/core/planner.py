@@ -136,7 +136,7 @@ class MemoryMap:
         )
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: built for every job, and frozen's __init__ costs
 class PageChains:
     """A job's pages as equal chains, one per block: chain i is `rows` pages (one per
     layer) of `width` bytes, page r at region offset `region_starts[i] + r *
@@ -146,7 +146,7 @@ class PageChains:
     then what one 2-D DMA copy moves: planned per block, not per page.
 
     The starts are int64 columns; `*_low` and `*_end` bound every chain's bytes (the
-    lowest start, one past the highest byte), computed with them.
+    lowest start, one past the highest byte), computed with them. Read only once built.
     """
 
     region: int

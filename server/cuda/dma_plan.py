@@ -167,19 +167,23 @@ def _chain_copies(
         raise ValueError(f"run names region {c.region}; {len(region_addresses)} mapped")
     count = len(c)
     s_dev, s_host = array("Q", bytes(8 * count)), array("Q", bytes(8 * count))
-    # Each crossing page is cut at most width // split + 1 times.
-    cap = count * c.rows * (2 + c.width // host_split) if host_split else 0
-    d_cols = np.empty((3, cap), np.uint64)
-    kept, cut = compiled.chain_dma(
-        c.region_starts, c.pool_starts, s_dev, s_host, d_cols[0], d_cols[1], d_cols[2],
-        c.rows, c.width, c.region_pitch, c.pool_pitch,
-        region_addresses[c.region], pool_address, host_split,
-    )  # fmt: skip
+    call = functools.partial(
+        compiled.chain_dma, c.region_starts, c.pool_starts, s_dev, s_host
+    )  # the rest: the descriptors' columns, then the shape and the addresses
+    shape = (c.rows, c.width, c.region_pitch, c.pool_pitch)
+    where = (region_addresses[c.region], pool_address, host_split)
+    kept, cut = call(None, None, None, *shape, *where)  # counts the descriptors
     rest: list[DmaBatch] = []
-    if cut:
-        dev, host, n = d_cols[:, :cut]
+    if cut:  # some chains cross a boundary: their pages, cut there, as descriptors
+        dev, host, n = (array("Q", bytes(8 * cut)) for _ in range(3))
+        call(dev, host, n, *shape, *where)
         srcs, dsts = (dev, host) if direction == STORE else (host, dev)
-        rest = _batches(dsts, srcs, n, max_batch, (count - kept) * c.rows * c.width)
+        moved = (count - kept) * c.rows * c.width
+        if cut <= max_batch:  # the usual case: one batch, the columns as they are
+            rest = [DmaBatch(dsts, srcs, n, moved)]
+        else:
+            columns = (np.frombuffer(a, np.uint64) for a in (dsts, srcs, n))
+            rest = _batches(*columns, max_batch, moved)
     if not kept:
         return DmaPlan(rest)
     if kept < count:
