@@ -272,14 +272,19 @@ def vllm_memmap(
 def test_chained_plans_are_the_page_by_page_runs(seed: int) -> None:
     """vLLM's layout plans per block (a plan of chains, its runs built only when
     asked for), and those runs are exactly the page-by-page reference, skipped keys,
-    sub-blocks and partial chunks included."""
+    sub-blocks, partial chunks and a chunk's adjacent blocks (one wider chain)
+    included."""
     rng = np.random.default_rng(100 + seed)
     bpc, world = [(1, 1), (2, 2), (4, 1), (1, 8)][seed % 4]
     rank = int(rng.integers(0, world))
     lay, mm, size = vllm_memmap(6, 4096, bpc, world, gap=4096 * (seed % 3))
     first = [int(rng.integers(0, bpc))]
     sizes = [int(rng.integers(1, 20))]
-    block_ids = [int(b) for b in rng.choice(64, sizes[0], replace=False)]
+    if seed % 2:  # consecutive GPU blocks: a chunk's sub-blocks follow one another
+        start = int(rng.integers(0, 40))
+        block_ids = list(range(start, start + sizes[0]))
+    else:
+        block_ids = [int(b) for b in rng.choice(64, sizes[0], replace=False)]
     slot = lay.slot_bytes(0)
     n_keys = lay.chunks_per_group(sizes, first)[0]
     slots = [None if rng.random() < 0.25 else int(k) * slot for k in rng.permutation(n_keys)]
@@ -289,16 +294,17 @@ def test_chained_plans_are_the_page_by_page_runs(seed: int) -> None:
         assert len(plan) == 0 and plan.nbytes == 0
         return
     chains = plan.chains
-    assert chains is not None and chains.rows == 6 and chains.width == 4096
+    assert chains is not None and chains.rows == 6
     assert len(plan) == len(want) and plan.nbytes == sum(r[3] for r in want)  # before runs
     assert plan.runs == want
-    # The chains hold the same pages, and their bounds are the pages' own.
-    pages = sorted(
-        (chains.region, int(r0) + i * chains.region_pitch, int(p0) + i * chains.pool_pitch)
-        for r0, p0 in zip(chains.region_starts, chains.pool_starts, strict=True)
+    # The chains hold the same runs, and their bounds are the runs' own.
+    runs = sorted(
+        (chains.region, int(r0) + i * chains.region_pitch, int(p0) + i * chains.pool_pitch, int(w))
+        for r0, p0, w in zip(chains.region_starts, chains.pool_starts, chains.widths, strict=True)
         for i in range(chains.rows)
     )
-    assert pages == sorted(r[:3] for r in want)
+    assert runs == sorted(want)
+    assert chains.widest == max(r[3] for r in want)
     assert (chains.region_low, chains.region_end) == (
         min(r[1] for r in want),
         max(r[1] + r[3] for r in want),
@@ -327,12 +333,28 @@ def test_layouts_that_are_not_chains_plan_page_by_page() -> None:
     assert plan.runs == reference_runs(lay, 0, uneven, [1, 5], [2], [0], [0, 3 * 4096])
     one, mm1, _ = vllm_memmap(1, 4096, 1, 1)
     assert plan_job(one, 0, mm1, [1, 2], [2], [0], [0, 8192]).chains is None
-    # Adjacent blocks into adjacent pool bytes: the per-page plan merges them.
-    lay6, mm6, _ = vllm_memmap(6, 4096, 1, 1)
-    merged = plan_job(lay6, 0, mm6, [3, 4], [2], [0], [0, 4096])
-    assert merged.chains is None
-    assert merged.runs == reference_runs(lay6, 0, mm6, [3, 4], [2], [0], [0, 4096])
+    # A layer's last page followed by the next layer's first on both sides: the
+    # per-page plan merges across layers, which chains do not.
+    lay2 = NamespaceLayout("packed", 1, 1, ((4096,) * 2,))
+    packed = MemoryMap.build(
+        lay2, [8192], [TensorView(0, i * 4096, 1, 4096, 4096) for i in range(2)],
+        [[LayerRef(i, 0, 4096) for i in range(2)]],
+    )  # fmt: skip
+    across = plan_job(lay2, 0, packed, [0], [1], [0], [0])
+    assert across.chains is None and across.runs == [(0, 0, 0, 8192)]
+    # A chunk's two sub-blocks in adjacent GPU blocks: one chain two pages wide, as
+    # the per-page plan merges them in every layer.
+    lay6, mm6, _ = vllm_memmap(6, 4096, 2, 1)
+    merged = plan_job(lay6, 0, mm6, [3, 4], [2], [0], [0])
+    assert merged.chains is not None and merged.chains.widths.tolist() == [8192]
+    assert merged.runs == reference_runs(lay6, 0, mm6, [3, 4], [2], [0], [0])
     assert len(merged) == 6  # one run of two pages per layer
+    # Slots that overlap (no index hands them out) would make a chain's rows overlap:
+    # page by page.
+    lay1, mm1, _ = vllm_memmap(6, 4096, 1, 1)
+    overlapping = plan_job(lay1, 0, mm1, [3, 4], [2], [0], [0, 4096])
+    assert overlapping.chains is None
+    assert overlapping.runs == reference_runs(lay1, 0, mm1, [3, 4], [2], [0], [0, 4096])
 
 
 def test_copy_engines_refuse_a_chained_plan_outside_its_region_or_the_pool() -> None:

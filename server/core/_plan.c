@@ -43,28 +43,32 @@
  *   a negative offset or names a region `bases` does not have, and when the
  *   output columns are too small; nothing is promised about them then.
  *
- * chain_starts(blocks, slots, subs, region_out, pool_out, base, stride, slot_base, page,
- *              region_pitch, pool_pitch)
+ * chain_starts(blocks, slots, subs, region_out, pool_out, width_out, base, stride,
+ *              slot_base, page, region_pitch, pool_pitch)
  *   A group whose layers lie at one pitch on both sides (planner.py's chained groups:
  *   layer l's page of block i at region offset base + l * region_pitch +
  *   blocks[i] * stride and pool offset slot_base + l * pool_pitch + slots[i] +
- *   subs[i] * page) plans as one chain per kept block: this writes each chain's first
- *   page (layer 0) to region_out and pool_out, blocks in order, skipping negative
- *   slots. Per block, not per page. Returns (count, lowest and highest region start,
- *   lowest and highest pool start), or None when two pages that plan_group would
- *   write one after the other are contiguous on both sides (it merges them; the
- *   caller then plans page by page, so that both give the same runs).
+ *   subs[i] * page) plans as chains, one per run of a layer: each kept block's page
+ *   (negative slots skipped, blocks in order) starts a chain, or widens the one before
+ *   when it follows it on both sides, as plan_group merges them in every layer alike.
+ *   Writes each chain's first run (layer 0: its region and pool offsets, its width) to
+ *   the outputs. Per block, not per page. Returns (chains, lowest region start, end of
+ *   the highest region run, lowest pool start, end of the highest pool run, widest
+ *   run, bytes of a layer), or None when plan_group would also merge a layer's last
+ *   run with the next layer's first (the caller then plans page by page, so that both
+ *   give the same runs).
  *
- * chain_dma(region_starts, pool_starts, s_dev, s_host, d_dev, d_host, d_size, rows, width,
- *           region_pitch, pool_pitch, dev_base, pool_address, split)
- *   A plan of chains (chain_starts) as DMA: chain k's first page at dev_base +
- *   region_starts[k] and pool_address + pool_starts[k]. A chain whose pool bytes lie
- *   in one split-sized piece of offsets (split 0: every chain) becomes a 2-D copy,
- *   its start written to s_dev/s_host; the others' pages become descriptors in
- *   d_dev/d_host/d_size, chain by chain, each page cut where its pool offset crosses
- *   a multiple of split. Returns (2-D copies, descriptors). With d_dev None it
- *   writes no descriptors and returns the number it would write (to size them).
- *   Raises ValueError on a negative start and when an output is too small.
+ * chain_dma(region_starts, pool_starts, widths, s_dev, s_host, s_width, d_dev, d_host,
+ *           d_size, rows, region_pitch, pool_pitch, dev_base, pool_address, split)
+ *   A plan of chains (chain_starts) as DMA: chain k's first run at dev_base +
+ *   region_starts[k] and pool_address + pool_starts[k], widths[k] bytes. A chain whose
+ *   pool bytes lie in one split-sized piece of offsets (split 0: every chain) becomes
+ *   a 2-D copy, its start and width written to s_dev/s_host/s_width; the others' runs
+ *   become descriptors in d_dev/d_host/d_size, chain by chain, each run cut where its
+ *   pool offset crosses a multiple of split. Returns (2-D copies, descriptors). With
+ *   d_dev None it writes no descriptors and returns the number it would write (to
+ *   size them). Raises ValueError on a negative start or width and when an output is
+ *   too small.
  *
  * run_bounds(runs, sizes, pool_size)
  *   Whether every run of the table `runs` (4, n) lies inside its region (sizes[r]
@@ -338,117 +342,124 @@ static PyObject *run_bounds(PyObject *self, PyObject *args) {
 }
 
 static PyObject *chain_starts(PyObject *self, PyObject *args) {
-    PyObject *objs[5], *subs_obj;
+    PyObject *objs[6], *subs_obj;
     long long base, stride, slot_base, page, region_pitch, pool_pitch;
-    if (!PyArg_ParseTuple(args, "OOOOOLLLLLL:chain_starts", &objs[0], &objs[1], &subs_obj,
-                          &objs[2], &objs[3], &base, &stride, &slot_base, &page, &region_pitch,
-                          &pool_pitch)) {
+    if (!PyArg_ParseTuple(args, "OOOOOOLLLLLL:chain_starts", &objs[0], &objs[1], &subs_obj,
+                          &objs[2], &objs[3], &objs[4], &base, &stride, &slot_base, &page,
+                          &region_pitch, &pool_pitch)) {
         return NULL;
     }
-    static const char *names[5] = {"blocks", "slots", "region_out", "pool_out", "subs"};
+    static const char *names[6] = {"blocks",    "slots",     "region_out",
+                                   "pool_out",  "width_out", "subs"};
     int has_subs = subs_obj != Py_None;
-    objs[4] = subs_obj;
-    int n_views = has_subs ? 5 : 4;
-    Py_buffer v[5];
+    objs[5] = subs_obj;
+    int n_views = has_subs ? 6 : 5;
+    Py_buffer v[6];
     for (int i = 0; i < n_views; i++) {
-        if (get_column(objs[i], &v[i], names[i], 1, i == 2 || i == 3) < 0) {
+        if (get_column(objs[i], &v[i], names[i], 1, i >= 2 && i <= 4) < 0) {
             release_all(v, i);
             return NULL;
         }
     }
     PyObject *result = NULL;
     Py_ssize_t nblocks = v[0].shape[0];
-    if (v[1].shape[0] != nblocks || (has_subs && v[4].shape[0] != nblocks) ||
-        v[2].shape[0] < nblocks || v[3].shape[0] < nblocks) {
+    if (v[1].shape[0] != nblocks || (has_subs && v[5].shape[0] != nblocks) ||
+        v[2].shape[0] < nblocks || v[3].shape[0] < nblocks || v[4].shape[0] < nblocks) {
         PyErr_Format(PyExc_ValueError,
                      "chain_starts: slots/subs differ in length from blocks (%zd), or the "
                      "outputs are shorter",
                      nblocks);
         goto done;
     }
-    const int64_t *blocks = v[0].buf, *slots = v[1].buf, *subs = has_subs ? v[4].buf : NULL;
-    int64_t *ro = v[2].buf, *po = v[3].buf;
+    const int64_t *blocks = v[0].buf, *slots = v[1].buf, *subs = has_subs ? v[5].buf : NULL;
+    int64_t *ro = v[2].buf, *po = v[3].buf, *w = v[4].buf;
     Py_ssize_t n = 0;
-    int merges = 0;
     for (Py_ssize_t i = 0; i < nblocks; i++) {
         if (slots[i] < 0) {
             continue;
         }
-        ro[n] = base + blocks[i] * stride;
-        po[n] = slot_base + slots[i] + (subs ? subs[i] * page : 0);
-        /* plan_group's order is layer-major: block after block in a layer. */
-        if (n > 0 && ro[n] == ro[n - 1] + page && po[n] == po[n - 1] + page) {
-            merges = 1;
+        int64_t r = base + blocks[i] * stride;
+        int64_t p = slot_base + slots[i] + (subs ? subs[i] * page : 0);
+        /* plan_group's order is layer-major: block after block in a layer, and a page
+         * contiguous on both sides with the run before it extends that run. */
+        if (n > 0 && r == ro[n - 1] + w[n - 1] && p == po[n - 1] + w[n - 1]) {
+            w[n - 1] += page;
+            continue;
         }
+        ro[n] = r;
+        po[n] = p;
+        w[n] = page;
         n++;
     }
-    /* A layer's last page, then the next layer's first. */
-    if (n > 0 && ro[0] + region_pitch == ro[n - 1] + page &&
-        po[0] + pool_pitch == po[n - 1] + page) {
-        merges = 1;
-    }
-    if (merges) {
+    /* A layer's last run, then the next layer's first: plan_group merges those too. */
+    if (n > 0 && ro[0] + region_pitch == ro[n - 1] + w[n - 1] &&
+        po[0] + pool_pitch == po[n - 1] + w[n - 1]) {
         result = Py_NewRef(Py_None);
         goto done;
     }
-    int64_t r_lo = 0, r_hi = 0, p_lo = 0, p_hi = 0;
+    int64_t r_lo = 0, r_end = 0, p_lo = 0, p_end = 0, widest = 0, layer = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
         if (i == 0 || ro[i] < r_lo) r_lo = ro[i];
-        if (i == 0 || ro[i] > r_hi) r_hi = ro[i];
+        if (i == 0 || ro[i] + w[i] > r_end) r_end = ro[i] + w[i];
         if (i == 0 || po[i] < p_lo) p_lo = po[i];
-        if (i == 0 || po[i] > p_hi) p_hi = po[i];
+        if (i == 0 || po[i] + w[i] > p_end) p_end = po[i] + w[i];
+        if (w[i] > widest) widest = w[i];
+        layer += w[i];
     }
-    result = Py_BuildValue("nLLLL", n, (long long)r_lo, (long long)r_hi, (long long)p_lo,
-                           (long long)p_hi);
+    result = Py_BuildValue("nLLLLLL", n, (long long)r_lo, (long long)r_end, (long long)p_lo,
+                           (long long)p_end, (long long)widest, (long long)layer);
 done:
     release_all(v, n_views);
     return result;
 }
 
 static PyObject *chain_dma(PyObject *self, PyObject *args) {
-    PyObject *objs[7];
+    PyObject *objs[9];
     Py_ssize_t rows;
-    long long width, region_pitch, pool_pitch, split;
+    long long region_pitch, pool_pitch, split;
     unsigned long long dev_base, pool;
-    if (!PyArg_ParseTuple(args, "OOOOOOOnLLLKKL:chain_dma", &objs[0], &objs[1], &objs[2],
-                          &objs[3], &objs[4], &objs[5], &objs[6], &rows, &width, &region_pitch,
-                          &pool_pitch, &dev_base, &pool, &split)) {
+    if (!PyArg_ParseTuple(args, "OOOOOOOOOnLLKKL:chain_dma", &objs[0], &objs[1], &objs[2],
+                          &objs[3], &objs[4], &objs[5], &objs[6], &objs[7], &objs[8], &rows,
+                          &region_pitch, &pool_pitch, &dev_base, &pool, &split)) {
         return NULL;
     }
-    static const char *names[7] = {"region_starts", "pool_starts", "s_dev", "s_host",
-                                   "d_dev",         "d_host",      "d_size"};
-    int counting = objs[4] == Py_None; /* descriptors counted, not written */
-    int n_views = counting ? 4 : 7;
-    Py_buffer v[7];
+    static const char *names[9] = {"region_starts", "pool_starts", "widths", "s_dev", "s_host",
+                                   "s_width",       "d_dev",       "d_host", "d_size"};
+    int counting = objs[6] == Py_None; /* descriptors counted, not written */
+    int n_views = counting ? 6 : 9;
+    Py_buffer v[9];
     for (int i = 0; i < n_views; i++) {
-        if (get_column(objs[i], &v[i], names[i], 1, i >= 2) < 0) {
+        if (get_column(objs[i], &v[i], names[i], 1, i >= 3) < 0) {
             release_all(v, i);
             return NULL;
         }
     }
     PyObject *result = NULL;
     Py_ssize_t count = v[0].shape[0];
-    Py_ssize_t s_cap = v[2].shape[0] < v[3].shape[0] ? v[2].shape[0] : v[3].shape[0];
-    Py_ssize_t d_cap = counting ? PY_SSIZE_T_MAX : v[4].shape[0];
-    if (!counting && v[5].shape[0] < d_cap) d_cap = v[5].shape[0];
-    if (!counting && v[6].shape[0] < d_cap) d_cap = v[6].shape[0];
-    if (v[1].shape[0] != count || rows < 1 || width <= 0 || split < 0) {
+    Py_ssize_t s_cap = v[3].shape[0];
+    if (v[4].shape[0] < s_cap) s_cap = v[4].shape[0];
+    if (v[5].shape[0] < s_cap) s_cap = v[5].shape[0];
+    Py_ssize_t d_cap = counting ? PY_SSIZE_T_MAX : v[6].shape[0];
+    if (!counting && v[7].shape[0] < d_cap) d_cap = v[7].shape[0];
+    if (!counting && v[8].shape[0] < d_cap) d_cap = v[8].shape[0];
+    if (v[1].shape[0] != count || v[2].shape[0] != count || rows < 1 || split < 0) {
         PyErr_SetString(PyExc_ValueError,
-                        "chain_dma: starts of different lengths, no rows, no width or a negative "
-                        "split");
+                        "chain_dma: starts and widths of different lengths, no rows or a "
+                        "negative split");
         goto done;
     }
-    const int64_t *rs = v[0].buf, *ps = v[1].buf;
-    uint64_t *s_dev = v[2].buf, *s_host = v[3].buf;
-    uint64_t *d_dev = counting ? NULL : v[4].buf, *d_host = counting ? NULL : v[5].buf;
-    uint64_t *d_size = counting ? NULL : v[6].buf;
+    const int64_t *rs = v[0].buf, *ps = v[1].buf, *ws = v[2].buf;
+    uint64_t *s_dev = v[3].buf, *s_host = v[4].buf, *s_width = v[5].buf;
+    uint64_t *d_dev = counting ? NULL : v[6].buf, *d_host = counting ? NULL : v[7].buf;
+    uint64_t *d_size = counting ? NULL : v[8].buf;
     Py_ssize_t kept = 0, out = 0;
-    int64_t span = (int64_t)(rows - 1) * pool_pitch + width - 1;
     for (Py_ssize_t k = 0; k < count; k++) {
-        if (rs[k] < 0 || ps[k] < 0) {
-            PyErr_Format(PyExc_ValueError, "chain_dma: chain %zd starts at a negative offset", k);
+        if (rs[k] < 0 || ps[k] < 0 || ws[k] <= 0) {
+            PyErr_Format(PyExc_ValueError,
+                         "chain_dma: chain %zd starts at a negative offset or is empty", k);
             goto done;
         }
+        int64_t span = (int64_t)(rows - 1) * pool_pitch + ws[k] - 1;
         if (!split || ps[k] / split == (ps[k] + span) / split) {
             if (kept >= s_cap) {
                 PyErr_SetString(PyExc_ValueError, "chain_dma: the 2-D copy columns are too small");
@@ -456,11 +467,12 @@ static PyObject *chain_dma(PyObject *self, PyObject *args) {
             }
             s_dev[kept] = dev_base + (uint64_t)rs[k];
             s_host[kept] = pool + (uint64_t)ps[k];
+            s_width[kept] = (uint64_t)ws[k];
             kept++;
             continue;
         }
         for (Py_ssize_t r = 0; r < rows; r++) {
-            int64_t po = ps[k] + (int64_t)r * pool_pitch, n = width;
+            int64_t po = ps[k] + (int64_t)r * pool_pitch, n = ws[k];
             uint64_t d = dev_base + (uint64_t)(rs[k] + (int64_t)r * region_pitch);
             uint64_t h = pool + (uint64_t)po;
             while (n > 0) {
@@ -507,15 +519,16 @@ static PyMethodDef methods[] = {
      "run_bounds(runs, sizes, pool_size) -> bool: every run of a (4, n) run table inside its "
      "region (sizes[region] bytes) and, with pool_size >= 0, inside the pool."},
     {"chain_starts", chain_starts, METH_VARARGS,
-     "chain_starts(blocks, slots, subs, region_out, pool_out, base, stride, slot_base, page, "
-     "region_pitch, pool_pitch) -> (count, region_lo, region_hi, pool_lo, pool_hi) or None: "
-     "each kept block's first page of a chained group (see the module's documentation); "
-     "None when plan_group would merge two of its pages."},
+     "chain_starts(blocks, slots, subs, region_out, pool_out, width_out, base, stride, "
+     "slot_base, page, region_pitch, pool_pitch) -> (chains, region_lo, region_end, pool_lo, "
+     "pool_end, widest, layer_bytes) or None: a chained group's runs of layer 0, merged as "
+     "plan_group merges them (see the module's documentation); None when plan_group would "
+     "merge across layers."},
     {"chain_dma", chain_dma, METH_VARARGS,
-     "chain_dma(region_starts, pool_starts, s_dev, s_host, d_dev, d_host, d_size, rows, width, "
-     "region_pitch, pool_pitch, dev_base, pool_address, split) -> (copies, descriptors): a "
-     "plan of chains as 2-D copy starts and, for chains crossing a multiple of split, "
-     "descriptors (d_dev None: only counted; see the module's documentation)."},
+     "chain_dma(region_starts, pool_starts, widths, s_dev, s_host, s_width, d_dev, d_host, "
+     "d_size, rows, region_pitch, pool_pitch, dev_base, pool_address, split) -> (copies, "
+     "descriptors): a plan of chains as 2-D copies and, for chains crossing a multiple of "
+     "split, descriptors (d_dev None: only counted; see the module's documentation)."},
     {NULL, NULL, 0, NULL},
 };
 

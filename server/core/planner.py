@@ -10,8 +10,9 @@ the same plans.
 
 A one-group job over vLLM's layout (every layer one pitch after the one before, on
 the GPU and in the pool row) is planned per block, not per page: a plan of
-`PageChains`, one chain of a page per layer for each block, built by one C loop over
-the blocks (`_plan.chain_starts`). The CUDA engine turns the chains into its 2-D
+`PageChains`, one chain of a run per layer for each block (or for a chunk's blocks
+that follow one another on both sides), built by one C loop over the blocks
+(`_plan.chain_starts`). The CUDA engine turns the chains into its 2-D
 copies directly (`kvdepot.server.cuda.dma_plan`), and the bounds check reads their
 ends; the per-page runs are planned only for an engine that asks for them (CPU,
 process memory), and are then the same runs as a per-page plan's.
@@ -138,21 +139,23 @@ class MemoryMap:
 
 @dataclass(slots=True)  # not frozen: built for every job, and frozen's __init__ costs
 class PageChains:
-    """A job's pages as equal chains, one per block: chain i is `rows` pages (one per
-    layer) of `width` bytes, page r at region offset `region_starts[i] + r *
+    """A job's pages as chains of equal rows, one row per layer: chain i is `rows`
+    runs of `widths[i]` bytes, row r at region offset `region_starts[i] + r *
     region_pitch` of region `region` and at pool offset `pool_starts[i] + r *
-    pool_pitch`. vLLM's layout is this (its layers one pitch apart in one
-    allocation, a block's pages one after another in its pool row), and a chain is
-    then what one 2-D DMA copy moves: planned per block, not per page.
+    pool_pitch`. vLLM's layout is this (its layers one pitch apart in one allocation,
+    a block's pages one after another in its pool row): a chain is a block, or blocks
+    that follow one another on both sides (a chunk's sub-blocks in consecutive GPU
+    blocks), and what one 2-D DMA copy moves. Planned per block, not per page.
 
-    The starts are int64 columns; `*_low` and `*_end` bound every chain's bytes (the
-    lowest start, one past the highest byte), computed with them. Read only once built.
+    The columns are int64; `*_low` and `*_end` bound every chain's bytes (the lowest
+    start, one past the highest byte), `widest` is the widest run, and `nbytes` all the
+    bytes, computed with them. Read only once built.
     """
 
     region: int
     region_starts: np.ndarray
     pool_starts: np.ndarray
-    width: int
+    widths: np.ndarray
     rows: int
     region_pitch: int
     pool_pitch: int
@@ -160,20 +163,17 @@ class PageChains:
     region_end: int
     pool_low: int
     pool_end: int
+    widest: int
+    nbytes: int
 
     def __len__(self) -> int:
         return len(self.region_starts)
 
-    @property
-    def nbytes(self) -> int:
-        return len(self) * self.rows * self.width
-
     def inside(self, region_sizes: Sequence[int], pool_size: int | None) -> bool:
-        """Every page inside its region (of `region_sizes`) and, with `pool_size`, the
+        """Every run inside its region (of `region_sizes`) and, with `pool_size`, the
         pool: the copy engines' defence in depth (copy_engine.check_runs), per chain."""
         return (
             0 <= self.region < len(region_sizes)
-            and self.width > 0
             and min(self.region_low, self.pool_low) >= 0
             and self.region_end <= region_sizes[self.region]
             and (pool_size is None or self.pool_end <= pool_size)
@@ -250,7 +250,7 @@ class CopyPlan:
     @classmethod
     def from_chains(cls, chains: PageChains, build: Callable[[], CopyPlan]) -> CopyPlan:
         """A plan of `chains`, whose runs `build` plans when they are first asked for:
-        one run per page, layer-major (`len(chains) * chains.rows` of them)."""
+        a chain's run per layer, layer-major (`len(chains) * chains.rows` of them)."""
         plan = cls._empty()
         plan.chains, plan._build, plan.nbytes = chains, build, chains.nbytes
         return plan
@@ -298,7 +298,7 @@ class CopyPlan:
         if self._cols is not None:
             return self._cols.shape[1]
         if self._runs is None and self.chains is not None:
-            return len(self.chains) * self.chains.rows  # no two of its pages merge
+            return len(self.chains) * self.chains.rows  # a run per chain and layer
         return len(self._runs or ())
 
     def add(self, region: int, region_off: int, pool_off: int, n: int) -> None:
@@ -545,35 +545,41 @@ def plan_copy(
 
 def _plan_chains(group: _GroupPages) -> CopyPlan | None:
     """A one-group job of a chained group as a plan of chains (C, per block); None
-    when some of its pages are contiguous on both sides, which the per-page plan
-    merges (the caller plans it page by page)."""
+    when the per-page plan would merge a layer's last run with the next layer's first,
+    or a chain's runs would overlap from one layer to the next (the caller then plans
+    it page by page)."""
     geo, blocks, slots, sub = group
     assert geo.chain is not None
     region, base, stride, page, slot_base, region_pitch, pool_pitch = geo.chain
     region_starts = np.empty(len(blocks), np.int64)
     pool_starts = np.empty(len(blocks), np.int64)
+    widths = np.empty(len(blocks), np.int64)
     found = compiled.chain_starts(
-        blocks, slots, sub, region_starts, pool_starts,
+        blocks, slots, sub, region_starts, pool_starts, widths,
         base, stride, slot_base, page, region_pitch, pool_pitch,
     )  # fmt: skip
     if found is None:
         return None
-    count, r_lo, r_hi, p_lo, p_hi = found
+    count, r_lo, r_end, p_lo, p_end, widest, layer_bytes = found
     if not count:
         return CopyPlan()
+    if widest > min(region_pitch, pool_pitch):
+        return None
     rows = len(geo.page)
     chains = PageChains(
         region,
         region_starts[:count],
         pool_starts[:count],
-        page,
+        widths[:count],
         rows,
         region_pitch,
         pool_pitch,
         r_lo,
-        r_hi + (rows - 1) * region_pitch + page,
+        r_end + (rows - 1) * region_pitch,
         p_lo,
-        p_hi + (rows - 1) * pool_pitch + page,
+        p_end + (rows - 1) * pool_pitch,
+        widest,
+        layer_bytes * rows,
     )
     return CopyPlan.from_chains(chains, functools.partial(_plan_pages, [group]))
 

@@ -157,46 +157,47 @@ def _chain_copies(
     """A plan of chains (vLLM's layout, planned per block) as 2-D copies, one per
     chain, straight from the chains in one C call (`_plan.chain_dma`): no per-page
     columns, no period to search. A chain that crosses a multiple of `host_split`
-    goes as its pages' descriptors (cut at the boundary), as in `_strided`. None when
+    goes as its runs' descriptors (cut at the boundary), as in `_strided`. None when
     the chains make no 2-D copies the driver takes (too few rows, a pitch over
     MAX_PITCH): the caller plans per page."""
     c = chains
     if c.rows < MIN_STRIDED_ROWS or max(c.region_pitch, c.pool_pitch) > MAX_PITCH:
-        return None
+        return None  # (the planner made every pitch at least the widest run)
     if not 0 <= c.region < len(region_addresses):
         raise ValueError(f"run names region {c.region}; {len(region_addresses)} mapped")
     count = len(c)
-    s_dev, s_host = array("Q", bytes(8 * count)), array("Q", bytes(8 * count))
+    s_dev, s_host, s_width = (array("Q", bytes(8 * count)) for _ in range(3))
     call = functools.partial(
-        compiled.chain_dma, c.region_starts, c.pool_starts, s_dev, s_host
+        compiled.chain_dma, c.region_starts, c.pool_starts, c.widths, s_dev, s_host, s_width
     )  # the rest: the descriptors' columns, then the shape and the addresses
-    shape = (c.rows, c.width, c.region_pitch, c.pool_pitch)
+    shape = (c.rows, c.region_pitch, c.pool_pitch)
     where = (region_addresses[c.region], pool_address, host_split)
     kept, cut = call(None, None, None, *shape, *where)  # counts the descriptors
+    moved = c.nbytes
+    if kept < count:  # some chains go as descriptors
+        s_dev, s_host, s_width = s_dev[:kept], s_host[:kept], s_width[:kept]
+        moved = sum(s_width) * c.rows
     rest: list[DmaBatch] = []
-    if cut:  # some chains cross a boundary: their pages, cut there, as descriptors
+    if cut:  # some chains cross a boundary: their runs, cut there, as descriptors
         dev, host, n = (array("Q", bytes(8 * cut)) for _ in range(3))
         call(dev, host, n, *shape, *where)
         srcs, dsts = (dev, host) if direction == STORE else (host, dev)
-        moved = (count - kept) * c.rows * c.width
         if cut <= max_batch:  # the usual case: one batch, the columns as they are
-            rest = [DmaBatch(dsts, srcs, n, moved)]
+            rest = [DmaBatch(dsts, srcs, n, c.nbytes - moved)]
         else:
             columns = (np.frombuffer(a, np.uint64) for a in (dsts, srcs, n))
-            rest = _batches(*columns, max_batch, moved)
+            rest = _batches(*columns, max_batch, c.nbytes - moved)
     if not kept:
         return DmaPlan(rest)
-    if kept < count:
-        s_dev, s_host = s_dev[:kept], s_host[:kept]
     store = direction == STORE
     copies = StridedCopies(
         s_host if store else s_dev,
         s_dev if store else s_host,
-        array("Q", [c.width]) * kept,
+        s_width,
         c.rows,
         c.pool_pitch if store else c.region_pitch,
         c.region_pitch if store else c.pool_pitch,
-        kept * c.rows * c.width,
+        moved,
     )
     return DmaPlan(rest, copies)
 

@@ -358,8 +358,8 @@ def boundary_safe(dma: DmaPlan, pool: int, split: int, store: bool) -> bool:
 def test_chained_plans_make_the_dma_of_their_pages(
     split_kind: str, bpc: int, world: int, rank: int, layers: int
 ) -> None:
-    """A plan of chains goes to DMA from its chains alone (a 2-D copy per block, the
-    blocks whose rows cross a page-locking boundary as descriptors cut there), and
+    """A plan of chains goes to DMA from its chains alone (a 2-D copy per chain, the
+    chains whose rows cross a page-locking boundary as descriptors cut there), and
     moves exactly the bytes of the per-page plan's DMA and of the CPU engine, both
     ways. Three layers are too few rows for 2-D copies: descriptors, the same bytes."""
     nb, page = 32, 4096
@@ -367,8 +367,9 @@ def test_chained_plans_make_the_dma_of_their_pages(
     slot = lay.slot_bytes(0)
     split = {"none": 0, "rows": 2 * slot, "mid-page": 3 * page + 512}[split_kind]
     rng = np.random.default_rng(layers * 10 + bpc)
-    # No two ids adjacent: a chunk's adjacent blocks would merge (no chains then).
-    block_ids = [2 * int(b) for b in rng.choice(nb // 2, 14, replace=False)]
+    # Runs of adjacent ids among scattered ones: a chunk's adjacent blocks are one
+    # wider chain.
+    block_ids = [5, 6, 7, 2, 9, 10, 11, 12, 20, 3, 14, 15, 28, 29]
     chunks = lay.chunks_per_group([14], [1 % bpc])[0]
     offsets: list[int | None] = [
         None if k == 2 else int(k * (slot + slot // 3)) for k in rng.permutation(chunks)
