@@ -157,7 +157,10 @@ class _Frame:
     groups: tuple[tuple[int, int, int, Sequence[int], Sequence[int] | None], ...]
 
 
-@functools.lru_cache(maxsize=256)  # a node's few job shapes
+# A node's few job shapes. Bounded for a client that sends many: a frame holds two
+# int64 arrays of its blocks (blocks_per_chunk > 1), 256 KiB at --max-job-blocks'
+# default, so 16 MiB at most.
+@functools.lru_cache(maxsize=64)
 def _frame(
     bpc: int, num_groups: int, group_sizes: tuple[int, ...], block_indices: tuple[int, ...]
 ) -> _Frame:
