@@ -13,7 +13,8 @@ progress, blocks, traffic rates over the last interval, namespaces, engines (pid
 memory path and what it means, age), the remote tier when the daemon reports one, and
 boot id, version and uptime. A daemon run with `--shards N` is N daemons, each on
 sockets of its own: the header then says "shard i of N" and how to read the others, and
-a one-shot status (not `--watch`) adds a table of every shard's pool, sessions and jobs.
+the screen (once, or at every `--watch` reading) adds a table of every shard's pool,
+sessions and jobs.
 
 Rates need two readings: a one-shot status reads twice, `--interval` apart (default
 1 s; `--interval 0` reads once and shows no rates). `--watch` redraws every interval
@@ -115,10 +116,16 @@ def _read(data: str, path: str, timeout: float, interval: float) -> dict[str, An
         return build_report(data, first, sampler.sample(), admin_socket=path)
 
 
+def _node_view(report: dict[str, Any], timeout: float) -> dict[str, Any]:
+    """`report` with every shard's pool and jobs (`shards`) when its daemon is one
+    shard of several: the node, beside the shard it was read from."""
+    if report["daemon"]["shard_count"] > 1:
+        report["shards"] = read_shards(report, timeout)
+    return report
+
+
 def _print_once(data: str, path: str, args: argparse.Namespace) -> None:
-    report = _read(data, path, args.timeout, args.interval)
-    if report["daemon"]["shard_count"] > 1:  # the node: every shard's pool and jobs
-        report["shards"] = read_shards(report, args.timeout)
+    report = _node_view(_read(data, path, args.timeout, args.interval), args.timeout)
     if args.json:
         print(json.dumps(report, indent=2))
         return
@@ -152,6 +159,7 @@ def _watch(data: str, path: str, args: argparse.Namespace) -> int:
                     while not stop.is_set():
                         cur = sampler.sample()
                         report = build_report(data, prev, cur, admin_socket=path)
+                        report = _node_view(report, args.timeout)
                         prev = cur
                         last_good = report
                         yield report

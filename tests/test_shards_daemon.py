@@ -135,6 +135,45 @@ def test_two_shards_each_serve_half_the_pool_on_their_own_sockets(
     assert shards[0]["boot_id"] != shards[1]["boot_id"]
 
 
+def test_status_watch_shows_every_shard_at_every_reading(
+    daemon_factory: DaemonFactory,
+) -> None:
+    """`kvdepot status --watch --json` on shard 1: every reading carries the node's
+    table, both shards with their half of the pool, and an engine that attaches to
+    shard 0 meanwhile shows up in a later reading's row."""
+    _, sockets = _start_two(daemon_factory)
+    args = ["status", "--watch", "--json", "--interval", "0.3", "--socket", sockets[1]]
+    watch = subprocess.Popen(
+        [*kvdepot_command(), *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        first = json.loads(watch.stdout.readline())
+        assert first["daemon"]["shard"] == 1
+        rows = first["shards"]
+        assert [(r["shard"], r["capacity_bytes"]) for r in rows] == [(0, 32 * MiB), (1, 32 * MiB)]
+        assert rows[0]["sessions"] == 0
+        with contextlib.closing(connect(f"unix://{sockets[0]}", "engine-on-shard-0")):
+            deadline = time.monotonic() + 20
+            while True:
+                reading = json.loads(watch.stdout.readline())
+                if reading["shards"][0]["sessions"] == 1:
+                    break
+                assert time.monotonic() < deadline, reading["shards"]
+            assert reading["shards"][1]["sessions"] == 0  # shard 1's own figures
+    finally:
+        watch.send_signal(signal.SIGINT)
+        try:
+            watch.wait(10)
+        finally:
+            watch.kill()
+            watch.stdout.close()
+            watch.stderr.close()
+    assert watch.returncode == 0
+
+
 def test_each_shard_serves_its_metrics_on_its_own_port(daemon_factory: DaemonFactory) -> None:
     port = free_port()
     _start_two(daemon_factory, "--metrics-port", str(port), "--metrics-addr", "127.0.0.1")
