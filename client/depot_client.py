@@ -272,7 +272,11 @@ class DepotClient:
         A registration is a join: the namespace is joined again in later sessions."""
         session_id = self.session_id if session_id is None else session_id
         request = _register_request(session_id, layout, rank, regions, tensors, groups)
-        resp = self.stub.RegisterKV(request, timeout=timeout)
+        # A registration follows a session, so the daemon is up; but right after it came
+        # back this channel may still wait out its reconnect back-off (at most a second)
+        # and would fail the call at once with the old error: wait for it instead, within
+        # `timeout`.
+        resp = self.stub.RegisterKV(request, timeout=timeout, wait_for_ready=True)
         self._memberships.mark_joined(session_id, layout.id)
         return resp
 

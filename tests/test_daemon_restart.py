@@ -52,6 +52,9 @@ class Rig:
         client.add_session_listener(self.on_session)
 
     def on_session(self, boot_id: str) -> None:
+        # Right after the daemon came back: RegisterKV waits for the client's unary
+        # channel to reconnect (it used to fail at once with the error from the
+        # downtime, in about one run of ten).
         # Registrations die with the daemon: register again on every new session.
         engines = [Engine(self.client, self.geo, r) for r in range(self.geo.world_size)]
         with self.lock:

@@ -206,7 +206,7 @@ class KVDepotOffloadingSpec(OffloadingSpec):
             rank = self.config.parallel.rank
             world = self.namespace.world_size
             route = route_rank(rank, world, self.settings.shards, self.first_shard)
-            sharded = route.shard or route.shards > 1
+            sharded = route.shard != 0 or route.shards > 1
             if sharded:
                 log.info(
                     "kvdepot: rank %d uses shard %d of the node's %d as its rank %d of %d",
