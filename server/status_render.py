@@ -14,17 +14,10 @@ import json
 from typing import Any
 
 from kvdepot.common.escape import escaped
+from kvdepot.server.sizes import format_size
 from kvdepot.server.status_report import REMOTE_COUNTERS, admin_socket_of, shard_sockets
 
 BAR_WIDTH = 40
-
-
-def fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
 
 
 def fmt_age(seconds: float) -> str:
@@ -93,7 +86,7 @@ def _disk(disk: dict[str, Any] | None, rates: dict[str, Any] | None) -> list[Any
         g.add_row("disk", Text("off (kvdepot serve --disk DIR)", style="dim"))
         return [g]
     capacity, used = disk.get("disk_capacity_bytes", 0), disk.get("disk_used_bytes", 0)
-    use = f"{fmt_bytes(used)} of {fmt_bytes(capacity)}, {disk.get('disk_records', 0)} records"
+    use = f"{format_size(used)} of {format_size(capacity)}, {disk.get('disk_records', 0)} records"
     if disk.get("disk_write_mode"):
         use += f", writes on {disk['disk_write_mode']}"
     if disk.get("disk_healthy"):
@@ -106,8 +99,8 @@ def _disk(disk: dict[str, Any] | None, rates: dict[str, Any] | None) -> list[Any
         hit = f", {100 * rates['disk_hits_per_second'] / asked:.0f}% hit" if asked else ""
         g.add_row(
             "",
-            f"writes {fmt_bytes(rates['disk_write_bytes_per_second'])}/s · reads "
-            f"{fmt_bytes(rates['disk_read_bytes_per_second'])}/s{hit}",
+            f"writes {format_size(rates['disk_write_bytes_per_second'])}/s · reads "
+            f"{format_size(rates['disk_read_bytes_per_second'])}/s{hit}",
         )
     drops = sum(disk.get("disk_write_drops", {}).values())
     recovery = (
@@ -115,8 +108,8 @@ def _disk(disk: dict[str, Any] | None, rates: dict[str, Any] | None) -> list[Any
         if disk.get("disk_recovery_complete", True)
         else " · index coming back: "
         + (
-            f"{fmt_bytes(disk.get('disk_recovery_scanned_bytes', 0))} of "
-            f"{fmt_bytes(disk.get('disk_recovery_total_bytes', 0))} scanned"
+            f"{format_size(disk.get('disk_recovery_scanned_bytes', 0))} of "
+            f"{format_size(disk.get('disk_recovery_total_bytes', 0))} scanned"
         )
     )
     g.add_row(
@@ -156,8 +149,8 @@ def _remote(remote: dict[str, Any] | None, rates: dict[str, Any] | None) -> list
         g.add_row(
             "",
             f"writes {fmt_rate(rates['remote_writes_per_second'])}/s "
-            f"{fmt_bytes(rates['remote_write_bytes_per_second'])}/s · reads {fmt_rate(reads)}/s "
-            f"{fmt_bytes(rates['remote_read_bytes_per_second'])}/s{hit}",
+            f"{format_size(rates['remote_write_bytes_per_second'])}/s · reads {fmt_rate(reads)}/s "
+            f"{format_size(rates['remote_read_bytes_per_second'])}/s{hit}",
         )
     if "remote_errors" in remote:
         drops = remote.get("remote_write_drops", 0) + remote.get("remote_fetch_drops", 0)
@@ -165,7 +158,7 @@ def _remote(remote: dict[str, Any] | None, rates: dict[str, Any] | None) -> list
             "",
             f"errors {remote['remote_errors']} · verify failures "
             f"{remote.get('remote_verify_failures', 0)} · drops {drops} · in flight "
-            f"{fmt_bytes(remote.get('remote_inflight_bytes', 0))}",
+            f"{format_size(remote.get('remote_inflight_bytes', 0))}",
         )
     for k, v in remote.items():
         if k not in known:
@@ -249,13 +242,13 @@ def _shards_table(rows: list[dict[str, Any]], this: int) -> Any:
         total_cap += row["capacity_bytes"]
         table.add_row(
             label,
-            f"{fmt_bytes(row['used_bytes'])} of {fmt_bytes(row['capacity_bytes'])}",
+            f"{format_size(row['used_bytes'])} of {format_size(row['capacity_bytes'])}",
             str(row["ready_blocks"]),
             str(row["sessions"]),
             str(row["registrations"]),
             str(row["lane_jobs"]),
         )
-    table.add_row("node", f"{fmt_bytes(total_used)} of {fmt_bytes(total_cap)}", "", "", "", "")
+    table.add_row("node", f"{format_size(total_used)} of {format_size(total_cap)}", "", "", "", "")
     return table
 
 
@@ -284,18 +277,18 @@ def render(r: dict[str, Any]) -> Any:
     grid.add_row("socket", shown(r["socket"]))
     cap = pool["capacity_bytes"]
     bar = _pool_bar(cap, pool["used_bytes"], pool["pinned_bytes"])
-    bar.append(f" {100 * pool['used_fraction']:.1f}% of {fmt_bytes(cap)}")
+    bar.append(f" {100 * pool['used_fraction']:.1f}% of {format_size(cap)}")
     grid.add_row("pool", bar)
     backing = d["pool_backing"] + (", warm restart" if d["warm_restarted"] else "")
     grid.add_row(
         "",
-        f"used {fmt_bytes(pool['used_bytes'])} · pinned {fmt_bytes(pool['pinned_bytes'])} "
-        f"· free {fmt_bytes(pool['free_bytes'])} ({backing})",
+        f"used {format_size(pool['used_bytes'])} · pinned {format_size(pool['pinned_bytes'])} "
+        f"· free {format_size(pool['free_bytes'])} ({backing})",
     )
-    grid.add_row("", f"largest free extent {fmt_bytes(pool['largest_free_extent_bytes'])}")
+    grid.add_row("", f"largest free extent {format_size(pool['largest_free_extent_bytes'])}")
     grid.add_row("warm-up", _progress(cap, warm["done_bytes"], warm["fraction"], warm["complete"]))
     if warm.get("populating_bytes"):
-        grid.add_row("", f"engine memory being mapped: {fmt_bytes(warm['populating_bytes'])}")
+        grid.add_row("", f"engine memory being mapped: {format_size(warm['populating_bytes'])}")
     lock = r.get("page_locking")
     if lock is not None:  # a CUDA host: DMA wants the pool page-locked
         grid.add_row(
@@ -335,9 +328,9 @@ def render(r: dict[str, Any]) -> Any:
         grid.add_row(
             f"last {rates['interval_seconds']:.1f}s",
             f"stores {fmt_rate(rates['stores_per_second'])}/s "
-            f"{fmt_bytes(rates['store_bytes_per_second'])}/s · "
+            f"{format_size(rates['store_bytes_per_second'])}/s · "
             f"loads {fmt_rate(rates['loads_per_second'])}/s "
-            f"{fmt_bytes(rates['load_bytes_per_second'])}/s",
+            f"{format_size(rates['load_bytes_per_second'])}/s",
         )
         by_reason = ", ".join(
             f"{k} {fmt_rate(v)}" for k, v in rates["evictions_by_reason_per_second"].items() if v
@@ -361,8 +354,8 @@ def render(r: dict[str, Any]) -> Any:
     t = r["totals"]
     grid.add_row(
         "since start",
-        f"stores {t['stores']} ({fmt_bytes(t['stored_bytes'])}) · loads {t['loads']} "
-        f"({fmt_bytes(t['loaded_bytes'])})",
+        f"stores {t['stores']} ({format_size(t['stored_bytes'])}) · loads {t['loads']} "
+        f"({format_size(t['loaded_bytes'])})",
     )
     grid.add_row(
         "",
@@ -399,7 +392,7 @@ def render(r: dict[str, Any]) -> Any:
             shown(ns["description"]),
             str(ns["ready_blocks"]),
             str(ns["writing_blocks"]),
-            fmt_bytes(ns["used_bytes"]),
+            format_size(ns["used_bytes"]),
         )
     if not r["namespaces"]:
         ns_table.add_row(Text("none yet", style="dim"), "", "", "", "")
@@ -422,7 +415,7 @@ def render(r: dict[str, Any]) -> Any:
             str(e["pid"]),
             ",".join(map(str, e["ranks"])) or "-",
             ",".join(e["memory_paths"]) or "-",
-            fmt_bytes(e["registered_bytes"]),
+            format_size(e["registered_bytes"]),
             str(e["pinned_blocks"]),
             fmt_age(e["connected_seconds"]),
         )

@@ -33,7 +33,8 @@ from typing import TYPE_CHECKING, Any
 from kvdepot.common import cuda_driver
 from kvdepot.common.cuda_handles import HandleError, format_uuid, parse_uuid
 from kvdepot.common.kinds import MemoryPath
-from kvdepot.server.cuda.pinning import PoolPinner, fmt_bytes
+from kvdepot.server.cuda.pinning import PoolPinner
+from kvdepot.server.sizes import format_size
 
 if TYPE_CHECKING:  # annotations only: this module loads with the standard library alone
     from kvdepot.server.cuda.dma import CudaCopyEngine
@@ -194,7 +195,7 @@ def enable_cuda(
         "by the compiled issuer (the GIL given up once per job)"
         if engine.issuer == "compiled"
         else "from Python (kvdepot.server.cuda._dma was not built)",
-        fmt_bytes(arena.size),
+        format_size(arena.size),
         first.uuid,
     )
     return True

@@ -22,16 +22,9 @@ import time
 from typing import Any
 
 from kvdepot.common.cuda_driver import CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED, CudaError
+from kvdepot.server.sizes import format_size
 
 log = logging.getLogger("kvdepot.cuda")
-
-
-def fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{n:.0f} B"
-        n /= 1024
-    return f"{n} B"
 
 
 class PoolPinner:
@@ -81,8 +74,8 @@ class PoolPinner:
                         "page-locking the pool stopped at %s of %s: %s. Copies still work, "
                         "slower (staged). For a non-root daemon raise the locked-memory limit "
                         "(systemd LimitMEMLOCK=infinity, docker --ulimit memlock=-1)",
-                        fmt_bytes(self.pinned_bytes),
-                        fmt_bytes(self.size),
+                        format_size(self.pinned_bytes),
+                        format_size(self.size),
                         exc,
                     )
                     return
@@ -105,8 +98,8 @@ class PoolPinner:
             took = time.monotonic() - (self._started or time.monotonic())
             log.info(
                 "pool page-locked: %s of %s (%d%%, %.1fs)",
-                fmt_bytes(self.pinned_bytes),
-                fmt_bytes(self.size),
+                format_size(self.pinned_bytes),
+                format_size(self.size),
                 pct,
                 took,
             )
