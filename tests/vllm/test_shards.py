@@ -33,6 +33,18 @@ def shard_stats(d, shard: int) -> admin_pb2.GetStatsResponse:
     return stats(shard_admin(d, shard))
 
 
+def assert_loads_back(engine: SyntheticEngine, prompt: list[int], ranks: tuple[int, ...]) -> None:
+    """Stores `prompt`, empties vLLM's cache and generates it again: its 96 full-block
+    tokens come from kvdepot, and every rank's pages are what the model expects."""
+    engine.generate([prompt])
+    engine.wait_ready(engine.offload_keys(prompt))
+    engine.reset_gpu_prefix_cache()
+    [again] = engine.generate([prompt])
+    assert again.external_tokens == 96
+    for r in ranks:
+        assert_expected(engine, prompt, r, 0, again.block_ids[0][:6])
+
+
 @pytest.fixture
 def sharded(daemon_factory):
     """A daemon of two shards, 64 MiB of pool each, both serving."""
@@ -167,15 +179,8 @@ def test_a_connector_reset_moves_every_shard_to_the_new_namespace(sharded, make_
     for shard in (0, 1):  # the old rows stay on both shards for other engines
         old = shard_namespace_id(base, shard, 2)
         assert manager._clients[shard].lookup(old, keys) == [True] * len(keys)
-    new_prompt = prompt_for(12, 100)
     engine.wait_registered()
-    engine.generate([new_prompt])
-    engine.wait_ready(engine.offload_keys(new_prompt))
-    engine.reset_gpu_prefix_cache()
-    [again] = engine.generate([new_prompt])
-    assert again.external_tokens == 96
-    for r in (0, 1):
-        assert_expected(engine, new_prompt, r, 0, again.block_ids[0][:6])
+    assert_loads_back(engine, prompt_for(12, 100), (0, 1))
 
 
 def test_a_block_on_both_shards_disks_is_fetched_from_both(
@@ -233,14 +238,7 @@ def test_an_engine_not_told_of_the_shards_works_on_shard_0_and_says_so(
     caplog.set_level("WARNING", logger="kvdepot.vllm.manager")
     engine = make_engine(socket=sharded.target, tp=2, num_gpu_blocks=64)
     engine.wait_registered()
-    prompt = prompt_for(14, 100)
-    [first] = engine.generate([prompt])
-    engine.wait_ready(engine.offload_keys(prompt))
-    engine.reset_gpu_prefix_cache()
-    [second] = engine.generate([prompt])
-    assert second.external_tokens == 96
-    for r in (0, 1):
-        assert_expected(engine, prompt, r, 0, second.block_ids[0][:6])
+    assert_loads_back(engine, prompt_for(14, 100), (0, 1))
     assert shard_stats(sharded, 1).used_bytes == 0  # shard 1 was never used
     said = [r.getMessage() for r in caplog.records if "kvdepot_shards" in r.getMessage()]
     assert said and "runs 2 shard(s) but kvdepot_shards is 1" in said[0]
@@ -264,13 +262,7 @@ def test_tp1_engines_of_other_models_spread_over_the_shards(sharded, make_engine
             break
     assert sorted(on_shard) == [0, 1]
     for shard, (_, engine) in on_shard.items():
-        prompt = prompt_for(30 + shard, 100)
-        engine.generate([prompt])
-        engine.wait_ready(engine.offload_keys(prompt))
-        engine.reset_gpu_prefix_cache()
-        [again] = engine.generate([prompt])
-        assert again.external_tokens == 96
-        assert_expected(engine, prompt, 0, 0, again.block_ids[0][:6])
+        assert_loads_back(engine, prompt_for(30 + shard, 100), (0,))
     assert all(shard_stats(sharded, s).used_bytes > 0 for s in (0, 1))
     salt, _ = on_shard[1]
     twin = make_engine(
