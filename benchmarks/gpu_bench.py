@@ -92,7 +92,8 @@ def _planned_dma(
 ) -> Any:
     """The daemon's DMA plan for one job, computed in process (same planner)."""
     from kvdepot.server.core.layout import NamespaceLayout
-    from kvdepot.server.core.planner import LayerRef, MemoryMap, TensorView, plan_job
+    from kvdepot.server.core.memory_map import LayerRef, MemoryMap, TensorView
+    from kvdepot.server.core.planner import plan_job
     from kvdepot.server.cuda.dma_plan import plan_dma
 
     nb, page, layers = engine.num_blocks, engine.page, engine.layers

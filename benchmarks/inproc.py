@@ -15,7 +15,8 @@ import time
 
 from kvdepot.bench.geometry import BenchGeometry, JobShape
 from kvdepot.server.core.layout import NamespaceLayout
-from kvdepot.server.core.planner import LayerRef, MemoryMap, TensorView, plan_job
+from kvdepot.server.core.memory_map import LayerRef, MemoryMap, TensorView
+from kvdepot.server.core.planner import plan_job
 from kvdepot.server.memory.arena import Arena
 from kvdepot.server.memory.copy_engine import LOAD, STORE, CpuCopyEngine, MappedRegion
 

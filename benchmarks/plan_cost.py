@@ -24,7 +24,8 @@ from collections.abc import Callable
 from kvdepot.server.core import planner
 from kvdepot.server.core.job_check import check_job
 from kvdepot.server.core.layout import NamespaceLayout
-from kvdepot.server.core.planner import LayerRef, MemoryMap, TensorView, plan_copy
+from kvdepot.server.core.memory_map import LayerRef, MemoryMap, TensorView
+from kvdepot.server.core.planner import plan_copy
 from kvdepot.server.cuda.dma_plan import plan_dma
 from kvdepot.server.memory.copy_engine import STORE
 

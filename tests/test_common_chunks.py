@@ -21,7 +21,8 @@ from kvdepot.common.chunks import (
     slot_bytes,
 )
 from kvdepot.server.core.layout import NamespaceLayout
-from kvdepot.server.core.planner import LayerRef, MemoryMap, TensorView, plan_job
+from kvdepot.server.core.memory_map import LayerRef, MemoryMap, TensorView
+from kvdepot.server.core.planner import plan_job
 
 
 def key(i: int, group: int) -> bytes:

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from kvdepot.server.core.layout import LayoutError, NamespaceLayout, check_key
-from kvdepot.server.core.planner import CopyPlan, LayerRef, MemoryMap, TensorView, plan_job
+from kvdepot.server.core.memory_map import LayerRef, MemoryMap, TensorView
+from kvdepot.server.core.planner import CopyPlan, plan_job
 from kvdepot.server.memory.copy_engine import LOAD, STORE, CpuCopyEngine
 from tests.support.regions import ArrayRegion
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 import functools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -26,10 +25,7 @@ from kvdepot.server.core.layout import (
     NamespaceLayout,
     check_key,
 )
-
-if TYPE_CHECKING:  # the planner imports this module, not the other way round
-    from kvdepot.server.core.planner import MemoryMap
-
+from kvdepot.server.core.memory_map import MemoryMap
 
 # Jobs of up to this many block ids are bounds-checked on a Python list, larger ones
 # with numpy (the same checks; whichever is cheaper at that size).

@@ -24,7 +24,7 @@ from kvdepot.common.kinds import MemoryPath
 from kvdepot.server import errors
 from kvdepot.server.core.index import Namespace, Slot
 from kvdepot.server.core.layout import LayoutError, NamespaceLayout
-from kvdepot.server.core.planner import LayerRef, TensorView
+from kvdepot.server.core.memory_map import LayerRef, TensorView
 from kvdepot.server.state.sessions import Registration, Session
 from kvdepot.v1 import admin_pb2
 from kvdepot.v1 import depot_pb2 as pb

@@ -21,7 +21,7 @@ from kvdepot.common.kinds import MemoryPath
 from kvdepot.server import errors
 from kvdepot.server.core.index import BlockIndex
 from kvdepot.server.core.layout import LayoutError, NamespaceLayout, check_namespace_id
-from kvdepot.server.core.planner import LayerRef, TensorView
+from kvdepot.server.core.memory_map import LayerRef, TensorView
 from kvdepot.server.memory import journal_file
 from kvdepot.server.peer import Peer
 from kvdepot.server.state.events import EventBus

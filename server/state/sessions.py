@@ -36,7 +36,7 @@ from typing import Any, Protocol
 from kvdepot.common.kinds import MemoryPath
 from kvdepot.server import errors
 from kvdepot.server.core.layout import NamespaceLayout
-from kvdepot.server.core.planner import LayerRef, MemoryMap, TensorView
+from kvdepot.server.core.memory_map import LayerRef, MemoryMap, TensorView
 from kvdepot.server.memory.copy_engine import CopyEngine, CpuCopyEngine
 from kvdepot.server.memory.paths import MemoryPathPlugin, PassedFd, SharedMemoryPath
 from kvdepot.server.memory.regions import MappedRegion

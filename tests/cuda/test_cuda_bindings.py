@@ -20,7 +20,7 @@ from kvdepot.common.cuda_driver import (
 )
 from kvdepot.common.cuda_handles import format_uuid
 from kvdepot.server.core.layout import NamespaceLayout
-from kvdepot.server.core.planner import LayerRef, TensorView
+from kvdepot.server.core.memory_map import LayerRef, TensorView
 from kvdepot.server.cuda import cuda_path, enable_cuda
 from kvdepot.server.memory.copy_engine import LOAD, STORE
 from kvdepot.server.state import DepotState

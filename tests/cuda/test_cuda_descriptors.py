@@ -12,14 +12,8 @@ import numpy as np
 import pytest
 
 from kvdepot.server.core.layout import NamespaceLayout
-from kvdepot.server.core.planner import (
-    CopyPlan,
-    LayerRef,
-    MemoryMap,
-    TensorView,
-    plan_job,
-    stride_period,
-)
+from kvdepot.server.core.memory_map import LayerRef, MemoryMap, TensorView
+from kvdepot.server.core.planner import CopyPlan, plan_job, stride_period
 from kvdepot.server.cuda.dma_plan import DmaBatch, DmaPlan, plan_dma
 from kvdepot.server.memory.copy_engine import LOAD, STORE, CpuCopyEngine
 from tests.support.regions import ArrayRegion

@@ -14,7 +14,7 @@ from kvdepot.common.cuda_handles import parse_uuid
 from kvdepot.common.kinds import MemoryPath
 from kvdepot.server import errors
 from kvdepot.server.core.layout import NamespaceLayout
-from kvdepot.server.core.planner import LayerRef, TensorView
+from kvdepot.server.core.memory_map import LayerRef, TensorView
 from kvdepot.server.cuda import cuda_available, cuda_path, enable_cuda, unavailable_reason
 from kvdepot.server.cuda.enable import select_devices
 from kvdepot.server.memory.copy_engine import CpuCopyEngine

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from kvdepot.server import errors
-from kvdepot.server.core.planner import LayerRef
+from kvdepot.server.core.memory_map import LayerRef
 from kvdepot.server.cuda import cuda_path, enable_cuda
 from kvdepot.server.memory.copy_engine import LOAD, STORE
 from kvdepot.server.state import DepotState

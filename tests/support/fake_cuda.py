@@ -20,7 +20,7 @@ from kvdepot.common.cuda_driver import (
 from kvdepot.common.cuda_handles import parse_uuid
 from kvdepot.common.jobs import Job
 from kvdepot.server.core.layout import NamespaceLayout
-from kvdepot.server.core.planner import LayerRef, TensorView
+from kvdepot.server.core.memory_map import LayerRef, TensorView
 from kvdepot.server.state import DepotState
 from kvdepot.v1 import depot_pb2 as pb
 
