@@ -63,11 +63,14 @@ def wait_ready_blocks(daemon, n: int, engine) -> None:  # type: ignore[no-untype
 
 def connected(daemon, engine: LLMEngine) -> None:  # type: ignore[no-untyped-def]
     """Waits until the engine's scheduler and worker are back with the daemon (both
-    reconnect by themselves, with backoff)."""
+    reconnect by themselves, with backoff). The daemon counts a session as soon as it
+    opens, a moment before the scheduler's client calls itself connected (and offers
+    stores again); the scheduler opens its pin and unpin lanes only once it does, so
+    those two lanes say it is back."""
 
     def ready() -> bool:
         s = stats(daemon)
-        return s.sessions >= 2 and s.registrations >= 1
+        return s.sessions >= 2 and s.registrations >= 1 and s.job_lanes_open >= 2
 
     wait_for(
         ready, 90, "the scheduler and the worker to reconnect", detail=log_tails(engine, daemon)
