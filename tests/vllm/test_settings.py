@@ -38,6 +38,23 @@ def test_remote_wait_is_read_in_milliseconds_and_validated() -> None:
             DepotSettings.from_extra_config({"kvdepot_remote_wait_ms": bad})
 
 
+def test_shards_and_the_first_shard_are_auto_unless_a_number_is_given() -> None:
+    s = DepotSettings()
+    assert s.shards is None and s.first_shard is None
+    auto = DepotSettings.from_extra_config(
+        {"kvdepot_shards": " Auto ", "kvdepot_first_shard": "auto"}
+    )
+    assert auto.shards is None and auto.first_shard is None
+    given = DepotSettings.from_extra_config({"kvdepot_shards": "8", "kvdepot_first_shard": 0})
+    assert (given.shards, given.first_shard) == (8, 0)
+    for key, bad in [
+        *[("kvdepot_shards", b) for b in (0, 65, "two", None, 1.5)],
+        *[("kvdepot_first_shard", b) for b in (-1, 64, "one", None)],
+    ]:
+        with pytest.raises(ValueError, match=rf'{key}.*"auto" or a whole number'):
+            DepotSettings.from_extra_config({key: bad})
+
+
 @pytest.mark.parametrize("readme", ["README.md", "client/vllm/README.md"])
 def test_every_key_is_documented_with_its_default(readme: str) -> None:
     rows = dict(re.findall(r"^\| `(kvdepot_\w+)` \| ([^|]+) \|", (REPO / readme).read_text(), re.M))

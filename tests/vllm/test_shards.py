@@ -13,7 +13,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from kvdepot.common.shards import shard_namespace_id, shard_socket
+from kvdepot.common.shards import first_shard, shard_namespace_id, shard_socket
 from kvdepot.testing.daemon import stats
 from kvdepot.testing.vllm_engine import SyntheticEngine, prompt_for
 from kvdepot.v1 import admin_pb2, admin_pb2_grpc
@@ -230,18 +230,43 @@ def test_a_block_on_both_shards_disks_is_fetched_from_both(
     assert [shard_stats(d, s).disk_hits for s in (0, 1)] == [len(keys)] * 2
 
 
-def test_an_engine_not_told_of_the_shards_works_on_shard_0_and_says_so(
+def test_an_engine_told_one_shard_works_on_shard_0_and_says_so(
     sharded, make_engine, caplog
 ) -> None:
-    """The daemon runs two shards, the engine keeps kvdepot_shards at 1: every rank uses
+    """The daemon runs two shards, the engine sets kvdepot_shards to 1: every rank uses
     shard 0 as one daemon (correct, one core), and the scheduler's log names the fix."""
     caplog.set_level("WARNING", logger="kvdepot.vllm.manager")
-    engine = make_engine(socket=sharded.target, tp=2, num_gpu_blocks=64)
+    engine = make_engine(
+        socket=sharded.target, tp=2, num_gpu_blocks=64, extra_config={"kvdepot_shards": 1}
+    )
     engine.wait_registered()
     assert_loads_back(engine, prompt_for(14, 100), (0, 1))
     assert shard_stats(sharded, 1).used_bytes == 0  # shard 1 was never used
     said = [r.getMessage() for r in caplog.records if "kvdepot_shards" in r.getMessage()]
-    assert said and "runs 2 shard(s) but kvdepot_shards is 1" in said[0]
+    assert said and "runs 2 shard(s) but kvdepot_shards is 1; set it to 2" in said[0]
+
+
+def test_an_engine_left_at_auto_finds_the_shards_by_itself(sharded, make_engine, caplog) -> None:
+    """No kvdepot_shards (the README's config): the scheduler and each rank read the
+    shard count from the daemon's hello and route as if told, and nothing is logged
+    as a mismatch."""
+    caplog.set_level("INFO", logger="kvdepot")
+    engine = make_engine(socket=sharded.target, tp=2, num_gpu_blocks=64)
+    engine.wait_registered()
+    for r in (0, 1):
+        hello = engine.ranks[r].offloading_worker._client.hello
+        assert (hello.shard, hello.shard_count) == (r, 2)
+    assert [c.hello.shard for c in engine.manager._clients] == [0, 1]
+    assert_loads_back(engine, prompt_for(15, 100), (0, 1))
+    assert all(shard_stats(sharded, s).used_bytes > 0 for s in (0, 1))
+    said = [r.getMessage() for r in caplog.records]
+    assert any("runs 2 shards (kvdepot_shards auto)" in m for m in said)
+    assert not any("but kvdepot_shards" in m or "restart the engine" in m for m in said)
+    # Only the engine's sessions are left: the one that asked was reused or closed.
+    engine.wait_until(
+        lambda: [shard_stats(sharded, s).sessions for s in (0, 1)] == [2, 2],
+        what="two sessions a shard: the scheduler's and its rank's",
+    )
 
 
 def test_tp1_engines_of_other_models_spread_over_the_shards(sharded, make_engine) -> None:
@@ -278,3 +303,24 @@ def test_tp1_engines_of_other_models_spread_over_the_shards(sharded, make_engine
     [shared] = twin.generate([prompt])
     assert shared.external_tokens == 96
     assert_expected(twin, prompt, 0, 0, shared.block_ids[0][:6])
+
+
+def test_kvdepot_first_shard_places_an_engine(sharded, make_engine, caplog) -> None:
+    """kvdepot_first_shard puts a TP=1 engine on the shard it names, whatever its
+    namespace would pick (two engines of one namespace, told 1 and 0, land on 1 and 0);
+    a shard the node does not have is said in the log, and the namespace's pick used."""
+    caplog.set_level("WARNING", logger="kvdepot.vllm")
+    placed = {}
+    for shard in (1, 0, 5):
+        config = {"kvdepot_namespace_salt": "placed", "kvdepot_first_shard": shard}
+        engine = make_engine(socket=sharded.target, tp=1, num_gpu_blocks=64, extra_config=config)
+        engine.wait_registered()
+        on = engine.ranks[0].offloading_worker._client.hello.shard
+        assert engine.manager._clients[0].hello.shard == on  # the scheduler agrees
+        placed[shard] = (on, engine)
+    assert placed[1][0] == 1 and placed[0][0] == 0
+    assert placed[5][0] == first_shard(placed[5][1].manager.namespace_id, 2, 1)
+    said = [r.getMessage() for r in caplog.records if "kvdepot_first_shard" in r.getMessage()]
+    assert said and "kvdepot_first_shard is 5" in said[0] and "picks" in said[0]
+    assert_loads_back(placed[1][1], prompt_for(40, 100), (0,))
+    assert shard_stats(sharded, 1).used_bytes > 0
