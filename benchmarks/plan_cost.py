@@ -1,10 +1,13 @@
 """What planning one job costs the daemon's event loop: compiled planner against numpy.
 
     python -m kvdepot.bench.plan_cost [--chunks 16] [--layers 32] [--jobs 2000]
+                                      [--engine cuda|cpu]
 
 Plans one store job of the Llama-3-8B geometry (64 KiB pages; 16 chunks of 32 layers
 are 512 pages) the way the daemon does on its loop: `check_job`, `plan_copy`, and the
-CUDA engine's `plan_dma` (with its 8 MiB page-locking split). Once with the
+CUDA engine's `plan_dma` (with its 8 MiB page-locking split), or with `--engine cpu`
+the compiled CPU engine's `prepare` (what a shared-memory registration's job costs the
+loop before its copy thread moves the bytes). Once with the
 compiled planner (server/core/_plan.c) and once with numpy, each alone and with a
 thread woken per job, as the daemon wakes a copy thread for the job before: numpy's
 operations over more than 500 elements release the GIL, and the woken thread takes
@@ -27,13 +30,26 @@ from kvdepot.server.core.layout import NamespaceLayout
 from kvdepot.server.core.memory_map import LayerRef, MemoryMap, TensorView
 from kvdepot.server.core.planner import plan_copy
 from kvdepot.server.cuda.dma_plan import plan_dma
-from kvdepot.server.memory.copy_engine import STORE
+from kvdepot.server.memory.copy_engine import STORE, CpuCopyEngine
+from kvdepot.server.memory.regions import MappedRegion
 
 PAGE = 64 << 10
 HOST_SPLIT = 8 << 20
 
 
-def make_job(chunks: int, layers: int) -> Callable[[], object]:
+class _Unmapped(MappedRegion):
+    """A region's size and address only: `prepare` reads no byte of it."""
+
+    kind = "bench"
+
+    def __init__(self, size: int) -> None:
+        self.size, self.address = size, 1 << 40
+
+    def close(self) -> None:
+        pass
+
+
+def make_job(chunks: int, layers: int, engine: str = "cuda") -> Callable[[], object]:
     """One job's planning, as a callable (the job is the same every call)."""
     num_blocks = max(256, 2 * chunks)
     layout = NamespaceLayout("plan-cost", 1, 1, ((PAGE,) * layers,))
@@ -50,9 +66,13 @@ def make_job(chunks: int, layers: int) -> Callable[[], object]:
     slot = layout.slot_bytes(0)
     offsets = [rng.randrange(0, 4096) * slot for _ in range(chunks)]
 
+    cpu, regions = CpuCopyEngine(), [_Unmapped(layers * num_blocks * PAGE)]
+
     def plan() -> object:
         shape = check_job(layout, memory, block_ids, [chunks], [0], keys=keys)
         copy = plan_copy(layout, 0, memory, shape, offsets)
+        if engine == "cpu":
+            return cpu.prepare(STORE, regions, 1 << 44, copy, 1 << 40)
         return plan_dma(STORE, copy, [1 << 40], 1 << 44, host_split=HOST_SPLIT)
 
     return plan
@@ -90,15 +110,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--chunks", type=int, default=16, help="chunks (vLLM blocks) per job")
     ap.add_argument("--layers", type=int, default=32, help="layers: pages per chunk")
     ap.add_argument("--jobs", type=int, default=2000, help="jobs per pass")
+    ap.add_argument(
+        "--engine", choices=("cuda", "cpu"), default="cuda", help="the copy engine that prepares"
+    )
     args = ap.parse_args(argv)
     if planner.compiled is None:
         print("the compiled planner was not built (no C compiler at install)", file=sys.stderr)
         return 1
-    plan = make_job(args.chunks, args.layers)
+    plan = make_job(args.chunks, args.layers, args.engine)
     compiled = planner.compiled
     print(
         f"planning one store job of {args.chunks} chunks x {args.layers} layers "
-        f"({args.chunks * args.layers} pages of 64 KiB), microseconds per job, best of 5"
+        f"({args.chunks * args.layers} pages of 64 KiB) for the {args.engine} engine, "
+        f"microseconds per job, best of 5"
     )
     print(f"{'planner':10}{'alone':>10}{'a thread woken per job':>26}")
     for name in ("compiled", "numpy"):

@@ -327,18 +327,21 @@ def test_a_run_that_stops_early_says_why_and_exits_as_a_shell_would(
     )
 
 
-def test_plan_cost_times_both_planners() -> None:
+@pytest.mark.parametrize("engine", ["cuda", "cpu"])
+def test_plan_cost_times_both_planners(engine: str) -> None:
     """`python -m kvdepot.bench.plan_cost`: the compiled and the numpy planner, each
-    alone and beside a woken thread (a figure per cell, no speed threshold)."""
+    alone and beside a woken thread (a figure per cell, no speed threshold), for the
+    CUDA engine's DMA plan or the CPU engine's prepared copy."""
+    command = ["-m", "kvdepot.bench.plan_cost", "--jobs", "20", "--chunks", "4"]
     proc = subprocess.run(
-        [sys.executable, "-m", "kvdepot.bench.plan_cost", "--jobs", "20", "--chunks", "4"],
+        [sys.executable, *command, "--engine", engine],
         capture_output=True,
         text=True,
         timeout=120,
     )
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
-    assert "4 chunks x 32 layers (128 pages" in lines[0]
+    assert "4 chunks x 32 layers (128 pages" in lines[0] and f"the {engine} engine" in lines[0]
     rows = {cells[0]: [float(x) for x in cells[1:]] for cells in map(str.split, lines[2:])}
     assert set(rows) == {"compiled", "numpy"}
     assert all(len(cells) == 2 and min(cells) > 0 for cells in rows.values()), rows

@@ -319,6 +319,72 @@ def test_chained_plans_are_the_page_by_page_runs(seed: int) -> None:
     assert not chains.inside([chains.region_end - 1], None)
 
 
+def random_vllm_job(seed: int, layers: int = 6) -> tuple:
+    """A random job over vLLM's layout, as test_chained_plans_are_the_page_by_page_runs
+    draws them: (layout, memory map, region size, plan_job's arguments after the map)."""
+    rng = np.random.default_rng(100 + seed)
+    bpc, world = [(1, 1), (2, 2), (4, 1), (1, 8)][seed % 4]
+    rank = int(rng.integers(0, world))
+    lay, mm, size = vllm_memmap(layers, 4096, bpc, world, gap=4096 * (seed % 3))
+    first = [int(rng.integers(0, bpc))]
+    sizes = [int(rng.integers(4, 20))]
+    if seed % 2:  # consecutive GPU blocks: a chunk's sub-blocks follow one another
+        start = int(rng.integers(0, 40))
+        block_ids = list(range(start, start + sizes[0]))
+    else:
+        block_ids = [int(b) for b in rng.choice(64, sizes[0], replace=False)]
+    slot = lay.slot_bytes(0)
+    n_keys = lay.chunks_per_group(sizes, first)[0]
+    slots = [int(k) * slot for k in rng.permutation(n_keys)]
+    return lay, mm, size, (rank, block_ids, sizes, first, slots)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_cpu_engine_copies_chains_as_the_page_by_page_runs(
+    seed: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The compiled CPU engine copies a plan of chains in one call over its chains (no
+    run table), whole and cut between chains for several copy threads
+    (CopyPlan.split); both ways the bytes it moves are those of the page-by-page runs,
+    copied run by run, and nothing else changes."""
+    lay, mm, size, job = random_vllm_job(seed)
+    rank, block_ids, sizes, first, slots = job
+    want = reference_runs(lay, rank, mm, *job[1:])
+    pool_size = max(r[2] + r[3] for r in want) + 4096
+    rng = np.random.default_rng(seed)
+    mem0 = rng.integers(0, 256, size, dtype=np.uint8)
+    pool0 = rng.integers(0, 256, pool_size, dtype=np.uint8)
+
+    def copied(direction: int, plans: list[CopyPlan], compiled: bool) -> tuple:
+        mem, pool = mem0.copy(), pool0.copy()
+        for plan in plans:
+            CpuCopyEngine(compiled).copy(direction, [ArrayRegion(mem)], pool.ctypes.data, plan)
+        return mem, pool
+
+    whole = plan_job(lay, rank, mm, block_ids, sizes, first, slots)
+    parts = plan_job(lay, rank, mm, block_ids, sizes, first, slots).split(3, 1)
+    assert whole.chains is not None and len(parts) == min(3, len(whole.chains))
+    assert all(p.chains is not None for p in parts)
+    assert sum(len(p.chains) for p in parts) == len(whole.chains)
+    assert sum(p.nbytes for p in parts) == whole.nbytes
+    # Each part's own runs (for engines that copy runs) are the reference's, together.
+    assert sorted(r for p in parts for r in p.runs) == sorted(want)
+    from kvdepot.server.memory import copy_engine
+
+    if copy_engine.copy_chains is None:
+        pytest.skip("the compiled run copier was not built")
+    references = {d: copied(d, [CopyPlan(want)], compiled=False) for d in (STORE, LOAD)}
+
+    def no_run_table(*args: object) -> None:
+        raise AssertionError("a plan of chains was copied run by run")
+
+    monkeypatch.setattr(copy_engine, "copy_runs", no_run_table)
+    for direction, reference in references.items():
+        for plans in ([whole], parts):
+            got = copied(direction, plans, compiled=True)
+            assert all(np.array_equal(a, b) for a, b in zip(got, reference, strict=True))
+
+
 def test_layouts_that_are_not_chains_plan_page_by_page() -> None:
     """Hybrid jobs, layers at uneven distances, one layer, and jobs whose pages the
     per-page plan merges are planned page by page: the same runs either way."""

@@ -22,6 +22,7 @@ process memory), and are then the same runs as a per-page plan's.
 from __future__ import annotations
 
 import functools
+import itertools
 from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -69,6 +70,47 @@ class PageChains:
 
     def __len__(self) -> int:
         return len(self.region_starts)
+
+    def split(self, parts: int) -> list[PageChains]:
+        """Consecutive chains in at most `parts` pieces of about equal bytes, none empty
+        (copy threads share a large job's chains: CopyPlan.split)."""
+        ends = np.cumsum(self.widths)
+        total = int(ends[-1]) if len(ends) else 0
+        cuts = np.searchsorted(ends, [total * i // parts for i in range(1, parts)], "right")
+        bounds = [0, *np.unique(cuts).tolist(), len(self)]
+        return [self._piece(lo, hi) for lo, hi in itertools.pairwise(bounds) if hi > lo]
+
+    def _piece(self, lo: int, hi: int) -> PageChains:
+        """Chains lo..hi-1, their bounds computed anew."""
+        region_starts, pool_starts = self.region_starts[lo:hi], self.pool_starts[lo:hi]
+        widths = self.widths[lo:hi]
+        last = self.rows - 1
+        return PageChains(
+            self.region,
+            region_starts,
+            pool_starts,
+            widths,
+            self.rows,
+            self.region_pitch,
+            self.pool_pitch,
+            int(region_starts.min()),
+            int((region_starts + widths).max()) + last * self.region_pitch,
+            int(pool_starts.min()),
+            int((pool_starts + widths).max()) + last * self.pool_pitch,
+            int(widths.max()),
+            int(widths.sum()) * self.rows,
+        )
+
+    def run_plan(self) -> CopyPlan:
+        """The chains' runs, one per chain and row, layer-major: what an engine that
+        copies runs needs of a piece of chains (the whole plan's runs are its pages)."""
+        row = np.arange(self.rows, dtype=np.int64)[:, None]
+        region_offs = (self.region_starts + row * self.region_pitch).ravel()
+        pool_offs = (self.pool_starts + row * self.pool_pitch).ravel()
+        sizes = np.broadcast_to(self.widths, (self.rows, len(self))).ravel()
+        regions = np.full_like(region_offs, self.region)
+        columns = np.stack((regions, region_offs, pool_offs, sizes))
+        return CopyPlan.from_columns(columns, self.nbytes)
 
     def inside(self, region_sizes: Sequence[int], pool_size: int | None) -> bool:
         """Every run inside its region (of `region_sizes`) and, with `pool_size`, the
@@ -217,11 +259,15 @@ class CopyPlan:
     def split(self, parts: int, min_bytes: int) -> list[CopyPlan]:
         """This plan cut into at most `parts` plans of about equal bytes, each of
         at least `min_bytes` (so that copy threads can share a large job); runs
-        are not cut, and the plans together hold every run once."""
+        (and a plan of chains' chains) are not cut, and the plans together hold
+        every byte's copy once."""
         total = self.nbytes
-        parts = min(parts, total // max(min_bytes, 1), len(self))
+        chains = self.chains if self._cols is None else None
+        parts = min(parts, total // max(min_bytes, 1), len(chains or self))
         if parts <= 1:
             return [self]
+        if chains is not None:  # cut between chains: each part stays a plan of chains
+            return [CopyPlan.from_chains(c, c.run_plan) for c in chains.split(parts)]
         cols = self.columns
         ends = np.cumsum(cols[3])
         cuts = np.searchsorted(ends, [total * i // parts for i in range(1, parts)], "right")

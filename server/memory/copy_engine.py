@@ -27,9 +27,9 @@ from kvdepot.server.memory.regions import MappedRegion
 from kvdepot.server.memory.strided import copy_ops, run_ops
 
 try:  # built from _runcopy.c when the install had a C compiler (pyproject.toml)
-    from kvdepot.server.memory._runcopy import copy_runs
+    from kvdepot.server.memory._runcopy import copy_chains, copy_runs
 except ImportError:
-    copy_runs = None
+    copy_runs = copy_chains = None
 
 STORE = Direction.STORE  # registered memory -> pool (kvdepot.v1.Direction.STORE)
 LOAD = Direction.LOAD  # pool -> registered memory (kvdepot.v1.Direction.LOAD)
@@ -197,6 +197,17 @@ class CpuCopyEngine(CopyEngine):
         if direction not in (STORE, LOAD):
             raise ValueError(f"unknown direction {direction}")
         check_runs(regions, plan, pool_size)
+        chains = plan.chains
+        if self.compiled and chains is not None:
+            # vLLM's layout: one call over the chains, no run table built.
+            mem_base = regions[chains.region].address
+            if direction == STORE:
+                ends = (pool_address, mem_base, chains.pool_starts, chains.region_starts)
+                pitches = (chains.pool_pitch, chains.region_pitch)
+            else:
+                ends = (mem_base, pool_address, chains.region_starts, chains.pool_starts)
+                pitches = (chains.region_pitch, chains.pool_pitch)
+            return functools.partial(copy_chains, *ends, chains.widths, chains.rows, *pitches)
         # Addresses column-wise (numpy), and any progressions' views, here: the copy
         # thread only runs the copy.
         mem, pool, sizes = plan.addresses([r.address for r in regions], pool_address)
