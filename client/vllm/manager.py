@@ -172,8 +172,8 @@ class KVDepotOffloadingManager(OffloadingManager):
 
     def _check_shards(self) -> None:
         """Says so (once) when the daemon runs another number of shards than the engine
-        was routed for: with fewer, the engine works on shard 0 alone; with more, the
-        workers refuse to register (kvdepot.client.vllm.registration)."""
+        was routed for: routed for fewer, the engine works on shard 0 alone; for more,
+        the workers refuse to register (kvdepot.client.vllm.registration)."""
         hello = self._client.hello
         running = (hello.shard_count or 1) if hello is not None else 1
         if running == self._node_shards or self._shards_said:

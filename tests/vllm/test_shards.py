@@ -269,6 +269,32 @@ def test_an_engine_left_at_auto_finds_the_shards_by_itself(sharded, make_engine,
     )
 
 
+def test_an_engine_started_before_the_daemon_uses_shard_0_and_says_restart(
+    daemon_factory, make_engine, caplog
+) -> None:
+    """kvdepot_shards auto, and the daemon not up yet: the engine starts anyway and
+    counts one shard; the daemon then comes up with two, and the engine works on shard
+    0 alone (correct, one core) while the scheduler's log says to restart it."""
+    caplog.set_level("INFO", logger="kvdepot.vllm")
+    d = daemon_factory("--pool-size", "128MiB", "--shards", "2", start=False)
+    engine = make_engine(
+        socket=d.target, tp=2, num_gpu_blocks=64, extra_config={"kvdepot_startup_wait_s": 0.2}
+    )
+    d.start()
+    engine.wait_registered()
+    # The scheduler reconnects by itself, with backoff; it offers stores once back.
+    engine.wait_until(lambda: engine.manager.connected, what="the scheduler back")
+    assert_loads_back(engine, prompt_for(16, 100), (0, 1))
+    assert shard_stats(d, 0).used_bytes > 0 and shard_stats(d, 1).used_bytes == 0
+    said = [r.getMessage() for r in caplog.records]
+    assert any("kvdepot_shards is auto and the daemon" in m for m in said), said
+    assert any(
+        "runs 2 shard(s) but this engine found 1 when it started (kvdepot_shards auto); "
+        "restart the engine" in m
+        for m in said
+    ), said
+
+
 def test_tp1_engines_of_other_models_spread_over_the_shards(sharded, make_engine) -> None:
     """TP=1 engines use one shard of the two, the one their namespace picks
     (kvdepot.common.shards.first_shard): engines of two salts (two models) land on
