@@ -224,19 +224,25 @@ def test_blocks_per_chunk_unaligned_first_block(daemon, make_engine) -> None:
 # -- 4. tensor parallelism: two ranks, a chunk is ready only when both stored -----------------
 
 
-def test_tensor_parallel_two_ranks(daemon, make_engine) -> None:
-    engine = make_engine(socket=daemon.target, tp=2, num_gpu_blocks=64)
-    engine.wait_registered()
-    prompt = prompt_for(4, 100)  # 6 full blocks
-    keys = engine.offload_keys(prompt)
-    rank1 = engine.ranks[1]
-    rank1.paused = True  # a slow rank: its store jobs stay queued
+def add_with_rank_1_behind(engine: SyntheticEngine, prompt: list[int]) -> None:
+    """Adds `prompt` with rank 1 paused (a slow rank: its store jobs stay queued) and
+    steps until rank 0 has stored its sections."""
+    engine.ranks[1].paused = True
     engine.add_request(prompt)
     for _ in range(6):
         engine.step()
         time.sleep(0.02)
     r0 = engine.ranks[0].offloading_worker
     engine.wait_until(lambda: (engine.step(), r0.stats["stores"])[1] >= 1, what="rank 0's store")
+
+
+def test_tensor_parallel_two_ranks(daemon, make_engine) -> None:
+    engine = make_engine(socket=daemon.target, tp=2, num_gpu_blocks=64)
+    engine.wait_registered()
+    prompt = prompt_for(4, 100)  # 6 full blocks
+    keys = engine.offload_keys(prompt)
+    rank1 = engine.ranks[1]
+    add_with_rank_1_behind(engine, prompt)
     # Rank 0's sections are written, rank 1's are not: nothing may be readable.
     client = engine.manager._client
     assert client.lookup(engine.manager.namespace_id, keys) == [False] * len(keys)

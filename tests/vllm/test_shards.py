@@ -17,7 +17,12 @@ from kvdepot.common.shards import first_shard, shard_namespace_id, shard_socket
 from kvdepot.testing.daemon import stats
 from kvdepot.testing.vllm_engine import SyntheticEngine, prompt_for
 from kvdepot.v1 import admin_pb2, admin_pb2_grpc
-from tests.vllm.test_connector import assert_expected, assert_same_bytes, pages
+from tests.vllm.test_connector import (
+    add_with_rank_1_behind,
+    assert_expected,
+    assert_same_bytes,
+    pages,
+)
 
 pytestmark = pytest.mark.vllm
 
@@ -71,13 +76,7 @@ def test_tp2_ranks_each_use_their_shard_and_get_their_bytes_back(sharded, make_e
     prompt = prompt_for(7, 100)  # 6 full blocks
     keys = engine.offload_keys(prompt)
 
-    engine.ranks[1].paused = True  # rank 1 (shard 1) lags: its stores wait
-    engine.add_request(prompt)
-    for _ in range(6):
-        engine.step()
-        time.sleep(0.02)
-    r0 = engine.ranks[0].offloading_worker
-    engine.wait_until(lambda: (engine.step(), r0.stats["stores"])[1] >= 1, what="rank 0's store")
+    add_with_rank_1_behind(engine, prompt)  # rank 1 (shard 1) lags: its stores wait
     on_shard0 = shard_namespace_id(manager.namespace_id, 0, 2)
     engine.wait_until(
         lambda: all(manager._clients[0].lookup(on_shard0, keys)), what="shard 0's rows"
