@@ -47,6 +47,7 @@ class CopyQueue:
         # a loop has an entry exactly while its `_drain` is scheduled.
         self._ended: dict[asyncio.AbstractEventLoop, list[_Ended]] = {}
         self._ended_lock = threading.Lock()
+        self._copying = 0  # threads inside a copy, under `_lock`
         self.thread_cpus: list[frozenset[int] | None] = [None] * threads
         pinned = [threading.Event() for _ in range(threads)]
         self._threads = [
@@ -67,6 +68,13 @@ class CopyQueue:
     def threads(self) -> int:
         """How many copies can run at once."""
         return len(self._threads)
+
+    @property
+    def idle(self) -> int:
+        """Threads that would start a copy queued now at once: neither copying nor
+        spoken for by a copy queued before it. A hint for the loop (read without the
+        lock: a thread may take or end a copy meanwhile)."""
+        return max(0, len(self._threads) - self._copying - len(self._heap))
 
     async def run(self, fn: Callable[[], Any], expedited: bool = False) -> Any:
         """Runs `fn` on a copy thread; expedited work jumps the queue.
@@ -133,12 +141,15 @@ class CopyQueue:
                 if ticket.skipped:  # its caller was cancelled before it started
                     continue
                 ticket.started = True
+                self._copying += 1
             try:
                 result = fn()
             except BaseException as exc:  # reported to the awaiting job
                 ended = (ticket, fut, _set_exception, exc)
             else:
                 ended = (ticket, fut, _set_result, result)
+            with lock:
+                self._copying -= 1
             self._report(loop, ended)
 
     def _report(self, loop: asyncio.AbstractEventLoop, ended: _Ended) -> None:

@@ -122,3 +122,32 @@ def test_expedited_copies_jump_the_queue_and_close_runs_what_was_queued() -> Non
         assert order[-2:] == ["c0", "c1"]
 
     asyncio.run(main())
+
+
+def test_idle_counts_the_threads_a_new_copy_would_find_free() -> None:
+    """`idle` (what the job runner cuts a large plan for): threads neither copying nor
+    spoken for by a queued copy; it never reads below zero, and every thread is idle
+    again once the copies end."""
+
+    async def main() -> None:
+        q = CopyQueue(2)
+        gates = [threading.Event() for _ in range(3)]
+        assert q.idle == 2
+        running = [asyncio.ensure_future(q.run(lambda g=g: g.wait(10))) for g in gates]
+        await asyncio.sleep(0.05)  # two copying, one queued behind them
+        assert q.idle == 0
+        gates[0].set()
+        await running[0]
+        await asyncio.sleep(0.05)  # the queued one took the freed thread
+        assert q.idle == 0
+        gates[1].set()
+        await running[1]
+        await asyncio.sleep(0.05)
+        assert q.idle == 1
+        gates[2].set()
+        await asyncio.gather(*running)
+        await asyncio.sleep(0.05)
+        assert q.idle == 2
+        assert q.close()
+
+    asyncio.run(main())

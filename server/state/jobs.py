@@ -279,14 +279,18 @@ class JobRunner:
 
     async def _run_copy(self, job: Job, reg: Registration, plan: CopyPlan) -> float:
         """Copies on the copy threads; a large plan is cut into parts that
-        several threads copy at once (one thread's memmove is slower than the
+        several idle threads copy at once (one thread's memmove is slower than the
         machine's). Returns seconds from the first part's start to the last's end."""
         engine, regions, pool = reg.engine, reg.regions, self._arena.address
         assert engine is not None
         direction = job.direction
         parts = [plan]
         if engine.parallel_min_bytes:
-            parts = plan.split(self._copy_queue.threads, engine.parallel_min_bytes)
+            # Cut only for threads that would otherwise wait: when every thread has a
+            # copy already (a TP=8 engine's ranks send eight jobs at once), parts add
+            # hand-offs and no speed.
+            free = min(self._copy_queue.threads, self._copy_queue.idle)
+            parts = plan.split(free, engine.parallel_min_bytes)
 
         with self._sessions.in_use(reg):
             try:
