@@ -11,18 +11,18 @@ the same plans.
 
 A one-group job over vLLM's layout (every layer one pitch after the one before, on
 the GPU and in the pool row) is planned per block, not per page: a plan of
-`PageChains`, one chain of a run per layer for each block (or for a chunk's blocks
-that follow one another on both sides), built by one C loop over the blocks
-(`_plan.chain_starts`). The CUDA engine turns the chains into its 2-D
-copies directly (`kvdepot.server.cuda.dma_plan`), and the bounds check reads their
-ends; the per-page runs are planned only for an engine that asks for them (CPU,
-process memory), and are then the same runs as a per-page plan's.
+`PageChains` (kvdepot.server.core.page_chains), one chain of a run per layer for each
+block (or for a chunk's blocks that follow one another on both sides), built by one C
+loop over the blocks (`_plan.chain_starts`). The CUDA engine turns the chains into its
+2-D copies directly (`kvdepot.server.cuda.dma_plan`), the compiled CPU engine copies
+them in one C call, and the bounds check reads their ends; the per-page runs are
+planned only for an engine that asks for them (process memory, the CPU engine without
+its extension), and are then the same runs as a per-page plan's.
 """
 
 from __future__ import annotations
 
 import functools
-import itertools
 from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -32,95 +32,12 @@ import numpy as np
 from kvdepot.server.core.job_check import JobShape, check_job
 from kvdepot.server.core.layout import NamespaceLayout
 from kvdepot.server.core.memory_map import MemoryMap
+from kvdepot.server.core.page_chains import PageChains
 
 try:  # built from _plan.c when the install had a C compiler (pyproject.toml)
     from kvdepot.server.core import _plan as compiled
 except ImportError:
     compiled = None
-
-
-@dataclass(slots=True)  # not frozen: built for every job, and frozen's __init__ costs
-class PageChains:
-    """A job's pages as chains of equal rows, one row per layer: chain i is `rows`
-    runs of `widths[i]` bytes, row r at region offset `region_starts[i] + r *
-    region_pitch` of region `region` and at pool offset `pool_starts[i] + r *
-    pool_pitch`. vLLM's layout is this (its layers one pitch apart in one allocation,
-    a block's pages one after another in its pool row): a chain is a block, or blocks
-    that follow one another on both sides (a chunk's sub-blocks in consecutive GPU
-    blocks), and what one 2-D DMA copy moves. Planned per block, not per page.
-
-    The columns are int64; `*_low` and `*_end` bound every chain's bytes (the lowest
-    start, one past the highest byte), `widest` is the widest run, and `nbytes` all the
-    bytes, computed with them. Read only once built.
-    """
-
-    region: int
-    region_starts: np.ndarray
-    pool_starts: np.ndarray
-    widths: np.ndarray
-    rows: int
-    region_pitch: int
-    pool_pitch: int
-    region_low: int
-    region_end: int
-    pool_low: int
-    pool_end: int
-    widest: int
-    nbytes: int
-
-    def __len__(self) -> int:
-        return len(self.region_starts)
-
-    def split(self, parts: int) -> list[PageChains]:
-        """Consecutive chains in at most `parts` pieces of about equal bytes, none empty
-        (copy threads share a large job's chains: CopyPlan.split)."""
-        ends = np.cumsum(self.widths)
-        total = int(ends[-1]) if len(ends) else 0
-        cuts = np.searchsorted(ends, [total * i // parts for i in range(1, parts)], "right")
-        bounds = [0, *np.unique(cuts).tolist(), len(self)]
-        return [self._piece(lo, hi) for lo, hi in itertools.pairwise(bounds) if hi > lo]
-
-    def _piece(self, lo: int, hi: int) -> PageChains:
-        """Chains lo..hi-1, their bounds computed anew."""
-        region_starts, pool_starts = self.region_starts[lo:hi], self.pool_starts[lo:hi]
-        widths = self.widths[lo:hi]
-        last = self.rows - 1
-        return PageChains(
-            self.region,
-            region_starts,
-            pool_starts,
-            widths,
-            self.rows,
-            self.region_pitch,
-            self.pool_pitch,
-            int(region_starts.min()),
-            int((region_starts + widths).max()) + last * self.region_pitch,
-            int(pool_starts.min()),
-            int((pool_starts + widths).max()) + last * self.pool_pitch,
-            int(widths.max()),
-            int(widths.sum()) * self.rows,
-        )
-
-    def run_plan(self) -> CopyPlan:
-        """The chains' runs, one per chain and row, layer-major: what an engine that
-        copies runs needs of a piece of chains (the whole plan's runs are its pages)."""
-        row = np.arange(self.rows, dtype=np.int64)[:, None]
-        region_offs = (self.region_starts + row * self.region_pitch).ravel()
-        pool_offs = (self.pool_starts + row * self.pool_pitch).ravel()
-        sizes = np.broadcast_to(self.widths, (self.rows, len(self))).ravel()
-        regions = np.full_like(region_offs, self.region)
-        columns = np.stack((regions, region_offs, pool_offs, sizes))
-        return CopyPlan.from_columns(columns, self.nbytes)
-
-    def inside(self, region_sizes: Sequence[int], pool_size: int | None) -> bool:
-        """Every run inside its region (of `region_sizes`) and, with `pool_size`, the
-        pool: the copy engines' defence in depth (copy_engine.check_runs), per chain."""
-        return (
-            0 <= self.region < len(region_sizes)
-            and min(self.region_low, self.pool_low) >= 0
-            and self.region_end <= region_sizes[self.region]
-            and (pool_size is None or self.pool_end <= pool_size)
-        )
 
 
 class CopyPlan:
@@ -267,7 +184,10 @@ class CopyPlan:
         if parts <= 1:
             return [self]
         if chains is not None:  # cut between chains: each part stays a plan of chains
-            return [CopyPlan.from_chains(c, c.run_plan) for c in chains.split(parts)]
+            return [
+                CopyPlan.from_chains(c, functools.partial(_chain_runs, c))
+                for c in chains.split(parts)
+            ]
         cols = self.columns
         ends = np.cumsum(cols[3])
         cuts = np.searchsorted(ends, [total * i // parts for i in range(1, parts)], "right")
@@ -276,6 +196,11 @@ class CopyPlan:
             for piece in np.split(cols, np.unique(cuts), axis=1)
             if piece.shape[1]
         ]
+
+
+def _chain_runs(chains: PageChains) -> CopyPlan:
+    """A piece of a plan of chains, as runs (CopyPlan.split's parts build them so)."""
+    return CopyPlan.from_columns(chains.run_columns(), chains.nbytes)
 
 
 def _address_columns_numpy(

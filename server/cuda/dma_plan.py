@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvdepot.server.core.planner import CopyPlan, PageChains, compiled, stride_period
+from kvdepot.server.core.page_chains import PageChains
+from kvdepot.server.core.planner import CopyPlan, compiled, stride_period
 from kvdepot.server.memory.copy_engine import LOAD, STORE
 
 DEFAULT_MAX_BATCH = 1024  # copies per cuMemcpyBatchAsync call
