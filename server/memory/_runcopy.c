@@ -24,53 +24,60 @@
 #include <stdint.h>
 #include <string.h>
 
-static int get_column(PyObject *obj, Py_buffer *view, const char *name) {
-    if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+static void release_columns(Py_buffer views[], int held) {
+    while (held-- > 0) {
+        PyBuffer_Release(&views[held]);
+    }
+}
+
+/* Three columns of one length: `names` name them in errors, `fn` the caller. Returns
+ * their length with every view held (release_columns(views, 3)), or -1 with none held
+ * and an exception set. */
+static Py_ssize_t get_columns(const char *fn, PyObject *const objs[3], const char *const names[3],
+                              Py_buffer views[3]) {
+    for (int c = 0; c < 3; c++) {
+        if (PyObject_GetBuffer(objs[c], &views[c], PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+            release_columns(views, c);
+            return -1;
+        }
+        if (views[c].itemsize != 8 || views[c].ndim != 1) {
+            PyErr_Format(PyExc_ValueError,
+                         "%s: %s must be a 1-D array of 64-bit integers "
+                         "(itemsize %zd, %d dimension(s))",
+                         fn, names[c], views[c].itemsize, views[c].ndim);
+            release_columns(views, c + 1);
+            return -1;
+        }
+    }
+    Py_ssize_t count = views[2].shape[0];
+    if (views[0].shape[0] != count || views[1].shape[0] != count) {
+        PyErr_Format(PyExc_ValueError, "%s: columns differ in length (%s %zd, %s %zd, %s %zd)",
+                     fn, names[0], views[0].shape[0], names[1], views[1].shape[0], names[2],
+                     count);
+        release_columns(views, 3);
         return -1;
     }
-    if (view->itemsize != 8 || view->ndim != 1) {
-        PyErr_Format(PyExc_ValueError,
-                     "copy_runs: %s must be a 1-D array of 64-bit integers "
-                     "(itemsize %zd, %d dimension(s))",
-                     name, view->itemsize, view->ndim);
-        PyBuffer_Release(view);
-        return -1;
-    }
-    return 0;
+    return count;
 }
 
 static PyObject *copy_runs(PyObject *self, PyObject *args) {
-    PyObject *dst_obj, *src_obj, *n_obj;
-    if (!PyArg_ParseTuple(args, "OOO:copy_runs", &dst_obj, &src_obj, &n_obj)) {
+    PyObject *objs[3];
+    if (!PyArg_ParseTuple(args, "OOO:copy_runs", &objs[0], &objs[1], &objs[2])) {
         return NULL;
     }
-    Py_buffer dst, src, n;
-    if (get_column(dst_obj, &dst, "dst") < 0) {
+    static const char *const names[3] = {"dst", "src", "nbytes"};
+    Py_buffer views[3];
+    Py_ssize_t count = get_columns("copy_runs", objs, names, views);
+    if (count < 0) {
         return NULL;
     }
-    if (get_column(src_obj, &src, "src") < 0) {
-        PyBuffer_Release(&dst);
-        return NULL;
-    }
-    if (get_column(n_obj, &n, "nbytes") < 0) {
-        PyBuffer_Release(&dst);
-        PyBuffer_Release(&src);
-        return NULL;
-    }
-    PyObject *result = NULL;
-    Py_ssize_t count = n.shape[0];
-    if (dst.shape[0] != count || src.shape[0] != count) {
-        PyErr_Format(PyExc_ValueError,
-                     "copy_runs: columns differ in length (dst %zd, src %zd, nbytes %zd)",
-                     dst.shape[0], src.shape[0], count);
-        goto done;
-    }
-    const int64_t *d = dst.buf, *s = src.buf, *k = n.buf;
+    const int64_t *d = views[0].buf, *s = views[1].buf, *k = views[2].buf;
     for (Py_ssize_t i = 0; i < count; i++) {
         if (k[i] < 0) {
             PyErr_Format(PyExc_ValueError, "copy_runs: run %zd has %lld bytes", i,
                          (long long)k[i]);
-            goto done;
+            release_columns(views, 3);
+            return NULL;
         }
     }
     Py_BEGIN_ALLOW_THREADS
@@ -78,53 +85,35 @@ static PyObject *copy_runs(PyObject *self, PyObject *args) {
         memcpy((void *)(uintptr_t)d[i], (const void *)(uintptr_t)s[i], (size_t)k[i]);
     }
     Py_END_ALLOW_THREADS
-    result = Py_NewRef(Py_None);
-done:
-    PyBuffer_Release(&dst);
-    PyBuffer_Release(&src);
-    PyBuffer_Release(&n);
-    return result;
+    release_columns(views, 3);
+    Py_RETURN_NONE;
 }
 
 static PyObject *copy_chains(PyObject *self, PyObject *args) {
     unsigned long long dst_base, src_base;
     long long rows, dst_pitch, src_pitch;
-    PyObject *dst_obj, *src_obj, *w_obj;
-    if (!PyArg_ParseTuple(args, "KKOOOLLL:copy_chains", &dst_base, &src_base, &dst_obj,
-                          &src_obj, &w_obj, &rows, &dst_pitch, &src_pitch)) {
+    PyObject *objs[3];
+    if (!PyArg_ParseTuple(args, "KKOOOLLL:copy_chains", &dst_base, &src_base, &objs[0],
+                          &objs[1], &objs[2], &rows, &dst_pitch, &src_pitch)) {
         return NULL;
     }
     if (rows < 0) {
         PyErr_Format(PyExc_ValueError, "copy_chains: %lld rows", rows);
         return NULL;
     }
-    Py_buffer dst, src, w;
-    if (get_column(dst_obj, &dst, "dst_starts") < 0) {
+    static const char *const names[3] = {"dst_starts", "src_starts", "widths"};
+    Py_buffer views[3];
+    Py_ssize_t count = get_columns("copy_chains", objs, names, views);
+    if (count < 0) {
         return NULL;
     }
-    if (get_column(src_obj, &src, "src_starts") < 0) {
-        PyBuffer_Release(&dst);
-        return NULL;
-    }
-    if (get_column(w_obj, &w, "widths") < 0) {
-        PyBuffer_Release(&dst);
-        PyBuffer_Release(&src);
-        return NULL;
-    }
-    PyObject *result = NULL;
-    Py_ssize_t count = w.shape[0];
-    if (dst.shape[0] != count || src.shape[0] != count) {
-        PyErr_Format(PyExc_ValueError,
-                     "copy_chains: columns differ in length (dst %zd, src %zd, widths %zd)",
-                     dst.shape[0], src.shape[0], count);
-        goto done;
-    }
-    const int64_t *d = dst.buf, *s = src.buf, *k = w.buf;
+    const int64_t *d = views[0].buf, *s = views[1].buf, *k = views[2].buf;
     for (Py_ssize_t i = 0; i < count; i++) {
         if (k[i] < 0) {
             PyErr_Format(PyExc_ValueError, "copy_chains: chain %zd is %lld bytes wide", i,
                          (long long)k[i]);
-            goto done;
+            release_columns(views, 3);
+            return NULL;
         }
     }
     Py_BEGIN_ALLOW_THREADS
@@ -137,12 +126,8 @@ static PyObject *copy_chains(PyObject *self, PyObject *args) {
         }
     }
     Py_END_ALLOW_THREADS
-    result = Py_NewRef(Py_None);
-done:
-    PyBuffer_Release(&dst);
-    PyBuffer_Release(&src);
-    PyBuffer_Release(&w);
-    return result;
+    release_columns(views, 3);
+    Py_RETURN_NONE;
 }
 
 static PyMethodDef methods[] = {
