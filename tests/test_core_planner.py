@@ -269,28 +269,42 @@ def vllm_memmap(
     return lay, MemoryMap.build(lay, [layers * pitch], tensors, refs), layers * pitch
 
 
-@pytest.mark.parametrize("seed", range(8))
-def test_chained_plans_are_the_page_by_page_runs(seed: int) -> None:
-    """vLLM's layout plans per block (a plan of chains, its runs built only when
-    asked for), and those runs are exactly the page-by-page reference, skipped keys,
-    sub-blocks, partial chunks and a chunk's adjacent blocks (one wider chain)
-    included."""
+def random_vllm_job(seed: int, min_blocks: int = 1, skipped: float = 0.0) -> tuple:
+    """A random one-group job over vLLM's layout (6 layers): its layout, memory map,
+    region size and plan_job's arguments after the map (rank, block_ids, sizes, first,
+    slots). Seeds mod 4 pick (blocks_per_chunk, world), odd seeds take consecutive GPU
+    blocks (a chunk's sub-blocks follow one another); `skipped`: the share of keys
+    without a slot."""
     rng = np.random.default_rng(100 + seed)
     bpc, world = [(1, 1), (2, 2), (4, 1), (1, 8)][seed % 4]
     rank = int(rng.integers(0, world))
     lay, mm, size = vllm_memmap(6, 4096, bpc, world, gap=4096 * (seed % 3))
     first = [int(rng.integers(0, bpc))]
-    sizes = [int(rng.integers(1, 20))]
-    if seed % 2:  # consecutive GPU blocks: a chunk's sub-blocks follow one another
+    sizes = [int(rng.integers(min_blocks, 20))]
+    if seed % 2:
         start = int(rng.integers(0, 40))
         block_ids = list(range(start, start + sizes[0]))
     else:
         block_ids = [int(b) for b in rng.choice(64, sizes[0], replace=False)]
     slot = lay.slot_bytes(0)
     n_keys = lay.chunks_per_group(sizes, first)[0]
-    slots = [None if rng.random() < 0.25 else int(k) * slot for k in rng.permutation(n_keys)]
-    plan = plan_job(lay, rank, mm, block_ids, sizes, first, slots)
-    want = reference_runs(lay, rank, mm, block_ids, sizes, first, slots)
+    slots = [
+        None if skipped and rng.random() < skipped else int(k) * slot
+        for k in rng.permutation(n_keys)
+    ]
+    return lay, mm, size, (rank, block_ids, sizes, first, slots)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_chained_plans_are_the_page_by_page_runs(seed: int) -> None:
+    """vLLM's layout plans per block (a plan of chains, its runs built only when
+    asked for), and those runs are exactly the page-by-page reference, skipped keys,
+    sub-blocks, partial chunks and a chunk's adjacent blocks (one wider chain)
+    included."""
+    lay, mm, size, job = random_vllm_job(seed, skipped=0.25)
+    rank = job[0]
+    plan = plan_job(lay, rank, mm, *job[1:])
+    want = reference_runs(lay, rank, mm, *job[1:])
     if not want:
         assert len(plan) == 0 and plan.nbytes == 0
         return
@@ -319,26 +333,6 @@ def test_chained_plans_are_the_page_by_page_runs(seed: int) -> None:
     assert not chains.inside([chains.region_end - 1], None)
 
 
-def random_vllm_job(seed: int, layers: int = 6) -> tuple:
-    """A random job over vLLM's layout, as test_chained_plans_are_the_page_by_page_runs
-    draws them: (layout, memory map, region size, plan_job's arguments after the map)."""
-    rng = np.random.default_rng(100 + seed)
-    bpc, world = [(1, 1), (2, 2), (4, 1), (1, 8)][seed % 4]
-    rank = int(rng.integers(0, world))
-    lay, mm, size = vllm_memmap(layers, 4096, bpc, world, gap=4096 * (seed % 3))
-    first = [int(rng.integers(0, bpc))]
-    sizes = [int(rng.integers(4, 20))]
-    if seed % 2:  # consecutive GPU blocks: a chunk's sub-blocks follow one another
-        start = int(rng.integers(0, 40))
-        block_ids = list(range(start, start + sizes[0]))
-    else:
-        block_ids = [int(b) for b in rng.choice(64, sizes[0], replace=False)]
-    slot = lay.slot_bytes(0)
-    n_keys = lay.chunks_per_group(sizes, first)[0]
-    slots = [int(k) * slot for k in rng.permutation(n_keys)]
-    return lay, mm, size, (rank, block_ids, sizes, first, slots)
-
-
 @pytest.mark.parametrize("seed", range(6))
 def test_the_cpu_engine_copies_chains_as_the_page_by_page_runs(
     seed: int, monkeypatch: pytest.MonkeyPatch
@@ -347,8 +341,8 @@ def test_the_cpu_engine_copies_chains_as_the_page_by_page_runs(
     run table), whole and cut between chains for several copy threads
     (CopyPlan.split); both ways the bytes it moves are those of the page-by-page runs,
     copied run by run, and nothing else changes."""
-    lay, mm, size, job = random_vllm_job(seed)
-    rank, block_ids, sizes, first, slots = job
+    lay, mm, size, job = random_vllm_job(seed, min_blocks=4)
+    rank = job[0]
     want = reference_runs(lay, rank, mm, *job[1:])
     pool_size = max(r[2] + r[3] for r in want) + 4096
     rng = np.random.default_rng(seed)
@@ -361,8 +355,8 @@ def test_the_cpu_engine_copies_chains_as_the_page_by_page_runs(
             CpuCopyEngine(compiled).copy(direction, [ArrayRegion(mem)], pool.ctypes.data, plan)
         return mem, pool
 
-    whole = plan_job(lay, rank, mm, block_ids, sizes, first, slots)
-    parts = plan_job(lay, rank, mm, block_ids, sizes, first, slots).split(3, 1)
+    whole = plan_job(lay, rank, mm, *job[1:])
+    parts = plan_job(lay, rank, mm, *job[1:]).split(3, 1)
     assert whole.chains is not None and len(parts) == min(3, len(whole.chains))
     assert all(p.chains is not None for p in parts)
     assert sum(len(p.chains) for p in parts) == len(whole.chains)
