@@ -24,6 +24,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from kvdepot.bench.inproc import LocalRegion
 from kvdepot.server.core import planner
 from kvdepot.server.core.job_check import check_job
 from kvdepot.server.core.layout import NamespaceLayout
@@ -31,22 +32,9 @@ from kvdepot.server.core.memory_map import LayerRef, MemoryMap, TensorView
 from kvdepot.server.core.planner import plan_copy
 from kvdepot.server.cuda.dma_plan import plan_dma
 from kvdepot.server.memory.copy_engine import STORE, CpuCopyEngine
-from kvdepot.server.memory.regions import MappedRegion
 
 PAGE = 64 << 10
 HOST_SPLIT = 8 << 20
-
-
-class _Unmapped(MappedRegion):
-    """A region's size and address only: `prepare` reads no byte of it."""
-
-    kind = "bench"
-
-    def __init__(self, size: int) -> None:
-        self.size, self.address = size, 1 << 40
-
-    def close(self) -> None:
-        pass
 
 
 def make_job(chunks: int, layers: int, engine: str = "cuda") -> Callable[[], object]:
@@ -66,7 +54,8 @@ def make_job(chunks: int, layers: int, engine: str = "cuda") -> Callable[[], obj
     slot = layout.slot_bytes(0)
     offsets = [rng.randrange(0, 4096) * slot for _ in range(chunks)]
 
-    cpu, regions = CpuCopyEngine(), [_Unmapped(layers * num_blocks * PAGE)]
+    # `prepare` reads no byte of the region: an address and a size are all it needs.
+    cpu, regions = CpuCopyEngine(), [LocalRegion(1 << 40, layers * num_blocks * PAGE)]
 
     def plan() -> object:
         shape = check_job(layout, memory, block_ids, [chunks], [0], keys=keys)

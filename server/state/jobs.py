@@ -289,8 +289,7 @@ class JobRunner:
             # Cut only for threads that would otherwise wait: when every thread has a
             # copy already (a TP=8 engine's ranks send eight jobs at once), parts add
             # hand-offs and no speed.
-            free = min(self._copy_queue.threads, self._copy_queue.idle)
-            parts = plan.split(free, engine.parallel_min_bytes)
+            parts = plan.split(self._copy_queue.idle, engine.parallel_min_bytes)
 
         with self._sessions.in_use(reg):
             try:
