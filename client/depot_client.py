@@ -379,7 +379,9 @@ class DepotClient:
         req = depot_pb2.OpenJobLaneRequest(
             session_id=session_id, fd_token=fd_token, kind=kind, batched_results=batched
         )
-        return self.stub.OpenJobLane(req, timeout=timeout)
+        # Opened as a session starts, as RegisterKV is: wait for the channel's reconnect
+        # back-off rather than fail at once with the error from the downtime.
+        return self.stub.OpenJobLane(req, timeout=timeout, wait_for_ready=True)
 
     # -- the streams' calls (opened here for kvdepot.client.session, .watch, and
     # .transfer_stream, which own and read them) ---------------------------------------
