@@ -395,7 +395,6 @@ def run_bench(args: argparse.Namespace) -> int:
                 plan.sizes,
                 plan.reps,
                 target=daemon.target if args.socket else None,
-                copy_threads=args.copy_threads,
             )
         )
         progress.step("GPU bench done")

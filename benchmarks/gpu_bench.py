@@ -6,7 +6,7 @@ KV tensors in vLLM's canonical layout (32 layers of 64 KiB pages: 2 MiB per bloc
 each layer its own region of one allocation), registers them with a daemon over
 CUDA IPC, and moves blocks in jobs of 1, 16 and 64 chunks (one chunk = one block
 here). Every job is submitted at once per round (the daemon pipelines them over its
-copy threads); a round moves `bytes_per_round` and takes the wall time from the
+GPU's copy threads); a round moves `bytes_per_round` and takes the wall time from the
 first submit to the last result.
 
 Beside it, in this process and on the same kinds of buffers (device memory, and
@@ -270,7 +270,7 @@ def run_gpu_bench(
     *,
     serve_cmd: Sequence[str] | None = None,
     pool_size: str = "4GiB",
-    copy_threads: int = 2,
+    gpu_copy_threads: int = 2,
     sizes: Sequence[int] = (1, 16, 64),
     reps: int = 3,
     bytes_per_round: int = GiB,
@@ -298,7 +298,12 @@ def run_gpu_bench(
         DaemonUnderTest(target)
         if target is not None
         # The daemon's own log level: its log says which copy path ran ("CUDA copies").
-        else OwnDaemon(pool_size, copy_threads, command=list(serve_cmd or []), log_level=None)
+        else OwnDaemon(
+            pool_size,
+            extra=["--gpu-copy-threads", str(gpu_copy_threads)],
+            command=list(serve_cmd or []),
+            log_level=None,
+        )
     )
     target = daemon.target
     client = DepotClient(target, client_name="kvdepot gpu bench").start()
@@ -326,7 +331,7 @@ def run_gpu_bench(
             "bytes_per_round": chunks * BLOCK,
             "reps": reps,
             "pool_bytes": stats.capacity_bytes,
-            "copy_threads": copy_threads,
+            "gpu_copy_threads": gpu_copy_threads,
             "inter_process_event": with_event,
             "rows": [],
         }
@@ -379,7 +384,7 @@ def format_table(result: dict[str, Any]) -> str:
         f"{result['driver_version']}, {result['batch_api']}, torch {result['torch']}",
         f"blocks of {result['block_bytes'] >> 20} MiB ({result['layers']} layers x "
         f"{result['page_bytes'] >> 10} KiB), {result['bytes_per_round'] >> 20} MiB per round, "
-        f"median of {result['reps']}, {result['copy_threads']} daemon copy threads",
+        f"median of {result['reps']}, {result['gpu_copy_threads']} copy threads of the GPU's own",
         f"targets: >= {STORE_TARGET_GBPS:.0f} GB/s each way and >= {RATIO_TARGET} of in-process "
         f"cudaMemcpyAsync",
         "",
@@ -407,7 +412,9 @@ def main(argv: list[str] | None = None) -> int:
         help="a python script to run as `kvdepot` (default: the module kvdepot.server.cli)",
     )
     p.add_argument("--pool-size", default="4GiB")
-    p.add_argument("--copy-threads", type=int, default=2)
+    p.add_argument(
+        "--gpu-copy-threads", type=int, default=2, help="the daemon's --gpu-copy-threads"
+    )
     p.add_argument("--sizes", default="1,16,64", help="chunks per job, comma-separated")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--round-mib", type=int, default=1024, help="MiB moved per round")
@@ -431,7 +438,7 @@ def main(argv: list[str] | None = None) -> int:
         args.target,
         serve_cmd=serve_cmd,
         pool_size=args.pool_size,
-        copy_threads=args.copy_threads,
+        gpu_copy_threads=args.gpu_copy_threads,
         sizes=[int(s) for s in args.sizes.split(",")],
         reps=args.reps,
         bytes_per_round=args.round_mib << 20,

@@ -60,10 +60,10 @@ def gpu_section(
     sizes: Sequence[int],
     reps: int,
     target: str | None = None,
-    copy_threads: int | None = None,
 ) -> dict[str, Any]:
     """The CUDA IPC path's figures (`gpu_bench`). Without `target` it starts its own
-    daemon: it sizes its own pool (GiB of page-locked memory)."""
+    daemon: it sizes its own pool (GiB of page-locked memory), and the GPU's copy
+    threads are its default (`--gpu-copy-threads`)."""
     why_not = need_cuda()
     if why_not:
         return {"skipped": why_not}
@@ -71,7 +71,6 @@ def gpu_section(
     def run() -> dict[str, Any]:
         from kvdepot.bench.gpu_bench import run_gpu_bench
 
-        extra = {"copy_threads": copy_threads} if copy_threads else {}
-        return run_gpu_bench(target, quick=quick, sizes=sizes, reps=reps, **extra)
+        return run_gpu_bench(target, quick=quick, sizes=sizes, reps=reps)
 
     return guarded("gpu_bench", run)

@@ -328,7 +328,17 @@ class DaemonSettings(DerivedSockets):
         2,
         parse=parsers.whole_number(1),
         metavar="N",
-        help="threads that copy bytes",
+        help="threads that copy bytes with the CPUs (shared memory, process memory, "
+        "inline and tier copies), shared by every engine",
+    )
+    gpu_copy_threads: int = setting(
+        "--gpu-copy-threads",
+        2,
+        parse=parsers.whole_number(1),
+        metavar="N",
+        help="copy threads of each GPU's own, which queue its DMA and wait for it: no "
+        "GPU's jobs wait behind another's (--copy-threads: the threads that copy with the "
+        "CPUs, shared)",
     )
     numa: str = setting(
         "--numa",

@@ -37,7 +37,9 @@ log = logging.getLogger("kvdepot.copy")
 
 
 class CopyQueue:
-    def __init__(self, threads: int, cpus: Sequence[frozenset[int] | None] = ()) -> None:
+    def __init__(
+        self, threads: int, cpus: Sequence[frozenset[int] | None] = (), name: str = "kvdepot-copy"
+    ) -> None:
         # (priority, sequence, item) under `_lock`; one token in `_tokens` per item.
         self._heap: list[tuple[int, int, Any]] = []
         self._lock = threading.Lock()
@@ -54,7 +56,7 @@ class CopyQueue:
             threading.Thread(
                 target=self._start,
                 args=(i, cpus[i] if i < len(cpus) else None, pinned[i]),
-                name=f"kvdepot-copy-{i}",
+                name=f"{name}-{i}",
                 daemon=True,
             )
             for i in range(threads)
@@ -212,3 +214,54 @@ def _set_result(fut: asyncio.Future[Any], value: Any) -> None:
 
 def _set_exception(fut: asyncio.Future[Any], exc: BaseException) -> None:
     fut.set_exception(exc)
+
+
+class CopyQueues:
+    """The daemon's copy threads: one shared queue for the copies the CPUs make, and a
+    queue of its own for each device that makes its copies itself.
+
+    A CPU copy (shared memory, process memory, the pool's inline and tier copies) keeps
+    its thread busy for as long as it moves bytes, so those threads are sized to the
+    cores (`--copy-threads`) and shared. A CUDA copy's thread only queues the DMA and
+    waits for it: sharing those threads would make one GPU's rank jobs wait behind
+    another GPU's (a TP=8 engine's eight ranks on two threads keep two of eight links
+    busy). So each device gets `device_threads` threads of its own (`--gpu-copy-threads`),
+    started at its first registration, and a device's jobs wait only for that device's.
+
+    Used on the event loop: `for_device` may start a device's threads (each pins itself
+    to `cpus`' sets, as the shared ones do); `close` at shutdown.
+    """
+
+    def __init__(
+        self,
+        threads: int,
+        cpus: Sequence[frozenset[int] | None] = (),
+        *,
+        device_threads: int = 2,
+        device_cpus: Sequence[frozenset[int] | None] = (),
+    ) -> None:
+        if device_threads < 1:
+            raise ValueError("device_threads must be at least 1")
+        self.shared = CopyQueue(threads, cpus)
+        self.device_threads = device_threads
+        self._device_cpus = list(device_cpus)
+        self.devices: dict[str, CopyQueue] = {}  # by device key, in the order first used
+
+    def for_device(self, device: str | None) -> CopyQueue:
+        """The queue for copies `device` makes (its own threads, started now if this is
+        its first copy); None: a CPU copy, the shared queue."""
+        if device is None:
+            return self.shared
+        q = self.devices.get(device)
+        if q is None:
+            q = self.devices[device] = CopyQueue(
+                self.device_threads, self._device_cpus, name=f"kvdepot-copy-{device}"
+            )
+            log.info("copy threads for device %s: %d of its own", device, self.device_threads)
+        return q
+
+    def close(self, timeout: float = 10.0) -> bool:
+        """Stops every queue's threads after their queued copies; False if a copy is
+        still running after `timeout` (its memory must then stay mapped)."""
+        stopped = [q.close(timeout) for q in (self.shared, *self.devices.values())]
+        return all(stopped)

@@ -184,9 +184,20 @@ def _progress(total: int, done: int, fraction: float, complete: bool) -> Any:
 
 
 def _numa_lines(numa: dict[str, Any] | None) -> list[str]:
-    """The placement in a line or two: one node needs no CPU list (every CPU is on it)."""
+    """The placement in a line or two (one node needs no CPU list: every CPU is on it),
+    and the GPUs' own copy threads, once a GPU has registered."""
     if numa is None:
         return []
+    gpus = numa.get("gpu_copy_devices") or []
+    extra = (
+        [f"GPU copy threads: {numa['gpu_copy_threads']} for each of {plural(len(gpus), 'GPU')}"]
+        if gpus
+        else []
+    )
+    return _placement_lines(numa) + extra
+
+
+def _placement_lines(numa: dict[str, Any]) -> list[str]:
     threads = numa["copy_threads"]
     if numa["policy"] == "off":
         pinned = sum(1 for t in threads if t["cpus"])

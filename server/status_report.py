@@ -42,6 +42,8 @@ NUMA_FIELDS = (
     "numa_basis",
     "numa_copy_thread_nodes",
     "numa_copy_thread_cpus",
+    "gpu_copy_devices",
+    "gpu_copy_threads",
 )
 # GetStats fields shown in their own sections; any other field goes to "remote"/"other".
 KNOWN_STATS = frozenset(
@@ -486,6 +488,9 @@ def _numa(s: admin_pb2.GetStatsResponse) -> dict[str, Any] | None:
             {"node": n if n >= 0 else None, "cpus": c or None}
             for n, c in zip(s.numa_copy_thread_nodes, s.numa_copy_thread_cpus, strict=False)
         ],
+        # Absent from a daemon older than --gpu-copy-threads: no GPU threads shown.
+        "gpu_copy_devices": list(getattr(s, "gpu_copy_devices", ())),
+        "gpu_copy_threads": getattr(s, "gpu_copy_threads", 0),
     }
 
 

@@ -35,6 +35,7 @@ KNOWN = {
     "--socket-group": "KVDEPOT_SOCKET_GROUP",
     "--no-destructive-admin": "KVDEPOT_NO_DESTRUCTIVE_ADMIN",
     "--copy-threads": "KVDEPOT_COPY_THREADS",
+    "--gpu-copy-threads": "KVDEPOT_GPU_COPY_THREADS",
     "--max-job-keys": "KVDEPOT_MAX_JOB_KEYS",
     "--reservation-timeout": "KVDEPOT_RESERVATION_TIMEOUT",
 }
@@ -129,6 +130,7 @@ def test_a_bad_environment_value_is_one_line_naming_the_variable(env: str, value
     ("flag", "value"),
     [
         ("--copy-threads", "abc"),
+        ("--gpu-copy-threads", "0"),
         ("--socket-mode", "999"),
         ("--pool-size", "lots"),
         ("--metrics-port", "70000"),

@@ -230,8 +230,12 @@ def test_daemon_places_and_reports(daemon_factory: DaemonFactory) -> None:
         report["policy"] == "preferred"
         and report["copy_threads"] == [{"node": 0, "cpus": cpus}] * 2
     )
+    # No GPU registered: no GPU copy threads (each GPU gets its own at its first).
+    assert (list(s.gpu_copy_devices), s.gpu_copy_threads) == ([], 2)
+    assert (report["gpu_copy_devices"], report["gpu_copy_threads"]) == ([], 2)
     screen = status("--socket", d.socket_path, "--interval", "0").stdout
     assert "numa        1 node: pool preferred on node 0, 2 copy threads on it" in screen
+    assert "GPU copy threads" not in screen
 
 
 def test_numa_off_leaves_the_kernel_to_it(daemon_factory: DaemonFactory) -> None:

@@ -117,3 +117,31 @@ def test_remote_tier_and_unknown_fields(guide_daemon: DaemonProcess) -> None:
         second.remote_healthy = True
         text = screen(build_report("/x.sock", None, Sample(2, second, [], [])))
         assert re.search(r"^remote\s+healthy\s*$", text, re.M), text
+
+
+def test_gpu_copy_threads_line(guide_daemon: DaemonProcess) -> None:
+    """Once GPUs have registered, the numa part says how many copy threads each has of its
+    own; a daemon older than --gpu-copy-threads shows none."""
+    from rich.console import Console
+
+    from kvdepot.server.status_render import render
+    from kvdepot.server.status_report import Sample, build_report
+
+    def screen(report: dict[str, Any]) -> str:
+        console = Console(width=WIDTH)
+        with console.capture() as cap:
+            console.print(render(report))
+        return cap.get()
+
+    ch, stub = admin(guide_daemon)
+    with ch:
+        live = stub.GetStats(admin_pb2.GetStatsRequest(), timeout=10)
+    live.gpu_copy_devices.extend(["GPU-0c1d", "GPU-77ab"])
+    live.gpu_copy_threads = 3
+    report = build_report("/x.sock", None, Sample(0, live, [], []))
+    assert report["numa"]["gpu_copy_devices"] == ["GPU-0c1d", "GPU-77ab"]
+    assert "GPU copy threads: 3 for each of 2 GPUs" in screen(report)
+    older = _stats_class({}, drop=("gpu_copy_devices", "gpu_copy_threads"))
+    old = older.FromString(live.SerializeToString())
+    report = build_report("/x.sock", None, Sample(0, old, [], []))
+    assert report["numa"]["gpu_copy_devices"] == [] and "GPU copy" not in screen(report)

@@ -132,6 +132,14 @@ class CudaCopyEngine(CopyEngine):
 
     # -- registration ------------------------------------------------------------------
 
+    def copy_device(self, regions: Sequence[MappedRegion]) -> str | None:
+        """The GPU the registration's memory is on: its DMA gets copy threads of its
+        own, so no GPU's jobs wait behind another's (one rank's regions are on one GPU)."""
+        for region in regions:
+            if isinstance(region, CudaIpcRegion):
+                return region.device.uuid
+        return None
+
     def open_region(
         self, handle: object, session: object = None
     ) -> tuple[MappedRegion, CopyEngine]:

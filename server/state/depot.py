@@ -40,7 +40,7 @@ from collections.abc import Callable, Sequence
 
 from kvdepot.common.jobs import Job, JobResult
 from kvdepot.server import errors
-from kvdepot.server.copy_queue import CopyQueue
+from kvdepot.server.copy_queue import CopyQueues
 from kvdepot.server.core.index import BlockIndex, IndexEvent
 from kvdepot.server.core.kinds import PutOutcome
 from kvdepot.server.memory import journal_file, pool_file
@@ -99,12 +99,20 @@ class DepotState:
             max_unattested=config.max_unattested_sessions,
         )
         self.traffic = Traffic()
-        self.copy_queue = CopyQueue(config.copy_threads, arena.placement.cpus(config.copy_threads))
+        # The shared CPU copy threads (`copy_queue`: jobs, inline and tier copies) and
+        # each GPU's own (`copy_queues.devices`: its jobs' DMA waits).
+        self.copy_queues = CopyQueues(
+            config.copy_threads,
+            arena.placement.cpus(config.copy_threads),
+            device_threads=config.gpu_copy_threads,
+            device_cpus=arena.placement.cpus(config.gpu_copy_threads),
+        )
+        self.copy_queue = self.copy_queues.shared
         self.jobs = JobRunner(
             index,
             self._sessions,
             arena,
-            self.copy_queue,
+            self.copy_queues,
             self.traffic,
             JobLimits(config.max_job_keys, config.max_job_blocks, config.max_job_pages),
             lambda: self.shutting_down,
@@ -209,7 +217,7 @@ class DepotState:
     def close(self) -> None:
         if self._recovery is not None:
             self._recovery.stop()  # it reads the pool: before the unmap
-        stopped = self.copy_queue.close()
+        stopped = self.copy_queues.close()
         if not stopped:
             log.error("a copy did not end within the shutdown grace: memory stays mapped")
         if self.fd_receiver is not None:

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from kvdepot.common.jobs import Job, JobResult
 from kvdepot.common.kinds import Direction
 from kvdepot.server import errors
-from kvdepot.server.copy_queue import CopyQueue
+from kvdepot.server.copy_queue import CopyQueues
 from kvdepot.server.core.index import BlockIndex, Slot
 from kvdepot.server.core.job_check import JobShape, check_job, slice_shape
 from kvdepot.server.core.layout import NamespaceLayout
@@ -74,7 +74,7 @@ class JobRunner:
         index: BlockIndex,
         sessions: Sessions,
         arena: Arena,
-        copy_queue: CopyQueue,
+        copy_queues: CopyQueues,
         traffic: Traffic,
         limits: JobLimits | int,
         refusing: Callable[[], bool],
@@ -82,7 +82,7 @@ class JobRunner:
         self._index = index
         self._sessions = sessions
         self._arena = arena
-        self._copy_queue = copy_queue
+        self._copy_queues = copy_queues
         self._traffic = traffic
         # An int is --max-job-keys alone (the other limits at their defaults).
         self.limits = limits if isinstance(limits, JobLimits) else JobLimits(keys=limits)
@@ -240,6 +240,7 @@ class JobRunner:
         slices. Every slice handed over has ended before this returns or raises."""
         engine, regions, pool = reg.engine, reg.regions, self._arena.address
         assert reg.memory is not None and engine is not None
+        copy_queue = self._copy_queues.for_device(reg.copy_device)
         copies: list[asyncio.Future[tuple[float, float]]] = []
         nbytes = 0
         with self._sessions.in_use(reg):
@@ -254,7 +255,7 @@ class JobRunner:
                     nbytes += plan.nbytes
                     copies.append(
                         asyncio.ensure_future(
-                            self._copy_queue.run(functools.partial(_timed, prepared), job.expedited)
+                            copy_queue.run(functools.partial(_timed, prepared), job.expedited)
                         )
                     )
             except errors.DepotError:
@@ -284,12 +285,13 @@ class JobRunner:
         engine, regions, pool = reg.engine, reg.regions, self._arena.address
         assert engine is not None
         direction = job.direction
+        copy_queue = self._copy_queues.for_device(reg.copy_device)
         parts = [plan]
         if engine.parallel_min_bytes:
             # Cut only for threads that would otherwise wait: when every thread has a
             # copy already (a TP=8 engine's ranks send eight jobs at once), parts add
             # hand-offs and no speed.
-            parts = plan.split(self._copy_queue.idle, engine.parallel_min_bytes)
+            parts = plan.split(copy_queue.idle, engine.parallel_min_bytes)
 
         with self._sessions.in_use(reg):
             try:
@@ -298,17 +300,14 @@ class JobRunner:
                     engine.prepare(direction, regions, pool, p, self._arena.size) for p in parts
                 ]
                 if len(copies) == 1:
-                    t0, t1 = await self._copy_queue.run(
+                    t0, t1 = await copy_queue.run(
                         functools.partial(_timed, copies[0]), job.expedited
                     )
                     return t1 - t0
                 # Every part ends before the job does (return_exceptions): a
                 # failed part must not release slots another part still writes.
                 spans = await asyncio.gather(
-                    *(
-                        self._copy_queue.run(functools.partial(_timed, c), job.expedited)
-                        for c in copies
-                    ),
+                    *(copy_queue.run(functools.partial(_timed, c), job.expedited) for c in copies),
                     return_exceptions=True,
                 )
                 for span in spans:

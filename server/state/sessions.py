@@ -102,6 +102,9 @@ class Registration:
     memory: MemoryMap | None  # None: inline (Put/Get only)
     engine: CopyEngine | None
     registered_bytes: int
+    # The device that makes this registration's copies (CopyEngine.copy_device; None:
+    # the CPUs): its jobs go to that device's copy threads.
+    copy_device: str | None = None
     inflight: int = 0  # copies using the regions now
     closing: bool = False  # ended; unmapped when the last copy ends
 
@@ -346,6 +349,7 @@ class Sessions:
             memory=memory,
             engine=engine,
             registered_bytes=sum(r.size for r in mapped),
+            copy_device=engine.copy_device(mapped) if engine is not None else None,
         )
         self._next_registration += 1
         self.registrations[reg.id] = reg

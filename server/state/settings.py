@@ -19,6 +19,7 @@ class StateConfig(Protocol):
     slot_granularity: int
     reservation_timeout: float
     copy_threads: int
+    gpu_copy_threads: int  # each GPU's own copy threads (kvdepot.server.copy_queue.CopyQueues)
     numa: str  # --numa: where the pool and the copy threads go (server/memory/numa.py)
     # Sessions and what one may hold (Sessions, NamespaceAccess).
     max_sessions: int

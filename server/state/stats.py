@@ -90,6 +90,8 @@ def _numa_fields(state: DepotState) -> dict[str, object]:
             t[0] if t and cpus else -1 for t, cpus in zip(threads, queue.thread_cpus, strict=True)
         ],
         "numa_copy_thread_cpus": [format_cpulist(c) if c else "" for c in queue.thread_cpus],
+        "gpu_copy_devices": list(state.copy_queues.devices),
+        "gpu_copy_threads": state.copy_queues.device_threads,
     }
 
 

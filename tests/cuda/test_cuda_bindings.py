@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import threading
 from array import array
 from typing import Any
 
@@ -451,12 +452,31 @@ def test_depot_state_end_to_end_through_the_real_bindings(
     records, syncs = fake.fake_count(b"records"), fake.fake_count(b"event_syncs")
 
     async def run() -> None:
-        out = await state.run_job(job(reg, session, 1, STORE, keys, [0, 1, 2, 3]))
-        assert out.success and out.bytes == 4 * layers * page, out
-        out = await state.run_job(job(reg, session, 2, LOAD, keys, [8, 9, 10, 11]))
-        assert out.success, out
+        # The GPU's jobs copy on threads of its own: with every shared (CPU) copy
+        # thread held, they still run.
+        gate = threading.Event()
+        held = [
+            asyncio.ensure_future(state.copy_queue.run(lambda: gate.wait(20)))
+            for _ in range(state.copy_queue.threads)
+        ]
+        await asyncio.sleep(0.05)
+        try:
+            out = await asyncio.wait_for(
+                state.run_job(job(reg, session, 1, STORE, keys, [0, 1, 2, 3])), 10
+            )
+            assert out.success and out.bytes == 4 * layers * page, out
+            out = await asyncio.wait_for(
+                state.run_job(job(reg, session, 2, LOAD, keys, [8, 9, 10, 11])), 10
+            )
+            assert out.success, out
+        finally:
+            gate.set()
+            await asyncio.gather(*held)
 
     asyncio.run(run())
+    uuid = format_uuid(bytes(range(160, 176)))
+    assert reg.copy_device == uuid and list(state.copy_queues.devices) == [uuid]
+    assert state.stats()["gpu_copy_devices"] == [uuid]
     gpu = ctypes.string_at(base + 65536, size)
     for t in tensors:
         for s, d in zip([0, 1, 2, 3], [8, 9, 10, 11], strict=True):

@@ -22,7 +22,7 @@
 #      node_bench.json (the node series: 8 engines x TP=8 over 1-8 daemon shards).
 #
 #   Settings: KVDEPOT_GPU_SWEEP="1:16,64 4:16" also runs the GPU benchmark against a
-#   daemon per entry, THREADS:SIZES (its --copy-threads, the job sizes in chunks),
+#   daemon per entry, THREADS:SIZES (its --gpu-copy-threads, the job sizes in chunks),
 #   with each table and the daemon's own account of its copy threads in the log;
 #   KVDEPOT_GPU_CPU_BENCH=0 skips the CPU series, KVDEPOT_GPU_NODE_BENCH=0 the node
 #   series, KVDEPOT_GPU_TESTS=0 the tests.
@@ -117,9 +117,9 @@ timeout 150 "$PY" -m kvdepot.bench.gpu_bench --serve-script tests/gpu/serve_cuda
     --out "$OUT" || rc=1
 for run in ${KVDEPOT_GPU_SWEEP:-}; do
     threads=${run%%:*} sizes=${run#*:}
-    echo "== GPU benchmark, daemon with --copy-threads $threads, jobs of $sizes chunks"
+    echo "== GPU benchmark, daemon with --gpu-copy-threads $threads, jobs of $sizes chunks"
     timeout 90 "$PY" -m kvdepot.bench.gpu_bench --serve-script tests/gpu/serve_cuda.py \
-        --copy-threads "$threads" --sizes "$sizes" --out "/tmp/kvdepot-sweep-$run" || rc=1
+        --gpu-copy-threads "$threads" --sizes "$sizes" --out "/tmp/kvdepot-sweep-$run" || rc=1
     grep -h "CUDA copies" "/tmp/kvdepot-sweep-$run/gpu_bench_daemon.log"
 done
 if [[ "${KVDEPOT_GPU_CPU_BENCH:-1}" != 0 ]]; then

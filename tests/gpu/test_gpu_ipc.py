@@ -51,6 +51,13 @@ def test_an_engine_stores_and_loads_every_byte_through_the_daemon(cuda_daemon) -
     d.wait_log(r"unmapped a \d+-byte allocation", timeout=20)
     st = admin(d.admin_target).GetStats(admin_pb2.GetStatsRequest(), timeout=5)
     assert st.registrations == 0 and st.warmup_complete
+    # The GPU's copies ran on copy threads of its own (they stay for its next engine).
+    from kvdepot.common import cuda_driver
+    from kvdepot.common.cuda_handles import format_uuid
+
+    served = {format_uuid(cuda_driver.load().device_info(0).uuid)}
+    assert set(st.gpu_copy_devices) <= served and st.gpu_copy_devices, st.gpu_copy_devices
+    assert st.gpu_copy_threads == 2
 
 
 def test_a_killed_engine_releases_its_mappings_in_the_daemon(cuda_daemon) -> None:

@@ -1,0 +1,72 @@
+"""CopyQueues: each device's copies wait for its own threads, never behind another
+device's or the CPU copies, and shutdown stops them all.
+
+A CUDA copy's thread queues the DMA and waits for it. On threads shared by every GPU, a
+TP=8 engine's eight rank jobs would take turns on two threads: two of eight links busy.
+Real threads here; the CUDA engine's `copy_device` (which names a registration's GPU)
+runs where CUDA does (tests/gpu).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+from kvdepot.server.copy_queue import CopyQueue, CopyQueues
+from kvdepot.server.memory.copy_engine import CpuCopyEngine
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def test_a_devices_copies_never_wait_behind_another_devices_or_the_cpus() -> None:
+    async def main() -> None:
+        before = threading.enumerate()
+        queues = CopyQueues(1, device_threads=1)
+        assert queues.for_device(None) is queues.shared
+        a, b = queues.for_device("GPU-a"), queues.for_device("GPU-b")
+        assert queues.for_device("GPU-a") is a and len({id(a), id(b), id(queues.shared)}) == 3
+        assert list(queues.devices) == ["GPU-a", "GPU-b"] and a.threads == 1
+        # GPU a's thread waits for a long DMA, and the CPU thread is busy too.
+        gate, cpu_gate = threading.Event(), threading.Event()
+        long_dma = asyncio.ensure_future(a.run(lambda: gate.wait(10)))
+        long_cpu = asyncio.ensure_future(queues.shared.run(lambda: cpu_gate.wait(10)))
+        await asyncio.sleep(0.05)
+        # GPU b's copy starts at once: it waits for neither.
+        assert await asyncio.wait_for(b.run(lambda: "b"), 5) == "b"
+        # GPU a's next copy waits for GPU a's own thread.
+        next_dma = asyncio.ensure_future(a.run(lambda: "a"))
+        await asyncio.sleep(0.1)
+        assert not next_dma.done()
+        gate.set()
+        cpu_gate.set()
+        assert await long_dma is True and await next_dma == "a" and await long_cpu is True
+        assert queues.close()
+        still = [t for t in threading.enumerate() if t not in before and t.is_alive()]
+        assert not still, still
+
+    asyncio.run(main())
+
+
+def test_on_one_shared_thread_the_second_device_would_wait() -> None:
+    # The control: what the test above rules out, on one queue for every device.
+    async def main() -> None:
+        shared = CopyQueue(1)
+        gate = threading.Event()
+        long_dma = asyncio.ensure_future(shared.run(lambda: gate.wait(10)))
+        await asyncio.sleep(0.05)
+        other = asyncio.ensure_future(shared.run(lambda: "b"))
+        await asyncio.sleep(0.1)
+        assert not other.done()
+        gate.set()
+        assert await long_dma is True and await other == "b"
+        assert shared.close()
+
+    asyncio.run(main())
+
+
+def test_cpu_copies_name_no_device() -> None:
+    assert CpuCopyEngine().copy_device([]) is None
+    with pytest.raises(ValueError, match="device_threads"):
+        CopyQueues(1, device_threads=0)
