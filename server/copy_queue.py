@@ -30,6 +30,7 @@ import logging
 import os
 import queue
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -263,5 +264,11 @@ class CopyQueues:
     def close(self, timeout: float = 10.0) -> bool:
         """Stops every queue's threads after their queued copies; False if a copy is
         still running after `timeout` (its memory must then stay mapped)."""
-        stopped = [q.close(timeout) for q in (self.shared, *self.devices.values())]
+        # One deadline for them all: a GPU whose DMA hangs must not add its wait to
+        # every other's (the queues keep copying meanwhile).
+        deadline = time.monotonic() + timeout
+        stopped = [
+            q.close(max(0.0, deadline - time.monotonic()))
+            for q in (self.shared, *self.devices.values())
+        ]
         return all(stopped)

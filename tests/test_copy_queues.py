@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import pytest
 
@@ -70,3 +71,21 @@ def test_cpu_copies_name_no_device() -> None:
     assert CpuCopyEngine().copy_device([]) is None
     with pytest.raises(ValueError, match="device_threads"):
         CopyQueues(1, device_threads=0)
+
+
+def test_close_waits_once_for_every_stuck_device_together() -> None:
+    async def main() -> None:
+        queues = CopyQueues(1, device_threads=1)
+        gate = threading.Event()
+        stuck = [
+            asyncio.ensure_future(queues.for_device(f"GPU-{i}").run(lambda: gate.wait(10)))
+            for i in range(3)
+        ]
+        await asyncio.sleep(0.05)
+        t = time.monotonic()
+        assert not queues.close(timeout=0.5)  # their DMA never ends: memory stays mapped
+        assert time.monotonic() - t < 1.0  # one 0.5 s wait, not one per GPU
+        gate.set()
+        await asyncio.gather(*stuck)
+
+    asyncio.run(main())
