@@ -11,12 +11,22 @@ import threading
 import numpy as np
 import pytest
 
+from kvdepot.common.cuda_driver import DeviceInfo
+from kvdepot.common.cuda_handles import parse_uuid
 from kvdepot.server import errors
 from kvdepot.server.core.memory_map import LayerRef
 from kvdepot.server.cuda import cuda_path, enable_cuda
 from kvdepot.server.memory.copy_engine import LOAD, STORE
 from kvdepot.server.state import DepotState
-from tests.support.fake_cuda import FakeDriver, ipc_msg, job, make_key, register_fake_engine
+from tests.support.fake_cuda import (
+    UUID0,
+    UUID1,
+    FakeDriver,
+    ipc_msg,
+    job,
+    make_key,
+    register_fake_engine,
+)
 
 # -- registration lifecycle through the real DepotState --------------------------------
 
@@ -89,3 +99,36 @@ def test_unregister_closes_the_mapping_and_bad_handles_leave_no_registration(
     err = errors.as_depot_error(exc.value)  # the status the service answers with
     assert err is not None and err.code.name == "INVALID_ARGUMENT"
     assert not drv.open_counts and not state.registrations
+
+
+def test_a_gpus_jobs_never_wait_behind_another_gpus(state: DepotState) -> None:
+    """Each GPU copies on threads of its own: with GPU 0's DMA hung on every one of its
+    threads, GPU 1's job still runs; GPU 0's jobs end once its DMA does."""
+    drv = FakeDriver(
+        [DeviceInfo(0, parse_uuid(UUID0), "H200 a"), DeviceInfo(1, parse_uuid(UUID1), "H200 b")]
+    )
+    assert enable_cuda(state, state.arena, driver=drv, env={})
+    s0, r0, _, _, _ = register_fake_engine(state, drv, uuid=UUID0, namespace="gpu-a")
+    s1, r1, _, _, _ = register_fake_engine(state, drv, uuid=UUID1, namespace="gpu-b")
+    assert (r0.copy_device, r1.copy_device) == (UUID0, UUID1)
+    threads = state.copy_queues.device_threads
+    drv.sync_gates[0] = gate = threading.Event()
+
+    async def run() -> None:
+        hung = [
+            asyncio.ensure_future(state.run_job(job(r0, s0, 1 + i, STORE, [make_key(10 + i)], [i])))
+            for i in range(threads)
+        ]
+        try:
+            await asyncio.sleep(0.1)
+            out = await asyncio.wait_for(
+                state.run_job(job(r1, s1, 9, STORE, [make_key(20)], [0])), 10
+            )
+            assert out.success and out.stored_keys == 1, out
+            assert not any(h.done() for h in hung)
+        finally:
+            gate.set()
+        assert all(o.success for o in await asyncio.gather(*hung))
+
+    asyncio.run(run())
+    assert list(state.copy_queues.devices) == [UUID0, UUID1]

@@ -51,6 +51,9 @@ class FakeDriver:
         self.fail_register_after: int | None = None
         self.fail_open: CudaError | None = None
         self.copy_gate: threading.Event | None = None
+        # By device ordinal: a job's completion wait on that device blocks until set
+        # (its DMA "runs" that long).
+        self.sync_gates: dict[int, threading.Event] = {}
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
 
@@ -141,6 +144,9 @@ class FakeDriver:
 
     def event_synchronize(self, event: int) -> None:
         assert event in self.own_events
+        gate = self.sync_gates.get(getattr(self.current, "ctx", 0) - 1000)
+        if gate is not None:
+            gate.wait(20)
         self.log.append(("done", event))
 
     def host_register(self, ptr: int, size: int, flags: int = 1) -> None:
@@ -221,18 +227,24 @@ def make_key(i: int) -> bytes:
 
 
 def register_fake_engine(
-    st: DepotState, drv: FakeDriver, nb: int = 16, layers: int = 8, page: int = 16384
+    st: DepotState,
+    drv: FakeDriver,
+    nb: int = 16,
+    layers: int = 8,
+    page: int = 16384,
+    uuid: str = UUID0,
+    namespace: str = "cuda-ns",
 ) -> tuple[Any, Any, Any, NamespaceLayout, Any]:
     handle, buf = drv.export(layers * nb * page + 4096)
     session = st.open_session("fake-engine", 1234, "e0")
-    lay = NamespaceLayout("cuda-ns", 1, 1, ((page,) * layers,))
+    lay = NamespaceLayout(namespace, 1, 1, ((page,) * layers,))
     tensors = [TensorView(0, i * nb * page, nb, page, page) for i in range(layers)]
     refs = [[LayerRef(i, 0, page) for i in range(layers)]]
     reg = st.register(
         session.id,
         lay,
         0,
-        [("cuda_ipc", ipc_msg(handle, layers * nb * page, offset=4096))],
+        [("cuda_ipc", ipc_msg(handle, layers * nb * page, offset=4096, uuid=uuid))],
         tensors,
         refs,
     )
