@@ -30,11 +30,12 @@ static void release_columns(Py_buffer views[], int held) {
     }
 }
 
-/* Three columns of one length: `names` name them in errors, `fn` the caller. Returns
- * their length with every view held (release_columns(views, 3)), or -1 with none held
- * and an exception set. */
+/* Three columns of one length, the third of byte counts: `names` name them in errors,
+ * `fn` the caller, and `negative` (a format of the entry's index and value) says what a
+ * negative count is. Returns their length with every view held (release_columns(views,
+ * 3)), or -1 with none held and an exception set. */
 static Py_ssize_t get_columns(const char *fn, PyObject *const objs[3], const char *const names[3],
-                              Py_buffer views[3]) {
+                              const char *negative, Py_buffer views[3]) {
     for (int c = 0; c < 3; c++) {
         if (PyObject_GetBuffer(objs[c], &views[c], PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
             release_columns(views, c);
@@ -57,6 +58,14 @@ static Py_ssize_t get_columns(const char *fn, PyObject *const objs[3], const cha
         release_columns(views, 3);
         return -1;
     }
+    const int64_t *sizes = views[2].buf;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        if (sizes[i] < 0) {
+            PyErr_Format(PyExc_ValueError, negative, i, (long long)sizes[i]);
+            release_columns(views, 3);
+            return -1;
+        }
+    }
     return count;
 }
 
@@ -67,19 +76,12 @@ static PyObject *copy_runs(PyObject *self, PyObject *args) {
     }
     static const char *const names[3] = {"dst", "src", "nbytes"};
     Py_buffer views[3];
-    Py_ssize_t count = get_columns("copy_runs", objs, names, views);
+    Py_ssize_t count =
+        get_columns("copy_runs", objs, names, "copy_runs: run %zd has %lld bytes", views);
     if (count < 0) {
         return NULL;
     }
     const int64_t *d = views[0].buf, *s = views[1].buf, *k = views[2].buf;
-    for (Py_ssize_t i = 0; i < count; i++) {
-        if (k[i] < 0) {
-            PyErr_Format(PyExc_ValueError, "copy_runs: run %zd has %lld bytes", i,
-                         (long long)k[i]);
-            release_columns(views, 3);
-            return NULL;
-        }
-    }
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t i = 0; i < count; i++) {
         memcpy((void *)(uintptr_t)d[i], (const void *)(uintptr_t)s[i], (size_t)k[i]);
@@ -103,19 +105,12 @@ static PyObject *copy_chains(PyObject *self, PyObject *args) {
     }
     static const char *const names[3] = {"dst_starts", "src_starts", "widths"};
     Py_buffer views[3];
-    Py_ssize_t count = get_columns("copy_chains", objs, names, views);
+    Py_ssize_t count = get_columns("copy_chains", objs, names,
+                                   "copy_chains: chain %zd is %lld bytes wide", views);
     if (count < 0) {
         return NULL;
     }
     const int64_t *d = views[0].buf, *s = views[1].buf, *k = views[2].buf;
-    for (Py_ssize_t i = 0; i < count; i++) {
-        if (k[i] < 0) {
-            PyErr_Format(PyExc_ValueError, "copy_chains: chain %zd is %lld bytes wide", i,
-                         (long long)k[i]);
-            release_columns(views, 3);
-            return NULL;
-        }
-    }
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t i = 0; i < count; i++) {
         uintptr_t dc = (uintptr_t)dst_base + (uintptr_t)d[i];
