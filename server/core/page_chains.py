@@ -3,7 +3,8 @@
 Built by the planner (kvdepot.server.core.planner) for a one-group job whose layers lie
 one pitch apart on both sides; read by the copy engines (the CUDA engine's 2-D copies,
 the CPU engine's `copy_chains`) and by their bounds check. Plain data with the few
-operations on it that need no plan: bounds, pieces for copy threads, and the runs.
+operations on it that need no plan: bounds, pieces for copy threads, and the runs;
+and `equal_cuts`, how plans and chains are cut into pieces of about equal bytes.
 """
 
 from __future__ import annotations
@@ -50,10 +51,7 @@ class PageChains:
     def split(self, parts: int) -> list[PageChains]:
         """Consecutive chains in at most `parts` pieces of about equal bytes, none empty
         (copy threads share a large job's chains: CopyPlan.split)."""
-        ends = np.cumsum(self.widths)
-        total = int(ends[-1]) if len(ends) else 0
-        cuts = np.searchsorted(ends, [total * i // parts for i in range(1, parts)], "right")
-        bounds = [0, *np.unique(cuts).tolist(), len(self)]
+        bounds = [0, *equal_cuts(self.widths, parts), len(self)]
         return [self._piece(lo, hi) for lo, hi in itertools.pairwise(bounds) if hi > lo]
 
     def _piece(self, lo: int, hi: int) -> PageChains:
@@ -97,3 +95,13 @@ class PageChains:
             and self.region_end <= region_sizes[self.region]
             and (pool_size is None or self.pool_end <= pool_size)
         )
+
+
+def equal_cuts(sizes: np.ndarray, parts: int) -> list[int]:
+    """Where to cut items of `sizes` bytes, in order and never inside one, into at most
+    `parts` consecutive pieces of about equal bytes: the distinct cut indices, ascending
+    (a piece between two equal cuts, or past the last item, would be empty)."""
+    ends = np.cumsum(sizes)
+    total = int(ends[-1]) if len(ends) else 0
+    cuts = np.searchsorted(ends, [total * i // parts for i in range(1, parts)], "right")
+    return np.unique(cuts).tolist()

@@ -32,7 +32,7 @@ import numpy as np
 from kvdepot.server.core.job_check import JobShape, check_job
 from kvdepot.server.core.layout import NamespaceLayout
 from kvdepot.server.core.memory_map import MemoryMap
-from kvdepot.server.core.page_chains import PageChains
+from kvdepot.server.core.page_chains import PageChains, equal_cuts
 
 try:  # built from _plan.c when the install had a C compiler (pyproject.toml)
     from kvdepot.server.core import _plan as compiled
@@ -189,11 +189,9 @@ class CopyPlan:
                 for c in chains.split(parts)
             ]
         cols = self.columns
-        ends = np.cumsum(cols[3])
-        cuts = np.searchsorted(ends, [total * i // parts for i in range(1, parts)], "right")
         return [
             CopyPlan.from_columns(piece, int(piece[3].sum()))
-            for piece in np.split(cols, np.unique(cuts), axis=1)
+            for piece in np.split(cols, equal_cuts(cols[3], parts), axis=1)
             if piece.shape[1]
         ]
 
