@@ -136,6 +136,7 @@ _PROTOTYPES: dict[str, tuple[tuple[str, ...], list[Any]]] = {
     "cuDeviceGet": (("cuDeviceGet",), [_P(c_int), c_int]),
     "cuDeviceGetName": (("cuDeviceGetName",), [c_char_p, c_int, c_int]),
     "cuDeviceGetUuid": (("cuDeviceGetUuid_v2", "cuDeviceGetUuid"), [_P(CUuuid), c_int]),
+    "cuDeviceGetPCIBusId": (("cuDeviceGetPCIBusId",), [c_char_p, c_int, c_int]),
     "cuDevicePrimaryCtxRetain": (("cuDevicePrimaryCtxRetain",), [_P(CUcontext), c_int]),
     "cuDevicePrimaryCtxRelease": (
         ("cuDevicePrimaryCtxRelease_v2", "cuDevicePrimaryCtxRelease"),
@@ -232,6 +233,7 @@ class DeviceInfo:
     ordinal: int  # in this process (after CUDA_VISIBLE_DEVICES)
     uuid: bytes  # 16 raw bytes: the identity that is the same in every process
     name: str
+    pci_bus_id: str = ""  # as the driver writes it ("0000:3B:00.0"): where it sits on the host
 
 
 class CudaDriver:
@@ -310,14 +312,21 @@ class CudaDriver:
         return n.value
 
     def device_info(self, ordinal: int) -> DeviceInfo:
-        """UUID and name of a device, without creating a context on it."""
+        """UUID, name and PCI address of a device, without creating a context on it."""
         dev = c_int()
         self._call("cuDeviceGet", byref(dev), ordinal)
         uuid = CUuuid()
         self._call("cuDeviceGetUuid", byref(uuid), dev)
         name = ctypes.create_string_buffer(256)
         self._call("cuDeviceGetName", name, 256, dev)
-        return DeviceInfo(ordinal, bytes(uuid.bytes[:16]), name.value.decode(errors="replace"))
+        bus_id = ctypes.create_string_buffer(32)  # 13 bytes suffice ("0000:3B:00.0")
+        self._call("cuDeviceGetPCIBusId", bus_id, 32, dev)
+        return DeviceInfo(
+            ordinal,
+            bytes(uuid.bytes[:16]),
+            name.value.decode(errors="replace"),
+            bus_id.value.decode(errors="replace"),
+        )
 
     def devices(self) -> list[DeviceInfo]:
         return [self.device_info(i) for i in range(self.device_count())]

@@ -191,6 +191,14 @@ class _Ticket:
         self.waiter: asyncio.Future[None] | None = None
 
 
+# (pci_bus_id, count) -> (node, CPUs) or None for each of a device's `count` threads.
+DevicePlacement = Callable[[str, int], Sequence[tuple[int, frozenset[int]] | None]]
+
+
+def _unpinned(pci_bus_id: str, count: int) -> list[None]:
+    return [None] * count
+
+
 _Ended = tuple["_Ticket", "asyncio.Future[Any]", Callable[["asyncio.Future[Any]", Any], None], Any]
 
 
@@ -228,9 +236,12 @@ class CopyQueues:
     another GPU's (a TP=8 engine's eight ranks on two threads keep two of eight links
     busy). So each device gets `device_threads` threads of its own (`--gpu-copy-threads`),
     started at its first registration, and a device's jobs wait only for that device's.
+    `device_placement(pci_bus_id, count)` says where they run: (node, CPUs) for each
+    thread, or None for one not pinned (the NUMA placement's `device_threads`: the
+    device's own node).
 
     Used on the event loop: `for_device` may start a device's threads (each pins itself
-    to `cpus`' sets, as the shared ones do); `close` at shutdown.
+    to its CPU set, as the shared ones do); `close` at shutdown.
     """
 
     def __init__(
@@ -239,26 +250,49 @@ class CopyQueues:
         cpus: Sequence[frozenset[int] | None] = (),
         *,
         device_threads: int = 2,
-        device_cpus: Sequence[frozenset[int] | None] = (),
+        device_placement: DevicePlacement | None = None,
     ) -> None:
         if device_threads < 1:
             raise ValueError("device_threads must be at least 1")
         self.shared = CopyQueue(threads, cpus)
         self.device_threads = device_threads
-        self._device_cpus = list(device_cpus)
+        self._device_placement = device_placement or _unpinned
         self.devices: dict[str, CopyQueue] = {}  # by device key, in the order first used
+        # The node each device's threads run on, by key (-1: not pinned, or not to one
+        # node: the shared threads' round-robin where the host does not say the GPU's).
+        self.device_nodes: dict[str, int] = {}
 
-    def for_device(self, device: str | None) -> CopyQueue:
-        """The queue for copies `device` makes (its own threads, started now if this is
-        its first copy); None: a CPU copy, the shared queue."""
+    def for_device(self, device: tuple[str, str] | None) -> CopyQueue:
+        """The queue for copies `device` (its key and PCI address) makes: its own
+        threads, started now if this is its first copy; None: a CPU copy, the shared
+        queue."""
         if device is None:
             return self.shared
-        q = self.devices.get(device)
+        key, pci_bus_id = device
+        q = self.devices.get(key)
         if q is None:
-            q = self.devices[device] = CopyQueue(
-                self.device_threads, self._device_cpus, name=f"kvdepot-copy-{device}"
+            placed = self._device_placement(pci_bus_id, self.device_threads)
+            q = self.devices[key] = CopyQueue(
+                self.device_threads,
+                [p[1] if p else None for p in placed],
+                name=f"kvdepot-copy-{key}",
             )
-            log.info("copy threads for device %s: %d of its own", device, self.device_threads)
+            nodes = {
+                p[0] if p and cpus else -1 for p, cpus in zip(placed, q.thread_cpus, strict=True)
+            }
+            self.device_nodes[key] = nodes.pop() if len(nodes) == 1 else -1
+            where = (
+                f"on node {self.device_nodes[key]}"
+                if self.device_nodes[key] >= 0
+                else "not pinned to one node"
+            )
+            log.info(
+                "copy threads for device %s (PCI %s): %d of its own, %s",
+                key,
+                pci_bus_id or "unknown",
+                self.device_threads,
+                where,
+            )
         return q
 
     def close(self, timeout: float = 10.0) -> bool:

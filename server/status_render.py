@@ -189,12 +189,20 @@ def _numa_lines(numa: dict[str, Any] | None) -> list[str]:
     if numa is None:
         return []
     gpus = numa.get("gpu_copy_devices") or []
-    extra = (
-        [f"GPU copy threads: {numa['gpu_copy_threads']} for each of {plural(len(gpus), 'GPU')}"]
-        if gpus
-        else []
-    )
-    return _placement_lines(numa) + extra
+    if not gpus:
+        return _placement_lines(numa)
+    line = f"GPU copy threads: {numa['gpu_copy_threads']} for each of {plural(len(gpus), 'GPU')}"
+    # Where they run, on a host of several nodes (a daemon before per-GPU nodes sends none).
+    nodes = numa.get("gpu_copy_nodes") or []
+    if numa["host_nodes"] > 1 and any(n >= 0 for n in nodes):
+        per_node: dict[int, int] = {}
+        for n in nodes:
+            per_node[n] = per_node.get(n, 0) + 1
+        line += "; on " + ", ".join(
+            f"node {n} ({plural(k, 'GPU')})" if n >= 0 else f"no one node ({plural(k, 'GPU')})"
+            for n, k in sorted(per_node.items(), key=lambda nk: (nk[0] < 0, nk[0]))
+        )
+    return [*_placement_lines(numa), line]
 
 
 def _placement_lines(numa: dict[str, Any]) -> list[str]:

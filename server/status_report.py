@@ -44,6 +44,7 @@ NUMA_FIELDS = (
     "numa_copy_thread_cpus",
     "gpu_copy_devices",
     "gpu_copy_threads",
+    "gpu_copy_nodes",
 )
 # GetStats fields shown in their own sections; any other field goes to "remote"/"other".
 KNOWN_STATS = frozenset(
@@ -491,6 +492,7 @@ def _numa(s: admin_pb2.GetStatsResponse) -> dict[str, Any] | None:
         # Absent from a daemon older than --gpu-copy-threads: no GPU threads shown.
         "gpu_copy_devices": list(getattr(s, "gpu_copy_devices", ())),
         "gpu_copy_threads": getattr(s, "gpu_copy_threads", 0),
+        "gpu_copy_nodes": list(getattr(s, "gpu_copy_nodes", ())),
     }
 
 

@@ -3,19 +3,24 @@ device's or the CPU copies, and shutdown stops them all.
 
 A CUDA copy's thread queues the DMA and waits for it. On threads shared by every GPU, a
 TP=8 engine's eight rank jobs would take turns on two threads: two of eight links busy.
-Real threads here; the CUDA engine's `copy_device` (which names a registration's GPU)
-runs where CUDA does (tests/gpu).
+Each device's threads run on its own NUMA node: the placement comes from a fake host's
+sysfs (two nodes, a GPU on each), the pinning is real, on this host's CPUs. Real threads
+here; the CUDA engine's `copy_device` (which names a registration's GPU and its PCI
+address) runs over the fake driver (tests/cuda) and where CUDA does (tests/gpu).
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
 from kvdepot.server.copy_queue import CopyQueue, CopyQueues
+from kvdepot.server.memory import numa
 from kvdepot.server.memory.copy_engine import CpuCopyEngine
 
 pytestmark = pytest.mark.timeout(30)
@@ -26,8 +31,8 @@ def test_a_devices_copies_never_wait_behind_another_devices_or_the_cpus() -> Non
         before = threading.enumerate()
         queues = CopyQueues(1, device_threads=1)
         assert queues.for_device(None) is queues.shared
-        a, b = queues.for_device("GPU-a"), queues.for_device("GPU-b")
-        assert queues.for_device("GPU-a") is a and len({id(a), id(b), id(queues.shared)}) == 3
+        a, b = queues.for_device(("GPU-a", "")), queues.for_device(("GPU-b", ""))
+        assert queues.for_device(("GPU-a", "")) is a and len({id(a), id(b), id(queues.shared)}) == 3
         assert list(queues.devices) == ["GPU-a", "GPU-b"] and a.threads == 1
         # GPU a's thread waits for a long DMA, and the CPU thread is busy too.
         gate, cpu_gate = threading.Event(), threading.Event()
@@ -78,7 +83,7 @@ def test_close_waits_once_for_every_stuck_device_together() -> None:
         queues = CopyQueues(1, device_threads=1)
         gate = threading.Event()
         stuck = [
-            asyncio.ensure_future(queues.for_device(f"GPU-{i}").run(lambda: gate.wait(10)))
+            asyncio.ensure_future(queues.for_device((f"GPU-{i}", "")).run(lambda: gate.wait(10)))
             for i in range(3)
         ]
         await asyncio.sleep(0.05)
@@ -89,3 +94,51 @@ def test_close_waits_once_for_every_stuck_device_together() -> None:
         await asyncio.gather(*stuck)
 
     asyncio.run(main())
+
+
+def test_each_devices_threads_run_on_its_own_node(tmp_path: Path) -> None:
+    """A host with a GPU on each of two nodes (this host's two CPUs as the two nodes'):
+    each GPU's threads pin themselves to its node's CPU, whatever the shared threads'
+    placement; a GPU the host does not list keeps the shared threads' placement."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        pytest.skip("needs two CPUs to tell two nodes apart")
+    root = tmp_path
+    for node, cpu in enumerate(cpus[:2]):
+        (root / numa.NODE_DIR / f"node{node}").mkdir(parents=True)
+        (root / numa.NODE_DIR / f"node{node}" / "cpulist").write_text(f"{cpu}\n")
+        (root / numa.NODE_DIR / f"node{node}" / "meminfo").write_text(
+            f"Node {node} MemTotal:       1048576 kB\n"
+        )
+    for address, node in (("0000:18:00.0", 0), ("0000:9a:00.0", 1)):
+        dev = root / numa.PCI_DIR / address
+        dev.mkdir(parents=True)
+        (dev / "vendor").write_text("0x10de\n")
+        (dev / "class").write_text("0x030200\n")
+        (dev / "numa_node").write_text(f"{node}\n")
+    topology = numa.read_topology(tmp_path)
+    assert topology.gpu_addresses == ("0000:18:00.0", "0000:9a:00.0")
+    placement = numa.place("auto", topology, cpus)
+    assert placement.nodes == (0, 1)  # the pool over both GPUs' nodes, the threads too
+
+    queues = CopyQueues(
+        1, placement.cpus(1), device_threads=2, device_placement=placement.device_threads
+    )
+    try:
+        # The driver writes upper-case hex, sysfs lower-case: the same GPU.
+        on_1 = queues.for_device(("GPU-b", "0000:9A:00.0"))
+        on_0 = queues.for_device(("GPU-a", "0000:18:00.0"))
+        unknown = queues.for_device(("GPU-c", ""))
+        assert on_0.thread_cpus == [frozenset({cpus[0]})] * 2  # as the threads read it back
+        assert on_1.thread_cpus == [frozenset({cpus[1]})] * 2
+        assert unknown.thread_cpus == [frozenset({cpus[0]}), frozenset({cpus[1]})]
+        assert queues.device_nodes == {"GPU-b": 1, "GPU-a": 0, "GPU-c": -1}
+    finally:
+        assert queues.close()
+
+
+def test_the_drivers_pci_address_reads_as_sysfs_writes_it() -> None:
+    assert numa.pci_address("0000:3B:00.0") == "0000:3b:00.0"
+    assert numa.pci_address("00000000:3B:00.0") == "0000:3b:00.0"  # nvidia-smi's form
+    assert numa.pci_address("0001:c1:1f.7\n") == "0001:c1:1f.7"
+    assert numa.pci_address("") == numa.pci_address("GPU-0c1d") == ""

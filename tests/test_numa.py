@@ -90,6 +90,28 @@ def test_auto_interleaves_over_the_gpus_nodes_and_spreads_the_threads(
     assert "node 0: 0-15,32-47; node 1: 16-31,48-63" in p.describe()
 
 
+def test_each_gpus_copy_threads_go_on_its_own_node(host: numa.Topology) -> None:
+    """The pool interleaves over both sockets, but a GPU's own copy threads (its DMA's
+    issue and wait) go on its socket, found by the PCI address the driver gives."""
+    assert host.gpu_addresses == tuple(sorted(EIGHT_GPUS))
+    p = numa.place("auto", host, ALL_CPUS)
+    assert p.device_threads("0000:18:00.0", 2) == [(0, NODE0)] * 2
+    assert p.device_threads("0000:DB:00.0", 2) == [(1, NODE1)] * 2  # the driver's case
+    # A GPU the host does not list: the shared threads' placement.
+    assert p.device_threads("0000:77:00.0", 2) == p.threads(2)
+    assert p.device_threads("", 1) == p.threads(1)
+    # Shard 0 of 2 keeps its pool on socket 0, yet serves a GPU on socket 1 from there.
+    assert numa.place("auto", host, ALL_CPUS, 0, 2).device_threads("0000:9a:00.0", 1) == [
+        (1, NODE1)
+    ]
+    # Within a cpuset: only the CPUs the daemon may use; a node with none of them
+    # gives its GPUs the shared placement.
+    inside = numa.place("auto", host, range(16, 24))
+    assert inside.device_threads("0000:9a:00.0", 1) == [(1, frozenset(range(16, 24)))]
+    assert inside.device_threads("0000:18:00.0", 1) == inside.threads(1)
+    assert numa.place("off", host, ALL_CPUS).device_threads("0000:18:00.0", 2) == [None, None]
+
+
 def test_auto_gives_each_shard_the_node_of_its_gpus(host: numa.Topology) -> None:
     """Shard s serves consecutive ranks, so consecutive GPUs: on two sockets of four GPUs,
     two shards each keep to one socket; four shards pair up; three do not split evenly."""
@@ -231,7 +253,7 @@ def test_daemon_places_and_reports(daemon_factory: DaemonFactory) -> None:
         and report["copy_threads"] == [{"node": 0, "cpus": cpus}] * 2
     )
     # No GPU registered: no GPU copy threads (each GPU gets its own at its first).
-    assert (list(s.gpu_copy_devices), s.gpu_copy_threads) == ([], 2)
+    assert (list(s.gpu_copy_devices), s.gpu_copy_threads, list(s.gpu_copy_nodes)) == ([], 2, [])
     assert (report["gpu_copy_devices"], report["gpu_copy_threads"]) == ([], 2)
     screen = status("--socket", d.socket_path, "--interval", "0").stdout
     assert "numa        1 node: pool preferred on node 0, 2 copy threads on it" in screen

@@ -141,7 +141,18 @@ def test_gpu_copy_threads_line(guide_daemon: DaemonProcess) -> None:
     report = build_report("/x.sock", None, Sample(0, live, [], []))
     assert report["numa"]["gpu_copy_devices"] == ["GPU-0c1d", "GPU-77ab"]
     assert "GPU copy threads: 3 for each of 2 GPUs" in screen(report)
-    older = _stats_class({}, drop=("gpu_copy_devices", "gpu_copy_threads"))
+    assert "GPU copy threads: 3 for each of 2 GPUs;" not in screen(report)  # one node here
+    # On a host of two nodes, where each GPU's threads run (-1: not on one node).
+    live.numa_host_nodes = 2
+    live.gpu_copy_devices.append("GPU-9e2f")
+    live.gpu_copy_nodes.extend([1, 0, -1])
+    report = build_report("/x.sock", None, Sample(0, live, [], []))
+    assert report["numa"]["gpu_copy_nodes"] == [1, 0, -1]
+    assert (
+        "GPU copy threads: 3 for each of 3 GPUs; on node 0 (1 GPU), node 1 (1 GPU), "
+        "no one node (1 GPU)" in " ".join(screen(report).split())
+    )
+    older = _stats_class({}, drop=("gpu_copy_devices", "gpu_copy_threads", "gpu_copy_nodes"))
     old = older.FromString(live.SerializeToString())
     report = build_report("/x.sock", None, Sample(0, old, [], []))
     assert report["numa"]["gpu_copy_devices"] == [] and "GPU copy" not in screen(report)

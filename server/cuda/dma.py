@@ -132,12 +132,13 @@ class CudaCopyEngine(CopyEngine):
 
     # -- registration ------------------------------------------------------------------
 
-    def copy_device(self, regions: Sequence[MappedRegion]) -> str | None:
-        """The GPU the registration's memory is on: its DMA gets copy threads of its
-        own, so no GPU's jobs wait behind another's (one rank's regions are on one GPU)."""
+    def copy_device(self, regions: Sequence[MappedRegion]) -> tuple[str, str] | None:
+        """The GPU the registration's memory is on (UUID, PCI address): its DMA gets copy
+        threads of its own on its node, so no GPU's jobs wait behind another's (one
+        rank's regions are on one GPU)."""
         for region in regions:
             if isinstance(region, CudaIpcRegion):
-                return region.device.uuid
+                return region.device.uuid, region.device.info.pci_bus_id
         return None
 
     def open_region(

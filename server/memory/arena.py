@@ -21,6 +21,7 @@ If the kernel refuses the policy, the pool is served all the same and `placement
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import mmap
 import os
@@ -89,14 +90,9 @@ class Arena:
                 os.strerror(err)
             )
             log.warning("the pool's NUMA placement: %s; the kernel places it", why)
-            # The threads stay as placed: they are near the nodes asked for.
-            return numa.Placement(
-                "off",
-                basis=why,
-                host_nodes=placement.host_nodes,
-                thread_cpus=placement.thread_cpus,
-                thread_nodes=placement.thread_nodes,
-            )
+            # The threads stay as placed (the shared ones and each GPU's): they are
+            # near the nodes asked for.
+            return dataclasses.replace(placement, policy="off", nodes=(), basis=why)
         return placement
 
     def add_warmup_hook(self, hook: Callable[[int, int], None]) -> None:

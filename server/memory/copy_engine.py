@@ -118,11 +118,12 @@ class CopyEngine(ABC):
     # threads at once (0: never; the CUDA engine's DMA needs no threads for speed).
     parallel_min_bytes = 0
 
-    def copy_device(self, regions: Sequence[MappedRegion]) -> str | None:
+    def copy_device(self, regions: Sequence[MappedRegion]) -> tuple[str, str] | None:
         """Which device makes the copies of a registration over `regions`: None for an
         engine whose copies the CPUs make (they share the daemon's copy threads), else
-        the device's key (its copies get threads of their own: kvdepot.server.copy_queue.
-        CopyQueues). Asked once, when the registration is made."""
+        the device's key and PCI address ("" if unknown): its copies get threads of
+        their own, on its NUMA node (kvdepot.server.copy_queue.CopyQueues). Asked once,
+        when the registration is made."""
         return None
 
     @abstractmethod

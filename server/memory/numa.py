@@ -21,7 +21,10 @@ other nodes when it is full rather than failing a page fault; several get
 MPOL_INTERLEAVE. `NODE[,NODE]` binds (MPOL_BIND: the operator said where); `interleave`
 spreads over every node with CPUs; `off` sets no policy and pins no thread (the
 kernel's defaults: first touch, any CPU). Copy threads go round-robin over the pool's
-nodes, each pinned to its node's CPUs that the daemon may use.
+nodes, each pinned to its node's CPUs that the daemon may use. A GPU's own copy threads
+(server/copy_queue.CopyQueues) go on that GPU's node whenever the placement is not off
+(`Placement.device_threads`, by the PCI address the driver gives): they issue its DMA
+and wait for its completions, which the driver signals from that node's PCIe root.
 
 Called once at start on the main thread (startup.open_pool); `parse_setting` also runs
 in the settings table (server/config.py) so that a bad value is one line, exit 2.
@@ -52,6 +55,7 @@ class Node:
 class Topology:
     nodes: tuple[Node, ...]
     gpu_nodes: tuple[int, ...] = ()  # one entry per GPU: its node (GPUs without one left out)
+    gpu_addresses: tuple[str, ...] = ()  # each of those GPUs' PCI address (pci_address form)
 
     def node(self, node_id: int) -> Node | None:
         return next((n for n in self.nodes if n.id == node_id), None)
@@ -73,6 +77,9 @@ class Placement:
     basis: str = "off"  # why, for the log and `kvdepot status`
     host_nodes: int = 0
     thread_nodes: tuple[int, ...] = field(default=())  # the node of each thread_cpus entry
+    # Each GPU's node and the CPUs of it the daemon may use, by PCI address (GPUs whose
+    # node has none of those CPUs left out); empty when the placement is off.
+    gpu_cpus: tuple[tuple[str, int, frozenset[int]], ...] = field(default=())
 
     def threads(self, count: int) -> list[tuple[int, frozenset[int]] | None]:
         """(node, CPUs) for each of `count` copy threads, round-robin over the nodes;
@@ -85,6 +92,18 @@ class Placement:
     def cpus(self, count: int) -> list[frozenset[int] | None]:
         """The CPU set of each of `count` copy threads (`threads` without the nodes)."""
         return [t[1] if t else None for t in self.threads(count)]
+
+    def device_threads(
+        self, pci_bus_id: str, count: int
+    ) -> list[tuple[int, frozenset[int]] | None]:
+        """(node, CPUs) for each of `count` copy threads of the GPU at `pci_bus_id` (any
+        form `pci_address` reads): its own node's CPUs when the host says where it is,
+        else the shared threads' placement (`threads`)."""
+        address = pci_address(pci_bus_id)
+        for gpu, node, cpus in self.gpu_cpus:
+            if gpu == address:
+                return [(node, cpus)] * count
+        return self.threads(count)
 
     def describe(self) -> str:
         if self.policy == "off":
@@ -135,6 +154,18 @@ def format_cpulist(cpus: Iterable[int]) -> str:
 
 def format_list(nodes: Iterable[int]) -> str:
     return ",".join(str(n) for n in nodes)
+
+
+def pci_address(text: str) -> str:
+    """A PCI address in sysfs's form, "0000:3b:00.0", from the driver's ("0000:3B:00.0"
+    or "00000000:3B:00.0"); "" when `text` is not one."""
+    m = re.fullmatch(
+        r"([0-9a-fA-F]{1,8}):([0-9a-fA-F]{1,2}):([0-9a-fA-F]{1,2})\.([0-7])", text.strip()
+    )
+    if not m:
+        return ""
+    domain, bus, device, function = (int(g, 16) for g in m.groups())
+    return f"{domain:04x}:{bus:02x}:{device:02x}.{function:x}"
 
 
 def parse_meminfo_total(text: str) -> int:
@@ -209,6 +240,10 @@ def place(
         return Placement("off", basis="no node holds the daemon's CPUs", host_nodes=len(topo.nodes))
     pinned = [(n, topo.node(n).cpus & allowed) for n in nodes]  # type: ignore[union-attr]
     pinned = [(n, c) for n, c in pinned if c]  # a memory-only node gets no threads
+    gpu_cpus = [
+        (address, n, getattr(topo.node(n), "cpus", frozenset()) & allowed)
+        for address, n in zip(topo.gpu_addresses, topo.gpu_nodes, strict=False)
+    ]
     return Placement(
         policy,
         tuple(nodes),
@@ -216,6 +251,7 @@ def place(
         basis,
         len(topo.nodes),
         tuple(n for n, _ in pinned),
+        tuple((a, n, c) for a, n, c in gpu_cpus if c),
     )
 
 
@@ -245,7 +281,7 @@ def read_topology(root: Path | str = "/") -> Topology:
                 parse_meminfo_total(mem) if mem else 0,
             )
         )
-    gpus = []
+    gpus, addresses = [], []
     for dev in sorted((root / PCI_DIR).glob("*")):
         vendor, cls = _read(dev / "vendor"), _read(dev / "class")
         if vendor is None or cls is None:
@@ -255,7 +291,8 @@ def read_topology(root: Path | str = "/") -> Topology:
         node = _read(dev / "numa_node")
         if node is not None and node.strip().lstrip("-").isdigit() and int(node) >= 0:
             gpus.append(int(node))
-    return Topology(tuple(nodes), tuple(gpus))
+            addresses.append(pci_address(dev.name))
+    return Topology(tuple(nodes), tuple(gpus), tuple(addresses))
 
 
 def host_placement(

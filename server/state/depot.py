@@ -100,12 +100,12 @@ class DepotState:
         )
         self.traffic = Traffic()
         # The shared CPU copy threads (`copy_queue`: jobs, inline and tier copies) and
-        # each GPU's own (`copy_queues.devices`: its jobs' DMA waits).
+        # each GPU's own (`copy_queues.devices`: its jobs' DMA waits, on its node).
         self.copy_queues = CopyQueues(
             config.copy_threads,
             arena.placement.cpus(config.copy_threads),
             device_threads=config.gpu_copy_threads,
-            device_cpus=arena.placement.cpus(config.gpu_copy_threads),
+            device_placement=arena.placement.device_threads,
         )
         self.copy_queue = self.copy_queues.shared
         self.jobs = JobRunner(

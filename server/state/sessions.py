@@ -102,9 +102,9 @@ class Registration:
     memory: MemoryMap | None  # None: inline (Put/Get only)
     engine: CopyEngine | None
     registered_bytes: int
-    # The device that makes this registration's copies (CopyEngine.copy_device; None:
-    # the CPUs): its jobs go to that device's copy threads.
-    copy_device: str | None = None
+    # The device that makes this registration's copies (CopyEngine.copy_device: its
+    # key and PCI address; None: the CPUs): its jobs go to that device's copy threads.
+    copy_device: tuple[str, str] | None = None
     inflight: int = 0  # copies using the regions now
     closing: bool = False  # ended; unmapped when the last copy ends
 

@@ -91,6 +91,7 @@ def _numa_fields(state: DepotState) -> dict[str, object]:
         ],
         "numa_copy_thread_cpus": [format_cpulist(c) if c else "" for c in queue.thread_cpus],
         "gpu_copy_devices": list(state.copy_queues.devices),
+        "gpu_copy_nodes": [state.copy_queues.device_nodes[d] for d in state.copy_queues.devices],
         "gpu_copy_threads": state.copy_queues.device_threads,
     }
 

@@ -39,6 +39,7 @@ from tests.support.fake_cuda import HANDLE, UUID1, ipc_msg, job, make_key
 
 FAKE_LIBCUDA_C = r"""
 #include <cuda.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -123,6 +124,9 @@ CUresult CUDAAPI cuDeviceGetUuid(CUuuid *u, CUdevice d) {
   (void)d;
   for (int i = 0; i < 16; i++) u->bytes[i] = (char)(0xa0 + i);
   OK;
+}
+CUresult CUDAAPI cuDeviceGetPCIBusId(char *bus_id, int len, CUdevice d) {
+  (void)d; snprintf(bus_id, len, "0000:9A:00.0"); OK;  /* the driver's upper-case hex */
 }
 CUresult CUDAAPI cuDevicePrimaryCtxRetain(CUcontext *c, CUdevice d) {
   (void)d; n_ctx++; *c = (CUcontext)&CTX0; OK;
@@ -329,6 +333,7 @@ def test_real_bindings_marshal_every_call_right(fake_libcuda: str) -> None:
     (dev,) = drv.devices()
     assert dev.ordinal == 0 and dev.name == "Fake H200"
     assert dev.uuid == bytes(range(0xA0, 0xB0))
+    assert dev.pci_bus_id == "0000:9A:00.0"  # the NUMA placement reads it as sysfs's 9a
     assert fake.fake_count(b"contexts") == 0  # listing devices creates no context
     base = fake.fake_alloc(1 << 20, 0)
     with pytest.raises(CudaError) as exc:  # no current context yet
@@ -475,7 +480,7 @@ def test_depot_state_end_to_end_through_the_real_bindings(
 
     asyncio.run(run())
     uuid = format_uuid(bytes(range(160, 176)))
-    assert reg.copy_device == uuid and list(state.copy_queues.devices) == [uuid]
+    assert reg.copy_device == (uuid, "0000:9A:00.0") and list(state.copy_queues.devices) == [uuid]
     assert state.stats()["gpu_copy_devices"] == [uuid]
     gpu = ctypes.string_at(base + 65536, size)
     for t in tensors:

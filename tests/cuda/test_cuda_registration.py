@@ -105,12 +105,15 @@ def test_a_gpus_jobs_never_wait_behind_another_gpus(state: DepotState) -> None:
     """Each GPU copies on threads of its own: with GPU 0's DMA hung on every one of its
     threads, GPU 1's job still runs; GPU 0's jobs end once its DMA does."""
     drv = FakeDriver(
-        [DeviceInfo(0, parse_uuid(UUID0), "H200 a"), DeviceInfo(1, parse_uuid(UUID1), "H200 b")]
+        [
+            DeviceInfo(0, parse_uuid(UUID0), "H200 a", "0000:18:00.0"),
+            DeviceInfo(1, parse_uuid(UUID1), "H200 b", "0000:9A:00.0"),
+        ]
     )
     assert enable_cuda(state, state.arena, driver=drv, env={})
     s0, r0, _, _, _ = register_fake_engine(state, drv, uuid=UUID0, namespace="gpu-a")
     s1, r1, _, _, _ = register_fake_engine(state, drv, uuid=UUID1, namespace="gpu-b")
-    assert (r0.copy_device, r1.copy_device) == (UUID0, UUID1)
+    assert (r0.copy_device, r1.copy_device) == ((UUID0, "0000:18:00.0"), (UUID1, "0000:9A:00.0"))
     threads = state.copy_queues.device_threads
     drv.sync_gates[0] = gate = threading.Event()
 

@@ -54,10 +54,20 @@ def test_an_engine_stores_and_loads_every_byte_through_the_daemon(cuda_daemon) -
     # The GPU's copies ran on copy threads of its own (they stay for its next engine).
     from kvdepot.common import cuda_driver
     from kvdepot.common.cuda_handles import format_uuid
+    from kvdepot.server.memory import numa
 
-    served = {format_uuid(cuda_driver.load().device_info(0).uuid)}
+    info = cuda_driver.load().device_info(0)
+    served = {format_uuid(info.uuid)}
     assert set(st.gpu_copy_devices) <= served and st.gpu_copy_devices, st.gpu_copy_devices
     assert st.gpu_copy_threads == 2
+    # On the GPU's own node, as sysfs says it, when the host gives it one the daemon's
+    # CPUs are on.
+    topology = numa.read_topology("/")
+    node = dict(zip(topology.gpu_addresses, topology.gpu_nodes, strict=True)).get(
+        numa.pci_address(info.pci_bus_id), -1
+    )
+    if node in topology.nodes_of(os.sched_getaffinity(0)):
+        assert list(st.gpu_copy_nodes) == [node], (list(st.gpu_copy_nodes), info.pci_bus_id)
 
 
 def test_a_killed_engine_releases_its_mappings_in_the_daemon(cuda_daemon) -> None:
