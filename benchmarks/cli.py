@@ -232,6 +232,15 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _copy_times(s: Any) -> tuple[int, float]:
+    """The daemon's copies started and seconds they waited for a copy thread, CPU and GPU
+    threads together (0 from a daemon older than the copy-time fields)."""
+    return (
+        getattr(s, "copies_started", 0) + getattr(s, "gpu_copies_started", 0),
+        getattr(s, "copy_wait_seconds", 0.0) + getattr(s, "gpu_copy_wait_seconds", 0.0),
+    )
+
+
 def _pick(args: argparse.Namespace, name: str) -> Any:
     value = getattr(args, name, None)
     return value if value is not None else (QUICK if args.quick else FULL)[name]
@@ -348,7 +357,9 @@ def run_bench(args: argparse.Namespace) -> int:
         progress.label("the daemon maps the engines' memory")
         daemon.wait_mapped()
         progress.step("engines registered")
-        bench = ThroughputBench(plan, fleet, stats.capacity_bytes, progress)
+        bench = ThroughputBench(
+            plan, fleet, stats.capacity_bytes, progress, lambda: _copy_times(daemon.stats())
+        )
         verified = bench.verify()
         floor = bench.floor(_pick(args, "floor_jobs"))
         progress.label("the machine's limits: memmove bandwidth, bare gRPC echo")

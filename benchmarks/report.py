@@ -209,9 +209,10 @@ def format_table(result: dict[str, Any]) -> str:
     lines += [
         "",
         "Per job through the daemon (ms; overhead = client round trip - copy; "
-        "in daemon + wire = overhead)",
+        "in daemon + wire = overhead; queued: a copy's mean wait for a copy thread, "
+        "part of in daemon)",
         " chunks  dir      n |  rtt p50  rtt p99 | copy p50 | ovh p50  ovh p99 | in daemon"
-        "   wire | non-copy",
+        "   wire | non-copy | queued",
     ]
     for r in result["latency"]:
         lines.append(
@@ -220,7 +221,8 @@ def format_table(result: dict[str, Any]) -> str:
             f" {r['copy_ms']['p50']:8.3f} |"
             f" {r['overhead_ms']['p50']:7.3f} {r['overhead_ms']['p99']:8.3f} |"
             f" {r['in_daemon_ms']['p50']:9.3f} {r['wire_ms']['p50']:6.3f} |"
-            f" {r['noncopy_share']:7.1%}"
+            f" {r['noncopy_share']:7.1%}  |"
+            + (f" {q:6.3f}" if (q := r.get("copy_wait_ms_mean")) is not None else "      -")
         )
     fl = result.get("latency_floor")
     if fl:

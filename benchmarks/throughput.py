@@ -16,7 +16,9 @@ per-repetition ratios.
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -69,9 +71,17 @@ class ThroughputBench:
     """Runs the data-path series on a fleet of worker processes."""
 
     def __init__(
-        self, plan: ThroughputPlan, fleet: Fleet, capacity: int, progress: Progress
+        self,
+        plan: ThroughputPlan,
+        fleet: Fleet,
+        capacity: int,
+        progress: Progress,
+        copy_times: Callable[[], tuple[int, float]] | None = None,
     ) -> None:
+        """`copy_times` reads the daemon's copies started and seconds they waited for a
+        copy thread so far (GetStats), for each series' mean wait; None: not reported."""
         self.plan = plan
+        self.copy_times = copy_times
         self.fleet = fleet
         self.capacity = capacity
         self.progress = progress
@@ -182,6 +192,17 @@ class ThroughputBench:
             )
         return seq, sets
 
+    @contextlib.contextmanager
+    def _queue_wait(self, into: list[Any] | None) -> Iterator[None]:
+        """Adds the daemon's copies started and their seconds queued during the block
+        to `into` ([copies, seconds]); nothing when `into` or `copy_times` is None."""
+        before = self.copy_times() if into is not None and self.copy_times else None
+        yield
+        if before is not None and into is not None and self.copy_times:
+            copies, seconds = self.copy_times()
+            into[0] += copies - before[0]
+            into[1] += seconds - before[1]
+
     def _patterns(self, jobs: int) -> int:
         first, self.next_pattern = self.next_pattern, self.next_pattern + jobs + self.plan.warmup
         return first
@@ -204,6 +225,7 @@ class ThroughputBench:
             ratios: list[float] = []
             lat: list[tuple[float, float, float]] = []
             dropped = 0
+            waited = [0, 0.0]  # the daemon's copies and their seconds queued, over its runs
             # One engine process at a time: pair the modes job by job (the worker
             # alternates them). Several processes: whole runs alternate, so the
             # engines of one run all use the same path at the same time.
@@ -217,9 +239,10 @@ class ThroughputBench:
                     self.progress.label(f"{label}: {direction} {rep + 1}/{plan.reps}")
                     if direction == "store":
                         seq = self._seq((jobs + plan.warmup) * chunks)
-                    (reply,) = self._run(
-                        workers, "paired", direction, chunks, jobs, seq, key_sets, pattern
-                    )
+                    with self._queue_wait(waited):
+                        (reply,) = self._run(
+                            workers, "paired", direction, chunks, jobs, seq, key_sets, pattern
+                        )
                     runs = {"daemon": [reply["jobs"]], "inproc": [reply["inproc_jobs"]]}
                     dropped += reply["dropped"]
                     for mode in MODES:
@@ -230,9 +253,10 @@ class ThroughputBench:
                         self.progress.label(f"{label}: {direction} {mode} {rep + 1}/{plan.reps}")
                         if direction == "store":
                             seq = self._seq((jobs + plan.warmup) * chunks)
-                        replies = self._run(
-                            workers, mode, direction, chunks, jobs, seq, key_sets, pattern
-                        )
+                        with self._queue_wait(waited if mode == "daemon" else None):
+                            replies = self._run(
+                                workers, mode, direction, chunks, jobs, seq, key_sets, pattern
+                            )
                         runs[mode] = [r["jobs"] for r in replies]
                         if mode == "daemon":
                             dropped += sum(r["dropped"] for r in replies)
@@ -260,6 +284,9 @@ class ThroughputBench:
                 "ratio_reps": ratios,
                 "jobs_per_rep": jobs,
                 "load_sets": key_sets if direction == "load" else None,
+                # Mean ms a daemon copy waited for a copy thread (warm-up jobs included):
+                # the part of in_daemon that is queueing behind other copies.
+                "copy_wait_ms_mean": 1e3 * waited[1] / waited[0] if waited[0] else None,
             }
             samples[direction] = lat
         return out, samples
@@ -282,7 +309,9 @@ class ThroughputBench:
                 }
             )
             for direction in DIRECTIONS:
-                lat_rows.append(latency_row(chunks, direction, samples[direction]))
+                row = latency_row(chunks, direction, samples[direction])
+                row["copy_wait_ms_mean"] = figures[direction]["copy_wait_ms_mean"]
+                lat_rows.append(row)
         return rows, lat_rows
 
     def aggregate(self) -> list[dict[str, Any]]:

@@ -15,6 +15,11 @@ a byte on its self-pipe) only when that list was empty; the loop's one `_drain`
 then settles every copy that ended meanwhile. Under load, one wake-up of the loop
 serves many copies instead of one each.
 
+Each queue counts, under its lock, the copies its threads started, the seconds they
+waited in the queue first and the seconds the threads spent on them (`CopyTimes`): what
+an operator reads to tell copy threads that are the bottleneck (long waits, busy time
+near threads x wall time) from a control plane that is (GetStats, Prometheus).
+
 With `cpus` (one CPU set or None per thread: the NUMA placement's, server/memory/numa.py)
 each thread pins itself to its set before its first copy; `thread_cpus` is what each
 thread then runs on, as it read its own affinity back (None: not pinned).
@@ -32,9 +37,28 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 log = logging.getLogger("kvdepot.copy")
+
+
+@dataclass
+class CopyTimes:
+    """A queue's copies so far: how many started, the seconds they waited to start
+    (queued behind other copies, no thread idle) and the seconds its threads spent on
+    them (busy time: over threads x wall time, how loaded the threads are)."""
+
+    copies: int = 0
+    wait_seconds: float = 0.0
+    busy_seconds: float = 0.0
+
+    def __add__(self, other: CopyTimes) -> CopyTimes:
+        return CopyTimes(
+            self.copies + other.copies,
+            self.wait_seconds + other.wait_seconds,
+            self.busy_seconds + other.busy_seconds,
+        )
 
 
 class CopyQueue:
@@ -51,6 +75,7 @@ class CopyQueue:
         self._ended: dict[asyncio.AbstractEventLoop, list[_Ended]] = {}
         self._ended_lock = threading.Lock()
         self._copying = 0  # threads inside a copy, under `_lock`
+        self._times = CopyTimes()  # under `_lock`
         self.thread_cpus: list[frozenset[int] | None] = [None] * threads
         pinned = [threading.Event() for _ in range(threads)]
         self._threads = [
@@ -72,6 +97,11 @@ class CopyQueue:
         """How many copies can run at once."""
         return len(self._threads)
 
+    def times(self) -> CopyTimes:
+        """The copies started so far and their wait and busy seconds (a copy)."""
+        with self._lock:
+            return CopyTimes(self._times.copies, self._times.wait_seconds, self._times.busy_seconds)
+
     @property
     def idle(self) -> int:
         """Threads that would start a copy queued now at once: neither copying nor
@@ -90,7 +120,7 @@ class CopyQueue:
         """
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[Any] = loop.create_future()
-        ticket = _Ticket()
+        ticket = _Ticket(time.monotonic())
         self._put(0 if expedited else 1, (loop, fut, fn, ticket))
         try:
             # Awaited bare (no shield: every job pays for one): a cancellation
@@ -133,7 +163,7 @@ class CopyQueue:
         self._tokens.put(None)
 
     def _work(self) -> None:
-        tokens, heap, lock = self._tokens, self._heap, self._lock
+        tokens, heap, lock, times = self._tokens, self._heap, self._lock, self._times
         while True:
             tokens.get()  # one per item pushed: the heap holds at least one
             with lock:
@@ -145,6 +175,9 @@ class CopyQueue:
                     continue
                 ticket.started = True
                 self._copying += 1
+                started = time.monotonic()
+                times.copies += 1
+                times.wait_seconds += started - ticket.queued
             try:
                 result = fn()
             except BaseException as exc:  # reported to the awaiting job
@@ -153,6 +186,7 @@ class CopyQueue:
                 ended = (ticket, fut, _set_result, result)
             with lock:
                 self._copying -= 1
+                times.busy_seconds += time.monotonic() - started
             self._report(loop, ended)
 
     def _report(self, loop: asyncio.AbstractEventLoop, ended: _Ended) -> None:
@@ -180,11 +214,13 @@ class CopyQueue:
 
 class _Ticket:
     """Whether a queued copy started (or was skipped because its caller went away:
-    both under CopyQueue's lock) and ended (on the loop), and who waits for its end."""
+    both under CopyQueue's lock) and ended (on the loop), who waits for its end, and
+    when it was queued (time.monotonic)."""
 
-    __slots__ = ("ended", "skipped", "started", "waiter")
+    __slots__ = ("ended", "queued", "skipped", "started", "waiter")
 
-    def __init__(self) -> None:
+    def __init__(self, queued: float) -> None:
+        self.queued = queued
         self.started = False
         self.skipped = False
         self.ended = False
@@ -294,6 +330,10 @@ class CopyQueues:
                 where,
             )
         return q
+
+    def device_times(self) -> CopyTimes:
+        """Every device queue's copies and times, summed (the shared queue's: `shared.times`)."""
+        return sum((q.times() for q in self.devices.values()), CopyTimes())
 
     def close(self, timeout: float = 10.0) -> bool:
         """Stops every queue's threads after their queued copies; False if a copy is

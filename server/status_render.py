@@ -205,6 +205,26 @@ def _numa_lines(numa: dict[str, Any] | None) -> list[str]:
     return [*_placement_lines(numa), line]
 
 
+def _copy_lines(copies: dict[str, Any] | None) -> list[str]:
+    """How busy the copy threads are and how long a copy waits for one: a line for the
+    shared CPU threads and one for the GPUs' own (once a GPU has registered)."""
+    if copies is None:  # a daemon older than the copy-time fields
+        return []
+    over = "" if copies["over"] == "interval" else " since start"
+    lines = []
+    for kind in ("cpu", "gpu"):
+        c = copies.get(kind)
+        if c is None:
+            continue
+        n = c["copies"]
+        counted = f"{n} cop{'y' if n == 1 else 'ies'}{over}"
+        lines.append(
+            f"{kind.upper()} {plural(c['threads'], 'thread')} {100 * c['busy_fraction']:.0f}% "
+            f"busy, wait {c['wait_ms_mean']:.2f} ms a copy ({counted})"
+        )
+    return lines
+
+
 def _placement_lines(numa: dict[str, Any]) -> list[str]:
     threads = numa["copy_threads"]
     if numa["policy"] == "off":
@@ -340,6 +360,8 @@ def render(r: dict[str, Any]) -> Any:
         f"{blocks['pinned']} pinned · {blocks['inflight_jobs']} jobs in flight "
         f"({blocks['job_lanes_open']} job lanes)",
     )
+    for i, line in enumerate(_copy_lines(r.get("copies"))):
+        grid.add_row("copies" if i == 0 else "", line)
     rates = r["rates"]
     if rates is None:
         grid.add_row("rates", Text("need two readings (--interval > 0)", style="dim"))

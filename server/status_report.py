@@ -46,6 +46,16 @@ NUMA_FIELDS = (
     "gpu_copy_threads",
     "gpu_copy_nodes",
 )
+# GetStats' copy-thread load (server/copy_queue.CopyTimes): the "copies" line.
+COPY_FIELDS = (
+    "copy_threads",
+    "copies_started",
+    "copy_wait_seconds",
+    "copy_busy_seconds",
+    "gpu_copies_started",
+    "gpu_copy_wait_seconds",
+    "gpu_copy_busy_seconds",
+)
 # GetStats fields shown in their own sections; any other field goes to "remote"/"other".
 KNOWN_STATS = frozenset(
     {
@@ -85,6 +95,7 @@ KNOWN_STATS = frozenset(
         "warm_restarted",
         "evictions_by_reason",
         *NUMA_FIELDS,
+        *COPY_FIELDS,
     }
 )
 # Fields of newer daemons that this command shows where they exist (older daemons lack
@@ -468,6 +479,34 @@ def rates(prev: Sample | None, cur: Sample) -> dict[str, Any] | None:
     return out
 
 
+def _copies(prev: Sample | None, cur: Sample) -> dict[str, Any] | None:
+    """How loaded the copy threads are, over the interval since `prev` (same daemon run)
+    or else since start: for the shared CPU threads and the GPUs' own, each with its
+    threads, copies, busy fraction (busy seconds over threads x wall seconds) and mean
+    wait in the queue. None from a daemon older than the copy-time fields."""
+    s = cur.stats
+    if "copies_started" not in s.DESCRIPTOR.fields_by_name:
+        return None
+    p = prev.stats if prev is not None and prev.stats.boot_id == s.boot_id else None
+    wall = s.uptime_seconds - (p.uptime_seconds if p is not None else 0.0)
+    gpu_threads = getattr(s, "gpu_copy_threads", 0) * len(getattr(s, "gpu_copy_devices", ()))
+    out: dict[str, Any] = {"over": "interval" if p is not None else "since start"}
+    for kind, threads, prefix in (("cpu", s.copy_threads, ""), ("gpu", gpu_threads, "gpu_")):
+        if not threads:
+            continue
+        copies, wait, busy = (
+            getattr(s, f"{prefix}{f}") - (getattr(p, f"{prefix}{f}") if p is not None else 0)
+            for f in ("copies_started", "copy_wait_seconds", "copy_busy_seconds")
+        )
+        out[kind] = {
+            "threads": threads,
+            "copies": copies,
+            "busy_fraction": busy / (threads * wall) if wall > 0 else 0.0,
+            "wait_ms_mean": 1e3 * wait / copies if copies else 0.0,
+        }
+    return out
+
+
 def _extras(stats: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """GetStats fields this version does not know: (remote tier's, everything else)."""
     known = KNOWN_STATS.union(OPTIONAL_COUNTERS, RECOVERY)
@@ -548,6 +587,7 @@ def build_report(
         if getattr(s, "page_locking", False)
         else None,
         "numa": _numa(s),
+        "copies": _copies(prev, cur),
         "blocks": {
             "ready": s.ready_blocks,
             "writing": s.writing_blocks,

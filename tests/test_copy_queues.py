@@ -142,3 +142,31 @@ def test_the_drivers_pci_address_reads_as_sysfs_writes_it() -> None:
     assert numa.pci_address("00000000:3B:00.0") == "0000:3b:00.0"  # nvidia-smi's form
     assert numa.pci_address("0001:c1:1f.7\n") == "0001:c1:1f.7"
     assert numa.pci_address("") == numa.pci_address("GPU-0c1d") == ""
+
+
+def test_a_queue_counts_its_copies_their_wait_and_its_busy_time() -> None:
+    """One thread: the second copy waits for the first; a copy cancelled before it
+    started is not counted; busy time holds both copies."""
+
+    async def main() -> None:
+        q = CopyQueue(1)
+        gate = threading.Event()
+        first = asyncio.ensure_future(q.run(lambda: gate.wait(10)))
+        await asyncio.sleep(0.05)
+        second = asyncio.ensure_future(q.run(lambda: time.sleep(0.05)))
+        dropped = asyncio.ensure_future(q.run(lambda: None))
+        await asyncio.sleep(0.2)
+        dropped.cancel()
+        await asyncio.sleep(0)
+        gate.set()
+        await first
+        await second
+        with pytest.raises(asyncio.CancelledError):
+            await dropped
+        t = q.times()
+        assert t.copies == 2
+        assert t.wait_seconds >= 0.2  # the second waited for the first, queued 0.2 s
+        assert t.busy_seconds >= 0.25 + 0.05  # the first held the thread, then the second
+        assert q.close()
+
+    asyncio.run(main())

@@ -74,6 +74,22 @@ def stats_fields(state: DepotState) -> dict[str, object]:
         "recovery_complete": state.recovery.complete,
         **_page_locking_fields(state),
         **_numa_fields(state),
+        **_copy_time_fields(state),
+    }
+
+
+def _copy_time_fields(state: DepotState) -> dict[str, object]:
+    """How loaded the copy threads are: copies started, seconds queued, seconds busy
+    (server/copy_queue.CopyTimes), for the shared CPU threads and all GPUs' together."""
+    cpu, gpu = state.copy_queue.times(), state.copy_queues.device_times()
+    return {
+        "copy_threads": state.copy_queue.threads,
+        "copies_started": cpu.copies,
+        "copy_wait_seconds": cpu.wait_seconds,
+        "copy_busy_seconds": cpu.busy_seconds,
+        "gpu_copies_started": gpu.copies,
+        "gpu_copy_wait_seconds": gpu.wait_seconds,
+        "gpu_copy_busy_seconds": gpu.busy_seconds,
     }
 
 

@@ -10,7 +10,6 @@ import pytest
 
 from tests.engine.models import build_model
 
-
 # Seconds each engine test took on a 2-CPU VM, two at a time (bash scripts/test.sh).
 # They run longest first: xdist gives a worker its next test as one ends, so the long
 # ones start early and the short ones fill in at the end, which saves about a minute of

@@ -44,6 +44,11 @@ VOLATILE_FIELDS = {
     "registration_id",
     # The NUMA placement is the host's (its nodes, GPUs and CPUs): tests/test_numa.py.
     *NUMA_FIELDS,
+    # How long copies waited and took: the machine's timing (test_copy_queues.py).
+    "copy_wait_seconds",
+    "copy_busy_seconds",
+    "gpu_copy_wait_seconds",
+    "gpu_copy_busy_seconds",
 }  # registration ids start at random per boot
 
 # --- the guide's scenario -------------------------------------------------------------------
