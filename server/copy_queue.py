@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import heapq
 import itertools
 import logging
@@ -37,17 +38,17 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 log = logging.getLogger("kvdepot.copy")
 
 
-@dataclass
+@dataclasses.dataclass
 class CopyTimes:
-    """A queue's copies so far: how many started, the seconds they waited to start
-    (queued behind other copies, no thread idle) and the seconds its threads spent on
-    them (busy time: over threads x wall time, how loaded the threads are)."""
+    """A queue's copies so far: how many started, the seconds from queued to started
+    (behind other copies while no thread was idle, plus the hand-off to a thread) and
+    the seconds its threads spent on them (busy time: over threads x wall time, how
+    loaded the threads are)."""
 
     copies: int = 0
     wait_seconds: float = 0.0
@@ -100,7 +101,7 @@ class CopyQueue:
     def times(self) -> CopyTimes:
         """The copies started so far and their wait and busy seconds (a copy)."""
         with self._lock:
-            return CopyTimes(self._times.copies, self._times.wait_seconds, self._times.busy_seconds)
+            return dataclasses.replace(self._times)
 
     @property
     def idle(self) -> int:
