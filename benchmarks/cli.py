@@ -233,11 +233,11 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _copy_times(s: Any) -> tuple[int, float]:
-    """The daemon's copies started and seconds they waited for a copy thread, CPU and GPU
-    threads together (0 from a daemon older than the copy-time fields)."""
+    """The daemon's copies started and seconds they waited for a copy thread, the CPU
+    threads' and every GPU's together (0 from a daemon older than the copy-time fields)."""
     return (
-        getattr(s, "copies_started", 0) + getattr(s, "gpu_copies_started", 0),
-        getattr(s, "copy_wait_seconds", 0.0) + getattr(s, "gpu_copy_wait_seconds", 0.0),
+        getattr(s, "copies_started", 0) + sum(getattr(s, "gpu_copies_started", ())),
+        getattr(s, "copy_wait_seconds", 0.0) + sum(getattr(s, "gpu_copy_wait_seconds", ())),
     )
 
 

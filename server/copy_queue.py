@@ -54,13 +54,6 @@ class CopyTimes:
     wait_seconds: float = 0.0
     busy_seconds: float = 0.0
 
-    def __add__(self, other: CopyTimes) -> CopyTimes:
-        return CopyTimes(
-            self.copies + other.copies,
-            self.wait_seconds + other.wait_seconds,
-            self.busy_seconds + other.busy_seconds,
-        )
-
 
 class CopyQueue:
     def __init__(
@@ -331,10 +324,6 @@ class CopyQueues:
                 where,
             )
         return q
-
-    def device_times(self) -> CopyTimes:
-        """Every device queue's copies and times, summed (the shared queue's: `shared.times`)."""
-        return sum((q.times() for q in self.devices.values()), CopyTimes())
 
     def close(self, timeout: float = 10.0) -> bool:
         """Stops every queue's threads after their queued copies; False if a copy is

@@ -190,40 +190,49 @@ class _StateCollector(Collector):
         )
         yield gauge("namespaces", "Namespaces (model and layout).", s["namespaces"])
         yield gauge("inflight_jobs", "Transfer jobs being validated or copied.", s["inflight_jobs"])
-        # The copy threads' load: cpu, the shared threads (--copy-threads); gpu, every
-        # GPU's own (--gpu-copy-threads each) together.
+        # The copy threads' load: threads="cpu", the shared threads (--copy-threads);
+        # threads="gpu", each GPU's own (--gpu-copy-threads each), by device UUID.
         devices = s["gpu_copy_devices"]
-        gpu_threads = _number(s["gpu_copy_threads"]) * (
-            len(devices) if isinstance(devices, list) else 0
+        assert isinstance(devices, list)
+        copy_families = (
+            (
+                GaugeMetricFamily,
+                "copy_threads",
+                "Copy threads: cpu, shared by the copies the CPUs make; gpu, a GPU's own.",
+                "copy_threads",
+                None,
+            ),
+            (
+                CounterMetricFamily,
+                "copies_started",
+                "Copies the copy threads started (a job's copy, or each part of a split one).",
+                "copies_started",
+                "gpu_copies_started",
+            ),
+            (
+                CounterMetricFamily,
+                "copy_wait_seconds",
+                "Seconds copies waited in the queue for a copy thread (over copies: the mean "
+                "wait).",
+                "copy_wait_seconds",
+                "gpu_copy_wait_seconds",
+            ),
+            (
+                CounterMetricFamily,
+                "copy_busy_seconds",
+                "Seconds the copy threads spent copying (over kvdepot_copy_threads: how busy).",
+                "copy_busy_seconds",
+                "gpu_copy_busy_seconds",
+            ),
         )
-        yield by_label(
-            GaugeMetricFamily,
-            "copy_threads",
-            "Copy threads: cpu, shared by the CPU copies; gpu, every GPU's own together.",
-            "threads",
-            {"cpu": s["copy_threads"], "gpu": gpu_threads},
-        )
-        yield by_label(
-            CounterMetricFamily,
-            "copies_started",
-            "Copies the copy threads started (a job's copy, or each part of a split one).",
-            "threads",
-            {"cpu": s["copies_started"], "gpu": s["gpu_copies_started"]},
-        )
-        yield by_label(
-            CounterMetricFamily,
-            "copy_wait_seconds",
-            "Seconds copies waited in the queue for a copy thread (over copies: the mean wait).",
-            "threads",
-            {"cpu": s["copy_wait_seconds"], "gpu": s["gpu_copy_wait_seconds"]},
-        )
-        yield by_label(
-            CounterMetricFamily,
-            "copy_busy_seconds",
-            "Seconds the copy threads spent copying (over kvdepot_copy_threads: how busy).",
-            "threads",
-            {"cpu": s["copy_busy_seconds"], "gpu": s["gpu_copy_busy_seconds"]},
-        )
+        for kind, name, doc, cpu_field, gpu_field in copy_families:
+            family = kind(f"kvdepot_{name}", doc, labels=["threads", "device"])
+            family.add_metric(["cpu", ""], _number(s[cpu_field]))
+            per_gpu = s[gpu_field] if gpu_field else [s["gpu_copy_threads"]] * len(devices)
+            assert isinstance(per_gpu, list)
+            for device, value in zip(devices, per_gpu, strict=True):
+                family.add_metric(["gpu", str(device)], _number(value))
+            yield family
 
         yield counter("lookups", "Keys looked up (Lookup RPC).", s["lookups"])
         yield counter("lookup_hits", "Keys looked up and found ready.", s["hits"])

@@ -222,6 +222,12 @@ def _copy_lines(copies: dict[str, Any] | None) -> list[str]:
             f"{kind.upper()} {plural(c['threads'], 'thread')} {100 * c['busy_fraction']:.0f}% "
             f"busy, wait {c['wait_ms_mean']:.2f} ms a copy ({counted})"
         )
+        top = c.get("busiest")  # several GPUs: the one whose threads were busiest
+        if top is not None:
+            lines.append(
+                f"busiest GPU {top['device']}: {100 * top['busy_fraction']:.0f}% busy, "
+                f"wait {top['wait_ms_mean']:.2f} ms a copy"
+            )
     return lines
 
 

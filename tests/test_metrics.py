@@ -47,10 +47,11 @@ def test_metrics_show_exactly_what_happened(daemon_factory: DaemonFactory) -> No
     for reason in ("lru", "admin", "clear"):
         assert sample(before, "kvdepot_evictions_total", reason=reason) == 0
     assert sample(before, "kvdepot_dropped_stores_total", reason="pool_full") == 0
-    for threads in ("cpu", "gpu"):
-        assert sample(before, "kvdepot_copies_started_total", threads=threads) == 0
-    assert sample(before, "kvdepot_copy_threads", threads="cpu") == 2  # --copy-threads' default
-    assert sample(before, "kvdepot_copy_threads", threads="gpu") == 0  # no GPU registered
+    # The shared CPU copy threads (device ""); no GPU registered, so no GPU's series.
+    cpu = {"threads": "cpu", "device": ""}
+    assert sample(before, "kvdepot_copies_started_total", **cpu) == 0
+    assert sample(before, "kvdepot_copy_threads", **cpu) == 2  # --copy-threads' default
+    assert not [k for k in before if dict(k[1]).get("threads") == "gpu"]
 
     client = connect(d.target, "metrics-test")
     ns = GEO_M.namespace
@@ -136,13 +137,13 @@ def test_metrics_show_exactly_what_happened(daemon_factory: DaemonFactory) -> No
     assert copy_seconds <= seconds + 1e-9 <= copy_seconds + inline_wall + 1e-6
     # The copy threads: every job's copy ran on the shared CPU threads (shm), inline
     # copies too, and their busy time holds every job's copy time.
-    started = sample(m, "kvdepot_copies_started_total", threads="cpu")
+    started = sample(m, "kvdepot_copies_started_total", **cpu)
     assert 4 <= started == stats.copies_started, (started, stats.copies_started)
-    assert copy_seconds <= sample(m, "kvdepot_copy_busy_seconds_total", threads="cpu")
-    busy = sample(m, "kvdepot_copy_busy_seconds_total", threads="cpu")
+    busy = sample(m, "kvdepot_copy_busy_seconds_total", **cpu)
+    assert copy_seconds <= busy
     assert abs(busy - stats.copy_busy_seconds) < 1e-6, (busy, stats.copy_busy_seconds)
-    assert sample(m, "kvdepot_copy_wait_seconds_total", threads="cpu") >= 0
-    assert sample(m, "kvdepot_copies_started_total", threads="gpu") == 0
+    assert sample(m, "kvdepot_copy_wait_seconds_total", **cpu) >= 0
+    assert list(stats.gpu_copies_started) == [] and list(stats.gpu_copy_busy_seconds) == []
     assert sample(m, "kvdepot_failed_transfers_total", direction="load") == 1
     assert sample(m, "kvdepot_failed_transfers_total", direction="store") == 0
     # The index.

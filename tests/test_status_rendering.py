@@ -162,8 +162,9 @@ def test_copies_line_reads_busy_share_and_wait_over_the_interval(
     guide_daemon: DaemonProcess,
 ) -> None:
     """Two readings 2 s apart: 2 CPU threads busy 3 s of their 4 (75%), 100 copies that
-    waited 0.5 s in all (5 ms each); 2 GPUs with 2 threads each, busy 1 s of 8. One
-    reading: the same since start. A daemon before the copy-time fields: no line."""
+    waited 0.5 s in all (5 ms each); 2 GPUs with 2 threads each, busy 1 s of 8, the
+    first GPU's 0.75 s of its 4 (19%). One reading: the same since start. A daemon
+    before the copy-time fields: no line."""
     from rich.console import Console
 
     from kvdepot.server.status_render import render
@@ -182,19 +183,26 @@ def test_copies_line_reads_busy_share_and_wait_over_the_interval(
     first.copy_threads, first.gpu_copy_threads = 2, 2
     first.gpu_copy_devices.extend(["GPU-0c1d", "GPU-77ab"])
     first.copies_started, first.copy_wait_seconds, first.copy_busy_seconds = 400, 1.0, 6.0
+    first.gpu_copies_started.extend([10, 5])
+    first.gpu_copy_wait_seconds.extend([0.0, 0.0])
+    first.gpu_copy_busy_seconds.extend([0.25, 0.5])
     second = admin_pb2.GetStatsResponse.FromString(first.SerializeToString())
     second.uptime_seconds = 12.0
     second.copies_started, second.copy_wait_seconds, second.copy_busy_seconds = 500, 1.5, 9.0
-    second.gpu_copies_started, second.gpu_copy_busy_seconds = 40, 1.0
+    second.gpu_copies_started[:] = [40, 15]  # 30 and 10 more
+    second.gpu_copy_busy_seconds[:] = [1.0, 0.75]  # 0.75 s and 0.25 s more
     report = build_report("/x.sock", Sample(0, first, [], []), Sample(2, second, [], []))
     cpu, gpu = report["copies"]["cpu"], report["copies"]["gpu"]
     assert (cpu["threads"], cpu["copies"]) == (2, 100)
     assert abs(cpu["busy_fraction"] - 0.75) < 1e-9 and abs(cpu["wait_ms_mean"] - 5.0) < 1e-9
     assert (gpu["threads"], gpu["copies"], gpu["wait_ms_mean"]) == (4, 40, 0.0)
     assert abs(gpu["busy_fraction"] - 1 / 8) < 1e-9
+    assert gpu["busiest"]["device"] == "GPU-0c1d" and gpu["busiest"]["copies"] == 30
+    assert abs(gpu["busiest"]["busy_fraction"] - 0.1875) < 1e-9
     text = screen(report)
     assert "copies CPU 2 threads 75% busy, wait 5.00 ms a copy (100 copies)" in text
     assert "GPU 4 threads 12% busy, wait 0.00 ms a copy (40 copies)" in text
+    assert "busiest GPU GPU-0c1d: 19% busy, wait 0.00 ms a copy" in text
     # One reading: since start (busy 9 s of 2 threads x 12 s).
     alone = build_report("/x.sock", None, Sample(2, second, [], []))["copies"]
     assert alone["over"] == "since start" and abs(alone["cpu"]["busy_fraction"] - 0.375) < 1e-9

@@ -80,16 +80,18 @@ def stats_fields(state: DepotState) -> dict[str, object]:
 
 def _copy_time_fields(state: DepotState) -> dict[str, object]:
     """How loaded the copy threads are: copies started, seconds queued, seconds busy
-    (server/copy_queue.CopyTimes), for the shared CPU threads and all GPUs' together."""
-    cpu, gpu = state.copy_queue.times(), state.copy_queues.device_times()
+    (server/copy_queue.CopyTimes), for the shared CPU threads and each GPU's own (in
+    gpu_copy_devices' order)."""
+    cpu = state.copy_queue.times()
+    gpus = [q.times() for q in state.copy_queues.devices.values()]
     return {
         "copy_threads": state.copy_queue.threads,
         "copies_started": cpu.copies,
         "copy_wait_seconds": cpu.wait_seconds,
         "copy_busy_seconds": cpu.busy_seconds,
-        "gpu_copies_started": gpu.copies,
-        "gpu_copy_wait_seconds": gpu.wait_seconds,
-        "gpu_copy_busy_seconds": gpu.busy_seconds,
+        "gpu_copies_started": [t.copies for t in gpus],
+        "gpu_copy_wait_seconds": [t.wait_seconds for t in gpus],
+        "gpu_copy_busy_seconds": [t.busy_seconds for t in gpus],
     }
 
 

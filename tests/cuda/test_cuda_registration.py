@@ -135,3 +135,7 @@ def test_a_gpus_jobs_never_wait_behind_another_gpus(state: DepotState) -> None:
 
     asyncio.run(run())
     assert list(state.copy_queues.devices) == [UUID0, UUID1]
+    # Each GPU counts its own copies; GPU 0's threads were busy the whole time it hung.
+    stats = state.stats()
+    assert stats["gpu_copies_started"] == [threads, 1]
+    assert stats["gpu_copy_busy_seconds"][0] >= 0.1 * threads  # each hung 0.1 s or more
