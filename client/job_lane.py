@@ -61,7 +61,8 @@ def enabled_by_env() -> bool:
 
 
 class LaneUnavailable(RuntimeError):
-    """No lane now. `permanent`: the daemon has none (older daemon, no fd socket)."""
+    """No lane now. `permanent`: the daemon has none (older daemon, no fd socket), or
+    the client closed."""
 
     def __init__(self, message: str, permanent: bool = False) -> None:
         super().__init__(message)
@@ -109,6 +110,9 @@ class ClientLane:
             batched = kind == depot_pb2.LANE_TRANSFER_JOBS
             try:
                 resp = client.open_lane(session_id, token, kind, timeout, batched)
+            except ValueError:  # grpc: "Cannot invoke RPC on closed channel!"
+                # The client closed while a background thread opened this lane.
+                raise LaneUnavailable("the client is closed", permanent=True) from None
             except grpc.RpcError as exc:
                 code = exc.code() if hasattr(exc, "code") else None
                 details = exc.details() if hasattr(exc, "details") else str(exc)

@@ -72,9 +72,11 @@ def test_pins_over_the_lane_hold_blocks_like_grpc_pins(daemon, client) -> None:
 
 def test_a_refused_pin_closes_the_lane_and_grpc_says_why(daemon, client) -> None:
     lane = open_lane(client)
+    first = lane._lane
     client.join("no-such-namespace")  # joined (an observer), but never declared: NOT_FOUND
     assert lane.pin(client.session_id, "no-such-namespace", [make_key(1, 0)], 1.0) is None
-    assert not lane.open  # dropped; gRPC answers with the status
+    # Dropped (a new lane may already be opening); gRPC answers with the status.
+    assert lane._lane is not first
     with pytest.raises(grpc.RpcError) as err:
         client.pin("no-such-namespace", [make_key(1, 0)])
     assert err.value.code() == grpc.StatusCode.NOT_FOUND
@@ -173,7 +175,7 @@ def test_an_answer_that_does_not_fit_the_call_drops_the_lane(daemon, client) -> 
     try:
         theirs.send(b"\x0a\x01\x01")  # a PinResponse of one key, for a call of two
         assert lane.pin(client.session_id, GEO.namespace, keys, 1.0) is None
-        assert not lane.open
+        assert lane._lane is not inner  # dropped (a new one may already be opening)
     finally:
         original.close()
         theirs.close()
@@ -234,7 +236,7 @@ def test_a_bad_unpin_datagram_closes_that_lane_and_the_keys_come_back(
     assert inner is not None
     inner.sock.shutdown(socket.SHUT_RDWR)
     assert list(lane.unpin(client.session_id, GEO.namespace, keys)) == keys
-    assert not lane.open
+    assert lane._lane is not inner  # dropped (a new one may already be opening)
     client.unpin(GEO.namespace, keys, wait=True)
     assert stats(daemon.admin_target).pinned_blocks == 0
 
@@ -259,6 +261,7 @@ def test_pipelined_pins_stop_at_a_refused_one_and_the_rest_go_over_grpc(
     the answers sent before are read, also once the lane is closed."""
     keys = stored_keys(client, 4)
     lane = open_lane(client)
+    first = lane._lane
     sid = client.session_id
     client.join("no-such-namespace")  # joined (an observer), but never declared: NOT_FOUND
     if when == "daemon paused while they are sent":
@@ -276,7 +279,8 @@ def test_pipelined_pins_stop_at_a_refused_one_and_the_rest_go_over_grpc(
     # Read only once the daemon has closed the lane: the harder case.
     assert wait_for(lambda: "a pin was refused" in daemon.log(), 10)
     assert lane.answers(1.0) == [True, True]
-    assert not lane.open
+    # That lane is gone (a new one may already be opening or open in the background).
+    assert lane._lane is not first
     assert (
         stats(daemon.admin_target).pinned_blocks == 2
     )  # the call behind the refused one: not pinned
@@ -284,3 +288,21 @@ def test_pipelined_pins_stop_at_a_refused_one_and_the_rest_go_over_grpc(
     client.unpin(GEO.namespace, [*keys[:2], keys[3]], wait=True)
     assert stats(daemon.admin_target).pinned_blocks == 0
     assert lane.answers(1.0) == []  # nothing owed
+
+
+def test_a_lane_that_opens_as_its_client_closes_gives_up_quietly(daemon, client) -> None:
+    """A lane opens on a thread of its own. When the engine closes its client between
+    the lane's fd reaching the daemon and the OpenJobLane call, the open ends as 'no
+    lane, for good' (a LaneUnavailable, which the opening thread handles) instead of
+    grpc's ValueError escaping as a thread's traceback in the engine's log. Here the
+    fd goes for a live session (another client's) over the closed client."""
+    live = DepotClient(daemon.target, client_name="pytest-live").start()
+    try:
+        assert live.wait_connected(10)
+        client.close()
+        with pytest.raises(pin_lane.LaneUnavailable, match="client is closed") as exc:
+            pin_lane.ClientLane.open(client, live.session_id, kind=pb.LANE_UNPINS)
+        assert exc.value.permanent
+        open_unpin_lane(live)  # the daemon serves the live client's lane as before
+    finally:
+        live.close()
