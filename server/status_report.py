@@ -22,7 +22,7 @@ import pwd
 import socket
 import stat
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,6 +32,7 @@ from google.protobuf.message import Message
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvdepot.common.shards import shard_socket
+from kvdepot.server.status_copies import COPY_FIELDS, copy_load
 from kvdepot.v1 import admin_pb2, admin_pb2_grpc
 
 # GetStats' NUMA placement fields (`kvdepot serve --numa`): the "numa" line.
@@ -45,16 +46,6 @@ NUMA_FIELDS = (
     "gpu_copy_devices",
     "gpu_copy_threads",
     "gpu_copy_nodes",
-)
-# GetStats' copy-thread load (server/copy_queue.CopyTimes): the "copies" line.
-COPY_FIELDS = (
-    "copy_threads",
-    "copies_started",
-    "copy_wait_seconds",
-    "copy_busy_seconds",
-    "gpu_copies_started",
-    "gpu_copy_wait_seconds",
-    "gpu_copy_busy_seconds",
 )
 # GetStats fields shown in their own sections; any other field goes to "remote"/"other".
 KNOWN_STATS = frozenset(
@@ -479,58 +470,6 @@ def rates(prev: Sample | None, cur: Sample) -> dict[str, Any] | None:
     return out
 
 
-def _copies(prev: Sample | None, cur: Sample) -> dict[str, Any] | None:
-    """How loaded the copy threads are, over the interval since `prev` (same daemon run)
-    or else since start: for the shared CPU threads and the GPUs' own (summed, and the
-    busiest GPU), each with its threads, copies, busy fraction (busy seconds over
-    threads x wall seconds) and mean wait in the queue. None from a daemon older than
-    the copy-time fields."""
-    s = cur.stats
-    if "copies_started" not in s.DESCRIPTOR.fields_by_name:
-        return None
-    p = prev.stats if prev is not None and prev.stats.boot_id == s.boot_id else None
-    wall = s.uptime_seconds - (p.uptime_seconds if p is not None else 0.0)
-
-    def load(threads: int, copies: float, wait: float, busy: float) -> dict[str, Any]:
-        return {
-            "threads": threads,
-            "copies": int(copies),
-            "busy_fraction": busy / (threads * wall) if threads and wall > 0 else 0.0,
-            "wait_ms_mean": 1e3 * wait / copies if copies else 0.0,
-        }
-
-    fields = ("copies_started", "copy_wait_seconds", "copy_busy_seconds")
-    cpu = [getattr(s, f) - (getattr(p, f) if p is not None else 0) for f in fields]
-    out: dict[str, Any] = {
-        "over": "interval" if p is not None else "since start",
-        "cpu": load(s.copy_threads, *cpu),
-    }
-    # Each GPU's figures since `prev` (a GPU that registered since then: since start).
-    gpus = _per_gpu(s, fields)
-    before = _per_gpu(p, fields) if p is not None else {}
-    each = getattr(s, "gpu_copy_threads", 0)
-    if gpus and each:
-        deltas = {
-            d: [v - w for v, w in zip(now, before.get(d, (0, 0.0, 0.0)), strict=True)]
-            for d, now in gpus.items()
-        }
-        totals = [sum(column) for column in zip(*deltas.values(), strict=True)]
-        out["gpu"] = load(each * len(gpus), *totals)
-        if len(gpus) > 1:
-            device, busiest = max(deltas.items(), key=lambda kv: kv[1][2])
-            out["gpu"]["busiest"] = {"device": device, **load(each, *busiest)}
-    return out
-
-
-def _per_gpu(s: admin_pb2.GetStatsResponse, fields: Sequence[str]) -> dict[str, list[float]]:
-    """Each GPU's (copies, wait, busy) by UUID, from the gpu_-prefixed lists."""
-    columns = [list(getattr(s, f"gpu_{f}", ())) for f in fields]
-    devices = list(getattr(s, "gpu_copy_devices", ()))
-    if any(len(c) != len(devices) for c in columns):  # a daemon without per-GPU figures
-        return {}
-    return {d: [c[i] for c in columns] for i, d in enumerate(devices)}
-
-
 def _extras(stats: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """GetStats fields this version does not know: (remote tier's, everything else)."""
     known = KNOWN_STATS.union(OPTIONAL_COUNTERS, RECOVERY)
@@ -611,7 +550,7 @@ def build_report(
         if getattr(s, "page_locking", False)
         else None,
         "numa": _numa(s),
-        "copies": _copies(prev, cur),
+        "copies": copy_load(prev.stats if prev is not None else None, s),
         "blocks": {
             "ready": s.ready_blocks,
             "writing": s.writing_blocks,

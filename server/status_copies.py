@@ -1,0 +1,76 @@
+"""How busy the daemon's copy threads were between two GetStats readings, for
+`kvdepot status`'s "copies" line (server/copy_queue.CopyTimes are what the daemon
+counts). Sans I/O: the readings in, a plain dict out; status_report puts it in the
+report.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from kvdepot.v1 import admin_pb2
+
+# GetStats' copy-thread load fields.
+COPY_FIELDS = (
+    "copy_threads",
+    "copies_started",
+    "copy_wait_seconds",
+    "copy_busy_seconds",
+    "gpu_copies_started",
+    "gpu_copy_wait_seconds",
+    "gpu_copy_busy_seconds",
+)
+
+
+def copy_load(
+    prev: admin_pb2.GetStatsResponse | None, s: admin_pb2.GetStatsResponse
+) -> dict[str, Any] | None:
+    """How loaded the copy threads are, over the interval since the reading `prev` (of
+    the same daemon run) or else since start: for the shared CPU threads and the GPUs'
+    own (summed, and the busiest GPU), each with its threads, copies, busy fraction
+    (busy seconds over threads x wall seconds) and mean wait in the queue. None from a
+    daemon older than the copy-time fields."""
+    if "copies_started" not in s.DESCRIPTOR.fields_by_name:
+        return None
+    p = prev if prev is not None and prev.boot_id == s.boot_id else None
+    wall = s.uptime_seconds - (p.uptime_seconds if p is not None else 0.0)
+
+    def load(threads: int, copies: float, wait: float, busy: float) -> dict[str, Any]:
+        return {
+            "threads": threads,
+            "copies": int(copies),
+            "busy_fraction": busy / (threads * wall) if threads and wall > 0 else 0.0,
+            "wait_ms_mean": 1e3 * wait / copies if copies else 0.0,
+        }
+
+    fields = ("copies_started", "copy_wait_seconds", "copy_busy_seconds")
+    cpu = [getattr(s, f) - (getattr(p, f) if p is not None else 0) for f in fields]
+    out: dict[str, Any] = {
+        "over": "interval" if p is not None else "since start",
+        "cpu": load(s.copy_threads, *cpu),
+    }
+    # Each GPU's figures since `prev` (a GPU that registered since then: since start).
+    gpus = _per_gpu(s, fields)
+    before = _per_gpu(p, fields) if p is not None else {}
+    each = getattr(s, "gpu_copy_threads", 0)
+    if gpus and each:
+        deltas = {
+            d: [v - w for v, w in zip(now, before.get(d, (0, 0.0, 0.0)), strict=True)]
+            for d, now in gpus.items()
+        }
+        totals = [sum(column) for column in zip(*deltas.values(), strict=True)]
+        out["gpu"] = load(each * len(gpus), *totals)
+        if len(gpus) > 1:
+            device, busiest = max(deltas.items(), key=lambda kv: kv[1][2])
+            out["gpu"]["busiest"] = {"device": device, **load(each, *busiest)}
+    return out
+
+
+def _per_gpu(s: admin_pb2.GetStatsResponse, fields: Sequence[str]) -> dict[str, list[float]]:
+    """Each GPU's (copies, wait, busy) by UUID, from the gpu_-prefixed lists."""
+    columns = [list(getattr(s, f"gpu_{f}", ())) for f in fields]
+    devices = list(getattr(s, "gpu_copy_devices", ()))
+    if any(len(c) != len(devices) for c in columns):  # a daemon without per-GPU figures
+        return {}
+    return {d: [c[i] for c in columns] for i, d in enumerate(devices)}
