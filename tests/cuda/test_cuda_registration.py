@@ -123,6 +123,12 @@ def test_a_gpus_jobs_never_wait_behind_another_gpus(state: DepotState) -> None:
             for i in range(threads)
         ]
         try:
+            # Busy time runs from a copy's start: hold the gate 0.1 s after all have started.
+            for _ in range(1000):
+                if state.stats()["gpu_copies_started"][:1] == [threads]:
+                    break
+                await asyncio.sleep(0.01)
+            assert state.stats()["gpu_copies_started"] == [threads], "GPU 0's copies never started"
             await asyncio.sleep(0.1)
             out = await asyncio.wait_for(
                 state.run_job(job(r1, s1, 9, STORE, [make_key(20)], [0])), 10
