@@ -18,7 +18,10 @@ serves many copies instead of one each.
 Each queue counts, under its lock, the copies its threads started, the seconds they
 waited in the queue first and the seconds the threads spent on them (`CopyTimes`): what
 an operator reads to tell copy threads that are the bottleneck (long waits, busy time
-near threads x wall time) from a control plane that is (GetStats, Prometheus).
+near threads x wall time) from a control plane that is (GetStats, Prometheus). Busy time
+includes the copies still running, and `longest_running_seconds` is the age of the
+oldest of them: a copy that never ends (a hung DMA) shows as threads busy and a copy
+growing old, not only in the waits of the copies queued behind it.
 
 With `cpus` (one CPU set or None per thread: the NUMA placement's, server/memory/numa.py)
 each thread pins itself to its set before its first copy; `thread_cpus` is what each
@@ -52,7 +55,8 @@ class CopyTimes:
 
     copies: int = 0
     wait_seconds: float = 0.0
-    busy_seconds: float = 0.0
+    busy_seconds: float = 0.0  # the copies still running included, up to now
+    longest_running_seconds: float = 0.0  # the oldest copy running now (0: none)
 
 
 class CopyQueue:
@@ -69,7 +73,8 @@ class CopyQueue:
         self._ended: dict[asyncio.AbstractEventLoop, list[_Ended]] = {}
         self._ended_lock = threading.Lock()
         self._copying = 0  # threads inside a copy, under `_lock`
-        self._times = CopyTimes()  # under `_lock`
+        self._times = CopyTimes()  # under `_lock`, the copies that ended
+        self._since: list[float | None] = [None] * threads  # each thread's copy's start
         self.thread_cpus: list[frozenset[int] | None] = [None] * threads
         pinned = [threading.Event() for _ in range(threads)]
         self._threads = [
@@ -92,9 +97,16 @@ class CopyQueue:
         return len(self._threads)
 
     def times(self) -> CopyTimes:
-        """The copies started so far and their wait and busy seconds (a copy)."""
+        """The copies started so far, their wait and busy seconds (the running ones'
+        time so far included) and the age of the oldest copy running now."""
         with self._lock:
-            return dataclasses.replace(self._times)
+            now = time.monotonic()
+            running = [now - t for t in self._since if t is not None]
+            return dataclasses.replace(
+                self._times,
+                busy_seconds=self._times.busy_seconds + sum(running),
+                longest_running_seconds=max(running, default=0.0),
+            )
 
     @property
     def idle(self) -> int:
@@ -149,15 +161,21 @@ class CopyQueue:
             except OSError as exc:  # a cpuset changed since the placement: run anywhere
                 log.warning("copy thread %d not pinned to CPUs %s: %s", i, sorted(cpus), exc)
         pinned.set()
-        self._work()
+        self._work(i)
 
     def _put(self, priority: int, item: Any) -> None:
         with self._lock:
             heapq.heappush(self._heap, (priority, next(self._seq), item))
         self._tokens.put(None)
 
-    def _work(self) -> None:
-        tokens, heap, lock, times = self._tokens, self._heap, self._lock, self._times
+    def _work(self, i: int) -> None:
+        tokens, heap, lock, times, since = (
+            self._tokens,
+            self._heap,
+            self._lock,
+            self._times,
+            self._since,
+        )
         while True:
             tokens.get()  # one per item pushed: the heap holds at least one
             with lock:
@@ -169,7 +187,7 @@ class CopyQueue:
                     continue
                 ticket.started = True
                 self._copying += 1
-                started = time.monotonic()
+                since[i] = started = time.monotonic()
                 times.copies += 1
                 times.wait_seconds += started - ticket.queued
             try:
@@ -180,6 +198,7 @@ class CopyQueue:
                 ended = (ticket, fut, _set_result, result)
             with lock:
                 self._copying -= 1
+                since[i] = None
                 times.busy_seconds += time.monotonic() - started
             self._report(loop, ended)
 

@@ -220,9 +220,18 @@ class _StateCollector(Collector):
             (
                 CounterMetricFamily,
                 "copy_busy_seconds",
-                "Seconds the copy threads spent copying (over kvdepot_copy_threads: how busy).",
+                "Seconds the copy threads spent copying, the running copies included (over "
+                "kvdepot_copy_threads: how busy).",
                 "copy_busy_seconds",
                 "gpu_copy_busy_seconds",
+            ),
+            (
+                GaugeMetricFamily,
+                "copy_longest_running_seconds",
+                "Age of the oldest copy running now (0: none): copies take milliseconds, so "
+                "seconds here is a hung copy (a GPU's DMA that never ends).",
+                "copy_longest_running_seconds",
+                "gpu_copy_longest_running_seconds",
             ),
         )
         for kind, name, doc, cpu_field, gpu_field in copy_families:

@@ -20,7 +20,13 @@ COPY_FIELDS = (
     "gpu_copies_started",
     "gpu_copy_wait_seconds",
     "gpu_copy_busy_seconds",
+    "copy_longest_running_seconds",
+    "gpu_copy_longest_running_seconds",
 )
+
+# A copy takes milliseconds; one running this long is reported as stalled (a GPU's DMA
+# that never ends holds its threads, and the jobs queued behind it wait with it).
+STALLED_COPY_SECONDS = 5.0
 
 
 def copy_load(
@@ -29,8 +35,10 @@ def copy_load(
     """How loaded the copy threads are, over the interval since the reading `prev` (of
     the same daemon run) or else since start: for the shared CPU threads and the GPUs'
     own (summed, and the busiest GPU), each with its threads, copies, busy fraction
-    (busy seconds over threads x wall seconds) and mean wait in the queue. None from a
-    daemon older than the copy-time fields."""
+    (busy seconds over threads x wall seconds) and mean wait in the queue; and under
+    "stalled", each copy-thread set whose oldest running copy has run
+    STALLED_COPY_SECONDS or more ("CPU" or a GPU's UUID: seconds). None from a daemon
+    older than the copy-time fields."""
     if "copies_started" not in s.DESCRIPTOR.fields_by_name:
         return None
     p = prev if prev is not None and prev.boot_id == s.boot_id else None
@@ -64,7 +72,18 @@ def copy_load(
         if len(gpus) > 1:
             device, busiest = max(deltas.items(), key=lambda kv: kv[1][2])
             out["gpu"]["busiest"] = {"device": device, **load(each, *busiest)}
+    out["stalled"] = _stalled(s)
     return out
+
+
+def _stalled(s: admin_pb2.GetStatsResponse) -> dict[str, float]:
+    """The copy threads whose oldest running copy is STALLED_COPY_SECONDS old or more."""
+    if "copy_longest_running_seconds" not in s.DESCRIPTOR.fields_by_name:
+        return {}
+    ages = {"CPU": s.copy_longest_running_seconds}
+    devices = getattr(s, "gpu_copy_devices", ())
+    ages.update(zip(devices, getattr(s, "gpu_copy_longest_running_seconds", ()), strict=False))
+    return {who: age for who, age in ages.items() if age >= STALLED_COPY_SECONDS}
 
 
 def _per_gpu(s: admin_pb2.GetStatsResponse, fields: Sequence[str]) -> dict[str, list[float]]:

@@ -205,13 +205,16 @@ def _numa_lines(numa: dict[str, Any] | None) -> list[str]:
     return [*_placement_lines(numa), line]
 
 
-def _copy_lines(copies: dict[str, Any] | None) -> list[str]:
+def _copy_lines(copies: dict[str, Any] | None) -> list[Any]:
     """How busy the copy threads are and how long a copy waits for one: a line for the
-    shared CPU threads and one for the GPUs' own (once a GPU has registered)."""
+    shared CPU threads and one for the GPUs' own (once a GPU has registered); and a
+    warning for each set of threads holding a stalled copy."""
+    from rich.text import Text
+
     if copies is None:  # a daemon older than the copy-time fields
         return []
     over = "" if copies["over"] == "interval" else " since start"
-    lines = []
+    lines: list[Any] = []
     for kind in ("cpu", "gpu"):
         c = copies.get(kind)
         if c is None:
@@ -228,6 +231,15 @@ def _copy_lines(copies: dict[str, Any] | None) -> list[str]:
                 f"busiest GPU {top['device']}: {100 * top['busy_fraction']:.0f}% busy, "
                 f"wait {top['wait_ms_mean']:.2f} ms a copy"
             )
+    for who, age in copies.get("stalled", {}).items():
+        threads = "the CPU threads" if who == "CPU" else f"GPU {who}"
+        lines.append(
+            Text(
+                f"STALLED: a copy on {threads} has run {age:.0f} s (a hung DMA?); "
+                "the jobs queued behind it wait",
+                style="red",
+            )
+        )
     return lines
 
 

@@ -146,7 +146,8 @@ def test_the_drivers_pci_address_reads_as_sysfs_writes_it() -> None:
 
 def test_a_queue_counts_its_copies_their_wait_and_its_busy_time() -> None:
     """One thread: the second copy waits for the first; a copy cancelled before it
-    started is not counted; busy time holds both copies."""
+    started is not counted; busy time holds both copies, and a running copy's time
+    counts while it runs (busy, and its age as the longest running)."""
 
     async def main() -> None:
         q = CopyQueue(1)
@@ -160,6 +161,10 @@ def test_a_queue_counts_its_copies_their_wait_and_its_busy_time() -> None:
         dropped = asyncio.ensure_future(q.run(lambda: None))
         await asyncio.sleep(0)  # both queued: the timed wait starts after this
         await asyncio.sleep(0.2)
+        held = q.times()  # the first still holds the thread: it counts as it runs
+        assert held.copies == 1
+        assert held.longest_running_seconds >= 0.2
+        assert held.busy_seconds >= held.longest_running_seconds
         dropped.cancel()
         await asyncio.sleep(0)
         gate.set()
@@ -171,6 +176,8 @@ def test_a_queue_counts_its_copies_their_wait_and_its_busy_time() -> None:
         assert t.copies == 2
         assert t.wait_seconds >= 0.2  # the second waited for the first, queued 0.2 s
         assert t.busy_seconds >= 0.2 + 0.05  # the first held the thread, then the second
+        assert t.busy_seconds >= held.busy_seconds + 0.05  # a running copy never counts twice
+        assert t.longest_running_seconds == 0.0  # none running now
         assert q.close()
 
     asyncio.run(main())

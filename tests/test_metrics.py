@@ -51,6 +51,7 @@ def test_metrics_show_exactly_what_happened(daemon_factory: DaemonFactory) -> No
     cpu = {"threads": "cpu", "device": ""}
     assert sample(before, "kvdepot_copies_started_total", **cpu) == 0
     assert sample(before, "kvdepot_copy_threads", **cpu) == 2  # --copy-threads' default
+    assert sample(before, "kvdepot_copy_longest_running_seconds", **cpu) == 0  # none running
     assert not [k for k in before if dict(k[1]).get("threads") == "gpu"]
 
     client = connect(d.target, "metrics-test")
@@ -143,6 +144,7 @@ def test_metrics_show_exactly_what_happened(daemon_factory: DaemonFactory) -> No
     assert copy_seconds <= busy
     assert abs(busy - stats.copy_busy_seconds) < 1e-6, (busy, stats.copy_busy_seconds)
     assert sample(m, "kvdepot_copy_wait_seconds_total", **cpu) >= 0
+    assert sample(m, "kvdepot_copy_longest_running_seconds", **cpu) == 0  # all ended
     assert list(stats.gpu_copies_started) == [] and list(stats.gpu_copy_busy_seconds) == []
     assert sample(m, "kvdepot_failed_transfers_total", direction="load") == 1
     assert sample(m, "kvdepot_failed_transfers_total", direction="store") == 0

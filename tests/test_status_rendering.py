@@ -163,8 +163,9 @@ def test_copies_line_reads_busy_share_and_wait_over_the_interval(
 ) -> None:
     """Two readings 2 s apart: 2 CPU threads busy 3 s of their 4 (75%), 100 copies that
     waited 0.5 s in all (5 ms each); 2 GPUs with 2 threads each, busy 1 s of 8, the
-    first GPU's 0.75 s of its 4 (19%). One reading: the same since start. A daemon
-    before the copy-time fields: no line."""
+    first GPU's 0.75 s of its 4 (19%). A copy running for seconds: a STALLED warning
+    naming its threads. One reading: the same since start. A daemon before the
+    copy-time fields: no line."""
     from rich.console import Console
 
     from kvdepot.server.status_render import render
@@ -185,6 +186,7 @@ def test_copies_line_reads_busy_share_and_wait_over_the_interval(
     first.copies_started, first.copy_wait_seconds, first.copy_busy_seconds = 400, 1.0, 6.0
     first.gpu_copies_started.extend([10, 5])
     first.gpu_copy_wait_seconds.extend([0.0, 0.0])
+    first.gpu_copy_longest_running_seconds.extend([0.0, 0.0])
     first.gpu_copy_busy_seconds.extend([0.25, 0.5])
     second = admin_pb2.GetStatsResponse.FromString(first.SerializeToString())
     second.uptime_seconds = 12.0
@@ -203,6 +205,18 @@ def test_copies_line_reads_busy_share_and_wait_over_the_interval(
     assert "copies CPU 2 threads 75% busy, wait 5.00 ms a copy (100 copies)" in text
     assert "GPU 4 threads 12% busy, wait 0.00 ms a copy (40 copies)" in text
     assert "busiest GPU GPU-0c1d: 19% busy, wait 0.00 ms a copy" in text
+    assert report["copies"]["stalled"] == {} and "STALLED" not in text
+    # A copy on the first GPU running 42 s (its DMA hung): a warning; the other GPU's
+    # copy, running 1 s, is not one.
+    second.gpu_copy_longest_running_seconds[:] = [42.0, 1.0]
+    report = build_report("/x.sock", Sample(0, first, [], []), Sample(2, second, [], []))
+    assert report["copies"]["stalled"] == {"GPU-0c1d": 42.0}
+    assert "STALLED: a copy on GPU GPU-0c1d has run 42 s (a hung DMA?)" in screen(report)
+    second.copy_longest_running_seconds = 6.0
+    second.gpu_copy_longest_running_seconds[:] = [0.0, 0.0]
+    report = build_report("/x.sock", Sample(0, first, [], []), Sample(2, second, [], []))
+    assert report["copies"]["stalled"] == {"CPU": 6.0}
+    assert "STALLED: a copy on the CPU threads has run 6 s" in screen(report)
     # One reading: since start (busy 9 s of 2 threads x 12 s).
     alone = build_report("/x.sock", None, Sample(2, second, [], []))["copies"]
     assert alone["over"] == "since start" and abs(alone["cpu"]["busy_fraction"] - 0.375) < 1e-9

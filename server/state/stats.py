@@ -79,9 +79,9 @@ def stats_fields(state: DepotState) -> dict[str, object]:
 
 
 def _copy_time_fields(state: DepotState) -> dict[str, object]:
-    """How loaded the copy threads are: copies started, seconds queued, seconds busy
-    (server/copy_queue.CopyTimes), for the shared CPU threads and each GPU's own (in
-    gpu_copy_devices' order)."""
+    """How loaded the copy threads are: copies started, seconds queued, seconds busy,
+    the oldest copy running (server/copy_queue.CopyTimes), for the shared CPU threads
+    and each GPU's own (in gpu_copy_devices' order)."""
     cpu = state.copy_queue.times()
     gpus = [q.times() for q in state.copy_queues.devices.values()]
     return {
@@ -92,6 +92,8 @@ def _copy_time_fields(state: DepotState) -> dict[str, object]:
         "gpu_copies_started": [t.copies for t in gpus],
         "gpu_copy_wait_seconds": [t.wait_seconds for t in gpus],
         "gpu_copy_busy_seconds": [t.busy_seconds for t in gpus],
+        "copy_longest_running_seconds": cpu.longest_running_seconds,
+        "gpu_copy_longest_running_seconds": [t.longest_running_seconds for t in gpus],
     }
 
 

@@ -135,6 +135,11 @@ def test_a_gpus_jobs_never_wait_behind_another_gpus(state: DepotState) -> None:
             )
             assert out.success and out.stored_keys == 1, out
             assert not any(h.done() for h in hung)
+            # While GPU 0's copies hang they show as running: old, and busy meanwhile.
+            during = state.stats()
+            assert during["gpu_copy_longest_running_seconds"][0] >= 0.1
+            assert during["gpu_copy_longest_running_seconds"][1] == 0.0  # GPU 1's ended
+            assert during["gpu_copy_busy_seconds"][0] >= 0.1 * threads
         finally:
             gate.set()
         assert all(o.success for o in await asyncio.gather(*hung))
@@ -145,3 +150,4 @@ def test_a_gpus_jobs_never_wait_behind_another_gpus(state: DepotState) -> None:
     stats = state.stats()
     assert stats["gpu_copies_started"] == [threads, 1]
     assert stats["gpu_copy_busy_seconds"][0] >= 0.1 * threads  # each hung 0.1 s or more
+    assert stats["gpu_copy_longest_running_seconds"] == [0.0, 0.0]

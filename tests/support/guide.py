@@ -49,6 +49,8 @@ VOLATILE_FIELDS = {
     "copy_busy_seconds",
     "gpu_copy_wait_seconds",
     "gpu_copy_busy_seconds",
+    "copy_longest_running_seconds",
+    "gpu_copy_longest_running_seconds",
 }  # registration ids start at random per boot
 
 # --- the guide's scenario -------------------------------------------------------------------
