@@ -21,7 +21,9 @@ an operator reads to tell copy threads that are the bottleneck (long waits, busy
 near threads x wall time) from a control plane that is (GetStats, Prometheus). Busy time
 includes the copies still running, and `longest_running_seconds` is the age of the
 oldest of them: a copy that never ends (a hung DMA) shows as threads busy and a copy
-growing old, not only in the waits of the copies queued behind it.
+growing old, not only in the waits of the copies queued behind it. While every thread
+holds a copy that old (`stalled`), the daemon refuses new jobs for those threads instead
+of queuing them behind copies that may never end.
 
 With `cpus` (one CPU set or None per thread: the NUMA placement's, server/memory/numa.py)
 each thread pins itself to its set before its first copy; `thread_cpus` is what each
@@ -43,6 +45,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from kvdepot.server.status_copies import STALLED_COPY_SECONDS
+
 log = logging.getLogger("kvdepot.copy")
 
 
@@ -60,9 +64,13 @@ class CopyTimes:
 
 
 class CopyQueue:
+    # A copy takes milliseconds: one running this long holds its thread, maybe for good.
+    stall_seconds = STALLED_COPY_SECONDS
+
     def __init__(
         self, threads: int, cpus: Sequence[frozenset[int] | None] = (), name: str = "kvdepot-copy"
     ) -> None:
+        self.name = name
         # (priority, sequence, item) under `_lock`; one token in `_tokens` per item.
         self._heap: list[tuple[int, int, Any]] = []
         self._lock = threading.Lock()
@@ -75,6 +83,7 @@ class CopyQueue:
         self._copying = 0  # threads inside a copy, under `_lock`
         self._times = CopyTimes()  # under `_lock`, the copies that ended
         self._since: list[float | None] = [None] * threads  # each thread's copy's start
+        self._stall_logged = False  # on the loop (`stalled`)
         self.thread_cpus: list[frozenset[int] | None] = [None] * threads
         pinned = [threading.Event() for _ in range(threads)]
         self._threads = [
@@ -107,6 +116,28 @@ class CopyQueue:
                 busy_seconds=self._times.busy_seconds + sum(running),
                 longest_running_seconds=max(running, default=0.0),
             )
+
+    def stalled(self) -> float:
+        """While every thread holds a copy running `stall_seconds` or more (a hung DMA),
+        the youngest of those copies' age: a copy queued now would wait behind them,
+        maybe for good. Else 0. On the loop, once a job; read without the lock (a copy
+        may end meanwhile: the next job sees it). Logs when a stall begins and ends."""
+        starts = list(self._since)  # one consistent copy (under the GIL)
+        busy = starts and None not in starts
+        age = time.monotonic() - max(starts) if busy else 0.0  # type: ignore[type-var]
+        stalled = age >= self.stall_seconds
+        if stalled != self._stall_logged:
+            self._stall_logged = stalled
+            if stalled:
+                log.warning(
+                    "%s: every copy thread has held one copy for %.0f s or more (a hung "
+                    "DMA?); refusing new jobs for these threads until a copy ends",
+                    self.name,
+                    age,
+                )
+            else:
+                log.warning("%s: a stalled copy ended; taking jobs again", self.name)
+        return age if stalled else 0.0
 
     @property
     def idle(self) -> int:

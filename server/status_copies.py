@@ -25,7 +25,8 @@ COPY_FIELDS = (
 )
 
 # A copy takes milliseconds; one running this long is reported as stalled (a GPU's DMA
-# that never ends holds its threads, and the jobs queued behind it wait with it).
+# that never ends holds its threads, and the jobs queued behind it wait with it). The
+# daemon refuses new jobs for threads that all hold such a copy (server/copy_queue).
 STALLED_COPY_SECONDS = 5.0
 
 

@@ -181,3 +181,32 @@ def test_a_queue_counts_its_copies_their_wait_and_its_busy_time() -> None:
         assert q.close()
 
     asyncio.run(main())
+
+
+def test_a_queue_is_stalled_only_while_every_thread_holds_an_old_copy(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Two threads: one copy that does not end leaves a thread for the next copy (not
+    stalled); two that have run `stall_seconds` are a stall; once one ends, none."""
+    monkeypatch.setattr(CopyQueue, "stall_seconds", 0.5)
+
+    async def main() -> None:
+        q = CopyQueue(2)
+        gates = [threading.Event(), threading.Event()]
+        first = asyncio.ensure_future(q.run(lambda: gates[0].wait(10)))
+        await asyncio.sleep(0.6)
+        assert q.stalled() == 0.0  # the other thread is free
+        assert await q.run(lambda: "ran") == "ran"
+        second = asyncio.ensure_future(q.run(lambda: gates[1].wait(10)))
+        await asyncio.sleep(0.05)
+        assert q.stalled() == 0.0  # the second copy is young
+        await asyncio.sleep(0.5)
+        assert q.stalled() >= 0.5  # both threads held 0.5 s or more
+        gates[1].set()
+        await second
+        assert q.stalled() == 0.0
+        gates[0].set()
+        await first
+        assert q.close()
+
+    asyncio.run(main())

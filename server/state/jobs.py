@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from kvdepot.common.jobs import Job, JobResult
 from kvdepot.common.kinds import Direction
 from kvdepot.server import errors
-from kvdepot.server.copy_queue import CopyQueues
+from kvdepot.server.copy_queue import CopyQueue, CopyQueues
 from kvdepot.server.core.index import BlockIndex, Slot
 from kvdepot.server.core.job_check import JobShape, check_job, slice_shape
 from kvdepot.server.core.layout import NamespaceLayout
@@ -218,18 +218,27 @@ class JobRunner:
         """Plans and copies; the bytes and copy time go into `out`. Raises
         DepotError (a copy that failed is INTERNAL, or what the engine said)."""
         assert reg.memory is not None and reg.engine is not None
+        copy_queue = self._copy_queues.for_device(reg.copy_device)
+        stalled = copy_queue.stalled()
+        if stalled:
+            who = f"GPU {reg.copy_device[0]}" if reg.copy_device else "the CPU copies"
+            raise errors.unavailable(
+                f"every copy thread of {who} has held one copy for {stalled:.0f} s (a hung "
+                f"DMA?): the job is refused rather than queued behind them"
+            )
         if shape_pages(reg.layout, shape) > PAGE_SLICE:
-            await self._copy_in_slices(job, reg, shape, offsets, out)
+            await self._copy_in_slices(job, reg, copy_queue, shape, offsets, out)
             return
         plan = plan_copy(reg.layout, reg.rank, reg.memory, shape, offsets)
         if len(plan):
-            out.copy_seconds = await self._run_copy(job, reg, plan)
+            out.copy_seconds = await self._run_copy(job, reg, copy_queue, plan)
         out.bytes = plan.nbytes  # only once the bytes have landed
 
     async def _copy_in_slices(
         self,
         job: Job,
         reg: Registration,
+        copy_queue: CopyQueue,
         shape: JobShape,
         offsets: Sequence[int | None],
         out: JobResult,
@@ -240,7 +249,6 @@ class JobRunner:
         slices. Every slice handed over has ended before this returns or raises."""
         engine, regions, pool = reg.engine, reg.regions, self._arena.address
         assert reg.memory is not None and engine is not None
-        copy_queue = self._copy_queues.for_device(reg.copy_device)
         copies: list[asyncio.Future[tuple[float, float]]] = []
         nbytes = 0
         with self._sessions.in_use(reg):
@@ -278,14 +286,15 @@ class JobRunner:
             out.copy_seconds = max(e for _, e in spans) - min(s for s, _ in spans)  # type: ignore[misc]
         out.bytes = nbytes  # only once the bytes have landed
 
-    async def _run_copy(self, job: Job, reg: Registration, plan: CopyPlan) -> float:
+    async def _run_copy(
+        self, job: Job, reg: Registration, copy_queue: CopyQueue, plan: CopyPlan
+    ) -> float:
         """Copies on the copy threads; a large plan is cut into parts that
         several idle threads copy at once (one thread's memmove is slower than the
         machine's). Returns seconds from the first part's start to the last's end."""
         engine, regions, pool = reg.engine, reg.regions, self._arena.address
         assert engine is not None
         direction = job.direction
-        copy_queue = self._copy_queues.for_device(reg.copy_device)
         parts = [plan]
         if engine.parallel_min_bytes:
             # Cut only for threads that would otherwise wait: when every thread has a

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import logging
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -14,6 +16,7 @@ import pytest
 from kvdepot.common.cuda_driver import DeviceInfo
 from kvdepot.common.cuda_handles import parse_uuid
 from kvdepot.server import errors
+from kvdepot.server.copy_queue import CopyQueue
 from kvdepot.server.core.memory_map import LayerRef
 from kvdepot.server.cuda import cuda_path, enable_cuda
 from kvdepot.server.memory.copy_engine import LOAD, STORE
@@ -151,3 +154,70 @@ def test_a_gpus_jobs_never_wait_behind_another_gpus(state: DepotState) -> None:
     assert stats["gpu_copies_started"] == [threads, 1]
     assert stats["gpu_copy_busy_seconds"][0] >= 0.1 * threads  # each hung 0.1 s or more
     assert stats["gpu_copy_longest_running_seconds"] == [0.0, 0.0]
+
+
+def test_a_hung_gpus_new_jobs_fail_at_once_and_the_other_gpu_goes_on(
+    state: DepotState, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Every one of GPU 0's copy threads holds a DMA that does not end: GPU 0's next job
+    fails at once (UNAVAILABLE, its claimed slot released, nothing stored) instead of
+    queuing behind them; GPU 1's job runs; once the DMA ends, GPU 0 takes jobs again.
+    The log says when the stall began and ended."""
+    monkeypatch.setattr(CopyQueue, "stall_seconds", 0.3)
+    drv = FakeDriver(
+        [
+            DeviceInfo(0, parse_uuid(UUID0), "H200 a", "0000:18:00.0"),
+            DeviceInfo(1, parse_uuid(UUID1), "H200 b", "0000:9A:00.0"),
+        ]
+    )
+    assert enable_cuda(state, state.arena, driver=drv, env={})
+    s0, r0, _, _, _ = register_fake_engine(state, drv, uuid=UUID0, namespace="gpu-a")
+    s1, r1, _, _, _ = register_fake_engine(state, drv, uuid=UUID1, namespace="gpu-b")
+    threads = state.copy_queues.device_threads
+    drv.sync_gates[0] = gate = threading.Event()
+
+    async def run() -> None:
+        hung = [
+            asyncio.ensure_future(state.run_job(job(r0, s0, 1 + i, STORE, [make_key(10 + i)], [i])))
+            for i in range(threads)
+        ]
+        try:
+            for _ in range(1000):
+                if state.stats()["gpu_copies_started"][:1] == [threads]:
+                    break
+                await asyncio.sleep(0.01)
+            # Not yet stalled: a job queues behind the hung copies (and is cancelled).
+            queued = asyncio.ensure_future(
+                state.run_job(job(r0, s0, 7, STORE, [make_key(30)], [6]))
+            )
+            await asyncio.sleep(0.4)  # past stall_seconds
+            assert not queued.done()
+            started = time.monotonic()
+            out = await asyncio.wait_for(
+                state.run_job(job(r0, s0, 8, STORE, [make_key(31)], [7])), 2
+            )
+            assert time.monotonic() - started < 0.2  # at once, not behind the hung DMA
+            assert not out.success and out.error_code == "UNAVAILABLE", out
+            assert f"GPU {UUID0}" in out.error and "hung" in out.error
+            assert state.index.counts()["writing"] == threads + 1  # its slot went back
+            out = await asyncio.wait_for(
+                state.run_job(job(r1, s1, 9, STORE, [make_key(20)], [0])), 10
+            )
+            assert out.success and out.stored_keys == 1, out
+        finally:
+            gate.set()
+        assert all(o.success for o in await asyncio.gather(*hung, queued))
+        # The DMA ended: GPU 0 takes jobs again, and the refused key can be stored.
+        out = await state.run_job(job(r0, s0, 10, STORE, [make_key(31)], [7]))
+        assert out.success and out.stored_keys == 1, out
+
+    caplog.set_level(logging.WARNING, logger="kvdepot.copy")
+    asyncio.run(run())
+    assert state.index.counts()["writing"] == 0
+    assert state.stats()["gpu_copy_longest_running_seconds"] == [0.0, 0.0]
+    said = [r.getMessage() for r in caplog.records if r.name == "kvdepot.copy"]
+    assert said == [
+        f"kvdepot-copy-{UUID0}: every copy thread has held one copy for 0 s or more (a hung "
+        "DMA?); refusing new jobs for these threads until a copy ends",
+        f"kvdepot-copy-{UUID0}: a stalled copy ended; taking jobs again",
+    ], said
