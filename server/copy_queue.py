@@ -22,8 +22,9 @@ near threads x wall time) from a control plane that is (GetStats, Prometheus). B
 includes the copies still running, and `longest_running_seconds` is the age of the
 oldest of them: a copy that never ends (a hung DMA) shows as threads busy and a copy
 growing old, not only in the waits of the copies queued behind it. While every thread
-holds a copy that old (`stalled`), the daemon refuses new jobs for those threads instead
-of queuing them behind copies that may never end.
+holds a copy that old (`stalled`), the job path refuses new copies for those threads
+(`refuse_if_stalled`), and the copies already queued behind them fail, instead of
+waiting for copies that may never end.
 
 With `cpus` (one CPU set or None per thread: the NUMA placement's, server/memory/numa.py)
 each thread pins itself to its set before its first copy; `thread_cpus` is what each
@@ -45,6 +46,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from kvdepot.server import errors
 from kvdepot.server.status_copies import STALLED_COPY_SECONDS
 
 log = logging.getLogger("kvdepot.copy")
@@ -68,9 +70,13 @@ class CopyQueue:
     stall_seconds = STALLED_COPY_SECONDS
 
     def __init__(
-        self, threads: int, cpus: Sequence[frozenset[int] | None] = (), name: str = "kvdepot-copy"
+        self,
+        threads: int,
+        cpus: Sequence[frozenset[int] | None] = (),
+        name: str = "kvdepot-copy",
+        label: str = "CPU",
     ) -> None:
-        self.name = name
+        self.label = label  # whose copies, in errors and logs ("CPU", "GPU <UUID>")
         # (priority, sequence, item) under `_lock`; one token in `_tokens` per item.
         self._heap: list[tuple[int, int, Any]] = []
         self._lock = threading.Lock()
@@ -83,7 +89,7 @@ class CopyQueue:
         self._copying = 0  # threads inside a copy, under `_lock`
         self._times = CopyTimes()  # under `_lock`, the copies that ended
         self._since: list[float | None] = [None] * threads  # each thread's copy's start
-        self._stall_logged = False  # on the loop (`stalled`)
+        self._stall_said = False  # on the loop (`refuse_if_stalled`)
         self.thread_cpus: list[frozenset[int] | None] = [None] * threads
         pinned = [threading.Event() for _ in range(threads)]
         self._threads = [
@@ -120,24 +126,58 @@ class CopyQueue:
     def stalled(self) -> float:
         """While every thread holds a copy running `stall_seconds` or more (a hung DMA),
         the youngest of those copies' age: a copy queued now would wait behind them,
-        maybe for good. Else 0. On the loop, once a job; read without the lock (a copy
-        may end meanwhile: the next job sees it). Logs when a stall begins and ends."""
+        maybe for good. Else 0. Read without the lock (a copy may end meanwhile)."""
         starts = list(self._since)  # one consistent copy (under the GIL)
         busy = starts and None not in starts
         age = time.monotonic() - max(starts) if busy else 0.0  # type: ignore[type-var]
-        stalled = age >= self.stall_seconds
-        if stalled != self._stall_logged:
-            self._stall_logged = stalled
-            if stalled:
+        return age if age >= self.stall_seconds else 0.0
+
+    def refuse_if_stalled(self) -> None:
+        """On the loop, before a job queues a copy here: raises UNAVAILABLE while the
+        queue is `stalled` rather than queue the copy behind copies that may never end.
+        When a stall begins, the copies already queued fail the same way (skipped: they
+        never run). Logs when a stall begins and when it ends."""
+        age = self.stalled()
+        if bool(age) != self._stall_said:
+            self._stall_said = bool(age)
+            if age:
+                failed = self._fail_queued(age)
                 log.warning(
                     "%s: every copy thread has held one copy for %.0f s or more (a hung "
-                    "DMA?); refusing new jobs for these threads until a copy ends",
-                    self.name,
+                    "DMA?); refusing new jobs for these threads until a copy ends "
+                    "(%d queued behind failed)",
+                    self.label,
                     age,
+                    failed,
                 )
             else:
-                log.warning("%s: a stalled copy ended; taking jobs again", self.name)
-        return age if stalled else 0.0
+                log.warning("%s: a stalled copy ended; taking jobs again", self.label)
+        if age:
+            raise self._stalled_error(age)
+
+    def _stalled_error(self, age: float) -> errors.DepotError:
+        return errors.unavailable(
+            f"{self.label}: every copy thread has held one copy for {age:.0f} s (a hung "
+            f"DMA?); the job is refused rather than queued behind them"
+        )
+
+    def _fail_queued(self, age: float) -> int:
+        """Fails every copy queued and not started (skipped: it never runs), on its
+        loop, with the stall's error. Returns how many."""
+        with self._lock:
+            queued = [
+                item
+                for _, _, item in self._heap
+                if item is not None and not item[3].skipped and not item[3].started
+            ]
+            for *_, ticket in queued:
+                ticket.skipped = True
+        for loop, fut, _, ticket in queued:
+            with contextlib.suppress(RuntimeError):  # its loop closed: nobody waits
+                loop.call_soon_threadsafe(
+                    _finish, ticket, fut, _set_exception, self._stalled_error(age)
+                )
+        return len(queued)
 
     @property
     def idle(self) -> int:
@@ -356,6 +396,7 @@ class CopyQueues:
                 self.device_threads,
                 [p[1] if p else None for p in placed],
                 name=f"kvdepot-copy-{key}",
+                label=f"GPU {key}",
             )
             nodes = {
                 p[0] if p and cpus else -1 for p, cpus in zip(placed, q.thread_cpus, strict=True)

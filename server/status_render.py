@@ -235,8 +235,8 @@ def _copy_lines(copies: dict[str, Any] | None) -> list[Any]:
         threads = "the CPU threads" if who == "CPU" else f"GPU {who}"
         lines.append(
             Text(
-                f"STALLED: a copy on {threads} has run {age:.0f} s (a hung DMA?); "
-                "the jobs queued behind it wait",
+                f"STALLED: a copy on {threads} has run {age:.0f} s (a hung DMA?); while "
+                "every one of those threads holds one, their jobs fail at once",
                 style="red",
             )
         )

@@ -219,13 +219,7 @@ class JobRunner:
         DepotError (a copy that failed is INTERNAL, or what the engine said)."""
         assert reg.memory is not None and reg.engine is not None
         copy_queue = self._copy_queues.for_device(reg.copy_device)
-        stalled = copy_queue.stalled()
-        if stalled:
-            who = f"GPU {reg.copy_device[0]}" if reg.copy_device else "the CPU copies"
-            raise errors.unavailable(
-                f"every copy thread of {who} has held one copy for {stalled:.0f} s (a hung "
-                f"DMA?): the job is refused rather than queued behind them"
-            )
+        copy_queue.refuse_if_stalled()
         if shape_pages(reg.layout, shape) > PAGE_SLICE:
             await self._copy_in_slices(job, reg, copy_queue, shape, offsets, out)
             return

@@ -161,8 +161,9 @@ def test_a_hung_gpus_new_jobs_fail_at_once_and_the_other_gpu_goes_on(
 ) -> None:
     """Every one of GPU 0's copy threads holds a DMA that does not end: GPU 0's next job
     fails at once (UNAVAILABLE, its claimed slot released, nothing stored) instead of
-    queuing behind them; GPU 1's job runs; once the DMA ends, GPU 0 takes jobs again.
-    The log says when the stall began and ended."""
+    queuing behind them, and so does the job queued behind them before; GPU 1's job
+    runs; once the DMA ends, GPU 0 takes jobs again. The log says when the stall began
+    and ended."""
     monkeypatch.setattr(CopyQueue, "stall_seconds", 0.3)
     drv = FakeDriver(
         [
@@ -186,7 +187,7 @@ def test_a_hung_gpus_new_jobs_fail_at_once_and_the_other_gpu_goes_on(
                 if state.stats()["gpu_copies_started"][:1] == [threads]:
                     break
                 await asyncio.sleep(0.01)
-            # Not yet stalled: a job queues behind the hung copies (and is cancelled).
+            # Not yet stalled: a job queues behind the hung copies.
             queued = asyncio.ensure_future(
                 state.run_job(job(r0, s0, 7, STORE, [make_key(30)], [6]))
             )
@@ -198,18 +199,21 @@ def test_a_hung_gpus_new_jobs_fail_at_once_and_the_other_gpu_goes_on(
             )
             assert time.monotonic() - started < 0.2  # at once, not behind the hung DMA
             assert not out.success and out.error_code == "UNAVAILABLE", out
-            assert f"GPU {UUID0}" in out.error and "hung" in out.error
-            assert state.index.counts()["writing"] == threads + 1  # its slot went back
+            assert f"GPU {UUID0}: every copy thread" in out.error and "hung" in out.error
+            # The job queued behind them fails as the stall is found; both slots go back.
+            before = await asyncio.wait_for(queued, 2)
+            assert not before.success and before.error_code == "UNAVAILABLE", before
+            assert state.index.counts()["writing"] == threads
             out = await asyncio.wait_for(
                 state.run_job(job(r1, s1, 9, STORE, [make_key(20)], [0])), 10
             )
             assert out.success and out.stored_keys == 1, out
         finally:
             gate.set()
-        assert all(o.success for o in await asyncio.gather(*hung, queued))
-        # The DMA ended: GPU 0 takes jobs again, and the refused key can be stored.
-        out = await state.run_job(job(r0, s0, 10, STORE, [make_key(31)], [7]))
-        assert out.success and out.stored_keys == 1, out
+        assert all(o.success for o in await asyncio.gather(*hung))
+        # The DMA ended: GPU 0 takes jobs again, and the refused keys can be stored.
+        out = await state.run_job(job(r0, s0, 10, STORE, [make_key(30), make_key(31)], [6, 7]))
+        assert out.success and out.stored_keys == 2, out
 
     caplog.set_level(logging.WARNING, logger="kvdepot.copy")
     asyncio.run(run())
@@ -217,7 +221,7 @@ def test_a_hung_gpus_new_jobs_fail_at_once_and_the_other_gpu_goes_on(
     assert state.stats()["gpu_copy_longest_running_seconds"] == [0.0, 0.0]
     said = [r.getMessage() for r in caplog.records if r.name == "kvdepot.copy"]
     assert said == [
-        f"kvdepot-copy-{UUID0}: every copy thread has held one copy for 0 s or more (a hung "
-        "DMA?); refusing new jobs for these threads until a copy ends",
-        f"kvdepot-copy-{UUID0}: a stalled copy ended; taking jobs again",
+        f"GPU {UUID0}: every copy thread has held one copy for 0 s or more (a hung DMA?); "
+        "refusing new jobs for these threads until a copy ends (1 queued behind failed)",
+        f"GPU {UUID0}: a stalled copy ended; taking jobs again",
     ], said
