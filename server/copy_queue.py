@@ -128,8 +128,9 @@ class CopyQueue:
         the youngest of those copies' age: a copy queued now would wait behind them,
         maybe for good. Else 0. Read without the lock (a copy may end meanwhile)."""
         starts = list(self._since)  # one consistent copy (under the GIL)
-        busy = starts and None not in starts
-        age = time.monotonic() - max(starts) if busy else 0.0  # type: ignore[type-var]
+        if not starts or None in starts:  # a thread is free (or about to be)
+            return 0.0
+        age = time.monotonic() - max(starts)  # type: ignore[type-var]
         return age if age >= self.stall_seconds else 0.0
 
     def refuse_if_stalled(self) -> None:

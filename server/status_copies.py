@@ -25,8 +25,8 @@ COPY_FIELDS = (
 )
 
 # A copy takes milliseconds; one running this long is reported as stalled (a GPU's DMA
-# that never ends holds its threads, and the jobs queued behind it wait with it). The
-# daemon refuses new jobs for threads that all hold such a copy (server/copy_queue).
+# that never ends holds its thread). While every thread of a set holds such a copy, the
+# daemon fails that set's queued and new jobs (server/copy_queue).
 STALLED_COPY_SECONDS = 5.0
 
 
