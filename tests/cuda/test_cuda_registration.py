@@ -9,6 +9,7 @@ import ctypes
 import logging
 import threading
 import time
+from typing import Any
 
 import numpy as np
 import pytest
@@ -104,9 +105,9 @@ def test_unregister_closes_the_mapping_and_bad_handles_leave_no_registration(
     assert not drv.open_counts and not state.registrations
 
 
-def test_a_gpus_jobs_never_wait_behind_another_gpus(state: DepotState) -> None:
-    """Each GPU copies on threads of its own: with GPU 0's DMA hung on every one of its
-    threads, GPU 1's job still runs; GPU 0's jobs end once its DMA does."""
+def _two_gpus_with_gpu0_gated(state: DepotState) -> tuple[Any, Any, Any, Any, threading.Event]:
+    """Two fake GPUs, each registered in a namespace of its own, GPU 0's DMA held until
+    the gate opens: (session 0, registration 0, session 1, registration 1, gate)."""
     drv = FakeDriver(
         [
             DeviceInfo(0, parse_uuid(UUID0), "H200 a", "0000:18:00.0"),
@@ -117,21 +118,36 @@ def test_a_gpus_jobs_never_wait_behind_another_gpus(state: DepotState) -> None:
     s0, r0, _, _, _ = register_fake_engine(state, drv, uuid=UUID0, namespace="gpu-a")
     s1, r1, _, _, _ = register_fake_engine(state, drv, uuid=UUID1, namespace="gpu-b")
     assert (r0.copy_device, r1.copy_device) == ((UUID0, "0000:18:00.0"), (UUID1, "0000:9A:00.0"))
-    threads = state.copy_queues.device_threads
     drv.sync_gates[0] = gate = threading.Event()
+    return s0, r0, s1, r1, gate
+
+
+async def _hold_every_gpu0_thread(state: DepotState, s0: Any, r0: Any) -> list[Any]:
+    """A store on GPU 0 for each of its copy threads, returned once all have started (a
+    copy's busy time and age run from its start, not from when it was queued)."""
+    threads = state.copy_queues.device_threads
+    hung = [
+        asyncio.ensure_future(state.run_job(job(r0, s0, 1 + i, STORE, [make_key(10 + i)], [i])))
+        for i in range(threads)
+    ]
+    for _ in range(1000):
+        if state.stats()["gpu_copies_started"][:1] == [threads]:
+            break
+        await asyncio.sleep(0.01)
+    assert state.stats()["gpu_copies_started"] == [threads], "GPU 0's copies never started"
+    return hung
+
+
+def test_a_gpus_jobs_never_wait_behind_another_gpus(state: DepotState) -> None:
+    """Each GPU copies on threads of its own: with GPU 0's DMA hung on every one of its
+    threads, GPU 1's job still runs; GPU 0's jobs end once its DMA does."""
+    s0, r0, s1, r1, gate = _two_gpus_with_gpu0_gated(state)
+    threads = state.copy_queues.device_threads
 
     async def run() -> None:
-        hung = [
-            asyncio.ensure_future(state.run_job(job(r0, s0, 1 + i, STORE, [make_key(10 + i)], [i])))
-            for i in range(threads)
-        ]
+        hung: list[Any] = []
         try:
-            # Busy time runs from a copy's start: hold the gate 0.1 s after all have started.
-            for _ in range(1000):
-                if state.stats()["gpu_copies_started"][:1] == [threads]:
-                    break
-                await asyncio.sleep(0.01)
-            assert state.stats()["gpu_copies_started"] == [threads], "GPU 0's copies never started"
+            hung = await _hold_every_gpu0_thread(state, s0, r0)
             await asyncio.sleep(0.1)
             out = await asyncio.wait_for(
                 state.run_job(job(r1, s1, 9, STORE, [make_key(20)], [0])), 10
@@ -165,28 +181,13 @@ def test_a_hung_gpus_new_jobs_fail_at_once_and_the_other_gpu_goes_on(
     runs; once the DMA ends, GPU 0 takes jobs again. The log says when the stall began
     and ended."""
     monkeypatch.setattr(CopyQueue, "stall_seconds", 0.3)
-    drv = FakeDriver(
-        [
-            DeviceInfo(0, parse_uuid(UUID0), "H200 a", "0000:18:00.0"),
-            DeviceInfo(1, parse_uuid(UUID1), "H200 b", "0000:9A:00.0"),
-        ]
-    )
-    assert enable_cuda(state, state.arena, driver=drv, env={})
-    s0, r0, _, _, _ = register_fake_engine(state, drv, uuid=UUID0, namespace="gpu-a")
-    s1, r1, _, _, _ = register_fake_engine(state, drv, uuid=UUID1, namespace="gpu-b")
+    s0, r0, s1, r1, gate = _two_gpus_with_gpu0_gated(state)
     threads = state.copy_queues.device_threads
-    drv.sync_gates[0] = gate = threading.Event()
 
     async def run() -> None:
-        hung = [
-            asyncio.ensure_future(state.run_job(job(r0, s0, 1 + i, STORE, [make_key(10 + i)], [i])))
-            for i in range(threads)
-        ]
+        hung: list[Any] = []
         try:
-            for _ in range(1000):
-                if state.stats()["gpu_copies_started"][:1] == [threads]:
-                    break
-                await asyncio.sleep(0.01)
+            hung = await _hold_every_gpu0_thread(state, s0, r0)
             # Not yet stalled: a job queues behind the hung copies.
             queued = asyncio.ensure_future(
                 state.run_job(job(r0, s0, 7, STORE, [make_key(30)], [6]))
