@@ -135,9 +135,17 @@ class CopyQueue:
 
     def refuse_if_stalled(self) -> None:
         """On the loop, before a job queues a copy here: raises UNAVAILABLE while the
-        queue is `stalled` rather than queue the copy behind copies that may never end.
-        When a stall begins, the copies already queued fail the same way (skipped: they
-        never run). Logs when a stall begins and when it ends."""
+        queue is `stalled` rather than queue the copy behind copies that may never end
+        (what `check_stall` does first, it does too)."""
+        age = self.check_stall()
+        if age:
+            raise self._stalled_error(age)
+
+    def check_stall(self) -> float:
+        """On the loop, per job (`refuse_if_stalled`) and once a second (the daemon's
+        housekeeping, so that a GPU no new job comes to fails its queued ones too): when
+        a stall begins, the copies already queued fail with UNAVAILABLE (skipped: they
+        never run). Logs when a stall begins and when it ends. Returns `stalled()`."""
         age = self.stalled()
         if bool(age) != self._stall_said:
             self._stall_said = bool(age)
@@ -153,8 +161,7 @@ class CopyQueue:
                 )
             else:
                 log.warning("%s: a stalled copy ended; taking jobs again", self.label)
-        if age:
-            raise self._stalled_error(age)
+        return age
 
     def _stalled_error(self, age: float) -> errors.DepotError:
         return errors.unavailable(
@@ -362,7 +369,8 @@ class CopyQueues:
     device's own node).
 
     Used on the event loop: `for_device` may start a device's threads (each pins itself
-    to its CPU set, as the shared ones do); `close` at shutdown.
+    to its CPU set, as the shared ones do); `check_stalls` once a second; `close` at
+    shutdown.
     """
 
     def __init__(
@@ -416,6 +424,11 @@ class CopyQueues:
                 where,
             )
         return q
+
+    def check_stalls(self) -> None:
+        """On the loop, once a second: `CopyQueue.check_stall` of every queue."""
+        for q in (self.shared, *self.devices.values()):
+            q.check_stall()
 
     def close(self, timeout: float = 10.0) -> bool:
         """Stops every queue's threads after their queued copies; False if a copy is

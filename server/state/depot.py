@@ -249,6 +249,8 @@ class DepotState:
             and (self._compaction is None or self._compaction.done())
         ):
             self._compaction = asyncio.get_running_loop().create_task(j.compact())
+        # A hung copy's queued jobs fail even when no new job comes to find the stall.
+        self.copy_queues.check_stalls()
         expired = self.index.expire_reservations()
         if expired:
             log.warning("dropped %d block row(s) whose ranks never all stored", expired)

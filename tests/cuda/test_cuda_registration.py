@@ -226,3 +226,48 @@ def test_a_hung_gpus_new_jobs_fail_at_once_and_the_other_gpu_goes_on(
         "refusing new jobs for these threads until a copy ends (1 queued behind failed)",
         f"GPU {UUID0}: a stalled copy ended; taking jobs again",
     ], said
+
+
+def test_a_hung_gpus_queued_jobs_fail_with_no_new_job_to_find_the_stall(
+    state: DepotState, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """No new job comes to GPU 0 once its DMA hangs: the daemon's once-a-second
+    housekeeping finds the stall, and the job queued behind the hung copies fails
+    (UNAVAILABLE, its slot released) instead of waiting out its engine's timeout.
+    Housekeeping before the stall threshold fails nothing; after the DMA ends it logs
+    the end, and GPU 0 stores again."""
+    monkeypatch.setattr(CopyQueue, "stall_seconds", 0.3)
+    s0, r0, _, _, gate = _two_gpus_with_gpu0_gated(state)
+    threads = state.copy_queues.device_threads
+
+    async def run() -> None:
+        hung: list[Any] = []
+        try:
+            hung = await _hold_every_gpu0_thread(state, s0, r0)
+            queued = asyncio.ensure_future(
+                state.run_job(job(r0, s0, 7, STORE, [make_key(30)], [6]))
+            )
+            await asyncio.sleep(0.05)
+            state.housekeeping()  # young copies: not a stall
+            await asyncio.sleep(0.05)
+            assert not queued.done()
+            await asyncio.sleep(0.4)  # past stall_seconds
+            assert not queued.done()  # nothing looked yet
+            state.housekeeping()
+            out = await asyncio.wait_for(queued, 2)
+            assert not out.success and out.error_code == "UNAVAILABLE", out
+            assert f"GPU {UUID0}: every copy thread" in out.error
+            assert state.index.counts()["writing"] == threads
+        finally:
+            gate.set()
+        assert all(o.success for o in await asyncio.gather(*hung))
+        state.housekeeping()
+        out = await state.run_job(job(r0, s0, 8, STORE, [make_key(30)], [6]))
+        assert out.success and out.stored_keys == 1, out
+
+    caplog.set_level(logging.WARNING, logger="kvdepot.copy")
+    asyncio.run(run())
+    assert state.index.counts()["writing"] == 0
+    said = [r.getMessage() for r in caplog.records if r.name == "kvdepot.copy"]
+    assert len(said) == 2 and "(1 queued behind failed)" in said[0], said
+    assert said[1] == f"GPU {UUID0}: a stalled copy ended; taking jobs again", said
