@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import os
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -14,6 +15,7 @@ import pytest
 from kvdepot.common.kinds import MemoryPath
 from kvdepot.server import errors
 from kvdepot.server.config import ServeConfig
+from kvdepot.server.copy_queue import CopyQueue
 from kvdepot.server.core.index import IndexEvent
 from kvdepot.server.core.kinds import EventKind, EvictionReason, PutOutcome
 from kvdepot.server.core.layout import NamespaceLayout
@@ -125,5 +127,43 @@ def test_a_watcher_coalesces_runs_and_resyncs_when_it_falls_behind(
         for i in range(4):
             w.push(ev(stored, i))
         assert w.lagged and w.take_run(10) is None and w.wakeup.is_set()
+
+    asyncio.run(run())
+
+
+def test_put_and_get_fail_at_once_while_every_cpu_copy_thread_is_stalled(
+    state: DepotState, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An inline engine's Put and Get use the shared CPU copy threads: while every one
+    of them holds a copy past the stall threshold, both fail at once (UNAVAILABLE,
+    nothing claimed) instead of queuing behind it; once a copy ends they work."""
+    monkeypatch.setattr(CopyQueue, "stall_seconds", 1.0)
+    session = state.open_session("test", os.getpid(), "")
+    state.register(session.id, LAYOUT, 0, [], [], [])
+    data = os.urandom(SECTION)
+    gate = threading.Event()
+
+    async def run() -> None:
+        assert (await state.put(session.id, "ns", key(1), 0, data))[0] is PutOutcome.STORED
+        held = [
+            asyncio.ensure_future(state.copy_queue.run(lambda: gate.wait(30)))
+            for _ in range(state.copy_queue.threads)
+        ]
+        try:
+            await asyncio.sleep(1.1)  # past stall_seconds
+            for call in (
+                state.put(session.id, "ns", key(2), 0, data),
+                state.get(session.id, "ns", key(1), 0),
+            ):
+                with pytest.raises(errors.DepotError) as err:
+                    await asyncio.wait_for(call, 0.5)
+                assert err.value.code.name == "UNAVAILABLE"
+                assert "every copy thread has held one copy" in err.value.message
+            assert state.index.counts()["writing"] == 0  # key 2 never claimed
+        finally:
+            gate.set()
+        await asyncio.gather(*held)
+        assert (await state.put(session.id, "ns", key(2), 0, data))[0] is PutOutcome.STORED
+        assert await state.get(session.id, "ns", key(1), 0) == data
 
     asyncio.run(run())

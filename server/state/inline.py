@@ -3,7 +3,8 @@
 For engines whose memory the daemon cannot reach (no shared memory, no CUDA
 IPC, no process-memory access). The same index steps as a Transfer job of one
 key (begin_store/finish_store, begin_read/end_read), counted and observed the
-same way (kvdepot.server.state.traffic); the copy runs on a copy thread.
+same way (kvdepot.server.state.traffic); the copy runs on a copy thread, and
+is refused (UNAVAILABLE) while those threads are stalled, as a job's is.
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ class InlinePath:
         self, session_id: str, namespace_id: str, key: bytes, rank: int, data: bytes
     ) -> tuple[PutOutcome, bool, str]:
         offset, size = self._section(namespace_id, key, rank)
+        self._copy_queue.refuse_if_stalled()  # before anything is claimed
         if len(data) != size:
             raise errors.invalid(
                 f"data has {len(data)} bytes; rank {rank}'s section of this key's group is "
@@ -90,6 +92,7 @@ class InlinePath:
 
     async def _get(self, namespace_id: str, key: bytes, rank: int) -> bytes:
         offset, size = self._section(namespace_id, key, rank)
+        self._copy_queue.refuse_if_stalled()
         slot = self._index.begin_read(namespace_id, key)
         if slot is None:
             raise errors.not_found(f"key {key.hex()} is not ready in namespace {namespace_id}")
