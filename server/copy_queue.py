@@ -135,8 +135,8 @@ class CopyQueue:
 
     def refuse_if_stalled(self) -> None:
         """On the loop, before a job queues a copy here: raises UNAVAILABLE while the
-        queue is `stalled` rather than queue the copy behind copies that may never end
-        (what `check_stall` does first, it does too)."""
+        queue is `stalled` rather than queue the copy behind copies that may never end;
+        `check_stall` first (so a job may be the one that finds the stall begin)."""
         age = self.check_stall()
         if age:
             raise self._stalled_error(age)
