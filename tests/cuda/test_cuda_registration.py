@@ -139,6 +139,21 @@ async def _hold_every_gpu0_thread(state: DepotState, s0: Any, r0: Any) -> list[A
     return hung
 
 
+def _assert_said_one_gpu0_stall(caplog: pytest.LogCaptureFixture) -> None:
+    """The copy log holds exactly GPU 0's stall: its start (at least 1 s old, one job
+    queued behind failed) and its end."""
+    said = [r.getMessage() for r in caplog.records if r.name == "kvdepot.copy"]
+    assert len(said) == 2, said
+    began = re.fullmatch(
+        rf"GPU {UUID0}: every copy thread has held one copy for (\d+) s or more \(a hung "
+        r"DMA\?\); refusing new jobs for these threads until a copy ends \(1 queued "
+        r"behind failed\)",
+        said[0],
+    )
+    assert began and int(began.group(1)) >= 1, said
+    assert said[1] == f"GPU {UUID0}: a stalled copy ended; taking jobs again", said
+
+
 def test_a_gpus_jobs_never_wait_behind_another_gpus(state: DepotState) -> None:
     """Each GPU copies on threads of its own: with GPU 0's DMA hung on every one of its
     threads, GPU 1's job still runs; GPU 0's jobs end once its DMA does."""
@@ -222,16 +237,7 @@ def test_a_hung_gpus_new_jobs_fail_at_once_and_the_other_gpu_goes_on(
     asyncio.run(run())
     assert state.index.counts()["writing"] == 0
     assert state.stats()["gpu_copy_longest_running_seconds"] == [0.0, 0.0]
-    said = [r.getMessage() for r in caplog.records if r.name == "kvdepot.copy"]
-    assert len(said) == 2, said
-    began = re.fullmatch(
-        rf"GPU {UUID0}: every copy thread has held one copy for (\d+) s or more \(a hung "
-        r"DMA\?\); refusing new jobs for these threads until a copy ends \(1 queued "
-        r"behind failed\)",
-        said[0],
-    )
-    assert began and int(began.group(1)) >= 1, said
-    assert said[1] == f"GPU {UUID0}: a stalled copy ended; taking jobs again", said
+    _assert_said_one_gpu0_stall(caplog)
 
 
 def test_a_hung_gpus_queued_jobs_fail_with_no_new_job_to_find_the_stall(
@@ -275,6 +281,4 @@ def test_a_hung_gpus_queued_jobs_fail_with_no_new_job_to_find_the_stall(
     caplog.set_level(logging.WARNING, logger="kvdepot.copy")
     asyncio.run(run())
     assert state.index.counts()["writing"] == 0
-    said = [r.getMessage() for r in caplog.records if r.name == "kvdepot.copy"]
-    assert len(said) == 2 and "(1 queued behind failed)" in said[0], said
-    assert said[1] == f"GPU {UUID0}: a stalled copy ended; taking jobs again", said
+    _assert_said_one_gpu0_stall(caplog)
