@@ -262,6 +262,11 @@ class Fetcher:
         if key in ns.slots:  # an engine stored it meanwhile
             self._stats.fetch_drops["stored_locally"] += 1
             return False
+        if self._copy_queue.check_stall():
+            # Every CPU copy thread holds a copy that may never end: the row would
+            # wait behind it, claimed, so it is not loaded (as a job is refused).
+            self._stats.fetch_drops["copies_stalled"] += 1
+            return False
         try:
             first = self._index.begin_store(namespace_id, key, 0, OWNER)
         except LayoutError:

@@ -213,9 +213,15 @@ class WriteBehind:
         self._health.failed(why)
 
     async def _frames(self, items: list[_Item]) -> list[bytes | None]:
-        """Framed values; None for a row evicted before it could be read. The rows
-        still ready are held (begin_read) and framed in one go on a copy thread: the
-        daemon waits for those before it unmaps the pool."""
+        """Framed values; None for a row evicted before it could be read, and for every
+        row while the CPU copy threads are stalled (dropped). The rows still ready are
+        held (begin_read) and framed in one go on a copy thread: the daemon waits for
+        those before it unmaps the pool."""
+        if self._copy_queue.check_stall():
+            # Every CPU copy thread holds a copy that may never end: framing would
+            # queue behind it, so the rows are dropped now, as a job is refused.
+            self._drop("copies_stalled", len(items))
+            return [None] * len(items)
         held: list[Slot] = []
         sources: list[tuple[_Item, int | None]] = []  # (item, pool offset or None: payload)
         for item in items:
