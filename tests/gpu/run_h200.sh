@@ -18,7 +18,8 @@
 #        bash tests/gpu/run_h200.sh
 #      (device tool: command "bash tests/gpu/run_h200.sh", carry ["build/gpu-wheels"],
 #      timeout_s 450). Logs go to $OUT (or build/gpu-out): run_h200.log (everything),
-#      env.txt, daemons.log, gpu_bench.txt, gpu_bench.json, gpu_bench_daemon.log,
+#      env.txt, context_cost.txt (the GPU memory one daemon process's CUDA context
+#      holds), daemons.log, gpu_bench.txt, gpu_bench.json, gpu_bench_daemon.log,
 #      cpu_bench.json (kvdepot bench's CPU series on the GPU machine's cores),
 #      node_bench_s{1,8,2,4}.json (the node series: 8 engines x TP=8 over 1-8
 #      daemon shards, one file per shard count).
@@ -108,6 +109,22 @@ if ! grep -q enable_cuda server/daemon.py; then
 fi
 
 rc=0
+# What every daemon process that serves a GPU costs that GPU: its CUDA context. Routing
+# engines over several shards would multiply it (docs/architecture.md 10.1).
+echo "== one daemon process's CUDA context (GPU 0)"
+timeout 60 "$PY" - <<'EOF' 2>&1 | tee "$OUT/context_cost.txt"
+import os, subprocess, time
+from kvdepot.common import cuda_driver
+drv = cuda_driver.load()
+drv.set_current(drv.primary_context(0))  # as the daemon's CUDA engine does
+time.sleep(0.5)
+apps = subprocess.run(
+    ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader"],
+    capture_output=True, text=True,
+).stdout
+mine = [line for line in apps.splitlines() if line.split(",")[0].strip() == str(os.getpid())]
+print("a primary context on GPU 0 holds:", mine[0].split(",")[1].strip() if mine else apps)
+EOF
 if [[ "${KVDEPOT_GPU_TESTS:-1}" != 0 ]]; then
     echo "== tests/gpu"
     timeout 180 "$PY" -m pytest tests/gpu -v -p no:cacheprovider -o addopts="-ra" || rc=1
