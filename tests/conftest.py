@@ -7,6 +7,7 @@ import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
@@ -23,6 +24,9 @@ from kvdepot.client import DepotClient
 from tests.support.daemon import DaemonProcess
 from tests.support.faults import DaemonFactory
 from tests.support.guide import run_guide_scenario
+
+if TYPE_CHECKING:  # imported in the fixture: the engines' venv loads this file too
+    from kvdepot.server.state import DepotState
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -88,3 +92,18 @@ def guide_daemon(daemon_factory: DaemonFactory) -> Iterator[DaemonProcess]:
         yield d
     finally:
         scenario.close()
+
+
+@pytest.fixture
+def state() -> Iterator[DepotState]:
+    """A real DepotState (arena, index, two CPU copy threads, an 8 MiB pool) without
+    the gRPC layer, closed after the test. Tests that need another pool define their
+    own `state`."""
+    from kvdepot.server.config import ServeConfig
+    from kvdepot.server.state import DepotState
+
+    st = DepotState.create(
+        ServeConfig(socket="/nonexistent/kvdepot.sock", pool_size=8 << 20, copy_threads=2)
+    )
+    yield st
+    st.close()

@@ -7,14 +7,12 @@ import asyncio
 import hashlib
 import os
 import threading
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
 from kvdepot.common.kinds import MemoryPath
 from kvdepot.server import errors
-from kvdepot.server.config import ServeConfig
 from kvdepot.server.copy_queue import CopyQueue
 from kvdepot.server.core.index import IndexEvent
 from kvdepot.server.core.kinds import EventKind, EvictionReason, PutOutcome
@@ -28,15 +26,6 @@ SECTION = 2 * 2 * PAGE
 
 def key(i: int) -> bytes:
     return hashlib.sha256(i.to_bytes(8, "big")).digest() + (0).to_bytes(4, "big")
-
-
-@pytest.fixture
-def state() -> Iterator[DepotState]:
-    st = DepotState.create(
-        ServeConfig(socket="/nonexistent/kvdepot.sock", pool_size=8 << 20, copy_threads=2)
-    )
-    yield st
-    st.close()
 
 
 def test_listeners_and_watchers_hear_every_index_change(state: DepotState) -> None:

@@ -12,12 +12,11 @@ import hashlib
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from kvdepot.server.config import ServeConfig
 from kvdepot.server.copy_queue import CopyQueue
 from kvdepot.server.core.layout import NamespaceLayout
 from kvdepot.server.remote.link import RemoteLink, RemoteSettings
@@ -32,15 +31,6 @@ SECTION = 2 * 2 * PAGE
 
 def key(i: int) -> bytes:
     return hashlib.sha256(b"stall" + i.to_bytes(8, "big")).digest() + (0).to_bytes(4, "big")
-
-
-@pytest.fixture
-def state() -> Iterator[DepotState]:
-    st = DepotState.create(
-        ServeConfig(socket="/nonexistent/kvdepot.sock", pool_size=8 << 20, copy_threads=2)
-    )
-    yield st
-    st.close()
 
 
 async def until(what: Callable[[], bool], timeout: float = 10.0) -> None:
