@@ -169,6 +169,10 @@ class PinLane(SessionLane):
         False: it did not go (no lane for this session, a call too large for a
         datagram, answers still owed on an earlier lane, a broken lane, a namespace
         this session has not joined yet): pin those keys over gRPC."""
+        if not keys:
+            # Nothing to pin, and nothing sent: the answer to an empty call, an empty
+            # PinResponse, is an empty datagram, which reads as the daemon closing the lane.
+            return True
         lane = self._lane_for(session_id)
         if lane is None or (self._sent_on is not None and lane is not self._sent_on):
             return False

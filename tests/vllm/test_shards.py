@@ -349,3 +349,43 @@ def test_kvdepot_first_shard_places_an_engine(sharded, make_engine, caplog) -> N
     assert said and "kvdepot_first_shard is 5" in said[0] and "picks" in said[0]
     assert_loads_back(placed[1][1], prompt_for(40, 100), (0,))
     assert shard_stats(sharded, 1).used_bytes > 0
+
+
+def test_a_step_whose_pins_all_went_early_keeps_every_shards_pin_lane(
+    sharded, make_engine, monkeypatch
+) -> None:
+    """With shards, a step's end sends each shard the keys not yet sent before it reads
+    any answer. When every key already went early, nothing is left to send, and no
+    empty call may go: its answer (an empty datagram) reads as the daemon closing the
+    lane, so every shard's lane was dropped and reopened at every such step."""
+    from vllm.v1.kv_offload.base import ReqContext
+
+    from kvdepot.client.vllm import pins as pins_module
+
+    monkeypatch.setattr(pins_module, "EARLY_PIN_KEYS", 4)
+    engine: SyntheticEngine = make_engine(
+        socket=sharded.target, tp=2, num_gpu_blocks=64, extra_config=SHARDED
+    )
+    engine.wait_registered()
+    prompt = prompt_for(31, 100)
+    engine.generate([prompt])
+    keys = engine.offload_keys(prompt)[:4]  # exactly one early part
+    engine.wait_ready(keys)
+    manager = engine.manager
+    engine.wait_until(lambda: manager.lanes_open, what="both shards' lanes")
+    before = [shard_stats(sharded, s) for s in (0, 1)]
+
+    manager.prepare_load(keys, ReqContext(req_id="r"))  # the part goes to both shards
+    manager.on_schedule_end(None)  # type: ignore[arg-type]
+
+    assert manager.lanes_open  # neither shard's lane was dropped
+    after = [shard_stats(sharded, s) for s in (0, 1)]
+    for b, a in zip(before, after, strict=True):
+        assert a.pinned_blocks == 4
+        assert (a.pin_calls - b.pin_calls, a.lane_pins - b.lane_pins) == (1, 1)  # on the lane
+    assert manager.pin_failures == 0
+    manager.complete_load(keys, ReqContext(req_id="r"))
+    engine.wait_until(
+        lambda: all(shard_stats(sharded, s).pinned_blocks == 0 for s in (0, 1)),
+        what="both shards unpinned",
+    )
