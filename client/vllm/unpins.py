@@ -10,7 +10,10 @@ Threads and ownership (`UnpinSender` owns the queue, its wake-up event, the thre
 the UnpinLane):
 - `unpin` and `unpin_all` run on vLLM's scheduler thread (complete_load, reset_cache);
 - `_run` is the "kvdepot-unpin" thread. It waits without a timeout: a thread that wakes
-  to find nothing still takes the GIL from the scheduler (`close` wakes it to end);
+  to find nothing still takes the GIL from the scheduler (`close` wakes it to end).
+  Woken, it lets `GATHER_S` pass before it takes the queue: vLLM completes a step's
+  loads one request after another, and a thread woken per request (per shard, with
+  shards) wrestled the scheduler for the GIL and the wake-up's lock at every one;
 - `on_session` and `on_disconnect` run on the client's stream loop thread (the lane).
 The queue is swapped, never shared mid-change: appends and the swap are GIL-atomic.
 """
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Iterable
 
 import grpc
@@ -27,6 +31,10 @@ from kvdepot.client import DepotClient, DepotUnavailable
 from kvdepot.client.pin_lane import UnpinLane
 
 log = logging.getLogger("kvdepot.vllm.manager")
+
+# How long the woken unpin thread lets a step's completions queue up before it takes
+# them: one wake-up and one call per step, for pins whose release can wait a moment.
+GATHER_S = 0.001
 
 
 class UnpinSender:
@@ -44,15 +52,22 @@ class UnpinSender:
 
     def unpin(self, namespace_id: str, keys: list[bytes]) -> None:
         self._queue.append((namespace_id, keys))
-        self._wakeup.set()
+        self._wake()
 
     def unpin_all(self, namespace_id: str, key_lists: Iterable[list[bytes]]) -> None:
         self._queue.extend((namespace_id, keys) for keys in key_lists)
-        self._wakeup.set()
+        self._wake()
+
+    def _wake(self) -> None:
+        # Set means the thread has yet to clear it, and so to take the queue (after the
+        # append above): no need to take the event's lock again.
+        if not self._wakeup.is_set():
+            self._wakeup.set()
 
     def _run(self) -> None:
         while not self._closed:
             self._wakeup.wait()
+            time.sleep(GATHER_S)  # the rest of the step's completions, in this batch
             self._wakeup.clear()
             if not self._queue:
                 continue
