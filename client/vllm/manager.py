@@ -126,6 +126,9 @@ class KVDepotOffloadingManager(OffloadingManager):
         self._request_generation: dict[str, int] = {}
         self._closed = False
         self._node_shards = node_shards or settings.shards or 1  # "auto" unasked: one
+        # The namespace as each shard names it (per request and shard in a step: built
+        # once per namespace, not per call).
+        self._on_shards = self._shard_namespaces(namespace_id)
         self._shards_said = False  # a shard count mismatch was logged
         self._unpins = [UnpinSender(c) for c in self._clients]
         self._remote = RemotePrefetch(
@@ -144,14 +147,16 @@ class KVDepotOffloadingManager(OffloadingManager):
     def _shard_namespace(self, namespace_id: str, shard: int) -> str:
         return shard_namespace_id(namespace_id, shard, len(self._clients))
 
+    def _shard_namespaces(self, namespace_id: str) -> list[str]:
+        return [self._shard_namespace(namespace_id, s) for s in range(len(self._clients))]
+
     def _watch_all(self) -> list:
         """One Watch stream per shard, for the current namespace and generation."""
         return [
-            client.watch(
-                self._shard_namespace(self.namespace_id, shard),
-                self._mirror.handler(self._generation, shard),
+            client.watch(namespace_id, self._mirror.handler(self._generation, shard))
+            for shard, (client, namespace_id) in enumerate(
+                zip(self._clients, self._on_shards, strict=True)
             )
-            for shard, client in enumerate(self._clients)
         ]
 
     # -- the session (stream loop thread) --------------------------------------------------
@@ -218,6 +223,12 @@ class KVDepotOffloadingManager(OffloadingManager):
         return self._unpins[0].lane
 
     @property
+    def lanes_open(self) -> bool:
+        """Whether every shard's pin and unpin lanes are open (tests and benchmarks: until
+        then a shard's pins and unpins go over gRPC)."""
+        return all(p.lane.open for p in self._pins) and all(u.lane.open for u in self._unpins)
+
+    @property
     def mirror_size(self) -> int:
         return len(self._mirror.ready)
 
@@ -269,15 +280,18 @@ class KVDepotOffloadingManager(OffloadingManager):
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
         keys = list(keys)
         req_id = req_context.req_id
-        for shard, pins in enumerate(self._pins):
-            pins.add(req_id, self._shard_namespace(self.namespace_id, shard), keys)
+        for pins, namespace_id in zip(self._pins, self._on_shards, strict=True):
+            pins.add(req_id, namespace_id, keys)
         return KVDepotLoadSpec(self.namespace_id, keys)
 
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
-        for shard, pins in enumerate(self._pins):
-            held = pins.release(req_context.req_id)
+        req_id = req_context.req_id
+        for pins, unpins, namespace_id in zip(
+            self._pins, self._unpins, self._on_shards, strict=True
+        ):
+            held = pins.release(req_id)
             if held:
-                self._unpins[shard].unpin(self._shard_namespace(self.namespace_id, shard), held)
+                unpins.unpin(namespace_id, held)
 
     def note_load_failures(self, keys: Iterable[bytes]) -> None:
         """Keys whose load failed: miss on them for `load_failure_backoff_s`, so a
@@ -337,7 +351,7 @@ class KVDepotOffloadingManager(OffloadingManager):
 
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
         if self._pins[0].step_loads:
-            shards = [self._shard_namespace(self.namespace_id, s) for s in range(len(self._pins))]
+            shards = self._on_shards
             if len(shards) > 1:  # every shard at work before the first answer is read
                 for pins, namespace_id in zip(self._pins, shards, strict=True):
                     pins.send_waiting(namespace_id)
@@ -366,7 +380,7 @@ class KVDepotOffloadingManager(OffloadingManager):
         old namespace reaches the new mirror; nothing here waits on the network.
         Requests that were running at the reset hold KV computed before it (vLLM
         re-offloads them from chunk 0): they store nothing from now on."""
-        old_namespace = self.namespace_id
+        old_on_shards = self._on_shards
         self._generation += 1
         self._remote.reset(self._generation)
         self.namespace_id = reset_namespace_id(
@@ -376,13 +390,16 @@ class KVDepotOffloadingManager(OffloadingManager):
             self._generation,
             uuid.uuid4().hex,
         )
+        self._on_shards = self._shard_namespaces(self.namespace_id)
         self._mirror.start_generation(self._generation)
         self._failures.clear()
         self._storing = set()
-        for shard, pins in enumerate(self._pins):
+        for pins, unpins, old_namespace in zip(
+            self._pins, self._unpins, old_on_shards, strict=True
+        ):
             old_held = pins.reset()
             if old_held:
-                self._unpins[shard].unpin_all(self._shard_namespace(old_namespace, shard), old_held)
+                unpins.unpin_all(old_namespace, old_held)
         old_watches, self._watches = self._watches, self._watch_all()
         for old_watch in old_watches:
             # Stopping joins the old Watch thread: not on the scheduler thread.
