@@ -34,9 +34,12 @@ import contextlib
 import inspect
 import json
 import os
+import shutil
 import statistics
 import sys
+import tempfile
 import time
+from pathlib import Path
 from typing import Any, TextIO
 
 
@@ -161,6 +164,7 @@ def run_connector_bench(
     from kvdepot.bench.daemon import OwnDaemon, target_of
     from kvdepot.client.vllm.pins import EARLY_PIN_KEYS
     from kvdepot.common.shards import shard_namespace_id
+    from kvdepot.testing.environment import model_dir_for_tp
     from kvdepot.testing.vllm_engine import EngineConfig, GroupDef, SyntheticEngine, prompt_for
 
     out = out if out is not None else sys.stderr
@@ -168,6 +172,14 @@ def run_connector_bench(
     pin_reps = 50 if quick else 400
     decode_steps = 20 if quick else 100
     rounds = rounds or (1 if quick else 5)
+    # kvdepot's engines run at TP=shards: a model config whose heads they can split
+    # (every setup uses it, so that they compare alike); checked before any daemon starts.
+    model_tmp = Path(tempfile.mkdtemp(prefix="kvdepot-bench-model-"))
+    try:
+        model_dir = str(model_dir_for_tp(shards, model_tmp))
+    except ValueError as exc:
+        shutil.rmtree(model_tmp, ignore_errors=True)
+        raise SystemExit(f"connector_bench: --shards {shards}: {exc}") from None
     own = None
     if target is None:
         own = OwnDaemon(f"{256 * shards}MiB", extra=["--shards", str(shards)])
@@ -179,6 +191,7 @@ def run_connector_bench(
     # Room for every request's prompt and decode tokens: no preemption.
     blocks = requests * ((hit_tokens + new_tokens + decode_steps + 64) // 16 + 2) + 64
     common = dict(
+        model_dir=model_dir,
         groups=groups,
         num_gpu_blocks=blocks,
         max_num_seqs=requests,
@@ -221,11 +234,10 @@ def run_connector_bench(
             try:
                 engine.wait_ready(hit_keys, timeout=60)
                 # The steps' pins and unpins take their lanes once they are open (in
-                # the background).
+                # the background), on every shard.
                 manager = engine.manager
                 engine.wait_until(
-                    lambda: manager.pin_lane.open and manager.unpin_lane.open,
-                    what="the pin and unpin lanes",
+                    lambda: manager.lanes_open, what="every shard's pin and unpin lanes"
                 )
             except BaseException:
                 engine.shutdown()
@@ -326,6 +338,7 @@ def run_connector_bench(
                 engine.shutdown()
         if own is not None:
             own.stop()
+        shutil.rmtree(model_tmp, ignore_errors=True)
 
     result["added_ms"], result["added_rounds"] = _added(result["step_rounds"])
     print(format_table(result), file=out)

@@ -7,6 +7,8 @@ platform on first import, so `cpu_environment()` must be applied before that).
 
 from __future__ import annotations
 
+import json
+import math
 import os
 from pathlib import Path
 
@@ -45,3 +47,25 @@ def find_model_dir(start: Path | None = None) -> Path:
         "tests/data/hf-config-opt-125m not found (run from a kvdepot checkout, or set "
         "KVDEPOT_TEST_MODEL_DIR to a directory holding a Hugging Face config.json)"
     )
+
+
+def model_dir_for_tp(tp: int, dest: Path) -> Path:
+    """The test model's config where `tp` ranks can split its attention heads: the
+    model itself when they can (OPT-125m's 12 heads: TP 1, 2, 3, 4, 6, 12), else a copy
+    in `dest` with the fewest heads `tp` divides that still divide its hidden size (TP=8:
+    24 heads of 32). The scheduler's work does not depend on the heads; vLLM only checks
+    that the ranks can split them. ValueError when no head count fits."""
+    source = find_model_dir()
+    config = json.loads((source / "config.json").read_text())
+    heads, hidden = config["num_attention_heads"], config["hidden_size"]
+    if heads % tp == 0:
+        return source
+    wanted = math.lcm(heads, tp)
+    if hidden % wanted:
+        raise ValueError(
+            f"the test model ({heads} attention heads, hidden size {hidden}) cannot be "
+            f"split over {tp} ranks"
+        )
+    dest.mkdir(parents=True, exist_ok=True)
+    (dest / "config.json").write_text(json.dumps({**config, "num_attention_heads": wanted}))
+    return dest

@@ -9,6 +9,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 
 def test_quick_connector_bench_reports_every_setup_per_round() -> None:
     proc = subprocess.run(
@@ -51,3 +53,18 @@ def test_quick_connector_bench_reports_every_setup_per_round() -> None:
     assert result["lookup_us"]["kvdepot"] > 0 and result["lookup_us"]["vllm_cpu"] > 0
     assert "kvdepot <= vLLM CPU, admission" in proc.stdout
     assert "in the connector, decode (ms)" in proc.stdout
+
+
+def test_engines_at_a_tp_the_test_model_cannot_split_get_a_config_they_can(tmp_path) -> None:
+    """`--shards 8` runs kvdepot's engines at TP=8, which OPT-125m's 12 attention heads
+    do not divide (vLLM refuses the config): they get a copy with 24 heads; a TP that
+    divides 12 keeps the model itself, and one no head count fits is refused in words."""
+    from kvdepot.testing.environment import find_model_dir, model_dir_for_tp
+
+    assert model_dir_for_tp(4, tmp_path / "tp4") == find_model_dir()
+    copy = model_dir_for_tp(8, tmp_path / "tp8")
+    config = json.loads((copy / "config.json").read_text())
+    original = json.loads((find_model_dir() / "config.json").read_text())
+    assert config == {**original, "num_attention_heads": 24}
+    with pytest.raises(ValueError, match="cannot be split over 5 ranks"):
+        model_dir_for_tp(5, tmp_path / "tp5")
