@@ -235,6 +235,7 @@ class DiskTier(FileUpkeep):
 
     def _write(self, file: TierFile, entry: Entry, payload: memoryview, done: Done | None) -> None:
         digest: bytes | None = None
+        failure: tuple[str, bool] | None = None  # (why, gone): the tier goes down
         try:
             if not file.still_there():
                 raise FileNotFoundError(2, f"{file.path} was removed")
@@ -247,7 +248,7 @@ class DiskTier(FileUpkeep):
             # A read-only file system is let go of as a removed file is: its repair
             # (unmount, fsck, mount) needs the file closed; the probe opens it again.
             gone = isinstance(exc, FileNotFoundError) or exc.errno == errno.EROFS
-            self._failed(file, why(exc), gone=gone)
+            failure = (why(exc), gone)
         except Exception:
             log.exception("disk tier write of a block failed")
         with self._lock:
@@ -261,6 +262,8 @@ class DiskTier(FileUpkeep):
             self._space.flush()
             self._release(file)
             sync_due = time.monotonic() - self._synced_at >= SYNC_INTERVAL
+        if failure is not None:  # after the count: a tier seen down has its error counted
+            self._failed(file, failure[0], gone=failure[1])
         _call(done, digest is not None)
         if sync_due:  # a busy tier's threads are never idle: sync here
             self._sync()
@@ -289,7 +292,8 @@ class DiskTier(FileUpkeep):
         return True
 
     def _read(self, file: TierFile, entry: Entry, dest: memoryview, done: Done) -> None:
-        verified = failed = False
+        verified = False
+        failure: str | None = None  # the tier goes down
         try:
             header, tail = pages()
             if file.read_record(entry.offset, header, dest, tail):
@@ -299,20 +303,21 @@ class DiskTier(FileUpkeep):
                     and record.digest(entry.namespace, entry.key, dest) == entry.digest
                 )
         except OSError as exc:
-            failed = True
-            self._failed(file, why(exc))
+            failure = why(exc)
         with self._lock:
             self._space.finish_read(entry, verified)
             if verified:
                 self.stats.read_records += 1
                 self.stats.read_bytes += entry.length
-            elif failed:
+            elif failure is not None:
                 self.stats.read_errors += 1
             else:
                 self.stats.rejected += 1
             self._space.flush()
             self._release(file)
-        if not verified and not failed:
+        if failure is not None:  # after the count: a tier seen down has its error counted
+            self._failed(file, failure)
+        elif not verified:
             log.warning(
                 "disk tier: the record of a block of namespace %s did not verify (torn or "
                 "damaged on disk): dropped, never served",

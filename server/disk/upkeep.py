@@ -128,6 +128,9 @@ class FileUpkeep:
         except OSError as exc:
             with self._lock:
                 self._unsynced = True
+                # Records written since the last sync may not be on disk: a write error,
+                # counted before the tier is seen down.
+                self.stats.write_errors += 1
             self._failed(file, why(exc))
         else:
             with self._lock:

@@ -56,9 +56,10 @@ def test_a_file_system_turned_read_only_degrades_to_ram_and_recovers(
         assert stats(c).disk_write_drops["tier_down"] >= 1 or stats(c).disk_errors > 1
 
         # The operator repairs it: unmount, fsck, mount. A probe (on a later write,
-        # after its back-off) opens the file there again and the tier comes back.
+        # after its back-off, which doubles up to 10 s while the file system stays
+        # read-only) opens the file there again and the tier comes back.
         fs.mount_again()
-        store_until_up(engine, c, range(80, 200), 15, d.log)
+        store_until_up(engine, c, range(80, 260), 30, d.log)
         assert "works again" in d.log()
         s = wait_for(lambda: (s := stats(c)).disk_recovery_complete and s, what="index back")
         before = s.disk_writes
