@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The GPU checks of the CUDA data path, in one run on one H200 (at most seven minutes:
-# every step has a timeout, and the node series starts no shard count after 330 s):
+# The GPU checks of the CUDA data path, in one run on one H200 (under nine minutes at
+# worst: every step has a timeout, and the node series starts no shard count after 330 s):
 # tests/gpu (IPC registration, every byte back, store ordering, a killed engine's
 # mappings released, bad handles refused, expandable segments detected) and the
 # GPU benchmark (store/load GB/s through the daemon next to in-process
@@ -17,7 +17,7 @@
 #   2. on the GPU machine, from the repository root, carrying build/gpu-wheels:
 #        bash tests/gpu/run_h200.sh
 #      (device tool: command "bash tests/gpu/run_h200.sh", carry ["build/gpu-wheels"],
-#      timeout_s 450). Logs go to $OUT (or build/gpu-out): run_h200.log (everything),
+#      timeout_s 540). Logs go to $OUT (or build/gpu-out): run_h200.log (everything),
 #      env.txt, context_cost.txt (the GPU memory one daemon process's CUDA context
 #      holds), daemons.log, gpu_bench.txt, gpu_bench.json, gpu_bench_daemon.log,
 #      cpu_bench.json (kvdepot bench's CPU series on the GPU machine's cores),
