@@ -156,3 +156,16 @@ def test_the_architecture_document_states_the_contract() -> None:
     checked contract cannot drift apart."""
     assert _doc_layers("**Packages**", 2) == _contract_layers("packages")
     assert _doc_layers("**The daemon**", 1) == _contract_layers("daemon")
+
+
+if __name__ == "__main__":
+    # By hand: `python tests/test_layering.py` runs the contract as the suite does. Bare
+    # `lint-imports` in an editable checkout cannot: grimp walks the folder `kvdepot`
+    # lives in (proto/kvdepot) and finds none of the other layers there.
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="kvdepot-layers-") as tmp:
+        proc = lint_imports(lay_out(Path(tmp)))
+    print(proc.stdout, end="")
+    print(proc.stderr, end="", file=sys.stderr)
+    sys.exit(proc.returncode)
