@@ -271,7 +271,9 @@ class _StateCollector(Collector):
             CounterMetricFamily,
             "dropped_stores",
             "Key stores dropped: pool_full (every block pinned or in flight), "
-            "row_too_large (a block row larger than the pool).",
+            "row_too_large (a block row larger than the pool), session_quota (the "
+            "writer's --max-writing-per-session), row_given_up (another rank of the "
+            "row dropped it: this rank's part alone would never be whole).",
             "reason",
             snap.dropped_stores,
         )

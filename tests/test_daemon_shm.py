@@ -130,6 +130,49 @@ def test_eviction_is_lru_spares_pinned_and_shows_on_watch(daemon_factory) -> Non
     c.close()
 
 
+def test_a_rank_that_finds_the_pool_full_leaves_its_mate_no_row_that_cannot_be_whole(
+    daemon_factory,
+) -> None:
+    """TP=2 through a real daemon: rank 0 runs ahead into a full pool and drops keys;
+    rank 1, coming after the rows before them are whole, drops those keys too instead
+    of evicting whole rows for rows rank 0 will never write (before, those rows held
+    the pool for the reservation timeout)."""
+    # 32 KiB a rank, 64 KiB rows: 16 rows in a 1 MiB pool, all one session may write.
+    d = daemon_factory("--pool-size", "1MiB", "--max-writing-per-session", "100%")
+    c = DepotClient(d.target).start()
+    assert c.wait_connected(10)
+    geo = Geometry(
+        groups=[[32768]], blocks_per_chunk=1, world_size=2, num_blocks=64, namespace="ahead"
+    )
+    ranks = [Engine(c, geo, 0), Engine(c, geo, 1)]
+    keys = [make_key(i, 0) for i in range(20)]
+    for eng in ranks:
+        eng.fill(0, keys, list(range(20)), 0)
+    head = ranks[0].job(pb.STORE, keys[:16], [list(range(16))], [0])
+    assert head.success and head.stored_keys == 16  # the pool is all rank 0's rows
+    ahead = ranks[0].job(pb.STORE, keys[16:], [list(range(16, 20))], [16])
+    # (Its session's quota, the whole pool, is what refuses them first: it holds it all.)
+    assert ahead.success and ahead.stored_keys == 0 and ahead.dropped_keys == 4
+    done = ranks[1].job(pb.STORE, keys[:16], [list(range(16))], [0])
+    assert done.success and done.stored_keys == 16  # whole rows: evictable now
+    late = ranks[1].job(pb.STORE, keys[16:], [list(range(16, 20))], [16])
+    assert late.success and late.stored_keys == 0 and late.dropped_keys == 4
+    assert "another rank of this block row dropped it" in late.drop_reason
+    assert d.stats().writing_blocks == 0
+    assert c.lookup("ahead", keys) == [True] * 16 + [False] * 4
+    # Every whole row still loads, byte for byte, on both ranks (into other blocks).
+    for eng in ranks:
+        res = eng.job(pb.LOAD, keys[:16], [list(range(32, 48))], [0])
+        assert res.success, res.error
+        assert eng.mismatches(0, keys[:16], list(range(32, 48)), 0) == 0
+    # Rank 0 storing key 16 anew (a later step) is a new attempt: its mate joins it.
+    assert ranks[0].job(pb.STORE, keys[16:17], [[16]], [16]).stored_keys == 1
+    assert ranks[1].job(pb.STORE, keys[16:17], [[16]], [16]).stored_keys == 1
+    assert c.lookup("ahead", keys[16:17]) == [True]
+    assert d.stats().writing_blocks == 0
+    c.close()
+
+
 def test_same_key_in_another_namespace_misses_and_slot_sizes_coexist(daemon, client) -> None:
     a = Geometry(world_size=1, namespace="model-a")  # 4 KiB + 1 KiB pages
     b = Geometry(groups=[[2048] * 4], world_size=1, blocks_per_chunk=4, namespace="model-b")

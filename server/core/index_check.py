@@ -57,6 +57,9 @@ def check_index(ix: BlockIndex, policy: EvictionPolicy, writes: Writes, pins: Pi
         ), f"namespace {ns.layout.id}: pinned counters drifted"
         assert +ns.group_blocks == Counter(s.group for s in ns.slots.values())
         assert list(ns.sorted_keys) == sorted(ns.slots), "sorted keys drifted"
+        assert all(0 < m.mask < ns.full_mask for m in ns.given_up.values()), (
+            f"namespace {ns.layout.id}: a given-up mark names no rank or every rank"
+        )
     for slot in live:
         evictable = slot.state is SlotState.READY and not slot.held
         assert (slot in policy) == evictable, f"eviction policy wrong for {slot.key.hex()}"

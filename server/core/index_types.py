@@ -62,6 +62,16 @@ class Slot:
         return self.readers > 0 or bool(self.pins)
 
 
+@dataclass(eq=False, slots=True)
+class GivenUp:
+    """A block row some ranks gave up before it was whole (kvdepot.server.core.index_writes):
+    `mask` the ranks that went through it (dropped it, or wrote into a row dropped
+    unfinished), `since` when the first did (the index's clock)."""
+
+    mask: int
+    since: float
+
+
 @dataclass
 class Namespace:
     """A layout and its slots, with counters kept on every state change so that
@@ -79,6 +89,9 @@ class Namespace:
     pinned_blocks: int = 0  # READY slots with at least one pin
     pinned_bytes: int = 0
     group_blocks: Counter[int] = field(default_factory=Counter)  # slots by group
+    # Keys whose row some ranks gave up, oldest first (Writes: a later rank then
+    # drops the key rather than begin a row that would never be whole).
+    given_up: dict[bytes, GivenUp] = field(default_factory=dict)
 
     @property
     def full_mask(self) -> int:

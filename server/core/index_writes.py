@@ -7,6 +7,20 @@ bytes reserved for writing (the --max-writing-per-session quota); it shares the
 index's namespaces, allocator, counters and event sink, makes room through the
 index's `Evictions`, and admits each row that becomes READY to the index's
 `EvictionPolicy`.
+
+A row of a TP > 1 namespace is whole only when every rank has written its part, and
+an engine's ranks store a key once each: a rank that drops a key (no room, its
+quota) or writes into a row dropped unfinished does not come back for it. A mate
+that came later would begin a row that can never be whole and holds pool space
+until `reservation_timeout`; under pressure such rows filled the pool and made
+every store after them drop. So the index remembers, per namespace, the keys whose
+row ranks gave up (`Namespace.given_up`: which ranks, since when) and a later rank
+drops such a key too (DropReason.ROW_GIVEN_UP) instead of beginning a row. A rank
+that comes again for a key it gave up starts a new attempt (the mark goes). Marks
+go when every rank has passed, after `reservation_timeout`, or, oldest first, past
+MAX_GIVEN_UP per namespace. Marks are per rank, not per engine: where two engines
+of one namespace store the same key, one's mark can drop the other's store (a
+cache miss) or fail to stop a row that will not be whole (what happened before).
 """
 
 from __future__ import annotations
@@ -16,6 +30,7 @@ from collections.abc import Iterable, Sequence
 from kvdepot.server.core.index_evict import Evictions
 from kvdepot.server.core.index_part import IndexPart, IndexShared
 from kvdepot.server.core.index_types import (
+    GivenUp,
     IndexEvent,
     Namespace,
     Owner,
@@ -30,6 +45,10 @@ from kvdepot.server.core.kinds import (
     SlotState,
 )
 from kvdepot.server.core.layout import MAX_KEY_BYTES, MIN_KEY_BYTES, LayoutError, check_key
+
+# Keys given up remembered per namespace (see the module docstring); past it the
+# oldest mark is forgotten (~200 bytes a mark).
+MAX_GIVEN_UP = 1 << 16
 
 
 class Writes(IndexPart):
@@ -65,7 +84,8 @@ class Writes(IndexPart):
           WRITE (a fresh WRITING slot, or this rank's part of a row other ranks
           are writing), PRESENT (READY, or this rank's section written or in
           flight, so a key named twice is written once), DROPPED (no room though
-          every evictable row was evicted; counted in stats.dropped_stores).
+          every evictable row was evicted; or a mate rank gave the row up:
+          see the module docstring; counted in stats.dropped_stores).
         - Room comes from the eviction policy's victims (the least recently
           used first), as ever; an evicted row whose extent is exactly the size
           wanted hands that extent on (no free and allocate), otherwise it is
@@ -96,6 +116,7 @@ class Writes(IndexPart):
         bit = 1 << rank
         namespace_id = layout.id
         slots, sorted_keys, group_blocks = ns.slots, ns.sorted_keys, ns.group_blocks
+        given_up, full = ns.given_up, ns.full_mask
         ready = SlotState.READY
         allocator, make_room = self._allocator, self._evictions.make_room
         needs: dict[int, tuple[int, int]] = {}  # group -> (slot bytes, rounded up)
@@ -114,12 +135,27 @@ class Writes(IndexPart):
             for key, group in zip(keys, groups, strict=True):
                 slot = slots.get(key)
                 if slot is None:
+                    if given_up:
+                        mark = given_up.get(key)
+                        if mark is not None:
+                            if mark.mask & bit:  # this rank again: a new attempt
+                                del given_up[key]
+                            else:  # a row begun now would never be whole
+                                mark.mask |= bit
+                                if mark.mask == full:
+                                    del given_up[key]
+                                self._stats.dropped_stores[DropReason.ROW_GIVEN_UP] += 1
+                                claim.dropped += 1
+                                claim.drop_reason = DropReason.ROW_GIVEN_UP
+                                offsets.append(None)
+                                continue
                     sizes = needs.get(group)
                     if sizes is None:
                         size = layout.slot_bytes(group)
                         sizes = needs[group] = (size, allocator.round_up(size))
                     if budget is not None and sizes[1] > budget:
                         self._stats.dropped_stores[DropReason.SESSION_QUOTA] += 1
+                        self._give_up(ns, key, bit, now)
                         claim.dropped += 1
                         claim.drop_reason = DropReason.SESSION_QUOTA
                         offsets.append(None)
@@ -132,6 +168,7 @@ class Writes(IndexPart):
                             else DropReason.ROW_TOO_LARGE
                         )
                         self._stats.dropped_stores[reason] += 1
+                        self._give_up(ns, key, bit, now)
                         claim.dropped += 1
                         claim.drop_reason = reason
                         offsets.append(None)
@@ -193,7 +230,7 @@ class Writes(IndexPart):
                     self._maybe_free_doomed(slot)
                     continue
                 if not ok:
-                    self._doom(slot, AbortReason.COPY_FAILED)
+                    self._doom(slot, AbortReason.COPY_FAILED, bit)
                     continue
                 slot.written_mask |= bit
                 if ns is None or ns.layout.id != slot.namespace:
@@ -240,12 +277,31 @@ class Writes(IndexPart):
         return len(mine)
 
     def expire_reservations(self) -> int:
-        """Drops rows that stayed WRITING longer than reservation_timeout."""
+        """Drops rows that stayed WRITING longer than reservation_timeout, and forgets
+        marks of rows given up longer ago than that."""
         deadline = self._clock() - self.reservation_timeout
         stale = [s for s in self.writing if s.created < deadline]
         for slot in stale:
             self._doom(slot, AbortReason.RESERVATION_TIMEOUT)
+        for ns in self._namespaces.values():
+            given_up = ns.given_up
+            while given_up:  # oldest first: marks are never moved
+                key, mark = next(iter(given_up.items()))
+                if mark.since >= deadline:
+                    break
+                del given_up[key]
         return len(stale)
+
+    def _give_up(self, ns: Namespace, key: bytes, ranks: int, now: float) -> None:
+        """`ranks` went through `key`'s row and will not come back for it: a mate
+        that comes later drops the key (see the module docstring)."""
+        if ranks == ns.full_mask:  # every rank has passed (always so at TP=1)
+            return
+        given_up = ns.given_up
+        given_up.pop(key, None)  # (a row adopted over a mark) kept oldest first
+        if len(given_up) >= MAX_GIVEN_UP:
+            del given_up[next(iter(given_up))]
+        given_up[key] = GivenUp(ranks, now)
 
     def _end_reservation(self, slot: Slot) -> None:
         """The row is settled (READY or dropped): its reserver's charge ends."""
@@ -256,10 +312,14 @@ class Writes(IndexPart):
         else:
             del self.owner_writing[owner]
 
-    def _doom(self, slot: Slot, reason: AbortReason) -> None:
+    def _doom(self, slot: Slot, reason: AbortReason, failed: int = 0) -> None:
+        """Drops an unfinished row (`failed`: the bit of a rank whose copy into it
+        failed, already out of its copying mask)."""
         ns = self._namespaces[slot.namespace]
         if ns.slots.get(slot.key) is slot:
             ns.detach(slot)
+            passed = slot.written_mask | slot.copying_mask | failed
+            self._give_up(ns, slot.key, passed, self._clock())
         self.writing.discard(slot)
         if slot.reserver is not None:
             self._end_reservation(slot)

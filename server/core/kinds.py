@@ -73,6 +73,7 @@ class DropReason(enum.StrEnum):
     POOL_FULL = "pool_full"
     ROW_TOO_LARGE = "row_too_large"
     SESSION_QUOTA = "session_quota"  # the writer holds its --max-writing-per-session
+    ROW_GIVEN_UP = "row_given_up"  # another rank of the row dropped it, or its row went unfinished
 
     @property
     def text(self) -> str:
@@ -85,6 +86,10 @@ _DROP_TEXT = {
     DropReason.SESSION_QUOTA: (
         "this session holds its quota of block rows being written "
         "(--max-writing-per-session, KVDEPOT_MAX_WRITING_PER_SESSION)"
+    ),
+    DropReason.ROW_GIVEN_UP: (
+        "another rank of this block row dropped it or its row was dropped unfinished: "
+        "this rank's part alone would never make the row whole"
     ),
 }
 

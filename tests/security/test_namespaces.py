@@ -172,15 +172,24 @@ def test_rows_being_written_past_the_session_quota_are_dropped(daemon_factory) -
     res = store(rank0, range(5))
     assert (res.stored_keys, res.dropped_keys) == (3, 2)
     assert "--max-writing-per-session" in res.drop_reason
-    # The other session is not limited by it: rank 1 completes rows 0..4 (its own
-    # fresh reservations are rows 3 and 4), and completed rows are charged to nobody.
+    # Rank 1 completes rows 0..2; rows 3 and 4, which rank 0 gave up, it drops too
+    # rather than begin rows rank 0 will not write (they would hold the pool).
     rank1 = Engine(b, geo, 1)
     res = store(rank1, range(5))
-    assert (res.stored_keys, res.dropped_keys) == (5, 0)
+    assert (res.stored_keys, res.dropped_keys) == (3, 2)
+    assert "another rank of this block row dropped it" in res.drop_reason
     assert a.lookup(geo.namespace, [make_key(c, 0) for c in range(3)]) == [True] * 3
-    # Rank 0's quota is free again: it writes its part of rows 3 and 4, and more.
-    res = store(rank0, range(3, 8))
-    assert (res.stored_keys, res.dropped_keys) == (5, 0)
+    # The other session is not limited by rank 0's quota: its own fresh rows.
+    res = store(rank1, range(8, 10))
+    assert (res.stored_keys, res.dropped_keys) == (2, 0)
+    # Completed rows are charged to nobody: rank 0's quota is free again, and its
+    # new attempt at rows 3 and 4 (and one more: its whole quota) is stored, which
+    # rank 1 then completes.
+    res = store(rank0, range(3, 6))
+    assert (res.stored_keys, res.dropped_keys) == (3, 0)
+    res = store(rank1, range(3, 6))
+    assert (res.stored_keys, res.dropped_keys) == (3, 0)
+    assert a.lookup(geo.namespace, [make_key(c, 0) for c in range(6)]) == [True] * 6
     a.close()
     b.close()
 
