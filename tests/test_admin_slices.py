@@ -42,13 +42,23 @@ def test_sorted_keys_matches_a_sorted_list() -> None:
         elif k not in ref:
             sk.add(k)
             ref.add(k)
+        if not rng.randrange(1000):  # each chunk's first key indexed, no chunk empty
+            assert sk._firsts == [c[0] for c in sk._chunks] and all(sk._chunks)
     want = sorted(ref)
     assert list(sk) == want and len(sk) == len(want)
+    assert len(sk._chunks) > 2  # chunks split on the way
+    assert sk._firsts == [c[0] for c in sk._chunks] and all(sk._chunks)
+    for k in list(sk._chunks[0]):  # a chunk emptied goes, with its first key
+        sk.remove(k)
+        ref.discard(k)
+    want = sorted(ref)
+    assert list(sk) == want and sk._firsts == [c[0] for c in sk._chunks] and all(sk._chunks)
     for probe in (None, want[0], want[len(want) // 2], b"\x00", b"\xff\xff\xff\xff"):
         start = 0 if probe is None else sum(k <= probe for k in want)
         assert sk.after(probe, 50) == want[start : start + 50]
-    with pytest.raises(KeyError):
-        sk.remove(b"absent-key")
+    for absent in (b"absent-key", b""):  # b"": before every key
+        with pytest.raises(KeyError):
+            sk.remove(absent)
 
 
 @pytest.fixture

@@ -33,36 +33,45 @@ class SortedKeys:
 
     def add(self, key: bytes) -> None:
         """Adds `key` (the caller guarantees it is absent)."""
-        if not self._chunks:
-            self._chunks.append([key])
-            self._firsts.append(key)
+        # add and remove run for every row stored and evicted: _chunk_of inlined, and
+        # a chunk's first key rewritten only when it changes.
+        chunks, firsts = self._chunks, self._firsts
+        if not chunks:
+            chunks.append([key])
+            firsts.append(key)
             self._len = 1
             return
-        i = self._chunk_of(key)
-        chunk = self._chunks[i]
+        i = bisect_right(firsts, key) - 1
+        if i < 0:  # before every key: it becomes the first chunk's first
+            i = 0
+            firsts[0] = key
+        chunk = chunks[i]
         insort(chunk, key)
-        self._firsts[i] = chunk[0]
         self._len += 1
         if len(chunk) > 2 * CHUNK:
             half = chunk[CHUNK:]
             del chunk[CHUNK:]
-            self._chunks.insert(i + 1, half)
-            self._firsts.insert(i + 1, half[0])
+            chunks.insert(i + 1, half)
+            firsts.insert(i + 1, half[0])
 
     def remove(self, key: bytes) -> None:
         """Removes `key`; KeyError when absent."""
-        i = self._chunk_of(key)
-        chunk = self._chunks[i] if self._chunks else []
+        firsts = self._firsts
+        i = bisect_right(firsts, key) - 1
+        if i < 0:
+            raise KeyError(key)
+        chunk = self._chunks[i]
         j = bisect_left(chunk, key)
         if j == len(chunk) or chunk[j] != key:
             raise KeyError(key)
         del chunk[j]
         self._len -= 1
-        if chunk:
-            self._firsts[i] = chunk[0]
-        else:
-            del self._chunks[i]
-            del self._firsts[i]
+        if not j:
+            if chunk:
+                firsts[i] = chunk[0]
+            else:
+                del self._chunks[i]
+                del firsts[i]
 
     def after(self, key: bytes | None, limit: int) -> list[bytes]:
         """Up to `limit` keys greater than `key` (from the first when None), in order."""
