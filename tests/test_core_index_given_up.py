@@ -133,3 +133,24 @@ def test_one_rank_namespaces_keep_no_marks() -> None:
     assert store(ix, 0, [key(1)]) == (0, 0, 1)
     assert ix.namespaces["ns"].given_up == {}
     ix.check_invariants()
+
+
+def test_a_tier_claims_whole_rows_over_a_mark_and_leaves_none() -> None:
+    """The disk and remote tiers claim every rank's section of a row at once (an
+    internal writer): a mark does not stop them, and their own drops leave none."""
+    ix = make(slots=1, world=2)
+    ix.internal_writers = {"tier"}
+    assert store(ix, 0, [key(0)]) == (1, 0, 0)
+    assert store(ix, 1, [key(1)]) == (0, 0, 1)  # rank 1 gives key 1 up (pool full)
+    # The tier's rank-0 claim of key 2 finds no room either: no mark for it.
+    assert ix.begin_store_many("ns", [key(2)], 0, "tier").dropped == 1
+    assert list(ix.namespaces["ns"].given_up) == [key(1)]
+    assert store(ix, 1, [key(0)]) == (1, 0, 0)  # row 0 whole, evictable
+    # The tier fetches key 1 whole: every rank's section claimed, then settled.
+    claims = [ix.begin_store_many("ns", [key(1)], rank, "tier") for rank in (0, 1)]
+    assert [len(c.slots) for c in claims] == [1, 1]
+    assert key(1) not in ix.namespaces["ns"].given_up
+    for rank, c in enumerate(claims):
+        ix.finish_store_many(c.slots, rank, True)
+    assert ix.lookup("ns", [key(1)]) == [True]
+    ix.check_invariants()

@@ -152,13 +152,15 @@ class BlockIndex:
         self._writes.max_per_owner = limit
 
     @property
-    def writing_quota_exempt(self) -> set[Owner]:
-        """Owners (the daemon's own tiers) that max_writing_per_owner does not limit."""
-        return self._writes.quota_exempt
+    def internal_writers(self) -> set[Owner]:
+        """Owners that are the daemon's own tiers, not sessions: they claim every rank's
+        section of a row at once; max_writing_per_owner does not limit them, and they
+        neither heed nor leave given-up marks (index_writes)."""
+        return self._writes.internal_writers
 
-    @writing_quota_exempt.setter
-    def writing_quota_exempt(self, owners: set[Owner]) -> None:
-        self._writes.quota_exempt = owners
+    @internal_writers.setter
+    def internal_writers(self, owners: set[Owner]) -> None:
+        self._writes.internal_writers = owners
 
     def owner_writing_bytes(self, owner: Owner) -> int:
         """Bytes of the WRITING rows `owner` reserved and that are not settled yet."""

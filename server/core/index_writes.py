@@ -16,7 +16,8 @@ until `reservation_timeout`; under pressure such rows filled the pool and made
 every store after them drop. So the index remembers, per namespace, the keys whose
 row ranks gave up (`Namespace.given_up`: which ranks, since when) and a later rank
 drops such a key too (DropReason.ROW_GIVEN_UP) instead of beginning a row. A rank
-that comes again for a key it gave up starts a new attempt (the mark goes). Marks
+that comes again for a key it gave up starts a new attempt (the mark goes), as does a
+tier of the daemon's (`internal_writers`), which claims every rank's part at once. Marks
 go when every rank has passed, after `reservation_timeout`, or, oldest first, past
 MAX_GIVEN_UP per namespace. Marks are per rank, not per engine: where two engines
 of one namespace store the same key, one's mark can drop the other's store (a
@@ -62,10 +63,12 @@ class Writes(IndexPart):
         self.doomed: set[Slot] = set()  # detached, waiting for copies to end
         # Per owner (session): bytes of the WRITING rows it reserved (Slot.reserver).
         self.owner_writing: dict[Owner, int] = {}
-        # Bytes of WRITING rows one owner may reserve (None: no limit); owners in
-        # `quota_exempt` (the daemon's own tiers) are not limited.
+        # Bytes of WRITING rows one owner may reserve (None: no limit).
         self.max_per_owner: int | None = None
-        self.quota_exempt: set[Owner] = set()
+        # The daemon's own tiers (not sessions): they claim every rank's section of a
+        # row at once, so the quota does not limit them and given-up marks are not
+        # theirs to heed or leave (a row they claim is whole when they settle it).
+        self.internal_writers: set[Owner] = set()
 
     def begin_store_many(
         self,
@@ -117,12 +120,13 @@ class Writes(IndexPart):
         namespace_id = layout.id
         slots, sorted_keys, group_blocks = ns.slots, ns.sorted_keys, ns.group_blocks
         given_up, full = ns.given_up, ns.full_mask
+        internal = owner in self.internal_writers
         ready = SlotState.READY
         allocator, make_room = self._allocator, self._evictions.make_room
         needs: dict[int, tuple[int, int]] = {}  # group -> (slot bytes, rounded up)
         # Bytes this owner may still reserve (--max-writing-per-session); None: no limit.
         budget = self.max_per_owner
-        if budget is not None and owner not in self.quota_exempt:
+        if budget is not None and not internal:
             budget -= self.owner_writing.get(owner, 0)
         else:
             budget = None
@@ -138,7 +142,7 @@ class Writes(IndexPart):
                     if given_up:
                         mark = given_up.get(key)
                         if mark is not None:
-                            if mark.mask & bit:  # this rank again: a new attempt
+                            if internal or mark.mask & bit:  # a whole row, or a new attempt
                                 del given_up[key]
                             else:  # a row begun now would never be whole
                                 mark.mask |= bit
@@ -155,7 +159,7 @@ class Writes(IndexPart):
                         sizes = needs[group] = (size, allocator.round_up(size))
                     if budget is not None and sizes[1] > budget:
                         self._stats.dropped_stores[DropReason.SESSION_QUOTA] += 1
-                        self._give_up(ns, key, bit, now)
+                        self._give_up(ns, key, bit, now)  # (never a tier's: no quota)
                         claim.dropped += 1
                         claim.drop_reason = DropReason.SESSION_QUOTA
                         offsets.append(None)
@@ -168,7 +172,8 @@ class Writes(IndexPart):
                             else DropReason.ROW_TOO_LARGE
                         )
                         self._stats.dropped_stores[reason] += 1
-                        self._give_up(ns, key, bit, now)
+                        if not internal:
+                            self._give_up(ns, key, bit, now)
                         claim.dropped += 1
                         claim.drop_reason = reason
                         offsets.append(None)

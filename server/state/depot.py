@@ -130,7 +130,7 @@ class DepotState:
         # Who may name which namespace, and the per-session quotas (state.namespaces).
         self.access = NamespaceAccess(config, index, self._sessions)
         index.max_writing_per_owner = self.access.max_writing
-        index.writing_quota_exempt = self.internal_writers  # type: ignore[assignment]
+        index.internal_writers = self.internal_writers  # type: ignore[assignment]
         self.invariant_failure: str | None = None
         self.admin = AdminEviction(index, config, self.verify_invariants)
         # The facets whose calls the state offers as its own (the forward rows below).
