@@ -28,7 +28,12 @@ if ! command -v cc >/dev/null 2>&1; then
         gcc libc6-dev >/dev/null
 fi
 echo "== installing kvdepot[test,vllm] (vLLM pulls torch: the first run takes minutes)"
-.venv/bin/pip install --disable-pip-version-check -q -e '.[test,vllm]' 2>&1 \
+# A strict editable install: a tree of links laid out as the wheel has it
+# (build/__editable__.*), so import-linter's bare `lint-imports` finds every layer of
+# `kvdepot` where the package lives. A module added later is importable after this
+# runs again (each run of this script reinstalls).
+.venv/bin/pip install --disable-pip-version-check -q -e '.[test,vllm]' \
+    --config-settings editable_mode=strict 2>&1 \
     | grep -v "^WARNING: Location" || true
 .venv/bin/python -c "import kvdepot.server, kvdepot.client, vllm, grpc_tools" \
     || { echo "installation incomplete"; exit 1; }

@@ -1,14 +1,14 @@
 """docs/architecture.md §2's layers, checked: `lint-imports` runs the import contract in
-pyproject.toml ([tool.importlinter]) over kvdepot as its wheel lays it out; each import
-the contract exists to stop, added to a copy of the code, breaks it; and §2's tables
-list the contract's layers, so the document and the code cannot drift apart.
+pyproject.toml ([tool.importlinter]) over kvdepot as installed and over kvdepot as its
+wheel lays it out; each import the contract exists to stop, added to a copy of the code,
+breaks it; and §2's tables list the contract's layers, so the document and the code
+cannot drift apart.
 
-Why a copy: the editable install maps the top-level folders onto `kvdepot` with an
-import hook, while import-linter (grimp) finds a package's modules by walking the
-folder `kvdepot` itself lives in, which holds only the wire contract (proto/kvdepot).
-So each test lays the folders out as `kvdepot/...` in a temporary directory, from
-[tool.setuptools]'s package list and package-dir (the wheel's own map), and runs
-lint-imports there.
+import-linter (grimp) finds a package's modules by walking the one folder the package
+lives in. scripts/test.sh installs kvdepot as a strict editable install, whose tree of
+links has that layout, so bare `lint-imports` in the checkout works; the copies made
+here from [tool.setuptools]'s package list and package-dir (the wheel's own map) let a
+test add an import without touching the checkout.
 """
 
 from __future__ import annotations
@@ -60,6 +60,23 @@ def lint_imports(root: Path) -> subprocess.CompletedProcess[str]:
 def test_the_code_keeps_the_import_contract(tmp_path: Path) -> None:
     proc = lint_imports(lay_out(tmp_path))
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "0 broken" in proc.stdout, proc.stdout
+
+
+def test_bare_lint_imports_in_the_checkout_keeps_the_contract() -> None:
+    """What a developer types: `lint-imports` in the repository, over the installed
+    package, finds every layer and keeps every contract."""
+    if not LINT_IMPORTS.exists():
+        pytest.fail(f"{LINT_IMPORTS} is missing: pip install -e '.[test]' (import-linter)")
+    proc = subprocess.run(
+        [str(LINT_IMPORTS), "--no-cache", "--no-logo"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    hint = "(a default editable install? scripts/test.sh installs it strict: §2 says why)"
+    assert proc.returncode == 0, f"{hint}\n{proc.stdout}{proc.stderr}"
     assert "0 broken" in proc.stdout, proc.stdout
 
 
@@ -156,16 +173,3 @@ def test_the_architecture_document_states_the_contract() -> None:
     checked contract cannot drift apart."""
     assert _doc_layers("**Packages**", 2) == _contract_layers("packages")
     assert _doc_layers("**The daemon**", 1) == _contract_layers("daemon")
-
-
-if __name__ == "__main__":
-    # By hand: `python tests/test_layering.py` runs the contract as the suite does. Bare
-    # `lint-imports` in an editable checkout cannot: grimp walks the folder `kvdepot`
-    # lives in (proto/kvdepot) and finds none of the other layers there.
-    import tempfile
-
-    with tempfile.TemporaryDirectory(prefix="kvdepot-layers-") as tmp:
-        proc = lint_imports(lay_out(Path(tmp)))
-    print(proc.stdout, end="")
-    print(proc.stderr, end="", file=sys.stderr)
-    sys.exit(proc.returncode)
