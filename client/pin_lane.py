@@ -164,11 +164,18 @@ class PinLane(SessionLane):
     def _attached(self, lane: ClientLane) -> None:
         lane.protocol = PinCalls(lane.max_job_bytes, _pinned_flags)
 
-    def send(self, session_id: str, namespace_id: str, keys: Sequence[bytes]) -> bool:
+    def send(
+        self,
+        session_id: str,
+        namespace_id: str,
+        keys: Sequence[bytes],
+        payload: bytes | None = None,
+    ) -> bool:
         """Sends one pin call and returns at once; the next `answers` reads its answer.
         False: it did not go (no lane for this session, a call too large for a
         datagram, answers still owed on an earlier lane, a broken lane, a namespace
-        this session has not joined yet): pin those keys over gRPC."""
+        this session has not joined yet): pin those keys over gRPC. `payload`:
+        `encode_pin_keys(keys)`, when the caller sends the same keys to several shards."""
         if not keys:
             # Nothing to pin, and nothing sent: the answer to an empty call, an empty
             # PinResponse, is an empty datagram, which reads as the daemon closing the lane.
@@ -179,9 +186,8 @@ class PinLane(SessionLane):
         if not self._client.joined(namespace_id, session_id):
             return False  # the daemon would refuse it (and close the lane): gRPC joins first
         calls = _calls(lane)
-        data = depot_pb2.PinRequest(
-            session_id=session_id, namespace_id=namespace_id, keys=keys
-        ).SerializeToString()
+        header = depot_pb2.PinRequest(session_id=session_id, namespace_id=namespace_id)
+        data = header.SerializeToString() + (encode_pin_keys(keys) if payload is None else payload)
         try:
             # Never blocks (`answers` leaves a timeout on the socket, under which a full
             # buffer would be waited for): the step's only wait is for the answers.
@@ -250,6 +256,13 @@ class PinLane(SessionLane):
             return None
         pinned = self.answers(timeout)
         return pinned if len(pinned) == len(keys) else None
+
+
+def encode_pin_keys(keys: Sequence[bytes]) -> bytes:
+    """A PinRequest's keys on the wire, apart from its header: protobuf reads fields
+    in any order, so header + keys is one PinRequest, and keys sent to several shards
+    are encoded once."""
+    return depot_pb2.PinRequest(keys=keys).SerializeToString()
 
 
 def _pinned_flags(answer: bytes) -> Sequence[bool]:

@@ -306,3 +306,14 @@ def test_a_lane_that_opens_as_its_client_closes_gives_up_quietly(daemon, client)
         open_unpin_lane(live)  # the daemon serves the live client's lane as before
     finally:
         live.close()
+
+
+def test_keys_encoded_once_make_the_same_call_as_a_whole_pin_request() -> None:
+    """A step's keys go to every shard encoded once (kvdepot.client.vllm.pins): the
+    daemon reads header + keys as the very PinRequest a whole message would be."""
+    keys = [i.to_bytes(36, "big") for i in range(300)]
+    header = pb.PinRequest(session_id="s" * 32, namespace_id="ns-shard-3")
+    whole = pb.PinRequest(session_id="s" * 32, namespace_id="ns-shard-3", keys=keys)
+    data = header.SerializeToString() + pin_lane.encode_pin_keys(keys)
+    assert pb.PinRequest.FromString(data) == whole
+    assert data == whole.SerializeToString()  # byte for byte: fields go in number order

@@ -28,8 +28,9 @@ The manager composes one part per job and implements vLLM's methods by delegatin
 each part's module says which thread calls what and what it owns:
 - `ReadyMirror` (mirror.py): the ready keys, applied on the client's stream loop
   thread under the lock a reset switches generations under; vLLM's KV events.
-- `StepPins` (pins.py): the step's pins, in early parts and at the step's end, held
-  per request (scheduler thread; forgotten on the stream loop thread at a disconnect).
+- `StepPins` (pins.py): the step's pins on every shard, in early parts and at the
+  step's end, held per request and shard (scheduler thread; a shard's forgotten on its
+  stream loop thread at a disconnect).
 - `UnpinSender` (unpins.py): the unpin thread.
 - `RemotePrefetch` (prefetch.py): RETRY answers and the prefetch thread.
 - `LoadFailureBackoff` (load_failures.py): keys that miss after a failed load.
@@ -38,7 +39,7 @@ What stays here is the namespace and its generation (reset_cache) and the store
 decision (scheduler thread only).
 
 Shards (kvdepot.common.shards): an engine that uses E > 1 of the daemon's shards gets one
-client per shard, and with it one Watch stream, one `StepPins` and one `UnpinSender` per
+client per shard, and with it one Watch stream, one pin lane and one `UnpinSender` per
 shard, each in that shard's namespace. The mirror counts a key ready when every shard has
 it; a step's pins go to every shard before any answer is read, so the step waits for the
 slowest shard, not for their sum; a load's keys are unpinned on each shard that pinned
@@ -138,7 +139,7 @@ class KVDepotOffloadingManager(OffloadingManager):
             float(getattr(settings, "remote_wait_s", 0.2)),
             self._shard_namespace,
         )
-        self._pins = [StepPins(c, self._stats, settings.pin_timeout_s) for c in self._clients]
+        self._pins = StepPins(self._clients, self._stats, settings.pin_timeout_s)
         for shard, client in enumerate(self._clients):
             client.add_session_listener(lambda _boot, s=shard: self._on_session(s))
             client.add_disconnect_listener(lambda s=shard: self._on_disconnect(s))
@@ -163,13 +164,13 @@ class KVDepotOffloadingManager(OffloadingManager):
 
     def _on_disconnect(self, shard: int) -> None:
         # Pins die with the session; never unpin them in the next one.
-        self._pins[shard].on_disconnect()
+        self._pins.on_disconnect(shard)
         self._unpins[shard].on_disconnect()
         if shard == 0:
             self._remote.on_disconnect()
 
     def _on_session(self, shard: int) -> None:
-        self._pins[shard].on_session()
+        self._pins.on_session(shard)
         self._unpins[shard].on_session()
         if shard == 0:
             self._remote.on_session(self._client.hello)
@@ -215,7 +216,7 @@ class KVDepotOffloadingManager(OffloadingManager):
     @property
     def pin_lane(self) -> PinLane:
         """The lane the step's pins take when it is open (tests and benchmarks)."""
-        return self._pins[0].lane
+        return self._pins.lanes[0]
 
     @property
     def unpin_lane(self) -> UnpinLane:
@@ -226,7 +227,7 @@ class KVDepotOffloadingManager(OffloadingManager):
     def lanes_open(self) -> bool:
         """Whether every shard's pin and unpin lanes are open (tests and benchmarks: until
         then a shard's pins and unpins go over gRPC)."""
-        return all(p.lane.open for p in self._pins) and all(u.lane.open for u in self._unpins)
+        return all(p.open for p in self._pins.lanes) and all(u.lane.open for u in self._unpins)
 
     @property
     def mirror_size(self) -> int:
@@ -239,15 +240,15 @@ class KVDepotOffloadingManager(OffloadingManager):
     @property
     def pin_rpcs(self) -> int:
         """Pin calls completed (one per step with loads)."""
-        return self._pins[0].calls
+        return self._pins.calls
 
     @property
     def pin_failures(self) -> int:
-        return sum(p.failures for p in self._pins)
+        return self._pins.failures
 
     @property
     def pin_latencies(self) -> list[float]:
-        return self._pins[0].latencies
+        return self._pins.latencies
 
     @property
     def remote_asked(self) -> int:
@@ -279,17 +280,12 @@ class KVDepotOffloadingManager(OffloadingManager):
 
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
         keys = list(keys)
-        req_id = req_context.req_id
-        for pins, namespace_id in zip(self._pins, self._on_shards, strict=True):
-            pins.add(req_id, namespace_id, keys)
+        self._pins.add(req_context.req_id, self._on_shards, keys)
         return KVDepotLoadSpec(self.namespace_id, keys)
 
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
-        req_id = req_context.req_id
-        for pins, unpins, namespace_id in zip(
-            self._pins, self._unpins, self._on_shards, strict=True
-        ):
-            held = pins.release(req_id)
+        released = self._pins.release(req_context.req_id)
+        for held, unpins, namespace_id in zip(released, self._unpins, self._on_shards, strict=True):
             if held:
                 unpins.unpin(namespace_id, held)
 
@@ -350,16 +346,11 @@ class KVDepotOffloadingManager(OffloadingManager):
         self._request_generation.pop(req_context.req_id, None)
 
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
-        if self._pins[0].step_loads:
-            shards = self._on_shards
-            if len(shards) > 1:  # every shard at work before the first answer is read
-                for pins, namespace_id in zip(self._pins, shards, strict=True):
-                    pins.send_waiting(namespace_id)
-            for pins, namespace_id in zip(self._pins, shards, strict=True):
-                missing = pins.pin_step(namespace_id)
-                if missing:
-                    # Gone since the mirror said ready (the REMOVED event is on its way).
-                    self._mirror.discard(missing)
+        if self._pins.step_loads:
+            missing = self._pins.pin_step(self._on_shards)
+            if missing:
+                # Gone since the mirror said ready (the REMOVED event is on its way).
+                self._mirror.discard(missing)
         self._remote.end_step(self._generation, self.namespace_id, self._mirror.ready)
         self._failures.prune()
 
@@ -394,10 +385,9 @@ class KVDepotOffloadingManager(OffloadingManager):
         self._mirror.start_generation(self._generation)
         self._failures.clear()
         self._storing = set()
-        for pins, unpins, old_namespace in zip(
-            self._pins, self._unpins, old_on_shards, strict=True
+        for old_held, unpins, old_namespace in zip(
+            self._pins.reset(), self._unpins, old_on_shards, strict=True
         ):
-            old_held = pins.reset()
             if old_held:
                 unpins.unpin_all(old_namespace, old_held)
         old_watches, self._watches = self._watches, self._watch_all()
@@ -435,7 +425,9 @@ class KVDepotOffloadingManager(OffloadingManager):
                 watch.stop()
         finally:
             # Ending the session releases our pins in the daemon.
-            for pins, unpins, client in zip(self._pins, self._unpins, self._clients, strict=True):
-                pins.lane.drop()
+            for lane, unpins, client in zip(
+                self._pins.lanes, self._unpins, self._clients, strict=True
+            ):
+                lane.drop()
                 unpins.lane.drop()
                 client.close()

@@ -1,102 +1,178 @@
-"""Pin scheduling: every key a scheduler step loads is pinned in the daemon before the
-step ends, and held for its request until that request's load completes.
+"""Pin scheduling: every key a scheduler step loads is pinned in the daemon, on every
+shard the engine uses, before the step ends, and held for its request until that
+request's load completes.
 
 vLLM calls `prepare_load` once per loading request while it builds a step. `StepPins`
-records the keys, and once `EARLY_PIN_KEYS` of them are waiting sends them as one pin
-call on the pin lane (kvdepot.client.pin_lane) without waiting: the daemon pins them
-while the scheduler prepares the step's other requests. `pin_step`, at the step's end,
-sends the rest and reads every answer under `kvdepot_pin_timeout_ms`; the keys the lane
-did not answer (no lane, a part it refused) go in one Pin RPC, so none is pinned twice.
-That is the only network wait a scheduler step can have, and only steps with hits have it.
+records the keys once for all shards, and once `EARLY_PIN_KEYS` of them are waiting
+sends them as one pin call on each shard's pin lane (kvdepot.client.pin_lane) without
+waiting: the daemons pin them while the scheduler prepares the step's other requests.
+Every shard pins the same keys (each holds its ranks' sections of the rows), so a part's
+keys are listed and encoded once and only the call's header differs by shard. `pin_step`,
+at the step's end, sends the rest to every shard before it reads any answer, then reads
+each shard's answers under one `kvdepot_pin_timeout_ms` deadline for the whole step; the
+keys a lane did not answer (no lane, a part it refused) go in one Pin RPC to that shard,
+so none is pinned twice. That is the only network wait a scheduler step can have, only
+steps with hits have it, and it lasts as long as the slowest shard, not their sum.
 
-Pins are held per request, not per key (no per-key bookkeeping in the step, and a key two
-requests load is pinned twice): vLLM runs at most one load per request at a time and
-completes it with the keys it prepared, so `release` hands back exactly what it pinned.
+Pins are held per request and shard, not per key (no per-key bookkeeping in the step,
+and a key two requests load is pinned twice): vLLM runs at most one load per request at
+a time and completes it with the keys it prepared, so `release` hands back exactly what
+each shard pinned.
 
-Threads and ownership (`StepPins` owns the step's loads, the held pins and the PinLane):
-- `add`, `pin_step`, `release` and `reset` run on vLLM's scheduler thread;
-- `on_session` and `on_disconnect` run on the client's stream loop thread (session
-  listeners): pins die with their session, so `on_disconnect` forgets the held ones by
-  replacing the dict (one GIL-atomic store), never unpinning them in the next session.
+Threads and ownership (`StepPins` owns the step's loads, the held pins and a PinLane per
+shard):
+- `add`, `send_waiting`, `pin_step`, `release` and `reset` run on vLLM's scheduler thread;
+- `on_session` and `on_disconnect` run on a shard's client stream loop thread (session
+  listeners): pins die with their session, so `on_disconnect` forgets that shard's held
+  pins by replacing its dict (one GIL-atomic store), never unpinning them in the next
+  session.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
+from collections.abc import Sequence
 from itertools import compress
 
 import grpc
 
 from kvdepot.client import DepotClient, DepotUnavailable
-from kvdepot.client.pin_lane import PinLane, PinTimeout
+from kvdepot.client.pin_lane import PinLane, PinTimeout, encode_pin_keys
 from kvdepot.client.vllm.stats import MetricName, StepStats
 
 log = logging.getLogger("kvdepot.vllm.manager")
 
-# A step's loads go to the pin lane in parts of about this many keys as vLLM
+# A step's loads go to the pin lanes in parts of about this many keys as vLLM
 # prepares them (a 1024-key pin takes the daemon about 0.6 ms; parts let it work
 # while the scheduler goes on), so that the step's end waits for the last part only.
 # Read at each call (tests lower it).
 EARLY_PIN_KEYS = 256
 
 
-class StepPins:
-    """The pins of each scheduler step's loads, held per request until its load completes."""
+class _Part:
+    """The keys of the step's loads from one load on, listed and encoded once for
+    every shard that sends from there (normally all of them)."""
 
-    def __init__(self, client: DepotClient, stats: StepStats, timeout_s: float) -> None:
-        self._client = client
+    def __init__(self, loads: list[tuple[str, list[bytes]]]) -> None:
+        self._loads = loads
+        self._start = -1
+        self.keys: list[bytes] = []
+        self._payload = b""
+
+    def since(self, start: int) -> _Part:
+        if start != self._start:
+            self._start = start
+            self.keys = [k for _, request_keys in self._loads[start:] for k in request_keys]
+            self._payload = b""
+        return self
+
+    @property
+    def payload(self) -> bytes:
+        if not self._payload and self.keys:
+            self._payload = encode_pin_keys(self.keys)
+        return self._payload
+
+
+class StepPins:
+    """The pins of each scheduler step's loads on every shard, held per request and
+    shard until its load completes."""
+
+    def __init__(self, clients: Sequence[DepotClient], stats: StepStats, timeout_s: float) -> None:
+        """`clients`: one per shard the engine uses, shard 0 first."""
+        self._clients = list(clients)
         self._stats = stats
         self._timeout_s = timeout_s
-        self.lane = PinLane(client)
-        # This step's loads, (request id, keys) per prepare_load; how many of them
-        # went early on the pin lane, and how many keys wait to go.
+        self.lanes = [PinLane(c) for c in self._clients]
+        # This step's loads, (request id, keys) per prepare_load, and how many keys
+        # wait to go; per shard, how many of the loads went early on its lane.
         self.step_loads: list[tuple[str, list[bytes]]] = []
-        self._loads_sent = 0
         self._keys_waiting = 0
-        # Request id -> the keys pinned for its load.
-        self._held: dict[str, list[bytes]] = {}
-        # Figures for benchmarks and tests (monotonic counters).
+        self._loads_sent = [0] * len(self._clients)
+        # Per shard: request id -> the keys pinned there for its load.
+        self._held: list[dict[str, list[bytes]]] = [{} for _ in self._clients]
+        # Figures for benchmarks and tests (monotonic counters): one per step with loads.
         self.latencies: list[float] = []
         self.calls = 0
         self.failures = 0
 
-    def add(self, req_id: str, namespace_id: str, keys: list[bytes]) -> None:
-        """Records one request's loads for this step's pin (sending a part if enough wait)."""
+    def add(self, req_id: str, namespace_ids: Sequence[str], keys: list[bytes]) -> None:
+        """Records one request's loads for this step's pins (sending a part to every
+        shard if enough wait). `namespace_ids`: the namespace as each shard names it."""
         self.step_loads.append((req_id, keys))
         self._keys_waiting += len(keys)
         if self._keys_waiting >= EARLY_PIN_KEYS:
-            self.send_waiting(namespace_id)
+            self.send_waiting(namespace_ids)
 
-    def send_waiting(self, namespace_id: str) -> None:
-        """Sends the step's keys not sent yet as one pin call on the lane, answered at
-        the step's end (`pin_step`). Keys that cannot go now are pinned there."""
+    def send_waiting(self, namespace_ids: Sequence[str]) -> None:
+        """Sends the step's keys not sent yet as one pin call on each shard's lane,
+        answered at the step's end (`pin_step`). Keys that cannot go now are pinned there."""
         loads = self.step_loads
-        keys = [k for _, request_keys in loads[self._loads_sent :] for k in request_keys]
         self._keys_waiting = 0
-        try:
-            sent = self.lane.send(self._client.session_id, namespace_id, keys)
-        except DepotUnavailable:
-            sent = False
-        if sent:
-            self._loads_sent = len(loads)
+        part = _Part(loads)
+        for shard, namespace_id in enumerate(namespace_ids):
+            if self._send(shard, namespace_id, part.since(self._loads_sent[shard])):
+                self._loads_sent[shard] = len(loads)
 
-    def pin_step(self, namespace_id: str) -> list[bytes]:
-        """Pins every key this step loads, under the pin deadline; returns the keys
-        found gone (the mirror still lists them: their REMOVED event is on its way)."""
+    def _send(self, shard: int, namespace_id: str, part: _Part) -> bool:
+        if not part.keys:
+            return True
+        client = self._clients[shard]
+        try:
+            return self.lanes[shard].send(
+                client.session_id, namespace_id, part.keys, payload=part.payload
+            )
+        except DepotUnavailable:
+            return False
+
+    def pin_step(self, namespace_ids: Sequence[str]) -> list[bytes]:
+        """Pins every key this step loads on every shard, under the pin deadline;
+        returns the keys found gone on some shard (the mirror still lists them: their
+        REMOVED event is on its way)."""
         loads, self.step_loads = self.step_loads, []
-        sent = sum(len(request_keys) for _, request_keys in loads[: self._loads_sent])
-        self._loads_sent = self._keys_waiting = 0
-        keys = [k for _, request_keys in loads for k in request_keys]
+        loads_sent, self._loads_sent = self._loads_sent, [0] * len(self._clients)
+        self._keys_waiting = 0
+        part = _Part(loads)
+        keys = part.since(0).keys
         if not keys:
             return []
         start = time.perf_counter()
+        deadline = time.monotonic() + self._timeout_s
+        # Per shard, how many of the keys went early; the rest go now, to every shard
+        # before any answer is read.
+        sent_by = {n: sum(len(ks) for _, ks in loads[:n]) for n in set(loads_sent)}
+        sent = [sent_by[n] for n in loads_sent]
+        rest = _Part(loads)
+        for shard, (n, namespace_id) in enumerate(zip(loads_sent, namespace_ids, strict=True)):
+            if n < len(loads):
+                self._send(shard, namespace_id, rest.since(n))
+        missing: list[bytes] = []
+        for shard, namespace_id in enumerate(namespace_ids):
+            missing += self._settle(shard, namespace_id, loads, keys, sent[shard], deadline)
+        elapsed = time.perf_counter() - start
+        self.calls += 1
+        self.latencies.append(elapsed)
+        if len(self.latencies) > 100_000:
+            del self.latencies[:50_000]
+        self._stats.count_pin(elapsed, len(set(missing)))
+        return missing
+
+    def _settle(
+        self,
+        shard: int,
+        namespace_id: str,
+        loads: list[tuple[str, list[bytes]]],
+        keys: list[bytes],
+        sent: int,
+        deadline: float,
+    ) -> list[bytes]:
+        """Reads one shard's answers (gRPC for what its lane did not answer), holds
+        what it pinned per request, and returns the keys it found gone."""
         try:
-            pinned = self._pin(namespace_id, keys, sent)
+            pinned = self._answers(shard, namespace_id, keys, sent, deadline)
         except (DepotUnavailable, grpc.RpcError, PinTimeout) as exc:
-            # The loads go ahead unpinned: a key evicted meanwhile fails its load,
-            # which vLLM recomputes. Never worse than a miss.
+            # The loads go ahead unpinned there: a key evicted meanwhile fails its
+            # load, which vLLM recomputes. Never worse than a miss.
             self.failures += 1
             self._stats.count(MetricName.PIN_FAILURES)
             if isinstance(exc, grpc.RpcError):
@@ -104,53 +180,54 @@ class StepPins:
             else:
                 code = "DEADLINE_EXCEEDED" if isinstance(exc, PinTimeout) else "UNAVAILABLE"
             log.warning(
-                "kvdepot pin of %d keys failed (%s); loading them unpinned", len(keys), code
+                "kvdepot pin of %d keys failed on shard %d (%s); loading them unpinned",
+                len(keys),
+                shard,
+                code,
             )
             return []
-        elapsed = time.perf_counter() - start
-        self.calls += 1
-        self.latencies.append(elapsed)
-        if len(self.latencies) > 100_000:
-            del self.latencies[:50_000]
         every = len(pinned) == len(keys) and all(pinned)  # the common case
         missing = [] if every else [k for k, ok in zip(keys, pinned, strict=False) if not ok]
-        held, answers = self._held, iter(pinned)
+        held, answers = self._held[shard], iter(pinned)
         for req_id, request_keys in loads:
             ok = request_keys if every else list(compress(request_keys, answers))
             if ok:
                 prev = held.get(req_id)  # never set in vLLM 0.33: one load per request
                 held[req_id] = ok if prev is None else prev + ok
-        self._stats.count_pin(elapsed, len(missing))
         return missing
 
-    def _pin(self, namespace_id: str, keys: list[bytes], sent: int) -> list[bool]:
-        """Pins `keys`, of which the first `sent` went early on the pin lane: the rest
-        go on the lane too, and whatever the lane does not answer goes over gRPC."""
-        timeout = self._timeout_s
-        lane = self.lane
-        if sent < len(keys):
-            with contextlib.suppress(DepotUnavailable):  # then gRPC's pin says so
-                lane.send(self._client.session_id, namespace_id, keys[sent:])
+    def _answers(
+        self, shard: int, namespace_id: str, keys: list[bytes], sent: int, deadline: float
+    ) -> list[bool]:
+        """Per key, whether `shard` pinned it: its lane's answers to everything sent
+        this step, then gRPC for the keys the lane did not answer."""
+        lane, client = self.lanes[shard], self._clients[shard]
         # Always read what was sent, so that no answer is left for the next step.
-        pinned = lane.answers(timeout)
+        pinned = lane.answers(max(deadline - time.monotonic(), 1e-3))
         if len(pinned) < len(keys):
-            pinned += self._client.pin(namespace_id, keys[len(pinned) :], timeout=timeout)
+            pinned += client.pin(
+                namespace_id,
+                keys[len(pinned) :],
+                timeout=max(deadline - time.monotonic(), 1e-3),
+            )
         return pinned
 
-    def release(self, req_id: str) -> list[bytes] | None:
-        """The keys pinned for the request's load, no longer held (to unpin)."""
-        return self._held.pop(req_id, None)
+    def release(self, req_id: str) -> list[list[bytes] | None]:
+        """Per shard, the keys pinned for the request's load, no longer held (to unpin)."""
+        return [held.pop(req_id, None) for held in self._held]
 
-    def reset(self) -> list[list[bytes]]:
-        """Forgets the step's loads and every held pin; returns the held keys (to unpin)."""
-        held, self._held = self._held, {}
+    def reset(self) -> list[list[list[bytes]]]:
+        """Forgets the step's loads and every held pin; returns, per shard, the held
+        keys (to unpin)."""
+        held, self._held = self._held, [{} for _ in self._clients]
         self.step_loads = []
-        self._loads_sent = self._keys_waiting = 0
-        return list(held.values())
+        self._loads_sent = [0] * len(self._clients)
+        self._keys_waiting = 0
+        return [list(h.values()) for h in held]
 
-    def on_session(self) -> None:
-        self.lane.open_soon()
+    def on_session(self, shard: int) -> None:
+        self.lanes[shard].open_soon()
 
-    def on_disconnect(self) -> None:
-        self._held = {}
-        self.lane.drop()
+    def on_disconnect(self, shard: int) -> None:
+        self._held[shard] = {}
+        self.lanes[shard].drop()
