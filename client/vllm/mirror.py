@@ -150,10 +150,20 @@ class ReadyMirror:
         if kind in (_STORED, _SNAPSHOT):
             keys = list(event.keys)
             held.update(keys)
-            others = [h for h in self._held if h is not held]
-            ready = [k for k in keys if k not in self.ready and all(k in h for h in others)]
-            self.ready.update(ready)
-            self._emit(ready, removed=False)
+            # Ready now: held here, and by every other shard. Set operations in C, over
+            # the event's keys (intersection walks the smaller set): per key, not per
+            # key and shard, in Python.
+            fresh = set(keys)
+            fresh.difference_update(self.ready)
+            for other in self._held:
+                if not fresh:
+                    return
+                if other is not held:
+                    fresh.intersection_update(other)
+            if fresh:
+                self.ready.update(fresh)
+                if self._events is not None:
+                    self._emit([k for k in keys if k in fresh], removed=False)
 
     def discard(self, keys: Iterable[bytes]) -> None:
         """Keys found gone (a pin missed them) before their REMOVED event arrives."""

@@ -11,6 +11,8 @@ from __future__ import annotations
 import threading
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 pytest.importorskip("vllm")
 
@@ -153,6 +155,46 @@ def test_with_shards_a_key_is_ready_only_while_every_shard_holds_it() -> None:
     mirror.start_generation(1)
     mirror.handler(1, shard=0)(stored(b"c"))
     assert mirror.ready == set()  # the new generation starts with nothing on any shard
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.integers(0, 2),  # the shard
+            st.sampled_from(["stored", "removed", "reset"]),
+            st.lists(st.sampled_from([b"a", b"b", b"c", b"d", b"e"]), max_size=4),
+        ),
+        max_size=30,
+    )
+)
+def test_with_shards_the_ready_keys_are_those_every_shard_holds(
+    script: list[tuple[int, str, list[bytes]]],
+) -> None:
+    """Any interleaving of three shards' events: a key is ready exactly while every
+    shard holds it, and the KV events replay to the ready set."""
+    mirror = ReadyMirror(enable_events=True, on_forget=lambda: None, shards=3)
+    handlers = [mirror.handler(0, shard=s) for s in range(3)]
+    held: list[set[bytes]] = [set(), set(), set()]
+    replayed: set[bytes] = set()
+    for shard, kind, keys in script:
+        if kind == "stored":
+            handlers[shard](stored(*keys))
+            held[shard].update(keys)
+        elif kind == "removed":
+            handlers[shard](removed(*keys))
+            held[shard].difference_update(keys)
+        else:
+            handlers[shard](snapshot(*keys, reset=True))
+            held[shard] = set(keys)
+        assert mirror.ready == held[0] & held[1] & held[2]
+        for event in mirror.take_events():
+            if event.removed:
+                replayed.difference_update(event.keys)
+            else:
+                assert not replayed & set(event.keys), "a key announced ready twice"
+                replayed.update(event.keys)
+        assert replayed == mirror.ready
 
 
 # -- the back-off after failed loads ----------------------------------------------------
