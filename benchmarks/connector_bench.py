@@ -15,7 +15,9 @@ private one it starts):
   with 64 running requests, for no connector, vLLM's OffloadingConnector with its
   CPU manager, and KVDepotConnector; the admission step (64 requests arrive, each
   with a 256-token hit) and the steady decode steps. "Added" is the difference to
-  no connector in the same round; rounds (5, or 1 with --quick) build a fresh engine
+  no connector in the same round ("thread CPU": the CPU time the scheduler's thread
+  itself used, without what other threads and processes on its core took from it,
+  e.g. the daemons it woke); rounds (5, or 1 with --quick) build a fresh engine
   per setup in a rotating order, and the figures are medians over rounds (one
   admission step per engine is too few to judge on a noisy machine). Workers are
   out of the picture (their jobs complete at once): this is what the connector
@@ -107,6 +109,7 @@ def _steps(engine: Any, prompts: list[list[int]], decode_steps: int) -> dict[str
     inside.on = True
     engine.step()
     admission = engine.last_schedule_s + engine.last_update_s
+    admission_cpu = engine.last_step_cpu_s
     admission_schedule = engine.last_schedule_s
     admission_inside = inside.take()
     inside.on = False
@@ -117,20 +120,23 @@ def _steps(engine: Any, prompts: list[list[int]], decode_steps: int) -> dict[str
             if req.num_computed_tokens >= req.num_prompt_tokens:
                 break
         engine.step()
-    times = []
+    times, cpu = [], []
     inside.on = True
     for _ in range(decode_steps):
         engine.step()
         times.append(engine.last_schedule_s + engine.last_update_s)
+        cpu.append(engine.last_step_cpu_s)
     decode_inside = inside.take()
     assert len(engine.scheduler.running) == len(prompts), "requests finished early"
     return {
         "admission_step_ms": admission * 1e3,
+        "admission_step_cpu_ms": admission_cpu * 1e3,
         "admission_schedule_ms": admission_schedule * 1e3,
         "admission_in_connector_ms": admission_inside * 1e3,
         "decode_step_ms_mean": statistics.fmean(times) * 1e3,
         "decode_step_ms_p50": _pct(times, 0.5) * 1e3,
         "decode_step_ms_p99": _pct(times, 0.99) * 1e3,
+        "decode_step_cpu_ms_mean": statistics.fmean(cpu) * 1e3,
         "decode_in_connector_ms": decode_inside / decode_steps * 1e3,
     }
 
@@ -350,17 +356,20 @@ def _added(
 ) -> tuple[dict[str, dict[str, float]], dict[str, list[dict[str, float]]]]:
     """What each connector adds to a step over no connector in the same round:
     (the median over rounds, every round's figure)."""
+    figures = {
+        "admission_step": "admission_step_ms",
+        "decode_step": "decode_step_ms_mean",
+        "admission_step_cpu": "admission_step_cpu_ms",
+        "decode_step_cpu": "decode_step_cpu_ms_mean",
+    }
     rounds: dict[str, list[dict[str, float]]] = {}
     for name in ("kvdepot", "vllm_cpu"):
         rounds[name] = [
-            {
-                "admission_step": mine["admission_step_ms"] - none["admission_step_ms"],
-                "decode_step": mine["decode_step_ms_mean"] - none["decode_step_ms_mean"],
-            }
+            {added: mine[key] - none[key] for added, key in figures.items()}
             for mine, none in zip(per_round[name], per_round["none"], strict=True)
         ]
     median = {
-        name: {k: statistics.median(x[k] for x in rs) for k in ("admission_step", "decode_step")}
+        name: {k: statistics.median(x[k] for x in rs) for k in figures}
         for name, rs in rounds.items()
     }
     return median, rounds
@@ -401,6 +410,11 @@ def format_table(r: dict[str, Any]) -> str:
         f"{a['vllm_cpu']['decode_step']:>12.3f}{'0':>12}"
     )
     for label, key in (
+        ("added thread CPU per admission step (ms)", "admission_step_cpu"),
+        ("added thread CPU per decode step (ms)", "decode_step_cpu"),
+    ):
+        lines.append(f"{label:44}{a['kvdepot'][key]:>12.3f}{a['vllm_cpu'][key]:>12.3f}{'0':>12}")
+    for label, key in (
         ("in the connector, admission (ms)", "admission_in_connector_ms"),
         ("in the connector, decode (ms)", "decode_in_connector_ms"),
     ):
@@ -412,7 +426,12 @@ def format_table(r: dict[str, Any]) -> str:
         lines.append(f"{'kvdepot <= vLLM CPU, ' + label:44}{count:>12}")
 
     added = r["added_rounds"]
-    for step, label in (("admission_step", "admission"), ("decode_step", "decode")):
+    for step, label in (
+        ("admission_step", "admission"),
+        ("decode_step", "decode"),
+        ("admission_step_cpu", "admission, thread CPU"),
+        ("decode_step_cpu", "decode, thread CPU"),
+    ):
         mine, theirs = added["kvdepot"], added["vllm_cpu"]
         at_or_below([(m[step], t[step]) for m, t in zip(mine, theirs, strict=True)], label)
     steps = r["step_rounds"]

@@ -191,9 +191,12 @@ class SyntheticEngine:
         self.after_start_load: Callable[[SyntheticEngine], None] | None = None
         self._ctx = ForwardContext(no_compile_layers={}, attn_metadata={}, slot_mapping={})
         self.metadata_log: list[Any] = []
-        # Seconds the scheduler spent in the last step (schedule, update_from_output).
+        # Seconds the scheduler spent in the last step (schedule, update_from_output), and
+        # the CPU seconds its thread itself used in them (without what other threads and
+        # processes on its core took from it meanwhile).
         self.last_schedule_s = 0.0
         self.last_update_s = 0.0
+        self.last_step_cpu_s = 0.0
 
     # -- construction ---------------------------------------------------------------------
 
@@ -297,9 +300,10 @@ class SyntheticEngine:
 
     def step(self) -> SchedulerOutput:
         """One engine step: schedule, run the workers and the model, update."""
-        t0 = time.perf_counter()
+        c0, t0 = time.thread_time(), time.perf_counter()
         out = self.scheduler.schedule()
         self.last_schedule_s = time.perf_counter() - t0
+        schedule_cpu_s = time.thread_time() - c0
         self.steps += 1
         meta = out.kv_connector_metadata
         self.metadata_log.append(meta)
@@ -347,9 +351,10 @@ class SyntheticEngine:
             outputs.append(self._model_output(out, kv_out))
         merged = self.aggregator.aggregate(outputs) if self.ranks else outputs[0]
         assert merged is not None
-        t0 = time.perf_counter()
+        c0, t0 = time.thread_time(), time.perf_counter()
         self.scheduler.update_from_output(out, merged)
         self.last_update_s = time.perf_counter() - t0
+        self.last_step_cpu_s = schedule_cpu_s + time.thread_time() - c0
         for req_id, req in self._requests.items():
             rec = self.records[req_id]
             if not rec.finished and req.is_finished():

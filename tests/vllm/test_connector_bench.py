@@ -34,9 +34,19 @@ def test_quick_connector_bench_reports_every_setup_per_round() -> None:
         rounds = result["step_rounds"][name]
         assert len(rounds) == 2
         assert all(r["admission_step_ms"] > 0 and r["decode_step_ms_mean"] > 0 for r in rounds)
+        # The scheduler thread's own CPU: measured, and never more than the wall time.
+        assert all(
+            0 < r["admission_step_cpu_ms"] <= r["admission_step_ms"] * 1.05 + 0.1 for r in rounds
+        )
+        assert all(r["decode_step_cpu_ms_mean"] > 0 for r in rounds)
     for name in ("kvdepot", "vllm_cpu"):
         assert len(result["added_rounds"][name]) == 2
-        assert set(result["added_ms"][name]) == {"admission_step", "decode_step"}
+        assert set(result["added_ms"][name]) == {
+            "admission_step",
+            "decode_step",
+            "admission_step_cpu",
+            "decode_step_cpu",
+        }
         # The time inside the connector's methods is measured, and only where there is one.
         timed = result["step_rounds"][name]
         assert all(r["admission_in_connector_ms"] > 0 < r["decode_in_connector_ms"] for r in timed)
@@ -52,6 +62,7 @@ def test_quick_connector_bench_reports_every_setup_per_round() -> None:
     assert set(result["pin"]) == {f"{n}_keys_{p}" for n in (16, 1024) for p in ("lane", "gRPC")}
     assert result["lookup_us"]["kvdepot"] > 0 and result["lookup_us"]["vllm_cpu"] > 0
     assert "kvdepot <= vLLM CPU, admission" in proc.stdout
+    assert "added thread CPU per admission step (ms)" in proc.stdout
     assert "in the connector, decode (ms)" in proc.stdout
 
 
