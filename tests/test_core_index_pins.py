@@ -82,7 +82,7 @@ def test_pins_and_unpins_keep_the_model(script: list[tuple[str, str, list[int]]]
         for i in range(ROWS + 3):
             slot = ns.slots.get(key(i))
             expected = {o: model[o][i] for o in OWNERS if model[o][i] > 0}
-            assert (slot.pins if slot is not None else {}) == expected
+            assert ((slot.pins or {}) if slot is not None else {}) == expected
     for owner in OWNERS:  # every pin dropped: nothing held, every row evictable again
         ix.unpin("ns", [key(i) for i, n in model[owner].items() for _ in range(n)], owner)
     ix.check_invariants()

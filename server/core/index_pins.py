@@ -43,12 +43,14 @@ class Pins(IndexPart):
                 out.append(False)
                 continue
             pins = slot.pins
-            if not pins:
+            if pins is None:  # its first pin
                 if not slot.readers:  # not held: the policy has it
                     withdraw(slot)
                 first_pins += 1
                 first_bytes += slot.extent.size
-            pins[owner] = pins.get(owner, 0) + 1
+                slot.pins = {owner: 1}
+            else:
+                pins[owner] = pins.get(owner, 0) + 1
             held = owned.get(slot, 0)  # not owned[slot]: Counter.__missing__ is Python
             owned[slot] = held + 1
             if not held:
@@ -90,10 +92,12 @@ class Pins(IndexPart):
             else:
                 owned[slot] = held - 1
             pins = slot.pins
+            assert pins is not None  # `owned` holds it: pinned by `owner`
             count = pins[owner]
             if count == 1:
                 del pins[owner]
                 if not pins:  # its last pin: unheld again unless being read
+                    slot.pins = None
                     last_pins += 1
                     last_bytes += size
                     if not slot.readers and slot.state is ready and not slot.doomed:
@@ -120,9 +124,11 @@ class Pins(IndexPart):
         return pins
 
     def _drop_pin(self, slot: Slot, owner: Owner) -> None:
-        slot.pins[owner] -= 1
-        if slot.pins[owner] <= 0:
-            del slot.pins[owner]
+        pins = slot.pins
+        assert pins is not None  # `owner` pinned it
+        pins[owner] -= 1
+        if pins[owner] <= 0:
+            del pins[owner]
         owned = self.by_owner[owner]
         owned[slot] -= 1
         if owned[slot] <= 0:
@@ -131,7 +137,8 @@ class Pins(IndexPart):
             if not owned:
                 del self.by_owner[owner]
                 del self.owner_bytes[owner]
-        if not slot.pins:
+        if not pins:
+            slot.pins = None
             self.pinned_bytes -= slot.extent.size
             ns = self._namespaces[slot.namespace]
             ns.pinned_blocks -= 1

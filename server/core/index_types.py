@@ -46,15 +46,17 @@ class Slot:
     state: SlotState = SlotState.WRITING
     written_mask: int = 0  # ranks whose section is complete
     copying_mask: int = 0  # ranks whose store copy is in flight
-    writers: dict[int, Owner] = field(default_factory=dict)  # rank -> session
-    pins: dict[Owner, int] = field(default_factory=dict)  # session -> pin count (> 0)
+    # Made when first needed and dropped when emptied: most rows are READY and
+    # unpinned, and two empty dicts a row were half its memory in the index.
+    writers: dict[int, Owner] | None = None  # WRITING: rank -> session
+    pins: dict[Owner, int] | None = None  # session -> pin count (> 0); None: no pin
     readers: int = 0  # load copies in flight
     reserver: Owner | None = None  # WRITING: who reserved the row (charged for its bytes)
     doomed: bool = False  # detached from its namespace; freed when no copy is in flight
 
     @property
     def pin_count(self) -> int:
-        return sum(self.pins.values())
+        return sum(self.pins.values()) if self.pins else 0
 
     @property
     def held(self) -> bool:

@@ -198,7 +198,10 @@ class Writes(IndexPart):
                     offsets.append(None)
                     continue
                 slot.copying_mask |= bit
-                slot.writers[rank] = owner
+                if slot.writers is None:
+                    slot.writers = {rank: owner}
+                else:
+                    slot.writers[rank] = owner
                 writing.append(slot)
                 offsets.append(slot.extent.offset)
         except BaseException:
@@ -248,7 +251,7 @@ class Writes(IndexPart):
                     ns.writing_bytes -= size
                     ns.ready_blocks += 1
                     ns.ready_bytes += size
-                    slot.writers.clear()
+                    slot.writers = None
                     self.writing.discard(slot)
                     if slot.reserver is not None:
                         self._end_reservation(slot)
@@ -276,7 +279,7 @@ class Writes(IndexPart):
 
     def release(self, owner: Owner) -> int:
         """Drops every unfinished row `owner` was writing; returns how many."""
-        mine = [s for s in self.writing if owner in s.writers.values()]
+        mine = [s for s in self.writing if s.writers and owner in s.writers.values()]
         for slot in mine:
             self._doom(slot, AbortReason.WRITER_GONE)
         return len(mine)

@@ -36,11 +36,11 @@ def check_invariants(state: DepotState) -> None:
             assert reg.inflight > 0, f"registration {reg.id} closed but still mapped"
     for ns in state.index.namespaces.values():
         for slot in ns.slots.values():
-            assert set(slot.pins) <= sessions.keys(), (
+            assert set(slot.pins or ()) <= sessions.keys(), (
                 f"block {slot.key.hex()[:16]} pinned by a closed session"
             )
             if slot.state is SlotState.WRITING:
-                writers = set(slot.writers.values()) - state.internal_writers
+                writers = set((slot.writers or {}).values()) - state.internal_writers
                 assert writers <= sessions.keys(), (
                     f"block {slot.key.hex()[:16]} reserved by a closed session"
                 )
