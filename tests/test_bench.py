@@ -350,6 +350,23 @@ def test_plan_cost_times_both_planners(engine: str) -> None:
     assert all(len(cells) == 2 and min(cells) > 0 for cells in rows.values()), rows
 
 
+def test_index_cost_reports_each_figure() -> None:
+    """`python -m kvdepot.bench.index_cost`: a figure per line (no speed threshold), on
+    an index it checks afterwards."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvdepot.bench.index_cost", "--rows", "4096", "--reps", "1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert "4096 READY rows" in lines[0]
+    figures = {line.rsplit(maxsplit=1)[0]: float(line.split()[-1]) for line in lines[1:]}
+    assert [name.split(",")[0] for name in figures] == ["store", "pin", "unpin", "memory"]
+    assert all(value > 0 for value in figures.values()), figures
+
+
 @pytest.mark.parametrize(
     "command",
     [["-m", "kvdepot.server.cli", "bench"], ["-m", "kvdepot.bench"]],
