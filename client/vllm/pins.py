@@ -138,17 +138,14 @@ class StepPins:
             return []
         start = time.perf_counter()
         deadline = time.monotonic() + self._timeout_s
-        # Per shard, how many of the keys went early; the rest go now, to every shard
-        # before any answer is read.
-        sent_by = {n: sum(len(ks) for _, ks in loads[:n]) for n in set(loads_sent)}
-        sent = [sent_by[n] for n in loads_sent]
+        # What did not go early goes now, to every shard before any answer is read.
         rest = _Part(loads)
         for shard, (n, namespace_id) in enumerate(zip(loads_sent, namespace_ids, strict=True)):
             if n < len(loads):
                 self._send(shard, namespace_id, rest.since(n))
         missing: list[bytes] = []
         for shard, namespace_id in enumerate(namespace_ids):
-            missing += self._settle(shard, namespace_id, loads, keys, sent[shard], deadline)
+            missing += self._settle(shard, namespace_id, loads, keys, deadline)
         elapsed = time.perf_counter() - start
         self.calls += 1
         self.latencies.append(elapsed)
@@ -163,13 +160,12 @@ class StepPins:
         namespace_id: str,
         loads: list[tuple[str, list[bytes]]],
         keys: list[bytes],
-        sent: int,
         deadline: float,
     ) -> list[bytes]:
         """Reads one shard's answers (gRPC for what its lane did not answer), holds
         what it pinned per request, and returns the keys it found gone."""
         try:
-            pinned = self._answers(shard, namespace_id, keys, sent, deadline)
+            pinned = self._answers(shard, namespace_id, keys, deadline)
         except (DepotUnavailable, grpc.RpcError, PinTimeout) as exc:
             # The loads go ahead unpinned there: a key evicted meanwhile fails its
             # load, which vLLM recomputes. Never worse than a miss.
@@ -197,7 +193,7 @@ class StepPins:
         return missing
 
     def _answers(
-        self, shard: int, namespace_id: str, keys: list[bytes], sent: int, deadline: float
+        self, shard: int, namespace_id: str, keys: list[bytes], deadline: float
     ) -> list[bool]:
         """Per key, whether `shard` pinned it: its lane's answers to everything sent
         this step, then gRPC for the keys the lane did not answer."""
