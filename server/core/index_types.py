@@ -47,7 +47,7 @@ class Slot:
     written_mask: int = 0  # ranks whose section is complete
     copying_mask: int = 0  # ranks whose store copy is in flight
     # Made when first needed and dropped when emptied: most rows are READY and
-    # unpinned, and two empty dicts a row were half its memory in the index.
+    # unpinned, and two empty dicts were a fifth of a READY row's memory in the index.
     writers: dict[int, Owner] | None = None  # WRITING: rank -> session
     pins: dict[Owner, int] | None = None  # session -> pin count (> 0); None: no pin
     readers: int = 0  # load copies in flight
