@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from itertools import compress
 
 import grpc
@@ -50,28 +50,18 @@ log = logging.getLogger("kvdepot.vllm.manager")
 EARLY_PIN_KEYS = 256
 
 
-class _Part:
-    """The keys of the step's loads from one load on, listed and encoded once for
-    every shard that sends from there (normally all of them)."""
-
-    def __init__(self, loads: list[tuple[str, list[bytes]]]) -> None:
-        self._loads = loads
-        self._start = -1
-        self.keys: list[bytes] = []
-        self._payload = b""
-
-    def since(self, start: int) -> _Part:
-        if start != self._start:
-            self._start = start
-            self.keys = [k for _, request_keys in self._loads[start:] for k in request_keys]
-            self._payload = b""
-        return self
-
-    @property
-    def payload(self) -> bytes:
-        if not self._payload and self.keys:
-            self._payload = encode_pin_keys(self.keys)
-        return self._payload
+def _parts(
+    loads: list[tuple[str, list[bytes]]], starts: Iterable[int]
+) -> dict[int, tuple[list[bytes], bytes]]:
+    """For each of `starts` short of the end, the keys of the step's loads from that
+    load on and their encoding (encode_pin_keys): listed and encoded once, however many
+    shards send from there (normally all of them, from the same load)."""
+    parts: dict[int, tuple[list[bytes], bytes]] = {}
+    for start in starts:
+        if start < len(loads) and start not in parts:
+            keys = [k for _, request_keys in loads[start:] for k in request_keys]
+            parts[start] = (keys, encode_pin_keys(keys))
+    return parts
 
 
 class StepPins:
@@ -109,19 +99,16 @@ class StepPins:
         answered at the step's end (`pin_step`). Keys that cannot go now are pinned there."""
         loads = self.step_loads
         self._keys_waiting = 0
-        part = _Part(loads)
+        parts = _parts(loads, self._loads_sent)
         for shard, namespace_id in enumerate(namespace_ids):
-            if self._send(shard, namespace_id, part.since(self._loads_sent[shard])):
+            part = parts.get(self._loads_sent[shard])
+            if part is None or self._send(shard, namespace_id, *part):
                 self._loads_sent[shard] = len(loads)
 
-    def _send(self, shard: int, namespace_id: str, part: _Part) -> bool:
-        if not part.keys:
-            return True
+    def _send(self, shard: int, namespace_id: str, keys: list[bytes], payload: bytes) -> bool:
         client = self._clients[shard]
         try:
-            return self.lanes[shard].send(
-                client.session_id, namespace_id, part.keys, payload=part.payload
-            )
+            return self.lanes[shard].send(client.session_id, namespace_id, keys, payload=payload)
         except DepotUnavailable:
             return False
 
@@ -132,17 +119,16 @@ class StepPins:
         loads, self.step_loads = self.step_loads, []
         loads_sent, self._loads_sent = self._loads_sent, [0] * len(self._clients)
         self._keys_waiting = 0
-        part = _Part(loads)
-        keys = part.since(0).keys
+        keys = [k for _, request_keys in loads for k in request_keys]
         if not keys:
             return []
         start = time.perf_counter()
         deadline = time.monotonic() + self._timeout_s
         # What did not go early goes now, to every shard before any answer is read.
-        rest = _Part(loads)
+        rest = _parts(loads, loads_sent)
         for shard, (n, namespace_id) in enumerate(zip(loads_sent, namespace_ids, strict=True)):
-            if n < len(loads):
-                self._send(shard, namespace_id, rest.since(n))
+            if n in rest:
+                self._send(shard, namespace_id, *rest[n])
         missing: list[bytes] = []
         for shard, namespace_id in enumerate(namespace_ids):
             missing += self._settle(shard, namespace_id, loads, keys, deadline)
