@@ -401,15 +401,9 @@ def format_table(r: dict[str, Any]) -> str:
             f"{s['none'][key]:>12.3f}"
         )
     a = r["added_ms"]
-    lines.append(
-        f"{'added per admission step (ms)':44}{a['kvdepot']['admission_step']:>12.3f}"
-        f"{a['vllm_cpu']['admission_step']:>12.3f}{'0':>12}"
-    )
-    lines.append(
-        f"{'added per decode step (ms)':44}{a['kvdepot']['decode_step']:>12.3f}"
-        f"{a['vllm_cpu']['decode_step']:>12.3f}{'0':>12}"
-    )
     for label, key in (
+        ("added per admission step (ms)", "admission_step"),
+        ("added per decode step (ms)", "decode_step"),
         ("added thread CPU per admission step (ms)", "admission_step_cpu"),
         ("added thread CPU per decode step (ms)", "decode_step_cpu"),
     ):
