@@ -46,8 +46,9 @@ def lay_out(dest: Path) -> Path:
 def lint_imports(root: Path) -> subprocess.CompletedProcess[str]:
     if not LINT_IMPORTS.exists():
         pytest.fail(f"{LINT_IMPORTS} is missing: pip install -e '.[test]' (import-linter)")
-    # cwd=root: lint-imports puts the working directory first on sys.path, ahead of
-    # the editable install's hook, so `kvdepot` is the laid-out copy.
+    # cwd=root: lint-imports puts the working directory first on sys.path, so
+    # `kvdepot` is the laid-out copy there (in the repository, which has no `kvdepot`
+    # folder, it is the installed package).
     return subprocess.run(
         [str(LINT_IMPORTS), "--no-cache", "--no-logo", str(PYPROJECT)],
         cwd=root,
@@ -66,15 +67,7 @@ def test_the_code_keeps_the_import_contract(tmp_path: Path) -> None:
 def test_bare_lint_imports_in_the_checkout_keeps_the_contract() -> None:
     """What a developer types: `lint-imports` in the repository, over the installed
     package, finds every layer and keeps every contract."""
-    if not LINT_IMPORTS.exists():
-        pytest.fail(f"{LINT_IMPORTS} is missing: pip install -e '.[test]' (import-linter)")
-    proc = subprocess.run(
-        [str(LINT_IMPORTS), "--no-cache", "--no-logo"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    proc = lint_imports(REPO)
     hint = "(a default editable install? scripts/test.sh installs it strict: §2 says why)"
     assert proc.returncode == 0, f"{hint}\n{proc.stdout}{proc.stderr}"
     assert "0 broken" in proc.stdout, proc.stdout
