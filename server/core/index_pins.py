@@ -116,32 +116,17 @@ class Pins(IndexPart):
 
     def release(self, owner: Owner) -> int:
         """Drops every pin of `owner`; returns how many."""
+        owned = self.by_owner.get(owner)
+        if owned is None:
+            return 0
+        # A pinned row is READY and in its namespace (nothing detaches a held row), so
+        # its pins go as unpins of its key, once per pin, namespace by namespace.
+        keys: dict[str, list[bytes]] = {}
+        for slot, count in owned.items():
+            keys.setdefault(slot.namespace, []).extend([slot.key] * count)
         pins = 0
-        for slot, count in list(self.by_owner.get(owner, Counter()).items()):
-            for _ in range(count):
-                self._drop_pin(slot, owner)
-                pins += 1
+        for namespace_id, named in keys.items():
+            missing = self.unpin(self._namespaces[namespace_id], named, owner)
+            assert not missing, f"{missing} of {owner}'s pins not found in {namespace_id}"
+            pins += len(named)
         return pins
-
-    def _drop_pin(self, slot: Slot, owner: Owner) -> None:
-        pins = slot.pins
-        assert pins is not None  # `owner` pinned it
-        pins[owner] -= 1
-        if pins[owner] <= 0:
-            del pins[owner]
-        owned = self.by_owner[owner]
-        owned[slot] -= 1
-        if owned[slot] <= 0:
-            del owned[slot]
-            self.owner_bytes[owner] -= slot.extent.size
-            if not owned:
-                del self.by_owner[owner]
-                del self.owner_bytes[owner]
-        if not pins:
-            slot.pins = None
-            self.pinned_bytes -= slot.extent.size
-            ns = self._namespaces[slot.namespace]
-            ns.pinned_blocks -= 1
-            ns.pinned_bytes -= slot.extent.size
-            if not slot.readers and slot.state is SlotState.READY and not slot.doomed:
-                self._policy.admit(slot)  # unheld again: used just now
