@@ -87,6 +87,9 @@ def page_bytes(namespace: str, key: bytes, rank: int, layer: int, sub: int, size
 
 
 MEMORY_SOURCES = ("shm", "pvm")
+# mmap(2) values Python's mmap module does not export (Linux).
+PROT_NONE = 0
+MAP_FIXED = 0x10
 
 
 def _private_mapping(size: int) -> int:
@@ -136,11 +139,24 @@ class Engine:
         self._next_job = 1
 
     def unmap_tail(self) -> int:
-        """pvm only: unmaps the second half of the memory; returns the first unmapped
-        offset. The pages there must not be touched from Python afterwards."""
+        """pvm only: takes the second half of the memory away (no access); returns its
+        first offset. The pages there must not be touched from Python afterwards.
+
+        Replaced in place by an inaccessible mapping rather than unmapped: a hole left
+        in the address space is soon filled by this process's own allocations (a 1 MiB
+        malloc arena was seen there), and the daemon's copies would then land in them."""
         assert self.memory == "pvm", "only a private mapping can be unmapped under the daemon"
         half = (self.size // 2) & ~(mmap.PAGESIZE - 1)
-        assert libc.munmap(self.address + half, self.size - half) == 0
+        address = self.address + half
+        placed = libc.mmap(
+            address,
+            self.size - half,
+            PROT_NONE,
+            mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | MAP_FIXED,
+            -1,
+            0,
+        )
+        assert placed == address, f"mmap(MAP_FIXED) failed: errno {ctypes.get_errno()}"
         return half
 
     def _layers(self, group: int) -> list[tuple[int, int]]:
