@@ -358,7 +358,7 @@ class DaemonSettings(DerivedSockets):
         metavar="N",
         help="run the daemon as N processes (shards), each with its own event loop, copy "
         "threads, pool (--pool-size / N) and index; shard i > 0 listens on PATH.shardI. "
-        "Engines must set kv_connector_extra_config kvdepot_shards to the same N",
+        "Engines started after it find N by themselves (kvdepot_shards auto)",
     )
     max_job_keys: int = setting(
         "--max-job-keys",
