@@ -6,6 +6,8 @@ hold their sections (kvdepot.common.shards).
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 
 import grpc
@@ -16,6 +18,7 @@ pytest.importorskip("vllm")
 from kvdepot.common.shards import first_shard, shard_namespace_id, shard_socket
 from kvdepot.testing.daemon import stats
 from kvdepot.testing.vllm_engine import SyntheticEngine, prompt_for
+from kvdepot.testing.waiting import wait_for
 from kvdepot.v1 import admin_pb2, admin_pb2_grpc
 from tests.vllm.test_connector import (
     add_with_rank_1_behind,
@@ -50,17 +53,24 @@ def assert_loads_back(engine: SyntheticEngine, prompt: list[int], ranks: tuple[i
         assert_expected(engine, prompt, r, 0, again.block_ids[0][:6])
 
 
+def wait_both_shards(d) -> None:
+    """Until shard 1 answers too (shard 0 serves once the daemon has started)."""
+    wait_for(lambda: _answers(d, 1), 20, "shard 1 to serve", detail=d.log)
+
+
+def _answers(d, shard: int) -> bool:
+    d.check_alive()
+    try:
+        return shard_stats(d, shard).shard == shard
+    except grpc.RpcError:
+        return False
+
+
 @pytest.fixture
 def sharded(daemon_factory):
     """A daemon of two shards, 64 MiB of pool each, both serving."""
     d = daemon_factory("--pool-size", "128MiB", "--shards", "2")
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        try:
-            if shard_stats(d, 1).shard == 1:
-                break
-        except grpc.RpcError:
-            time.sleep(0.1)
+    wait_both_shards(d)
     return d
 
 
@@ -389,3 +399,90 @@ def test_a_step_whose_pins_all_went_early_keeps_every_shards_pin_lane(
         lambda: all(shard_stats(sharded, s).pinned_blocks == 0 for s in (0, 1)),
         what="both shards unpinned",
     )
+
+
+def test_a_shard_killed_mid_load_costs_a_recompute_and_the_service_comes_back_warm(
+    daemon_factory, make_engine, tmp_path
+) -> None:
+    """Shard 1 of a service on pool files dies (SIGKILL) while a TP=2 engine's load is in
+    flight on it: the service goes down whole (exit non-zero, for systemd's
+    Restart=on-failure), no step of the engine waits past its deadlines, and the load is
+    recomputed with the right bytes. Started again as systemd would, each shard recovers
+    its own pool file (shard 1 from its journal, after the crash), the engine reconnects
+    to both by itself, and a prompt stored before the crash loads back from both shards
+    with the bytes it had."""
+    d = daemon_factory(
+        "--pool-size", "128MiB", "--shards", "2", "--pool-file", str(tmp_path / "pool")
+    )
+    wait_both_shards(d)
+    engine = make_engine(
+        socket=d.target,
+        tp=2,
+        num_gpu_blocks=96,
+        extra_config={"kvdepot_shards": 2, "kvdepot_pin_timeout_ms": 50},
+    )
+    engine.wait_registered()
+    kept = prompt_for(21, 100)  # stored before the crash, loaded back after it
+    [stored] = engine.generate([kept])
+    engine.wait_ready(engine.offload_keys(kept))
+    before = [pages(engine, r, 0, stored.block_ids[0][:6]) for r in (0, 1)]
+    prompt = prompt_for(22, 100)
+    engine.generate([prompt])
+    engine.wait_ready(engine.offload_keys(prompt))
+    engine.reset_gpu_prefix_cache()
+
+    # Shard 1 frozen, so that rank 1's load is surely in flight on it; then killed.
+    pids = [int(d.wait_log(rf"shard {i}/2 started \(pid (\d+)\)").group(1)) for i in (0, 1)]
+    os.kill(pids[1], signal.SIGSTOP)
+    killed: list[float] = []
+
+    def kill_after_loads_started(eng: SyntheticEngine) -> None:
+        if not killed and any(m.load_jobs for m in eng.metadata_log[-1:]):
+            killed.append(time.monotonic())
+            os.kill(pids[1], signal.SIGKILL)
+
+    engine.after_start_load = kill_after_loads_started
+    req = engine.add_request(prompt)
+    slowest = 0.0
+    deadline = time.monotonic() + 30
+    while engine.busy():
+        assert time.monotonic() < deadline, "the request never finished"
+        t = time.monotonic()
+        engine.step()
+        slowest = max(slowest, time.monotonic() - t)
+        time.sleep(0.002)
+    engine.after_start_load = None
+    assert killed, "the load was never started"
+    rec = engine.records[req]
+    assert rec.finished and rec.external_tokens == 96
+    # Rank 1's load died with its shard: vLLM recomputed those blocks, with the right bytes.
+    assert engine.ranks[1].connector.connector_worker.load_errors == 1
+    assert set(rec.block_ids[0][:6]) <= set(engine.invalid_block_ids)
+    for r in (0, 1):
+        assert_expected(engine, prompt, r, 0, rec.block_ids[0][:6])
+    assert slowest < 1.0, f"a step took {slowest:.3f}s"
+
+    # The service went down whole, as systemd's Restart=on-failure expects.
+    assert d.proc is not None
+    assert d.proc.wait(timeout=15) not in (0, None), d.log()
+    assert "shard 1 was killed by SIGKILL; stopping the other shards" in d.log()
+    engine.wait_until(lambda: not engine.manager.connected, what="the scheduler to see it")
+    engine.reset_gpu_prefix_cache()
+    [down] = engine.generate([kept])
+    assert down.external_tokens == 0  # lookups miss while it is down; nothing hangs
+    for r in (0, 1):
+        assert_expected(engine, kept, r, 0, down.block_ids[0][:6])
+
+    # Started again over the same pool files: both shards warm, the engine back on both.
+    d.start()
+    wait_both_shards(d)
+    engine.wait_until(lambda: engine.manager.connected, timeout=20, what="both shards back")
+    engine.wait_registered()
+    engine.wait_ready(engine.offload_keys(kept), timeout=20)
+    failed = [engine.ranks[r].offloading_worker.stats["failed_loads"] for r in (0, 1)]
+    engine.reset_gpu_prefix_cache()
+    [again] = engine.generate([kept])
+    assert again.external_tokens == 96
+    for r in (0, 1):
+        assert_same_bytes(before[r], pages(engine, r, 0, again.block_ids[0][:6]))
+    assert [engine.ranks[r].offloading_worker.stats["failed_loads"] for r in (0, 1)] == failed
