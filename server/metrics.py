@@ -41,6 +41,10 @@ from kvdepot.server.state import DepotState
 SCRAPE_TIMEOUT_S = 5.0
 DIRECTIONS = tuple(d.label for d in Direction)
 SIZE_BUCKETS = tuple(float(1 << p) for p in range(12, 34, 2))  # 4 KiB .. 8 GiB
+# Each reason's label and sentence, from the one place a dropped store's answer reads too.
+_DROPPED_STORES_HELP = "Key stores dropped: " + "; ".join(
+    f"{reason.value} ({reason.text})" for reason in DropReason
+)
 SECONDS_BUCKETS = (
     1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
 )  # fmt: skip
@@ -270,10 +274,7 @@ class _StateCollector(Collector):
         yield by_label(
             CounterMetricFamily,
             "dropped_stores",
-            "Key stores dropped: pool_full (every block pinned or in flight), "
-            "row_too_large (a block row larger than the pool), session_quota (the "
-            "writer's --max-writing-per-session), row_given_up (another rank of the "
-            "row dropped it: this rank's part alone would never be whole).",
+            _DROPPED_STORES_HELP,
             "reason",
             snap.dropped_stores,
         )

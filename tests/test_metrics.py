@@ -5,18 +5,21 @@ buckets included), and the operations guide lists every kvdepot_ family.
 
 from __future__ import annotations
 
+import enum
+import json
 import os
 import time
 import urllib.request
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvdepot.server.core.kinds import AbortReason, DropReason, EvictionReason
 from kvdepot.v1 import admin_pb2
 from kvdepot.v1 import depot_pb2 as pb
 from tests.support.daemon import connect
 from tests.support.engine import Engine, chunk_plan, make_key
 from tests.support.faults import DaemonFactory
-from tests.support.guide import GUIDE
+from tests.support.guide import GUIDE, REPO
 from tests.support.ops import (
     GEO_M,
     SLOT_M,
@@ -194,3 +197,30 @@ def test_guide_lists_every_metric(daemon_factory: DaemonFactory) -> None:
     missing = sorted(f for f in families if f.startswith("kvdepot_") and f"`{f}" not in guide)
     assert not missing, f"docs/operations.md does not list {missing}"
     assert any(f.startswith("process_") for f in families)  # memory, CPU, fds of the daemon
+
+
+def test_every_reason_a_counter_can_carry_is_explained_where_operators_read() -> None:
+    """Each reason label of the by-reason counters is named in the guide's row of its
+    metric, and the dropped stores' ones in the dashboard panel an operator sees them
+    on: a reason added to the daemon and not to these fails here."""
+    rows = {
+        line.split("|")[1].strip(): line
+        for line in GUIDE.read_text().splitlines()
+        if line.startswith("| `kvdepot_")
+    }
+    counters: dict[str, type[enum.StrEnum]] = {
+        "`kvdepot_dropped_stores_total{reason}`": DropReason,
+        "`kvdepot_evictions_total{reason}`": EvictionReason,
+        "`kvdepot_aborted_writes_total{reason}`": AbortReason,
+    }
+    for metric, reasons in counters.items():
+        missing = [r.value for r in reasons if f"`{r.value}`" not in rows[metric]]
+        assert not missing, f"docs/operations.md's {metric} row does not name {missing}"
+    dashboard = json.loads((REPO / "deploy/grafana/kvdepot.json").read_text())
+    [panel] = [
+        p
+        for p in dashboard["panels"]
+        if any("kvdepot_dropped_stores_total" in t.get("expr", "") for t in p.get("targets", ()))
+    ]
+    missing = [r.value for r in DropReason if f"{r.value}:" not in panel["description"]]
+    assert not missing, f"the dashboard's {panel['title']!r} panel does not explain {missing}"
