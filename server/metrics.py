@@ -194,6 +194,12 @@ class _StateCollector(Collector):
         )
         yield gauge("namespaces", "Namespaces (model and layout).", s["namespaces"])
         yield gauge("inflight_jobs", "Transfer jobs being validated or copied.", s["inflight_jobs"])
+        yield counter(
+            "event_loop_cpu_seconds",
+            "CPU seconds the event loop's thread used: every job's control plane, not the "
+            "copies. A rate near 1 is its one core saturated: run more --shards.",
+            s["loop_cpu_seconds"],
+        )
         # The copy threads' load: threads="cpu", the shared threads (--copy-threads);
         # threads="gpu", each GPU's own (--gpu-copy-threads each), by device UUID.
         devices = s["gpu_copy_devices"]

@@ -38,7 +38,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvdepot.common.escape import escaped
 from kvdepot.server.config import default_socket_path
@@ -54,6 +54,9 @@ from kvdepot.server.status_report import (
     read_shards,
     socket_path_of,
 )
+
+if TYPE_CHECKING:
+    from kvdepot.v1 import admin_pb2
 
 
 def add_status_arguments(parser: argparse.ArgumentParser) -> None:
@@ -116,16 +119,23 @@ def _read(data: str, path: str, timeout: float, interval: float) -> dict[str, An
         return build_report(data, first, sampler.sample(), admin_socket=path)
 
 
-def _node_view(report: dict[str, Any], timeout: float) -> dict[str, Any]:
-    """`report` with every shard's pool and jobs (`shards`) when its daemon is one
-    shard of several: the node, beside the shard it was read from."""
-    if report["daemon"]["shard_count"] > 1:
-        report["shards"] = read_shards(report, timeout)
-    return report
+def _node_view(
+    report: dict[str, Any],
+    timeout: float,
+    before: dict[int, admin_pb2.GetStatsResponse] | None = None,
+) -> dict[int, admin_pb2.GetStatsResponse]:
+    """Adds every shard's pool, jobs and event loop (`shards`) to `report` when its daemon
+    is one shard of several: the node, beside the shard it was read from. `before`: the
+    shards' previous reading (rates over the interval since). Returns this reading."""
+    if report["daemon"]["shard_count"] <= 1:
+        return {}
+    report["shards"], readings = read_shards(report, timeout, before)
+    return readings
 
 
 def _print_once(data: str, path: str, args: argparse.Namespace) -> None:
-    report = _node_view(_read(data, path, args.timeout, args.interval), args.timeout)
+    report = _read(data, path, args.timeout, args.interval)
+    _node_view(report, args.timeout)
     if args.json:
         print(json.dumps(report, indent=2))
         return
@@ -148,10 +158,11 @@ def _watch(data: str, path: str, args: argparse.Namespace) -> int:
     console = Console(highlight=False)
     stop = threading.Event()
     prev: Sample | None = None
+    shards_before: dict[int, admin_pb2.GetStatsResponse] = {}
     last_good: Any = None
 
     def frames() -> Iterator[Any]:
-        nonlocal prev, last_good
+        nonlocal prev, shards_before, last_good
         while not stop.is_set():
             try:
                 with connect(path, args.timeout) as channel:
@@ -159,7 +170,7 @@ def _watch(data: str, path: str, args: argparse.Namespace) -> int:
                     while not stop.is_set():
                         cur = sampler.sample()
                         report = build_report(data, prev, cur, admin_socket=path)
-                        report = _node_view(report, args.timeout)
+                        shards_before = _node_view(report, args.timeout, shards_before)
                         prev = cur
                         last_good = report
                         yield report

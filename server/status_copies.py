@@ -1,7 +1,8 @@
-"""How busy the daemon's copy threads were between two GetStats readings, for
-`kvdepot status`'s "copies" line (server/copy_queue.CopyTimes are what the daemon
-counts). Sans I/O: the readings in, a plain dict out; status_report puts it in the
-report.
+"""How busy the daemon's threads were between two GetStats readings: its copy threads,
+for `kvdepot status`'s "copies" line (server/copy_queue.CopyTimes are what the daemon
+counts), and its event loop, for the "event loop" line. Together they say which limits
+the daemon: its copies or its control plane. Sans I/O: the readings in, plain dicts
+out; status_report puts them in the report.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ COPY_FIELDS = (
     "gpu_copy_busy_seconds",
     "copy_longest_running_seconds",
     "gpu_copy_longest_running_seconds",
+    "loop_cpu_seconds",
 )
 
 # A copy takes milliseconds; one running this long is reported as stalled (a GPU's DMA
@@ -75,6 +77,23 @@ def copy_load(
             out["gpu"]["busiest"] = {"device": device, **load(each, *busiest)}
     out["stalled"] = _stalled(s)
     return out
+
+
+def loop_load(
+    prev: admin_pb2.GetStatsResponse | None, s: admin_pb2.GetStatsResponse
+) -> dict[str, Any] | None:
+    """The event loop's CPU over the wall time since the reading `prev` (of the same
+    daemon run) or else since start, as a fraction of one core ("busy_fraction"; the
+    loop is one thread). None from a daemon that does not count it."""
+    if not s.loop_cpu_seconds:
+        return None
+    p = prev if prev is not None and prev.boot_id == s.boot_id else None
+    wall = s.uptime_seconds - (p.uptime_seconds if p is not None else 0.0)
+    cpu = s.loop_cpu_seconds - (p.loop_cpu_seconds if p is not None else 0.0)
+    return {
+        "over": "interval" if p is not None else "since start",
+        "busy_fraction": cpu / wall if wall > 0 else 0.0,
+    }
 
 
 def _stalled(s: admin_pb2.GetStatsResponse) -> dict[str, float]:

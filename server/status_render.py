@@ -205,6 +205,23 @@ def _numa_lines(numa: dict[str, Any] | None) -> list[str]:
     return [*_placement_lines(numa), line]
 
 
+# A loop this busy is one core saturated: jobs queue for the control plane itself.
+LOOP_SATURATED = 0.9
+
+
+def _loop_line(loop: dict[str, Any]) -> Any:
+    """How much of its one core the event loop used; past LOOP_SATURATED, what to do."""
+    from rich.text import Text
+
+    over = "" if loop["over"] == "interval" else " since start"
+    line = Text(f"{100 * loop['busy_fraction']:.0f}% of a core busy{over}")
+    if loop["busy_fraction"] >= LOOP_SATURATED:
+        line.append(
+            " — the control plane is this daemon's limit: run more --shards", style="yellow"
+        )
+    return line
+
+
 def _copy_lines(copies: dict[str, Any] | None) -> list[Any]:
     """How busy the copy threads are and how long a copy waits for one: a line for the
     shared CPU threads and one for the GPUs' own (once a GPU has registered); and a
@@ -281,22 +298,32 @@ def _other_shards(r: dict[str, Any], shard: int, count: int) -> str:
 
 
 def _shards_table(rows: list[dict[str, Any]], this: int) -> Any:
-    """The node: every shard's pool, blocks, sessions and jobs (one reading, no rates)."""
+    """The node: every shard's pool, blocks, sessions, jobs and event loop (its share of
+    a core since the last reading, or since the shard started: the caption says which)."""
     from rich import box
     from rich.table import Table
     from rich.text import Text
 
     table = Table(title="shards", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
-    for name in ("shard", "pool used", "ready", "sessions", "ranks", "lane jobs"):
+    columns = ("shard", "pool used", "ready", "sessions", "ranks", "lane jobs", "loop busy")
+    for name in columns:
         table.add_column(name, justify="right", no_wrap=True)
+    blank = [""] * (len(columns) - 2)
     total_used = total_cap = 0
+    since_start = False
     for row in rows:
         label = f"{row['shard']}{' *' if row['shard'] == this else ''}"
         if "error" in row:
-            table.add_row(label, Text(shown(row["error"]), style="red"), "", "", "", "")
+            table.add_row(label, Text(shown(row["error"]), style="red"), *blank)
             continue
         total_used += row["used_bytes"]
         total_cap += row["capacity_bytes"]
+        loop = row.get("loop")
+        busy = Text("")
+        if loop is not None:
+            since_start |= loop["over"] != "interval"
+            saturated = loop["busy_fraction"] >= LOOP_SATURATED
+            busy = Text(f"{100 * loop['busy_fraction']:.0f}%", style="yellow" if saturated else "")
         table.add_row(
             label,
             f"{format_size(row['used_bytes'])} of {format_size(row['capacity_bytes'])}",
@@ -304,8 +331,13 @@ def _shards_table(rows: list[dict[str, Any]], this: int) -> Any:
             str(row["sessions"]),
             str(row["registrations"]),
             str(row["lane_jobs"]),
+            busy,
         )
-    table.add_row("node", f"{format_size(total_used)} of {format_size(total_cap)}", "", "", "", "")
+    table.add_row("node", f"{format_size(total_used)} of {format_size(total_cap)}", *blank)
+    table.caption = "loop busy: each shard's event loop, share of a core " + (
+        "since the shard started" if since_start else "over the last interval"
+    )
+    table.caption_justify = "left"
     return table
 
 
@@ -378,6 +410,9 @@ def render(r: dict[str, Any]) -> Any:
         f"{blocks['pinned']} pinned · {blocks['inflight_jobs']} jobs in flight "
         f"({blocks['job_lanes_open']} job lanes)",
     )
+    loop = r.get("loop")
+    if loop is not None:
+        grid.add_row("event loop", _loop_line(loop))
     for i, line in enumerate(_copy_lines(r.get("copies"))):
         grid.add_row("copies" if i == 0 else "", line)
     rates = r["rates"]

@@ -32,7 +32,7 @@ from google.protobuf.message import Message
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvdepot.common.shards import shard_socket
-from kvdepot.server.status_copies import COPY_FIELDS, copy_load
+from kvdepot.server.status_copies import COPY_FIELDS, copy_load, loop_load
 from kvdepot.v1 import admin_pb2, admin_pb2_grpc
 
 # GetStats' NUMA placement fields (`kvdepot serve --numa`): the "numa" line.
@@ -337,11 +337,18 @@ def shard_sockets(data: str, admin: str, shard: int, count: int) -> list[tuple[s
     ]
 
 
-def read_shards(report: dict[str, Any], timeout: float) -> list[dict[str, Any]]:
-    """Every shard's pool, sessions and jobs in one GetStats each, for the node's view;
-    a shard that does not answer is listed with its error."""
+def read_shards(
+    report: dict[str, Any],
+    timeout: float,
+    before: Mapping[int, admin_pb2.GetStatsResponse] | None = None,
+) -> tuple[list[dict[str, Any]], dict[int, admin_pb2.GetStatsResponse]]:
+    """Every shard's pool, sessions, jobs and event loop in one GetStats each, for the
+    node's view; a shard that does not answer is listed with its error. The loop's share
+    of a core is over the interval since `before` (each shard's previous reading, by
+    shard), else since the shard started. Returns the rows and this reading, by shard."""
     d = report["daemon"]
     rows = []
+    readings: dict[int, admin_pb2.GetStatsResponse] = {}
     for i, (data, admin) in enumerate(
         shard_sockets(report["socket"], report["admin_socket"], d["shard"], d["shard_count"])
     ):
@@ -352,6 +359,7 @@ def read_shards(report: dict[str, Any], timeout: float) -> list[dict[str, Any]]:
         except StatusError as err:
             row["error"] = str(err)
         else:
+            readings[i] = s
             row.update(
                 capacity_bytes=s.capacity_bytes,
                 used_bytes=s.used_bytes,
@@ -360,9 +368,10 @@ def read_shards(report: dict[str, Any], timeout: float) -> list[dict[str, Any]]:
                 registrations=s.registrations,
                 lane_jobs=s.lane_jobs,
                 boot_id=s.boot_id,
+                loop=loop_load((before or {}).get(i), s),
             )
         rows.append(row)
-    return rows
+    return rows, readings
 
 
 @dataclass(frozen=True)
@@ -551,6 +560,7 @@ def build_report(
         else None,
         "numa": _numa(s),
         "copies": copy_load(prev.stats if prev is not None else None, s),
+        "loop": loop_load(prev.stats if prev is not None else None, s),
         "blocks": {
             "ready": s.ready_blocks,
             "writing": s.writing_blocks,

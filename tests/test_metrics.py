@@ -10,14 +10,15 @@ import json
 import os
 import time
 import urllib.request
+from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvdepot.server.core.kinds import AbortReason, DropReason, EvictionReason
 from kvdepot.v1 import admin_pb2
 from kvdepot.v1 import depot_pb2 as pb
-from tests.support.daemon import connect
-from tests.support.engine import Engine, chunk_plan, make_key
+from tests.support.daemon import DaemonProcess, connect
+from tests.support.engine import Engine, Geometry, chunk_plan, make_key
 from tests.support.faults import DaemonFactory
 from tests.support.guide import GUIDE, REPO
 from tests.support.ops import (
@@ -224,3 +225,45 @@ def test_every_reason_a_counter_can_carry_is_explained_where_operators_read() ->
     ]
     missing = [r.value for r in DropReason if f"{r.value}:" not in panel["description"]]
     assert not missing, f"the dashboard's {panel['title']!r} panel does not explain {missing}"
+
+
+def test_the_event_loops_cpu_is_its_own_not_the_copy_threads(
+    daemon_factory: DaemonFactory,
+) -> None:
+    """kvdepot_event_loop_cpu_seconds_total (GetStats' loop_cpu_seconds) is the loop
+    thread's CPU alone: jobs whose copies keep the copy threads busy for far longer than
+    the loop spends on them raise it by a small part of the copy threads' busy time, and
+    by less than the daemon process's CPU; GetStats and Prometheus read the same clock."""
+    port = free_port()
+    d = daemon_factory("--pool-size", "128MiB", "--metrics-port", str(port))
+    geo = Geometry(
+        groups=[[2 << 20] * 4], blocks_per_chunk=1, world_size=1, num_blocks=24, namespace="loop"
+    )
+    client = connect(d.target, "loop-cpu-test")
+    ch, stub = admin(d)
+    try:
+        eng = Engine(client, geo, 0)
+        store(eng, range(0, 8))  # 8 rows of 8 MiB
+        first = stub.GetStats(admin_pb2.GetStatsRequest(), timeout=10)
+        cpu_before = _process_cpu_seconds(d)
+        for _ in range(12):  # 12 loads of 64 MiB, every byte checked
+            load(eng, range(0, 8), base_block=16)
+        second = stub.GetStats(admin_pb2.GetStatsRequest(), timeout=10)
+        cpu_after = _process_cpu_seconds(d)
+        m = scrape(port)
+    finally:
+        ch.close()
+        client.close()
+    loop = second.loop_cpu_seconds - first.loop_cpu_seconds
+    copying = second.copy_busy_seconds - first.copy_busy_seconds
+    assert 0 < loop < copying / 2, (loop, copying)
+    assert loop < cpu_after - cpu_before, (loop, cpu_after - cpu_before)
+    scraped = sample(m, "kvdepot_event_loop_cpu_seconds_total")
+    assert second.loop_cpu_seconds <= scraped < second.loop_cpu_seconds + 1.0
+
+
+def _process_cpu_seconds(d: DaemonProcess) -> float:
+    """The daemon process's CPU (every thread), from /proc."""
+    assert d.proc is not None
+    fields = Path(f"/proc/{d.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")

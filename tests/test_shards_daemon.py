@@ -124,6 +124,9 @@ def test_two_shards_each_serve_half_the_pool_on_their_own_sockets(
     ]
     assert [r[0] for r in rows] == ["0", "1", "node"], out.stdout
     assert rows[0][1:5] == ["0", "B", "of", "32.0"] and rows[2][-2:] == ["64.0", "MiB"], rows
+    # Each shard's event loop, its share of a core since it started (one reading).
+    assert "loop busy" in out.stdout and "share of a core since the shard started" in out.stdout
+    assert all(re.fullmatch(r"\d+%", r[-1]) for r in rows[:2]), rows
     as_json = subprocess.run(
         [*kvdepot_command(), "status", "--socket", sockets[0], "--interval", "0", "--json"],
         capture_output=True,
@@ -133,6 +136,8 @@ def test_two_shards_each_serve_half_the_pool_on_their_own_sockets(
     shards = json.loads(as_json.stdout)["shards"]
     assert [(s["shard"], s["capacity_bytes"]) for s in shards] == [(0, 32 * MiB), (1, 32 * MiB)]
     assert shards[0]["boot_id"] != shards[1]["boot_id"]
+    assert all(s["loop"]["over"] == "since start" for s in shards), shards
+    assert all(0 < s["loop"]["busy_fraction"] < 1 for s in shards), shards
 
 
 def test_status_watch_shows_every_shard_at_every_reading(
@@ -140,7 +145,8 @@ def test_status_watch_shows_every_shard_at_every_reading(
 ) -> None:
     """`kvdepot status --watch --json` on shard 1: every reading carries the node's
     table, both shards with their half of the pool, and an engine that attaches to
-    shard 0 meanwhile shows up in a later reading's row."""
+    shard 0 meanwhile shows up in a later reading's row, each shard's event loop then
+    read over the interval since the reading before."""
     _, sockets = _start_two(daemon_factory)
     args = ["status", "--watch", "--json", "--interval", "0.3", "--socket", sockets[1]]
     watch = subprocess.Popen(
@@ -163,6 +169,8 @@ def test_status_watch_shows_every_shard_at_every_reading(
                     break
                 assert time.monotonic() < deadline, reading["shards"]
             assert reading["shards"][1]["sessions"] == 0  # shard 1's own figures
+            # From the second reading on, each shard's loop over the interval between.
+            assert [r["loop"]["over"] for r in reading["shards"]] == ["interval"] * 2
     finally:
         watch.send_signal(signal.SIGINT)
         try:

@@ -133,10 +133,11 @@ GUIDE_COMMAND = "$ kvdepot status --socket /run/kvdepot/kvdepot.sock"
 
 def _comparable(screen: str) -> list[str]:
     """The screen without what changes from run to run: boot id, durations, pids (and the
-    column widths they set)."""
+    column widths they set), the event loop's CPU."""
     text = re.sub(r"\b[0-9a-f]{16}\b", "<id>", screen)
     text = re.sub(r"\b\d+(\.\d+)?[smhd]\b( \d+[smh]\b)?", "<t>", text)
     text = re.sub(r"(?<=\s)\d{3,}(?=\s)", "<n>", text)  # pids; sizes all have decimals
+    text = re.sub(r"\d+% of a core", "<p>% of a core", text)  # the loop's own CPU
     text = re.sub("─+", "─", text)  # a table's rule is as wide as its columns
     lines = [" ".join(line.split()) for line in text.splitlines()]
     while lines and not lines[-1]:

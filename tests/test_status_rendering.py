@@ -224,3 +224,43 @@ def test_copies_line_reads_busy_share_and_wait_over_the_interval(
     old = older.FromString(second.SerializeToString())
     report = build_report("/x.sock", None, Sample(0, old, [], []))
     assert report["copies"] is None and "copies " not in screen(report)
+
+
+def test_event_loop_line_reads_its_share_of_a_core_and_says_when_to_shard(
+    guide_daemon: DaemonProcess,
+) -> None:
+    """Two readings 2 s apart, the loop's CPU 1.9 s more: 95% of a core, and the hint
+    to run more shards. One reading: 4.9 s of CPU in 12 s since start, 41%, no hint. A
+    daemon that does not count it (0): no line."""
+    from rich.console import Console
+
+    from kvdepot.server.status_render import render
+    from kvdepot.server.status_report import Sample, build_report
+
+    def screen(report: dict[str, Any]) -> str:
+        console = Console(width=WIDTH)
+        with console.capture() as cap:
+            console.print(render(report))
+        return " ".join(cap.get().split())
+
+    ch, stub = admin(guide_daemon)
+    with ch:
+        first = stub.GetStats(admin_pb2.GetStatsRequest(), timeout=10)
+    first.uptime_seconds, first.loop_cpu_seconds = 10.0, 3.0
+    second = admin_pb2.GetStatsResponse.FromString(first.SerializeToString())
+    second.uptime_seconds, second.loop_cpu_seconds = 12.0, 4.9
+    report = build_report("/x.sock", Sample(0, first, [], []), Sample(2, second, [], []))
+    assert report["loop"]["over"] == "interval"
+    assert abs(report["loop"]["busy_fraction"] - 0.95) < 1e-9
+    assert (
+        "event loop 95% of a core busy — the control plane is this daemon's limit: run "
+        "more --shards" in screen(report)
+    )
+    alone = build_report("/x.sock", None, Sample(2, second, [], []))
+    assert alone["loop"]["over"] == "since start"
+    assert abs(alone["loop"]["busy_fraction"] - 4.9 / 12) < 1e-9
+    text = screen(alone)
+    assert "event loop 41% of a core busy since start" in text and "--shards" not in text
+    second.loop_cpu_seconds = 0.0
+    report = build_report("/x.sock", None, Sample(2, second, [], []))
+    assert report["loop"] is None and "event loop" not in screen(report)

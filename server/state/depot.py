@@ -35,6 +35,7 @@ import asyncio
 import logging
 import os
 import secrets
+import threading
 import time
 from collections.abc import Callable, Sequence
 
@@ -88,6 +89,11 @@ class DepotState:
         self.bus = bus
         self.boot_id = secrets.token_hex(8)
         self.started = time.monotonic()
+        # The CPU clock of the thread building the state: the event loop's (`create` runs
+        # there, as every method does). Read from any thread; GetStats' loop_cpu_seconds
+        # counts from here, as uptime does (not the imports and start-up before).
+        self._loop_cpu_clock = time.pthread_getcpuclockid(threading.get_ident())
+        self._loop_cpu_started = time.clock_gettime(self._loop_cpu_clock)
         self.warm_restarted = warm_restarted
         self._pool_lock = pool_lock
         self._sessions = Sessions(
@@ -205,6 +211,12 @@ class DepotState:
     @property
     def uptime(self) -> float:
         return time.monotonic() - self.started
+
+    @property
+    def loop_cpu_seconds(self) -> float:
+        """CPU seconds the event loop's thread has used since the state was built: the
+        control plane's work."""
+        return time.clock_gettime(self._loop_cpu_clock) - self._loop_cpu_started
 
     def begin_shutdown(self) -> None:
         """Refuse new work and end the long-lived streams (Session, Watch)."""

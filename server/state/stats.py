@@ -29,6 +29,7 @@ def stats_fields(state: DepotState) -> dict[str, object]:
         "version": kvdepot.__version__,
         "boot_id": state.boot_id,
         "uptime_seconds": state.uptime,
+        "loop_cpu_seconds": state.loop_cpu_seconds,
         "shard": state.config.shard,
         "shard_count": state.config.shards,
         "capacity_bytes": alloc.capacity,
