@@ -121,9 +121,7 @@ def measure_ceiling(
             for direction in ("store", "load"):
                 # Stores with no room left (ranks far out of step) are counted in
                 # `dropped_keys`, not fatal, as in the node series.
-                run = timed_run(
-                    fleet, [daemon.proc.pid], keys, direction, chunks, jobs, warmup, sets, True
-                )
+                run = timed_run(fleet, [daemon], keys, direction, chunks, jobs, warmup, sets, True)
                 rate, window = run.rate()
                 in_daemon = [j[4] for r in run.replies for j in r["jobs"]]
                 rows.append(
@@ -185,6 +183,7 @@ class TimedRun:
     replies: list[dict[str, Any]]  # each worker's `run` reply (timed jobs only)
     daemon_cpu_s: float  # every daemon process, warm-up jobs included
     engine_cpu_s: float  # every worker process, warm-up jobs included
+    loop_cpu_s: float  # the daemons' event-loop threads alone (GetStats loop_cpu_seconds)
     submitted: int  # jobs the CPU time paid for: (jobs + warm-up) x workers
     dropped: int  # store keys dropped, a load's set included (only where allowed)
 
@@ -199,7 +198,7 @@ class TimedRun:
 
 def timed_run(
     fleet: Fleet,
-    daemon_pids: Sequence[int],
+    daemons: Sequence[OwnDaemon],
     keys: KeyCursor,
     direction: str,
     chunks: int,
@@ -210,7 +209,8 @@ def timed_run(
 ) -> TimedRun:
     """`jobs` (+ `warmup`) jobs of `chunks` chunks on every worker of `fleet`, DEPTH in
     flight each, all starting together; a load first stores the `sets` jobs it cycles
-    over (untimed). CPU time is read from /proc of `daemon_pids` and the workers.
+    over (untimed). CPU time is read from /proc of the daemons and the workers, and the
+    daemons' event loops' from GetStats.
     A dropped key fails the run unless `allow_dropped` (then it is counted, and a
     load set whose store dropped keys is stored again, up to PREFILL_TRIES times:
     a load of a key still missing fails the run)."""
@@ -232,19 +232,26 @@ def timed_run(
     else:
         key_seq, key_sets = keys.seq, 0
         keys.seq += (jobs + warmup) * chunks
+    daemon_pids = [d.proc.pid for d in daemons]
     engine_pids = [w.proc.pid for w in fleet.workers]
-    d0, e0 = cpu_total(daemon_pids), cpu_total(engine_pids)
+    d0, e0, l0 = cpu_total(daemon_pids), cpu_total(engine_pids), loop_cpu_total(daemons)
     replies = run_fleet(
         fleet, direction, chunks, jobs, warmup, key_seq, key_sets, keys.pattern, allow_dropped
     )
-    d1, e1 = cpu_total(daemon_pids), cpu_total(engine_pids)
+    d1, e1, l1 = cpu_total(daemon_pids), cpu_total(engine_pids), loop_cpu_total(daemons)
     keys.pattern += jobs + warmup
     dropped += sum(r["dropped"] for r in replies)
-    return TimedRun(replies, d1 - d0, e1 - e0, (jobs + warmup) * len(fleet.workers), dropped)
+    submitted = (jobs + warmup) * len(fleet.workers)
+    return TimedRun(replies, d1 - d0, e1 - e0, l1 - l0, submitted, dropped)
 
 
 def cpu_total(pids: Sequence[int]) -> float:
     return sum(cpu_seconds(pid) for pid in pids)
+
+
+def loop_cpu_total(daemons: Sequence[OwnDaemon]) -> float:
+    """CPU seconds the daemons' event-loop threads used so far (the serial part of each)."""
+    return sum(d.stats().loop_cpu_seconds for d in daemons)
 
 
 def run_fleet(

@@ -62,6 +62,7 @@ class Series:
         self.window_s = sum(w for _, w in rates)
         self.bytes_per_s = sum(b * w for b, w in rates) / self.window_s if self.window_s else 0.0
         self.daemon_cpu_s = sum(r.daemon_cpu_s for r in rounds)
+        self.loop_cpu_s = sum(r.loop_cpu_s for r in rounds)
         self.engine_cpu_s = sum(r.engine_cpu_s for r in rounds)
         self.submitted = sum(r.submitted for r in rounds)
         self.dropped = sum(r.dropped for r in rounds)
@@ -246,7 +247,6 @@ def _one_node(
         fleet.call(fleet.workers, setup)
         for d in daemons:
             d.wait_mapped()
-        pids = [d.proc.pid for d in daemons]
         keys = KeyCursor()
         out = []
         for direction in ("store", "load"):
@@ -261,7 +261,7 @@ def _one_node(
             size = ROUND_JOBS if max(v[1].tp for v in views.values()) > 1 else jobs
             try:
                 rounds = [
-                    timed_run(fleet, pids, keys, direction, chunks, n, warmup, sets, True)
+                    timed_run(fleet, daemons, keys, direction, chunks, n, warmup, sets, True)
                     for n in _split(jobs, size)
                 ]
             except RuntimeError as exc:
@@ -307,6 +307,9 @@ def _row(
         # CPU per rank job, warm-up included, from /proc of every daemon / worker.
         "daemon_cpu_us_per_rank_job": daemon_us,
         "engine_cpu_us_per_rank_job": 1e6 * run.engine_cpu_s / run.submitted,
+        # Of the daemons' CPU, their event loops' (each shard's serial part; the rest is
+        # the copy threads and the kernel's work for them).
+        "loop_cpu_us_per_rank_job": 1e6 * run.loop_cpu_s / run.submitted,
         # What one daemon core, fully busy at this cost, could feed: the scaling model.
         "one_core_gbps": rank_job / daemon_us * 1e6 / GB if daemon_us > 0 else 0.0,
         # The host's cores the daemons and engines used over the rounds (1.0: all of
@@ -331,8 +334,8 @@ def format_node_table(result: dict[str, Any]) -> str:
         f"{info['pool_bytes'] >> 20} MiB split over the shards",
         *(f"{n}: {text}" for n, text in info["geometries"].items()),
         "",
-        " geometry  dir   engxTP shards | rank jobs/s  GB/s-eq  vs 1 | daemon us  engine us"
-        "  /rank job | 1 core GB/s  host CPU | ovh p50 ms",
+        " geometry  dir   engxTP shards | rank jobs/s  GB/s-eq  vs 1 | daemon us  (loop)"
+        "  engine us  /rank job | 1 core GB/s  host CPU | ovh p50 ms",
     ]
     for r in info["rows"]:
         vs = f"{r['vs_one_shard']:4.2f}" if r["vs_one_shard"] is not None else "   -"
@@ -340,6 +343,7 @@ def format_node_table(result: dict[str, Any]) -> str:
             f" {r['geometry']:8s}  {r['direction']:5s} {r['engines']:2d}x{r['tp']:<2d}  "
             f"{r['shards']:5d} | {r['rank_jobs_per_s']:11.0f}  {r['equivalent_gbps']:7.1f}  "
             f"{vs} | {r['daemon_cpu_us_per_rank_job']:9.0f}  "
+            f"({r['loop_cpu_us_per_rank_job']:4.0f})  "
             f"{r['engine_cpu_us_per_rank_job']:9.0f}            | "
             f"{r['one_core_gbps']:11.1f}  {r['host_cpu_share']:8.0%} | "
             f"{r['overhead_ms_p50']:10.2f}"
@@ -359,7 +363,9 @@ def format_node_table(result: dict[str, Any]) -> str:
     for s in info["skipped"]:
         lines.append(f" not run: {s}")
     lines.append(
-        " 1 core GB/s: what one daemon core, fully busy at this CPU per rank job, could feed; "
-        "host CPU: daemons + engines CPU over the series / all cores"
+        " (loop): of the daemon's CPU, its event loop's (one thread per shard; the rest is the"
+        " copy threads' and the kernel's work for them); 1 core GB/s: what one daemon core,"
+        " fully busy at this CPU per rank job, could feed; host CPU: daemons + engines CPU"
+        " over the series / all cores"
     )
     return "\n".join(lines)
