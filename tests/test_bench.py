@@ -492,7 +492,8 @@ def test_node_table_says_when_engines_picked_fewer_shards_than_the_node_has() ->
             "geometry": "8b-tp1", "engines": 2, "tp": 1, "shards": shards, "shards_used": used,
             "direction": direction, "rank_jobs_per_s": 100.0, "equivalent_gbps": 3.2,
             "vs_one_shard": 1.0, "daemon_cpu_us_per_rank_job": 200.0,
-            "loop_cpu_us_per_rank_job": 180.0, "engine_cpu_us_per_rank_job": 90.0, "one_core_gbps": 50.0, "host_cpu_share": 0.6,
+            "loop_cpu_us_per_rank_job": 180.0, "engine_cpu_us_per_rank_job": 90.0,
+            "one_core_gbps": 50.0, "host_cpu_share": 0.6,
             "overhead_ms_p50": 2.0, "dropped_keys": 0,
         }  # fmt: skip
 

@@ -15,6 +15,23 @@ from tests.support.ops import admin
 from tests.support.status_cli import WIDTH, status_json
 
 
+def _screen(report: dict[str, Any]) -> str:
+    """The screen `kvdepot status` prints for `report`, WIDTH columns wide."""
+    from rich.console import Console
+
+    from kvdepot.server.status_render import render
+
+    console = Console(width=WIDTH)
+    with console.capture() as cap:
+        console.print(render(report))
+    return cap.get()
+
+
+def _screen_words(report: dict[str, Any]) -> str:
+    """`_screen` with its line breaks and runs of spaces as single spaces."""
+    return " ".join(_screen(report).split())
+
+
 def _stats_class(add: dict[str, int], drop: Iterable[str] = ()) -> Any:
     """GetStatsResponse as another daemon version would have it: fields added (name ->
     FieldDescriptorProto type) and dropped, in a descriptor pool of its own."""
@@ -69,21 +86,13 @@ def test_remote_tier_and_unknown_fields(guide_daemon: DaemonProcess) -> None:
     knowing them (GetStatsResponse rebuilt with three more fields, filled from a live
     reading plus values)."""
     from google.protobuf.descriptor_pb2 import FieldDescriptorProto as F
-    from rich.console import Console
 
-    from kvdepot.server.status_render import render
     from kvdepot.server.status_report import Sample, build_report
-
-    def screen(report: dict[str, Any]) -> str:
-        console = Console(width=WIDTH)
-        with console.capture() as cap:
-            console.print(render(report))
-        return cap.get()
 
     off = status_json(guide_daemon.socket_path, "--interval", "0")
     if off["remote"] is not None:  # a daemon with a remote tier, started without one
         assert off["remote"]["remote_enabled"] is False
-        assert re.search(r"^remote\s+off\b", screen(off), re.M), screen(off)
+        assert re.search(r"^remote\s+off\b", _screen(off), re.M), _screen(off)
 
     newer = _stats_class(
         {"remote_future_gauge": F.TYPE_BOOL, "remote_future_bytes": F.TYPE_UINT64,
@@ -107,7 +116,7 @@ def test_remote_tier_and_unknown_fields(guide_daemon: DaemonProcess) -> None:
     assert report["remote"].items() >= {"remote_future_bytes": 5}.items()
     assert report["other"]["future_spill_files"] == 7
     assert report["blocks"]["ready"] == 11  # the known fields as before
-    text = screen(report)
+    text = _screen(report)
     for needle in ("remote_future_bytes 5", "remote_future_gauge True", "future_spill_files 7"):
         assert needle in text, text
     if has_tier:
@@ -115,23 +124,15 @@ def test_remote_tier_and_unknown_fields(guide_daemon: DaemonProcess) -> None:
         assert "DOWN" in text and "writes 4.0/s 4.0 MiB/s" in text and "75% hit" in text, text
         assert "errors 2" in text
         second.remote_healthy = True
-        text = screen(build_report("/x.sock", None, Sample(2, second, [], [])))
+        text = _screen(build_report("/x.sock", None, Sample(2, second, [], [])))
         assert re.search(r"^remote\s+healthy\s*$", text, re.M), text
 
 
 def test_gpu_copy_threads_line(guide_daemon: DaemonProcess) -> None:
     """Once GPUs have registered, the numa part says how many copy threads each has of its
     own; a daemon older than --gpu-copy-threads shows none."""
-    from rich.console import Console
 
-    from kvdepot.server.status_render import render
     from kvdepot.server.status_report import Sample, build_report
-
-    def screen(report: dict[str, Any]) -> str:
-        console = Console(width=WIDTH)
-        with console.capture() as cap:
-            console.print(render(report))
-        return cap.get()
 
     ch, stub = admin(guide_daemon)
     with ch:
@@ -140,8 +141,8 @@ def test_gpu_copy_threads_line(guide_daemon: DaemonProcess) -> None:
     live.gpu_copy_threads = 3
     report = build_report("/x.sock", None, Sample(0, live, [], []))
     assert report["numa"]["gpu_copy_devices"] == ["GPU-0c1d", "GPU-77ab"]
-    assert "GPU copy threads: 3 for each of 2 GPUs" in screen(report)
-    assert "GPU copy threads: 3 for each of 2 GPUs;" not in screen(report)  # one node here
+    assert "GPU copy threads: 3 for each of 2 GPUs" in _screen(report)
+    assert "GPU copy threads: 3 for each of 2 GPUs;" not in _screen(report)  # one node here
     # On a host of two nodes, where each GPU's threads run (-1: not on one node).
     live.numa_host_nodes = 2
     live.gpu_copy_devices.append("GPU-9e2f")
@@ -150,12 +151,12 @@ def test_gpu_copy_threads_line(guide_daemon: DaemonProcess) -> None:
     assert report["numa"]["gpu_copy_nodes"] == [1, 0, -1]
     assert (
         "GPU copy threads: 3 for each of 3 GPUs; on node 0 (1 GPU), node 1 (1 GPU), "
-        "no one node (1 GPU)" in " ".join(screen(report).split())
+        "no one node (1 GPU)" in _screen_words(report)
     )
     older = _stats_class({}, drop=("gpu_copy_devices", "gpu_copy_threads", "gpu_copy_nodes"))
     old = older.FromString(live.SerializeToString())
     report = build_report("/x.sock", None, Sample(0, old, [], []))
-    assert report["numa"]["gpu_copy_devices"] == [] and "GPU copy" not in screen(report)
+    assert report["numa"]["gpu_copy_devices"] == [] and "GPU copy" not in _screen(report)
 
 
 def test_copies_line_reads_busy_share_and_wait_over_the_interval(
@@ -166,16 +167,8 @@ def test_copies_line_reads_busy_share_and_wait_over_the_interval(
     first GPU's 0.75 s of its 4 (19%). A copy running for seconds: a STALLED warning
     naming its threads. One reading: the same since start. A daemon before the
     copy-time fields: no line."""
-    from rich.console import Console
 
-    from kvdepot.server.status_render import render
     from kvdepot.server.status_report import Sample, build_report
-
-    def screen(report: dict[str, Any]) -> str:
-        console = Console(width=WIDTH)
-        with console.capture() as cap:
-            console.print(render(report))
-        return " ".join(cap.get().split())
 
     ch, stub = admin(guide_daemon)
     with ch:
@@ -201,7 +194,7 @@ def test_copies_line_reads_busy_share_and_wait_over_the_interval(
     assert abs(gpu["busy_fraction"] - 1 / 8) < 1e-9
     assert gpu["busiest"]["device"] == "GPU-0c1d" and gpu["busiest"]["copies"] == 30
     assert abs(gpu["busiest"]["busy_fraction"] - 0.1875) < 1e-9
-    text = screen(report)
+    text = _screen_words(report)
     assert "copies CPU 2 threads 75% busy, wait 5.00 ms a copy (100 copies)" in text
     assert "GPU 4 threads 12% busy, wait 0.00 ms a copy (40 copies)" in text
     assert "busiest GPU GPU-0c1d: 19% busy, wait 0.00 ms a copy" in text
@@ -211,19 +204,19 @@ def test_copies_line_reads_busy_share_and_wait_over_the_interval(
     second.gpu_copy_longest_running_seconds[:] = [42.0, 1.0]
     report = build_report("/x.sock", Sample(0, first, [], []), Sample(2, second, [], []))
     assert report["copies"]["stalled"] == {"GPU-0c1d": 42.0}
-    assert "STALLED: a copy on GPU GPU-0c1d has run 42 s (a hung DMA?)" in screen(report)
+    assert "STALLED: a copy on GPU GPU-0c1d has run 42 s (a hung DMA?)" in _screen_words(report)
     second.copy_longest_running_seconds = 6.0
     second.gpu_copy_longest_running_seconds[:] = [0.0, 0.0]
     report = build_report("/x.sock", Sample(0, first, [], []), Sample(2, second, [], []))
     assert report["copies"]["stalled"] == {"CPU": 6.0}
-    assert "STALLED: a copy on the CPU threads has run 6 s" in screen(report)
+    assert "STALLED: a copy on the CPU threads has run 6 s" in _screen_words(report)
     # One reading: since start (busy 9 s of 2 threads x 12 s).
     alone = build_report("/x.sock", None, Sample(2, second, [], []))["copies"]
     assert alone["over"] == "since start" and abs(alone["cpu"]["busy_fraction"] - 0.375) < 1e-9
     older = _stats_class({}, drop=("copy_threads", "copies_started", "copy_wait_seconds"))
     old = older.FromString(second.SerializeToString())
     report = build_report("/x.sock", None, Sample(0, old, [], []))
-    assert report["copies"] is None and "copies " not in screen(report)
+    assert report["copies"] is None and "copies " not in _screen_words(report)
 
 
 def test_event_loop_line_reads_its_share_of_a_core_and_says_when_to_shard(
@@ -232,16 +225,8 @@ def test_event_loop_line_reads_its_share_of_a_core_and_says_when_to_shard(
     """Two readings 2 s apart, the loop's CPU 1.9 s more: 95% of a core, and the hint
     to run more shards. One reading: 4.9 s of CPU in 12 s since start, 41%, no hint. A
     daemon that does not count it (0): no line."""
-    from rich.console import Console
 
-    from kvdepot.server.status_render import render
     from kvdepot.server.status_report import Sample, build_report
-
-    def screen(report: dict[str, Any]) -> str:
-        console = Console(width=WIDTH)
-        with console.capture() as cap:
-            console.print(render(report))
-        return " ".join(cap.get().split())
 
     ch, stub = admin(guide_daemon)
     with ch:
@@ -254,13 +239,13 @@ def test_event_loop_line_reads_its_share_of_a_core_and_says_when_to_shard(
     assert abs(report["loop"]["busy_fraction"] - 0.95) < 1e-9
     assert (
         "event loop 95% of a core busy — the control plane is this daemon's limit: run "
-        "more --shards" in screen(report)
+        "more --shards" in _screen_words(report)
     )
     alone = build_report("/x.sock", None, Sample(2, second, [], []))
     assert alone["loop"]["over"] == "since start"
     assert abs(alone["loop"]["busy_fraction"] - 4.9 / 12) < 1e-9
-    text = screen(alone)
+    text = _screen_words(alone)
     assert "event loop 41% of a core busy since start" in text and "--shards" not in text
     second.loop_cpu_seconds = 0.0
     report = build_report("/x.sock", None, Sample(2, second, [], []))
-    assert report["loop"] is None and "event loop" not in screen(report)
+    assert report["loop"] is None and "event loop" not in _screen_words(report)
