@@ -12,8 +12,8 @@ from typing import Any
 
 from kvdepot.v1 import admin_pb2
 
-# GetStats' copy-thread load fields.
-COPY_FIELDS = (
+# GetStats' fields of the copy threads' and the event loop's load.
+THREAD_LOAD_FIELDS = (
     "copy_threads",
     "copies_started",
     "copy_wait_seconds",
@@ -85,7 +85,7 @@ def loop_load(
     """The event loop's CPU over the wall time since the reading `prev` (of the same
     daemon run) or else since start, as a fraction of one core ("busy_fraction"; the
     loop is one thread). None from a daemon that does not count it."""
-    if not s.loop_cpu_seconds:
+    if not getattr(s, "loop_cpu_seconds", 0.0):  # an older daemon's message: not counted
         return None
     p = prev if prev is not None and prev.boot_id == s.boot_id else None
     wall = s.uptime_seconds - (p.uptime_seconds if p is not None else 0.0)

@@ -224,7 +224,7 @@ def test_event_loop_line_reads_its_share_of_a_core_and_says_when_to_shard(
 ) -> None:
     """Two readings 2 s apart, the loop's CPU 1.9 s more: 95% of a core, and the hint
     to run more shards. One reading: 4.9 s of CPU in 12 s since start, 41%, no hint. A
-    daemon that does not count it (0): no line."""
+    daemon that does not count it (0, or a version before the field): no line."""
 
     from kvdepot.server.status_report import Sample, build_report
 
@@ -249,3 +249,6 @@ def test_event_loop_line_reads_its_share_of_a_core_and_says_when_to_shard(
     second.loop_cpu_seconds = 0.0
     report = build_report("/x.sock", None, Sample(2, second, [], []))
     assert report["loop"] is None and "event loop" not in _screen_words(report)
+    older = _stats_class({}, drop=("loop_cpu_seconds",))  # a daemon before the field
+    report = build_report("/x.sock", None, Sample(2, older.FromString(b""), [], []))
+    assert report["loop"] is None
