@@ -186,6 +186,8 @@ class TimedRun:
     loop_cpu_s: float  # the daemons' event-loop threads alone (GetStats loop_cpu_seconds)
     submitted: int  # jobs the CPU time paid for: (jobs + warm-up) x workers
     dropped: int  # store keys dropped, a load's set included (only where allowed)
+    copies: int  # copies the daemons' copy threads started (GetStats copies_started)
+    copy_wait_s: float  # their seconds from queued to started (GetStats copy_wait_seconds)
 
     def rate(self) -> tuple[float, float]:
         """Bytes/s while every worker ran, and that window (stats.overlap_rate)."""
@@ -234,24 +236,31 @@ def timed_run(
         keys.seq += (jobs + warmup) * chunks
     daemon_pids = [d.proc.pid for d in daemons]
     engine_pids = [w.proc.pid for w in fleet.workers]
-    d0, e0, l0 = cpu_total(daemon_pids), cpu_total(engine_pids), loop_cpu_total(daemons)
+    d0, e0, c0 = cpu_total(daemon_pids), cpu_total(engine_pids), daemon_counters(daemons)
     replies = run_fleet(
         fleet, direction, chunks, jobs, warmup, key_seq, key_sets, keys.pattern, allow_dropped
     )
-    d1, e1, l1 = cpu_total(daemon_pids), cpu_total(engine_pids), loop_cpu_total(daemons)
+    d1, e1, c1 = cpu_total(daemon_pids), cpu_total(engine_pids), daemon_counters(daemons)
     keys.pattern += jobs + warmup
     dropped += sum(r["dropped"] for r in replies)
     submitted = (jobs + warmup) * len(fleet.workers)
-    return TimedRun(replies, d1 - d0, e1 - e0, l1 - l0, submitted, dropped)
+    loop, copies, wait = (after - before for after, before in zip(c1, c0, strict=True))
+    return TimedRun(replies, d1 - d0, e1 - e0, loop, submitted, dropped, int(copies), wait)
 
 
 def cpu_total(pids: Sequence[int]) -> float:
     return sum(cpu_seconds(pid) for pid in pids)
 
 
-def loop_cpu_total(daemons: Sequence[OwnDaemon]) -> float:
-    """CPU seconds the daemons' event-loop threads used so far (the serial part of each)."""
-    return sum(d.stats().loop_cpu_seconds for d in daemons)
+def daemon_counters(daemons: Sequence[OwnDaemon]) -> tuple[float, float, float]:
+    """The daemons' counters so far, summed: their event loops' CPU seconds (the serial
+    part of each), the copies their threads started, and those copies' seconds queued."""
+    readings = [d.stats() for d in daemons]
+    return (
+        sum(s.loop_cpu_seconds for s in readings),
+        sum(s.copies_started for s in readings),
+        sum(s.copy_wait_seconds for s in readings),
+    )
 
 
 def run_fleet(

@@ -63,6 +63,8 @@ class Series:
         self.bytes_per_s = sum(b * w for b, w in rates) / self.window_s if self.window_s else 0.0
         self.daemon_cpu_s = sum(r.daemon_cpu_s for r in rounds)
         self.loop_cpu_s = sum(r.loop_cpu_s for r in rounds)
+        self.copies = sum(r.copies for r in rounds)
+        self.copy_wait_s = sum(r.copy_wait_s for r in rounds)
         self.engine_cpu_s = sum(r.engine_cpu_s for r in rounds)
         self.submitted = sum(r.submitted for r in rounds)
         self.dropped = sum(r.dropped for r in rounds)
@@ -310,6 +312,9 @@ def _row(
         # Of the daemons' CPU, their event loops' (each shard's serial part; the rest is
         # the copy threads and the kernel's work for them).
         "loop_cpu_us_per_rank_job": 1e6 * run.loop_cpu_s / run.submitted,
+        # From a copy queued to a copy thread starting it (copies off: the hand-off alone,
+        # the thread's wait for the GIL while the loop is busy included).
+        "copy_wait_ms_mean": 1e3 * run.copy_wait_s / run.copies if run.copies else 0.0,
         # What one daemon core, fully busy at this cost, could feed: the scaling model.
         "one_core_gbps": rank_job / daemon_us * 1e6 / GB if daemon_us > 0 else 0.0,
         # The host's cores the daemons and engines used over the rounds (1.0: all of
@@ -335,7 +340,7 @@ def format_node_table(result: dict[str, Any]) -> str:
         *(f"{n}: {text}" for n, text in info["geometries"].items()),
         "",
         " geometry  dir   engxTP shards | rank jobs/s  GB/s-eq  vs 1 | daemon us  (loop)"
-        "  engine us  /rank job | 1 core GB/s  host CPU | ovh p50 ms",
+        "  engine us  /rank job | 1 core GB/s  host CPU | ovh p50 ms  copy wait ms",
     ]
     for r in info["rows"]:
         vs = f"{r['vs_one_shard']:4.2f}" if r["vs_one_shard"] is not None else "   -"
@@ -346,7 +351,7 @@ def format_node_table(result: dict[str, Any]) -> str:
             f"({r['loop_cpu_us_per_rank_job']:4.0f})  "
             f"{r['engine_cpu_us_per_rank_job']:9.0f}            | "
             f"{r['one_core_gbps']:11.1f}  {r['host_cpu_share']:8.0%} | "
-            f"{r['overhead_ms_p50']:10.2f}"
+            f"{r['overhead_ms_p50']:10.2f}  {r['copy_wait_ms_mean']:12.2f}"
         )
     for r in info["rows"]:
         if r["direction"] == "store" and r.get("shards_used", r["shards"]) < r["shards"]:
@@ -366,6 +371,7 @@ def format_node_table(result: dict[str, Any]) -> str:
         " (loop): of the daemon's CPU, its event loop's (one thread per shard; the rest is the"
         " copy threads' and the kernel's work for them); 1 core GB/s: what one daemon core,"
         " fully busy at this CPU per rank job, could feed; host CPU: daemons + engines CPU"
-        " over the series / all cores"
+        " over the series / all cores; copy wait: from a copy queued to a copy thread"
+        " starting it (the hand-off, the thread's wait for the GIL included)"
     )
     return "\n".join(lines)

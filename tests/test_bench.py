@@ -436,6 +436,7 @@ def test_node_series_runs_one_and_two_daemon_shards() -> None:
         # The event loops' share of it, read from the daemons themselves: a part, not more.
         loop = r["loop_cpu_us_per_rank_job"]
         assert 0 < loop <= r["daemon_cpu_us_per_rank_job"] * 1.1 + 20, r
+        assert r["copy_wait_ms_mean"] > 0  # every rank job's (null) copy was handed over
         one = next(o for o in rows if o["shards"] == 1 and o["direction"] == r["direction"])
         assert r["vs_one_shard"] == pytest.approx(r["rank_jobs_per_s"] / one["rank_jobs_per_s"])
         # Stores the pool had no room for (ranks out of step on a busy host): counted.
@@ -493,7 +494,7 @@ def test_node_table_says_when_engines_picked_fewer_shards_than_the_node_has() ->
             "direction": direction, "rank_jobs_per_s": 100.0, "equivalent_gbps": 3.2,
             "vs_one_shard": 1.0, "daemon_cpu_us_per_rank_job": 200.0,
             "loop_cpu_us_per_rank_job": 180.0, "engine_cpu_us_per_rank_job": 90.0,
-            "one_core_gbps": 50.0, "host_cpu_share": 0.6,
+            "one_core_gbps": 50.0, "host_cpu_share": 0.6, "copy_wait_ms_mean": 0.5,
             "overhead_ms_p50": 2.0, "dropped_keys": 0,
         }  # fmt: skip
 
