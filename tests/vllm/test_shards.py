@@ -7,6 +7,7 @@ hold their sections (kvdepot.common.shards).
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 
@@ -479,6 +480,13 @@ def test_a_shard_killed_mid_load_costs_a_recompute_and_the_service_comes_back_wa
     engine.wait_until(lambda: engine.manager.connected, timeout=20, what="both shards back")
     engine.wait_registered()
     engine.wait_ready(engine.offload_keys(kept), timeout=20)
+    # Shard 0 was stopped cleanly by the supervisor (a snapshot), shard 1 was killed (its
+    # journal, verified): each came back by its own path.
+    assert re.search(r"shard 0/2 kvdepot\.snapshot: warm restart: re-attached [1-9]", d.log())
+    d.wait_log(  # its summary follows the last row it serves
+        r"shard 1/2 kvdepot\.journal: crash recovery: (\d+) of \1 block\(s\) "
+        r"checked, \1 served, 0 rejected"
+    )
     failed = [engine.ranks[r].offloading_worker.stats["failed_loads"] for r in (0, 1)]
     engine.reset_gpu_prefix_cache()
     [again] = engine.generate([kept])
