@@ -44,8 +44,7 @@ def copy_load(
     older than the copy-time fields."""
     if "copies_started" not in s.DESCRIPTOR.fields_by_name:
         return None
-    p = prev if prev is not None and prev.boot_id == s.boot_id else None
-    wall = s.uptime_seconds - (p.uptime_seconds if p is not None else 0.0)
+    p, wall = _since(prev, s)
 
     def load(threads: int, copies: float, wait: float, busy: float) -> dict[str, Any]:
         return {
@@ -87,13 +86,21 @@ def loop_load(
     loop is one thread). None from a daemon that does not count it."""
     if not getattr(s, "loop_cpu_seconds", 0.0):  # an older daemon's message: not counted
         return None
-    p = prev if prev is not None and prev.boot_id == s.boot_id else None
-    wall = s.uptime_seconds - (p.uptime_seconds if p is not None else 0.0)
+    p, wall = _since(prev, s)
     cpu = s.loop_cpu_seconds - (p.loop_cpu_seconds if p is not None else 0.0)
     return {
         "over": "interval" if p is not None else "since start",
         "busy_fraction": cpu / wall if wall > 0 else 0.0,
     }
+
+
+def _since(
+    prev: admin_pb2.GetStatsResponse | None, s: admin_pb2.GetStatsResponse
+) -> tuple[admin_pb2.GetStatsResponse | None, float]:
+    """The reading the figures count from (`prev`, if of the same daemon run; else None:
+    since start) and the wall seconds since it."""
+    p = prev if prev is not None and prev.boot_id == s.boot_id else None
+    return p, s.uptime_seconds - (p.uptime_seconds if p is not None else 0.0)
 
 
 def _stalled(s: admin_pb2.GetStatsResponse) -> dict[str, float]:

@@ -10,14 +10,14 @@ import json
 import os
 import time
 import urllib.request
-from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvdepot.bench.ceiling import cpu_seconds
 from kvdepot.server.core.kinds import AbortReason, DropReason, EvictionReason
 from kvdepot.v1 import admin_pb2
 from kvdepot.v1 import depot_pb2 as pb
-from tests.support.daemon import DaemonProcess, connect
+from tests.support.daemon import connect
 from tests.support.engine import Engine, Geometry, chunk_plan, make_key
 from tests.support.faults import DaemonFactory
 from tests.support.guide import GUIDE, REPO
@@ -245,11 +245,12 @@ def test_the_event_loops_cpu_is_its_own_not_the_copy_threads(
         eng = Engine(client, geo, 0)
         store(eng, range(0, 8))  # 8 rows of 8 MiB
         first = stub.GetStats(admin_pb2.GetStatsRequest(), timeout=10)
-        cpu_before = _process_cpu_seconds(d)
+        assert d.proc is not None
+        cpu_before = cpu_seconds(d.proc.pid)
         for _ in range(12):  # 12 loads of 64 MiB, every byte checked
             load(eng, range(0, 8), base_block=16)
         second = stub.GetStats(admin_pb2.GetStatsRequest(), timeout=10)
-        cpu_after = _process_cpu_seconds(d)
+        cpu_after = cpu_seconds(d.proc.pid)
         m = scrape(port)
     finally:
         ch.close()
@@ -260,10 +261,3 @@ def test_the_event_loops_cpu_is_its_own_not_the_copy_threads(
     assert loop < cpu_after - cpu_before, (loop, cpu_after - cpu_before)
     scraped = sample(m, "kvdepot_event_loop_cpu_seconds_total")
     assert second.loop_cpu_seconds <= scraped < second.loop_cpu_seconds + 1.0
-
-
-def _process_cpu_seconds(d: DaemonProcess) -> float:
-    """The daemon process's CPU (every thread), from /proc."""
-    assert d.proc is not None
-    fields = Path(f"/proc/{d.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
