@@ -351,25 +351,39 @@ def run_connector_bench(
     return result
 
 
+# What a connector adds over no connector: its key in `added_ms`, the step figure it is
+# the difference of, the table's row and the round count's label.
+ADDED = (
+    ("admission_step", "admission_step_ms", "added per admission step (ms)", "admission"),
+    ("decode_step", "decode_step_ms_mean", "added per decode step (ms)", "decode"),
+    (
+        "admission_step_cpu",
+        "admission_step_cpu_ms",
+        "added thread CPU per admission step (ms)",
+        "admission, thread CPU",
+    ),
+    (
+        "decode_step_cpu",
+        "decode_step_cpu_ms_mean",
+        "added thread CPU per decode step (ms)",
+        "decode, thread CPU",
+    ),
+)
+
+
 def _added(
     per_round: dict[str, list[dict[str, float]]],
 ) -> tuple[dict[str, dict[str, float]], dict[str, list[dict[str, float]]]]:
     """What each connector adds to a step over no connector in the same round:
     (the median over rounds, every round's figure)."""
-    figures = {
-        "admission_step": "admission_step_ms",
-        "decode_step": "decode_step_ms_mean",
-        "admission_step_cpu": "admission_step_cpu_ms",
-        "decode_step_cpu": "decode_step_cpu_ms_mean",
-    }
     rounds: dict[str, list[dict[str, float]]] = {}
     for name in ("kvdepot", "vllm_cpu"):
         rounds[name] = [
-            {added: mine[key] - none[key] for added, key in figures.items()}
+            {added: mine[key] - none[key] for added, key, _, _ in ADDED}
             for mine, none in zip(per_round[name], per_round["none"], strict=True)
         ]
     median = {
-        name: {k: statistics.median(x[k] for x in rs) for k in figures}
+        name: {added: statistics.median(x[added] for x in rs) for added, *_ in ADDED}
         for name, rs in rounds.items()
     }
     return median, rounds
@@ -401,12 +415,7 @@ def format_table(r: dict[str, Any]) -> str:
             f"{s['none'][key]:>12.3f}"
         )
     a = r["added_ms"]
-    for label, key in (
-        ("added per admission step (ms)", "admission_step"),
-        ("added per decode step (ms)", "decode_step"),
-        ("added thread CPU per admission step (ms)", "admission_step_cpu"),
-        ("added thread CPU per decode step (ms)", "decode_step_cpu"),
-    ):
+    for key, _, label, _ in ADDED:
         lines.append(f"{label:44}{a['kvdepot'][key]:>12.3f}{a['vllm_cpu'][key]:>12.3f}{'0':>12}")
     for label, key in (
         ("in the connector, admission (ms)", "admission_in_connector_ms"),
@@ -420,12 +429,7 @@ def format_table(r: dict[str, Any]) -> str:
         lines.append(f"{'kvdepot <= vLLM CPU, ' + label:44}{count:>12}")
 
     added = r["added_rounds"]
-    for step, label in (
-        ("admission_step", "admission"),
-        ("decode_step", "decode"),
-        ("admission_step_cpu", "admission, thread CPU"),
-        ("decode_step_cpu", "decode, thread CPU"),
-    ):
+    for step, _, _, label in ADDED:
         mine, theirs = added["kvdepot"], added["vllm_cpu"]
         at_or_below([(m[step], t[step]) for m, t in zip(mine, theirs, strict=True)], label)
     steps = r["step_rounds"]
