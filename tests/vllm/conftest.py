@@ -23,7 +23,8 @@ def make_engine() -> Iterator[Callable[..., SyntheticEngine]]:
     engines: list[SyntheticEngine] = []
 
     def make(**kwargs) -> SyntheticEngine:
-        engine = SyntheticEngine(EngineConfig(model_dir=str(MODEL_DIR), **kwargs))
+        kwargs.setdefault("model_dir", str(MODEL_DIR))
+        engine = SyntheticEngine(EngineConfig(**kwargs))
         engines.append(engine)
         return engine
 

@@ -1,7 +1,8 @@
 """An engine on a sharded daemon (`kvdepot serve --shards 2`, `kvdepot_shards: 2`), driven
 by vLLM 0.33.0's real Scheduler and real WORKER-role connectors: rank r talks to shard
 r, the scheduler reads both shards, and a block is a hit only while both shards
-hold their sections (kvdepot.common.shards).
+hold their sections (kvdepot.common.shards). A TP=8 engine, the node's case, runs on
+1, 2, 4 and 8 shards.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ pytest.importorskip("vllm")
 
 from kvdepot.common.shards import first_shard, shard_namespace_id, shard_socket
 from kvdepot.testing.daemon import stats
+from kvdepot.testing.environment import model_dir_for_tp
 from kvdepot.testing.vllm_engine import SyntheticEngine, prompt_for
 from kvdepot.testing.waiting import wait_for
 from kvdepot.v1 import admin_pb2, admin_pb2_grpc
@@ -56,7 +58,14 @@ def assert_loads_back(engine: SyntheticEngine, prompt: list[int], ranks: tuple[i
 
 def wait_both_shards(d) -> None:
     """Until shard 1 answers too (shard 0 serves once the daemon has started)."""
-    wait_for(lambda: _answers(d, 1), 20, "shard 1 to serve", detail=d.log)
+    wait_shards(d, 2)
+
+
+def wait_shards(d, count: int) -> None:
+    """Until every one of `count` shards answers (shard 0 serves once the daemon has
+    started)."""
+    for shard in range(1, count):
+        wait_for(lambda s=shard: _answers(d, s), 30, f"shard {shard} to serve", detail=d.log)
 
 
 def _answers(d, shard: int) -> bool:
@@ -116,6 +125,60 @@ def test_tp2_ranks_each_use_their_shard_and_get_their_bytes_back(sharded, make_e
     engine.wait_until(
         lambda: all(shard_stats(sharded, s).pinned_blocks == 0 for s in (0, 1)),
         what="both shards unpinned",
+    )
+
+
+@pytest.mark.parametrize("shards", [1, 2, 4, 8])
+def test_a_tp8_engine_on_every_shard_count_gets_each_ranks_bytes_back(
+    shards, daemon_factory, make_engine, tmp_path
+) -> None:
+    """The node's case: a TP=8 engine left at the README's config (`kvdepot_shards`
+    auto) on a daemon of 1, 2, 4 or 8 shards. Shard s serves the 8/N consecutive ranks
+    8s/N.. as ranks 0..8/N-1 of a world of its own, its rows hold exactly their
+    sections, and every rank's pages load back from its own shard."""
+    per_shard = 8 // shards
+    d = daemon_factory("--pool-size", f"{64 * shards}MiB", "--shards", str(shards))
+    wait_shards(d, shards)
+    engine: SyntheticEngine = make_engine(
+        socket=d.target, tp=8, num_gpu_blocks=64, model_dir=str(model_dir_for_tp(8, tmp_path))
+    )
+    engine.wait_registered()
+    namespace = engine.manager.namespace_id
+    for shard in range(shards):
+        with grpc.insecure_channel(shard_admin(d, shard)) as channel:
+            admin = admin_pb2_grpc.AdminStub(channel)
+            engines = admin.ListEngines(admin_pb2.ListEnginesRequest(), timeout=5).engines
+            spaces = admin.ListNamespaces(admin_pb2.ListNamespacesRequest(), timeout=5)
+        on_shard = shard_namespace_id(namespace, shard, shards)
+        ranks = sorted(
+            reg.rank for e in engines for reg in e.registrations if reg.namespace_id == on_shard
+        )
+        assert ranks == list(range(per_shard)), f"shard {shard}"
+        [space] = [n for n in spaces.namespaces if n.id == on_shard]
+        assert space.world_size == per_shard
+    for r in range(8):  # rank r talks to shard r // (8 / N) alone
+        hello = engine.ranks[r].offloading_worker._client.hello
+        assert hello.shard == r // per_shard
+
+    prompt = prompt_for(11, 100)  # 6 full blocks
+    [first] = engine.generate([prompt])
+    engine.wait_ready(engine.offload_keys(prompt))
+    before = [pages(engine, r, 0, first.block_ids[0][:6]) for r in range(8)]
+    held = [shard_stats(d, s) for s in range(shards)]
+    # Every shard holds its ranks' share of the six rows, the same bytes each.
+    assert len({s.used_bytes for s in held}) == 1 and held[0].used_bytes > 0
+    assert sum(s.ready_blocks for s in held) == 6 * shards
+
+    engine.reset_gpu_prefix_cache()
+    [second] = engine.generate([prompt])
+    assert second.external_tokens == 96
+    for r in range(8):
+        assert_same_bytes(before[r], pages(engine, r, 0, second.block_ids[0][:6]))
+        assert_expected(engine, prompt, r, 0, second.block_ids[0][:6])
+    assert engine.manager.pin_failures == 0
+    engine.wait_until(
+        lambda: all(shard_stats(d, s).pinned_blocks == 0 for s in range(shards)),
+        what="every shard unpinned",
     )
 
 
