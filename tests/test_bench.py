@@ -367,6 +367,35 @@ def test_index_cost_reports_each_figure() -> None:
     assert all(value > 0 for value in figures.values()), figures
 
 
+def test_job_cost_reports_both_directions_and_every_step() -> None:
+    """`python -m kvdepot.bench.job_cost`: the job path on a real DepotState, no socket;
+    a figure per direction and per step of the job (no speed threshold). It raises, and
+    exits non-zero, if a job fails or a store drops a key."""
+    command = ["-m", "kvdepot.bench.job_cost", "--tp", "2", "--layers", "4"]
+    proc = subprocess.run(
+        [sys.executable, *command, "--jobs", "4", "--passes", "3"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert "16 chunks x 4 layers of 8 KiB pages, TP=2" in lines[0]
+    assert [line.split()[0] for line in lines[1:3]] == ["store", "load"]
+    assert all(float(line.split()[1]) > 0 for line in lines[1:3]), lines
+    steps = {line[:46].strip(): float(line.split()[-1]) for line in lines[4:]}
+    assert list(steps)[:3] == [
+        "decode the job (job_from_proto)",
+        "namespace joined (check_job_namespace)",
+        "check: registration, size, shape (_check)",
+    ]
+    rest = "the rest: coroutines, copy-queue hand-off"
+    assert list(steps)[-2:] == [rest, "total"]
+    timed = {k: v for k, v in steps.items() if k not in (rest, "total")}
+    assert len(timed) == 11 and all(v > 0 for v in timed.values()), steps
+    assert steps["total"] > max(timed.values())
+
+
 @pytest.mark.parametrize(
     "command",
     [["-m", "kvdepot.server.cli", "bench"], ["-m", "kvdepot.bench"]],
