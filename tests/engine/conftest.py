@@ -20,7 +20,7 @@ SECONDS = {
     "test_weight_update_then_connector_reset_loads_nothing_old": 168,
     "test_quick_run_json": 165,
     "test_a_prompt_evicted_to_disk_is_an_external_hit": 145,
-    "test_tp2_engine_offloads_each_rank_to_its_shard": 127,
+    "test_tp4_engine_offloads_each_pair_of_ranks_to_its_shard": 136,
     "test_openai_server_with_the_readme_config": 109,
     "test_daemon_absent_killed_mid_load_and_back": 104,
     "test_hybrid_model_sliding_window_and_full_attention": 102,
