@@ -21,6 +21,7 @@
 #      env.txt, context_cost.txt (the GPU memory one daemon process's CUDA context
 #      holds), daemons.log, gpu_bench.txt, gpu_bench.json, gpu_bench_daemon.log,
 #      cpu_bench.json (kvdepot bench's CPU series on the GPU machine's cores),
+#      job_cost.txt (one TP=8 rank job's loop time, step by step, on this CPU),
 #      node_bench_s{1,8,2,4}.json (the node series: 8 engines x TP=8 over 1-8
 #      daemon shards, one file per shard count).
 #
@@ -146,6 +147,8 @@ if [[ "${KVDEPOT_GPU_CPU_BENCH:-1}" != 0 ]]; then
     timeout 90 "$PY" -m kvdepot.server.cli bench --json --no-gpu --no-connector \
         > "$OUT/cpu_bench.json" || rc=1
 fi
+echo "== one rank job's loop time, step by step, on this CPU (no socket, copies off)"
+timeout 60 "$PY" -m kvdepot.bench.job_cost | tee "$OUT/job_cost.txt" || rc=1
 if [[ "${KVDEPOT_GPU_NODE_BENCH:-1}" != 0 ]]; then
     # How the node's control plane grows with daemon shards where there are cores for
     # them (docs/architecture.md 10.1): 8 engines x TP=8, 1 to 8 shards, copies off.
