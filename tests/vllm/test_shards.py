@@ -2,7 +2,7 @@
 by vLLM 0.33.0's real Scheduler and real WORKER-role connectors: rank r talks to shard
 r, the scheduler reads both shards, and a block is a hit only while both shards
 hold their sections (kvdepot.common.shards). A TP=8 engine, the node's case, runs on
-1, 2, 4 and 8 shards.
+1, 2, 4 and 8 shards, and a hybrid one on four.
 """
 
 from __future__ import annotations
@@ -20,13 +20,14 @@ pytest.importorskip("vllm")
 from kvdepot.common.shards import first_shard, shard_namespace_id, shard_socket
 from kvdepot.testing.daemon import stats
 from kvdepot.testing.environment import model_dir_for_tp
-from kvdepot.testing.vllm_engine import SyntheticEngine, prompt_for
+from kvdepot.testing.vllm_engine import GroupDef, SyntheticEngine, prompt_for
 from kvdepot.testing.waiting import wait_for
 from kvdepot.v1 import admin_pb2, admin_pb2_grpc
 from tests.vllm.test_connector import (
     add_with_rank_1_behind,
     assert_expected,
     assert_same_bytes,
+    load_jobs,
     pages,
 )
 
@@ -178,6 +179,55 @@ def test_a_tp8_engine_on_every_shard_count_gets_each_ranks_bytes_back(
     assert engine.manager.pin_failures == 0
     engine.wait_until(
         lambda: all(shard_stats(d, s).pinned_blocks == 0 for s in range(shards)),
+        what="every shard unpinned",
+    )
+
+
+def test_a_hybrid_tp8_engine_on_four_shards_loads_both_groups_on_every_rank(
+    daemon_factory, make_engine, tmp_path
+) -> None:
+    """A hybrid model (full attention and a sliding window of another block size) at
+    TP=8 on four shards, two ranks each: the load brings both groups' blocks back to
+    all eight ranks, the sliding window's only as far as its window."""
+    d = daemon_factory("--pool-size", "256MiB", "--shards", "4")
+    wait_shards(d, 4)
+    # Equal page bytes, as vLLM's hybrid allocator wants: 16 tokens x 2 heads = 32 x 1.
+    groups = (
+        GroupDef("full", block_size=16, num_layers=2, num_kv_heads=2),
+        GroupDef("sliding_window", block_size=32, num_layers=2, sliding_window=64, num_kv_heads=1),
+    )
+    engine: SyntheticEngine = make_engine(
+        socket=d.target,
+        tp=8,
+        groups=groups,
+        num_gpu_blocks=96,
+        model_dir=str(model_dir_for_tp(8, tmp_path)),
+    )
+    engine.wait_registered()
+    prompt = prompt_for(2, 300)
+    engine.generate([prompt])
+    full_keys, swa_keys = engine.offload_keys(prompt, 0), engine.offload_keys(prompt, 1)
+    engine.wait_ready(full_keys)
+    engine.wait_until(
+        lambda: sum(engine.manager.is_ready(k) for k in swa_keys) >= 2,
+        what="the sliding-window chunks on every shard",
+    )
+    engine.reset_gpu_prefix_cache()
+    [second] = engine.generate([prompt])
+
+    assert second.external_tokens and second.external_tokens >= 256
+    [job] = load_jobs(engine)
+    spec = job.dst_spec
+    full_n, swa_n = spec.group_sizes
+    assert full_n == second.external_tokens // 16 and 1 <= swa_n <= 3
+    full_ids = [int(b) for b in spec.block_ids[:full_n]]
+    swa_ids = [int(b) for b in spec.block_ids[full_n:]]
+    for r in range(8):  # each from its own shard, both groups
+        assert_expected(engine, prompt, r, 0, full_ids, first_logical=spec.block_indices[0])
+        assert_expected(engine, prompt, r, 1, swa_ids, first_logical=spec.block_indices[1])
+    assert engine.manager.pin_failures == 0
+    engine.wait_until(
+        lambda: all(shard_stats(d, s).pinned_blocks == 0 for s in range(4)),
         what="every shard unpinned",
     )
 
