@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from typing import Any
 
 import pytest
 
@@ -22,6 +23,7 @@ from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 from kvdepot.client.vllm.connector import KVDepotConnector
 from kvdepot.testing.vllm_engine import (
     GroupDef,
+    RequestRecord,
     SyntheticEngine,
     prompt_for,
 )
@@ -123,6 +125,28 @@ def test_store_reset_load_same_bytes(
 # -- 2. hybrid: full attention + sliding window with different block sizes -------------
 
 
+def reload_hybrid(engine: SyntheticEngine, prompt: list[int]) -> tuple[RequestRecord, Any, int]:
+    """Runs `prompt` through a hybrid engine (group 0 full attention, group 1 a sliding
+    window), waits until every full-attention chunk and two of the window's are stored,
+    empties vLLM's cache and runs it again. Returns the second run's record, its one
+    load job (vLLM's, as the scheduler handed it to the workers), and how many
+    full-attention blocks that load moved (the hit)."""
+    engine.generate([prompt])
+    full_keys, swa_keys = engine.offload_keys(prompt, 0), engine.offload_keys(prompt, 1)
+    engine.wait_ready(full_keys)
+    engine.wait_until(
+        lambda: sum(engine.manager.is_ready(k) for k in swa_keys) >= 2,
+        what="the sliding-window chunks",
+    )
+    engine.reset_gpu_prefix_cache()
+    [second] = engine.generate([prompt])
+    assert second.external_tokens and second.external_tokens >= 256
+    [job] = load_jobs(engine)
+    full_n = job.dst_spec.group_sizes[0]
+    assert full_n == second.external_tokens // 16
+    return second, job, full_n
+
+
 def test_hybrid_sliding_window_loads_only_window(daemon, make_engine) -> None:
     # Equal page bytes (vLLM's hybrid allocator): 16 tok x 12 heads = 32 tok x 6 heads.
     groups = (
@@ -132,23 +156,10 @@ def test_hybrid_sliding_window_loads_only_window(daemon, make_engine) -> None:
     engine = make_engine(socket=daemon.target, groups=groups, num_gpu_blocks=96)
     engine.wait_registered()
     prompt = prompt_for(2, 300)
-    [first] = engine.generate([prompt])
-    full_keys, swa_keys = engine.offload_keys(prompt, 0), engine.offload_keys(prompt, 1)
-    assert len(full_keys) == 18 and len(swa_keys) == 9
-    engine.wait_ready(full_keys)
-    engine.wait_until(
-        lambda: sum(engine.manager.is_ready(k) for k in swa_keys) >= 2,
-        what="the sliding-window chunks",
-    )
-    engine.reset_gpu_prefix_cache()
-    [second] = engine.generate([prompt])
-
-    assert second.external_tokens and second.external_tokens >= 256
-    [job] = load_jobs(engine)
+    assert len(engine.offload_keys(prompt, 0)) == 18 and len(engine.offload_keys(prompt, 1)) == 9
+    second, job, full_n = reload_hybrid(engine, prompt)
     spec = job.dst_spec
-    full_n, swa_n = spec.group_sizes
-    hit_blocks_full = second.external_tokens // 16
-    assert full_n == hit_blocks_full
+    swa_n = spec.group_sizes[1]
     # Only the window (64 tokens = 2 blocks of 32, +1 for alignment) moves for the
     # sliding-window group, against 9 full blocks in the prompt.
     assert 1 <= swa_n <= 3 < 9
