@@ -330,20 +330,24 @@ def test_a_run_that_stops_early_says_why_and_exits_as_a_shell_would(
     )
 
 
-@pytest.mark.parametrize("engine", ["cuda", "cpu"])
-def test_plan_cost_times_both_planners(engine: str) -> None:
-    """`python -m kvdepot.bench.plan_cost`: the compiled and the numpy planner, each
-    alone and beside a woken thread (a figure per cell, no speed threshold), for the
-    CUDA engine's DMA plan or the CPU engine's prepared copy."""
-    command = ["-m", "kvdepot.bench.plan_cost", "--jobs", "20", "--chunks", "4"]
+def bench_module_lines(module: str, *args: str) -> list[str]:
+    """`python -m kvdepot.bench.<module> <args>`: its stdout's lines, once it exits 0."""
     proc = subprocess.run(
-        [sys.executable, *command, "--engine", engine],
+        [sys.executable, "-m", f"kvdepot.bench.{module}", *args],
         capture_output=True,
         text=True,
         timeout=120,
     )
     assert proc.returncode == 0, proc.stderr
-    lines = proc.stdout.splitlines()
+    return proc.stdout.splitlines()
+
+
+@pytest.mark.parametrize("engine", ["cuda", "cpu"])
+def test_plan_cost_times_both_planners(engine: str) -> None:
+    """`python -m kvdepot.bench.plan_cost`: the compiled and the numpy planner, each
+    alone and beside a woken thread (a figure per cell, no speed threshold), for the
+    CUDA engine's DMA plan or the CPU engine's prepared copy."""
+    lines = bench_module_lines("plan_cost", "--jobs", "20", "--chunks", "4", "--engine", engine)
     assert "4 chunks x 32 layers (128 pages" in lines[0] and f"the {engine} engine" in lines[0]
     rows = {cells[0]: [float(x) for x in cells[1:]] for cells in map(str.split, lines[2:])}
     assert set(rows) == {"compiled", "numpy"}
@@ -353,14 +357,7 @@ def test_plan_cost_times_both_planners(engine: str) -> None:
 def test_index_cost_reports_each_figure() -> None:
     """`python -m kvdepot.bench.index_cost`: a figure per line (no speed threshold), on
     an index it checks afterwards."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "kvdepot.bench.index_cost", "--rows", "4096", "--reps", "1"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode == 0, proc.stderr
-    lines = proc.stdout.splitlines()
+    lines = bench_module_lines("index_cost", "--rows", "4096", "--reps", "1")
     assert "4096 READY rows" in lines[0]
     figures = {line.rsplit(maxsplit=1)[0]: float(line.split()[-1]) for line in lines[1:]}
     assert [name.split(",")[0] for name in figures] == ["store", "pin", "unpin", "memory"]
@@ -371,15 +368,8 @@ def test_job_cost_reports_both_directions_and_every_step() -> None:
     """`python -m kvdepot.bench.job_cost`: the job path on a real DepotState, no socket;
     a figure per direction and per step of the job (no speed threshold). It raises, and
     exits non-zero, if a job fails or a store drops a key."""
-    command = ["-m", "kvdepot.bench.job_cost", "--tp", "2", "--layers", "4"]
-    proc = subprocess.run(
-        [sys.executable, *command, "--jobs", "4", "--passes", "3"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode == 0, proc.stderr
-    lines = proc.stdout.splitlines()
+    args = ("--tp", "2", "--layers", "4", "--jobs", "4", "--passes", "3")
+    lines = bench_module_lines("job_cost", *args)
     assert "16 chunks x 4 layers of 8 KiB pages, TP=2" in lines[0]
     assert [line.split()[0] for line in lines[1:3]] == ["store", "load"]
     assert all(float(line.split()[1]) > 0 for line in lines[1:3]), lines
