@@ -323,12 +323,15 @@ class DepotClient:
         keys: Sequence[bytes],
         timeout: float = DEFAULT_TIMEOUT,
         wait: bool = False,
+        touch: Sequence[bytes] = (),
     ) -> None:
-        """Drops one pin per key. With wait=False it does not block (fire and forget);
-        pins of a session that ends are dropped by the daemon anyway."""
+        """Drops one pin per key, then makes the READY rows of `touch` (keys finished
+        requests used again, each request's as its jobs name them) the most recently
+        used. With wait=False it does not block (fire and forget); pins of a session
+        that ends are dropped by the daemon anyway."""
         try:
             req = depot_pb2.UnpinRequest(
-                session_id=self.session_id, namespace_id=namespace_id, keys=keys
+                session_id=self.session_id, namespace_id=namespace_id, keys=keys, touch_keys=touch
             )
         except DepotUnavailable:
             return  # the daemon dropped our pins with our session

@@ -292,6 +292,7 @@ class UnpinLane(SessionLane):
     def __init__(self, client: DepotClient, retry_s: float = 5.0) -> None:
         super().__init__(client, retry_s)
         self.lane_unpins = 0  # unpin calls sent on the lane (tests, benchmarks)
+        self.lane_touches = 0  # touch datagrams sent on the lane (tests, benchmarks)
 
     def unpin(self, session_id: str, namespace_id: str, keys: Sequence[bytes]) -> Sequence[bytes]:
         """Sends the unpins without waiting for an answer, in datagrams of at most
@@ -301,24 +302,50 @@ class UnpinLane(SessionLane):
         lane = self._lane_for(session_id)
         if lane is None or not self._client.joined(namespace_id, session_id):
             return keys  # not joined: the daemon would close the lane
-        per_datagram = UNPIN_KEYS_PER_DATAGRAM
-        hello = self._client.hello
-        if hello is not None and hello.max_job_keys:
-            # The daemon refuses a call of more than 16 jobs' keys.
-            per_datagram = min(per_datagram, hello.max_job_keys * 16)
+        per_datagram = self._keys_per_datagram()
         for start in range(0, len(keys), per_datagram):
             data = depot_pb2.UnpinRequest(
                 session_id=session_id,
                 namespace_id=namespace_id,
                 keys=keys[start : start + per_datagram],
             ).SerializeToString()
-            try:
-                sent = lane.send(data)
-            except OSError:
-                lane.protocol.broke()
-                self._broken(lane)
-                sent = False
-            if not sent:
+            if not self._send(lane, data):
                 return keys[start:]
             self.lane_unpins += 1
         return ()
+
+    def touch(self, session_id: str, namespace_id: str, keys: Sequence[bytes]) -> Sequence[bytes]:
+        """Sends `keys` (finished requests' chunks used again: UnpinRequest.touch_keys)
+        without waiting, the last datagram's worth first, so that a request's head
+        stays the youngest however its keys are cut. Returns the keys that did not go."""
+        lane = self._lane_for(session_id)
+        if lane is None or not self._client.joined(namespace_id, session_id):
+            return keys
+        per_datagram = self._keys_per_datagram()
+        end = len(keys)
+        while end > 0:
+            start = max(0, end - per_datagram)
+            data = depot_pb2.UnpinRequest(
+                session_id=session_id, namespace_id=namespace_id, touch_keys=keys[start:end]
+            ).SerializeToString()
+            if not self._send(lane, data):
+                return keys[:end]
+            self.lane_touches += 1
+            end = start
+        return ()
+
+    def _keys_per_datagram(self) -> int:
+        per_datagram = UNPIN_KEYS_PER_DATAGRAM
+        hello = self._client.hello
+        if hello is not None and hello.max_job_keys:
+            # The daemon refuses a call of more than 16 jobs' keys.
+            per_datagram = min(per_datagram, hello.max_job_keys * 16)
+        return per_datagram
+
+    def _send(self, lane: ClientLane, data: bytes) -> bool:
+        try:
+            return lane.send(data)
+        except OSError:
+            lane.protocol.broke()
+            self._broken(lane)
+            return False

@@ -24,9 +24,11 @@ def make(slots: int = 4, world: int = 1) -> BlockIndex:
 
 
 def fill(ix: BlockIndex, keys: list[bytes]) -> None:
-    """Stores `keys` READY, one job, and forgets the events."""
-    claim = ix.begin_store_many("ns", keys, 0, "filler")
-    assert ix.finish_store_many(claim.slots, 0, True) == len(keys)
+    """Stores `keys` READY, a job each (so the first is the least recently used),
+    and forgets the events."""
+    for k in keys:
+        claim = ix.begin_store_many("ns", [k], 0, "filler")
+        assert ix.finish_store_many(claim.slots, 0, True) == 1
     ix.take_events()
 
 

@@ -72,6 +72,21 @@ def _auto_or_whole(low: int, high: int, meaning: str) -> Callable[[str, Any], in
     return parse
 
 
+def _whole(minimum: int) -> Callable[[str, Any], int]:
+    """A whole number >= minimum."""
+
+    def parse(key: str, raw: Any) -> int:
+        try:
+            value = int(str(raw).strip())
+        except ValueError:
+            value = minimum - 1
+        if value < minimum:
+            raise ValueError(f"{_where(key)} must be a whole number >= {minimum}, got {raw!r}")
+        return value
+
+    return parse
+
+
 def _memory_path(key: str, raw: Any) -> str:
     value = str(raw).lower()
     if value not in MEMORY_PATHS:
@@ -114,6 +129,10 @@ class DepotSettings:
         (within startup_wait_s; 1 when the daemon does not answer by then).
     first_shard: the first of the E shards an engine that uses fewer than the node's
         starts at (a multiple of E); None ("auto"): the one its namespace picks.
+    store_threshold: vLLM's own key, with its meaning: a chunk is stored only once
+        it was offered this many times (by this engine; values below 2: at once).
+    max_tracker_size: vLLM's own key: how many chunks' offers store_threshold
+        counts, the least recently offered forgotten first.
     """
 
     socket: str = _key("kvdepot_socket", DEFAULT_SOCKET, _socket)
@@ -131,6 +150,9 @@ class DepotSettings:
     first_shard: int | None = _key(
         "kvdepot_first_shard", "auto", _auto_or_whole(0, MAX_SHARDS - 1, "a shard's number")
     )
+
+    store_threshold: int = _key("store_threshold", 0, _whole(0))
+    max_tracker_size: int = _key("max_tracker_size", 64_000, _whole(1))
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any]) -> DepotSettings:

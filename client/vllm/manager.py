@@ -10,7 +10,11 @@ Contract with vLLM's scheduler (which calls every method from its own thread):
   not pin go in one Pin RPC), under `kvdepot_pin_timeout_ms`. That is the only
   network wait a scheduler step can have, and it happens only in steps with hits.
 - `prepare_store` is decided locally (keys not ready and not already being
-  stored); the daemon allocates when the copy arrives and may drop it.
+  stored, and with vLLM's `store_threshold`, offered often enough); the daemon
+  allocates when the copy arrives and may drop it.
+- `on_request_finished` queues one touch of the request's chunks (loaded, offered
+  again, stored: request_uses.py) for the unpin thread, after the request's stores
+  ended: the daemon makes them young again, head youngest, and evicts tails first.
 - `complete_load` queues the unpins; a background thread sends them, batched,
   on the unpin lane (kvdepot.client.pin_lane, no answer awaited) or in one Unpin
   RPC per batch. `complete_store` is local.
@@ -77,12 +81,16 @@ from kvdepot.client.vllm.mirror import ReadyMirror
 from kvdepot.client.vllm.namespace import reset_namespace_id
 from kvdepot.client.vllm.pins import StepPins
 from kvdepot.client.vllm.prefetch import RemotePrefetch
+from kvdepot.client.vllm.request_uses import OfferCounts, RequestUses
 from kvdepot.client.vllm.stats import MetricName, StepStats
 from kvdepot.client.vllm.transfer_specs import KVDepotLoadSpec, KVDepotStoreSpec
 from kvdepot.client.vllm.unpins import UnpinSender
 from kvdepot.common.shards import shard_namespace_id
 
 log = logging.getLogger("kvdepot.vllm.manager")
+
+# Finished requests whose touch waits for their stores to end (a bound: each holds its keys).
+MAX_TOUCHES_WAITING = 4096
 
 _HIT = LookupResult.HIT
 _MISS = LookupResult.MISS
@@ -123,6 +131,11 @@ class KVDepotOffloadingManager(OffloadingManager):
         )
         # Keys offered for store whose job has not completed.
         self._storing: set[bytes] = set()
+        # The chunks each live request used, touched in the daemon when it finishes;
+        # a finished request's touch waits here while its stores are in flight.
+        self._uses = RequestUses()
+        self._touch_after_store: dict[str, list[bytes]] = {}
+        self._offers = OfferCounts(settings.store_threshold, settings.max_tracker_size)
         # The generation each request was added in.
         self._request_generation: dict[str, int] = {}
         self._closed = False
@@ -281,6 +294,7 @@ class KVDepotOffloadingManager(OffloadingManager):
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
         keys = list(keys)
         self._pins.add(req_context.req_id, self._on_shards, keys)
+        self._uses.note(req_context.req_id, keys)
         return KVDepotLoadSpec(self.namespace_id, keys)
 
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
@@ -313,7 +327,14 @@ class KVDepotOffloadingManager(OffloadingManager):
             return self._nothing_to_store()
         ready, storing = self._mirror.ready, self._storing
         keys_to_store = [k for k in keys if k not in ready and k not in storing]
+        if self._offers.on:
+            candidates = len(keys_to_store)
+            keys_to_store = self._offers.offer(list(keys), keys_to_store)
+            if skipped := candidates - len(keys_to_store):
+                self._stats.count(MetricName.STORES_SKIPPED, skipped)
         storing.update(keys_to_store)
+        # Stored already, stored now or by another request: used, either way.
+        self._uses.note(req_context.req_id, keys)
         return PrepareStoreOutput(
             keys_to_store=keys_to_store,  # type: ignore[arg-type]
             store_spec=KVDepotStoreSpec(self.namespace_id, keys_to_store),
@@ -335,6 +356,10 @@ class KVDepotOffloadingManager(OffloadingManager):
         self._storing.difference_update(keys)
         if success and self._remote.on:
             self._remote.stored(keys)
+        waiting = self._touch_after_store.get(req_context.req_id)
+        if waiting is not None and self._storing.isdisjoint(waiting):
+            del self._touch_after_store[req_context.req_id]
+            self._touch(waiting)
 
     # -- step hooks ------------------------------------------------------------------------
 
@@ -343,7 +368,23 @@ class KVDepotOffloadingManager(OffloadingManager):
         return RequestOffloadingContext()
 
     def on_request_finished(self, req_context: ReqContext) -> None:
-        self._request_generation.pop(req_context.req_id, None)
+        """Sends the request's chunks as one touch (RequestUses), once its stores are
+        in (a chunk still being written would come out younger than the head)."""
+        generation = self._request_generation.pop(req_context.req_id, self._generation)
+        used = self._uses.finish(req_context.req_id)
+        if not used or generation != self._generation:
+            return
+        if self._storing.isdisjoint(used):
+            self._touch(used)
+        else:
+            waiting = self._touch_after_store
+            if len(waiting) >= MAX_TOUCHES_WAITING:  # stores that never end: forget the oldest
+                del waiting[next(iter(waiting))]
+            waiting[req_context.req_id] = used
+
+    def _touch(self, keys: list[bytes]) -> None:
+        for unpins, namespace_id in zip(self._unpins, self._on_shards, strict=True):
+            unpins.touch(namespace_id, keys)
 
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
         if self._pins.step_loads:
@@ -385,6 +426,8 @@ class KVDepotOffloadingManager(OffloadingManager):
         self._mirror.start_generation(self._generation)
         self._failures.clear()
         self._storing = set()
+        self._uses.clear()
+        self._touch_after_store.clear()
         for old_held, unpins, old_namespace in zip(
             self._pins.reset(), self._unpins, old_on_shards, strict=True
         ):

@@ -104,6 +104,11 @@ class KVDepotOffloadingSpec(OffloadingSpec):
             MetricName.STORES_NOT_OFFERED: OffloadingCounterMetadata(
                 documentation="Chunks not offered for storing because the daemon was away."
             ),
+            MetricName.STORES_SKIPPED: OffloadingCounterMetadata(
+                documentation=(
+                    "Chunks not stored because they were offered fewer than store_threshold times."
+                )
+            ),
             MetricName.LOAD_FAILURES: OffloadingCounterMetadata(
                 documentation="Chunks whose load failed (vLLM recomputed them)."
             ),

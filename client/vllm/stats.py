@@ -29,6 +29,7 @@ class MetricName:
     PIN_SECONDS = "kvdepot_pin_seconds"
     PIN_MISSES = "kvdepot_pin_misses"
     STORES_NOT_OFFERED = "kvdepot_stores_not_offered"
+    STORES_SKIPPED = "kvdepot_stores_skipped"
     LOAD_FAILURES = "kvdepot_load_failures"
     REMOTE_PREFETCH_KEYS = "kvdepot_remote_prefetch_keys"
     REMOTE_GAVE_UP = "kvdepot_remote_gave_up"

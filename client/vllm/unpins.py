@@ -1,4 +1,5 @@
-"""Unpins: the pins of completed loads are dropped off the scheduler thread, batched.
+"""Unpins: the pins of completed loads are dropped off the scheduler thread, batched,
+and with them the touches of finished requests (their chunks made young again).
 
 Even a fire-and-forget unary gRPC call costs about a millisecond of the calling thread in
 Python, so `complete_load` only queues its request's keys here; the unpin thread sends
@@ -8,7 +9,8 @@ A failed unpin is only logged: the daemon drops a session's pins when the sessio
 
 Threads and ownership (`UnpinSender` owns the queue, its wake-up event, the thread and
 the UnpinLane):
-- `unpin` and `unpin_all` run on vLLM's scheduler thread (complete_load, reset_cache);
+- `unpin`, `unpin_all` and `touch` run on vLLM's scheduler thread (complete_load,
+  reset_cache, the touches of finished requests);
 - `_run` is the "kvdepot-unpin" thread. It waits without a timeout: a thread that wakes
   to find nothing still takes the GIL from the scheduler (`close` wakes it to end).
   Woken, it lets `GATHER_S` pass before it takes the queue: vLLM completes a step's
@@ -43,19 +45,25 @@ class UnpinSender:
     def __init__(self, client: DepotClient) -> None:
         self._client = client
         self.lane = UnpinLane(client)
-        # (namespace, keys) pins to drop, one per key.
-        self._queue: list[tuple[str, list[bytes]]] = []
+        # (namespace, keys, touch): pins to drop, one per key; or, with touch, keys a
+        # finished request used again (DepotClient.unpin's `touch`).
+        self._queue: list[tuple[str, list[bytes], bool]] = []
         self._wakeup = threading.Event()
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="kvdepot-unpin", daemon=True)
         self._thread.start()
 
     def unpin(self, namespace_id: str, keys: list[bytes]) -> None:
-        self._queue.append((namespace_id, keys))
+        self._queue.append((namespace_id, keys, False))
         self._wake()
 
     def unpin_all(self, namespace_id: str, key_lists: Iterable[list[bytes]]) -> None:
-        self._queue.extend((namespace_id, keys) for keys in key_lists)
+        self._queue.extend((namespace_id, keys, False) for keys in key_lists)
+        self._wake()
+
+    def touch(self, namespace_id: str, keys: list[bytes]) -> None:
+        """Queues a finished request's keys (its jobs' order) to be made young again."""
+        self._queue.append((namespace_id, keys, True))
         self._wake()
 
     def _wake(self) -> None:
@@ -72,16 +80,31 @@ class UnpinSender:
             if not self._queue:
                 continue
             batch, self._queue = self._queue, []
-            by_namespace: dict[str, list[bytes]] = {}
-            for ns, keys in batch:
-                by_namespace.setdefault(ns, []).extend(keys)
-            for ns, keys in by_namespace.items():
-                try:
-                    left = self.lane.unpin(self._client.session_id, ns, keys)
-                    if left:  # no lane (yet), or it could not take them all
-                        self._client.unpin(ns, left, wait=True, timeout=5.0)
-                except (DepotUnavailable, grpc.RpcError, ValueError) as exc:
-                    log.debug("kvdepot unpin of %d keys skipped: %s", len(keys), exc)
+            unpins: dict[str, list[bytes]] = {}
+            touches: dict[str, list[bytes]] = {}
+            for ns, keys, touch in batch:
+                (touches if touch else unpins).setdefault(ns, []).extend(keys)
+            for ns, keys in unpins.items():
+                self._send(ns, keys, touch=False)
+            for ns, keys in touches.items():  # after the unpins: a touch skips held rows
+                self._send(ns, keys, touch=True)
+
+    def _send(self, ns: str, keys: list[bytes], touch: bool) -> None:
+        try:
+            session_id = self._client.session_id
+            if not touch:
+                left = self.lane.unpin(session_id, ns, keys)
+                if left:  # no lane (yet), or it could not take them all
+                    self._client.unpin(ns, left, wait=True, timeout=5.0)
+                return
+            left = self.lane.touch(session_id, ns, keys)
+            per_call = 1024  # well under --max-batch-keys a call (its default: 16384)
+            for end in range(len(left), 0, -per_call):  # the tail's part first, as the lane
+                part = left[max(0, end - per_call) : end]
+                self._client.unpin(ns, (), wait=True, timeout=5.0, touch=part)
+        except (DepotUnavailable, grpc.RpcError, ValueError) as exc:
+            what = "touch" if touch else "unpin"
+            log.debug("kvdepot %s of %d keys skipped: %s", what, len(keys), exc)
 
     def on_session(self) -> None:
         self.lane.open_soon()

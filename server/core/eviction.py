@@ -10,16 +10,28 @@ on the daemon's event loop (a policy has no lock, no clock and no I/O):
   it is withdrawn or popped.
 - `withdraw(slot)`: an admitted row is no longer evictable (pinned, read, or
   removed by Evict/Clear).
+- `refresh(slot)`: an admitted row was used without being held (a request that
+  offered or reached it again: `BlockIndex.touch`); it becomes the most recent.
 - `pop_victim()`: takes the row to evict next out of the policy; None when no row
   is evictable.
 - `len()`, iteration (next victim first), `in`: for figures, warm-restart
   snapshots and the index's invariant check.
 
 A lookup is not a use: an engine's scheduler looks up keys it may never load. A
-use is a pin or a read, and a row in use is not evictable, so "touching" a row is
-its withdrawal and re-admission. This is the shape of vLLM's
+use is a store, a pin or a read (a row in use is not evictable, so that use is its
+withdrawal and re-admission), or a touch: the connector names the chunks a finished
+request offered or loaded again, which costs no copy. This is the shape of vLLM's
 `kv_offload.cpu.policies.base.CachePolicy` (insert/touch/evict,
 mark_evictable/mark_non_evictable), less the slot storage, which the index keeps.
+
+**Prefixes, not chunks.** A lookup walks a request's chunks from the first and stops
+at the first miss, so a chunk is worth keeping only while every chunk before it is
+kept. Rows used together (a store job's, a load's, a touch's: one request's chunks,
+group-major and chunks ascending) are therefore admitted tail first
+(`tail_first`): the head of a prefix is always younger than its tail, eviction
+takes tails first, and what stays is a loadable prefix, never a hole followed by
+chunks no lookup reaches. vLLM 0.33's CPU tier ranks a request's chunks the same
+way (its `LRUCachePolicy`: rank (request, -position)).
 
 `LruPolicy`, least recently used first, is the one the daemon runs.
 """
@@ -27,7 +39,7 @@ mark_evictable/mark_non_evictable), less the slot storage, which the index keeps
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Protocol
 
 from kvdepot.server.core.index_types import Slot
@@ -40,6 +52,7 @@ class EvictionPolicy(Protocol):
     # may bind C functions there (LruPolicy does); a plain method serves as well.
     admit: Callable[[Slot], object]
     withdraw: Callable[[Slot], object]
+    refresh: Callable[[Slot], object]
 
     def admit_coldest(self, slot: Slot) -> object:
         """Admits `slot` as the next victim: a hold that was not a use ended (the disk
@@ -58,7 +71,7 @@ class EvictionPolicy(Protocol):
 class LruPolicy:
     """Evicts the least recently used row first: an ordered dict, oldest first."""
 
-    __slots__ = ("_order", "admit", "withdraw")
+    __slots__ = ("_order", "admit", "refresh", "withdraw")
 
     def __init__(self) -> None:
         order: OrderedDict[Slot, None] = OrderedDict()
@@ -70,6 +83,7 @@ class LruPolicy:
         # a row is admitted once); `del` raises KeyError for a row never admitted.
         self.admit: Callable[[Slot], object] = order.setdefault
         self.withdraw: Callable[[Slot], object] = order.__delitem__
+        self.refresh: Callable[[Slot], object] = order.move_to_end
 
     def admit_coldest(self, slot: Slot) -> None:
         self._order[slot] = None
@@ -88,3 +102,23 @@ class LruPolicy:
 
     def __contains__(self, slot: object) -> bool:
         return slot in self._order
+
+
+def tail_first(slots: Sequence[Slot]) -> Sequence[Slot]:
+    """`slots` used together, in a job's order (group-major, chunks ascending), in the
+    order to admit them: each group's last chunk first, its first chunk last, so that
+    a request's head ends up youngest (see "Prefixes, not chunks" above).
+
+    With several groups, chunks go by their distance from their group's last chunk
+    (the chunks of one token position together: a hybrid model's prefix needs every
+    group's chunk of it, and a sliding-window group stores only the last few)."""
+    n = len(slots)
+    if n < 2 or slots[0].group == slots[-1].group:  # one group: the common case
+        return slots[::-1]
+    from_end = [0] * n
+    end = n - 1
+    for i in range(n - 1, -1, -1):
+        if slots[i].group != slots[end].group:
+            end = i
+        from_end[i] = end - i
+    return [slots[i] for i in sorted(range(n), key=from_end.__getitem__)]

@@ -32,7 +32,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 
 from kvdepot.server.core.allocator import Extent, ExtentAllocator
-from kvdepot.server.core.eviction import EvictionPolicy, LruPolicy
+from kvdepot.server.core.eviction import EvictionPolicy, LruPolicy, tail_first
 from kvdepot.server.core.index_check import check_index
 from kvdepot.server.core.index_evict import Evictions
 from kvdepot.server.core.index_part import IndexShared
@@ -248,6 +248,37 @@ class BlockIndex:
         if not slot.readers and not slot.pins and slot.state is SlotState.READY:
             # A read is a use (the latest); use=False (a disk write behind): the next victim
             (self._policy.admit if use else self._policy.admit_coldest)(slot)
+
+    def end_read_many(self, slots: Sequence[Slot]) -> None:
+        """`end_read` of a load's slots (in the load's order), admitting those no
+        longer held tail first (eviction.tail_first)."""
+        unheld = []
+        for slot in slots:
+            slot.readers -= 1
+            if not slot.readers and not slot.pins and slot.state is SlotState.READY:
+                unheld.append(slot)
+        admit = self._policy.admit
+        for slot in tail_first(unheld):
+            admit(slot)
+
+    def touch(self, namespace_id: str, keys: Sequence[bytes]) -> int:
+        """A request used `keys` again (a finished request's chunks, group-major and
+        chunks ascending, as the connector names them): each READY row nobody holds
+        becomes the most recently used, tail first (eviction.tail_first). Rows held
+        are made young when their hold ends; keys not READY are skipped. Returns
+        how many rows were refreshed."""
+        ns = self.namespace(namespace_id)
+        get, ready = ns.slots.get, SlotState.READY
+        used = [
+            slot
+            for key in keys
+            if (slot := get(key)) is not None and slot.state is ready and not slot.held
+        ]
+        refresh = self._policy.refresh
+        for slot in tail_first(used):
+            refresh(slot)
+        self.stats.touched_keys += len(used)
+        return len(used)
 
     # -- sessions and expiry ------------------------------------------------------------
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable
 
+from kvdepot.server.core.eviction import tail_first
 from kvdepot.server.core.index_part import IndexPart, IndexShared
 from kvdepot.server.core.index_types import Namespace, Owner, Slot
 from kvdepot.server.core.kinds import SlotState
@@ -77,7 +78,8 @@ class Pins(IndexPart):
         if owned is None:
             return sum(1 for _ in keys)
         get, held_get = ns.slots.get, owned.get
-        ready, admit = SlotState.READY, self._policy.admit
+        ready = SlotState.READY
+        unheld: list[Slot] = []  # admitted below, tail first: eviction.tail_first
         missing = unowned_bytes = last_pins = last_bytes = 0
         for key in keys:
             slot = get(key)
@@ -101,9 +103,13 @@ class Pins(IndexPart):
                     last_pins += 1
                     last_bytes += size
                     if not slot.readers and slot.state is ready and not slot.doomed:
-                        admit(slot)  # used just now
+                        unheld.append(slot)  # used just now
             else:
                 pins[owner] = count - 1
+        if unheld:
+            admit = self._policy.admit
+            for slot in tail_first(unheld):
+                admit(slot)
         if owned:
             self.owner_bytes[owner] -= unowned_bytes
         else:

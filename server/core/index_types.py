@@ -163,6 +163,7 @@ class IndexStats:
     pin_calls: int = 0
     pin_keys: int = 0  # keys asked to pin
     pinned_keys: int = 0  # keys pinned (ready)
+    touched_keys: int = 0  # READY rows made young again by a request's touch
     evictions: Counter[EvictionReason] = field(default_factory=Counter)  # blocks
     dropped_stores: Counter[DropReason] = field(default_factory=Counter)  # keys
     aborted_writes: Counter[AbortReason] = field(default_factory=Counter)  # rows

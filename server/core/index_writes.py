@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
+from kvdepot.server.core.eviction import tail_first
 from kvdepot.server.core.index_evict import Evictions
 from kvdepot.server.core.index_part import IndexPart, IndexShared
 from kvdepot.server.core.index_types import (
@@ -221,7 +222,8 @@ class Writes(IndexPart):
         failure (`ok` False) the row is dropped (AbortReason.COPY_FAILED), the
         other ranks' sections with it; on success this rank's section counts as
         written, and the row becomes READY (admitted to the eviction policy as
-        its most recent use) when every rank's has. The rows that became READY
+        its most recent use, the rows of one call tail first: eviction.tail_first)
+        when every rank's has. The rows that became READY
         are announced before it returns (STORED, one event per namespace, keys
         in order).
         """
@@ -255,10 +257,11 @@ class Writes(IndexPart):
                     self.writing.discard(slot)
                     if slot.reserver is not None:
                         self._end_reservation(slot)
-                    admit(slot)
                     became_ready.append(slot)
         finally:
             if became_ready:
+                for slot in tail_first(became_ready):  # a prefix's head youngest
+                    admit(slot)
                 self._announce(EventKind.STORED, became_ready)
         return len(became_ready)
 

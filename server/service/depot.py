@@ -211,7 +211,9 @@ class DepotServicer(depot_pb2_grpc.DepotServicer):
     async def Unpin(
         self, request: pb.UnpinRequest, context: grpc.aio.ServicerContext
     ) -> pb.UnpinResponse:
-        missing = self.state.unpin(request.session_id, request.namespace_id, request.keys)
+        missing = self.state.unpin(
+            request.session_id, request.namespace_id, request.keys, request.touch_keys
+        )
         return pb.UnpinResponse(not_pinned=missing)
 
     async def Transfer(

@@ -415,7 +415,9 @@ class UnpinLane(JobLane):
             self.close("an unpin lane unpins for its own session only")
             return
         try:
-            self.lanes.state.unpin(self.session_id, req.namespace_id, list(req.keys))
+            self.lanes.state.unpin(
+                self.session_id, req.namespace_id, list(req.keys), list(req.touch_keys)
+            )
         except Exception as exc:
             refusal = errors.as_depot_error(exc)
             if refusal is None:  # a bug: the lane cannot be trusted to go on

@@ -197,15 +197,10 @@ class JobRunner:
                     )
             await self._copy(job, reg, shape, [s.extent.offset for s in slots], out)
         finally:
-
-            def end_reads(part: Sequence[Slot]) -> None:
-                for slot in part:
-                    index.end_read(slot)
-
             if len(slots) <= KEY_SLICE:  # one slice: settled at once, no coroutine
-                end_reads(slots)
+                index.end_read_many(slots)
             else:
-                await _in_slices(slots, end_reads)
+                await _in_slices(slots, index.end_read_many)
 
     async def _copy(
         self,
@@ -381,19 +376,22 @@ async def _all_ended(
 
 
 async def _in_slices(items: Sequence[Slot], settle: Callable[[Sequence[Slot]], object]) -> None:
-    """`settle(part)` for every KEY_SLICE items, yielding the loop between parts; if
-    the caller is cancelled while yielded, the rest is settled at once."""
-    done = 0
+    """`settle(part)` for every KEY_SLICE items, the last part first (a job's rows
+    are admitted to eviction tail first: kvdepot.server.core.eviction.tail_first),
+    yielding the loop between parts; if the caller is cancelled while yielded, the
+    rest is settled at once."""
+    left = len(items)
     try:
-        while done < len(items):
-            if done:
+        while left:
+            if left < len(items):
                 await asyncio.sleep(0)
-            part = items[done : done + KEY_SLICE]
-            done += len(part)
+            start = max(0, (left - 1) // KEY_SLICE * KEY_SLICE)
+            part = items[start:left]
+            left = start
             settle(part)
     finally:
-        if done < len(items):
-            settle(items[done:])
+        if left:
+            settle(items[:left])
 
 
 def _counted_direction(value: int) -> Direction:

@@ -69,10 +69,23 @@ class KeyCalls:
         return pinned
 
     @mutation
-    def unpin(self, session_id: str, namespace_id: str, keys: Sequence[bytes]) -> int:
+    def unpin(
+        self,
+        session_id: str,
+        namespace_id: str,
+        keys: Sequence[bytes],
+        touch: Sequence[bytes] = (),
+    ) -> int:
+        """Drops the session's pins of `keys`, then makes the READY rows of `touch`
+        (keys finished requests used again) the most recent (BlockIndex.touch).
+        Returns how many of `keys` the session did not have pinned."""
         self.access.member(session_id, namespace_id)
         self.check_batch(keys)
-        return self.index.unpin(namespace_id, keys, session_id)
+        self.check_batch(touch)
+        missing = self.index.unpin(namespace_id, keys, session_id)
+        if touch:
+            self.index.touch(namespace_id, touch)
+        return missing
 
     def add_watcher(self, session_id: str, namespace_id: str) -> tuple[Watcher, list[bytes]]:
         """Subscribes and returns the current ready keys (no event can fall between).

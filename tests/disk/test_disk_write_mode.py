@@ -11,7 +11,15 @@ import pytest
 
 from kvdepot.testing.waiting import wait_for
 from kvdepot.v1 import depot_pb2 as pb
-from tests.disk.test_disk_daemon import GEO, ROW, load_mismatches, serve, settled, store
+from tests.disk.test_disk_daemon import (
+    GEO,
+    PER_JOB,
+    ROW,
+    load_mismatches,
+    serve,
+    settled,
+    store,
+)
 from tests.disk.test_disk_events import DISK, POOL, Events
 from tests.support.daemon import connect, stats
 from tests.support.engine import Engine
@@ -48,7 +56,9 @@ def test_evict_mode_writes_the_cold_end_ahead_of_eviction(daemon_factory, tmp_pa
     over = 240 * ROW - HIGH_WATER * s.capacity_bytes
     cold = math.ceil(over / ROW)
     assert 0 < cold < 100
-    expected = keys[50 : 50 + cold]  # stored first and never used again
+    # Stored first and never used again, each job's rows tail first (eviction.tail_first).
+    never_used = [k for job in range(50, 240, PER_JOB) for k in reversed(keys[job : job + PER_JOB])]
+    expected = never_used[:cold]
     wait_for(
         lambda: sorted(events.keys(pb.WatchEvent.STORED, DISK)) == sorted(expected),
         what="the coldest rows over the high water written to disk",

@@ -278,14 +278,16 @@ class PinResponse(_message.Message):
     def __init__(self, pinned: _Optional[_Iterable[bool]] = ...) -> None: ...
 
 class UnpinRequest(_message.Message):
-    __slots__ = ("session_id", "namespace_id", "keys")
+    __slots__ = ("session_id", "namespace_id", "keys", "touch_keys")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
+    TOUCH_KEYS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     namespace_id: str
     keys: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, session_id: _Optional[str] = ..., namespace_id: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    touch_keys: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, session_id: _Optional[str] = ..., namespace_id: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., touch_keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class UnpinResponse(_message.Message):
     __slots__ = ("not_pinned",)

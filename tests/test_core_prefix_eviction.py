@@ -1,0 +1,118 @@
+"""Eviction keeps loadable prefixes (docs/architecture.md §6, kvdepot.server.core.eviction):
+rows used together are admitted tail first, a touch makes a request's rows young again,
+head youngest, and what a full pool keeps of a prompt is its leading chunks."""
+
+from __future__ import annotations
+
+from kvdepot.server.core.allocator import Extent, ExtentAllocator
+from kvdepot.server.core.eviction import tail_first
+from kvdepot.server.core.index import BlockIndex, Slot
+from kvdepot.server.core.layout import NamespaceLayout
+
+SLOT = 4096
+
+
+def key(prompt: int, chunk: int, group: int = 0) -> bytes:
+    return prompt.to_bytes(16, "big") + chunk.to_bytes(16, "big") + group.to_bytes(4, "big")
+
+
+def make(slots: int, groups: int = 1) -> BlockIndex:
+    ix = BlockIndex(ExtentAllocator(slots * SLOT))
+    ix.declare_namespace(NamespaceLayout("ns", 1, 1, tuple((SLOT,) for _ in range(groups))))
+    return ix
+
+
+def store(ix: BlockIndex, keys: list[bytes], per_job: int = 20) -> None:
+    """Stores `keys` in jobs of `per_job` (chunked prefill: one job a step)."""
+    for start in range(0, len(keys), per_job):
+        claim = ix.begin_store_many("ns", keys[start : start + per_job], 0, "engine")
+        ix.finish_store_many(claim.slots, 0, True)
+
+
+def loadable(ix: BlockIndex, keys: list[bytes]) -> tuple[int, int]:
+    """(leading chunks a lookup reaches, chunks held after the first miss)."""
+    ready = ix.lookup("ns", keys)
+    lead = ready.index(False) if False in ready else len(ready)
+    return lead, sum(ready[lead:])
+
+
+def test_a_full_pool_keeps_the_leading_chunks_of_a_prompt_not_its_tail() -> None:
+    # The issue's case: prompt 1 (40 chunks) stored, then prompt 2 (60) overflows.
+    ix = make(slots=85)
+    p1 = [key(1, c) for c in range(40)]
+    p2 = [key(2, c) for c in range(60)]
+    store(ix, p1, per_job=40)
+    store(ix, p2)
+    assert loadable(ix, p1) == (25, 0)  # before: 0 leading, 25 unreachable
+    assert loadable(ix, p2) == (60, 0)
+    ix.check_invariants()
+
+
+def test_a_prompt_stored_over_several_steps_keeps_its_head_once_touched() -> None:
+    """Chunked prefill stores a prompt in several jobs, so its tail is younger than its
+    head; the touch the connector sends when the request ends puts the head last."""
+    ix = make(slots=85)
+    p1 = [key(1, c) for c in range(40)]
+    store(ix, p1, per_job=20)
+    assert ix.touch("ns", p1) == 40
+    store(ix, [key(2, c) for c in range(60)])
+    assert loadable(ix, p1) == (25, 0)
+    assert ix.stats.touched_keys == 40
+
+
+def test_a_prefix_used_again_survives_a_flood_that_evicts_one_that_was_not() -> None:
+    ix = make(slots=100)
+    used, unused = [key(1, c) for c in range(30)], [key(2, c) for c in range(30)]
+    for prompt in (used, unused):
+        store(ix, prompt)
+        ix.touch("ns", prompt)  # the request ends: the connector's touch
+    ix.touch("ns", used[:20])  # a later request reached 20 chunks of it again
+    store(ix, [key(3, c) for c in range(50)])  # 10 rows must go
+    assert loadable(ix, used) == (20, 0)  # the 10 not reached again went first
+    assert loadable(ix, unused) == (30, 0)
+    store(ix, [key(4, c) for c in range(30)])  # 30 more must go: the unused prompt's
+    assert loadable(ix, used) == (20, 0) and loadable(ix, unused) == (0, 0)
+
+
+def test_a_load_and_an_unpin_make_the_head_youngest() -> None:
+    ix = make(slots=20)
+    keys = [key(1, c) for c in range(10)]
+    store(ix, keys, per_job=10)
+    store(ix, [key(2, c) for c in range(10)], per_job=10)
+    # A load of prompt 1 (pinned by the scheduler first, read, then unpinned).
+    assert ix.pin("ns", keys, "scheduler") == [True] * 10
+    held = ix.begin_read_many("ns", keys)
+    ix.end_read_many(held)
+    assert ix.unpin("ns", keys, "scheduler") == 0
+    assert [s.key for s in ix.coldest()][-10:] == keys[::-1]  # the head youngest
+    store(ix, [key(3, c) for c in range(15)])
+    assert loadable(ix, keys) == (5, 0) and loadable(ix, [key(2, c) for c in range(10)]) == (0, 0)
+    ix.check_invariants()
+
+
+def test_a_touch_skips_rows_held_or_being_written_and_counts_what_it_refreshed() -> None:
+    ix = make(slots=10)
+    keys = [key(1, c) for c in range(4)]
+    store(ix, keys[:3], per_job=3)
+    claim = ix.begin_store_many("ns", keys[3:], 0, "engine")  # WRITING
+    assert ix.pin("ns", keys[:1], "scheduler") == [True]  # held
+    assert ix.touch("ns", [*keys, key(9, 9)]) == 2  # chunks 1 and 2 only
+    assert [s.key for s in ix.coldest()] == [keys[2], keys[1]]
+    ix.finish_store_many(claim.slots, 0, True)
+    ix.unpin("ns", keys[:1], "scheduler")
+    assert [s.key for s in ix.coldest()] == [keys[2], keys[1], keys[3], keys[0]]
+    ix.check_invariants()
+
+
+def slot(group: int, chunk: int) -> Slot:
+    return Slot("ns", key(0, chunk, group), group, Extent(0, SLOT), 0.0)
+
+
+def test_tail_first_orders_several_groups_by_distance_from_their_last_chunk() -> None:
+    # A hybrid job: a full-attention group's chunks 0-3, a sliding-window group's 2-3.
+    job = [slot(0, c) for c in range(4)] + [slot(1, c) for c in (2, 3)]
+    order = [(s.group, int.from_bytes(s.key[16:32], "big")) for s in tail_first(job)]
+    assert order == [(0, 3), (1, 3), (0, 2), (1, 2), (0, 1), (0, 0)]
+    one_group = [slot(0, c) for c in range(3)]
+    assert list(tail_first(one_group)) == one_group[::-1]
+    assert list(tail_first([])) == []
