@@ -24,6 +24,7 @@ SECONDS = {
     "test_openai_server_with_the_readme_config": 109,
     "test_daemon_absent_killed_mid_load_and_back": 104,
     "test_hybrid_model_sliding_window_and_full_attention": 102,
+    "test_the_prompt_used_again_is_the_one_a_full_pool_keeps": 76,
     "test_kvdepot_bench_serve_is_wired_into_the_cli": 1,
 }
 
