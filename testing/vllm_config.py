@@ -25,6 +25,7 @@ from vllm.v1.kv_cache_interface import (
     KVCacheConfig,
     KVCacheGroupSpec,
     KVCacheTensor,
+    MLAAttentionSpec,
     SlidingWindowSpec,
 )
 
@@ -37,7 +38,7 @@ DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch
 class GroupDef:
     """One KV-cache group of the synthetic model (per-rank geometry)."""
 
-    kind: str = "full"  # "full" or "sliding_window"
+    kind: str = "full"  # "full", "sliding_window" or "mla" (one latent head)
     block_size: int = 16
     num_layers: int = 2
     sliding_window: int | None = None
@@ -152,6 +153,9 @@ def make_kv_cache_config(
         )
         if gd.kind == "full":
             spec = FullAttentionSpec(**common)
+        elif gd.kind == "mla":
+            # One latent a token, the same on every rank (vLLM's kv_tp_replicas).
+            spec = MLAAttentionSpec(**{**common, "num_kv_heads": 1})
         elif gd.kind == "sliding_window":
             assert gd.sliding_window is not None
             spec = SlidingWindowSpec(**common, sliding_window=gd.sliding_window)
@@ -169,9 +173,12 @@ def make_kv_cache_config(
         KVCacheTensor(size=total, layers=names, layer_stride=page * num_blocks, block_stride=page)
     ]
     vllm_config.cache_config.num_gpu_blocks = num_blocks
-    return KVCacheConfig(
+    config = KVCacheConfig(
         num_blocks=num_blocks,
         kv_cache_tensors=tensors,
         kv_cache_groups=groups,
         kv_cache_layout="LBHNC",
     )
+    if all(gd.kind == "mla" for gd in cfg.groups):
+        config.kv_tp_replicas = cfg.tp  # as vLLM's planner finds for a pure-MLA model
+    return config

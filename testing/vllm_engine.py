@@ -43,6 +43,7 @@ from vllm.v1.core.kv_cache_utils import (
 )
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.kv_cache_interface import MLAAttentionSpec
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
@@ -114,10 +115,18 @@ class _Rank:
                 nbytes = page * engine.num_blocks
                 region = raw[offset : offset + nbytes]
                 offset += nbytes
-                shape = (engine.num_blocks, spec.num_kv_heads, spec.block_size, 2 * spec.head_size)
                 self.u8[name] = region.view(
                     engine.num_blocks, spec.num_kv_heads, spec.block_size, -1
                 )
+                if isinstance(spec, MLAAttentionSpec):  # one latent a token: no K and V
+                    shape: tuple[int, ...] = (engine.num_blocks, spec.block_size, spec.head_size)
+                else:
+                    shape = (
+                        engine.num_blocks,
+                        spec.num_kv_heads,
+                        spec.block_size,
+                        2 * spec.head_size,
+                    )
                 kv_caches[name] = region.view(dtype).view(shape)
                 engine.layer_group[name] = g
         from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
@@ -247,7 +256,9 @@ class SyntheticEngine:
         heads, row = u8.shape[1], u8.shape[3]
         h = torch.tensor([x % (1 << 20) for x in prefix_hashes], dtype=torch.int64)
         lid = self.layer_index[layer]
-        head = torch.arange(heads, dtype=torch.int64) + rank * heads
+        # Ranks that hold the same KV (vLLM's kv_tp_replicas: MLA's latent) write alike.
+        shard = rank // self.kv_cache_config.kv_tp_replicas
+        head = torch.arange(heads, dtype=torch.int64) + shard * heads
         col = torch.arange(row, dtype=torch.int64)
         vals = (
             h[:, None, None] * 31 + lid * 1009 + head[None, :, None] * 131 + col[None, None, :] * 7

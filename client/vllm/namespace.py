@@ -5,9 +5,11 @@ The digest covers everything that decides what the bytes of one offloaded chunk
 are and where they sit: the model, the KV dtype and layout, each offloaded group's
 tokens per block and per-layer page bytes, blocks per chunk, the parallel layout
 (world size, TP, PP, PCP, DCP: a rank's section depends on all of them), the
-prefix-hash algorithm (it makes the keys), and an optional user salt. Anything
-else (engine id, data-parallel rank, pool size, max_model_len) is left out on
-purpose, so that every engine with the same model and layout on a node shares.
+prefix-hash algorithm (it makes the keys), and an optional user salt. Where every
+rank holds the same bytes (MLA at TP > 1), a row is one section and the parallel
+layout is that of one rank. Anything else (engine id, data-parallel rank, pool size,
+max_model_len) is left out on purpose, so that every engine with the same model and
+layout on a node shares.
 """
 
 from __future__ import annotations
@@ -65,11 +67,16 @@ class NamespaceInputs:
     worker_bytes_per_block: int = 0
     # The name the engine was started with: shown, never part of the digest.
     model_name: str = ""
+    # Ranks that hold the same bytes (MLA at TP > 1): they share one section, so
+    # `world_size` and `tp_size` above are 1. Shown, never part of the digest: a TP=1
+    # engine of the same model makes the same namespace.
+    replicated_ranks: int = 1
 
     def digest(self) -> str:
         """The namespace id: 'kvd1-' + 40 hex digits of a SHA-256 over the inputs."""
         fields: dict[str, Any] = asdict(self)
         fields.pop("model_name")
+        fields.pop("replicated_ranks")
         if all(g.layer_page_bytes for g in self.groups):
             fields.pop("worker_bytes_per_block")
         canonical = json.dumps(fields, sort_keys=True, separators=(",", ":"))
@@ -79,6 +86,8 @@ class NamespaceInputs:
         """A human-readable summary, shown by Admin/ListNamespaces."""
         groups = ",".join(f"{g.kind}/{g.tokens_per_block}tok/{g.num_layers}L" for g in self.groups)
         salt = " salted" if self.salt else ""
+        if self.replicated_ranks > 1:
+            salt += f" replicated-over={self.replicated_ranks}"
         return (
             f"{self.model_name or self.model} {self.kv_dtype} {self.kv_layout} groups=[{groups}] "
             f"bpc={self.blocks_per_chunk} world={self.world_size} tp={self.tp_size} "
@@ -137,6 +146,10 @@ def namespace_inputs(
             )
         )
     p = config.parallel
+    # MLA at TP > 1 (vLLM's replicated_layout): every rank holds the same latent KV, so
+    # a row is one section and the namespace does not depend on the TP size: engines
+    # of one MLA model at TP=1, 2, 4 and 8 share every block.
+    replicated = bool(getattr(config, "replicated_layout", False))
     return NamespaceInputs(
         model=model_identity(config.model.name),
         model_name=config.model.name,
@@ -144,14 +157,15 @@ def namespace_inputs(
         kv_layout=config.kv_cache_layout or "",
         groups=tuple(groups),
         blocks_per_chunk=config.cache.blocks_per_chunk,
-        world_size=p.world_size,
-        tp_size=p.tp_size,
+        world_size=1 if replicated else p.world_size,
+        tp_size=1 if replicated else p.tp_size,
         pp_size=p.pp_size,
         pcp_size=p.pcp_size,
         dcp_size=p.dcp_size,
         hash_algo=hash_algo,
         salt=salt,
         worker_bytes_per_block=config.worker_kv_bytes_per_block,
+        replicated_ranks=p.world_size if replicated else 1,
     )
 
 

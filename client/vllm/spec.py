@@ -265,9 +265,13 @@ class KVDepotOffloadingSpec(OffloadingSpec):
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
         if self._worker is None:
-            rank = self.config.parallel.rank
+            # Replicated ranks (MLA at TP > 1) share one section: each is rank 0 of the
+            # namespace, the first to store a row copies it and the others' stores find
+            # it present (no copy); every rank loads the one section.
+            replicated = self.namespace.replicated_ranks > 1
+            rank = 0 if replicated else self.config.parallel.rank
             world = self.namespace.world_size
-            role = f"worker rank={rank}"
+            role = f"worker rank={self.config.parallel.rank}"
             node_shards = self.node_shards(role)
             route = route_rank(rank, world, node_shards, self._first_shard(node_shards))
             sharded = route.shard != 0 or route.shards > 1

