@@ -1,9 +1,10 @@
 """MLA: one copy a row (docs/architecture.md §5). Every rank of an MLA model holds the
-same latent KV; vLLM 0.33 says so (`OffloadingConfig.replicated_layout`, from `kv_tp_replicas`). A row
-is then one section: the first rank to store it copies it, the others' stores find it
-present, every rank loads it, and the namespace does not depend on the TP size, so MLA
-engines at TP=1, 2 and 4 share every block. vLLM 0.33.0's real Scheduler and worker
-connectors, a DeepSeek-V2-shaped config (576 values a token), a real daemon."""
+same latent KV; vLLM 0.33 says so (`OffloadingConfig.replicated_layout`, from
+`kv_tp_replicas`). A row is then one section: the first rank to store it copies it,
+the others' stores find it present, every rank loads it, and the namespace does not
+depend on the TP size, so MLA engines at TP=1, 2 and 4 share every block. vLLM 0.33.0's
+real Scheduler and worker connectors, a DeepSeek-V2-shaped config (576 values a
+token), a real daemon."""
 
 from __future__ import annotations
 
