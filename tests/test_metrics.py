@@ -83,16 +83,18 @@ def test_metrics_show_exactly_what_happened(daemon_factory: DaemonFactory) -> No
         res = eng.job(pb.LOAD, keys, gb, idx)  # never stored: fails, counted as failed
         assert not res.success and res.error_code == "NOT_FOUND"
 
-        res = store(eng, range(10, 18))  # 6 free slots: LRU evicts chunks 4 and 5
+        # 6 free slots: the LRU evicts chunks 9 and 8 (the first job's tail: a job's rows
+        # are admitted tail first, and chunks 0-3 were used again).
+        res = store(eng, range(10, 18))
         stores.append(res.bytes)
         copy_seconds += res.copy_seconds
         assert res.bytes == 8 * SLOT_M and res.stored_keys == 8
         stored_blocks += res.stored_keys
 
         hits = client.lookup(ns, keys_m(range(18)))
-        assert hits == [c not in (4, 5) for c in range(18)]
+        assert hits == [c not in (8, 9) for c in range(18)]
 
-        # Inline Put of one section (pool full: LRU evicts chunk 6), then Get it back.
+        # Inline Put of one section (pool full: LRU evicts chunk 7), then Get it back.
         data = os.urandom(GEO_M.blocks_per_chunk * sum(GEO_M.layer_pages))
         t0 = time.perf_counter()
         put = client.put(ns, make_key(40, 0), 0, data)
@@ -106,9 +108,9 @@ def test_metrics_show_exactly_what_happened(daemon_factory: DaemonFactory) -> No
 
         ch, stub = admin(d)
         with ch:
-            ev = stub.Evict(admin_pb2.EvictRequest(namespace_id=ns, keys=keys_m([7, 8])))
+            ev = stub.Evict(admin_pb2.EvictRequest(namespace_id=ns, keys=keys_m([5, 6])))
             assert (ev.evicted_blocks, ev.skipped_blocks, ev.not_found_blocks) == (2, 0, 0)
-            ready = [*range(0, 4), *range(9, 18), 40]  # 14 blocks
+            ready = [*range(0, 5), *range(10, 18), 40]  # 14 blocks
             assert client.pin(ns, keys_m(ready)) == [True] * 14
             res = store(eng, range(20, 24))  # 2 free slots, the rest pinned: 2 dropped
             assert (res.stored_keys, res.dropped_keys) == (2, 2)

@@ -303,6 +303,11 @@ class DiskLink:
             return []
         return [IndexEvent(namespace_id, EventKind.STORED, keys, None, Tier.DISK)]
 
+    def touch(self, namespace_id: str, keys: Sequence[bytes]) -> None:
+        """A finished request's chunks (KeyCalls' touch): their records on disk are made
+        young as the pool's rows are, so the disk keeps the pool's prefix order."""
+        self.tier.touch(namespace_id, keys)
+
     # -- promotion ------------------------------------------------------------------------
 
     def promote(self, namespace_id: str, keys: Sequence[bytes]) -> list[bool]:
@@ -317,7 +322,9 @@ class DiskLink:
             return [False] * len(keys)
         out: list[bool] = []
         asked_at = time.monotonic()
-        for key in keys:
+        # Each read touches its record: the last key first, so that a prefix's first
+        # chunk is the disk's youngest (as a touch leaves it).
+        for key in reversed(keys):
             if (namespace_id, key) in self._promoting:
                 out.append(True)
                 continue
@@ -332,7 +339,7 @@ class DiskLink:
                 out.append(False)
                 continue
             out.append(self._read_into_pool(namespace_id, key, size, layout.world_size, asked_at))
-        return out
+        return out[::-1]
 
     def _read_into_pool(
         self, namespace_id: str, key: bytes, size: int, world_size: int, asked_at: float

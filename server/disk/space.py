@@ -29,7 +29,7 @@ from __future__ import annotations
 import enum
 import itertools
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvdepot.server.core.allocator import Extent, ExtentAllocator, OutOfSpace
@@ -107,6 +107,17 @@ class DiskSpace:
     def length_of(self, namespace: str, key: bytes) -> int | None:
         entry = self._ready.get((namespace, key))
         return None if entry is None else entry.length
+
+    def touch(self, namespace: str, keys: Sequence[bytes]) -> int:
+        """A request used `keys` again (its chunks in a job's order): each readable
+        record becomes the most recently used, the first key the youngest, as in the
+        pool (kvdepot.server.core.eviction.tail_first). Returns how many it moved."""
+        ready, moved = self._ready, 0
+        for key in reversed(keys):
+            if (namespace, key) in ready:
+                ready.move_to_end((namespace, key))
+                moved += 1
+        return moved
 
     def ready_items(self) -> list[tuple[str, bytes, int, int, bytes]]:
         """(namespace, key, offset, length, digest) of the readable records, least

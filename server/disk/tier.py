@@ -37,7 +37,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from kvdepot.server.disk import record
@@ -197,6 +197,11 @@ class DiskTier(FileUpkeep):
         most `limit`."""
         with self._lock:
             return self._space.keys_of(namespace, limit)
+
+    def touch(self, namespace: str, keys: Sequence[bytes]) -> int:
+        """Makes the records of `keys` the most recently used, the first the youngest."""
+        with self._lock:
+            return self._space.touch(namespace, keys)
 
     def length_of(self, namespace: str, key: bytes) -> int | None:
         """The payload bytes of a block on disk, None when it is not there."""

@@ -41,6 +41,8 @@ class KeyCalls:
         self._sessions = sessions
         self.max_batch_keys = max_batch_keys
         self.verify_invariants = verify_invariants
+        # Told of every touch after the pool applied it (the disk tier: its order too).
+        self.touch_listeners: list[Callable[[str, Sequence[bytes]], object]] = []
 
     def check_batch(self, keys: Sequence[bytes]) -> None:
         limit = self.max_batch_keys
@@ -85,6 +87,8 @@ class KeyCalls:
         missing = self.index.unpin(namespace_id, keys, session_id)
         if touch:
             self.index.touch(namespace_id, touch)
+            for listener in self.touch_listeners:
+                listener(namespace_id, touch)
         return missing
 
     def add_watcher(self, session_id: str, namespace_id: str) -> tuple[Watcher, list[bytes]]:

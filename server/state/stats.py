@@ -69,6 +69,7 @@ def stats_fields(state: DepotState) -> dict[str, object]:
         "pin_calls": ix.pin_calls,
         "pin_keys": ix.pin_keys,
         "pinned_keys": ix.pinned_keys,
+        "touched_keys": ix.touched_keys,
         "recovery_blocks_total": state.recovery.total,
         "recovery_blocks_verified": state.recovery.verified,
         "recovery_blocks_rejected": state.recovery.rejected,

@@ -37,6 +37,21 @@ def test_a_record_being_read_is_not_evicted_under_its_reader() -> None:
     assert space.counters.dropped_entries == 1
 
 
+def test_a_touch_keeps_the_prefix_a_request_used_and_evicts_tails_first() -> None:
+    """The disk keeps the pool's order: a request's records touched again outlive one
+    never used again, its first chunk the youngest (kvdepot.server.disk.link.touch)."""
+    space = DiskSpace(capacity=6 * 2 * PAGE, max_inflight_bytes=1 << 20)
+    used, other = [b"u0", b"u1", b"u2"], [b"o0", b"o1", b"o2"]
+    for k in used + other:
+        written(space, k)
+    assert space.touch("ns", [*used[:2], b"gone"]) == 2
+    for k in (b"n0", b"n1", b"n2", b"n3"):
+        written(space, k)  # 4 must go: u2 (not touched), then o0 to o2
+    assert [space.contains("ns", k) for k in used + other] == [True, True, False] + [False] * 3
+    written(space, b"n4")
+    assert [space.contains("ns", k) for k in used[:2]] == [True, False]  # the tail first
+
+
 def test_changes_name_every_record_written_and_dropped_in_order() -> None:
     """What the daemon announces on Watch as the disk's events (tier DISK)."""
     space = DiskSpace(capacity=2 * PAGE, max_inflight_bytes=1 << 20)  # one record
