@@ -222,10 +222,18 @@ class SyntheticEngine:
     def manager(self) -> Any:
         return self.scheduler.connector.connector_scheduler.manager
 
-    def add_request(self, prompt: Sequence[int], max_tokens: int = 1) -> str:
+    def add_request(
+        self,
+        prompt: Sequence[int],
+        max_tokens: int = 1,
+        kv_transfer_params: dict[str, Any] | None = None,
+    ) -> str:
+        """Adds a request (`kv_transfer_params`: vLLM's per-request connector
+        parameters, e.g. {"kv_load_tiers": [{"medium": "CPU"}]})."""
         req_id = f"req-{self._next_id}"
         self._next_id += 1
-        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        extra = {"kv_transfer_params": kv_transfer_params} if kv_transfer_params else None
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, extra_args=extra)
         req = Request(
             request_id=req_id,
             prompt_token_ids=list(prompt),

@@ -52,6 +52,7 @@ them. vLLM sees one manager and one namespace.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import uuid
@@ -62,7 +63,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
 )
 from vllm.v1.kv_offload.base import (
     LoadStoreSpec,
+    Locality,
     LookupResult,
+    Medium,
     OffloadingEvent,
     OffloadingManager,
     OffloadKey,
@@ -70,6 +73,7 @@ from vllm.v1.kv_offload.base import (
     ReqContext,
     RequestOffloadingContext,
     ScheduleEndContext,
+    TierFilter,
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
@@ -88,6 +92,20 @@ from kvdepot.client.vllm.unpins import UnpinSender
 from kvdepot.common.shards import shard_namespace_id
 
 log = logging.getLogger("kvdepot.vllm.manager")
+
+_ALL_TIERS = TierFilter.ALL
+
+
+@functools.lru_cache(maxsize=64)
+def tiers_allowed(tiers: TierFilter) -> tuple[bool, bool]:
+    """Whether a request's `kv_load_tiers` (vLLM's per-request filter) lets it load from
+    the daemon's pool (host RAM on this node) and from the tiers below it (the disk:
+    storage on this node; the fleet: another node's). A request that asks for RAM only
+    never waits on a disk or fleet fetch."""
+    pool = tiers.allows(Medium.CPU, Locality.LOCAL)
+    below = tiers.allows(Medium.STORAGE, Locality.LOCAL) or tiers.allows(None, Locality.REMOTE)
+    return pool, below
+
 
 # Finished requests whose touch waits for their stores to end (a bound: each holds its keys).
 MAX_TOUCHES_WAITING = 4096
@@ -280,11 +298,14 @@ class KVDepotOffloadingManager(OffloadingManager):
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         # Hot path (called per key, many times per step): one set probe. No locals: a
         # store and a load cost more here than reading the attribute twice.
+        tiers = req_context.load_tier_filter
+        if tiers is not _ALL_TIERS and not tiers_allowed(tiers)[0]:
+            return _MISS  # the request loads from no tier of ours (vLLM's kv_load_tiers)
         if key in self._mirror.ready:
             if self._failures.until and key in self._failures.until:
                 return _MISS
             return _HIT
-        if self._remote.on:
+        if self._remote.on and (tiers is _ALL_TIERS or tiers_allowed(tiers)[1]):
             return self._remote.lookup(key)
         return _MISS
 

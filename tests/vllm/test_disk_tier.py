@@ -47,6 +47,33 @@ def test_a_prompt_only_on_disk_is_an_external_hit(daemon_factory, make_engine, t
     assert s.disk_hits == len(keys) and s.disk_rejected == 0
 
 
+def test_a_request_that_asks_for_ram_only_never_waits_on_the_disk(
+    daemon_factory, make_engine, tmp_path
+) -> None:
+    """vLLM's per-request `kv_load_tiers`: {"medium": "CPU"} loads from the pool only, so
+    a prompt only on disk is a miss for it at once (no RETRY, no Prefetch); a request
+    that allows storage loads another prompt from disk."""
+    d = daemon_factory(
+        "--pool-size", "64MiB", "--disk", str(tmp_path / "disk"), "--disk-size", "64MiB"
+    )
+    run_engine_process(d.target, prompt_seed=12)
+    run_engine_process(d.target, prompt_seed=13)
+    d.stop()
+    d.start()  # the pool empty, the blocks on disk
+    engine = make_engine(socket=d.target, num_gpu_blocks=64)
+    engine.wait_registered()
+    m = engine.manager
+    ram_only = {"kv_load_tiers": [{"medium": "CPU", "locality": "LOCAL"}]}
+    engine.add_request(prompt_for(12, 160), kv_transfer_params=ram_only)
+    engine.run()
+    assert m.remote_asked == 0 and m.prefetch_rpcs == 0
+    storage = {"kv_load_tiers": [{"medium": "STORAGE"}, {"medium": "CPU"}]}
+    engine.add_request(prompt_for(13, 160), kv_transfer_params=storage)
+    engine.run()
+    assert [r.external_tokens for r in engine.records.values()] == [0, 160]
+    assert m.prefetch_rpcs == 1
+
+
 def test_a_prompt_stored_after_the_disk_lacked_it_comes_back_from_disk(
     daemon_factory, make_engine, tmp_path
 ) -> None:
