@@ -22,6 +22,7 @@ from typing import Any, NoReturn
 
 from kvdepot.common.shards import MAX_SHARDS
 from kvdepot.server import setting_parsers as parsers
+from kvdepot.server.core.shares import NamespaceShares
 from kvdepot.server.sizes import parse_size, pool_share_bytes
 
 
@@ -383,6 +384,18 @@ class DaemonSettings(DerivedSockets):
         metavar="N",
         help="largest transfer job in pages (block ids x layers of their group; Llama-3-405B's "
         "126 layers x 8192 blocks fit); larger jobs are refused with RESOURCE_EXHAUSTED",
+    )
+    # (setting() makes a dataclass field; the default is built per ServeConfig.)
+    namespace_share: NamespaceShares = setting(  # noqa: RUF009
+        "--namespace-share",
+        default_factory=NamespaceShares,
+        parse=NamespaceShares.parse,
+        metavar="NS=FRACTION,...",
+        shown="",
+        help="a share of the pool per namespace (an id, or a prefix of ids ending in *), "
+        "e.g. 'kvd1-3f9c*=0.25': while a namespace holds no more than its share, other "
+        "namespaces' stores do not evict its rows; shares add up to at most 1 (default: "
+        "none, every row competes in one LRU)",
     )
     max_batch_keys: int = setting(
         "--max-batch-keys",

@@ -67,6 +67,8 @@ class _Snapshot:
     aborted_writes: dict[str, int]
     failed_jobs: dict[str, int]
     gc: GcStats | None
+    # Per namespace: (id, bytes held, --namespace-share bytes, rows evicted for room).
+    namespaces: list[tuple[str, int, int, int]]
 
 
 def _read(state: DepotState, gc: GcStats | None) -> _Snapshot:
@@ -79,7 +81,36 @@ def _read(state: DepotState, gc: GcStats | None) -> _Snapshot:
         aborted_writes=by_reason(ix.aborted_writes, AbortReason),
         failed_jobs={d.label: state.traffic.of(d).failed_jobs for d in Direction},
         gc=None if gc is None else GcStats(**vars(gc)),
+        namespaces=[
+            (ns.layout.id, ns.used_bytes, ns.share_bytes, ns.evicted_blocks)
+            for ns in state.namespaces()
+        ],
     )
+
+
+def _namespace_families(
+    namespaces: list[tuple[str, int, int, int]],
+) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+    """What each namespace holds, is guaranteed (--namespace-share) and loses to eviction."""
+    held = GaugeMetricFamily(
+        "kvdepot_namespace_used_bytes", "Pool bytes a namespace holds.", labels=["namespace"]
+    )
+    share = GaugeMetricFamily(
+        "kvdepot_namespace_share_bytes",
+        "Pool bytes --namespace-share guarantees a namespace (only those given one).",
+        labels=["namespace"],
+    )
+    evicted = CounterMetricFamily(
+        "kvdepot_namespace_evicted_blocks",
+        "Rows of a namespace evicted to make room for stores (LRU), since it began.",
+        labels=["namespace"],
+    )
+    for namespace_id, used, share_bytes, evicted_blocks in namespaces:
+        held.add_metric([namespace_id], used)
+        if share_bytes:
+            share.add_metric([namespace_id], share_bytes)
+        evicted.add_metric([namespace_id], evicted_blocks)
+    yield from (held, share, evicted)
 
 
 class _StateCollector(Collector):
@@ -193,6 +224,7 @@ class _StateCollector(Collector):
             "registrations", "KV memory registrations (one per engine rank).", s["registrations"]
         )
         yield gauge("namespaces", "Namespaces (model and layout).", s["namespaces"])
+        yield from _namespace_families(snap.namespaces)
         yield gauge("inflight_jobs", "Transfer jobs being validated or copied.", s["inflight_jobs"])
         yield counter(
             "event_loop_cpu_seconds",

@@ -480,16 +480,21 @@ def render(r: dict[str, Any]) -> Any:
     for name in ("ready", "writing"):
         ns_table.add_column(name, justify="right")
     ns_table.add_column("bytes", justify="right", no_wrap=True)
+    ns_table.add_column("evicted", justify="right")
     for ns in r["namespaces"]:
+        held = format_size(ns["used_bytes"])
+        if ns.get("share_bytes"):  # --namespace-share
+            held += f" of {format_size(ns['share_bytes'])} share"
         ns_table.add_row(
             shown(short_id(ns["id"])),
             shown(ns["description"]),
             str(ns["ready_blocks"]),
             str(ns["writing_blocks"]),
-            format_size(ns["used_bytes"]),
+            held,
+            str(ns.get("evicted_blocks", 0)),
         )
     if not r["namespaces"]:
-        ns_table.add_row(Text("none yet", style="dim"), "", "", "", "")
+        ns_table.add_row(Text("none yet", style="dim"), "", "", "", "", "")
     parts.append(ns_table)
 
     eng = Table(title="engines", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)

@@ -116,3 +116,53 @@ def test_tail_first_orders_several_groups_by_distance_from_their_last_chunk() ->
     one_group = [slot(0, c) for c in range(3)]
     assert list(tail_first(one_group)) == one_group[::-1]
     assert list(tail_first([])) == []
+
+
+def test_a_namespace_within_its_share_keeps_its_rows_when_another_floods() -> None:
+    from kvdepot.server.core.shares import NamespaceShares
+
+    ix = BlockIndex(ExtentAllocator(100 * SLOT), shares=NamespaceShares.parse("guarded=0.3"))
+    for ns in ("guarded", "flood"):
+        ix.declare_namespace(NamespaceLayout(ns, 1, 1, ((SLOT,),)))
+    assert ix.namespaces["guarded"].share_bytes == 30 * SLOT
+    assert ix.namespaces["flood"].share_bytes == 0
+
+    def put(ns: str, keys: list[bytes]) -> None:
+        claim = ix.begin_store_many(ns, keys, 0, "engine")
+        ix.finish_store_many(claim.slots, 0, True)
+
+    guarded = [key(1, c) for c in range(40)]
+    put("guarded", guarded)  # 40 rows: 10 over its share
+    for n in range(5):  # the flood: 300 rows in jobs of 20, never used again
+        put("flood", [key(2, 20 * n + c) for c in range(20)])
+    g, f = ix.namespaces["guarded"], ix.namespaces["flood"]
+    # The guarded namespace lost what it held over its share, its tail first, and no more.
+    assert ix.lookup("guarded", guarded) == [True] * 30 + [False] * 10
+    assert (g.used_bytes, g.evicted_blocks) == (30 * SLOT, 10)
+    assert f.used_bytes == 70 * SLOT and f.evicted_blocks == 30
+    # Its own stores still evict its own least recently used rows (a floor against
+    # others, not a wall around it): the new prompt's 5 rows replace its tail's.
+    put("guarded", [key(3, c) for c in range(5)])
+    assert ix.lookup("guarded", guarded) == [True] * 25 + [False] * 15
+    assert (g.used_bytes, f.used_bytes) == (30 * SLOT, 70 * SLOT)
+    ix.check_invariants()
+
+
+def test_shares_are_parsed_with_prefixes_and_checked() -> None:
+    import pytest
+
+    from kvdepot.server.core.shares import NamespaceShares
+
+    shares = NamespaceShares.parse("kvd1-ab*=0.25, kvd1-cd=0.5")
+    assert shares.fraction_for("kvd1-abcdef") == 0.25
+    assert shares.fraction_for("kvd1-cd") == 0.5 and shares.fraction_for("kvd1-cde") == 0
+    assert str(shares) == "kvd1-ab*=0.25,kvd1-cd=0.5"
+    for bad, why in [
+        ("a=0.7,b=0.4", "add up to 1.1"),
+        ("a=0", r"fraction in \(0, 1\]"),
+        ("a", "NAMESPACE=FRACTION"),
+        ("*=0.5", "NAMESPACE=FRACTION"),
+        ("a=half", r"fraction in \(0, 1\]"),
+    ]:
+        with pytest.raises(ValueError, match=why):
+            NamespaceShares.parse(bad)

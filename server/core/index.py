@@ -52,6 +52,7 @@ from kvdepot.server.core.index_types import (
 from kvdepot.server.core.index_writes import Writes
 from kvdepot.server.core.kinds import EvictionReason, SlotState, StoreOutcome
 from kvdepot.server.core.layout import LayoutError, NamespaceLayout
+from kvdepot.server.core.shares import NamespaceShares
 
 __all__ = [
     "BlockIndex",
@@ -80,11 +81,14 @@ class BlockIndex:
         clock: Callable[[], float] = time.monotonic,
         on_event: Callable[[IndexEvent], None] | None = None,
         policy: EvictionPolicy | None = None,
+        shares: NamespaceShares | None = None,
     ) -> None:
         """`on_event` receives each event as it happens; without it, events
         collect until `take_events` (direct use, tests). `policy` orders the
-        evictable rows (default: least recently used first)."""
+        evictable rows (default: least recently used first); `shares`, the pool each
+        namespace is guaranteed (kvdepot.server.core.shares; default: none)."""
         self.allocator = allocator
+        self.shares = shares or NamespaceShares()
         self.namespaces: dict[str, Namespace] = {}
         self._policy: EvictionPolicy = LruPolicy() if policy is None else policy
         self.coldest = self._policy.__iter__  # evictable rows, next victim first, lazily
@@ -114,6 +118,7 @@ class BlockIndex:
                         f"whole pool ({self.allocator.capacity} bytes): raise --pool-size"
                     )
             ns = self.namespaces[layout.id] = Namespace(layout)
+            ns.share_bytes = int(self.shares.fraction_for(layout.id) * self.allocator.capacity)
         elif not ns.layout.same_bytes_as(layout):
             raise LayoutMismatch(
                 f"namespace {layout.id} exists with another layout (world_size "

@@ -17,28 +17,55 @@ from kvdepot.server.core.index_part import IndexPart
 from kvdepot.server.core.index_types import IndexEvent, Namespace, Slot
 from kvdepot.server.core.kinds import EventKind, EvictionReason, SlotState
 
+# Rows protected by their namespace's share passed over in one search for room.
+MAX_SPARED = 4096
+
 
 class Evictions(IndexPart):
     """Removes evictable rows: the policy's victims for room, or named ones."""
 
-    def make_room(self, need: int, removed: list[Slot]) -> Extent | None:
-        """An extent of `need` bytes (a multiple of the granularity), evicting the
-        policy's victims until one fits; each row evicted is appended to `removed`,
-        for the caller to count and announce. None when no room is left to make."""
+    def make_room(self, need: int, removed: list[Slot], for_namespace: str = "") -> Extent | None:
+        """An extent of `need` bytes (a multiple of the granularity) for a row of
+        `for_namespace`, evicting the policy's victims until one fits; each row evicted
+        is appended to `removed`, for the caller to count and announce. None when no
+        room is left to make.
+
+        Shares (`Namespace.share_bytes`, the operator's --namespace-share): a row of a
+        namespace that holds no more than its share is spared when another namespace
+        needs room; it stays where it was in the policy's order. At most MAX_SPARED
+        rows are passed over in one call (then the store is dropped: room is made
+        only from rows nobody's share protects)."""
         alloc, pop_victim = self._allocator, self._policy.pop_victim
-        while alloc.largest_free_extent < need:
-            victim = pop_victim()
-            if victim is None:
-                return None
-            ns = self._namespaces[victim.namespace]
-            ns.detach(victim)
-            removed.append(victim)
-            if victim.extent.size == need:  # hand the extent on: no free, no allocate
-                ns.used_bytes -= need
-                return victim.extent
-            ns.used_bytes -= victim.extent.size
-            alloc.free(victim.extent)
-        return alloc.allocate(need)
+        namespaces = self._namespaces
+        spared: list[Slot] = []
+        try:
+            while alloc.largest_free_extent < need:
+                victim = pop_victim()
+                if victim is None:
+                    return None
+                ns = namespaces[victim.namespace]
+                if (
+                    ns.share_bytes
+                    and ns.used_bytes <= ns.share_bytes
+                    and victim.namespace != for_namespace
+                ):
+                    spared.append(victim)
+                    if len(spared) >= MAX_SPARED:
+                        return None
+                    continue
+                ns.detach(victim)
+                ns.evicted_blocks += 1
+                removed.append(victim)
+                if victim.extent.size == need:  # hand the extent on: no free, no allocate
+                    ns.used_bytes -= need
+                    return victim.extent
+                ns.used_bytes -= victim.extent.size
+                alloc.free(victim.extent)
+            return alloc.allocate(need)
+        finally:
+            admit_coldest = self._policy.admit_coldest
+            for slot in reversed(spared):  # back where they were, the coldest first
+                admit_coldest(slot)
 
     def _remove(self, slot: Slot, reason: EvictionReason) -> None:
         """Removes a READY row already withdrawn from (or popped off) the policy."""

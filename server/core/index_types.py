@@ -94,6 +94,10 @@ class Namespace:
     # Keys whose row some ranks gave up, oldest first (Writes: a later rank then
     # drops the key rather than begin a row that would never be whole).
     given_up: dict[bytes, GivenUp] = field(default_factory=dict)
+    # The pool bytes the operator's --namespace-share guarantees it (0: none): while it
+    # holds no more, other namespaces' stores do not evict its rows (index_evict).
+    share_bytes: int = 0
+    evicted_blocks: int = 0  # rows evicted for room (LRU), since the namespace began
 
     @property
     def full_mask(self) -> int:

@@ -165,7 +165,7 @@ class Writes(IndexPart):
                         claim.drop_reason = DropReason.SESSION_QUOTA
                         offsets.append(None)
                         continue
-                    extent = make_room(sizes[1], removed)
+                    extent = make_room(sizes[1], removed, namespace_id)
                     if extent is None:
                         reason = (
                             DropReason.POOL_FULL

@@ -128,6 +128,8 @@ def namespace_info(ns: Namespace) -> admin_pb2.NamespaceInfo:
         writing_blocks=ns.writing_blocks,
         used_bytes=ns.used_bytes,
         description=lay.description,
+        share_bytes=ns.share_bytes,
+        evicted_blocks=ns.evicted_blocks,
     )
 
 

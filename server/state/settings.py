@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from kvdepot.server.core.shares import NamespaceShares
+
 
 class StateConfig(Protocol):
     # The pool (DepotState.create).
@@ -36,6 +38,7 @@ class StateConfig(Protocol):
     max_job_blocks: int
     max_job_pages: int
     max_batch_keys: int
+    namespace_share: NamespaceShares  # --namespace-share (kvdepot.server.core.shares)
     destructive_admin: bool
     # Read by the Depot service through the state (SessionHello, the Session stream).
     keepalive_seconds: float

@@ -71,6 +71,7 @@ def open_pool(config: StateConfig) -> OpenedPool:
             allocator,
             reservation_timeout=config.reservation_timeout,
             on_event=bus.publish,
+            shares=config.namespace_share,
         )
 
     index = new_index()

@@ -257,7 +257,7 @@ class ListNamespacesRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class NamespaceInfo(_message.Message):
-    __slots__ = ("id", "world_size", "blocks_per_chunk", "slot_bytes", "ready_blocks", "writing_blocks", "used_bytes", "description")
+    __slots__ = ("id", "world_size", "blocks_per_chunk", "slot_bytes", "ready_blocks", "writing_blocks", "used_bytes", "description", "share_bytes", "evicted_blocks")
     ID_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_PER_CHUNK_FIELD_NUMBER: _ClassVar[int]
@@ -266,6 +266,8 @@ class NamespaceInfo(_message.Message):
     WRITING_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     USED_BYTES_FIELD_NUMBER: _ClassVar[int]
     DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
+    SHARE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    EVICTED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     id: str
     world_size: int
     blocks_per_chunk: int
@@ -274,7 +276,9 @@ class NamespaceInfo(_message.Message):
     writing_blocks: int
     used_bytes: int
     description: str
-    def __init__(self, id: _Optional[str] = ..., world_size: _Optional[int] = ..., blocks_per_chunk: _Optional[int] = ..., slot_bytes: _Optional[_Iterable[int]] = ..., ready_blocks: _Optional[int] = ..., writing_blocks: _Optional[int] = ..., used_bytes: _Optional[int] = ..., description: _Optional[str] = ...) -> None: ...
+    share_bytes: int
+    evicted_blocks: int
+    def __init__(self, id: _Optional[str] = ..., world_size: _Optional[int] = ..., blocks_per_chunk: _Optional[int] = ..., slot_bytes: _Optional[_Iterable[int]] = ..., ready_blocks: _Optional[int] = ..., writing_blocks: _Optional[int] = ..., used_bytes: _Optional[int] = ..., description: _Optional[str] = ..., share_bytes: _Optional[int] = ..., evicted_blocks: _Optional[int] = ...) -> None: ...
 
 class ListNamespacesResponse(_message.Message):
     __slots__ = ("namespaces",)
