@@ -69,7 +69,7 @@ STEPS: tuple[tuple[str, Any, str], ...] = (
     ("plan (plan_copy)", job_runner, "plan_copy"),
     ("DMA plan (the engine's prepare)", NullCopyEngine, "prepare"),
     ("index settle, store (finish_store_many)", BlockIndex, "finish_store_many"),
-    ("index settle, load (end_read)", BlockIndex, "end_read"),
+    ("index settle, load (end_read_many)", BlockIndex, "end_read_many"),
     ("counting (Traffic.record)", Traffic, "record"),
     ("encode the result (result_to_proto)", depot_service, "result_to_proto"),
 )
