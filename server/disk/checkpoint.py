@@ -7,12 +7,14 @@ The next open reads and deletes it (so a later SIGKILL leaves none behind, and t
 start scans the headers instead: kvdepot.server.disk.scan) and uses it only when
 the file's identity is unchanged, so the index comes back in one read instead of a
 scan. A checkpoint that does not apply is ignored, never trusted in part; and every
-read checks the record's digest anyway, so even a wrong checkpoint costs misses,
-never a wrong byte.
+read checks the record's header and payload tags with the record key anyway
+(kvdepot.server.disk.record), so even a wrong checkpoint costs misses, never a
+wrong byte. Version 2 goes with the record format's version 2 (keyed tags): a
+version 1 checkpoint lists records that are no longer read, and is ignored.
 
 Format (integers little-endian): magic, version, the identity, the count, then
 per record u16 namespace length, u16 key length, u64 offset, u64 length, the
-digest, namespace, key; last, a CRC-32 of everything before it. Pure functions.
+payload's tag, namespace, key; last, a CRC-32 of everything before it. Pure functions.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from kvdepot.server.disk.record import DIGEST_BYTES
 
 FILE_NAME = "kvdepot-disk.index"
 MAGIC = b"KVDINDEX"
-VERSION = 1
+VERSION = 2  # 1: of version 1 records (unkeyed digests), not read
 _HEAD = struct.Struct("<8sHQQQqQ")  # magic, version, dev, ino, size, mtime_ns, count
 _ENTRY = struct.Struct(f"<HHQQ{DIGEST_BYTES}s")
 _CRC = struct.Struct("<I")

@@ -50,7 +50,8 @@ def take_checkpoint(file: TierFile) -> list[Item] | None:
     if items is None:
         log.warning(
             "disk tier %s: the index checkpoint does not match the file (written since the "
-            "clean stop, replaced, or damaged): the index is rebuilt from the headers",
+            "clean stop, replaced, damaged, or of an older kvdepot): the index is rebuilt "
+            "from the headers",
             file.path,
         )
     return items

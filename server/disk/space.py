@@ -12,6 +12,14 @@ bound on bytes being written.
   when the allocator has no room, the least
   recently used records are evicted (in memory: their bytes stay on disk until
   overwritten, and a record read meanwhile is skipped) until the record fits.
+  The allocator places a record at the start of a free extent, so the first
+  record to reuse any page of a freed record's extent starts at or before that
+  record's header page and its own write overwrites it: an evicted header never
+  survives in front of a newer record (only while that write is in flight, or
+  torn by a crash), and no second write is needed to wipe it
+  (tests/disk/test_disk_space.py checks this). What is left of an evicted
+  record's payload is a client's bytes: the record key keeps them from ever
+  passing for a header (kvdepot.server.disk.record).
 - `begin_read` touches the entry (LRU) and holds it against eviction until
   `finish_read`; a read that did not verify drops the entry.
 - `adopt` re-creates an entry found by the recovery scan; `clear` forgets all

@@ -20,9 +20,10 @@ records (the caller's or an I/O thread): it must only hand the list on.
 Promises:
 - a block is written once; writes past `max_inflight_bytes` in flight, while the
   index is rebuilt or while the disk is down are dropped and counted, never queued;
-- every read checks the record's header and the payload's digest against what the
-  index holds (kvdepot.server.disk.record): a torn, damaged, stale or foreign
-  record is dropped and counted, and `done(False)` is all the caller sees;
+- every read checks the record's header and the payload's tag (keyed with the
+  directory's record key, bound to the record's offset) against what the index
+  holds (kvdepot.server.disk.record): a torn, damaged, stale, foreign, moved or
+  forged record is dropped and counted, and `done(False)` is all the caller sees;
 - a failed write or read (ENOSPC, EIO, EROFS, the file removed) marks the tier
   down (kvdepot.server.disk.health), never raises into the caller; a probe later
   reserves the space again or creates the file anew, and the tier comes back.
@@ -33,6 +34,7 @@ Promises:
 from __future__ import annotations
 
 import errno
+import hmac
 import logging
 import os
 import threading
@@ -240,9 +242,11 @@ class DiskTier(FileUpkeep):
             if not file.still_there():
                 raise FileNotFoundError(2, f"{file.path} was removed")
             header, tail = pages()
-            value = record.digest(entry.namespace, entry.key, payload)
-            record.encode_header(Header(entry.namespace, entry.key, entry.length, value), header)
-            file.write_record(entry.offset, header, payload, tail)
+            key, offset = file.key, entry.offset
+            value = key.payload_tag(entry.namespace, entry.key, offset, payload)
+            found = Header(entry.namespace, entry.key, entry.length, value)
+            record.encode_header(found, header, offset, key)
+            file.write_record(offset, header, payload, tail)
             digest = value
         except OSError as exc:
             # A read-only file system is let go of as a removed file is: its repair
@@ -297,10 +301,12 @@ class DiskTier(FileUpkeep):
         try:
             header, tail = pages()
             if file.read_record(entry.offset, header, dest, tail):
-                found = record.decode_header(header)
-                verified = (
-                    found == Header(entry.namespace, entry.key, entry.length, entry.digest)
-                    and record.digest(entry.namespace, entry.key, dest) == entry.digest
+                key, offset = file.key, entry.offset
+                found = record.decode_header(header, offset, key)
+                verified = found == Header(
+                    entry.namespace, entry.key, entry.length, entry.digest
+                ) and hmac.compare_digest(
+                    key.payload_tag(entry.namespace, entry.key, offset, dest), entry.digest or b""
                 )
         except OSError as exc:
             failure = why(exc)
@@ -343,14 +349,33 @@ class DiskTier(FileUpkeep):
             self._release(file)
             recovered, dropped = self.stats.recovered, self.stats.recovery_dropped
         self._recovered.set()
+        progress = self.progress
         log.info(
             "disk tier %s: index back (from its %s), %d records kept, %d dropped (duplicates "
             "or overlaps)",
             self.directory,
-            self.progress.source,
+            progress.source,
             recovered,
             dropped,
         )
+        if progress.old_format:
+            log.warning(
+                "disk tier %s: %d record headers of an older format (before version %d) were "
+                "not adopted: their digests were not keyed, so anyone could have forged them; "
+                "the disk is a cache, so they cost a recompute",
+                self.directory,
+                progress.old_format,
+                record.VERSION,
+            )
+        if progress.refused:
+            log.warning(
+                "disk tier %s: %d pages that look like record headers did not authenticate "
+                "with this directory's record key and were not adopted (a client's bytes in "
+                "freed space imitating a header, a damaged header, or records written under "
+                "another key)",
+                self.directory,
+                progress.refused,
+            )
 
 
 def _call(done: Done | None, ok: bool) -> None:
