@@ -1,5 +1,5 @@
 """The disk forger: a tenant that hides a disk-tier record for another namespace in
-its own row's bytes (issue 47, row 1; tests/security/test_disk_forgery.py).
+its own row's bytes (tests/security/test_disk_forgery.py).
 
     python tests/security/disk_forger.py --target T --namespace NS --victim VNS
         --victim-key HEX --victim-length N --at BYTES

@@ -1,4 +1,4 @@
-"""The disk tier trusts only what it wrote (docs/security.md, issue 47 row 1).
+"""The disk tier trusts only what it wrote (docs/security.md).
 
 Against a real `kvdepot serve --disk`, the forger (tests/security/disk_forger.py, a
 process of its own, in a namespace of its own) Puts a row whose bytes hold a disk
@@ -35,7 +35,7 @@ from kvdepot.client import DepotClient
 from kvdepot.testing.waiting import wait_for
 from kvdepot.v1 import depot_pb2 as pb
 from tests.security import disk_forger
-from tests.support.daemon import DaemonProcess, connect, stats
+from tests.support.daemon import DaemonProcess, connect, kvdepot_command, stats
 
 pytest.importorskip("blake3")
 pytestmark = pytest.mark.timeout(180)
@@ -168,3 +168,28 @@ def test_a_forged_record_in_a_tenants_row_is_never_adopted(daemon_factory, tmp_p
     assert (s.disk_records, s.disk_rejected) == (3, 0), s
     forger.close()
     victim.close()
+
+
+def test_a_disk_key_others_could_read_stops_the_start(daemon_factory, tmp_path) -> None:
+    """The key is the daemon's alone: a key file of mode 0644 (or a symlink, or
+    another uid's: private_files' checks) ends the start with one line, exit 2, and
+    never the key's bytes; made 0600 again, the same directory serves."""
+    disk = tmp_path / "disk"
+    d = daemon_factory("--pool-size", "16MiB", "--disk", str(disk), "--disk-size", "1MiB")
+    assert d.stop() == 0
+    key_file = disk / "kvdepot-disk.key"
+    secret = key_file.read_bytes()
+    key_file.chmod(0o644)
+    out = subprocess.run(
+        [*kvdepot_command(), "serve", "--socket", str(tmp_path / "k.sock"),
+         "--pool-size", "16MiB", "--disk", str(disk), "--disk-size", "1MiB"],
+        capture_output=True, timeout=60,
+    )  # fmt: skip
+    assert out.returncode == 2, out.stderr[-3000:]
+    err = out.stderr.decode(errors="replace")
+    lines = [ln for ln in err.splitlines() if "ERROR" in ln or "Traceback" in ln]
+    assert len(lines) == 1 and "record key" in lines[0] and "0644" in lines[0], err[-3000:]
+    assert secret not in out.stderr and secret.hex() not in err
+    key_file.chmod(0o600)
+    d.start()
+    assert stats(d).disk_healthy
