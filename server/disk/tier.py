@@ -244,8 +244,8 @@ class DiskTier(FileUpkeep):
             header, tail = pages()
             key, offset = file.key, entry.offset
             value = key.payload_tag(entry.namespace, entry.key, offset, payload)
-            found = Header(entry.namespace, entry.key, entry.length, value)
-            record.encode_header(found, header, offset, key)
+            made = Header(entry.namespace, entry.key, entry.length, value)
+            record.encode_header(made, header, offset, key)
             file.write_record(offset, header, payload, tail)
             digest = value
         except OSError as exc:
