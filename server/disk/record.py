@@ -4,7 +4,8 @@ A record is one header page followed by the payload, both aligned to `PAGE`
 (4096) bytes so that O_DIRECT can write them straight from the pool's memory:
 
     page 0     header: magic, format version, namespace id, key, payload length,
-               the payload's tag, then the header's own tag
+               the payload's tag, the fleet key id that admitted the row (none for
+               a row this node's engines stored), then the header's own tag
     page 1..   the payload, `length` bytes, padded to a multiple of PAGE
 
 Both tags are keyed BLAKE3 (16 bytes) under the daemon's own record key
@@ -50,13 +51,15 @@ PAGE = 4096
 MAGIC = b"KVDDISK\x00"
 VERSION = 2  # 1: an unkeyed digest and a CRC-32 (not adopted: anyone could forge one)
 KEY_BYTES = 32
+FLEET_ID_BYTES = 8  # a fleet key's id (kvdepot.server.remote.fleet_key)
 DIGEST_BYTES = 16  # the payload's tag (the index keeps it as the record's digest)
 TAG_BYTES = 16
 MAX_NAMESPACE_BYTES = 1024
 MAX_KEY_BYTES = 1024
-# magic, version, namespace length, key length, payload length, the payload's tag;
-# then the namespace and key bytes; then the header's tag over everything before it.
-_FIXED = struct.Struct(f"<8sHHHQ{DIGEST_BYTES}s")
+# magic, version, namespace length, key length, payload length, the payload's tag,
+# the admitting fleet key id's length (0 or FLEET_ID_BYTES) and the id; then the
+# namespace and key bytes; then the header's tag over everything before it.
+_FIXED = struct.Struct(f"<8sHHHQ{DIGEST_BYTES}sB{FLEET_ID_BYTES}s")
 _HEAD = struct.Struct("<8sH")  # magic and version: what tells an old record apart
 _OFFSET = struct.Struct("<Q")  # the header tag's binding to the record's offset
 _FRAME = struct.Struct("<QHHQ")  # the payload tag's framing: offset, namespace, key, length
@@ -78,6 +81,7 @@ class Header:
     key: bytes
     length: int  # payload bytes
     digest: bytes  # the payload's tag
+    admitted_by: bytes = b""  # the fleet key id that admitted the row; b"": local
 
     @property
     def record_size(self) -> int:
@@ -151,7 +155,12 @@ def encode_header(header: Header, page: memoryview, offset: int, key: RecordKey)
     ns = _names(header.namespace, header.key)
     if header.length <= 0:
         raise RecordError("a record needs a payload")
-    fixed = _FIXED.pack(MAGIC, VERSION, len(ns), len(header.key), header.length, header.digest)
+    fleet = header.admitted_by
+    if len(fleet) not in (0, FLEET_ID_BYTES):
+        raise RecordError(f"a fleet key id has {FLEET_ID_BYTES} bytes, not {len(fleet)}")
+    fixed = _FIXED.pack(
+        MAGIC, VERSION, len(ns), len(header.key), header.length, header.digest, len(fleet), fleet
+    )
     body = fixed + ns + header.key
     tag = key.header_tag(body, offset)
     page[:PAGE] = body + tag + bytes(PAGE - len(body) - TAG_BYTES)
@@ -164,8 +173,10 @@ def decode_header(page: memoryview | bytes, offset: int, key: RecordKey) -> Head
     from elsewhere). Never raises."""
     if len(page) < PAGE or bytes(page[:8]) != MAGIC:
         return None
-    _magic, version, ns_len, key_len, length, dig = _FIXED.unpack_from(page, 0)
+    _magic, version, ns_len, key_len, length, dig, fleet_len, fleet = _FIXED.unpack_from(page, 0)
     if version != VERSION or ns_len > MAX_NAMESPACE_BYTES or key_len > MAX_KEY_BYTES:
+        return None
+    if fleet_len not in (0, FLEET_ID_BYTES):
         return None
     end = _FIXED.size + ns_len + key_len
     tag = bytes(page[end : end + TAG_BYTES])
@@ -176,7 +187,7 @@ def decode_header(page: memoryview | bytes, offset: int, key: RecordKey) -> Head
     except UnicodeDecodeError:
         return None
     name = bytes(page[_FIXED.size + ns_len : end])
-    return Header(namespace, name, length, dig)
+    return Header(namespace, name, length, dig, fleet[:fleet_len])
 
 
 def refusal(page: memoryview | bytes) -> Refusal | None:

@@ -41,6 +41,7 @@ class ScanProgress:
     skipped: int = 0  # headers whose record runs past the end of the file
     refused: int = 0  # pages like a header whose tag fails: forged, damaged, another key's
     old_format: int = 0  # headers of another record format version: not adopted
+    unheld: int = 0  # records of fleet rows admitted by a key the node no longer holds
 
     @property
     def fraction(self) -> float:

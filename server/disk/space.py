@@ -64,6 +64,7 @@ class Entry:
     length: int  # payload bytes
     digest: bytes | None  # None while being written
     generation: int
+    admitted_by: bytes = b""  # the fleet key id that admitted the row (b"": local)
     readers: int = 0
     dropped: bool = False  # to be freed when its last reader finishes
 
@@ -116,16 +117,23 @@ class DiskSpace:
         entry = self._ready.get((namespace, key))
         return None if entry is None else entry.length
 
-    def ready_items(self) -> list[tuple[str, bytes, int, int, bytes]]:
-        """(namespace, key, offset, length, digest) of the readable records, least
-        recently used first (a checkpoint's items)."""
-        ready = self._ready.values()
-        return [(e.namespace, e.key, e.offset, e.length, e.digest or b"") for e in ready]
+    def record_of(self, namespace: str, key: bytes) -> tuple[int, bytes] | None:
+        """(payload length, admitting fleet key id) of a readable record."""
+        entry = self._ready.get((namespace, key))
+        return None if entry is None else (entry.length, entry.admitted_by)
+
+    def ready_items(self) -> list[tuple[str, bytes, int, int, bytes, bytes]]:
+        """(namespace, key, offset, length, digest, admitted_by) of the readable
+        records, least recently used first (a checkpoint's items)."""
+        return [
+            (e.namespace, e.key, e.offset, e.length, e.digest or b"", e.admitted_by)
+            for e in self._ready.values()
+        ]
 
     # -- writes --------------------------------------------------------------------------
 
     def begin_write(
-        self, namespace: str, key: bytes, length: int
+        self, namespace: str, key: bytes, length: int, admitted_by: bytes = b""
     ) -> tuple[WriteVerdict, Entry | None]:
         ident = (namespace, key)
         if ident in self._ready or ident in self._writing:
@@ -140,7 +148,9 @@ class DiskSpace:
         if extent is None:
             self.counters.no_space += 1
             return WriteVerdict.NO_SPACE, None
-        entry = Entry(namespace, key, extent.offset, extent.size, length, None, self.generation)
+        entry = Entry(
+            namespace, key, extent.offset, extent.size, length, None, self.generation, admitted_by
+        )
         self._writing[ident] = entry
         self.inflight_bytes += extent.size
         return WriteVerdict.ACCEPTED, entry
@@ -207,9 +217,19 @@ class DiskSpace:
 
     # -- recovery ------------------------------------------------------------------------
 
-    def adopt(self, namespace: str, key: bytes, offset: int, length: int, digest: bytes) -> bool:
+    def adopt(
+        self,
+        namespace: str,
+        key: bytes,
+        offset: int,
+        length: int,
+        digest: bytes,
+        admitted_by: bytes = b"",
+    ) -> bool:
         """Re-creates a record the scan found: `claim` then `publish`."""
-        return self.claim(offset, length) and self.publish(namespace, key, offset, length, digest)
+        return self.claim(offset, length) and self.publish(
+            namespace, key, offset, length, digest, admitted_by
+        )
 
     def claim(self, offset: int, length: int) -> bool:
         """Claims a found record's extent, invisible until `publish`; False when it is
@@ -221,7 +241,15 @@ class DiskSpace:
             return False
         return True
 
-    def publish(self, namespace: str, key: bytes, offset: int, length: int, digest: bytes) -> bool:
+    def publish(
+        self,
+        namespace: str,
+        key: bytes,
+        offset: int,
+        length: int,
+        digest: bytes,
+        admitted_by: bytes = b"",
+    ) -> bool:
         """Makes a claimed record readable, as the most recently used (a change, as a
         write's is: recovered records are announced); False (and its extent freed)
         when its key is known already."""
@@ -229,7 +257,7 @@ class DiskSpace:
         if (namespace, key) in self._ready or (namespace, key) in self._writing:
             self.allocator.free(Extent(offset, size))
             return False
-        entry = Entry(namespace, key, offset, size, length, digest, self.generation)
+        entry = Entry(namespace, key, offset, size, length, digest, self.generation, admitted_by)
         self._ready[(namespace, key)] = entry
         self._changed(entry, None)
         return True

@@ -49,5 +49,6 @@ class DiskStats:
             recovery_headers=progress.headers,
             recovery_refused=progress.refused,
             recovery_old_format=progress.old_format,
+            recovery_unheld=progress.unheld,
         )
         return out

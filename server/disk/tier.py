@@ -70,9 +70,12 @@ class DiskTier(FileUpkeep):
         max_inflight_bytes: int = 256 << 20,
         io_threads: int = 4,
         write_thread_setup: Callable[[], None] | None = None,
+        held_fleet_keys: frozenset[bytes] = frozenset(),
     ) -> None:
         """`write_thread_setup` runs first on each write thread (DiskLink lowers their
-        CPU and I/O priority there: writes behind are background work)."""
+        CPU and I/O priority there: writes behind are background work).
+        `held_fleet_keys`: the fleet key ids this node holds; a record of a row
+        another key admitted is not brought back at open."""
         self.directory = Path(directory)
         self.size = size - size % PAGE
         self.health = disk_health(str(self.directory))
@@ -96,6 +99,7 @@ class DiskTier(FileUpkeep):
         self._probing = False
         self._stop = threading.Event()
         self._rebuild: IndexRebuild | None = None
+        self._held_fleet_keys = held_fleet_keys
 
     # -- life ----------------------------------------------------------------------------
 
@@ -185,6 +189,7 @@ class DiskTier(FileUpkeep):
             lambda work: self._adopt(file, work),
             lambda error: self._rebuilt(file, error),
             self._stop,
+            self._held_fleet_keys,
         )
         self._rebuild.start()
 
@@ -205,6 +210,12 @@ class DiskTier(FileUpkeep):
         with self._lock:
             return self._space.length_of(namespace, key)
 
+    def record_of(self, namespace: str, key: bytes) -> tuple[int, bytes] | None:
+        """(payload bytes, the fleet key id that admitted the row or b"") of a block
+        on disk, None when it is not there."""
+        with self._lock:
+            return self._space.record_of(namespace, key)
+
     def snapshot(self) -> dict[str, object]:
         """Counters, capacity and recovery progress (for GetStats and Prometheus)."""
         with self._lock:
@@ -213,9 +224,15 @@ class DiskTier(FileUpkeep):
     # -- writes --------------------------------------------------------------------------
 
     def write(
-        self, namespace: str, key: bytes, payload: memoryview, done: Done | None = None
+        self,
+        namespace: str,
+        key: bytes,
+        payload: memoryview,
+        done: Done | None = None,
+        admitted_by: bytes = b"",
     ) -> WriteVerdict:
-        """Writes the block in the background unless it is there or dropped."""
+        """Writes the block in the background unless it is there or dropped;
+        `admitted_by`: the fleet key id that admitted the row (b"": this node's)."""
         if not is_aligned(payload):
             raise ValueError("the disk tier writes from page-aligned memory only")
         with self._lock:
@@ -226,7 +243,7 @@ class DiskTier(FileUpkeep):
             if self._recovering:
                 self.stats.dropped_recovering += 1
                 return WriteVerdict.RECOVERING
-            verdict, entry = self._space.begin_write(namespace, key, len(payload))
+            verdict, entry = self._space.begin_write(namespace, key, len(payload), admitted_by)
             self._space.flush()  # the records it evicted
             if entry is None:
                 return verdict
@@ -244,7 +261,7 @@ class DiskTier(FileUpkeep):
             header, tail = pages()
             key, offset = file.key, entry.offset
             value = key.payload_tag(entry.namespace, entry.key, offset, payload)
-            made = Header(entry.namespace, entry.key, entry.length, value)
+            made = Header(entry.namespace, entry.key, entry.length, value, entry.admitted_by)
             record.encode_header(made, header, offset, key)
             file.write_record(offset, header, payload, tail)
             digest = value
@@ -304,7 +321,7 @@ class DiskTier(FileUpkeep):
                 key, offset = file.key, entry.offset
                 found = record.decode_header(header, offset, key)
                 verified = found == Header(
-                    entry.namespace, entry.key, entry.length, entry.digest
+                    entry.namespace, entry.key, entry.length, entry.digest, entry.admitted_by
                 ) and hmac.compare_digest(
                     key.payload_tag(entry.namespace, entry.key, offset, dest), entry.digest or b""
                 )
@@ -366,6 +383,13 @@ class DiskTier(FileUpkeep):
                 self.directory,
                 progress.old_format,
                 record.VERSION,
+            )
+        if progress.unheld:
+            log.warning(
+                "disk tier %s: %d records of rows fetched from the fleet were dropped: the "
+                "fleet key that admitted them is no longer in the key file (rotated out)",
+                self.directory,
+                progress.unheld,
             )
         if progress.refused:
             log.warning(

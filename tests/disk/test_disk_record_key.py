@@ -19,7 +19,7 @@ from kvdepot.server.disk.record import PAGE
 from kvdepot.server.disk.space import WriteVerdict
 from kvdepot.server.disk.tier import DiskTier
 from kvdepot.server.memory.private_files import UnsafeFileError
-from tests.disk.helpers import NS, block, key, opened, read, record_key, write
+from tests.disk.helpers import NS, Waiter, block, key, opened, read, record_key, write
 from tests.disk.test_disk_recovery import patch, records_on_disk
 from tests.security.disk_forger import v1_header
 
@@ -122,3 +122,35 @@ def test_old_format_and_forged_headers_in_free_space_are_counted_not_adopted(
     )
     assert "2 pages that look like record headers did not authenticate" in caplog.text
     assert record_key(tmp_path).payload_tag(NS, key(8), at, payload) != tag
+
+
+@pytest.mark.parametrize("source", ["checkpoint", "scan"])
+def test_records_a_dropped_fleet_key_admitted_are_dropped(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, source: str
+) -> None:
+    """Rows fetched from the fleet keep the id of the key that admitted them on disk;
+    an open whose held keys lack it drops them (after a clean stop or a crash), and
+    keeps this node's own rows and those of a key still held."""
+    old, new = b"o" * 8, b"n" * 8
+    with opened(tmp_path, SIZE) as tier:
+        for i, admitted_by in enumerate([b"", old, new, old]):
+            w = Waiter()
+            tier.write(NS, key(i), block(key(i), LENGTH), w, admitted_by)
+            assert w.wait()
+        assert tier.record_of(NS, key(1)) == (LENGTH, old)
+    if source == "scan":
+        (tmp_path / CHECKPOINT).unlink()
+    tier = DiskTier(tmp_path, SIZE, held_fleet_keys=frozenset({new}))
+    tier.open()
+    try:
+        assert tier.wait_recovered(10)
+        stats = tier.snapshot()
+        assert stats["recovery_source"] == source
+        assert (stats["recovered"], stats["recovery_unheld"]) == (2, 2)
+        assert [tier.contains(NS, key(i)) for i in range(4)] == [True, False, True, False]
+        assert read(tier, key(2)) == bytes(block(key(2), LENGTH))
+        assert tier.record_of(NS, key(2)) == (LENGTH, new)
+        assert write(tier, key(1), LENGTH) is WriteVerdict.ACCEPTED  # its space is free
+    finally:
+        tier.close()
+    assert "2 records of rows fetched from the fleet were dropped" in caplog.text

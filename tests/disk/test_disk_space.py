@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -88,6 +89,18 @@ def test_a_header_round_trips_at_its_offset_under_its_key_only() -> None:
     assert record.refusal(bytes(PAGE)) is None
 
 
+def test_a_header_keeps_the_fleet_key_that_admitted_its_row() -> None:
+    page = memoryview(bytearray(PAGE))
+    header = Header("ns", b"key", 100, b"t" * 16, b"fleet-id")
+    record.encode_header(header, page, 0, KEY)
+    assert record.decode_header(page, 0, KEY) == header
+    local = Header("ns", b"key", 100, b"t" * 16)
+    record.encode_header(local, page, 0, KEY)
+    assert record.decode_header(page, 0, KEY) == local != header
+    with pytest.raises(record.RecordError, match="fleet key id"):
+        record.encode_header(Header("ns", b"key", 100, b"t" * 16, b"short"), page, 0, KEY)
+
+
 def test_the_payload_tag_binds_namespace_key_offset_and_key() -> None:
     base = KEY.payload_tag("ns", b"key", PAGE, b"payload")
     assert len(base) == record.DIGEST_BYTES
@@ -141,7 +154,7 @@ def test_the_first_reuse_of_a_freed_extent_overwrites_its_header(
     n = 0
     for pages, action in ops:
         items = space.ready_items()
-        before = {(ns, k): (off, record.record_size(size)) for ns, k, off, size, _ in items}
+        before = {(i[0], i[1]): (i[2], record.record_size(i[3])) for i in items}
         if action == 3 and before:  # a read that does not verify: dropped and freed
             ident = next(iter(before))
             entry = space.begin_read(*ident)
