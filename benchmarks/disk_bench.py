@@ -6,7 +6,7 @@
     python -m kvdepot.bench.disk_bench --working-set --pool 256MiB   # 8x the pool, replayed
 
 1. Write and read GB/s of the tier (kvdepot.server.disk.tier: O_DIRECT from
-   page-aligned memory, BLAKE3 digest on write and check on read, `--qd` I/O
+   page-aligned memory, keyed BLAKE3 tag on write and check on read, `--qd` I/O
    threads kept busy) against `fio` with direct I/O, libaio at the same block size
    and queue depth on a file in the same directory, as ratios. Without `fio` on the
    PATH its row is skipped with a note (Debian: apt-get install fio).
@@ -14,8 +14,9 @@
    records (one page of payload each) until its index is back, after a clean stop
    (its checkpoint) and as after a crash (the checkpoint removed: the header scan);
    and the scan of the throughput run's file (one header per block).
-3. The digests a record could carry, on one core, over `--block` bytes: BLAKE3
-   (what the tier uses), CRC-32 (zlib), BLAKE2b.
+3. The digests a record could carry, on one core, over `--block` bytes: keyed
+   BLAKE3 (what the tier uses: the payload's tag), unkeyed BLAKE3, CRC-32 (zlib),
+   BLAKE2b.
 4. With `--working-set` (instead of 1-3): real daemons with a `--pool` RAM pool, one
    with a disk tier and one without, a Zipf-like trace over a working set `--ws-ratio`
    (8) times the pool: hit rate by tier, the GB/s at which promoted blocks reach the
@@ -48,7 +49,7 @@ import blake3
 from kvdepot.bench.disk_working_set import run_working_set
 from kvdepot.bench.disk_working_set import working_set_table as ws_table
 from kvdepot.server.disk.checkpoint import FILE_NAME as CHECKPOINT
-from kvdepot.server.disk.record import PAGE
+from kvdepot.server.disk.record import PAGE, RecordKey
 from kvdepot.server.disk.space import WriteVerdict
 from kvdepot.server.disk.tier import DiskTier
 from kvdepot.server.sizes import parse_size
@@ -217,7 +218,9 @@ def scan_rate(directory: Path, records: int) -> dict[str, float]:
 def digest_rates(block: int) -> dict[str, float]:
     buf = memoryview(mmap.mmap(-1, block))
     buf[:] = os.urandom(block)
+    tag = RecordKey(os.urandom(32)).payload_tag  # keyed BLAKE3: what the tier computes
     fns: dict[str, Callable[[], object]] = {
+        "blake3_keyed": lambda: tag("ns", b"key", 0, buf),
         "blake3": lambda: blake3.blake3(buf).digest(16),
         "crc32": lambda: zlib.crc32(buf),
         "blake2b": lambda: hashlib.blake2b(buf, digest_size=16).digest(),

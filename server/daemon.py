@@ -44,7 +44,8 @@ from kvdepot.v1 import admin_pb2, admin_pb2_grpc, depot_pb2, depot_pb2_grpc
 
 if TYPE_CHECKING:
     from kvdepot.server.disk.link import DiskLink
-    from kvdepot.server.remote.link import RemoteLink
+    from kvdepot.server.remote.codec import Codec
+    from kvdepot.server.remote.link import RemoteLink, RemoteSettings
 
 log = logging.getLogger("kvdepot")
 
@@ -204,8 +205,10 @@ class Daemon:
         enable_cuda(st, st.arena)  # before the warm-up: it page-locks each warm chunk
         enable_pvm(st, cfg.pvm)  # engines' plain memory (process_vm_readv/writev); --pvm
         self._start_warmup(st)
-        disk = self.disk = self._disk_tier(st)
-        remote = self.remote = self._remote_tier(st)
+        # The fleet key first: the disk keeps the fleet's rows only under keys held now.
+        fleet = self._fleet()
+        disk = self.disk = self._disk_tier(st, fleet[1].held_ids if fleet else frozenset())
+        remote = self.remote = self._remote_tier(st, fleet)
 
         # Two servers on this loop: one grpc server cannot serve different services on
         # different ports, and Admin must never be on the engines' socket (or TCP).
@@ -312,14 +315,15 @@ class Daemon:
         await self._stop.wait()
         await self._shutdown(st, tasks)
 
-    def _remote_tier(self, st: DepotState) -> RemoteLink | None:
-        """The remote tier (`--remote`), attached to the state (DepotState.attach_remote_tier)."""
+    def _fleet(self) -> tuple[RemoteSettings, Codec] | None:
+        """`--remote`'s settings and the fleet's codec (its key file read once, here);
+        None without --remote."""
         cfg = self.config
         if not cfg.remote:
             return None
         try:
             from kvdepot.server.remote.fleet_key import KeyFileError
-            from kvdepot.server.remote.link import RemoteLink, RemoteSettings
+            from kvdepot.server.remote.link import RemoteSettings, fleet_codec
         except ImportError as exc:  # redis-py and blake3 are the `remote` extra
             raise RemoteTierError(
                 f"--remote needs redis-py and blake3 ({exc}): pip install 'kvdepot[remote]'"
@@ -335,18 +339,32 @@ class Daemon:
             insecure=cfg.remote_insecure,
         )
         try:
-            link = RemoteLink.from_settings(settings, st.index, st.arena, st.copy_queue)
+            return settings, fleet_codec(settings)
         except KeyFileError as exc:  # no fleet key, or one others could read
             raise RemoteTierError(str(exc)) from None
+
+    def _remote_tier(
+        self, st: DepotState, fleet: tuple[RemoteSettings, Codec] | None
+    ) -> RemoteLink | None:
+        """The remote tier (`--remote`), attached to the state (DepotState.attach_remote_tier)."""
+        if fleet is None:
+            return None
+        from kvdepot.server.remote.link import RemoteLink
+
+        settings, codec = fleet
+        try:
+            link = RemoteLink.from_settings(settings, st.index, st.arena, st.copy_queue, codec)
         except OSError as exc:
             raise RemoteTierError(f"--remote-password-file: {exc}") from None
         st.attach_remote_tier(link)  # Prefetch, GetStats, and every index event
         link.start()
         return link
 
-    def _disk_tier(self, st: DepotState) -> DiskLink | None:
+    def _disk_tier(self, st: DepotState, held_fleet_keys: frozenset[bytes]) -> DiskLink | None:
         """The disk tier (`--disk`), opened at once (its index comes back in the
-        background) and attached to the state (DepotState.attach_disk_tier)."""
+        background) and attached to the state (DepotState.attach_disk_tier);
+        `held_fleet_keys`: the fleet key ids of this run (records of rows another
+        key admitted are dropped)."""
         cfg = self.config
         if not cfg.disk:
             return None
@@ -363,6 +381,7 @@ class Daemon:
                 cfg.disk_size,
                 write_mode=cfg.disk_write,
                 background_writes=cfg.disk_write_priority == "low",
+                held_fleet_keys=held_fleet_keys,
             ),
             st.index,
             st.arena,

@@ -101,6 +101,16 @@ def test_roundtrip_keeps_ready_slots_offsets_and_lru_order() -> None:
     assert fresh.namespaces["ns-b"].layout == LAYOUTS[1]
 
 
+def test_rows_a_fleet_key_admitted_are_not_kept() -> None:
+    """A row fetched from the fleet is fetched again after a restart (and checked under
+    the keys held then): never in a snapshot (docs/security.md)."""
+    index = populated()
+    fleet = index.namespaces["ns-b"].slots[key(101)]
+    fleet.admitted_by = b"K" * 8
+    snap = snapshot.capture(index, POOL, IDENTITY)
+    assert len(snap.slots) == 24 and key(101) not in {s.key for s in snap.slots}
+
+
 def test_lru_order_survives_so_the_oldest_block_is_evicted_first() -> None:
     index = new_index()
     index.declare_namespace(LAYOUTS[1])

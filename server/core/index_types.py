@@ -53,6 +53,11 @@ class Slot:
     readers: int = 0  # load copies in flight
     reserver: Owner | None = None  # WRITING: who reserved the row (charged for its bytes)
     doomed: bool = False  # detached from its namespace; freed when no copy is in flight
+    # The fleet key id that verified the row, for a row fetched from the fleet (or
+    # promoted from a disk record of one); b"" for rows this node's engines stored.
+    # Such rows are never kept in the pool file nor written back to the fleet, and a
+    # restart without that key drops them from the disk (docs/security.md).
+    admitted_by: bytes = b""
 
     @property
     def pin_count(self) -> int:

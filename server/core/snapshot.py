@@ -127,7 +127,9 @@ def snapshot_path(pool_file: str | os.PathLike[str]) -> str:
 def capture(
     index: BlockIndex, pool_size: int, pool_file: PoolFileIdentity, boot_id: str = ""
 ) -> IndexSnapshot:
-    """The READY slots of `index` (writing and doomed slots are left out)."""
+    """The READY slots of `index` (writing and doomed slots are left out, and so are
+    rows a fleet key admitted: fetched again after the restart, they are checked
+    under the keys the node holds then, never kept past a key's rotation)."""
     return IndexSnapshot(
         pool_size=pool_size,
         granularity=index.allocator.granularity,
@@ -136,6 +138,7 @@ def capture(
         slots=[
             SnapshotSlot(s.namespace, s.key, s.extent.offset, s.extent.size)
             for s in index.ready_slots_by_age()
+            if not s.admitted_by
         ],
         boot_id=boot_id,
     )

@@ -1,6 +1,7 @@
 """The disk tier: a node-local disk below the RAM pool (docs/disk-tier.md).
 
-    record.py      the record: header page (namespace, key, length, BLAKE3 digest) + payload
+    record.py      the record: header page (namespace, key, length, keyed BLAKE3 tags) + payload
+    secret.py      the record key: random, created at first use, 0600 in the tier's directory
     space.py       DiskSpace (sans-I/O): placement, the index, LRU eviction, the write bound
     files.py       TierFile: the preallocated file, O_DIRECT record I/O, buffered fallback
     scan.py        the scan of the records' headers (the index after a crash)

@@ -1,18 +1,22 @@
 """The disk tier's index at a clean stop: written at close, taken back at the next open.
 
-A clean stop writes every readable record's namespace, key, offset, length and
-digest, least recently used first, to `kvdepot-disk.index` beside the tier's file,
-with the file's identity (device, inode, size, modification time) at that moment.
-The next open reads and deletes it (so a later SIGKILL leaves none behind, and that
-start scans the headers instead: kvdepot.server.disk.scan) and uses it only when
-the file's identity is unchanged, so the index comes back in one read instead of a
-scan. A checkpoint that does not apply is ignored, never trusted in part; and every
-read checks the record's digest anyway, so even a wrong checkpoint costs misses,
-never a wrong byte.
+A clean stop writes every readable record's namespace, key, offset, length,
+payload tag and admitting fleet key id, least recently used first, to
+`kvdepot-disk.index` beside the tier's file, with the file's identity (device,
+inode, size, modification time) at that moment. The next open reads and deletes
+it (so a later SIGKILL leaves none behind, and that start scans the headers
+instead: kvdepot.server.disk.scan) and uses it only when the file's identity is
+unchanged, so the index comes back in one read instead of a scan. A checkpoint
+that does not apply is ignored, never trusted in part; and every read checks the
+record's header and payload tags with the record key anyway
+(kvdepot.server.disk.record), so even a wrong checkpoint costs misses, never a
+wrong byte. Version 2 goes with the record format's version 2 (keyed tags): a
+version 1 checkpoint lists records that are no longer read, and is ignored.
 
 Format (integers little-endian): magic, version, the identity, the count, then
 per record u16 namespace length, u16 key length, u64 offset, u64 length, the
-digest, namespace, key; last, a CRC-32 of everything before it. Pure functions.
+payload's tag, u8 fleet key id length (0 or 8) and the id (8 bytes), namespace,
+key; last, a CRC-32 of everything before it. Pure functions.
 """
 
 from __future__ import annotations
@@ -21,25 +25,27 @@ import struct
 import zlib
 from collections.abc import Iterable
 
-from kvdepot.server.disk.record import DIGEST_BYTES
+from kvdepot.server.disk.record import DIGEST_BYTES, FLEET_ID_BYTES
 
 FILE_NAME = "kvdepot-disk.index"
 MAGIC = b"KVDINDEX"
-VERSION = 1
+VERSION = 2  # 1: of version 1 records (unkeyed digests), not read
 _HEAD = struct.Struct("<8sHQQQqQ")  # magic, version, dev, ino, size, mtime_ns, count
-_ENTRY = struct.Struct(f"<HHQQ{DIGEST_BYTES}s")
+_ENTRY = struct.Struct(f"<HHQQ{DIGEST_BYTES}sB{FLEET_ID_BYTES}s")
 _CRC = struct.Struct("<I")
 
 Identity = tuple[int, int, int, int]  # st_dev, st_ino, st_size, st_mtime_ns
-Item = tuple[str, bytes, int, int, bytes]  # namespace, key, offset, length, digest
+# namespace, key, offset, length, digest (the payload's tag), admitting fleet key id
+Item = tuple[str, bytes, int, int, bytes, bytes]
 
 
 def encode(identity: Identity, items: Iterable[Item]) -> bytes:
     body = bytearray()
     count = 0
-    for namespace, key, offset, length, digest in items:
+    for namespace, key, offset, length, digest, fleet in items:
         ns = namespace.encode()
-        body += _ENTRY.pack(len(ns), len(key), offset, length, digest) + ns + key
+        body += _ENTRY.pack(len(ns), len(key), offset, length, digest, len(fleet), fleet)
+        body += ns + key
         count += 1
     data = _HEAD.pack(MAGIC, VERSION, *identity, count) + body
     return bytes(data) + _CRC.pack(zlib.crc32(data))
@@ -62,14 +68,16 @@ def decode(data: bytes, identity: Identity) -> list[Item] | None:
     end = len(data) - _CRC.size
     try:
         for _ in range(count):
-            ns_len, key_len, offset, length, digest = _ENTRY.unpack_from(data, pos)
+            ns_len, key_len, offset, length, digest, fleet_len, fleet = _ENTRY.unpack_from(
+                data, pos
+            )
             pos += _ENTRY.size
-            if pos + ns_len + key_len > end:
+            if pos + ns_len + key_len > end or fleet_len not in (0, FLEET_ID_BYTES):
                 return None
             namespace = data[pos : pos + ns_len].decode()
             key = data[pos + ns_len : pos + ns_len + key_len]
             pos += ns_len + key_len
-            items.append((namespace, key, offset, length, digest))
+            items.append((namespace, key, offset, length, digest, fleet[:fleet_len]))
     except (struct.error, UnicodeDecodeError):
         return None
     return items if pos == end else None

@@ -10,6 +10,10 @@ so records go between the pool's memory and the disk without staging and the pag
 cache does not grow. Where the file system refuses O_DIRECT (ramfs; FUSE file
 systems) it falls back to buffered I/O, with a warning.
 
+The directory's record key (kvdepot.server.disk.secret) is loaded, or created,
+once the file is locked: a `TierFile` carries the key its records are written and
+checked with, so a directory made anew (the old one removed) gets a key of its own.
+
 `write_record` and `read_record` are blocking calls made on the tier's I/O threads
 (os.pwritev and os.preadv release the GIL); each takes two page-aligned scratch
 pages of its thread: one for the header, one for a payload's last partial page
@@ -29,7 +33,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvdepot.common.libc import libc
-from kvdepot.server.disk.record import PAGE
+from kvdepot.server.disk import secret
+from kvdepot.server.disk.record import PAGE, RecordKey
 from kvdepot.server.memory import private_files
 
 log = logging.getLogger("kvdepot.disk")
@@ -61,6 +66,7 @@ class TierFile:
     identity: tuple[int, int]  # (st_dev, st_ino): the file the tier opened
     found_bytes: int  # bytes that were there before this open (what a scan may read)
     found_identity: tuple[int, int, int, int]  # dev, ino, size, mtime_ns before this open
+    key: RecordKey  # the directory's: every record is written and checked with it
     users: int = 0  # I/O calls in progress (the tier counts them under its lock)
     retired: bool = False  # close once the last user is done
     _closed: bool = field(default=False, repr=False)
@@ -88,6 +94,7 @@ class TierFile:
             found = min(st.st_size, size)
             if st.st_size > size:
                 os.ftruncate(fd, size)
+            key = secret.load_or_create(directory)  # under the lock: one creator
             _reserve(fd, size, path)
             if direct and not _direct_works(fd):
                 os.close(fd)
@@ -104,7 +111,8 @@ class TierFile:
                 path,
             )
         identity = (st.st_dev, st.st_ino)
-        return cls(path, fd, size, direct, identity, found, (*identity, st.st_size, st.st_mtime_ns))
+        found_identity = (*identity, st.st_size, st.st_mtime_ns)
+        return cls(path, fd, size, direct, identity, found, found_identity, key)
 
     def identity_now(self) -> tuple[int, int, int, int]:
         """dev, ino, size, mtime_ns of the open file now (what a checkpoint vouches for)."""

@@ -102,6 +102,9 @@ class DiskSettings:
     # --disk-write-priority low: the write threads at the lowest priorities
     # (kvdepot.server.disk.io_threads.lower_priority)
     background_writes: bool = True
+    # The fleet key ids this node holds (--remote's key file; none without --remote):
+    # records of rows another key admitted are dropped at open (DiskTier).
+    held_fleet_keys: frozenset[bytes] = frozenset()
 
 
 @dataclass
@@ -150,6 +153,7 @@ class DiskLink:
             settings.size,
             max_inflight_bytes=inflight,
             write_thread_setup=lower_priority if settings.background_writes else None,
+            held_fleet_keys=settings.held_fleet_keys,
         )
         return cls(tier, index, arena, settings.write_mode, settings.high_water)
 
@@ -262,7 +266,9 @@ class DiskLink:
             return None, None
         view = self._arena.view(slot.extent.offset, layout.slot_bytes(slot.group))
         on_loop = self._on_loop
-        verdict = self.tier.write(namespace_id, key, view, lambda ok: on_loop(written, slot))
+        verdict = self.tier.write(
+            namespace_id, key, view, lambda ok: on_loop(written, slot), slot.admitted_by
+        )
         if verdict is not WriteVerdict.ACCEPTED:
             index.end_read(slot, use=use)
         return verdict, slot
@@ -328,27 +334,41 @@ class DiskLink:
             if (namespace_id, key) in self._promoting:
                 out.append(True)
                 continue
-            length = tier.length_of(namespace_id, key)
+            found = tier.record_of(namespace_id, key)
             size = layout.slot_bytes(check_key(key, layout.num_groups))
-            if length is None:
+            if found is None:
                 self.stats.misses += 1
                 out.append(False)
                 continue
+            length, admitted_by = found
             if length != size:  # another layout's row under this name: never loaded
                 self.stats.promote_drops["wrong_length"] += 1
                 out.append(False)
                 continue
-            out.append(self._read_into_pool(namespace_id, key, size, layout.world_size, asked_at))
+            out.append(
+                self._read_into_pool(
+                    namespace_id, key, size, layout.world_size, asked_at, admitted_by
+                )
+            )
         return out[::-1]
 
     def _read_into_pool(
-        self, namespace_id: str, key: bytes, size: int, world_size: int, asked_at: float
+        self,
+        namespace_id: str,
+        key: bytes,
+        size: int,
+        world_size: int,
+        asked_at: float,
+        admitted_by: bytes,
     ) -> bool:
         first = self._index.begin_store(namespace_id, key, 0, OWNER)
         if first.outcome is not StoreOutcome.WRITE or first.slot is None:
             self.stats.promote_drops["pool_full"] += 1
             return False
         slot = first.slot
+        # A fleet row stays one in RAM: never written back to the fleet, nor kept in
+        # the pool file (the read checks the record's header, this id among it).
+        slot.admitted_by = admitted_by
         # A fresh slot: every other rank's section is free to claim as well.
         for rank in range(1, world_size):
             self._index.begin_store(namespace_id, key, rank, OWNER)

@@ -1,19 +1,33 @@
-"""The disk tier's record: one block's bytes on disk, self-describing and checked.
+"""The disk tier's record: one block's bytes on disk, self-describing and authenticated.
 
 A record is one header page followed by the payload, both aligned to `PAGE`
 (4096) bytes so that O_DIRECT can write them straight from the pool's memory:
 
     page 0     header: magic, format version, namespace id, key, payload length,
-               the payload digest, and a CRC-32 of the header itself
+               the payload's tag, the fleet key id that admitted the row (none for
+               a row this node's engines stored), then the header's own tag
     page 1..   the payload, `length` bytes, padded to a multiple of PAGE
 
-The digest is BLAKE3 (16 bytes) over the namespace, key and length (framed with
-their lengths) and then the payload, so a record verifies only for the block it
-names: a torn record (a crash between the header and the last payload page), a
-stale one (an extent reused by a shorter record) or one of another namespace
-never does. The header's own CRC lets the recovery scan tell a header from
-payload bytes without reading the payload; the payload's digest is checked on
-every read (kvdepot.server.disk.tier).
+Both tags are keyed BLAKE3 (16 bytes) under the daemon's own record key
+(`RecordKey`: a random secret of the tier's directory, kvdepot.server.disk.secret),
+each under a subkey of its own, and both bind the record's file offset:
+
+- the payload's tag covers the offset, the namespace, key and length (framed with
+  their lengths) and then the payload, so a record verifies only for the block it
+  names, where it was written: a torn record (a crash between the header and the
+  last payload page), a stale one (an extent reused by a shorter record), one of
+  another namespace, or a whole valid record copied to another offset never does;
+- the header's tag covers the offset and the header's bytes (the payload's tag
+  among them), so the recovery scan tells a header from payload bytes without
+  reading the payload, and only a header this daemon wrote, at this offset, is
+  one. Payload bytes are a client's: a page of them that imitates a header (any
+  unkeyed digest or CRC can be computed by anyone) is refused, since nobody but the
+  daemon holds the key (docs/security.md, "The disk tier trusts only what it
+  wrote").
+
+The payload is hashed once on write and once on read, as before the tags were
+keyed: keyed BLAKE3 costs what unkeyed does. Version 1 (an unkeyed digest and a
+CRC-32) is not read: its records are not adopted (a cache: they are recomputed).
 
 BLAKE3 was measured against the alternatives on 1-4 MiB buffers, one core
 (docs/disk-tier.md): about 6.3 GB/s, CRC-32 (zlib) 3.8, BLAKE2b 0.9, so it keeps
@@ -21,29 +35,38 @@ up with an NVMe disk and costs less CPU than a CRC. It is the disk tier's
 dependency (the `disk` extra), as it is the remote tier's.
 
 Pure functions and constants: no files, threads or clocks. Callers (the tier's
-I/O threads, the recovery scan) own the buffers.
+I/O threads, the recovery scan) own the buffers and the key.
 """
 
 from __future__ import annotations
 
+import enum
+import hmac
 import struct
-import zlib
 from dataclasses import dataclass
 
 import blake3
 
 PAGE = 4096
 MAGIC = b"KVDDISK\x00"
-VERSION = 1
-DIGEST_BYTES = 16
+VERSION = 2  # 1: an unkeyed digest and a CRC-32 (not adopted: anyone could forge one)
+KEY_BYTES = 32
+FLEET_ID_BYTES = 8  # a fleet key's id (kvdepot.server.remote.fleet_key)
+DIGEST_BYTES = 16  # the payload's tag (the index keeps it as the record's digest)
+TAG_BYTES = 16
 MAX_NAMESPACE_BYTES = 1024
 MAX_KEY_BYTES = 1024
-# magic, version, namespace length, key length, payload length, digest; then the
-# namespace and key bytes; then the CRC-32 of everything before it.
-_FIXED = struct.Struct(f"<8sHHHQ{DIGEST_BYTES}s")
-_CRC = struct.Struct("<I")
-_FRAME = struct.Struct("<HHQ")  # the digest's framing of namespace, key, length
-assert _FIXED.size + MAX_NAMESPACE_BYTES + MAX_KEY_BYTES + _CRC.size <= PAGE
+# magic, version, namespace length, key length, payload length, the payload's tag,
+# the admitting fleet key id's length (0 or FLEET_ID_BYTES) and the id; then the
+# namespace and key bytes; then the header's tag over everything before it.
+_FIXED = struct.Struct(f"<8sHHHQ{DIGEST_BYTES}sB{FLEET_ID_BYTES}s")
+_HEAD = struct.Struct("<8sH")  # magic and version: what tells an old record apart
+_OFFSET = struct.Struct("<Q")  # the header tag's binding to the record's offset
+_FRAME = struct.Struct("<QHHQ")  # the payload tag's framing: offset, namespace, key, length
+assert _FIXED.size + MAX_NAMESPACE_BYTES + MAX_KEY_BYTES + TAG_BYTES <= PAGE
+# Subkeys of the record key, one per tag (BLAKE3's key derivation mode).
+_PAYLOAD_CONTEXT = "kvdepot disk tier record payload tag v2"
+_HEADER_CONTEXT = "kvdepot disk tier record header tag v2"
 
 
 class RecordError(ValueError):
@@ -52,16 +75,59 @@ class RecordError(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class Header:
-    """What a record's header page says (checked by its CRC, not yet its payload)."""
+    """What a record's header page says (authenticated by its tag; the payload not yet)."""
 
     namespace: str
     key: bytes
     length: int  # payload bytes
-    digest: bytes
+    digest: bytes  # the payload's tag
+    admitted_by: bytes = b""  # the fleet key id that admitted the row; b"": local
 
     @property
     def record_size(self) -> int:
         return record_size(self.length)
+
+
+class Refusal(enum.Enum):
+    """Why a page that starts like a record header is not one (`refusal`)."""
+
+    OLD_FORMAT = "old_format"  # another format version: not read, not adopted
+    UNAUTHENTIC = "unauthentic"  # this version, but its tag fails: forged, damaged or
+    # written under another key (the key file replaced), or at another offset
+
+
+class RecordKey:
+    """The daemon's secret for its records (32 random bytes, kept in the tier's
+    directory: kvdepot.server.disk.secret), as the two tags' keys."""
+
+    __slots__ = ("_header", "_payload")
+
+    def __init__(self, secret: bytes) -> None:
+        if len(secret) != KEY_BYTES:
+            raise ValueError(f"a record key has {KEY_BYTES} bytes, not {len(secret)}")
+        self._payload = blake3.blake3(secret, derive_key_context=_PAYLOAD_CONTEXT).digest()
+        self._header = blake3.blake3(secret, derive_key_context=_HEADER_CONTEXT).digest()
+
+    def __repr__(self) -> str:  # never the secret, in a log or a traceback
+        return "RecordKey(...)"
+
+    def payload_tag(
+        self, namespace: str, key: bytes, offset: int, payload: memoryview | bytes
+    ) -> bytes:
+        """The payload's tag for this namespace and key at `offset` (over
+        `len(payload)` bytes). Releases the GIL for large payloads (blake3), so it
+        runs on I/O threads."""
+        ns = _names(namespace, key)
+        h = blake3.blake3(_FRAME.pack(offset, len(ns), len(key), len(payload)), key=self._payload)
+        h.update(ns)
+        h.update(key)
+        h.update(payload)
+        return h.digest(DIGEST_BYTES)
+
+    def header_tag(self, body: memoryview | bytes, offset: int) -> bytes:
+        h = blake3.blake3(_OFFSET.pack(offset), key=self._header)
+        h.update(body)
+        return h.digest(TAG_BYTES)
 
 
 def round_up(n: int) -> int:
@@ -83,43 +149,54 @@ def _names(namespace: str, key: bytes) -> bytes:
     return ns
 
 
-def digest(namespace: str, key: bytes, payload: memoryview | bytes) -> bytes:
-    """The payload's digest for this namespace and key (over `len(payload)` bytes).
-
-    Releases the GIL for large payloads (blake3), so it runs on I/O threads."""
-    ns = _names(namespace, key)
-    h = blake3.blake3(_FRAME.pack(len(ns), len(key), len(payload)))
-    h.update(ns)
-    h.update(key)
-    h.update(payload)
-    return h.digest(DIGEST_BYTES)
-
-
-def encode_header(header: Header, page: memoryview) -> None:
-    """Writes `header` into the first PAGE bytes of `page` (the rest zeroed)."""
+def encode_header(header: Header, page: memoryview, offset: int, key: RecordKey) -> None:
+    """Writes `header` for a record at file `offset` into the first PAGE bytes of
+    `page` (the rest zeroed)."""
     ns = _names(header.namespace, header.key)
     if header.length <= 0:
         raise RecordError("a record needs a payload")
-    fixed = _FIXED.pack(MAGIC, VERSION, len(ns), len(header.key), header.length, header.digest)
+    fleet = header.admitted_by
+    if len(fleet) not in (0, FLEET_ID_BYTES):
+        raise RecordError(f"a fleet key id has {FLEET_ID_BYTES} bytes, not {len(fleet)}")
+    fixed = _FIXED.pack(
+        MAGIC, VERSION, len(ns), len(header.key), header.length, header.digest, len(fleet), fleet
+    )
     body = fixed + ns + header.key
-    page[:PAGE] = body + _CRC.pack(zlib.crc32(body)) + bytes(PAGE - len(body) - _CRC.size)
+    tag = key.header_tag(body, offset)
+    page[:PAGE] = body + tag + bytes(PAGE - len(body) - TAG_BYTES)
 
 
-def decode_header(page: memoryview | bytes) -> Header | None:
-    """The header in the first PAGE bytes of `page`; None for anything else (payload
-    bytes, zeros, a torn or damaged header, another format version). Never raises."""
+def decode_header(page: memoryview | bytes, offset: int, key: RecordKey) -> Header | None:
+    """The header in the first PAGE bytes of `page`, read at file `offset`; None for
+    anything else: payload bytes, zeros, a torn or damaged header, another format
+    version, a header whose tag this key and offset do not give (forged, copied
+    from elsewhere). Never raises."""
     if len(page) < PAGE or bytes(page[:8]) != MAGIC:
         return None
-    _magic, version, ns_len, key_len, length, dig = _FIXED.unpack_from(page, 0)
+    _magic, version, ns_len, key_len, length, dig, fleet_len, fleet = _FIXED.unpack_from(page, 0)
     if version != VERSION or ns_len > MAX_NAMESPACE_BYTES or key_len > MAX_KEY_BYTES:
         return None
+    if fleet_len not in (0, FLEET_ID_BYTES):
+        return None
     end = _FIXED.size + ns_len + key_len
-    (crc,) = _CRC.unpack_from(page, end)
-    if crc != zlib.crc32(page[:end]) or length <= 0:
+    tag = bytes(page[end : end + TAG_BYTES])
+    if not hmac.compare_digest(tag, key.header_tag(page[:end], offset)) or length <= 0:
         return None
     try:
         namespace = bytes(page[_FIXED.size : _FIXED.size + ns_len]).decode()
     except UnicodeDecodeError:
         return None
-    key = bytes(page[_FIXED.size + ns_len : end])
-    return Header(namespace, key, length, dig)
+    name = bytes(page[_FIXED.size + ns_len : end])
+    return Header(namespace, name, length, dig, fleet[:fleet_len])
+
+
+def refusal(page: memoryview | bytes) -> Refusal | None:
+    """Why a page `decode_header` refused looks like a header all the same (the
+    recovery scan counts them); None for a page that does not (payload bytes,
+    zeros)."""
+    if len(page) < _HEAD.size:
+        return None
+    magic, version = _HEAD.unpack_from(page, 0)
+    if magic != MAGIC:
+        return None
+    return Refusal.UNAUTHENTIC if version == VERSION else Refusal.OLD_FORMAT

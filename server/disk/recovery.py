@@ -11,7 +11,9 @@
   changed since). It hands its work to the tier in batches through `apply`, which
   runs a function on the tier's DiskSpace under the tier's lock (and not at all
   once the file is no longer the tier's); `finished` is called once, with the
-  reason when the file could not be read.
+  reason when the file could not be read. Records a fleet key admitted (rows
+  fetched from the remote tier) come back only while the node still holds that
+  key (`held_fleet_keys`): a restart without it drops them, counted (`unheld`).
 """
 
 from __future__ import annotations
@@ -50,7 +52,8 @@ def take_checkpoint(file: TierFile) -> list[Item] | None:
     if items is None:
         log.warning(
             "disk tier %s: the index checkpoint does not match the file (written since the "
-            "clean stop, replaced, or damaged): the index is rebuilt from the headers",
+            "clean stop, replaced, damaged, or of an older kvdepot): the index is rebuilt "
+            "from the headers",
             file.path,
         )
     return items
@@ -72,9 +75,11 @@ class IndexRebuild(threading.Thread):
         apply: Apply,
         finished: Callable[[str | None], None],
         halt: threading.Event,
+        held_fleet_keys: frozenset[bytes] = frozenset(),
     ) -> None:
         super().__init__(name="kvdepot-disk-index", daemon=True)
         self.file = file
+        self._held = held_fleet_keys
         self.progress = progress
         self._apply = apply
         self._finished = finished
@@ -88,7 +93,8 @@ class IndexRebuild(threading.Thread):
                 self._scan()
             else:
                 self.progress.source = "checkpoint"
-                self._load(items)
+                self.progress.headers = len(items)
+                self._load([item for item in items if self._kept(item[5])])
         except OSError as exc:
             error = str(exc)
         finally:
@@ -111,7 +117,6 @@ class IndexRebuild(threading.Thread):
             self._apply(lambda space, s=start: claim(space, by_offset[s : s + BATCH]))
         for start in range(0, len(items), BATCH):  # in LRU order, least recent first
             self._apply(lambda space, s=start: publish(space, range(s, min(s + BATCH, len(items)))))
-        self.progress.headers = len(items)
         self.progress.scanned_bytes = self.progress.total_bytes
 
     def _scan(self) -> None:
@@ -119,12 +124,13 @@ class IndexRebuild(threading.Thread):
         batch: list[Item] = []
 
         def adopt(space: DiskSpace, found: list[Item]) -> tuple[int, int]:
-            kept = sum(1 for ns, key, off, n, dig in found if space.adopt(ns, key, off, n, dig))
+            kept = sum(1 for item in found if space.adopt(*item))
             return kept, len(found) - kept
 
         try:
             for offset, h in scan_headers(self.file, memoryview(window), self.progress):
-                batch.append((h.namespace, h.key, offset, h.length, h.digest))
+                if self._kept(h.admitted_by):
+                    batch.append((h.namespace, h.key, offset, h.length, h.digest, h.admitted_by))
                 if len(batch) >= BATCH:
                     self._apply(lambda space, b=batch: adopt(space, b))
                     batch = []
@@ -133,3 +139,10 @@ class IndexRebuild(threading.Thread):
             self._apply(lambda space, b=batch: adopt(space, b))
         finally:
             window.close()
+
+    def _kept(self, admitted_by: bytes) -> bool:
+        """A record of this node's own rows, or of one a fleet key it holds admitted."""
+        if not admitted_by or admitted_by in self._held:
+            return True
+        self.progress.unheld += 1
+        return False

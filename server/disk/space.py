@@ -12,6 +12,14 @@ bound on bytes being written.
   when the allocator has no room, the least
   recently used records are evicted (in memory: their bytes stay on disk until
   overwritten, and a record read meanwhile is skipped) until the record fits.
+  The allocator places a record at the start of a free extent, so the first
+  record to reuse any page of a freed record's extent starts at or before that
+  record's header page and its own write overwrites it: an evicted header never
+  survives in front of a newer record (only while that write is in flight, or
+  torn by a crash), and no second write is needed to wipe it
+  (tests/disk/test_disk_space.py checks this). What is left of an evicted
+  record's payload is a client's bytes: the record key keeps them from ever
+  passing for a header (kvdepot.server.disk.record).
 - `begin_read` touches the entry (LRU) and holds it against eviction until
   `finish_read`; a read that did not verify drops the entry.
 - `adopt` re-creates an entry found by the recovery scan; `clear` forgets all
@@ -56,6 +64,7 @@ class Entry:
     length: int  # payload bytes
     digest: bytes | None  # None while being written
     generation: int
+    admitted_by: bytes = b""  # the fleet key id that admitted the row (b"": local)
     readers: int = 0
     dropped: bool = False  # to be freed when its last reader finishes
 
@@ -119,16 +128,23 @@ class DiskSpace:
                 moved += 1
         return moved
 
-    def ready_items(self) -> list[tuple[str, bytes, int, int, bytes]]:
-        """(namespace, key, offset, length, digest) of the readable records, least
-        recently used first (a checkpoint's items)."""
-        ready = self._ready.values()
-        return [(e.namespace, e.key, e.offset, e.length, e.digest or b"") for e in ready]
+    def record_of(self, namespace: str, key: bytes) -> tuple[int, bytes] | None:
+        """(payload length, admitting fleet key id) of a readable record."""
+        entry = self._ready.get((namespace, key))
+        return None if entry is None else (entry.length, entry.admitted_by)
+
+    def ready_items(self) -> list[tuple[str, bytes, int, int, bytes, bytes]]:
+        """(namespace, key, offset, length, digest, admitted_by) of the readable
+        records, least recently used first (a checkpoint's items)."""
+        return [
+            (e.namespace, e.key, e.offset, e.length, e.digest or b"", e.admitted_by)
+            for e in self._ready.values()
+        ]
 
     # -- writes --------------------------------------------------------------------------
 
     def begin_write(
-        self, namespace: str, key: bytes, length: int
+        self, namespace: str, key: bytes, length: int, admitted_by: bytes = b""
     ) -> tuple[WriteVerdict, Entry | None]:
         ident = (namespace, key)
         if ident in self._ready or ident in self._writing:
@@ -143,7 +159,9 @@ class DiskSpace:
         if extent is None:
             self.counters.no_space += 1
             return WriteVerdict.NO_SPACE, None
-        entry = Entry(namespace, key, extent.offset, extent.size, length, None, self.generation)
+        entry = Entry(
+            namespace, key, extent.offset, extent.size, length, None, self.generation, admitted_by
+        )
         self._writing[ident] = entry
         self.inflight_bytes += extent.size
         return WriteVerdict.ACCEPTED, entry
@@ -210,9 +228,19 @@ class DiskSpace:
 
     # -- recovery ------------------------------------------------------------------------
 
-    def adopt(self, namespace: str, key: bytes, offset: int, length: int, digest: bytes) -> bool:
+    def adopt(
+        self,
+        namespace: str,
+        key: bytes,
+        offset: int,
+        length: int,
+        digest: bytes,
+        admitted_by: bytes = b"",
+    ) -> bool:
         """Re-creates a record the scan found: `claim` then `publish`."""
-        return self.claim(offset, length) and self.publish(namespace, key, offset, length, digest)
+        return self.claim(offset, length) and self.publish(
+            namespace, key, offset, length, digest, admitted_by
+        )
 
     def claim(self, offset: int, length: int) -> bool:
         """Claims a found record's extent, invisible until `publish`; False when it is
@@ -224,7 +252,15 @@ class DiskSpace:
             return False
         return True
 
-    def publish(self, namespace: str, key: bytes, offset: int, length: int, digest: bytes) -> bool:
+    def publish(
+        self,
+        namespace: str,
+        key: bytes,
+        offset: int,
+        length: int,
+        digest: bytes,
+        admitted_by: bytes = b"",
+    ) -> bool:
         """Makes a claimed record readable, as the most recently used (a change, as a
         write's is: recovered records are announced); False (and its extent freed)
         when its key is known already."""
@@ -232,7 +268,7 @@ class DiskSpace:
         if (namespace, key) in self._ready or (namespace, key) in self._writing:
             self.allocator.free(Extent(offset, size))
             return False
-        entry = Entry(namespace, key, offset, size, length, digest, self.generation)
+        entry = Entry(namespace, key, offset, size, length, digest, self.generation, admitted_by)
         self._ready[(namespace, key)] = entry
         self._changed(entry, None)
         return True

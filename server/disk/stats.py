@@ -47,5 +47,8 @@ class DiskStats:
             recovery_scanned_bytes=progress.scanned_bytes,
             recovery_total_bytes=progress.total_bytes,
             recovery_headers=progress.headers,
+            recovery_refused=progress.refused,
+            recovery_old_format=progress.old_format,
+            recovery_unheld=progress.unheld,
         )
         return out

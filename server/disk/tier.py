@@ -20,9 +20,10 @@ records (the caller's or an I/O thread): it must only hand the list on.
 Promises:
 - a block is written once; writes past `max_inflight_bytes` in flight, while the
   index is rebuilt or while the disk is down are dropped and counted, never queued;
-- every read checks the record's header and the payload's digest against what the
-  index holds (kvdepot.server.disk.record): a torn, damaged, stale or foreign
-  record is dropped and counted, and `done(False)` is all the caller sees;
+- every read checks the record's header and the payload's tag (keyed with the
+  directory's record key, bound to the record's offset) against what the index
+  holds (kvdepot.server.disk.record): a torn, damaged, stale, foreign, moved or
+  forged record is dropped and counted, and `done(False)` is all the caller sees;
 - a failed write or read (ENOSPC, EIO, EROFS, the file removed) marks the tier
   down (kvdepot.server.disk.health), never raises into the caller; a probe later
   reserves the space again or creates the file anew, and the tier comes back.
@@ -33,6 +34,7 @@ Promises:
 from __future__ import annotations
 
 import errno
+import hmac
 import logging
 import os
 import threading
@@ -68,9 +70,12 @@ class DiskTier(FileUpkeep):
         max_inflight_bytes: int = 256 << 20,
         io_threads: int = 4,
         write_thread_setup: Callable[[], None] | None = None,
+        held_fleet_keys: frozenset[bytes] = frozenset(),
     ) -> None:
         """`write_thread_setup` runs first on each write thread (DiskLink lowers their
-        CPU and I/O priority there: writes behind are background work)."""
+        CPU and I/O priority there: writes behind are background work).
+        `held_fleet_keys`: the fleet key ids this node holds; a record of a row
+        another key admitted is not brought back at open."""
         self.directory = Path(directory)
         self.size = size - size % PAGE
         self.health = disk_health(str(self.directory))
@@ -94,6 +99,7 @@ class DiskTier(FileUpkeep):
         self._probing = False
         self._stop = threading.Event()
         self._rebuild: IndexRebuild | None = None
+        self._held_fleet_keys = held_fleet_keys
 
     # -- life ----------------------------------------------------------------------------
 
@@ -183,6 +189,7 @@ class DiskTier(FileUpkeep):
             lambda work: self._adopt(file, work),
             lambda error: self._rebuilt(file, error),
             self._stop,
+            self._held_fleet_keys,
         )
         self._rebuild.start()
 
@@ -208,6 +215,12 @@ class DiskTier(FileUpkeep):
         with self._lock:
             return self._space.length_of(namespace, key)
 
+    def record_of(self, namespace: str, key: bytes) -> tuple[int, bytes] | None:
+        """(payload bytes, the fleet key id that admitted the row or b"") of a block
+        on disk, None when it is not there."""
+        with self._lock:
+            return self._space.record_of(namespace, key)
+
     def snapshot(self) -> dict[str, object]:
         """Counters, capacity and recovery progress (for GetStats and Prometheus)."""
         with self._lock:
@@ -216,9 +229,15 @@ class DiskTier(FileUpkeep):
     # -- writes --------------------------------------------------------------------------
 
     def write(
-        self, namespace: str, key: bytes, payload: memoryview, done: Done | None = None
+        self,
+        namespace: str,
+        key: bytes,
+        payload: memoryview,
+        done: Done | None = None,
+        admitted_by: bytes = b"",
     ) -> WriteVerdict:
-        """Writes the block in the background unless it is there or dropped."""
+        """Writes the block in the background unless it is there or dropped;
+        `admitted_by`: the fleet key id that admitted the row (b"": this node's)."""
         if not is_aligned(payload):
             raise ValueError("the disk tier writes from page-aligned memory only")
         with self._lock:
@@ -229,7 +248,7 @@ class DiskTier(FileUpkeep):
             if self._recovering:
                 self.stats.dropped_recovering += 1
                 return WriteVerdict.RECOVERING
-            verdict, entry = self._space.begin_write(namespace, key, len(payload))
+            verdict, entry = self._space.begin_write(namespace, key, len(payload), admitted_by)
             self._space.flush()  # the records it evicted
             if entry is None:
                 return verdict
@@ -245,9 +264,11 @@ class DiskTier(FileUpkeep):
             if not file.still_there():
                 raise FileNotFoundError(2, f"{file.path} was removed")
             header, tail = pages()
-            value = record.digest(entry.namespace, entry.key, payload)
-            record.encode_header(Header(entry.namespace, entry.key, entry.length, value), header)
-            file.write_record(entry.offset, header, payload, tail)
+            key, offset = file.key, entry.offset
+            value = key.payload_tag(entry.namespace, entry.key, offset, payload)
+            made = Header(entry.namespace, entry.key, entry.length, value, entry.admitted_by)
+            record.encode_header(made, header, offset, key)
+            file.write_record(offset, header, payload, tail)
             digest = value
         except OSError as exc:
             # A read-only file system is let go of as a removed file is: its repair
@@ -302,10 +323,12 @@ class DiskTier(FileUpkeep):
         try:
             header, tail = pages()
             if file.read_record(entry.offset, header, dest, tail):
-                found = record.decode_header(header)
-                verified = (
-                    found == Header(entry.namespace, entry.key, entry.length, entry.digest)
-                    and record.digest(entry.namespace, entry.key, dest) == entry.digest
+                key, offset = file.key, entry.offset
+                found = record.decode_header(header, offset, key)
+                verified = found == Header(
+                    entry.namespace, entry.key, entry.length, entry.digest, entry.admitted_by
+                ) and hmac.compare_digest(
+                    key.payload_tag(entry.namespace, entry.key, offset, dest), entry.digest or b""
                 )
         except OSError as exc:
             failure = why(exc)
@@ -348,14 +371,40 @@ class DiskTier(FileUpkeep):
             self._release(file)
             recovered, dropped = self.stats.recovered, self.stats.recovery_dropped
         self._recovered.set()
+        progress = self.progress
         log.info(
             "disk tier %s: index back (from its %s), %d records kept, %d dropped (duplicates "
             "or overlaps)",
             self.directory,
-            self.progress.source,
+            progress.source,
             recovered,
             dropped,
         )
+        if progress.old_format:
+            log.warning(
+                "disk tier %s: %d record headers of an older format (before version %d) were "
+                "not adopted: their digests were not keyed, so anyone could have forged them; "
+                "the disk is a cache, so they cost a recompute",
+                self.directory,
+                progress.old_format,
+                record.VERSION,
+            )
+        if progress.unheld:
+            log.warning(
+                "disk tier %s: %d records of rows fetched from the fleet were dropped: the "
+                "fleet key that admitted them is no longer in the key file (rotated out)",
+                self.directory,
+                progress.unheld,
+            )
+        if progress.refused:
+            log.warning(
+                "disk tier %s: %d pages that look like record headers did not authenticate "
+                "with this directory's record key and were not adopted (a client's bytes in "
+                "freed space imitating a header, a damaged header, or records written under "
+                "another key)",
+                self.directory,
+                progress.refused,
+            )
 
 
 def _call(done: Done | None, ok: bool) -> None:

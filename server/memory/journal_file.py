@@ -186,7 +186,10 @@ class Journal:
         if event.kind is EventKind.STORED:
             for key in event.keys:
                 slot = ns.slots.get(key)
-                if slot is None:
+                if slot is None or slot.admitted_by:
+                    # A row a fleet key admitted is not kept past a restart (fetched
+                    # again, it is checked under the keys held then): never listed,
+                    # so never recovered (and its removal needs no FREED record).
                     continue
                 ident = (event.namespace, key)
                 known = self.live.get(ident)

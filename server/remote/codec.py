@@ -44,12 +44,12 @@ import zlib
 
 from blake3 import blake3
 
-from kvdepot.server.remote.fleet_key import Keyring
+from kvdepot.server.remote.fleet_key import INSECURE_ID, KEY_ID_BYTES, Keyring
 
 MAGIC = b"KVDR"
 _HEADER = struct.Struct(">4sBBHHHQ")  # the fields both formats share (20 bytes)
 _CRC = struct.Struct(">I")
-_KEY_ID_BYTES = 8
+_KEY_ID_BYTES = KEY_ID_BYTES
 _MAC_BYTES = 32
 HEADER_V1 = _HEADER.size + _CRC.size  # 24
 HEADER_V2 = _HEADER.size + _KEY_ID_BYTES + _MAC_BYTES  # 60
@@ -95,9 +95,21 @@ class Codec:
         mac = _mac(fk.mac_key, head, ns, key, payload)
         return b"".join((head, mac, ns, key, payload))
 
+    @property
+    def held_ids(self) -> frozenset[bytes]:
+        """The key ids this node admits rows under (format 1: INSECURE_ID)."""
+        return frozenset({INSECURE_ID}) if self.keyring is None else self.keyring.ids
+
     def decode(self, value: bytes, namespace_id: str, key: bytes, payload_len: int) -> memoryview:
         """The payload of `value` if it is this namespace's row for `key` of
         `payload_len` bytes and authentic (format 1: intact); else VerifyError."""
+        return self.admit(value, namespace_id, key, payload_len)[0]
+
+    def admit(
+        self, value: bytes, namespace_id: str, key: bytes, payload_len: int
+    ) -> tuple[memoryview, bytes]:
+        """`decode`'s payload and the id of the key that verified it (INSECURE_ID for
+        format 1): what the row remembers, so that dropping the key drops it."""
         if len(value) < _HEADER.size:
             raise VerifyError("truncated", f"{len(value)} bytes, shorter than the header")
         magic, version, _flags, ns_len, key_len, _res, plen = _HEADER.unpack_from(value)
@@ -129,7 +141,7 @@ class Codec:
             got = zlib.crc32(payload, zlib.crc32(key, zlib.crc32(ns, zlib.crc32(head))))
             if got != crc:
                 raise VerifyError("bad_checksum", "the checksum does not match: corrupted")
-            return payload
+            return payload, INSECURE_ID
         key_id = bytes(mv[_HEADER.size : _HEADER.size + _KEY_ID_BYTES])
         fk = self.keyring.by_id(key_id)
         if fk is None:
@@ -140,7 +152,7 @@ class Codec:
         want = _mac(fk.mac_key, mv[:head_end], ns, key, payload)
         if not hmac.compare_digest(want, mv[head_end:HEADER_V2]):
             raise VerifyError("bad_mac", "the MAC does not match: forged or corrupted")
-        return payload
+        return payload, fk.id
 
 
 def _mac(mac_key: bytes, head: bytes | memoryview, ns: bytes, key: bytes, payload) -> bytes:

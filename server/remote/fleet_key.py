@@ -6,8 +6,10 @@ of the key wrote: write access to the shared Redis is not enough.
 
 The file (`--remote-key-file`, KVDEPOT_REMOTE_KEY_FILE) holds the current key
 on its first line and, optionally, the previous one on its second (rotation:
-rows are verified with either, written with the current). Each key is a line of
-at least 32 characters (e.g. `openssl rand -hex 32`); blank lines and lines
+rows are verified with either, written with the current). A row a node admits
+remembers the id of the key that verified it (`Slot.admitted_by`), so that a
+restart without that key drops it wherever the node kept it (docs/security.md).
+Each key is a line of at least 32 characters (e.g. `openssl rand -hex 32`); blank lines and lines
 starting with `#` are skipped. The file must not be readable or writable by
 anyone but its owner (mode & 0o077 == 0): a key others can read is no secret.
 
@@ -25,6 +27,10 @@ from dataclasses import dataclass
 from blake3 import blake3
 
 MIN_KEY_CHARS = 32
+KEY_ID_BYTES = 8
+# What a row admitted under format 1 (--remote-insecure, no key) remembers in place
+# of a key id: a derived id is never this (but with odds of 2^-64).
+INSECURE_ID = b"\xff" * KEY_ID_BYTES
 _MAC_CONTEXT = "kvdepot 2025-07 remote tier value MAC v2"
 _ID_CONTEXT = "kvdepot 2025-07 remote tier key id v2"
 
@@ -46,7 +52,7 @@ def derive(secret: bytes) -> FleetKey:
     """The MAC key and id of one secret (separate derivations: the id, which is
     stored in the clear, tells nothing about the MAC key)."""
     return FleetKey(
-        id=blake3(secret, derive_key_context=_ID_CONTEXT).digest(8),
+        id=blake3(secret, derive_key_context=_ID_CONTEXT).digest(KEY_ID_BYTES),
         mac_key=blake3(secret, derive_key_context=_MAC_CONTEXT).digest(),
     )
 
@@ -64,6 +70,11 @@ class Keyring:
         if self.previous is not None and key_id == self.previous.id:
             return self.previous
         return None
+
+    @property
+    def ids(self) -> frozenset[bytes]:
+        """The ids of the keys held: a row admitted under another is dropped."""
+        return frozenset(k.id for k in (self.current, self.previous) if k is not None)
 
     @classmethod
     def from_secrets(cls, current: bytes, previous: bytes | None = None) -> Keyring:

@@ -119,11 +119,18 @@ class RemoteLink:
 
     @classmethod
     def from_settings(
-        cls, settings: RemoteSettings, index: BlockIndex, arena: Arena, copy_queue: CopyQueue
+        cls,
+        settings: RemoteSettings,
+        index: BlockIndex,
+        arena: Arena,
+        copy_queue: CopyQueue,
+        codec: Codec | None = None,
     ) -> RemoteLink:
+        """`codec`: the fleet's, when the caller read the key file already."""
         from kvdepot.server.remote.redis_tier import RedisTier
 
-        codec = fleet_codec(settings)  # first: a refused key file connects nothing
+        if codec is None:
+            codec = fleet_codec(settings)  # first: a refused key file connects nothing
         tier = RedisTier(
             settings.url,
             password=read_password(settings.password_file),

@@ -242,18 +242,22 @@ class Fetcher:
                 )
                 continue
             try:
-                payload = await loop.run_in_executor(None, self._codec.decode, value, ns, key, size)
+                payload, admitted_by = await loop.run_in_executor(
+                    None, self._codec.admit, value, ns, key, size
+                )
             except codec.VerifyError as exc:
                 self._reject(ns, key, exc)
                 continue
             self._stats.read_bytes += size
-            if await self._insert(ns, key, payload):
+            if await self._insert(ns, key, payload, admitted_by):
                 self._stats.hits += 1
                 self._stats.miss_to_ready_seconds.observe(time.monotonic() - asked_at)
 
-    async def _insert(self, namespace_id: str, key: bytes, payload: memoryview) -> bool:
-        """Makes a verified row READY in the pool; False if it was not needed or
-        did not fit."""
+    async def _insert(
+        self, namespace_id: str, key: bytes, payload: memoryview, admitted_by: bytes
+    ) -> bool:
+        """Makes a verified row READY in the pool, remembering the key id that
+        admitted it; False if it was not needed or did not fit."""
         try:
             ns = self._index.namespace(namespace_id)
         except UnknownNamespace:
@@ -276,6 +280,7 @@ class Fetcher:
             self._stats.fetch_drops["pool_full"] += 1
             return False
         slot = first.slot
+        slot.admitted_by = admitted_by  # before READY: the listeners read it
         # A fresh slot: every other rank's section is free to claim as well.
         for rank in range(1, ns.layout.world_size):
             self._index.begin_store(namespace_id, key, rank, OWNER)

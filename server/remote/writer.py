@@ -17,7 +17,11 @@ event loop, synchronously, as the index announces a change.
 Back-pressure: queued plus in-flight bytes never exceed `max_inflight_bytes`;
 a row that would go past it is dropped and counted ("backlog_full"), as is every
 row while the tier is down ("tier_down"). The local path never waits on the tier.
-Rows that came from the tier (the reader's) are not written back.
+Rows that came from the tier (the reader's) are not written back, nor is any row a
+fleet key admitted (`Slot.admitted_by`: one promoted from a disk record of a fleet
+row too): a node writes to the fleet, under its current key, only what its own
+engines stored, so a row admitted under a key being rotated out is never rewritten
+under the new one.
 """
 
 from __future__ import annotations
@@ -125,9 +129,14 @@ class WriteBehind:
     def on_event(self, event: IndexEvent) -> None:
         ns = event.namespace
         if event.kind is EventKind.STORED:
+            space = self._index.namespaces.get(ns)
+            slots = space.slots if space is not None else {}
             for key in event.keys:
                 if (ns, key) in self.from_tier:
                     self.from_tier.discard((ns, key))
+                    continue
+                slot = slots.get(key)
+                if slot is not None and slot.admitted_by:  # the fleet's: never rewritten
                     continue
                 if self.mode == "ready":
                     self._offer(_Item(ns, key, self._row_bytes(ns, key)))

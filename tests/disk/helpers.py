@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from kvdepot.server.disk import secret
+from kvdepot.server.disk.record import RecordKey
 from kvdepot.server.disk.space import WriteVerdict
 from kvdepot.server.disk.tier import DiskTier
 
@@ -30,6 +32,11 @@ def block(key: bytes, length: int) -> memoryview:
     pattern = (seed * (length // len(seed) + 1))[:length]
     buf[:length] = pattern
     return memoryview(buf)[:length]
+
+
+def record_key(directory: Path) -> RecordKey:
+    """The record key a tier made in `directory` (its file read as the daemon does)."""
+    return RecordKey((directory / secret.FILE_NAME).read_bytes())
 
 
 def key(i: int) -> bytes:

@@ -63,7 +63,7 @@ def test_a_restarted_daemon_announces_the_records_its_disk_holds(
     path = tmp_path / "disk" / FILE_NAME
     where = records_on_disk(path)
     damaged = keys[7]
-    patch(path, where[(GEO.namespace, damaged)] + 40, b"\x00")
+    patch(path, where[(GEO.namespace, damaged)] + 48, b"\x00")  # its namespace id
     d.start()
     c = connect(d, "engine")
     s = wait_for(lambda: (s := stats(c)).disk_recovery_complete and s, what="index back")

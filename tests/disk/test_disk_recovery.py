@@ -18,18 +18,20 @@ from kvdepot.server.disk.files import FILE_NAME, TierBusy
 from kvdepot.server.disk.record import PAGE
 from kvdepot.server.disk.space import WriteVerdict
 from kvdepot.server.disk.tier import DiskTier
-from tests.disk.helpers import NS, block, key, opened, read, write
+from tests.disk.helpers import NS, block, key, opened, read, record_key, write
 
 LENGTH = 3 * PAGE + 100
 SIZE = 4 << 20
 
 
 def records_on_disk(path: Path) -> dict[tuple[str, bytes], int]:
-    """(namespace, key) -> offset of every header page in the file."""
+    """(namespace, key) -> offset of every header page in the file (that the
+    directory's record key authenticates)."""
     data = path.read_bytes()
+    rkey = record_key(path.parent)
     found = {}
     for off in range(0, len(data), PAGE):
-        h = record.decode_header(data[off : off + PAGE])
+        h = record.decode_header(data[off : off + PAGE], off, rkey)
         if h is not None:
             found[(h.namespace, h.key)] = off
     return found
@@ -56,7 +58,7 @@ def test_a_flipped_byte_is_never_served_live_or_after_a_restart(tmp_path: Path) 
     where = records_on_disk(path)
     with opened(tmp_path, SIZE) as tier:
         patch(path, where[(NS, key(1))] + PAGE + 1234, b"\xff")  # in the payload
-        patch(path, where[(NS, key(2))] + 40, b"\x00")  # in the header
+        patch(path, where[(NS, key(2))] + 48, b"\x00")  # in the header: the namespace id
         assert read(tier, key(1)) is None
         assert read(tier, key(2)) is None
         assert read(tier, key(0)) == bytes(block(key(0), LENGTH))
@@ -69,11 +71,11 @@ def test_a_flipped_byte_is_never_served_live_or_after_a_restart(tmp_path: Path) 
         for i in (0, 3):
             assert read(tier, key(i)) == bytes(block(key(i), LENGTH))
     # Damage while stopped: the checkpoint no longer vouches for the file; the scan.
-    patch(path, where[(NS, key(0))] + 40, b"\x00")  # header
+    patch(path, where[(NS, key(0))] + 48, b"\x00")  # header (namespace id)
     patch(path, where[(NS, key(3))] + PAGE + 99, b"\xff")  # payload
     with opened(tmp_path, SIZE) as tier:
         assert tier.snapshot()["recovery_source"] == "scan"
-        assert tier.length_of(NS, key(0)) is None  # the header's CRC fails the scan
+        assert tier.length_of(NS, key(0)) is None  # the header's tag fails the scan
         assert read(tier, key(3)) is None  # the payload's digest fails the read
         assert tier.snapshot()["rejected"] == 1
 
@@ -85,9 +87,10 @@ def test_a_torn_record_is_dropped_and_its_neighbours_kept(tmp_path: Path) -> Non
     # first page of its payload made it, the rest is key 1's old bytes.
     payload = bytes(block(key(9), LENGTH))
     page = memoryview(bytearray(PAGE))
-    digest = record.digest(NS, key(9), payload)
-    record.encode_header(record.Header(NS, key(9), LENGTH, digest), page)
-    patch(path, where[(NS, key(1))], bytes(page) + payload[:PAGE])
+    at, rkey = where[(NS, key(1))], record_key(tmp_path)
+    digest = rkey.payload_tag(NS, key(9), at, payload)
+    record.encode_header(record.Header(NS, key(9), LENGTH, digest), page, at, rkey)
+    patch(path, at, bytes(page) + payload[:PAGE])
     with opened(tmp_path, SIZE) as tier:
         assert read(tier, key(9)) is None
         assert read(tier, key(1)) is None
@@ -112,7 +115,10 @@ def test_a_truncated_file_serves_what_is_left_and_is_reserved_again(tmp_path: Pa
     assert path.stat().st_size == SIZE
 
 
-def test_a_record_of_another_namespace_is_never_served_for_this_one(tmp_path: Path) -> None:
+def test_a_record_of_another_namespace_or_offset_is_never_served(tmp_path: Path) -> None:
+    """ns-b's whole record, copied byte for byte over ns-a's: refused live (its header
+    names ns-b), after a clean stop, and by the scan (its tags bind the offset it was
+    written at: a valid record moved elsewhere is not one)."""
     with opened(tmp_path, SIZE) as tier:
         assert write(tier, key(1), LENGTH) is WriteVerdict.ACCEPTED
         assert write(tier, key(1), LENGTH, ns="ns-b") is WriteVerdict.ACCEPTED
@@ -129,11 +135,16 @@ def test_a_record_of_another_namespace_is_never_served_for_this_one(tmp_path: Pa
     with opened(tmp_path, SIZE) as tier:  # a clean stop
         assert read(tier, key(1)) is None
         assert read(tier, key(1), ns="ns-b") == bytes(block(key(1), LENGTH))
-    (tmp_path / CHECKPOINT).unlink()  # as after a crash: the scan finds two ns-b copies
+    (tmp_path / CHECKPOINT).unlink()  # as after a crash: the scan refuses the copy
     with opened(tmp_path, SIZE) as tier:
         assert read(tier, key(1)) is None
         assert read(tier, key(1), ns="ns-b") == bytes(block(key(1), LENGTH))
-        assert tier.snapshot()["recovery_dropped"] == 1
+        stats = tier.snapshot()
+        assert (stats["recovery_refused"], stats["recovery_dropped"], stats["records"]) == (
+            1,
+            0,
+            1,
+        )
 
 
 def test_a_clean_stop_keeps_the_index_and_its_lru_order(tmp_path: Path) -> None:

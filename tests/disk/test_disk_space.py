@@ -1,17 +1,21 @@
 """The disk tier's sans-I/O parts, directly: a record being read is never evicted
-under it; a header page that is not a whole record header is never taken for one."""
+under it; a header page that is not a whole record header, written at that offset
+under the record key, is never taken for one; a freed extent's header is
+overwritten by the first record that reuses any of it."""
 
 from __future__ import annotations
 
 import os
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvdepot.server.core.kinds import DiskRemoval
 from kvdepot.server.disk import record
-from kvdepot.server.disk.record import PAGE, Header
+from kvdepot.server.disk.record import PAGE, Header, RecordKey
 from kvdepot.server.disk.space import DiskSpace, WriteVerdict
+from tests.security.disk_forger import v1_header
 
 
 def written(space: DiskSpace, key: bytes) -> None:
@@ -82,25 +86,108 @@ def test_a_write_of_a_file_that_is_gone_changes_nothing() -> None:
     assert not space.contains("ns", b"a") and space.used_bytes == 0
 
 
-def test_a_header_round_trips() -> None:
+KEY = RecordKey(bytes(range(32)))
+OTHER = RecordKey(bytes(32))
+
+
+def test_a_header_round_trips_at_its_offset_under_its_key_only() -> None:
     page = memoryview(bytearray(PAGE))
-    header = Header("ns-1", b"k" * 36, 12345, record.digest("ns-1", b"k" * 36, b"x" * 12345))
-    record.encode_header(header, page)
-    assert record.decode_header(page) == header
+    tag = KEY.payload_tag("ns-1", b"k" * 36, 8 * PAGE, b"x" * 12345)
+    header = Header("ns-1", b"k" * 36, 12345, tag)
+    record.encode_header(header, page, 8 * PAGE, KEY)
+    assert record.decode_header(page, 8 * PAGE, KEY) == header
     assert header.record_size == PAGE + 4 * PAGE
+    # The same bytes elsewhere in the file, or under another key, are not a header.
+    assert record.decode_header(page, 9 * PAGE, KEY) is None
+    assert record.decode_header(page, 8 * PAGE, OTHER) is None
+    assert record.refusal(page) is record.Refusal.UNAUTHENTIC
+    assert record.refusal(bytes(PAGE)) is None
+
+
+def test_a_header_keeps_the_fleet_key_that_admitted_its_row() -> None:
+    page = memoryview(bytearray(PAGE))
+    header = Header("ns", b"key", 100, b"t" * 16, b"fleet-id")
+    record.encode_header(header, page, 0, KEY)
+    assert record.decode_header(page, 0, KEY) == header
+    local = Header("ns", b"key", 100, b"t" * 16)
+    record.encode_header(local, page, 0, KEY)
+    assert record.decode_header(page, 0, KEY) == local != header
+    with pytest.raises(record.RecordError, match="fleet key id"):
+        record.encode_header(Header("ns", b"key", 100, b"t" * 16, b"short"), page, 0, KEY)
+
+
+def test_the_payload_tag_binds_namespace_key_offset_and_key() -> None:
+    base = KEY.payload_tag("ns", b"key", PAGE, b"payload")
+    assert len(base) == record.DIGEST_BYTES
+    assert base == KEY.payload_tag("ns", b"key", PAGE, memoryview(b"payload"))
+    others = {
+        KEY.payload_tag("nt", b"key", PAGE, b"payload"),
+        KEY.payload_tag("ns", b"kez", PAGE, b"payload"),
+        KEY.payload_tag("ns", b"key", 2 * PAGE, b"payload"),
+        KEY.payload_tag("ns", b"key", PAGE, b"payloaD"),
+        KEY.payload_tag("nsk", b"ey", PAGE, b"payload"),  # the framing tells them apart
+        OTHER.payload_tag("ns", b"key", PAGE, b"payload"),
+    }
+    assert base not in others and len(others) == 6
+    assert repr(KEY) == "RecordKey(...)"  # never the secret in a log
+
+
+def test_a_header_of_the_format_before_keys_is_refused_as_old() -> None:
+    """What the forger of tests/security/test_disk_forgery.py writes: version 1, an
+    unkeyed digest and a CRC that anyone computes."""
+    page = v1_header("ns", b"key", b"\xee" * 100)
+    assert record.decode_header(page, 0, KEY) is None
+    assert record.refusal(page) is record.Refusal.OLD_FORMAT
 
 
 @settings(max_examples=300, deadline=None)
 @given(st.integers(0, 80), st.integers(0, 255), st.sampled_from([PAGE, PAGE - 1, 100, 0]))
 def test_a_damaged_or_short_header_is_never_taken_for_one(at: int, value: int, cut: int) -> None:
     page = bytearray(PAGE)
-    record.encode_header(Header("ns", b"key", 5, b"\1" * 16), memoryview(page))
+    record.encode_header(Header("ns", b"key", 5, b"\1" * 16), memoryview(page), 0, KEY)
     original = bytes(page)
     page[at] = value
-    found = record.decode_header(bytes(page[:cut]) if cut < PAGE else bytes(page))
-    used = len(original.rstrip(b"\0"))  # the header's bytes, its CRC last
+    found = record.decode_header(bytes(page[:cut]) if cut < PAGE else bytes(page), 0, KEY)
+    used = len(original.rstrip(b"\0"))  # the header's bytes, its tag last
     if cut < PAGE or (at < used and page[at] != original[at]):
         assert found is None
     else:
         assert found is not None  # the page's unused tail is not checked
-    assert record.decode_header(os.urandom(PAGE)) is None
+    assert record.decode_header(os.urandom(PAGE), 0, KEY) is None
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 9), st.integers(0, 3)), min_size=1, max_size=80))
+def test_the_first_reuse_of_a_freed_extent_overwrites_its_header(
+    ops: list[tuple[int, int]],
+) -> None:
+    """An evicted (or dropped) record's header page is covered by the first record
+    placed over any part of its extent, so its header never survives in front of a
+    newer record: no write is needed to wipe it (docs/disk-tier.md)."""
+    space = DiskSpace(capacity=24 * PAGE, max_inflight_bytes=1 << 30)
+    stale: dict[int, int] = {}  # header offset -> extent size of freed records
+    n = 0
+    for pages, action in ops:
+        items = space.ready_items()
+        before = {(i[0], i[1]): (i[2], record.record_size(i[3])) for i in items}
+        if action == 3 and before:  # a read that does not verify: dropped and freed
+            ident = next(iter(before))
+            entry = space.begin_read(*ident)
+            assert entry is not None
+            space.finish_read(entry, False)
+            stale[before[ident][0]] = before[ident][1]
+            continue
+        n += 1
+        verdict, entry = space.begin_write("ns", n.to_bytes(4, "big"), pages * PAGE - 1)
+        after = {(ns, k) for ns, k, *_ in space.ready_items()}
+        for ident in before.keys() - after:  # evicted for it
+            stale[before[ident][0]] = before[ident][1]
+        if entry is None:
+            continue
+        start, end = entry.offset, entry.offset + entry.size
+        for header, size in list(stale.items()):
+            if header < end and start < header + size:  # it reuses that extent
+                assert start <= header < end, (header, size, start, end)
+                del stale[header]
+        space.finish_write(entry, b"d" * 16)
+    space.allocator.check_invariants()

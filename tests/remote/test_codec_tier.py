@@ -9,7 +9,7 @@ import time
 import pytest
 
 from kvdepot.server.remote import codec
-from kvdepot.server.remote.fleet_key import Keyring
+from kvdepot.server.remote.fleet_key import INSECURE_ID, Keyring
 from kvdepot.server.remote.redis_tier import RedisTier
 from kvdepot.server.remote.tier import TierUnavailable
 from tests.support.redis_servers import RedisServer, free_ports
@@ -71,6 +71,24 @@ def test_keyed_rows_verify_only_under_the_fleet_key_and_old_rows_never() -> None
     assert info.value.reason == "bad_mac"
     assert KEYED.remote_key(NS, KEY).startswith(b"kvd2:")
     assert CRC_ONLY.remote_key(NS, KEY).startswith(b"kvd1:")
+
+
+def test_a_row_remembers_which_key_admitted_it() -> None:
+    """`admit` answers the id of the key that verified the row: what the pool and the
+    disk keep so that dropping that key drops the row (docs/security.md)."""
+    payload = os.urandom(1000)
+    new, old = b"n" * 40, b"o" * 40
+    rotated = codec.Codec(Keyring.from_secrets(new, old))
+    ring = rotated.keyring
+    assert ring is not None and rotated.held_ids == {ring.current.id, ring.previous.id}
+    by_old = codec.Codec(Keyring.from_secrets(old)).encode(NS, KEY, payload)
+    got, admitted_by = rotated.admit(by_old, NS, KEY, len(payload))
+    assert bytes(got) == payload and admitted_by == ring.previous.id  # type: ignore[union-attr]
+    _, admitted_by = rotated.admit(rotated.encode(NS, KEY, payload), NS, KEY, len(payload))
+    assert admitted_by == ring.current.id
+    _, admitted_by = CRC_ONLY.admit(CRC_ONLY.encode(NS, KEY, payload), NS, KEY, len(payload))
+    assert admitted_by == INSECURE_ID and CRC_ONLY.held_ids == {INSECURE_ID}
+    assert INSECURE_ID not in rotated.held_ids  # a keyed node keeps no CRC-only row
 
 
 def run(coro):

@@ -11,6 +11,7 @@ byte for byte beside them.
 
 from __future__ import annotations
 
+import hashlib
 import subprocess
 import sys
 import time
@@ -184,6 +185,117 @@ def test_rotation_reads_rows_of_the_previous_key_and_writes_with_the_new(
     assert len(engines_a) == geo2.world_size
     a.close()
     b.close()
+
+
+ROW_LAYERS = [4096, 4096]  # inline rows of one rank, one group: 16 KiB
+ROW = 2 * sum(ROW_LAYERS)
+
+
+def _joined(d, namespace: str) -> DepotClient:
+    c = DepotClient(d.target, client_name="node").start()
+    assert c.wait_connected(10)
+    return _joined_from(c, namespace)
+
+
+def _row(key: bytes) -> bytes:
+    seed = hashlib.sha256(b"row of " + key).digest()
+    return (seed * (ROW // len(seed) + 1))[:ROW]
+
+
+def _put(c: DepotClient, namespace: str, names: list[bytes]) -> list[bytes]:
+    keys = [hashlib.sha256(n).digest() + bytes(4) for n in names]
+    for k in keys:
+        assert c.put(namespace, k, 0, _row(k)).outcome == "stored"
+    return keys
+
+
+def test_rows_admitted_under_a_dropped_key_are_dropped_with_it(
+    store, daemon_factory, tmp_path
+) -> None:
+    """Node B (key file: new, old) fetches rows node A wrote under the old key and
+    rows node C wrote under the new one; its disk tier keeps them, beside B's own
+    rows. B restarts with the new key alone (the rotation's last step, e.g. after
+    the old key leaked): what the old key admitted is gone from B's pool file and
+    disk, and still refused from the store, while the rows of the new key come back
+    from B's disk byte for byte and B's own rows from its pool file. A fleet row
+    is never written back to the fleet, not even when the disk promotes it."""
+    old, new = new_secret(), new_secret()
+    ns = f"dropped-key-{time.monotonic_ns()}"
+    _, a = _node(daemon_factory, store.url, write_key_file(tmp_path / "old.key", old))
+    _, c = _node(daemon_factory, store.url, write_key_file(tmp_path / "new.key", new))
+    b_key = write_key_file(tmp_path / "b.key", new, old)
+    d_b = daemon_factory(
+        "--pool-size", "32MiB", "--pool-file", str(tmp_path / "b.pool"),
+        "--disk", str(tmp_path / "b-disk"), "--disk-size", "8MiB",
+        "--disk-write-priority", "normal",
+        "--remote", store.url, "--remote-key-file", str(b_key),
+    )  # fmt: skip
+    a, c = _joined_from(a, ns), _joined_from(c, ns)
+    by_old = _put(a, ns, [b"a0", b"a1", b"a2"])
+    by_new = _put(c, ns, [b"c0", b"c1", b"c2"])
+    wait_for(lambda: stats(a).remote_writes == 3 and stats(c).remote_writes == 3, what="writes")
+    b = _joined(d_b, ns)
+    own = _put(b, ns, [b"b0", b"b1"])
+    fleet = by_old + by_new
+    assert list(prefetch(b, ns, fleet).states) == [FETCHING] * 6
+    wait_for(lambda: all(b.lookup(ns, fleet)), what="the fleet's rows on B")
+    wait_for(lambda: stats(b).disk_writes == 8, what="B's disk holds all eight rows")
+    assert stats(b).remote_writes == 2  # its own rows only
+    b.close()
+
+    assert d_b.stop() == 0  # a clean stop: the pool file's snapshot, the disk's checkpoint
+    write_key_file(b_key, new)  # the old key dropped
+    d_b.start()
+    b = _joined(d_b, ns)
+    s = wait_for(lambda: (s := stats(b)).disk_recovery_complete and s, what="disk index back")
+    assert s.warm_restarted and s.disk_recovery_source == "checkpoint"
+    assert b.lookup(ns, own) == [True, True]  # B's own rows: in the pool file
+    assert b.lookup(ns, fleet) == [False] * 6  # the fleet's: never kept there
+    assert s.disk_records == 5  # B's two and the new key's three
+    assert "3 records of rows fetched from the fleet were dropped" in d_b.log()
+    for k in own:
+        assert b.get(ns, k, 0) == _row(k)
+
+    r = redis.Redis(port=store.port)
+    codec = Codec(Keyring.from_secrets(new.encode()))
+    r.delete(*[codec.remote_key(ns, k) for k in by_new])  # the disk is their only source
+    states = list(prefetch(b, ns, fleet).states)
+    # The old key's rows: fetched from the store (right-sized) and refused there.
+    assert states == [FETCHING] * 6
+    wait_for(lambda: all(b.lookup(ns, by_new)), what="the new key's rows from B's disk")
+    wait_for(lambda: stats(b).remote_verify_failures == 3, what="the old key's rows refused")
+    assert b.lookup(ns, by_old) == [False] * 3
+    for k in by_new:
+        assert b.get(ns, k, 0) == _row(k)
+    assert stats(b).disk_hits == 3
+    # Promoted from disk, the new key's rows are still the fleet's: not written back.
+    (late,) = _put(b, ns, [b"b2"])
+    wait_for(lambda: stats(b).remote_writes == 1, what="B's own new row written")
+    assert not any(r.exists(codec.remote_key(ns, k)) for k in by_new)
+    assert r.exists(codec.remote_key(ns, late))
+    b.close()
+
+    d_b.kill()  # and after a crash, the journal brings back B's rows alone
+    d_b.start()
+    b = _joined(d_b, ns)
+    wait_for(lambda: stats(b).recovery_complete, what="crash recovery")
+    assert b.lookup(ns, [*own, late]) == [True] * 3
+    assert b.lookup(ns, by_new) == [False] * 3
+    b.close()
+    a.close()
+    c.close()
+
+
+def _joined_from(client: DepotClient, namespace: str) -> DepotClient:
+    """`client` with the inline layout of `namespace` registered."""
+    layout = pb.NamespaceLayout(
+        id=namespace,
+        world_size=1,
+        blocks_per_chunk=2,
+        groups=[pb.GroupLayout(layer_page_bytes=ROW_LAYERS)],
+    )
+    client.register_kv(layout, 0, None, [], [])
+    return client
 
 
 def _serve(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
