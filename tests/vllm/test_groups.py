@@ -1,0 +1,90 @@
+"""KV-cache groups as vLLM 0.33.0 really hands them over, against a real `kvdepot serve`,
+driven by vLLM's real Scheduler and worker-role connectors (docs/architecture.md §4).
+
+- A group of one attention type whose layers differ in page size (MLA with a DSA
+  indexer, DeepSeek-V3.2): vLLM's workers see a UniformTypeKVCacheSpecs, its scheduler
+  one layer's spec (`generate_scheduler_kv_cache_config` flattens it). Both must land in
+  one namespace, on one shard, or every lookup misses without an error.
+- Offloaded groups whose ids are not 0..n-1 (a group vLLM does not offload before an
+  offloaded one, or HiSparse's single group 1): the keys carry vLLM's group id, the
+  namespace's layout lists the offloaded groups in order, and the daemon maps one to
+  the other.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("vllm")
+
+import grpc
+
+from kvdepot.common.shards import engine_shards, first_shard, shard_namespace_id
+from kvdepot.testing.vllm_engine import GroupDef, SyntheticEngine, prompt_for
+from kvdepot.v1 import admin_pb2, admin_pb2_grpc
+from tests.vllm.test_connector import assert_expected, load_jobs
+from tests.vllm.test_shards import shard_admin, wait_shards
+
+pytestmark = pytest.mark.vllm
+
+# DeepSeek-V3.2's shapes scaled down: a 576-wide latent per token (fp16 here), and
+# the indexer's k cache of 132 bytes per token (fp8 keys and their scales).
+MLA_DSA = (GroupDef("mla", block_size=16, num_layers=2, head_size=576, indexer_head_size=132),)
+
+
+def store_and_reload(engine: SyntheticEngine, prompt: list[int], groups: tuple[int, ...]):
+    """Runs `prompt`, waits until every offloaded group's chunks are in the scheduler's
+    mirror, empties vLLM's cache (scrubbing every block) and runs it again: the second
+    run's record."""
+    engine.generate([prompt])
+    for g in groups:
+        engine.wait_ready(engine.offload_keys(prompt, g))
+    engine.reset_gpu_prefix_cache()
+    [second] = engine.generate([prompt])
+    return second
+
+
+def namespaces_on(admin_target: str) -> set[str]:
+    """The namespaces a daemon (or one shard) knows: Admin/ListNamespaces."""
+    with grpc.insecure_channel(admin_target) as ch:
+        answer = admin_pb2_grpc.AdminStub(ch).ListNamespaces(
+            admin_pb2.ListNamespacesRequest(), timeout=5
+        )
+    return {ns.id for ns in answer.namespaces}
+
+
+@pytest.mark.parametrize(("shards", "tp"), [(1, 1), (4, 1), (4, 2)])
+def test_mla_with_a_dsa_indexer_scheduler_and_workers_share_one_namespace(
+    daemon_factory, make_engine, shards: int, tp: int
+) -> None:
+    """On 4 shards the scheduler and each rank pick their shards from the namespace id:
+    two ids put them on different shards (3 times in 4 at TP=1), and every lookup
+    misses."""
+    args = ("--pool-size", "128MiB") + (("--shards", str(shards)) if shards > 1 else ())
+    d = daemon_factory(*args)
+    wait_shards(d, shards)
+    engine = make_engine(socket=d.target, groups=MLA_DSA, tp=tp, num_gpu_blocks=64)
+    engine.wait_registered()
+    scheduler_view = engine.scheduler.kv_cache_manager.kv_cache_config.kv_cache_groups[0]
+    assert type(scheduler_view.kv_cache_spec).__name__ == "MLAAttentionSpec"  # flattened
+    worker_view = engine.kv_cache_config.kv_cache_groups[0].kv_cache_spec
+    assert type(worker_view).__name__ == "UniformTypeKVCacheSpecs"
+    layers = engine.group_layers(0)
+    assert len({engine.ranks[0].u8[n].shape for n in layers}) == 2  # two page sizes
+
+    prompt = prompt_for(21, 100)  # 6 full blocks of 16 tokens
+    second = store_and_reload(engine, prompt, (0,))
+    assert second.external_tokens == 96
+    [job] = load_jobs(engine)
+    assert list(job.dst_spec.group_sizes) == [6]
+    for r in range(tp):  # every layer, the indexer's too, from the daemon
+        assert_expected(engine, prompt, r, 0, second.block_ids[0][:6])
+    # The ranks registered in the scheduler's namespace only, on the scheduler's shards:
+    # no namespace of their own that nobody reads.
+    ns = engine.manager.namespace_id
+    used = engine_shards(shards, tp)
+    first = first_shard(ns, shards, tp)
+    for s in range(shards):
+        want = {shard_namespace_id(ns, s - first, used)} if first <= s < first + used else set()
+        target = shard_admin(d, s) if shards > 1 else d.admin_target
+        assert namespaces_on(target) == want, f"shard {s}"
