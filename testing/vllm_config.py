@@ -22,6 +22,7 @@ from vllm.config import (
     VllmConfig,
 )
 from vllm.v1.kv_cache_interface import (
+    CircularBufferSpec,
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
@@ -42,10 +43,13 @@ DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch
 class GroupDef:
     """One KV-cache group of the synthetic model (per-rank geometry)."""
 
-    # "full", "sliding_window", or "mla": MLA layers (one latent "head" of
-    # `head_size`), each followed by a DSA indexer layer when `indexer_head_size` is
-    # set (DeepSeek-V3.2's k cache: uint8, pages of another size), the two kinds in
-    # one UniformTypeKVCacheSpecs group as vLLM's workers see it.
+    # "full", "sliding_window", "mla" or "ring". "mla": MLA layers (one latent
+    # "head" of `head_size`), each followed by a DSA indexer layer when
+    # `indexer_head_size` is set (DeepSeek-V3.2's k cache: uint8, pages of another
+    # size), the two kinds in one UniformTypeKVCacheSpecs group as vLLM's workers see
+    # it. "ring": a CircularBufferSpec group (DeepSeek-V4's compressor ring, one
+    # block per request), which is not prefix-cacheable, so vLLM does not offload it
+    # and the offloaded groups' ids are not 0..n-1 when one comes first.
     kind: str = "full"
     block_size: int = 16
     num_layers: int = 2
@@ -54,9 +58,6 @@ class GroupDef:
     num_kv_heads: int | None = None
     head_size: int | None = None
     indexer_head_size: int | None = None
-    # False: a group vLLM does not offload (KVCacheGroupSpec.enable_kv_transfer), so
-    # the offloaded groups' ids are not 0..n-1.
-    transfer: bool = True
 
 
 @dataclass
@@ -182,6 +183,8 @@ def _group_specs(
     elif gd.kind == "sliding_window":
         assert gd.sliding_window is not None
         spec = SlidingWindowSpec(**common, sliding_window=gd.sliding_window)
+    elif gd.kind == "ring":
+        spec = CircularBufferSpec(**common)
     else:
         raise ValueError(f"unknown group kind {gd.kind!r}")
     return spec, {f"model.layers.{first_layer + i}.g{g}.attn": spec for i in range(gd.num_layers)}
@@ -213,7 +216,7 @@ def make_kv_cache_config(
     for g, gd in enumerate(cfg.groups):
         spec, layers = _group_specs(cfg, gd, g, len(specs), heads, head_size)
         specs.update(layers)
-        groups.append(KVCacheGroupSpec(list(layers), spec, enable_kv_transfer=gd.transfer))
+        groups.append(KVCacheGroupSpec(list(layers), spec))
     pages = {s.page_size_bytes for s in specs.values()}
     if len(groups) > 1 and len(pages) != 1:
         raise ValueError(f"all layers need one page size (vLLM's hybrid allocator): {pages}")

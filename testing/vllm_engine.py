@@ -164,6 +164,7 @@ class SyntheticEngine:
         )
         self.hash_block_size = hash_bs
         self.layer_group: dict[str, int] = {}
+        self.ring_groups = {g for g, gd in enumerate(cfg.groups) if gd.kind == "ring"}
         # Global layer index (for the KV bytes) of each layer name.
         self.layer_index: dict[str, int] = {}
         for group in self.kv_cache_config.kv_cache_groups:
@@ -294,7 +295,10 @@ class SyntheticEngine:
                     g = self.layer_group[name]
                     bs = u8.shape[2]
                     ids = torch.tensor(table[g], dtype=torch.int64)
-                    blocks = ids[positions // bs]
+                    if g in self.ring_groups:  # one block per request, written around
+                        blocks = ids[torch.zeros_like(positions)]
+                    else:
+                        blocks = ids[positions // bs]
                     slots = positions % bs
                     keep = blocks != 0  # block 0 is vLLM's null block (window skipped)
                     if not bool(keep.any()):

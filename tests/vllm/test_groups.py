@@ -22,7 +22,7 @@ import grpc
 from kvdepot.common.shards import engine_shards, first_shard, shard_namespace_id
 from kvdepot.testing.vllm_engine import GroupDef, SyntheticEngine, prompt_for
 from kvdepot.v1 import admin_pb2, admin_pb2_grpc
-from tests.vllm.test_connector import assert_expected, load_jobs
+from tests.vllm.test_connector import assert_expected, load_jobs, pages
 from tests.vllm.test_shards import shard_admin, wait_shards
 
 pytestmark = pytest.mark.vllm
@@ -44,13 +44,17 @@ def store_and_reload(engine: SyntheticEngine, prompt: list[int], groups: tuple[i
     return second
 
 
-def namespaces_on(admin_target: str) -> set[str]:
+def namespace_infos(admin_target: str) -> dict[str, admin_pb2.NamespaceInfo]:
     """The namespaces a daemon (or one shard) knows: Admin/ListNamespaces."""
     with grpc.insecure_channel(admin_target) as ch:
         answer = admin_pb2_grpc.AdminStub(ch).ListNamespaces(
             admin_pb2.ListNamespacesRequest(), timeout=5
         )
-    return {ns.id for ns in answer.namespaces}
+    return {ns.id: ns for ns in answer.namespaces}
+
+
+def namespaces_on(admin_target: str) -> set[str]:
+    return set(namespace_infos(admin_target))
 
 
 @pytest.mark.parametrize(("shards", "tp"), [(1, 1), (4, 1), (4, 2)])
@@ -88,3 +92,41 @@ def test_mla_with_a_dsa_indexer_scheduler_and_workers_share_one_namespace(
         want = {shard_namespace_id(ns, s - first, used)} if first <= s < first + used else set()
         target = shard_admin(d, s) if shards > 1 else d.admin_target
         assert namespaces_on(target) == want, f"shard {s}"
+
+
+@pytest.mark.parametrize(
+    "kinds", [("full", "ring", "full"), ("ring", "full")], ids=["groups-0-and-2", "only-group-1"]
+)
+def test_offloaded_groups_of_any_ids_store_and_reload_byte_for_byte(
+    daemon, make_engine, kinds: tuple[str, ...]
+) -> None:
+    """A compressor ring (DeepSeek-V4's, one block per request) is not prefix-cacheable:
+    vLLM offloads the groups around it under their own ids."""
+    groups = tuple(GroupDef(kind, block_size=16, num_layers=2) for kind in kinds)
+    offloaded = tuple(g for g, kind in enumerate(kinds) if kind != "ring")
+    engine = make_engine(socket=daemon.target, groups=groups, num_gpu_blocks=96)
+    engine.wait_registered()
+    assert engine.manager.namespace_id == engine.ranks[0].offloading_worker._registrar.current
+    prompt = prompt_for(22, 120)  # 7 full blocks of 16 tokens
+    keys = {g: engine.offload_keys(prompt, g) for g in offloaded}
+    assert {k[-4:] for g in offloaded for k in keys[g]} == {g.to_bytes(4, "big") for g in offloaded}
+    engine.generate([prompt])
+    first = engine.records["req-0"]
+    before = {g: pages(engine, 0, g, first.block_ids[g][:7]) for g in offloaded}
+    for g in offloaded:
+        engine.wait_ready(keys[g])
+    worker = engine.ranks[0].offloading_worker
+    assert worker.stats["failed_stores"] == 0
+
+    engine.reset_gpu_prefix_cache()  # and scrub every block
+    [second] = engine.generate([prompt])
+    assert second.external_tokens == 7 * 16
+    [job] = load_jobs(engine)
+    assert list(job.dst_spec.group_sizes) == [7] * len(offloaded)
+    for g in offloaded:
+        after = pages(engine, 0, g, second.block_ids[g][:7])
+        assert all(bool((a == b).all()) for a, b in zip(before[g], after, strict=True))
+        assert_expected(engine, prompt, 0, g, second.block_ids[g][:7])
+    assert worker.stats["failed_loads"] == 0
+    info = namespace_infos(daemon.admin_target)[engine.manager.namespace_id]
+    assert tuple(info.group_ids) == offloaded  # what the operator sees
