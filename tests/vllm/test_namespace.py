@@ -203,15 +203,14 @@ def test_a_uniform_type_group_is_one_namespace_for_the_scheduler_and_the_workers
 
 
 def test_offloaded_group_ids_are_part_of_the_namespace() -> None:
-    """Groups (0, 2) and groups (0, 1) of one model are different keys and layouts."""
-    full = GroupDef("full", block_size=16, num_layers=2)
-    skip_1 = (full, dataclasses.replace(full, transfer=False), full)
-    skip_2 = (full, full, dataclasses.replace(full, transfer=False))
-    vllm_config, worker, scheduler = vllm_configs(skip_1)
-    assert build_offloading_config(vllm_config, worker).groups[1].group_id == 2
+    """Groups (0, 2) and groups (0, 1) of one model are different keys and layouts (a
+    compressor ring is not prefix-cacheable: vLLM does not offload it)."""
+    full, ring = GroupDef("full", block_size=16, num_layers=2), GroupDef("ring", 16, 2)
+    vllm_config, worker, scheduler = vllm_configs((full, ring, full))
+    assert [g.group_id for g in build_offloading_config(vllm_config, worker).groups] == [0, 2]
     ns = spec_for(vllm_config, scheduler).namespace_id
     assert spec_for(vllm_config, worker).namespace_id == ns
-    vllm_config2, _, scheduler2 = vllm_configs(skip_2)
+    vllm_config2, _, scheduler2 = vllm_configs((full, full, ring))
     assert spec_for(vllm_config2, scheduler2).namespace_id != ns
 
 
