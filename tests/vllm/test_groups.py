@@ -59,7 +59,7 @@ def namespaces_on(admin_target: str) -> set[str]:
 
 @pytest.mark.parametrize(("shards", "tp"), [(1, 1), (4, 1), (4, 2)])
 def test_mla_with_a_dsa_indexer_scheduler_and_workers_share_one_namespace(
-    daemon_factory, make_engine, shards: int, tp: int
+    daemon_factory, make_engine, caplog: pytest.LogCaptureFixture, shards: int, tp: int
 ) -> None:
     """On 4 shards the scheduler and each rank pick their shards from the namespace id:
     two ids put them on different shards (3 times in 4 at TP=1), and every lookup
@@ -83,6 +83,7 @@ def test_mla_with_a_dsa_indexer_scheduler_and_workers_share_one_namespace(
     assert list(job.dst_spec.group_sizes) == [6]
     for r in range(tp):  # every layer, the indexer's too, from the daemon
         assert_expected(engine, prompt, r, 0, second.block_ids[0][:6])
+    assert not [r for r in caplog.records if "scheduler's namespace" in r.getMessage()]
     # The ranks registered in the scheduler's namespace only, on the scheduler's shards:
     # no namespace of their own that nobody reads.
     ns = engine.manager.namespace_id
@@ -92,6 +93,21 @@ def test_mla_with_a_dsa_indexer_scheduler_and_workers_share_one_namespace(
         want = {shard_namespace_id(ns, s - first, used)} if first <= s < first + used else set()
         target = shard_admin(d, s) if shards > 1 else d.admin_target
         assert namespaces_on(target) == want, f"shard {s}"
+
+
+def test_a_rank_says_when_the_scheduler_computed_another_namespace(
+    daemon, make_engine, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Should the two sides ever read a model differently again, the rank says so, once,
+    naming both ids, instead of the engine missing every block in silence."""
+    engine = make_engine(socket=daemon.target, num_gpu_blocks=64)
+    engine.wait_registered()
+    worker = engine.ranks[0].offloading_worker
+    worker._namespace_id = "kvd1-" + "0" * 40  # what a worker that read it otherwise has
+    engine.generate([prompt_for(23, 40), prompt_for(24, 40)])
+    said = [r.getMessage() for r in caplog.records if "scheduler's namespace" in r.getMessage()]
+    assert len(said) == 1 and engine.manager.namespace_id in said[0]
+    assert worker.stats["failed_stores"] == 0  # its stores go where the jobs say
 
 
 @pytest.mark.parametrize(
