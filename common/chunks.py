@@ -5,9 +5,12 @@ connector's inline path, the benchmarks and the tests all import it. Standard
 library only.
 
 Terms (vLLM's offloading spec, and the daemon's pool):
-- A *key* is vLLM's OffloadKey: a block hash followed by the KV-cache group index
-  as 4 big-endian bytes. One key names one *chunk*: `blocks_per_chunk` (bpc)
-  consecutive blocks of one group.
+- A key is vLLM's OffloadKey: a block hash followed by the KV-cache group id (the
+  group's index in the model's KVCacheConfig) as 4 big-endian bytes. One key names
+  one *chunk*: `blocks_per_chunk` (bpc) consecutive blocks of one group.
+- A namespace holds the offloaded groups only, in vLLM's order; "group g" below is
+  the g-th of them, whose keys end with the namespace's g-th group id (0..n-1 when
+  every group is offloaded; the daemon's NamespaceLayout.key_group maps).
 - A job names, per group g, `group_sizes[g]` block ids whose first block is block
   `block_indices[g]` of the request. The first chunk of group g therefore skips
   `block_indices[g] % bpc` sub-blocks, and block i of the group lands in chunk
@@ -22,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 
 MAX_KEY_BYTES = 256
-MIN_KEY_BYTES = 5  # at least one hash byte plus the 4-byte group index
+MIN_KEY_BYTES = 5  # at least one hash byte plus the 4-byte group id
 
 
 class LayoutError(ValueError):
@@ -31,16 +34,17 @@ class LayoutError(ValueError):
 
 
 def group_of_key(key: bytes) -> int:
-    """vLLM's OffloadKey ends with the group index as 4 big-endian bytes."""
+    """vLLM's OffloadKey ends with the group id as 4 big-endian bytes."""
     return int.from_bytes(key[-4:], "big")
 
 
 def check_key(key: bytes, num_groups: int) -> int:
-    """Validates a key's length and group suffix; returns its group index."""
+    """Validates a key's length and that its group id is below `num_groups`; returns
+    the id (a namespace whose group ids are not 0..n-1 maps them itself)."""
     if not MIN_KEY_BYTES <= len(key) <= MAX_KEY_BYTES:
         raise LayoutError(
             f"key of {len(key)} bytes: a key is vLLM's OffloadKey (block hash + 4-byte "
-            f"group index), {MIN_KEY_BYTES} to {MAX_KEY_BYTES} bytes"
+            f"group id), {MIN_KEY_BYTES} to {MAX_KEY_BYTES} bytes"
         )
     group = group_of_key(key)
     if group >= num_groups:

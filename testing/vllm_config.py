@@ -1,7 +1,8 @@
 """What a `SyntheticEngine` is built from (`EngineConfig`, `GroupDef`), and the vLLM
 configs built from it: the `VllmConfig` (model, cache, scheduler, KV connector) and the
-`KVCacheConfig` (one KV tensor holding every layer, one page size for all groups, as
-vLLM's hybrid allocator requires).
+`KVCacheConfig` (one backing allocation holding every layer, layer after layer; one page
+size for all groups, as vLLM's hybrid allocator requires, except inside the one group of
+an MLA model whose DSA indexer layers have pages of their own size).
 """
 
 from __future__ import annotations
@@ -21,12 +22,16 @@ from vllm.config import (
     VllmConfig,
 )
 from vllm.v1.kv_cache_interface import (
+    CircularBufferSpec,
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
+    KVCacheSpec,
     KVCacheTensor,
     MLAAttentionSpec,
     SlidingWindowSpec,
+    SparseCacheRole,
+    UniformTypeKVCacheSpecs,
 )
 
 from kvdepot.testing.environment import find_model_dir
@@ -38,13 +43,21 @@ DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch
 class GroupDef:
     """One KV-cache group of the synthetic model (per-rank geometry)."""
 
-    kind: str = "full"  # "full", "sliding_window" or "mla" (one latent head)
+    # "full", "sliding_window", "mla" or "ring". "mla": MLA layers (one latent
+    # "head" of `head_size`), each followed by a DSA indexer layer when
+    # `indexer_head_size` is set (DeepSeek-V3.2's k cache: uint8, pages of another
+    # size), the two kinds in one UniformTypeKVCacheSpecs group as vLLM's workers see
+    # it. "ring": a CircularBufferSpec group (DeepSeek-V4's compressor ring, one
+    # block per request), which is not prefix-cacheable, so vLLM does not offload it
+    # and the offloaded groups' ids are not 0..n-1 when one comes first.
+    kind: str = "full"
     block_size: int = 16
     num_layers: int = 2
     sliding_window: int | None = None
     # Per rank; None: the model's KV heads divided by TP.
     num_kv_heads: int | None = None
     head_size: int | None = None
+    indexer_head_size: int | None = None
 
 
 @dataclass
@@ -59,6 +72,8 @@ class EngineConfig:
     num_gpu_blocks: int = 128
     dtype: str = "float16"
     salt: str = ""
+    # vLLM's prefix_caching_hash_algo (it makes the offload keys).
+    hash_algo: str = "sha256"
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 4096
     max_model_len: int = 2048
@@ -91,7 +106,11 @@ def make_vllm_config(cfg: EngineConfig) -> VllmConfig:
         max_model_len=cfg.max_model_len,
         dtype=cfg.dtype,
     )
-    cache = CacheConfig(block_size=cfg.groups[0].block_size, enable_prefix_caching=True)
+    cache = CacheConfig(
+        block_size=cfg.groups[0].block_size,
+        enable_prefix_caching=True,
+        prefix_caching_hash_algo=cfg.hash_algo,
+    )
     sched = SchedulerConfig(
         max_num_batched_tokens=cfg.max_num_batched_tokens,
         max_num_seqs=cfg.max_num_seqs,
@@ -133,45 +152,93 @@ def worker_config(vllm_config: VllmConfig, rank: int) -> VllmConfig:
     return config
 
 
+def _group_specs(
+    cfg: EngineConfig, gd: GroupDef, g: int, first_layer: int, heads: int, head_size: int
+) -> tuple[KVCacheSpec, dict[str, KVCacheSpec]]:
+    """A group's spec as vLLM's workers see it, and each of its layers' spec, in order."""
+    common = dict(
+        block_size=gd.block_size,
+        num_kv_heads=gd.num_kv_heads or heads,
+        head_size=gd.head_size or head_size,
+        dtype=DTYPES[cfg.dtype],
+    )
+    if gd.kind == "mla":
+        latent = MLAAttentionSpec(**{**common, "num_kv_heads": 1})
+        layers: dict[str, KVCacheSpec] = {}
+        for i in range(gd.num_layers):
+            layers[f"model.layers.{first_layer + i}.g{g}.attn"] = latent
+            if gd.indexer_head_size is not None:
+                layers[f"model.layers.{first_layer + i}.g{g}.indexer.k_cache"] = MLAAttentionSpec(
+                    block_size=gd.block_size,
+                    num_kv_heads=1,
+                    head_size=gd.indexer_head_size,
+                    dtype=torch.uint8,
+                    cache_role=SparseCacheRole.INDEXER,
+                )
+        if gd.indexer_head_size is None:
+            return latent, layers
+        return UniformTypeKVCacheSpecs(block_size=gd.block_size, kv_cache_specs=layers), layers
+    if gd.kind == "full":
+        spec: KVCacheSpec = FullAttentionSpec(**common)
+    elif gd.kind == "sliding_window":
+        assert gd.sliding_window is not None
+        spec = SlidingWindowSpec(**common, sliding_window=gd.sliding_window)
+    elif gd.kind == "ring":
+        spec = CircularBufferSpec(**common)
+    else:
+        raise ValueError(f"unknown group kind {gd.kind!r}")
+    return spec, {f"model.layers.{first_layer + i}.g{g}.attn": spec for i in range(gd.num_layers)}
+
+
+def layer_specs(kv_cache_config: KVCacheConfig) -> dict[str, KVCacheSpec]:
+    """Each layer's own spec (a UniformTypeKVCacheSpecs group holds one per layer)."""
+    out: dict[str, KVCacheSpec] = {}
+    for group in kv_cache_config.kv_cache_groups:
+        spec = group.kv_cache_spec
+        per_layer = spec.kv_cache_specs if isinstance(spec, UniformTypeKVCacheSpecs) else {}
+        for name in group.layer_names:
+            out[name] = per_layer.get(name, spec)
+    return out
+
+
 def make_kv_cache_config(
     cfg: EngineConfig, vllm_config: VllmConfig, num_blocks: int
 ) -> KVCacheConfig:
-    """The per-rank KV cache: one group per `GroupDef`, every layer in one tensor.
-    Also sets `vllm_config.cache_config.num_gpu_blocks` (vLLM's profiling would)."""
+    """The per-rank KV cache, as vLLM's workers get it: one group per `GroupDef`, every
+    layer a region of one backing allocation, layer after layer (one KVCacheTensor per
+    run of layers of one spec, as vLLM plans them). Also sets
+    `vllm_config.cache_config.num_gpu_blocks` (vLLM's profiling would)."""
     model = vllm_config.model_config
     heads = model.get_total_num_kv_heads() // cfg.tp
     head_size = model.get_head_size()
     groups: list[KVCacheGroupSpec] = []
-    names: list[str] = []
-    pages: list[int] = []
+    specs: dict[str, KVCacheSpec] = {}
     for g, gd in enumerate(cfg.groups):
-        common = dict(
-            block_size=gd.block_size,
-            num_kv_heads=gd.num_kv_heads or heads,
-            head_size=gd.head_size or head_size,
-            dtype=DTYPES[cfg.dtype],
-        )
-        if gd.kind == "full":
-            spec = FullAttentionSpec(**common)
-        elif gd.kind == "mla":
-            # One latent a token, the same on every rank (vLLM's kv_tp_replicas).
-            spec = MLAAttentionSpec(**{**common, "num_kv_heads": 1})
-        elif gd.kind == "sliding_window":
-            assert gd.sliding_window is not None
-            spec = SlidingWindowSpec(**common, sliding_window=gd.sliding_window)
-        else:
-            raise ValueError(f"unknown group kind {gd.kind!r}")
-        layer_names = [f"model.layers.{len(names) + i}.g{g}.attn" for i in range(gd.num_layers)]
-        names.extend(layer_names)
-        pages.extend([spec.page_size_bytes] * gd.num_layers)
-        groups.append(KVCacheGroupSpec(layer_names, spec))
-    if len(set(pages)) != 1:
+        spec, layers = _group_specs(cfg, gd, g, len(specs), heads, head_size)
+        specs.update(layers)
+        groups.append(KVCacheGroupSpec(list(layers), spec))
+    pages = {s.page_size_bytes for s in specs.values()}
+    if len(groups) > 1 and len(pages) != 1:
         raise ValueError(f"all layers need one page size (vLLM's hybrid allocator): {pages}")
-    page = pages[0]
-    total = page * num_blocks * len(names)
-    tensors = [
-        KVCacheTensor(size=total, layers=names, layer_stride=page * num_blocks, block_stride=page)
-    ]
+    size = sum(s.page_size_bytes for s in specs.values()) * num_blocks
+    tensors: list[KVCacheTensor] = []
+    offset = 0
+    for name, spec in specs.items():
+        page = spec.page_size_bytes
+        last = tensors[-1] if tensors else None
+        if last is not None and last.block_stride == page:
+            last.layers.append(name)
+        else:
+            tensors.append(
+                KVCacheTensor(
+                    size=size,
+                    layers=[name],
+                    layer_stride=page * num_blocks,
+                    block_stride=page,
+                    offset=offset,
+                )
+            )
+        offset += page * num_blocks
     vllm_config.cache_config.num_gpu_blocks = num_blocks
     config = KVCacheConfig(
         num_blocks=num_blocks,

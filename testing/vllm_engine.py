@@ -20,7 +20,6 @@ there is no GPU (see `cpu_environment()`). What the engine is built from lives i
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import mmap
 import time
@@ -36,6 +35,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
 from vllm.forward_context import ForwardContext
 from vllm.utils.hashing import get_hash_fn_by_name
 from vllm.v1.core.kv_cache_utils import (
+    generate_scheduler_kv_cache_config,
     get_request_block_hasher,
     init_none_hash,
     resolve_cache_hit_alignment_tokens,
@@ -54,6 +54,7 @@ from kvdepot.testing.vllm_config import (
     DTYPES,
     EngineConfig,
     GroupDef,
+    layer_specs,
     make_kv_cache_config,
     make_vllm_config,
     worker_config,
@@ -106,28 +107,22 @@ class _Rank:
         # layer name -> uint8 view (blocks, heads, tokens, row bytes) for the model.
         self.u8: dict[str, torch.Tensor] = {}
         kv_caches: dict[str, torch.Tensor] = {}
-        dtype = engine.torch_dtype
-        offset = 0
-        for g, group in enumerate(engine.kv_cache_config.kv_cache_groups):
-            spec = group.kv_cache_spec
-            for name in group.layer_names:
-                page = spec.page_size_bytes
-                nbytes = page * engine.num_blocks
-                region = raw[offset : offset + nbytes]
-                offset += nbytes
-                self.u8[name] = region.view(
-                    engine.num_blocks, spec.num_kv_heads, spec.block_size, -1
-                )
-                if isinstance(spec, MLAAttentionSpec):  # one latent a token: no K and V
+        specs = layer_specs(engine.kv_cache_config)
+        for tensor in engine.kv_cache_config.kv_cache_tensors:
+            for i, name in enumerate(tensor.layers):
+                spec = specs[name]
+                start = tensor.offset + i * tensor.layer_stride
+                region = raw[start : start + spec.page_size_bytes * engine.num_blocks]
+                if isinstance(spec, MLAAttentionSpec):  # one latent vector per token
                     shape: tuple[int, ...] = (engine.num_blocks, spec.block_size, spec.head_size)
+                    heads = 1
                 else:
-                    shape = (
-                        engine.num_blocks,
-                        spec.num_kv_heads,
-                        spec.block_size,
-                        2 * spec.head_size,
-                    )
-                kv_caches[name] = region.view(dtype).view(shape)
+                    heads = spec.num_kv_heads
+                    shape = (engine.num_blocks, heads, spec.block_size, 2 * spec.head_size)
+                self.u8[name] = region.view(engine.num_blocks, heads, spec.block_size, -1)
+                kv_caches[name] = region.view(spec.dtype).view(shape)
+        for g, group in enumerate(engine.kv_cache_config.kv_cache_groups):
+            for name in group.layer_names:
                 engine.layer_group[name] = g
         from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
@@ -169,6 +164,7 @@ class SyntheticEngine:
         )
         self.hash_block_size = hash_bs
         self.layer_group: dict[str, int] = {}
+        self.ring_groups = {g for g, gd in enumerate(cfg.groups) if gd.kind == "ring"}
         # Global layer index (for the KV bytes) of each layer name.
         self.layer_index: dict[str, int] = {}
         for group in self.kv_cache_config.kv_cache_groups:
@@ -180,7 +176,9 @@ class SyntheticEngine:
         with set_current_vllm_config(self.vllm_config):
             self.scheduler = Scheduler(
                 vllm_config=self.vllm_config,
-                kv_cache_config=copy.deepcopy(self.kv_cache_config),
+                # What vLLM's engine core hands its scheduler: the workers' config
+                # with each UniformTypeKVCacheSpecs group flattened to one layer's spec.
+                kv_cache_config=generate_scheduler_kv_cache_config([self.kv_cache_config] * cfg.tp),
                 structured_output_manager=StructuredOutputManager(self.vllm_config),
                 block_size=sched_bs,
                 hash_block_size=hash_bs,
@@ -307,7 +305,10 @@ class SyntheticEngine:
                     g = self.layer_group[name]
                     bs = u8.shape[2]
                     ids = torch.tensor(table[g], dtype=torch.int64)
-                    blocks = ids[positions // bs]
+                    if g in self.ring_groups:  # one block per request, written around
+                        blocks = ids[torch.zeros_like(positions)]
+                    else:
+                        blocks = ids[positions // bs]
                     slots = positions % bs
                     keep = blocks != 0  # block 0 is vLLM's null block (window skipped)
                     if not bool(keep.any()):

@@ -210,6 +210,33 @@ def test_register_kv_refuses_bad_layouts_and_memory(setup) -> None:
         c.stub.RegisterKV,
         pb.RegisterKVRequest(session_id=c.session_id, namespace=bad),
     )
+    # Group ids: one per group, distinct; and a namespace's are part of its layout
+    # (its keys end with them). None given is 0, 1, ..., as an older client meant.
+    for ids, words in (([0, 0], "twice"), ([0], "1 group id(s) for"), ([0] * 17, "MAX_GROUPS")):
+        odd = pb.NamespaceLayout(
+            id="ids", world_size=1, blocks_per_chunk=1, groups=layout.groups, group_ids=ids
+        )
+        expect(
+            Code.INVALID_ARGUMENT,
+            words,
+            c.stub.RegisterKV,
+            pb.RegisterKVRequest(session_id=c.session_id, namespace=odd),
+        )
+    n = len(layout.groups)
+    same = pb.NamespaceLayout()
+    same.CopyFrom(layout)
+    same.group_ids[:] = range(n)
+    moved = pb.NamespaceLayout()
+    moved.CopyFrom(layout)
+    moved.group_ids[:] = range(1, n + 1)
+    expect(
+        Code.FAILED_PRECONDITION,
+        "another layout",
+        c.stub.RegisterKV,
+        pb.RegisterKVRequest(session_id=c.session_id, namespace=moved),
+    )
+    # Naming 0, 1, ... is the layout the engine registered without ids.
+    assert c.stub.RegisterKV(pb.RegisterKVRequest(session_id=c.session_id, namespace=same))
     zero = pb.NamespaceLayout(id="z", world_size=0, blocks_per_chunk=1, groups=layout.groups)
     expect(
         Code.INVALID_ARGUMENT,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from kvdepot.server.core.job_check import check_job
 from kvdepot.server.core.layout import LayoutError, NamespaceLayout, check_key
 from kvdepot.server.core.memory_map import LayerRef, MemoryMap, TensorView
 from kvdepot.server.core.planner import CopyPlan, plan_job
@@ -447,3 +448,48 @@ def test_copy_engines_refuse_a_chained_plan_outside_its_region_or_the_pool() -> 
         for block, off in ((9, 3 * slot), (2, slot)):
             got = pool[off + layer * 4096 :][:4096]
             assert np.array_equal(got, src[t.region_offset + block * 4096 :][:4096])
+
+
+def gkey(i: int, group_id: int) -> bytes:
+    return i.to_bytes(32, "big") + group_id.to_bytes(4, "big")
+
+
+def test_group_ids_map_a_keys_group_id_to_the_namespaces_group() -> None:
+    """vLLM offloads groups 0 and 2 of a model (group 1 is not offloaded): its keys end
+    with 0 and 2, its jobs list the two groups in that order."""
+    lay = NamespaceLayout("ns", 1, 1, ((4096, 4096), (1024, 1024, 1024)), group_ids=(0, 2))
+    assert (lay.key_group(gkey(5, 0)), lay.key_group(gkey(5, 2))) == (0, 1)
+    assert lay.slot_bytes(lay.key_group(gkey(5, 2))) == 3 * 1024
+    with pytest.raises(
+        LayoutError, match=r"names group 1, but the namespace holds group\(s\) 0, 2"
+    ):
+        lay.key_group(gkey(5, 1))
+    with pytest.raises(LayoutError, match="4-byte"):
+        lay.key_group(b"\x00\x02")
+    mm, _ = memmap(lay)
+    shape = check_job(lay, mm, [3, 4], [1, 1], [0, 0], keys=[gkey(1, 0), gkey(1, 2)])
+    assert shape.key_groups == (0, 1)
+    with pytest.raises(LayoutError, match="names group 1"):
+        check_job(lay, mm, [3, 4], [1, 1], [0, 0], keys=[gkey(1, 0), gkey(1, 1)])
+    with pytest.raises(LayoutError, match="is of group 2 but sits among group 0's keys"):
+        check_job(lay, mm, [3, 4], [1, 1], [0, 0], keys=[gkey(1, 2), gkey(1, 0)])
+    # HiSparse: group 1 alone.
+    hisparse = NamespaceLayout("hs", 1, 1, ((1024,),), group_ids=(1,))
+    hmm, _ = memmap(hisparse)
+    assert check_job(hisparse, hmm, [3], [1], [0], keys=[gkey(1, 1)]).key_groups == (0,)
+    with pytest.raises(LayoutError, match="names group 0"):
+        check_job(hisparse, hmm, [3], [1], [0], keys=[gkey(1, 0)])
+
+
+def test_a_layout_without_group_ids_is_groups_0_to_n() -> None:
+    """What every layout meant before group ids (an older client's): equal, byte for
+    byte, to one that names 0, 1, ...; another set of ids is another layout."""
+    pages = ((4096,), (4096,))
+    old = NamespaceLayout("ns", 1, 1, pages)
+    assert old.group_ids == (0, 1) and old.default_group_ids
+    assert old == NamespaceLayout("ns", 1, 1, pages, group_ids=(0, 1))
+    assert old.same_bytes_as(NamespaceLayout("ns", 1, 1, pages, group_ids=(0, 1)))
+    assert not old.same_bytes_as(NamespaceLayout("ns", 1, 1, pages, group_ids=(0, 2)))
+    for ids, why in (((0,), "1 group id"), ((3, 3), "twice"), ((0, 1 << 32), "2\\*\\*32")):
+        with pytest.raises(LayoutError, match=why):
+            NamespaceLayout("ns", 1, 1, pages, group_ids=ids)

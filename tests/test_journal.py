@@ -78,6 +78,12 @@ async def until(cond: object, timeout: float = 20.0) -> None:
         await asyncio.sleep(0.01)
 
 
+def test_a_layouts_group_ids_are_journaled() -> None:
+    lay = NamespaceLayout("ids", 1, 1, ((PAGE,),), group_ids=(1,))
+    st = journal.replay(journal.header(1 << 20, 4096, "boot") + journal.layout(0, lay))
+    assert st.layouts == {"ids": lay} and st.layouts["ids"].group_ids == (1,)
+
+
 def test_recovery_serves_rows_as_they_are_verified(tmp_path: Path) -> None:
     config = ServeConfig(
         socket="/nonexistent/kvdepot.sock",

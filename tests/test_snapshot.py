@@ -111,6 +111,27 @@ def test_rows_a_fleet_key_admitted_are_not_kept() -> None:
     assert len(snap.slots) == 24 and key(101) not in {s.key for s in snap.slots}
 
 
+def test_group_ids_survive_a_restart_and_older_snapshots_mean_0_to_n() -> None:
+    """A namespace of groups 0 and 2 (vLLM does not offload group 1): its layout keeps
+    its ids through the snapshot, so its keys find their groups after a restart."""
+    lay = NamespaceLayout("ns-ids", 1, 2, ((1024,), (512, 512)), group_ids=(0, 2))
+    index = new_index()
+    index.declare_namespace(lay)
+    for i in range(4):
+        assert store(index, "ns-ids", key(i, 0)) and store(index, "ns-ids", key(i, 2))
+    snap = snapshot.capture(index, POOL, IDENTITY)
+    fresh = new_index()
+    snapshot.restore(fresh, snapshot.decode(snapshot.encode(snap)))
+    assert fresh.namespaces["ns-ids"].layout == lay
+    assert ready_view(fresh) == ready_view(index)
+    assert fresh.lookup("ns-ids", [key(3, 2), key(3, 1)]) == [True, False]
+    # A layout of groups 0, 1, ... is written as before (no ids), and read back so.
+    plain = snapshot._layout_to_json(LAYOUTS[0])
+    assert "group_ids" not in plain
+    assert snapshot._layout_from_json(plain) == LAYOUTS[0]
+    assert snapshot._layout_to_json(lay)["group_ids"] == [0, 2]
+
+
 def test_lru_order_survives_so_the_oldest_block_is_evicted_first() -> None:
     index = new_index()
     index.declare_namespace(LAYOUTS[1])

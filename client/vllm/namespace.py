@@ -3,19 +3,31 @@ their bytes are interchangeable.
 
 The digest covers everything that decides what the bytes of one offloaded chunk
 are and where they sit: the model, the KV dtype and layout, each offloaded group's
-tokens per block and per-layer page bytes, blocks per chunk, the parallel layout
-(world size, TP, PP, PCP, DCP: a rank's section depends on all of them), the
-prefix-hash algorithm (it makes the keys), and an optional user salt. Where every
-rank holds the same bytes (MLA at TP > 1), a row is one section and the parallel
-layout is that of one rank. Anything else (engine id, data-parallel rank, pool size,
-max_model_len) is left out on purpose, so that every engine with the same model and
-layout on a node shares.
+id, kind, tokens per block and per-layer page bytes, the bytes of one GPU block,
+blocks per chunk, the parallel layout (world size, TP, PP, PCP, DCP: a rank's
+section depends on all of them), the prefix-hash algorithm and its seed (they make
+the keys), and an optional user salt. Where every rank holds the same bytes (MLA at
+TP > 1), a row is one section and the parallel layout is that of one rank. Anything else (engine id, data-parallel rank,
+pool size, max_model_len) is left out on purpose, so that every engine with the
+same model and layout on a node shares.
+
+The scheduler and the workers compute it apart and must agree, so it is read only
+from what both see alike: the groups as vLLM's scheduler sees them. vLLM hands its
+scheduler the workers' KVCacheConfig with each UniformTypeKVCacheSpecs group (MLA
+with a DSA indexer, layers of one type with pages of several sizes) flattened to
+its first layer's spec (`generate_scheduler_kv_cache_config`), so the workers
+flatten theirs the same way here; the pages that flattening hides are in the
+block bytes, read from the KV cache tensors both configs share. The workers'
+layout (`namespace_layout`) carries their real per-layer pages, which the daemon
+compares between registrations.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -37,10 +49,12 @@ class GroupGeometry:
 
     group_id: int
     tokens_per_block: int
-    # The KV cache spec class ("FullAttentionSpec", "SlidingWindowSpec", ...).
+    # The KV cache spec class as the scheduler sees it ("FullAttentionSpec",
+    # "MLAAttentionSpec", ...; a UniformTypeKVCacheSpecs group: its first layer's).
     kind: str
-    # Page bytes of each layer for one block on one rank (un-padded). Empty when
-    # the scheduler could not see the KV cache config (then `group_bytes` stands in).
+    # Page bytes of each layer for one block on one rank (un-padded), as the
+    # scheduler sees them (a UniformTypeKVCacheSpecs group: its first layer's page
+    # for every layer). Empty when the KV cache config is not known.
     layer_page_bytes: tuple[int, ...]
     num_layers: int
 
@@ -62,9 +76,11 @@ class NamespaceInputs:
     dcp_size: int
     hash_algo: str
     salt: str
-    # Bytes of one block on one rank across all offloaded layers, as vLLM reports
-    # it; only part of the digest when per-layer page bytes are unknown.
+    # Bytes of one GPU block on one rank (the KV cache tensors' size over their
+    # blocks: the same in the scheduler's config and the workers'); 0 when unknown.
     worker_bytes_per_block: int = 0
+    # What seeds the prefix hash's first block (vLLM's NONE_HASH; `hash_seed`).
+    hash_seed: str = "default"
     # The name the engine was started with: shown, never part of the digest.
     model_name: str = ""
     # Ranks that hold the same bytes (MLA at TP > 1): they share one section, so
@@ -77,8 +93,6 @@ class NamespaceInputs:
         fields: dict[str, Any] = asdict(self)
         fields.pop("model_name")
         fields.pop("replicated_ranks")
-        if all(g.layer_page_bytes for g in self.groups):
-            fields.pop("worker_bytes_per_block")
         canonical = json.dumps(fields, sort_keys=True, separators=(",", ":"))
         return _ID_PREFIX + hashlib.sha256(canonical.encode()).hexdigest()[:40]
 
@@ -88,6 +102,8 @@ class NamespaceInputs:
         salt = " salted" if self.salt else ""
         if self.replicated_ranks > 1:
             salt += f" replicated-over={self.replicated_ranks}"
+        if self.hash_seed != "default":
+            salt += " seed=" + self.hash_seed.partition(":")[0]
         return (
             f"{self.model_name or self.model} {self.kv_dtype} {self.kv_layout} groups=[{groups}] "
             f"bpc={self.blocks_per_chunk} world={self.world_size} tp={self.tp_size} "
@@ -96,26 +112,69 @@ class NamespaceInputs:
         )[:1000]
 
 
+def _scheduler_spec(spec: Any) -> Any:
+    """A group's spec as vLLM's scheduler sees it: a UniformTypeKVCacheSpecs is
+    flattened to its first layer's spec (vLLM's generate_scheduler_kv_cache_config)."""
+    from vllm.v1.kv_cache_interface import UniformTypeKVCacheSpecs
+
+    if isinstance(spec, UniformTypeKVCacheSpecs):
+        return next(iter(spec.kv_cache_specs.values()))
+    return spec
+
+
 def _layer_page_bytes(kv_cache_config: KVCacheConfig, group_id: int) -> tuple[int, ...]:
-    """Un-padded page bytes of each layer of a group, exactly as vLLM's offloading
-    worker registers them (CanonicalKVCacheRef.page_size_bytes)."""
+    """Un-padded page bytes of each layer of a group as the scheduler sees them (as
+    vLLM's offloading worker registers them, CanonicalKVCacheRef.page_size_bytes,
+    except in a UniformTypeKVCacheSpecs group, whose first layer's page stands for all)."""
     from dataclasses import replace
 
-    from vllm.v1.kv_cache_interface import AttentionSpec, MambaSpec, UniformTypeKVCacheSpecs
+    from vllm.v1.kv_cache_interface import AttentionSpec, MambaSpec
 
     group = kv_cache_config.kv_cache_groups[group_id]
-    spec = group.kv_cache_spec
-    per_layer = spec.kv_cache_specs if isinstance(spec, UniformTypeKVCacheSpecs) else {}
-    pages: list[int] = []
-    for layer_name in group.layer_names:
-        layer_spec = per_layer.get(layer_name, spec)
-        if isinstance(layer_spec, AttentionSpec):
-            pages.append(int(layer_spec.unpadded_page_size_bytes))
-        elif isinstance(layer_spec, MambaSpec):
-            pages.append(int(replace(layer_spec, page_size_padded=None).page_size_bytes))
-        else:
-            pages.append(int(layer_spec.page_size_bytes))
-    return tuple(pages)
+    spec = _scheduler_spec(group.kv_cache_spec)
+    if isinstance(spec, AttentionSpec):
+        page = int(spec.unpadded_page_size_bytes)
+    elif isinstance(spec, MambaSpec):
+        page = int(replace(spec, page_size_padded=None).page_size_bytes)
+    else:
+        page = int(spec.page_size_bytes)
+    return (page,) * len(group.layer_names)
+
+
+def _bytes_per_block(config: OffloadingConfig, kv_cache_config: KVCacheConfig | None) -> int:
+    """One GPU block's bytes on one rank, every layer's real page included. Read from
+    the KV cache tensors, which the scheduler's config copies from the workers'; vLLM's
+    own figure sums flattened pages under HiSparse, which differs between the two, and
+    HiSparse's tensors are not sized by `num_blocks`: 0 there."""
+    if kv_cache_config is None:
+        return config.worker_kv_bytes_per_block
+    tensors, blocks = kv_cache_config.kv_cache_tensors, kv_cache_config.num_blocks
+    if kv_cache_config.hisparse_host_num_blocks is None and tensors and blocks > 0:
+        return tensors[0].size // blocks
+    return 0
+
+
+def seeded_randomly(hash_algo: str) -> bool:
+    """Whether vLLM seeds this prefix-hash algorithm with random bytes per process
+    when PYTHONHASHSEED is not set (its non-cryptographic ones, xxhash)."""
+    try:
+        from vllm.utils.hashing import get_hash_fn_by_name
+        from vllm.v1.core import kv_cache_utils
+
+        return get_hash_fn_by_name(hash_algo) in kv_cache_utils._NON_CRYPTO_HASH_FUNCTIONS
+    except (ImportError, AttributeError, ValueError):  # another vLLM: its names then
+        return hash_algo.startswith("xxhash")
+
+
+def hash_seed(hash_algo: str, environ: Mapping[str, str] | None = None) -> str:
+    """What seeds the prefix hash (vLLM's resolve_none_hash_seed): "env:" and a digest
+    of PYTHONHASHSEED when it is set (it wins in every process of the engine, which
+    inherit it); "random" when vLLM draws the seed per process (nothing shareable, the
+    engine's blocks are its own until it restarts); else vLLM's fixed "default"."""
+    seed = (os.environ if environ is None else environ).get("PYTHONHASHSEED")
+    if seed is not None:
+        return "env:" + hashlib.sha256(seed.encode()).hexdigest()[:16]
+    return "random" if seeded_randomly(hash_algo) else "default"
 
 
 def namespace_inputs(
@@ -123,15 +182,18 @@ def namespace_inputs(
     kv_cache_config: KVCacheConfig | None,
     hash_algo: str,
     salt: str,
+    seed: str | None = None,
 ) -> NamespaceInputs:
     """Collects the digest inputs from vLLM's OffloadingConfig (and, when the
-    connector passes it, the KVCacheConfig for exact per-layer page bytes)."""
+    connector passes it, the KVCacheConfig: the scheduler's, or a worker's, alike);
+    `seed`: `hash_seed(hash_algo)` unless given."""
     groups = []
     for g in config.groups:
         kind = "unknown"
         pages: tuple[int, ...] = ()
         if kv_cache_config is not None:
-            kind = type(kv_cache_config.kv_cache_groups[g.group_id].kv_cache_spec).__name__
+            spec = _scheduler_spec(kv_cache_config.kv_cache_groups[g.group_id].kv_cache_spec)
+            kind = type(spec).__name__
             pages = _layer_page_bytes(kv_cache_config, g.group_id)
         elif (window := getattr(g, "sliding_window_size_in_chunks", None)) is not None:
             # vLLM 0.33 only; 0.32 does not tell the scheduler about windows here.
@@ -164,7 +226,8 @@ def namespace_inputs(
         dcp_size=p.dcp_size,
         hash_algo=hash_algo,
         salt=salt,
-        worker_bytes_per_block=config.worker_kv_bytes_per_block,
+        worker_bytes_per_block=_bytes_per_block(config, kv_cache_config),
+        hash_seed=hash_seed(hash_algo) if seed is None else seed,
         replicated_ranks=p.world_size if replicated else 1,
     )
 
@@ -177,13 +240,16 @@ def namespace_layout(
 ) -> depot_pb2.NamespaceLayout:
     """The NamespaceLayout a worker declares: the id plus its real per-layer pages;
     `world_size`: the ranks whose sections make a row there (a shard's share of the
-    engine's world; default the whole world)."""
+    engine's world; default the whole world). Its group ids are vLLM's, which its keys
+    end with: the offloaded groups need not be 0..n-1 (a group vLLM does not offload
+    comes before one it does, or HiSparse offloads group 1 alone)."""
     return depot_pb2.NamespaceLayout(
         id=namespace_id,
         world_size=inputs.world_size if world_size is None else world_size,
         blocks_per_chunk=inputs.blocks_per_chunk,
         groups=[depot_pb2.GroupLayout(layer_page_bytes=pages) for pages in layer_page_bytes],
         description=inputs.description(),
+        group_ids=[g.group_id for g in inputs.groups],
     )
 
 

@@ -30,7 +30,12 @@ from kvdepot.client import DepotClient
 from kvdepot.client.vllm.config import DepotSettings
 from kvdepot.client.vllm.logs import follow_vllm_logging
 from kvdepot.client.vllm.manager import KVDepotOffloadingManager
-from kvdepot.client.vllm.namespace import NamespaceInputs, namespace_inputs, namespace_layout
+from kvdepot.client.vllm.namespace import (
+    NamespaceInputs,
+    hash_seed,
+    namespace_inputs,
+    namespace_layout,
+)
 from kvdepot.client.vllm.stats import MetricName
 from kvdepot.client.vllm.worker import KVDepotOffloadingWorker
 from kvdepot.common.shards import engine_shards, first_shard, route_rank, shard_socket
@@ -139,10 +144,12 @@ class KVDepotOffloadingSpec(OffloadingSpec):
                 "kv_connector_module_path=kvdepot.client.vllm."
             )
         hash_algo = _hash_algo(ctx)
-        if hash_algo.startswith("xxhash"):
+        seed = hash_seed(hash_algo)
+        if seed == "random":
             log.warning(
-                "prefix_caching_hash_algo=%s is seeded per process: engines cannot share "
-                "offloaded blocks, and nothing survives an engine restart. Use sha256.",
+                "prefix_caching_hash_algo=%s is seeded per process without PYTHONHASHSEED: "
+                "engines cannot share offloaded blocks, and nothing survives an engine "
+                "restart. Set PYTHONHASHSEED to one value for every engine, or use sha256.",
                 hash_algo,
             )
         if config.canonical_layout:
@@ -152,6 +159,7 @@ class KVDepotOffloadingSpec(OffloadingSpec):
             ctx.kv_cache_config if ctx is not None else None,
             hash_algo,
             self.settings.namespace_salt,
+            seed,
         )
         self.namespace_id = self.namespace.digest()
         self._manager: KVDepotOffloadingManager | None = None

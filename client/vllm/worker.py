@@ -78,6 +78,8 @@ class KVDepotOffloadingWorker(OffloadingWorker):
         renamed for it (kvdepot.common.shards)."""
         self._client = client
         self._route = route
+        self._namespace_id = namespace_id  # as this rank computed it, before any shard
+        self._namespace_said = False
         self._kv_caches = kv_caches
         self._rank = rank
         self._bpc = blocks_per_chunk
@@ -203,6 +205,8 @@ class KVDepotOffloadingWorker(OffloadingWorker):
                 f"not a kvdepot spec: {type(depot_spec).__name__}",
             )
             return
+        if not self._namespace_said:
+            self._check_namespace(depot_spec.namespace_id)
         # Positional, in Job's field order: every job pays this, keywords cost more.
         job = Job(
             job_id,
@@ -241,6 +245,24 @@ class KVDepotOffloadingWorker(OffloadingWorker):
         with self._lock:
             self._ledger.claim(entry, self.memory.path is MemoryPath.INLINE)
         self._send(entry, registration)
+
+    def _check_namespace(self, namespace_id: str) -> None:
+        """Says so (once) when the scheduler's namespace is not the one this rank
+        computed (nor one a connector reset moved it to): the rank registers where the
+        jobs say, but with shards it picked its shard from its own id, and the
+        scheduler may be watching others (docs/architecture.md §4)."""
+        base = self._namespace_id
+        if namespace_id == base or namespace_id.startswith(base + ".r"):
+            return
+        self._namespace_said = True
+        log.error(
+            "kvdepot: the scheduler's namespace %s is not the %s rank %d computed; the two "
+            "read the model's configuration differently (a kvdepot bug: please report it "
+            "with both ids). On a sharded daemon this rank's stores may never be seen",
+            namespace_id,
+            base,
+            self._rank,
+        )
 
     def _record_cuda(self, entry: Submitted) -> None:
         plan = self.memory

@@ -14,7 +14,7 @@ from kvdepot.server.core.allocator import Extent
 from kvdepot.server.core.index_part import IndexPart, IndexShared
 from kvdepot.server.core.index_types import IndexEvent, Namespace, Slot
 from kvdepot.server.core.kinds import EventKind, SlotState
-from kvdepot.server.core.layout import LayoutError, check_key
+from kvdepot.server.core.layout import LayoutError
 
 
 class Recovery(IndexPart):
@@ -66,7 +66,7 @@ class Recovery(IndexPart):
         or the extent is not the namespace's slot size for the key's group.
         """
         namespace_id = ns.layout.id
-        group = check_key(key, ns.layout.num_groups)
+        group = ns.layout.key_group(key)
         if key in ns.slots:
             raise LayoutError(f"key {key.hex()[:16]}… appears twice in namespace {namespace_id}")
         want = self._allocator.round_up(ns.layout.slot_bytes(group))

@@ -46,7 +46,7 @@ from kvdepot.server.core.kinds import (
     EvictionReason,
     SlotState,
 )
-from kvdepot.server.core.layout import MAX_KEY_BYTES, MIN_KEY_BYTES, LayoutError, check_key
+from kvdepot.server.core.layout import MAX_KEY_BYTES, MIN_KEY_BYTES, LayoutError
 
 # Keys given up remembered per namespace (see the module docstring); past it the
 # oldest mark is forgotten (~200 bytes a mark).
@@ -108,13 +108,13 @@ class Writes(IndexPart):
         layout = ns.layout
         if not 0 <= rank < layout.world_size:
             raise LayoutError(f"rank {rank} out of range [0, {layout.world_size})")
-        num_groups = layout.num_groups
         if groups is None or len(groups) != len(keys):
             decoded: list[int] = []
+            of_suffix = layout.group_of_suffix
             for key in keys:  # all of them, before any change
-                group = int.from_bytes(key[-4:], "big")  # check_key's test, without two calls
-                if not MIN_KEY_BYTES <= len(key) <= MAX_KEY_BYTES or group >= num_groups:
-                    group = check_key(key, num_groups)  # raises, with the reason
+                group = of_suffix.get(key[-4:])  # key_group's test, without a call
+                if group is None or not MIN_KEY_BYTES <= len(key) <= MAX_KEY_BYTES:
+                    group = layout.key_group(key)  # raises, with the reason
                 decoded.append(group)
             groups = decoded
         bit = 1 << rank

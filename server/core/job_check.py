@@ -66,7 +66,7 @@ def check_job(
     and that every block id is inside every tensor its group's layers live in.
     """
     frame = _frame(
-        layout.blocks_per_chunk, layout.num_groups, tuple(group_sizes), tuple(block_indices)
+        layout.blocks_per_chunk, layout.group_ids, tuple(group_sizes), tuple(block_indices)
     )
     n_keys = len(keys) if keys is not None else num_keys
     if n_keys is None:
@@ -88,17 +88,17 @@ def check_job(
             min(map(len, keys)) >= MIN_KEY_BYTES and max(map(len, keys)) <= MAX_KEY_BYTES
         ):
             check_key(next(k for k in keys if not MIN_KEY_BYTES <= len(k) <= MAX_KEY_BYTES), 1)
-        # Group-major: each key's 4-byte suffix is its group's, compared as bytes.
+        # Group-major: each key's 4-byte suffix is its group's id, compared as bytes.
         wanted, key_groups = frame.suffixes, frame.key_groups
         found = [k[-4:] for k in keys]
         if found != wanted:
             i = next(i for i, (f, w) in enumerate(zip(found, wanted, strict=True)) if f != w)
             key = keys[i]
-            check_key(key, layout.num_groups)  # raises if the group does not exist
+            layout.key_group(key)  # raises if the namespace holds no such group
             raise LayoutError(
-                f"key {key.hex()[:16]}… is of group {key[-4:].hex()} but sits among "
-                f"group {int.from_bytes(wanted[i], 'big')}'s keys: keys are group-major, "
-                f"like group_sizes"
+                f"key {key.hex()[:16]}… is of group {int.from_bytes(key[-4:], 'big')} but "
+                f"sits among group {int.from_bytes(wanted[i], 'big')}'s keys: keys are "
+                f"group-major, like group_sizes"
             )
     if frame.num_blocks != len(block_ids):
         raise LayoutError(
@@ -158,12 +158,15 @@ class _Frame:
 # default, so 16 MiB at most.
 @functools.lru_cache(maxsize=64)
 def _frame(
-    bpc: int, num_groups: int, group_sizes: tuple[int, ...], block_indices: tuple[int, ...]
+    bpc: int,
+    group_ids: tuple[int, ...],
+    group_sizes: tuple[int, ...],
+    block_indices: tuple[int, ...],
 ) -> _Frame:
-    """The frame of jobs of this shape; raises LayoutError on lists no job may have (an
-    error is not cached)."""
-    per_group = chunks.chunks_per_group(group_sizes, block_indices, bpc, num_groups)
-    suffixes, key_groups = _group_major(tuple(per_group))
+    """The frame of jobs of this shape in a namespace of groups `group_ids`; raises
+    LayoutError on lists no job may have (an error is not cached)."""
+    per_group = chunks.chunks_per_group(group_sizes, block_indices, bpc, len(group_ids))
+    suffixes, key_groups = _group_major(tuple(per_group), group_ids)
     groups = []
     block_pos = key_pos = 0
     for g, n in enumerate(group_sizes):
@@ -185,19 +188,22 @@ def _frame(
 
 
 @functools.lru_cache(maxsize=64)  # a node's few job shapes; 4 MB at most
-def _group_major(per_group: tuple[int, ...]) -> tuple[list[bytes], tuple[int, ...]]:
-    """For a job of `per_group` keys per group: each key's 4-byte group suffix and
-    each key's group, in group-major order (shared by every such job: read only)."""
+def _group_major(
+    per_group: tuple[int, ...], group_ids: tuple[int, ...]
+) -> tuple[list[bytes], tuple[int, ...]]:
+    """For a job of `per_group` keys per group: each key's 4-byte group suffix (its
+    group's id) and each key's group (its index), in group-major order (shared by
+    every such job: read only)."""
     wanted: list[bytes] = []
     for g, n in enumerate(per_group):
-        wanted += [_suffix(g)] * n
+        wanted += [_suffix(group_ids[g])] * n
     return wanted, tuple(g for g, n in enumerate(per_group) for _ in range(n))
 
 
 @functools.cache
-def _suffix(group: int) -> bytes:
-    """The last 4 bytes of a key of `group` (kvdepot.server.core.layout.check_key)."""
-    return group.to_bytes(4, "big")
+def _suffix(group_id: int) -> bytes:
+    """The last 4 bytes of a key of group `group_id` (NamespaceLayout.key_group)."""
+    return group_id.to_bytes(4, "big")
 
 
 def slice_shape(layout: NamespaceLayout, shape: JobShape, max_pages: int) -> Iterator[JobShape]:

@@ -5,11 +5,17 @@ every rank: `world_size` equal sections side by side. Inside a rank's section th
 pages are layer-major: layer 0's `blocks_per_chunk` pages, then layer 1's, and so
 on, so that consecutive GPU blocks of one layer land in one contiguous run. The
 arithmetic itself lives in kvdepot.common.chunks (shared with the clients).
+
+A layout's groups are the offloaded ones, in the order a job lists them; a key
+names its group by the model's group id (its last 4 bytes), which skips groups the
+engine does not offload. `group_ids` maps one to the other, once: everything past
+`key_group` speaks of a group by its index in `groups`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import cached_property
 
 from kvdepot.common import chunks
 from kvdepot.common.chunks import (
@@ -59,6 +65,9 @@ class NamespaceLayout:
     blocks_per_chunk: int
     groups: tuple[tuple[int, ...], ...]  # per group: page bytes of each layer
     description: str = ""
+    # Per group: the id its keys carry in their last 4 bytes. Empty when declared:
+    # 0, 1, ... in order (what a layout without ids always meant).
+    group_ids: tuple[int, ...] = field(default=())
 
     def __post_init__(self) -> None:
         check_namespace_id(self.id)
@@ -78,6 +87,17 @@ class NamespaceLayout:
                 f"a namespace has at most {MAX_LAYOUT_LAYERS} layers over all its groups "
                 f"(MAX_LAYOUT_LAYERS), got {layers}"
             )
+        if not self.group_ids:
+            object.__setattr__(self, "group_ids", tuple(range(len(self.groups))))
+        if len(self.group_ids) != len(self.groups):
+            raise LayoutError(
+                f"{len(self.group_ids)} group id(s) for {len(self.groups)} group(s): one "
+                f"per group, or none for 0, 1, ..."
+            )
+        if len(set(self.group_ids)) != len(self.group_ids):
+            raise LayoutError(f"group ids {list(self.group_ids)} name a group twice")
+        if not all(0 <= g < 1 << 32 for g in self.group_ids):
+            raise LayoutError("a group id is a key's last 4 bytes: 0 to 2**32 - 1")
         for g, pages in enumerate(self.groups):
             if not 1 <= len(pages) <= MAX_LAYERS_PER_GROUP:
                 raise LayoutError(f"group {g} needs 1 to {MAX_LAYERS_PER_GROUP} layers")
@@ -89,15 +109,40 @@ class NamespaceLayout:
 
     def same_bytes_as(self, other: NamespaceLayout) -> bool:
         """True when the two layouts are byte-compatible (description aside)."""
-        return (self.world_size, self.blocks_per_chunk, self.groups) == (
+        return (self.world_size, self.blocks_per_chunk, self.groups, self.group_ids) == (
             other.world_size,
             other.blocks_per_chunk,
             other.groups,
+            other.group_ids,
         )
 
     @property
     def num_groups(self) -> int:
         return len(self.groups)
+
+    @cached_property
+    def group_of_suffix(self) -> dict[bytes, int]:
+        """A key's last 4 bytes -> its group's index in `groups` (read only)."""
+        return {g.to_bytes(4, "big"): i for i, g in enumerate(self.group_ids)}
+
+    @property
+    def default_group_ids(self) -> bool:
+        """Whether the groups are 0, 1, ... (a layout that need not say its ids)."""
+        return self.group_ids == tuple(range(len(self.groups)))
+
+    def key_group(self, key: bytes) -> int:
+        """The index in `groups` of `key`'s group; LayoutError when the key's length is
+        wrong or it names a group the namespace does not hold."""
+        if MIN_KEY_BYTES <= len(key) <= MAX_KEY_BYTES:
+            index = self.group_of_suffix.get(key[-4:])
+            if index is not None:
+                return index
+        check_key(key, 1 << 32)  # raises when the length is wrong
+        held = ", ".join(map(str, self.group_ids))
+        raise LayoutError(
+            f"key {key.hex()[:16]}… names group {group_of_key(key)}, but the namespace "
+            f"holds group(s) {held}"
+        )
 
     def block_bytes(self, group: int) -> int:
         """One GPU block of the group on one rank, all layers."""

@@ -145,13 +145,19 @@ def capture(
 
 
 def _layout_to_json(layout: NamespaceLayout) -> dict[str, object]:
-    return {
+    obj: dict[str, object] = {
         "id": layout.id,
         "world_size": layout.world_size,
         "blocks_per_chunk": layout.blocks_per_chunk,
         "groups": [list(g) for g in layout.groups],
         "description": layout.description,
     }
+    if not layout.default_group_ids:
+        # Only when they are not 0, 1, ...: a daemon from before group ids reads the
+        # others as they always were. It would read these as 0, 1, ... too, but its
+        # job check refuses every key whose group id is not its group's position.
+        obj["group_ids"] = list(layout.group_ids)
+    return obj
 
 
 def _layout_from_json(obj: object) -> NamespaceLayout:
@@ -164,6 +170,7 @@ def _layout_from_json(obj: object) -> NamespaceLayout:
             blocks_per_chunk=int(obj["blocks_per_chunk"]),
             groups=tuple(tuple(int(p) for p in g) for g in obj["groups"]),
             description=str(obj.get("description", "")),
+            group_ids=tuple(int(g) for g in obj.get("group_ids", ())),
         )
     except (KeyError, TypeError, ValueError, OverflowError) as exc:  # LayoutError: ValueError
         raise SnapshotError(f"bad namespace layout in the snapshot: {exc}") from None

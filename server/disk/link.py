@@ -63,7 +63,6 @@ from typing import Any
 
 from kvdepot.server.core.index import BlockIndex, IndexEvent, Slot, UnknownNamespace
 from kvdepot.server.core.kinds import EventKind, EvictionReason, StoreOutcome, Tier
-from kvdepot.server.core.layout import check_key
 from kvdepot.server.disk.io_threads import lower_priority
 from kvdepot.server.disk.space import Change, WriteVerdict
 from kvdepot.server.disk.tier import DiskTier
@@ -323,7 +322,7 @@ class DiskLink:
         layout, tier = ns.layout, self.tier
         if not tier.health.up:  # no slot claimed (nor a row evicted for it) in vain
             for key in keys:
-                check_key(key, layout.num_groups)
+                layout.key_group(key)
             self.stats.misses += len(keys)
             return [False] * len(keys)
         out: list[bool] = []
@@ -335,7 +334,7 @@ class DiskLink:
                 out.append(True)
                 continue
             found = tier.record_of(namespace_id, key)
-            size = layout.slot_bytes(check_key(key, layout.num_groups))
+            size = layout.slot_bytes(layout.key_group(key))
             if found is None:
                 self.stats.misses += 1
                 out.append(False)

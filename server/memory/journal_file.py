@@ -37,7 +37,7 @@ from kvdepot.server.core.allocator import Extent, OutOfSpace
 from kvdepot.server.core.index import BlockIndex, IndexEvent, Slot
 from kvdepot.server.core.journal import JournalError, JournalState, Row
 from kvdepot.server.core.kinds import EventKind
-from kvdepot.server.core.layout import LayoutError, check_key
+from kvdepot.server.core.layout import LayoutError
 from kvdepot.server.memory import private_files
 from kvdepot.server.memory.arena import Arena
 
@@ -87,7 +87,7 @@ def read(pool_file: str) -> tuple[JournalState | None, str]:
 def row_bytes(index: BlockIndex, namespace_id: str, key: bytes) -> int:
     """Bytes of the row the checksum covers (the layout's, not the extent's)."""
     lay = index.namespaces[namespace_id].layout
-    return lay.slot_bytes(check_key(key, lay.num_groups))
+    return lay.slot_bytes(lay.key_group(key))
 
 
 def row_crc(arena: Arena, offset: int, nbytes: int) -> int:
@@ -479,7 +479,7 @@ def begin_recovery(
         else:
             lay = index.namespaces[ns_id].layout
             try:
-                group = check_key(key, lay.num_groups)
+                group = lay.key_group(key)
             except LayoutError as exc:
                 reason, detail = "bad key", str(exc)
             else:

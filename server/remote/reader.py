@@ -28,7 +28,7 @@ from typing import NamedTuple
 from kvdepot.server.copy_queue import CopyQueue
 from kvdepot.server.core.index import BlockIndex, Namespace, UnknownNamespace
 from kvdepot.server.core.kinds import StoreOutcome
-from kvdepot.server.core.layout import LayoutError, check_key
+from kvdepot.server.core.layout import LayoutError
 from kvdepot.server.memory.arena import Arena
 from kvdepot.server.remote import codec
 from kvdepot.server.remote.batches import BatchWorkers
@@ -138,7 +138,7 @@ class Fetcher:
         out: list[KeyState] = []
         ask: list[int] = []
         for i, key in enumerate(keys):
-            check_key(key, ns.layout.num_groups)  # LayoutError -> INVALID_ARGUMENT
+            ns.layout.key_group(key)  # LayoutError -> INVALID_ARGUMENT
             if key in ns.slots:
                 out.append(KeyState.LOCAL)
             elif (namespace_id, key) in self._fetching:
@@ -168,7 +168,7 @@ class Fetcher:
             if key in ns.slots or (namespace_id, key) in self._fetching:
                 out[i] = KeyState.LOCAL if key in ns.slots else KeyState.FETCHING
                 continue
-            size = ns.layout.slot_bytes(check_key(key, ns.layout.num_groups))
+            size = ns.layout.slot_bytes(ns.layout.key_group(key))
             frame = self._codec.frame_bytes(namespace_id, key, size)
             if stored != frame:  # not a row of this layout: never downloaded
                 self._reject(

@@ -33,7 +33,6 @@ from dataclasses import dataclass
 from kvdepot.server.copy_queue import CopyQueue
 from kvdepot.server.core.index import BlockIndex, IndexEvent, Slot
 from kvdepot.server.core.kinds import EventKind, EvictionReason
-from kvdepot.server.core.layout import check_key
 from kvdepot.server.memory.arena import Arena
 from kvdepot.server.remote.batches import BatchWorkers
 from kvdepot.server.remote.codec import Codec
@@ -116,7 +115,7 @@ class WriteBehind:
 
     def _row_bytes(self, namespace_id: str, key: bytes) -> int:
         layout = self._index.namespace(namespace_id).layout
-        return layout.slot_bytes(check_key(key, layout.num_groups))
+        return layout.slot_bytes(layout.key_group(key))
 
     def _note_extent(self, namespace_id: str, key: bytes) -> None:
         slot = self._index.namespaces[namespace_id].slots.get(key)

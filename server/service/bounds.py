@@ -32,7 +32,11 @@ def check_register_size(request: pb.RegisterKVRequest) -> None:
     than MAX_GROUPS, or more layers, layer refs, tensors or regions than
     MAX_LAYOUT_LAYERS (a layer needs one tensor and one region at most)."""
     layout = request.namespace
-    for what, groups in (("namespace layout", layout.groups), ("layer refs", request.groups)):
+    for what, groups in (
+        ("namespace layout", layout.groups),
+        ("group ids", layout.group_ids),
+        ("layer refs", request.groups),
+    ):
         if len(groups) > MAX_GROUPS:
             raise errors.invalid(
                 f"{what}: {len(groups)} groups; a namespace has at most {MAX_GROUPS} (MAX_GROUPS)"

@@ -75,6 +75,7 @@ def layout_from_proto(msg: pb.NamespaceLayout) -> NamespaceLayout:
             blocks_per_chunk=msg.blocks_per_chunk,
             groups=tuple(tuple(g.layer_page_bytes) for g in msg.groups),
             description=msg.description,
+            group_ids=tuple(msg.group_ids),
         )
     except LayoutError as exc:
         raise errors.invalid(f"namespace layout: {exc}") from None
@@ -124,6 +125,7 @@ def namespace_info(ns: Namespace) -> admin_pb2.NamespaceInfo:
         world_size=lay.world_size,
         blocks_per_chunk=lay.blocks_per_chunk,
         slot_bytes=[lay.slot_bytes(g) for g in range(lay.num_groups)],
+        group_ids=lay.group_ids,
         ready_blocks=ns.ready_blocks,
         writing_blocks=ns.writing_blocks,
         used_bytes=ns.used_bytes,

@@ -16,7 +16,6 @@ from collections.abc import Callable, Sequence
 from kvdepot.server import errors
 from kvdepot.server.core.index import BlockIndex, UnknownNamespace
 from kvdepot.server.core.kinds import EvictionReason
-from kvdepot.server.core.layout import check_key
 from kvdepot.server.state.settings import StateConfig
 
 # Blocks a bulk eviction (Clear, Evict of a namespace) handles between two yields
@@ -74,7 +73,7 @@ class AdminEviction:
         unique = list(dict.fromkeys(keys))  # a key named twice counts once
         for key in unique:
             try:
-                check_key(key, ns.layout.num_groups)
+                ns.layout.key_group(key)
             except ValueError as exc:
                 raise errors.invalid(
                     f"{exc}. In grpcurl JSON a key is base64: copy `key` from "

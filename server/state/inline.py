@@ -16,7 +16,6 @@ from kvdepot.server import errors
 from kvdepot.server.copy_queue import CopyQueue
 from kvdepot.server.core.index import BlockIndex
 from kvdepot.server.core.kinds import PutOutcome, SlotState, StoreOutcome
-from kvdepot.server.core.layout import check_key
 from kvdepot.server.memory.arena import Arena
 from kvdepot.server.state.traffic import Traffic
 
@@ -33,7 +32,7 @@ class InlinePath:
     def _section(self, namespace_id: str, key: bytes, rank: int) -> tuple[int, int]:
         """(offset in the slot, bytes) of `rank`'s section of `key`."""
         layout = self._index.namespace(namespace_id).layout
-        group = check_key(key, layout.num_groups)
+        group = layout.key_group(key)
         if not 0 <= rank < layout.world_size:
             raise errors.invalid(f"rank {rank} out of range [0, {layout.world_size})")
         size = layout.section_bytes(group)

@@ -18,7 +18,6 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from kvdepot.server.core.index import BlockIndex
-from kvdepot.server.core.layout import check_key
 from kvdepot.server.state.events import EventBus
 from kvdepot.server.state.key_calls import KeyCalls
 from kvdepot.server.state.namespaces import NamespaceAccess
@@ -91,7 +90,7 @@ class TiersBelow:
         if self.link is None and self.disk is None:
             layout = self.index.namespace(namespace_id).layout
             for key in keys:
-                check_key(key, layout.num_groups)
+                layout.key_group(key)
             return None
         if self.disk is None:
             assert self.link is not None

@@ -1,13 +1,19 @@
-"""The namespace digest and the connector settings (no daemon needed)."""
+"""The namespace digest and the connector settings (no daemon needed): the scheduler
+and the workers compute one id from what each of them sees, with vLLM's real configs."""
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import pytest
 
 pytest.importorskip("vllm")
 
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.config import (
+    build_offloading_config,
+)
+from vllm.v1.core.kv_cache_utils import generate_scheduler_kv_cache_config
 from vllm.v1.kv_offload.config import (
     OffloadingCacheConfig,
     OffloadingConfig,
@@ -17,7 +23,15 @@ from vllm.v1.kv_offload.config import (
 )
 
 from kvdepot.client.vllm.config import DEFAULT_SOCKET, DepotSettings
-from kvdepot.client.vllm.namespace import namespace_inputs, namespace_layout
+from kvdepot.client.vllm.namespace import hash_seed, namespace_inputs, namespace_layout
+from kvdepot.client.vllm.spec import ConnectorContext, KVDepotOffloadingSpec, connector_context
+from kvdepot.testing.environment import find_model_dir
+from kvdepot.testing.vllm_config import (
+    EngineConfig,
+    GroupDef,
+    make_kv_cache_config,
+    make_vllm_config,
+)
 
 pytestmark = pytest.mark.vllm
 
@@ -137,3 +151,115 @@ def test_settings_defaults_and_validation() -> None:
         DepotSettings.from_extra_config({"kvdepot_memory_path": "rdma"})
     with pytest.raises(ValueError, match="kvdepot_socket"):
         DepotSettings.from_extra_config({"kvdepot_socket": " "})
+
+
+# -- the scheduler and the workers compute one id -----------------------------------------
+
+MLA_DSA = (GroupDef("mla", block_size=16, num_layers=2, head_size=576, indexer_head_size=132),)
+
+
+def vllm_configs(groups=MLA_DSA, hash_algo: str = "sha256", tp: int = 1):
+    """An engine's VllmConfig, a worker's KVCacheConfig, and the scheduler's, built from
+    the workers' by vLLM's own `generate_scheduler_kv_cache_config`."""
+    cfg = EngineConfig(
+        socket="/nonexistent/kvdepot.sock",
+        groups=groups,
+        model_dir=str(find_model_dir()),
+        tp=tp,
+        hash_algo=hash_algo,
+    )
+    vllm_config = make_vllm_config(cfg)
+    worker = make_kv_cache_config(cfg, vllm_config, 64)
+    return vllm_config, worker, generate_scheduler_kv_cache_config([worker] * tp)
+
+
+def spec_for(vllm_config, kv_cache_config) -> KVDepotOffloadingSpec:
+    """The spec vLLM builds in a process that holds `kv_cache_config`, as
+    KVDepotConnector builds it (it connects to nothing until asked for a manager or a
+    worker)."""
+    token = connector_context.set(ConnectorContext(vllm_config, kv_cache_config))
+    try:
+        return KVDepotOffloadingSpec(build_offloading_config(vllm_config, kv_cache_config))
+    finally:
+        connector_context.reset(token)
+
+
+def test_a_uniform_type_group_is_one_namespace_for_the_scheduler_and_the_workers() -> None:
+    """MLA with a DSA indexer: the workers' group is a UniformTypeKVCacheSpecs of two page
+    sizes, the scheduler's that group flattened to its first layer's spec."""
+    vllm_config, worker, scheduler = vllm_configs()
+    assert type(worker.kv_cache_groups[0].kv_cache_spec).__name__ == "UniformTypeKVCacheSpecs"
+    assert type(scheduler.kv_cache_groups[0].kv_cache_spec).__name__ == "MLAAttentionSpec"
+    on_worker = spec_for(vllm_config, worker)
+    assert spec_for(vllm_config, scheduler).namespace_id == on_worker.namespace_id
+    # The pages the flattening hides still count: another indexer is another namespace.
+    other = (dataclasses.replace(MLA_DSA[0], indexer_head_size=136),)
+    vllm_config2, worker2, scheduler2 = vllm_configs(other)
+    assert spec_for(vllm_config2, scheduler2).namespace_id != on_worker.namespace_id
+    assert (
+        spec_for(vllm_config2, worker2).namespace_id
+        == spec_for(vllm_config2, scheduler2).namespace_id
+    )
+
+
+def test_offloaded_group_ids_are_part_of_the_namespace() -> None:
+    """Groups (0, 2) and groups (0, 1) of one model are different keys and layouts (a
+    compressor ring is not prefix-cacheable: vLLM does not offload it)."""
+    full, ring = GroupDef("full", block_size=16, num_layers=2), GroupDef("ring", 16, 2)
+    vllm_config, worker, scheduler = vllm_configs((full, ring, full))
+    assert [g.group_id for g in build_offloading_config(vllm_config, worker).groups] == [0, 2]
+    ns = spec_for(vllm_config, scheduler).namespace_id
+    assert spec_for(vllm_config, worker).namespace_id == ns
+    vllm_config2, _, scheduler2 = vllm_configs((full, full, ring))
+    assert spec_for(vllm_config2, scheduler2).namespace_id != ns
+
+
+# -- the prefix hash's seed ---------------------------------------------------------------
+
+
+def test_the_prefix_hash_seed_separates_namespaces(monkeypatch: pytest.MonkeyPatch) -> None:
+    config = offloading_config()
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    default = ns_id(config)
+    assert hash_seed("sha256") == hash_seed("sha256_cbor") == "default"
+    assert hash_seed("xxhash") == hash_seed("xxhash_cbor") == "random"
+    monkeypatch.setenv("PYTHONHASHSEED", "7")
+    assert hash_seed("xxhash") == hash_seed("sha256") != "random"
+    seven = ns_id(config)
+    assert seven != default  # vLLM's NONE_HASH, and so every key, depends on it
+    assert ns_id(config) == seven  # every engine, scheduler and rank with the seed
+    monkeypatch.setenv("PYTHONHASHSEED", "8")
+    assert ns_id(config) != seven
+    # An xxhash seed must stay secret: only a digest of it goes anywhere.
+    monkeypatch.setenv("PYTHONHASHSEED", "s3cret-seed")
+    inputs = namespace_inputs(config, None, "xxhash", "")
+    assert "s3cret" not in inputs.hash_seed and "s3cret" not in inputs.description()
+
+
+@pytest.mark.parametrize(
+    ("algo", "seed", "warns"),
+    [
+        ("xxhash", None, True),
+        ("xxhash_cbor", None, True),
+        ("xxhash", "0", False),
+        ("sha256", None, False),
+        ("sha256", "0", False),
+    ],
+)
+def test_the_xxhash_warning_only_when_no_engine_can_share(
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    algo: str,
+    seed: str | None,
+    warns: bool,
+) -> None:
+    if seed is None:
+        monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    else:
+        monkeypatch.setenv("PYTHONHASHSEED", seed)
+    vllm_config, worker, scheduler = vllm_configs(hash_algo=algo)
+    caplog.set_level(logging.WARNING, logger="kvdepot")
+    ids = {spec_for(vllm_config, kv).namespace_id for kv in (scheduler, worker)}
+    assert len(ids) == 1
+    warned = [r for r in caplog.records if "cannot share offloaded blocks" in r.getMessage()]
+    assert len(warned) == (2 if warns else 0)

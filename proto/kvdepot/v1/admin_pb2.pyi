@@ -257,7 +257,7 @@ class ListNamespacesRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class NamespaceInfo(_message.Message):
-    __slots__ = ("id", "world_size", "blocks_per_chunk", "slot_bytes", "ready_blocks", "writing_blocks", "used_bytes", "description", "share_bytes", "evicted_blocks")
+    __slots__ = ("id", "world_size", "blocks_per_chunk", "slot_bytes", "ready_blocks", "writing_blocks", "used_bytes", "description", "group_ids", "share_bytes", "evicted_blocks")
     ID_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_PER_CHUNK_FIELD_NUMBER: _ClassVar[int]
@@ -266,6 +266,7 @@ class NamespaceInfo(_message.Message):
     WRITING_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     USED_BYTES_FIELD_NUMBER: _ClassVar[int]
     DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
+    GROUP_IDS_FIELD_NUMBER: _ClassVar[int]
     SHARE_BYTES_FIELD_NUMBER: _ClassVar[int]
     EVICTED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     id: str
@@ -276,9 +277,10 @@ class NamespaceInfo(_message.Message):
     writing_blocks: int
     used_bytes: int
     description: str
+    group_ids: _containers.RepeatedScalarFieldContainer[int]
     share_bytes: int
     evicted_blocks: int
-    def __init__(self, id: _Optional[str] = ..., world_size: _Optional[int] = ..., blocks_per_chunk: _Optional[int] = ..., slot_bytes: _Optional[_Iterable[int]] = ..., ready_blocks: _Optional[int] = ..., writing_blocks: _Optional[int] = ..., used_bytes: _Optional[int] = ..., description: _Optional[str] = ..., share_bytes: _Optional[int] = ..., evicted_blocks: _Optional[int] = ...) -> None: ...
+    def __init__(self, id: _Optional[str] = ..., world_size: _Optional[int] = ..., blocks_per_chunk: _Optional[int] = ..., slot_bytes: _Optional[_Iterable[int]] = ..., ready_blocks: _Optional[int] = ..., writing_blocks: _Optional[int] = ..., used_bytes: _Optional[int] = ..., description: _Optional[str] = ..., group_ids: _Optional[_Iterable[int]] = ..., share_bytes: _Optional[int] = ..., evicted_blocks: _Optional[int] = ...) -> None: ...
 
 class ListNamespacesResponse(_message.Message):
     __slots__ = ("namespaces",)
