@@ -7,9 +7,9 @@ id, kind, tokens per block and per-layer page bytes, the bytes of one GPU block,
 blocks per chunk, the parallel layout (world size, TP, PP, PCP, DCP: a rank's
 section depends on all of them), the prefix-hash algorithm and its seed (they make
 the keys), and an optional user salt. Where every rank holds the same bytes (MLA at
-TP > 1), a row is one section and the parallel layout is that of one rank. Anything else (engine id, data-parallel rank,
-pool size, max_model_len) is left out on purpose, so that every engine with the
-same model and layout on a node shares.
+TP > 1), a row is one section and the parallel layout is that of one rank. Anything
+else (engine id, data-parallel rank, pool size, max_model_len) is left out on
+purpose, so that every engine with the same model and layout on a node shares.
 
 The scheduler and the workers compute it apart and must agree, so it is read only
 from what both see alike: the groups as vLLM's scheduler sees them. vLLM hands its
