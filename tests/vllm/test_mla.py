@@ -2,7 +2,7 @@
 same latent KV; vLLM 0.33 says so (`OffloadingConfig.replicated_layout`, from
 `kv_tp_replicas`). A row is then one section: the first rank to store it copies it,
 the others' stores find it present, every rank loads it, and the namespace does not
-depend on the TP size, so MLA engines at TP=1, 2 and 4 share every block. vLLM 0.33.0's
+depend on the TP size, so MLA engines at TP=1, 2, 4 and 8 share every block. vLLM 0.33.0's
 real Scheduler and worker connectors, a DeepSeek-V2-shaped config (576 values a
 token), a real daemon."""
 
@@ -69,6 +69,18 @@ def test_an_mla_row_is_one_copy_shared_by_every_tp_size(daemon, make_engine) -> 
     [one] = tp1.generate([PROMPT])
     assert one.external_tokens == 8 * 16
     assert_every_rank_holds_the_prompt(tp1, one.block_ids[0][:8])
+    # And TP=8: eight ranks load the one section; still one copy in the pool. (The
+    # engines before it close first: one process may hold 16 sessions, and a real
+    # engine's ranks are processes of their own.)
+    for engine in (tp1, tp2, tp4):
+        engine.shutdown()
+    tp8 = mla_engine(make_engine, daemon, 8)
+    assert tp8.manager.namespace_id == namespace
+    tp8.wait_ready(keys)
+    tp8.scrub()
+    [eight] = tp8.generate([PROMPT])
+    assert eight.external_tokens == 8 * 16
+    assert_every_rank_holds_the_prompt(tp8, eight.block_ids[0][:8])
     s = stats(daemon)
     assert (s.ready_blocks, s.used_bytes) == (8, 8 * ROW)  # nothing stored twice
     assert s.pinned_blocks == 0
