@@ -152,14 +152,15 @@ class DiskTierError(RuntimeError):
 
 
 class Daemon:
-    def __init__(self, config: ServeConfig) -> None:
+    def __init__(self, config: ServeConfig, notify_channel: socket.socket | None = None) -> None:
         self.config = config
         self.state: DepotState | None = None
         self.server: grpc.aio.Server | None = None
         self.admin_server: grpc.aio.Server | None = None  # the operators' socket
         self.health = HealthServicer()  # its Watch streams end at shutdown
         self.admin_health = HealthServicer()  # the operator socket's
-        self.notifier = SystemdNotifier()
+        # systemd's $NOTIFY_SOCKET, or a shard's channel to its supervisor (shards.py).
+        self.notifier = SystemdNotifier(channel=notify_channel)
         self._stop = asyncio.Event()
         self._ready = False  # READY=1 sent (read by the warm-up thread's STATUS lines)
         self.remote: RemoteLink | None = None
@@ -448,9 +449,10 @@ def serve(config: ServeConfig) -> int:
     return serve_one(config)
 
 
-def serve_one(config: ServeConfig) -> int:
+def serve_one(config: ServeConfig, notify_channel: socket.socket | None = None) -> int:
     """One daemon process: the whole daemon, or shard `config.shard` of `config.shards`
-    (then in a process of the supervisor's). Its exit status: 2 when it cannot start."""
+    (then in a process of the supervisor's, `notify_channel` its socket to it). Its exit
+    status: 2 when it cannot start."""
     tag = f"shard {config.shard}/{config.shards}" if config.shards > 1 else ""
     configure_logging(config.log_level, tag)
     try:
@@ -460,7 +462,7 @@ def serve_one(config: ServeConfig) -> int:
     except ImportError:
         log.warning("uvloop is not installed; using asyncio's default loop")
     try:
-        asyncio.run(Daemon(config).run())
+        asyncio.run(Daemon(config, notify_channel).run())
     except (
         SocketPathError,
         PoolFileBusy,
