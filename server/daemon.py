@@ -222,6 +222,8 @@ class Daemon:
             depot,
             server,
             bounds.max_request_bytes(cfg),
+            bounds.type_bytes(cfg),
+            depot.request_parsers(),
         )
         server.add_generic_rpc_handlers((admin_refusal(cfg.admin_socket_path),))
         wire.add_servicer(
