@@ -37,6 +37,7 @@ from kvdepot.server.sdnotify import SystemdNotifier, run_watchdog
 from kvdepot.server.service import bounds, wire
 from kvdepot.server.service.admin import AdminServicer
 from kvdepot.server.service.depot import DepotServicer
+from kvdepot.server.service.gate import SessionGate
 from kvdepot.server.shards import serve_shards
 from kvdepot.server.sizes import format_size
 from kvdepot.server.state import DepotState
@@ -210,8 +211,11 @@ class Daemon:
 
         # Two servers on this loop: one grpc server cannot serve different services on
         # different ports, and Admin must never be on the engines' socket (or TCP).
+        # Depot calls but Session need a session before their request is read (gate.py).
         server = self.server = grpc.aio.server(
-            options=_SERVER_OPTIONS, maximum_concurrent_rpcs=bounds.max_concurrent_rpcs(cfg)
+            options=_SERVER_OPTIONS,
+            maximum_concurrent_rpcs=bounds.max_concurrent_rpcs(cfg),
+            interceptors=[SessionGate(lambda sid: sid in st.sessions)],
         )
         admin_server = self.admin_server = grpc.aio.server(options=_SERVER_OPTIONS)
         # Undecodable requests get INVALID_ARGUMENT, not grpcio's UNKNOWN, and requests

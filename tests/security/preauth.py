@@ -13,8 +13,13 @@ status codes (or job error codes) it got back, counted. Shapes:
   under every byte bound), no session;
 - `transfer-bound`: Transfer jobs of as many one-byte block ids as the daemon's job
   byte bound allows (about 1.2 Mi), no session;
+- `session-4mi`, `session-counts`, `session-bound`: the same, on Transfer streams of a
+  session of its own (named in the stream's metadata, as kvdepot's client does);
 - `lane-4mi`, `lane-counts`, `lane-bound`: the same jobs as datagrams on a job lane of
-  a session of its own (lanes need one).
+  a session of its own (lanes need one);
+- `large`, `large-fake`: 200 MiB messages, four at a time, to Put, Lookup, RegisterKV,
+  Pin and Transfer, with no session (`large-fake`: naming a made-up one in the
+  kvdepot-session metadata); `large-session`: to Session (no session needed).
 """
 
 from __future__ import annotations
@@ -54,7 +59,9 @@ def job_bytes(blocks: int, session_id: str) -> bytes:
     return job.SerializeToString()
 
 
-def transfer(target: str, payload: bytes, until: float, codes: collections.Counter) -> None:
+def transfer(
+    target: str, payload: bytes, metadata: list, until: float, codes: collections.Counter
+) -> None:
     options = [("grpc.max_send_message_length", 64 << 20)]
     with grpc.insecure_channel(target, options=options) as ch:
         call = ch.stream_stream(
@@ -69,7 +76,8 @@ def transfer(target: str, payload: bytes, until: float, codes: collections.Count
                     yield payload
 
             try:
-                for result in call(jobs(), timeout=max(0.1, until - time.monotonic() + 5)):
+                timeout = max(0.1, until - time.monotonic() + 5)
+                for result in call(jobs(), timeout=timeout, metadata=metadata):
                     codes[result.error_code or "OK"] += 1
             except grpc.RpcError as exc:
                 codes[exc.code().name] += 1
@@ -105,16 +113,64 @@ def lane(target: str, blocks: int, until: float, codes: collections.Counter) -> 
     client.close()
 
 
+LARGE_METHODS = ("Put", "Lookup", "RegisterKV", "Pin", "Transfer")
+
+
+def large(
+    target: str, method: str, payload: bytes, metadata: list, codes: collections.Counter
+) -> None:
+    options = [("grpc.max_send_message_length", 1 << 30)]
+    with grpc.insecure_channel(target, options=options) as ch:
+        path = f"/kvdepot.v1.Depot/{method}"
+        try:
+            if method == "Transfer":
+                call = ch.stream_stream(path, request_serializer=None)
+                list(call(iter([payload]), timeout=60, metadata=metadata))
+            elif method == "Session":
+                call = ch.unary_stream(path, request_serializer=None)
+                next(iter(call(payload, timeout=60)))
+            else:
+                ch.unary_unary(path, request_serializer=None)(
+                    payload, timeout=60, metadata=metadata
+                )
+            codes[f"{method} OK"] += 1
+        except grpc.RpcError as exc:
+            codes[f"{method} {exc.code().name}"] += 1
+
+
 def main() -> None:
     target, seconds, shape = sys.argv[1], float(sys.argv[2]), sys.argv[3]
     until = time.monotonic() + seconds
     codes: collections.Counter[str] = collections.Counter()
+    if shape.startswith("large"):
+        payload = b"\0" * (200 << 20)
+        fake = [("kvdepot-session", secrets.token_hex(16))] if shape == "large-fake" else []
+        methods = ("Session",) if shape == "large-session" else LARGE_METHODS
+        print(json.dumps({"ready": len(payload)}), flush=True)
+        for method in methods:  # four at a time, as the attack did
+            threads = [
+                threading.Thread(target=large, args=(target, method, payload, fake, codes))
+                for _ in range(4)
+            ]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+        print(json.dumps({"shape": shape, "codes": dict(codes)}), flush=True)
+        return
     blocks = {"4mi": 4 << 20, "counts": 100_000, "bound": JOB_BOUND_BLOCKS}[shape.split("-")[1]]
-    if shape.startswith("transfer"):
-        payload = job_bytes(blocks, secrets.token_hex(16))  # a session that does not exist
+    if shape.startswith(("transfer", "session")):
+        metadata: list[tuple[str, str]] = []
+        session_id = secrets.token_hex(16)  # a session that does not exist
+        if shape.startswith("session"):  # one of its own, named as the client names it
+            client = DepotClient(target, client_name="stream-attacker").start()
+            assert client.wait_connected(10)
+            session_id = client.session_id
+            metadata = [("kvdepot-session", session_id)]
+        payload = job_bytes(blocks, session_id)
         print(json.dumps({"ready": len(payload)}), flush=True)
         threads = [
-            threading.Thread(target=transfer, args=(target, payload, until, codes))
+            threading.Thread(target=transfer, args=(target, payload, metadata, until, codes))
             for _ in range(2)
         ]
         for t in threads:
