@@ -23,6 +23,8 @@ up to the receive limit.
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -35,11 +37,14 @@ from kvdepot.common.kinds import (
     SESSION_METADATA,
 )
 from kvdepot.server import errors
+from kvdepot.server.core.log_limit import LogLimiter, held_note
 from kvdepot.server.peer import session_tag
 from kvdepot.server.service.status import grpc_status
 from kvdepot.v1 import depot_pb2 as pb
 
 __all__ = ["SessionGate", "refusing_handler"]
+
+log = logging.getLogger("kvdepot.gate")
 
 DEPOT = "kvdepot.v1.Depot"
 
@@ -98,11 +103,11 @@ class SessionGate(grpc.aio.ServerInterceptor):
     names no session `is_open` knows (see the module docstring); calls it lets through,
     and every other service's, go on to their handlers unchanged."""
 
-    def __init__(
-        self, is_open: Callable[[str], bool], on_refused: Callable[[str], None] | None = None
-    ) -> None:
+    def __init__(self, is_open: Callable[[str], bool]) -> None:
         self._is_open = is_open
-        self._on_refused = on_refused  # told why, for the log (rate-limited there)
+        # Refusals are logged, rate-limited: callers with no session cannot be told
+        # apart (one key), those naming a session by the session's tag.
+        self.log_limit = LogLimiter()
 
     async def intercept_service(
         self,
@@ -128,6 +133,8 @@ class SessionGate(grpc.aio.ServerInterceptor):
                 f"{method} names no session: open a Session and send its id as the "
                 f"{SESSION_METADATA} metadata of every call (kvdepot's client does)"
             )
-        if self._on_refused is not None:
-            self._on_refused(f"{method}: {refusal.message}")
+        key = session_tag(session_id) if session_id else "no session"
+        held = self.log_limit.admit(key, time.monotonic())
+        if held is not None:
+            log.warning("refused %s, unread: %s%s", method, refusal.message, held_note(held))
         return refusing_handler(grpc_status(refusal.code), refusal.message)

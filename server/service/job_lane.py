@@ -46,6 +46,7 @@ import logging
 import os
 import select
 import socket
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -56,6 +57,7 @@ from google.protobuf.internal import wire_format
 from kvdepot.common.jobs import JobResult
 from kvdepot.common.lane_protocol import DaemonLane
 from kvdepot.server import errors
+from kvdepot.server.core.log_limit import LogLimiter, held_note
 from kvdepot.server.peer import session_tag, socket_creator
 from kvdepot.server.service import bounds
 from kvdepot.server.service.codec import JobMessage, read_job, result_to_proto
@@ -377,7 +379,10 @@ class JobLane:
             task.cancel()
         self.sock.close()
         self.lanes.forget(self)
-        log.info("lane %d of session %s closed: %s", self.id, session_tag(self.session_id), why)
+        tag = session_tag(self.session_id)
+        held = self.lanes.log_limit.admit(tag, time.monotonic())
+        if held is not None:  # rate-limited per session (kvdepot.server.core.log_limit)
+            log.info("lane %d of session %s closed: %s%s", self.id, tag, why, held_note(held))
 
 
 class PinLane(JobLane):
@@ -444,13 +449,17 @@ class UnpinLane(JobLane):
                 # but a client naming someone else's namespace.
                 self.close(f"an unpin was refused ({refusal.message})")
                 return
-            log.warning(
-                "unpin lane %d of session %s: an unpin of %d keys was refused (%s)",
-                self.id,
-                session_tag(self.session_id),
-                len(req.keys),
-                refusal.message,
-            )
+            tag = session_tag(self.session_id)
+            held = self.lanes.log_limit.admit(tag, time.monotonic())
+            if held is not None:
+                log.warning(
+                    "unpin lane %d of session %s: an unpin of %d keys was refused (%s)%s",
+                    self.id,
+                    tag,
+                    len(req.keys),
+                    refusal.message,
+                    held_note(held),
+                )
             return
         self.lanes.lane_unpins += 1
 
@@ -473,6 +482,7 @@ class JobLanes:
         self.lane_jobs = 0  # jobs that came by a lane, since start
         self.lane_pins = 0  # pin calls that came by a pin lane, since start
         self.lane_unpins = 0  # unpin calls that came by an unpin lane, since start
+        self.log_limit = LogLimiter()  # lane lines, rate-limited per session
         # The largest job datagram a job lane parses: its largest legal job (bounds.py).
         cfg = state.config
         self.max_job_bytes = min(
@@ -532,7 +542,11 @@ class JobLanes:
         lane = cls(self, next(self._ids), session_id, sock, self._answer, self._max_unread, batched)
         self._lanes[lane.id] = lane
         lane.start()
-        log.info("%s lane %d of session %s open", cls.noun, lane.id, session.tag)
+        held = self.log_limit.admit(session.tag, time.monotonic())
+        if held is not None:
+            log.info(
+                "%s lane %d of session %s open%s", cls.noun, lane.id, session.tag, held_note(held)
+            )
         return lane
 
     def forget(self, lane: JobLane) -> None:

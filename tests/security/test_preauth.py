@@ -191,3 +191,28 @@ def test_a_session_still_puts_and_gets_a_row_larger_than_any_other_request(
     assert c.put("big", key, 0, section, timeout=60).ready
     assert c.get("big", key, 0, timeout=60) == section
     c.close()
+
+
+def test_a_client_churning_sessions_and_refusals_cannot_flood_the_log(
+    daemon: DaemonProcess,
+) -> None:
+    """Before: a line for every session opened and closed and every refusal (21,800
+    lines in 12 s). Now those lines are rate-limited per peer (core/log_limit.py):
+    what is held back is counted and said on the next line."""
+    victim = Victim(daemon)
+    lines_before = len(daemon.log().splitlines())
+    p = attack(daemon.target, "churn", seconds=ATTACK_SECONDS)
+    during = victim.lookup_ms(n=50)
+    codes = report(p)
+    log = daemon.log().splitlines()[lines_before:]
+    events = codes["sessions"] * 2 + codes.get("Lookup FAILED_PRECONDITION", 0)
+    print(f"churn: {codes}; {len(log)} log lines for {events} loggable events")
+    assert codes["sessions"] >= 200 and codes["Lookup FAILED_PRECONDITION"] >= 200, codes
+    # Three keys (opens, closes of unattested sessions, calls with no session): each
+    # its burst of 10, then one a second, over the attack's 8.5 s.
+    assert len(log) < 3 * (10 + 10) + 10, "\n".join(log[-20:])
+    assert any("not logged: rate-limited" in line for line in log), "\n".join(log[-20:])
+    assert len(during) == 50 and victim.round_trips()  # the victim is served
+    fresh = connect(daemon, "after the churn")  # and a new engine still connects
+    fresh.close()
+    victim.client.close()
