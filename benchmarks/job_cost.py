@@ -62,7 +62,7 @@ FILL_PASSES = 2  # passes before the pool is full and stores evict: not in the m
 # class the job path looks the name up in when it runs.
 STEPS: tuple[tuple[str, Any, str], ...] = (
     ("decode the job (job_from_proto)", depot_service, "job_from_proto"),
-    ("namespace joined (check_job_namespace)", DepotState, "check_job_namespace"),
+    ("admitted: session, counts (admit_job)", DepotState, "admit_job"),
     ("check: registration, size, shape (_check)", job_runner.JobRunner, "_check"),
     ("index claim, store (begin_store_many)", BlockIndex, "begin_store_many"),
     ("index claim, load (begin_read_many)", BlockIndex, "begin_read_many"),

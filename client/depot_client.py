@@ -37,10 +37,13 @@ stream loop thread (kvdepot.client.stream_loop), where `_open_session`, `_open_w
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import threading
 from collections.abc import Callable, Iterator, Sequence
+from types import SimpleNamespace
+from typing import Any, cast
 
 import grpc
 
@@ -49,6 +52,12 @@ from kvdepot.client.session import DepotUnavailable, Memberships, SessionKeeper
 from kvdepot.client.shm import SharedKVBuffer
 from kvdepot.client.transfer_stream import TransferStream
 from kvdepot.client.watch import Watch
+from kvdepot.common.kinds import (
+    HELLO_CLIENT_METADATA,
+    HELLO_ENGINE_METADATA,
+    HELLO_PID_METADATA,
+    SESSION_METADATA,
+)
 from kvdepot.v1 import admin_pb2_grpc, depot_pb2, depot_pb2_grpc
 
 __all__ = ["DepotClient", "DepotUnavailable", "normalize_target"]
@@ -74,6 +83,84 @@ _STREAM_CHANNEL_OPTIONS = (
     ("grpc.http2.bdp_probe", 0),
     ("grpc.http2.lookahead_bytes", 4 << 20),
 )
+
+
+def session_metadata(session_id: str) -> list[tuple[str, str]]:
+    """A call's metadata naming `session_id`: the daemon reads the request of no Depot
+    call but Session without a live session named there (server/service/gate.py)."""
+    if not session_id or not (session_id.isascii() and session_id.isprintable()):
+        return []  # no value gRPC can carry: the daemon says there is no session
+    return [(SESSION_METADATA, session_id)]
+
+
+def hello_metadata(request: depot_pb2.SessionRequest) -> list[tuple[str, str | bytes]]:
+    """A Session call's metadata: its request's fields, which are all the daemon reads
+    of it (it never reads a Session request: server/service/gate.py). Names are cut to
+    the 200 characters the daemon keeps, so the metadata stays small."""
+    return [
+        (HELLO_CLIENT_METADATA, request.client_name[:200].encode()),
+        (HELLO_PID_METADATA, str(request.pid)),
+        (HELLO_ENGINE_METADATA, request.engine_id[:200].encode()),
+    ]
+
+
+_CALL_ARGS = ("timeout", "metadata", "credentials", "wait_for_ready", "compression")
+
+
+class _WithSession:
+    """One method of a Depot stub whose calls send the session their request names
+    as metadata too (`session_metadata`). A request stream without that metadata is
+    opened as its first request's session: that request is waited for (the library's
+    own streams pass the metadata themselves)."""
+
+    __slots__ = ("_method", "_streaming")
+
+    def __init__(self, method: Any, streaming: bool) -> None:
+        self._method = method
+        self._streaming = streaming
+
+    def _with_session(self, request: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        kwargs.update(zip(_CALL_ARGS, args, strict=False))
+        metadata = list(kwargs.get("metadata") or ())
+        if isinstance(request, depot_pb2.SessionRequest):  # its fields go as metadata
+            if not any(key == HELLO_CLIENT_METADATA for key, _ in metadata):
+                kwargs["metadata"] = metadata + hello_metadata(request)
+            return request
+        if any(key == SESSION_METADATA for key, _ in metadata):
+            return request
+        first = request
+        if self._streaming:
+            first = next(request, None)
+            request = iter(()) if first is None else itertools.chain([first], request)
+        kwargs["metadata"] = metadata + session_metadata(getattr(first, "session_id", ""))
+        return request
+
+    def __call__(self, request: Any, *args: Any, **kwargs: Any) -> Any:
+        request = self._with_session(request, args, kwargs)
+        return self._method(request, **kwargs)
+
+    def future(self, request: Any, *args: Any, **kwargs: Any) -> Any:
+        request = self._with_session(request, args, kwargs)
+        return self._method.future(request, **kwargs)
+
+    def with_call(self, request: Any, *args: Any, **kwargs: Any) -> Any:
+        request = self._with_session(request, args, kwargs)
+        return self._method.with_call(request, **kwargs)
+
+
+def session_stub(channel: grpc.Channel) -> depot_pb2_grpc.DepotStub:
+    """A Depot stub on `channel` whose calls send the session their requests name as
+    metadata: what the daemon needs before it reads a request of any Depot call but
+    Session (server/service/gate.py). DepotClient's `stub` is one. (Not a gRPC client
+    interceptor: one registers a method on the channel at every call, which crashes
+    the process on a closed channel where a plain call raises ValueError.)"""
+    stub = depot_pb2_grpc.DepotStub(channel)
+    wrapped = SimpleNamespace()
+    for method in depot_pb2.DESCRIPTOR.services_by_name["Depot"].methods:
+        setattr(
+            wrapped, method.name, _WithSession(getattr(stub, method.name), method.client_streaming)
+        )
+    return cast(depot_pb2_grpc.DepotStub, wrapped)
 
 
 def _register_request(
@@ -134,7 +221,8 @@ class DepotClient:
         # for this long is frozen (SIGSTOP, swapping, a hung loop): treat it as gone.
         self.keepalive_timeout = keepalive_timeout
         self._channel = grpc.insecure_channel(self.target, options=_CHANNEL_OPTIONS)
-        self.stub = depot_pb2_grpc.DepotStub(self._channel)
+        # Requests that name a session name it in their metadata too (gate.py).
+        self.stub = session_stub(self._channel)
         # Admin is not on this socket: `admin` opens the operator socket on first use.
         self._admin_channel: grpc.Channel | None = None
         self._admin: admin_pb2_grpc.AdminStub | None = None
@@ -240,7 +328,9 @@ class DepotClient:
         if not self.joined(namespace_id, session_id):
             observer = depot_pb2.NamespaceLayout(id=namespace_id)
             await stub.RegisterKV(
-                _register_request(session_id, observer), timeout=self.keepalive_timeout
+                _register_request(session_id, observer),
+                timeout=self.keepalive_timeout,
+                metadata=session_metadata(session_id),
             )
             self._memberships.mark_joined(session_id, namespace_id)
 
@@ -393,17 +483,20 @@ class DepotClient:
         request = depot_pb2.SessionRequest(
             client_name=self.client_name, pid=os.getpid(), engine_id=self.engine_id
         )
-        return stub.Session(request)
+        return stub.Session(request, metadata=hello_metadata(request))
 
     def _open_watch(
         self, stub: depot_pb2_grpc.DepotStub, session_id: str, namespace_id: str
     ) -> grpc.aio.UnaryStreamCall:
-        return stub.Watch(depot_pb2.WatchRequest(session_id=session_id, namespace_id=namespace_id))
+        return stub.Watch(
+            depot_pb2.WatchRequest(session_id=session_id, namespace_id=namespace_id),
+            metadata=session_metadata(session_id),
+        )
 
     def _open_transfer(
-        self, requests: Iterator[depot_pb2.TransferJob]
+        self, requests: Iterator[depot_pb2.TransferJob], session_id: str
     ) -> grpc.Future:  # also an iterator of TransferResults
-        return self.stub.Transfer(requests)
+        return self.stub.Transfer(requests, metadata=session_metadata(session_id))
 
     # -- streams ---------------------------------------------------------------------
 

@@ -108,11 +108,13 @@ class TransferStream:
                 return
             yield item  # type: ignore[misc]
 
-    def _open(self) -> queue.SimpleQueue[object]:
+    def _open(self, session_id: str) -> queue.SimpleQueue[object]:
+        """The gRPC stream, opened as `session_id`'s (the daemon reads none of its jobs
+        before it knows that session: server/service/gate.py)."""
         q: queue.SimpleQueue[object] = queue.SimpleQueue()
         self._generation += 1
         generation = self._generation
-        call = self._call = self.client._open_transfer(self._requests_iter(q))
+        call = self._call = self.client._open_transfer(self._requests_iter(q), session_id)
         threading.Thread(
             target=self._read, args=(call, q, generation), name="kvdepot-transfer", daemon=True
         ).start()
@@ -188,7 +190,7 @@ class TransferStream:
                     self._inflight[job.job_id] = self._lanes.generation
                     return
                 if self._requests is None:
-                    self._requests = self._open()
+                    self._requests = self._open(job.session_id)
             except (DepotUnavailable, grpc.RpcError, ValueError) as exc:
                 self._fail(job.job_id, f"kvdepot daemon unavailable: {exc}")
                 self._lock.notify_all()

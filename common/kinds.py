@@ -1,5 +1,5 @@
-"""Names shared by the daemon and its clients: transfer directions and memory
-paths. Standard library only."""
+"""Names shared by the daemon and its clients: transfer directions, memory paths, the
+metadata key of a call's session. Standard library only."""
 
 from __future__ import annotations
 
@@ -25,3 +25,15 @@ class MemoryPath(enum.StrEnum):
     CUDA_IPC = "cuda_ipc"  # GPU memory opened with CUDA IPC, copied by DMA
     PVM = "pvm"  # another process's plain memory, copied with process_vm_readv/writev
     INLINE = "inline"  # no memory registered: bytes travel in Put/Get
+
+
+#: The gRPC metadata key naming the caller's session on every Depot call but Session:
+#: the daemon reads no request before it knows there is one (server/service/gate.py).
+SESSION_METADATA = "kvdepot-session"
+
+#: The Session call's fields, as its metadata: the daemon never reads a Session request
+#: (it comes before any session, so it could be any size), only these (UTF-8 bytes;
+#: the pid in decimal). A Session without them opens with empty ones (display only).
+HELLO_CLIENT_METADATA = "kvdepot-client-bin"
+HELLO_PID_METADATA = "kvdepot-pid"
+HELLO_ENGINE_METADATA = "kvdepot-engine-bin"

@@ -37,6 +37,7 @@ from kvdepot.server.sdnotify import SystemdNotifier, run_watchdog
 from kvdepot.server.service import bounds, wire
 from kvdepot.server.service.admin import AdminServicer
 from kvdepot.server.service.depot import DepotServicer
+from kvdepot.server.service.gate import SessionGate
 from kvdepot.server.shards import serve_shards
 from kvdepot.server.sizes import format_size
 from kvdepot.server.state import DepotState
@@ -153,14 +154,15 @@ class DiskTierError(RuntimeError):
 
 
 class Daemon:
-    def __init__(self, config: ServeConfig) -> None:
+    def __init__(self, config: ServeConfig, notify_channel: socket.socket | None = None) -> None:
         self.config = config
         self.state: DepotState | None = None
         self.server: grpc.aio.Server | None = None
         self.admin_server: grpc.aio.Server | None = None  # the operators' socket
         self.health = HealthServicer()  # its Watch streams end at shutdown
         self.admin_health = HealthServicer()  # the operator socket's
-        self.notifier = SystemdNotifier()
+        # systemd's $NOTIFY_SOCKET, or a shard's channel to its supervisor (shards.py).
+        self.notifier = SystemdNotifier(channel=notify_channel)
         self._stop = asyncio.Event()
         self._ready = False  # READY=1 sent (read by the warm-up thread's STATUS lines)
         self.remote: RemoteLink | None = None
@@ -212,8 +214,11 @@ class Daemon:
 
         # Two servers on this loop: one grpc server cannot serve different services on
         # different ports, and Admin must never be on the engines' socket (or TCP).
+        # Depot calls but Session need a session before their request is read (gate.py).
         server = self.server = grpc.aio.server(
-            options=_SERVER_OPTIONS, maximum_concurrent_rpcs=bounds.max_concurrent_rpcs(cfg)
+            options=_SERVER_OPTIONS,
+            maximum_concurrent_rpcs=bounds.max_concurrent_rpcs(cfg),
+            interceptors=[SessionGate(lambda sid: sid in st.sessions)],
         )
         admin_server = self.admin_server = grpc.aio.server(options=_SERVER_OPTIONS)
         # Undecodable requests get INVALID_ARGUMENT, not grpcio's UNKNOWN, and requests
@@ -224,6 +229,8 @@ class Daemon:
             depot,
             server,
             bounds.max_request_bytes(cfg),
+            bounds.type_bytes(cfg),
+            depot.request_parsers(),
         )
         server.add_generic_rpc_handlers((admin_refusal(cfg.admin_socket_path),))
         wire.add_servicer(
@@ -467,9 +474,10 @@ def serve(config: ServeConfig) -> int:
     return serve_one(config)
 
 
-def serve_one(config: ServeConfig) -> int:
+def serve_one(config: ServeConfig, notify_channel: socket.socket | None = None) -> int:
     """One daemon process: the whole daemon, or shard `config.shard` of `config.shards`
-    (then in a process of the supervisor's). Its exit status: 2 when it cannot start."""
+    (then in a process of the supervisor's, `notify_channel` its socket to it). Its exit
+    status: 2 when it cannot start."""
     tag = f"shard {config.shard}/{config.shards}" if config.shards > 1 else ""
     configure_logging(config.log_level, tag)
     try:
@@ -479,7 +487,7 @@ def serve_one(config: ServeConfig) -> int:
     except ImportError:
         log.warning("uvloop is not installed; using asyncio's default loop")
     try:
-        asyncio.run(Daemon(config).run())
+        asyncio.run(Daemon(config, notify_channel).run())
     except (
         SocketPathError,
         PoolFileBusy,

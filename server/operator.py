@@ -12,6 +12,7 @@ address is loopback: `listen_credentials` decides, before anything starts.
 from __future__ import annotations
 
 import ipaddress
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
@@ -25,14 +26,16 @@ ADMIN_SERVICE = admin_pb2.DESCRIPTOR.services_by_name["Admin"]
 def admin_refusal(admin_socket: str) -> grpc.GenericRpcHandler:
     """kvdepot.v1.Admin on the data socket (and TCP): every method answers
     PERMISSION_DENIED with where Admin is served, instead of gRPC's bare
-    UNIMPLEMENTED "Method not found!". Requests are not decoded (raw bytes)."""
+    UNIMPLEMENTED "Method not found!". Requests are not read."""
     message = f"Admin is served on the operator socket {admin_socket}, not on the engines' socket"
 
-    async def refuse(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+    async def refuse(requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> bytes:
         await context.abort(grpc.StatusCode.PERMISSION_DENIED, message)
         raise AssertionError("unreachable: abort raises")
 
-    handlers = {m.name: grpc.unary_unary_rpc_method_handler(refuse) for m in ADMIN_SERVICE.methods}
+    # A request stream to the server (the wire is the same as a unary call's), never
+    # read: nothing of the request is received beyond what flow control let through.
+    handlers = {m.name: grpc.stream_unary_rpc_method_handler(refuse) for m in ADMIN_SERVICE.methods}
     return grpc.method_handlers_generic_handler(ADMIN_SERVICE.full_name, handlers)
 
 

@@ -24,6 +24,10 @@ Contract of this module:
   follows within half the watchdog timeout.
 - Each message is exactly one datagram, sent from the calling process, so that systemd's
   ``NotifyAccess=main`` accepts it (systemd checks the sender's pid from the socket).
+- Or, instead of ``NOTIFY_SOCKET``, a ``channel``: a connected socket of this process
+  alone (a shard's end of the socketpair its supervisor made, server/shards.py). No
+  other process can send into it, so nothing can crowd its keep-alives out, as a flood
+  of a named socket's shared receive queue does.
 """
 
 from __future__ import annotations
@@ -59,14 +63,23 @@ class SystemdNotifier:
     all, and only when systemd is not reading).
     """
 
-    def __init__(self, environ: Mapping[str, str] | None = None) -> None:
+    def __init__(
+        self, environ: Mapping[str, str] | None = None, *, channel: socket.socket | None = None
+    ) -> None:
         env = os.environ if environ is None else environ
-        self._address: bytes | None = self._parse_address(env.get("NOTIFY_SOCKET", ""))
+        # A channel is connected: messages go to its peer, NOTIFY_SOCKET is not read.
+        self._channel = channel
+        self._address: bytes | None = (
+            None if channel is not None else self._parse_address(env.get("NOTIFY_SOCKET", ""))
+        )
         self._watchdog_usec: int | None = self._parse_usec(env.get("WATCHDOG_USEC"))
         self._watchdog_pid: int | None = self._parse_pid(env.get("WATCHDOG_PID"))
         self._sock: socket.socket | None = None
         self._lock = threading.Lock()
         self._warned = False
+        if channel is not None:
+            _set_send_timeout(channel)
+            self._sock = channel
 
     # -- environment -------------------------------------------------------------------
 
@@ -111,8 +124,9 @@ class SystemdNotifier:
 
     @property
     def enabled(self) -> bool:
-        """True when ``NOTIFY_SOCKET`` names a usable address, i.e. sends are attempted."""
-        return self._address is not None
+        """True when ``NOTIFY_SOCKET`` names a usable address (or a channel was given),
+        i.e. sends are attempted."""
+        return self._address is not None or self._channel is not None
 
     def watchdog_interval(self) -> float | None:
         """Seconds between ``WATCHDOG=1`` messages: half of ``WATCHDOG_USEC``, as
@@ -122,7 +136,7 @@ class SystemdNotifier:
         or zero, ``WATCHDOG_PID`` set to another pid (we are a child that inherited the
         environment, or were forked after start), or notifications disabled.
         """
-        if self._address is None or self._watchdog_usec is None:
+        if not self.enabled or self._watchdog_usec is None:
             return None
         # Compared at call time so a forked child, which has a new pid, sees None.
         if self._watchdog_pid is not None and self._watchdog_pid != os.getpid():
@@ -144,7 +158,7 @@ class SystemdNotifier:
         return self._notify(state, fields, wait=True)
 
     def _notify(self, state: str | None, fields: Mapping[str, object], *, wait: bool) -> bool:
-        if self._address is None:
+        if not self.enabled:
             return False
         lines: list[str] = []
         if state:
@@ -181,31 +195,28 @@ class SystemdNotifier:
         return self.notify(EXTEND_TIMEOUT_USEC=max(0, int(seconds * 1_000_000)))
 
     def _send(self, payload: bytes, *, wait: bool) -> bool:
-        assert self._address is not None
+        flags = 0 if wait else socket.MSG_DONTWAIT
         try:
+            if self._channel is not None:
+                self._channel.send(payload, flags)
+                return True
+            assert self._address is not None
             with self._lock:
                 if self._sock is None:
                     sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
-                    # A blocking socket whose sends give up after SEND_TIMEOUT_S: the kernel
-                    # then waits on the receiver's queue itself (Python's own timeouts would
-                    # poll, and poll reports an unconnected datagram socket always writable).
-                    sec = int(SEND_TIMEOUT_S)
-                    usec = int((SEND_TIMEOUT_S - sec) * 1_000_000)
-                    sock.setsockopt(
-                        socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", sec, usec)
-                    )
+                    _set_send_timeout(sock)
                     self._sock = sock
                 sock = self._sock
             # sendto per message rather than connect(): systemd may re-create its socket
             # (daemon-reexec), and an unconnected socket simply follows the path.
-            sock.sendto(payload, 0 if wait else socket.MSG_DONTWAIT, self._address)
+            sock.sendto(payload, flags, self._address)
         except OSError as exc:
             self._report_failure(exc)
             return False
         return True
 
     def _report_failure(self, exc: OSError) -> None:
-        target = self._address.replace(b"\0", b"@", 1) if self._address else b""
+        target = self._address.replace(b"\0", b"@", 1) if self._address else b"the supervisor"
         if not self._warned:
             self._warned = True
             log.warning(
@@ -220,7 +231,8 @@ class SystemdNotifier:
     # -- lifetime ----------------------------------------------------------------------
 
     def close(self) -> None:
-        """Close the sending socket; a later send opens a new one."""
+        """Close the sending socket; a later send opens a new one (a channel, once
+        closed, stays so: later sends return False)."""
         with self._lock:
             sock, self._sock = self._sock, None
         if sock is not None:
@@ -239,7 +251,19 @@ class SystemdNotifier:
 
     def __repr__(self) -> str:
         addr = os.fsdecode(self._address.replace(b"\0", b"@", 1)) if self._address else None
+        if self._channel is not None:
+            addr = f"channel fd {self._channel.fileno()}"
         return f"SystemdNotifier(address={addr!r}, watchdog_interval={self.watchdog_interval()})"
+
+
+def _set_send_timeout(sock: socket.socket) -> None:
+    """Blocking sends that give up after SEND_TIMEOUT_S: the kernel then waits on the
+    receiver's queue itself (Python's own timeouts would poll, and poll reports an
+    unconnected datagram socket always writable)."""
+    sock.setblocking(True)
+    sec = int(SEND_TIMEOUT_S)
+    usec = int((SEND_TIMEOUT_S - sec) * 1_000_000)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", sec, usec))
 
 
 async def run_watchdog(notifier: SystemdNotifier, stop_event: asyncio.Event) -> None:

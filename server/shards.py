@@ -8,14 +8,18 @@ Contract:
 - `serve_shards(cfg, run)` is called by `kvdepot.server.daemon.serve` on the main thread
   of the `kvdepot serve` process, which becomes the supervisor: it owns N child processes
   (multiprocessing's "spawn": each a fresh interpreter running `run(shard_config(cfg, i))`
-  with its own event loop, copy threads, pool and index) and nothing else of the daemon.
+  with its own event loop, copy threads, pool and index; called as `run(cfg, channel)`,
+  `channel` its notification socket) and nothing else of the daemon.
   `run` is passed in, not imported, because the daemon sits above this module
   (docs/architecture.md §2).
 - systemd sees one service: only the supervisor talks to $NOTIFY_SOCKET (the unit's
-  NotifyAccess=main). The shards inherit no NOTIFY_SOCKET of systemd's; theirs is a
-  datagram socket of the supervisor's, which reads their READY=1, STATUS= and WATCHDOG=1
-  and sends READY=1 once every shard serves (its socket accepts), STATUS= lines naming
-  each shard, WATCHDOG=1 while every shard keeps sending its own, STOPPING=1 when it stops.
+  NotifyAccess=main). The shards inherit no NOTIFY_SOCKET of systemd's; each gets instead
+  its end of a socketpair of the supervisor's (passed at spawn, named nowhere: no other
+  process can send into it, so no flood can crowd a shard's keep-alives out, as one did
+  when this was a named socket in the abstract namespace). The supervisor reads their
+  READY=1, STATUS= and WATCHDOG=1 and sends READY=1 once every shard serves (its socket
+  accepts), STATUS= lines naming each shard, WATCHDOG=1 while every shard keeps sending
+  its own, STOPPING=1 when it stops.
 - SIGTERM/SIGINT: forwarded to every shard as SIGTERM; a shard still running after
   `STOP_GRACE_SECONDS` is SIGKILLed. Exit 0 when every shard stopped cleanly.
 - A shard that exits on its own (a crash, a kill) stops the others and the supervisor
@@ -34,11 +38,9 @@ import dataclasses
 import logging
 import multiprocessing
 import os
-import secrets
 import selectors
 import signal
 import socket
-import struct
 import sys
 import time
 from collections.abc import Callable
@@ -67,7 +69,8 @@ START_FAILED = 2
 #: The variables of systemd's notification protocol (server/sdnotify.py).
 _NOTIFY_VARIABLES = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID")
 
-RunShard = Callable[[ServeConfig], int]
+#: A shard's body: its settings and its notification channel (for SystemdNotifier).
+RunShard = Callable[[ServeConfig, socket.socket], int]
 
 
 def shard_config(cfg: ServeConfig, i: int) -> ServeConfig:
@@ -155,17 +158,25 @@ def serve_shards(cfg: ServeConfig, run: RunShard) -> int:
 # --- the shards' side ---------------------------------------------------------------------
 
 
-def _shard_main(run: RunShard, cfg: ServeConfig, supervisor: int, notify: dict[str, str]) -> None:
-    """The first code a shard runs (in the child, after spawn's imports): `notify` is
-    the notification variables it gets instead of systemd's (the supervisor's socket)."""
+def _shard_main(
+    run: RunShard,
+    cfg: ServeConfig,
+    supervisor: int,
+    channel: socket.socket,
+    notify: dict[str, str],
+) -> None:
+    """The first code a shard runs (in the child, after spawn's imports): `channel` is
+    its end of the supervisor's socketpair, `notify` the notification variables it gets
+    instead of systemd's (WATCHDOG_USEC)."""
     # Before anything else: a supervisor that dies from here on takes this shard along.
     set_parent_death_signal(signal.SIGTERM)
     if os.getppid() != supervisor:  # it died before the line above
         os._exit(1)
+    channel.set_inheritable(False)  # spawn passed it on: none of the shard's children
     for name in _NOTIFY_VARIABLES:
         os.environ.pop(name, None)
     os.environ.update(notify)
-    sys.exit(run(cfg))
+    sys.exit(run(cfg, channel))
 
 
 # --- the supervisor -----------------------------------------------------------------------
@@ -176,6 +187,7 @@ class _Shard:
     index: int
     config: ServeConfig
     process: BaseProcess
+    channel: socket.socket  # the supervisor's end of the shard's socketpair
     ready: bool = False
     status: str = "starting"
     last_keepalive: float | None = None  # monotonic
@@ -221,7 +233,6 @@ class Supervisor:
         # variables before any child exists, so none can inherit them.
         for name in _NOTIFY_VARIABLES:
             os.environ.pop(name, None)
-        relay, relay_name = self._open_relay()
         wake_r, wake_w = socket.socketpair()
         wake_r.setblocking(False)
         wake_w.setblocking(False)
@@ -231,14 +242,13 @@ class Supervisor:
         old_wakeup = signal.set_wakeup_fd(wake_w.fileno(), warn_on_full_buffer=False)
         try:
             self.selector.register(wake_r, selectors.EVENT_READ, "signal")
-            self.selector.register(relay, selectors.EVENT_READ, "relay")
-            notify = {"NOTIFY_SOCKET": relay_name}
+            notify: dict[str, str] = {}
             if watchdog is not None:  # each shard keeps its own, and the supervisor reads it
                 notify["WATCHDOG_USEC"] = str(int(watchdog * 2_000_000))
             try:
                 self._start(notify)
                 self.notifier.status(f"starting {self.n} shards")
-                code = self._supervise(relay, watchdog)
+                code = self._supervise(watchdog)
             except BaseException:  # never leave a shard running without its supervisor
                 self._stop_all()
                 raise
@@ -247,33 +257,38 @@ class Supervisor:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
             self.selector.close()
-            relay.close()
+            for shard in self.shards:
+                shard.channel.close()
             wake_r.close()
             wake_w.close()
         return code
 
-    def _open_relay(self) -> tuple[socket.socket, str]:
-        """The shards' NOTIFY_SOCKET: a datagram socket in the abstract namespace (no
-        file to leave behind), named unguessably; senders are told apart by their pid."""
-        name = f"kvdepot-shards-{os.getpid()}-{secrets.token_hex(8)}"
-        relay = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
-        relay.bind(b"\0" + name.encode())
-        relay.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
-        relay.setblocking(False)
-        return relay, "@" + name
-
     def _start(self, notify: dict[str, str]) -> None:
         ctx = multiprocessing.get_context("spawn")
         for i, cfg in enumerate(self.configs):
-            process = ctx.Process(
-                target=_shard_main,
-                args=(self.run_shard, cfg, os.getpid(), notify),
-                name=f"kvdepot-shard{i}",
+            # The shard's notification channel: a socketpair, so that only the shard can
+            # send into its end (SEQPACKET: messages kept whole, and an end of file when
+            # the shard is gone). spawn hands the child its end by fd.
+            mine, theirs = socket.socketpair(
+                socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC
             )
-            process.start()
-            shard = _Shard(i, cfg, process)
+            try:
+                process = ctx.Process(
+                    target=_shard_main,
+                    args=(self.run_shard, cfg, os.getpid(), theirs, notify),
+                    name=f"kvdepot-shard{i}",
+                )
+                process.start()
+            except BaseException:
+                mine.close()
+                raise
+            finally:
+                theirs.close()  # the shard's own copy lives on
+            mine.setblocking(False)
+            shard = _Shard(i, cfg, process, mine)
             self.shards.append(shard)
             self.selector.register(process.sentinel, selectors.EVENT_READ, shard)
+            self.selector.register(mine, selectors.EVENT_READ, ("notify", shard))
             log.info("shard %d/%d started (pid %d) on unix:%s", i, self.n, shard.pid, cfg.socket)
 
     def _on_signal(self, signum: int, frame: object) -> None:
@@ -282,7 +297,7 @@ class Supervisor:
 
     # -- the loop -----------------------------------------------------------------------
 
-    def _supervise(self, relay: socket.socket, watchdog: float | None) -> int:
+    def _supervise(self, watchdog: float | None) -> int:
         """Runs until a signal or a shard's exit; then stops every shard. The exit status."""
         next_keepalive = time.monotonic()
         exited: _Shard | None = None
@@ -294,8 +309,8 @@ class Supervisor:
                 if key.data == "signal":
                     with contextlib.suppress(OSError):
                         key.fileobj.recv(64)  # type: ignore[union-attr]
-                elif key.data == "relay":
-                    self._read_notifications(relay)
+                elif isinstance(key.data, tuple):
+                    self._read_notifications(key.data[1])
                 elif isinstance(key.data, _Shard) and exited is None:
                     exited = key.data
             if watchdog is not None and self._ready_sent and time.monotonic() >= next_keepalive:
@@ -342,21 +357,18 @@ class Supervisor:
 
     # -- notifications ------------------------------------------------------------------
 
-    def _read_notifications(self, relay: socket.socket) -> None:
-        creds_size = socket.CMSG_SPACE(struct.calcsize("3i"))
-        by_pid = {s.pid: s for s in self.shards}
+    def _read_notifications(self, shard: _Shard) -> None:
+        """What `shard` sent on its channel (nobody else can send there)."""
         while True:
             try:
-                data, ancillary, _, _ = relay.recvmsg(4096, creds_size)
+                data = shard.channel.recv(4096)
             except (BlockingIOError, InterruptedError):
                 break
-            pid = None
-            for level, kind, payload in ancillary:
-                if level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS:
-                    pid = struct.unpack("3i", payload[: struct.calcsize("3i")])[0]
-            shard = by_pid.get(pid)
-            if shard is None:  # not one of ours: ignored, as systemd would
-                continue
+            except OSError:
+                data = b""
+            if not data:  # the shard closed its end (it is ending): its exit says more
+                self.selector.unregister(shard.channel)
+                break
             for line in data.decode("utf-8", "replace").split("\n"):
                 key, _, value = line.partition("=")
                 if key == "READY" and value == "1" and not shard.ready:

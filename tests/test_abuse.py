@@ -18,11 +18,10 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvdepot.client import DepotClient, SharedKVBuffer
+from kvdepot.client import DepotClient, SharedKVBuffer, session_stub
 from kvdepot.client.fdpass import FdPassError, encode, send_fd
 from kvdepot.testing.waiting import wait_for
 from kvdepot.v1 import depot_pb2 as pb
-from kvdepot.v1 import depot_pb2_grpc
 from tests.support.daemon import connect, stats
 from tests.support.engine import make_key
 from tests.support.faults import open_fds, rss_mib
@@ -42,7 +41,7 @@ def test_many_concurrent_sessions_are_bounded_and_released(daemon_factory) -> No
     # released when its client goes. (tests/security/test_identity.py: no lock-out.)
     d = daemon_factory("--pool-size", "16MiB")
     ch = grpc.insecure_channel(d.target)
-    stub = depot_pb2_grpc.DepotStub(ch)
+    stub = session_stub(ch)
     streams = []
     try:
         for i in range(257):
@@ -85,7 +84,7 @@ def test_unread_transfer_results_keep_memory_bounded(daemon_factory) -> None:
             )
 
     ch = grpc.insecure_channel(d.target)
-    call = depot_pb2_grpc.DepotStub(ch).Transfer(jobs())  # results never read
+    call = session_stub(ch).Transfer(jobs())  # results never read
     try:
         last = -1
         while sent[0] != last:  # until the client can send no more (or sent them all)
@@ -251,9 +250,7 @@ def test_unread_watch_streams_stay_bounded_however_many_stores(daemon_factory) -
     eng = Engine(c, geo, 0)
     ch = grpc.insecure_channel(d.target)
     calls = [
-        depot_pb2_grpc.DepotStub(ch).Watch(
-            pb.WatchRequest(session_id=c.session_id, namespace_id="w")
-        )
+        session_stub(ch).Watch(pb.WatchRequest(session_id=c.session_id, namespace_id="w"))
         for _ in range(10)
     ]
 

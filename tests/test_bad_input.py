@@ -366,7 +366,7 @@ def test_lookup_pin_put_get_watch_errors(setup) -> None:
     expect(Code.NOT_FOUND, "not ready", c.get, "bad", k, 0)
     expect(Code.RESOURCE_EXHAUSTED, "split it", c.lookup, "bad", [k] * 200)
     with pytest.raises(grpc.RpcError) as info:
-        next(iter(c.stub.Watch(pb.WatchRequest(namespace_id=""))))
+        next(iter(c.stub.Watch(pb.WatchRequest(session_id=c.session_id, namespace_id=""))))
     assert info.value.code() == Code.INVALID_ARGUMENT
     # Unpinning what we never pinned is counted, not an error.
     assert (

@@ -376,7 +376,7 @@ def test_job_cost_reports_both_directions_and_every_step() -> None:
     steps = {line[:46].strip(): float(line.split()[-1]) for line in lines[4:]}
     assert list(steps)[:3] == [
         "decode the job (job_from_proto)",
-        "namespace joined (check_job_namespace)",
+        "admitted: session, counts (admit_job)",
         "check: registration, size, shape (_check)",
     ]
     rest = "the rest: coroutines, copy-queue hand-off"

@@ -4,8 +4,8 @@ agree field for field, and no wire field of a job or its result is left out of t
 
 And they are the only codecs: read from the source, no module of client/ but
 job_codec.py, and none of server/service/ but codec.py, builds or parses a
-TransferJob or TransferResult message (the daemon's job lane parses the job datagram,
-as gRPC's deserializer does for the stream: that one call is allowed). The checker is
+TransferJob or TransferResult message (the daemon's job lane reads its job datagrams
+with the codec's `read_job`, as gRPC's deserializer does for the stream). The checker is
 shown to catch what it exists to stop: each message this rule moved into a codec, put
 back into a copy of its module, fails it.
 """
@@ -17,20 +17,27 @@ import dataclasses
 from pathlib import Path
 
 import pytest
+from google.protobuf.message import DecodeError
 
 from kvdepot.client.job_codec import job_to_proto, result_from_proto
 from kvdepot.common.jobs import Job, JobResult
 from kvdepot.common.kinds import Direction
-from kvdepot.server.service.codec import job_from_proto, result_to_proto
+from kvdepot.server.service.codec import (
+    SHALLOW_BYTES,
+    OversizedJob,
+    job_from_proto,
+    read_job,
+    result_to_proto,
+)
+from kvdepot.server.state.jobs import JobCounts, JobLimits
 from kvdepot.v1 import depot_pb2 as pb
+from tests.support.engine import make_key
 from tests.support.source_rules import ROOT, assert_check_catches
 
 # (folder, its one codec): every module below the folder but the codec is checked.
 CODEC_HOMES = [(ROOT / "client", "job_codec.py"), (ROOT / "server" / "service", "codec.py")]
 JOB_MESSAGES = {"TransferJob", "TransferResult", "TransferResults"}
-# The daemon's lane reads a job datagram into the message answer_job takes from a
-# stream too (kvdepot.server.service.job_lane); it builds nothing from it.
-ALLOWED = {("job_lane.py", "pb.TransferJob.FromString")}
+ALLOWED: set[tuple[str, str]] = set()  # the job lanes read jobs with codec.read_job
 
 
 def test_every_wire_field_of_a_job_and_a_result_is_in_the_model() -> None:
@@ -193,3 +200,31 @@ def test_the_codecs_themselves_are_seen_building_them() -> None:
 )
 def test_the_check_catches_a_job_message_put_back(module: str, anchor: str, planted: str) -> None:
     assert_check_catches(job_message_uses, module, anchor, planted)
+
+
+def test_a_job_messages_lists_are_counted_before_they_are_decoded() -> None:
+    # codec.read_job: a message past SHALLOW_BYTES whose packed lists are longer than
+    # any job may have comes out undecoded, with what its refusal needs; a legal one,
+    # large or small, as protobuf decodes it; bytes that are no job raise.
+    limits = JobLimits()
+
+    def job(blocks: int, keys: int = 0, groups: int = 1) -> bytes:
+        msg = pb.TransferJob(job_id=5, registration_id=3, session_id="s-1")
+        msg.group_sizes.extend([blocks] + [0] * (groups - 1))
+        msg.block_indices.extend([0] * groups)
+        msg.block_ids.extend([1] * blocks)
+        msg.keys.extend(make_key(i, 0) for i in range(keys))
+        return msg.SerializeToString()
+
+    big = read_job(job(1_240_000), limits)
+    assert big == OversizedJob(5, 3, "s-1", JobCounts(0, 1_240_000, 1, 1)), big
+    many_groups = read_job(job(limits.blocks, groups=40_000), limits)
+    assert isinstance(many_groups, OversizedJob) and many_groups.counts.groups == 40_000
+    for data in (job(limits.blocks, keys=limits.keys), job(16)):  # the largest, a small one
+        assert read_job(data, limits) == pb.TransferJob.FromString(data)
+    assert len(job(limits.blocks, keys=limits.keys)) > SHALLOW_BYTES
+    small_but_over = job(limits.blocks + 1)  # under SHALLOW_BYTES: decoded, counts refuse it
+    assert len(small_but_over) < SHALLOW_BYTES
+    assert isinstance(read_job(small_but_over, limits), pb.TransferJob)
+    with pytest.raises(DecodeError):
+        read_job(b"\xff" * (SHALLOW_BYTES + 1), limits)

@@ -16,11 +16,10 @@ from pathlib import Path
 import grpc
 import pytest
 
-from kvdepot.client import DepotClient, SharedKVBuffer
+from kvdepot.client import DepotClient, SharedKVBuffer, session_stub
 from kvdepot.client.fdpass import FdPassError, send_fd
 from kvdepot.server.resources import Headroom, ResourceLow
 from kvdepot.v1 import depot_pb2 as pb
-from kvdepot.v1 import depot_pb2_grpc
 from tests.support.daemon import connect, kvdepot_command
 from tests.support.engine import Engine, Geometry, make_key
 from tests.support.faults import open_fds, rss_mib
@@ -135,7 +134,7 @@ def test_sessions_and_registrations_are_bounded(daemon_factory) -> None:
     clients = [connect(DepotClient(d.target, client_name=f"s{i}")) for i in range(3)]
     try:
         with d.channel() as ch:
-            stream = depot_pb2_grpc.DepotStub(ch).Session(pb.SessionRequest(client_name="4th"))
+            stream = session_stub(ch).Session(pb.SessionRequest(client_name="4th"))
             with pytest.raises(grpc.RpcError) as info:
                 next(stream)
             assert info.value.code() == Code.RESOURCE_EXHAUSTED
@@ -246,7 +245,7 @@ def test_refused_large_puts_leave_rss_flat(daemon_factory) -> None:
     data = b"\0" * size
     opts = [("grpc.max_send_message_length", 1 << 30)]
     with grpc.insecure_channel(d.target, options=opts) as ch:
-        stub = depot_pb2_grpc.DepotStub(ch)
+        stub = session_stub(ch)
         time.sleep(0.5)
         before = rss_mib(d.proc.pid)
         for session_id, code in (

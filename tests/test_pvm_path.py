@@ -20,7 +20,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from kvdepot.client import DepotClient
+from kvdepot.client import DepotClient, session_stub
 from kvdepot.client.fdpass import send_fd
 from kvdepot.client.pvm import describe_tensors, register_process_kv, send_identity
 from kvdepot.testing.waiting import wait_for
@@ -136,9 +136,8 @@ def _raw_session(target: str, claimed_pid: int) -> tuple[grpc.Channel, object, s
 
 
 def pb_stub(ch: grpc.Channel):
-    from kvdepot.v1 import depot_pb2_grpc
 
-    return depot_pb2_grpc.DepotStub(ch)
+    return session_stub(ch)
 
 
 def _register(ch: grpc.Channel, session_id: str, pid: int, token: str, size: int) -> None:

@@ -540,3 +540,23 @@ def test_daemon_notifies_systemd(path_listener: Listener) -> None:
             proc.kill()
             proc.wait()
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+def test_a_channel_carries_the_messages_and_nobody_elses() -> None:
+    # A shard's notifier (server/shards.py): its end of a socketpair, no NOTIFY_SOCKET
+    # read; keep-alives never wait when the supervisor does not read, other messages
+    # wait at most SEND_TIMEOUT_S; a closed supervisor end fails sends, never raises.
+    mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    env = {"NOTIFY_SOCKET": "/nonexistent/notify", "WATCHDOG_USEC": "2000000"}
+    with SystemdNotifier(env, channel=theirs) as notifier:
+        assert notifier.enabled and notifier.watchdog_interval() == 1.0
+        assert notifier.ready() and notifier.status("serving\nsecond line")
+        mine.settimeout(5)
+        assert mine.recv(4096) == b"READY=1"
+        assert mine.recv(4096) == b"STATUS=serving second line"
+        start = time.monotonic()
+        assert _fill_queue(notifier) >= 1
+        assert not any(notifier.watchdog() for _ in range(100))
+        assert time.monotonic() - start < 2
+        mine.close()
+        assert notifier.status("gone") is False

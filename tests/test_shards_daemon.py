@@ -15,7 +15,6 @@ import re
 import signal
 import socket
 import stat
-import struct
 import subprocess
 import time
 import urllib.request
@@ -32,6 +31,7 @@ from kvdepot.server.shards import MIN_SHARD_POOL_BYTES, shard_config
 from kvdepot.testing.waiting import wait_for
 from tests.support.daemon import DaemonProcess, connect, kvdepot_command, stats
 from tests.support.faults import DaemonFactory
+from tests.support.notify import NotifyListener
 from tests.support.ops import free_port
 
 MiB = 1 << 20
@@ -266,48 +266,6 @@ def test_with_a_disk_tier_every_shard_has_a_private_directory_and_its_share(
         assert 31 * MiB < s.disk_capacity_bytes <= 32 * MiB, s  # half, less its header
         assert stat.S_IMODE((disk / f"shard{i}").stat().st_mode) == 0o700
     assert d.stop(timeout=40) == 0, d.log()
-
-
-class NotifyListener:
-    """A stand-in for systemd's NOTIFY_SOCKET (WATCHDOG_USEC 2 s) given to daemon `d`;
-    keeps every datagram with the pid that sent it (the kernel's word: SO_PASSCRED)."""
-
-    def __init__(self, d: DaemonProcess) -> None:
-        self.d = d
-        self.got: list[tuple[int, list[str]]] = []
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        path = str(d.workdir / "notify")
-        self.sock.bind(path)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
-        d.env = {**d.env, "NOTIFY_SOCKET": path, "WATCHDOG_USEC": "2000000"}
-        d.env.pop("WATCHDOG_PID", None)
-
-    def until(self, field: str, timeout: float) -> None:
-        """Reads datagrams until one has `field` (a line such as READY=1)."""
-        deadline = time.monotonic() + timeout
-        while not any(field in fields for _, fields in self.got):
-            left = deadline - time.monotonic()
-            assert left > 0, f"no {field}; got {self.got}\n{self.d.log()}"
-            self.sock.settimeout(min(left, 0.5))
-            try:
-                data, ancillary, _, _ = self.sock.recvmsg(4096, socket.CMSG_SPACE(12))
-            except TimeoutError:
-                continue
-            self._keep(data, ancillary)
-
-    def drain(self) -> None:
-        """Reads what came, without waiting (a full queue would slow the daemon down)."""
-        self.sock.setblocking(False)
-        with contextlib.suppress(BlockingIOError):
-            while True:
-                self._keep(*self.sock.recvmsg(4096, socket.CMSG_SPACE(12))[:2])
-
-    def _keep(self, data: bytes, ancillary: list[tuple[int, int, bytes]]) -> None:
-        pid = next(struct.unpack("3i", p[:12])[0] for _, _, p in ancillary)
-        self.got.append((pid, data.decode().split("\n")))
-
-    def senders(self) -> set[int]:
-        return {pid for pid, _ in self.got}
 
 
 def test_the_supervisor_alone_tells_systemd_ready_watchdog_and_stopping(

@@ -9,25 +9,39 @@ from the state's objects (`namespace_info`, `registration_info`, `engine_info`,
 TransferResult (tests/test_job_codecs.py checks).
 
 Pure functions, called on the event loop by the servicers and the job lanes
-(kvdepot.server.service.depot, admin, job_lane). Field for field, nothing per key: a
-Job holds the message's own repeated fields, not copies, because the job's sizes
-are checked (JobRunner, check_job_size) before anything is built from them. A
+(kvdepot.server.service.depot, admin, job_lane). A job's counts (`job_counts`: the
+lengths of its repeated fields) are checked (DepotState.admit_job) before
+`job_from_proto` copies its keys and block ids into lists; a job message read off
+bytes (`read_job`) has its packed lists counted before they are decoded (below). A
 malformed layout raises DepotError INVALID_ARGUMENT (kvdepot.server.errors).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+from google.protobuf.message import DecodeError, Message
 
 from kvdepot.common.jobs import Job, JobResult
 from kvdepot.common.kinds import MemoryPath
 from kvdepot.server import errors
 from kvdepot.server.core.index import Namespace, Slot
-from kvdepot.server.core.layout import LayoutError, NamespaceLayout
+from kvdepot.server.core.layout import MAX_GROUPS, LayoutError, NamespaceLayout
 from kvdepot.server.core.memory_map import LayerRef, TensorView
+from kvdepot.server.state.jobs import JobCounts, JobLimits
 from kvdepot.server.state.sessions import Registration, Session
 from kvdepot.v1 import admin_pb2
 from kvdepot.v1 import depot_pb2 as pb
+
+
+def job_counts(job: pb.TransferJob) -> JobCounts:
+    """The lengths of a job message's lists (len() of a repeated field copies nothing)."""
+    return JobCounts(
+        len(job.keys), len(job.block_ids), len(job.group_sizes), len(job.block_indices)
+    )
 
 
 def job_from_proto(job: pb.TransferJob) -> Job:
@@ -49,6 +63,94 @@ def job_from_proto(job: pb.TransferJob) -> Job:
         "",
         job.session_id,
     )
+
+
+# -- a job message read off its bytes ---------------------------------------------------
+#
+# A TransferJob's packed lists counted off its bytes, before they are decoded.
+#
+# Parsing costs by the field, not by the byte: a job message within its byte bound
+# (bounds.max_job_bytes, 1.2 MiB at the defaults) can carry 1.2 Mi one-byte block ids,
+# which protobuf took 6-40 ms to decode on the event loop before the counts refused
+# them (state.jobs.check_job_counts). Read as `TransferJobHead`, a message with the same
+# field numbers whose packed lists are plain bytes, the same message costs about 0.2 ms,
+# and numpy counts the varints in each list (one ends at every byte below 0x80). A job
+# whose lists are longer than any job may have comes out as an `OversizedJob`: its ids
+# and counts, enough to refuse it (DepotServicer.answer_job) without decoding a list.
+#
+# Messages of up to SHALLOW_BYTES are decoded at once: they cannot hold many more ids
+# than a job may have, and the extra pass would cost more than it saves. Lists sent
+# unpacked (legal protobuf, which no encoder does for proto3) are not counted here; they
+# cost at least two bytes an id, and the counts refuse them after decoding.
+
+#: Job messages larger than this are counted before they are decoded.
+SHALLOW_BYTES = 64 << 10
+
+
+@dataclass(slots=True)
+class OversizedJob:
+    """A job message whose lists are longer than any job may have, not decoded: what
+    its refusal needs (its session is the lane's, on a lane)."""
+
+    job_id: int
+    registration_id: int
+    session_id: str
+    counts: JobCounts
+
+
+JobMessage = pb.TransferJob | OversizedJob
+
+
+def _head_class() -> type[Message]:
+    """TransferJob's field numbers (proto/kvdepot/v1/depot.proto), the packed lists as
+    bytes; keys (field 4) and the rest are skipped as unknown fields."""
+    F = descriptor_pb2.FieldDescriptorProto
+    file = descriptor_pb2.FileDescriptorProto(
+        name="kvdepot/internal/job_head.proto", package="kvdepot.internal", syntax="proto3"
+    )
+    head = file.message_type.add(name="TransferJobHead")
+    for name, number, kind in (
+        ("job_id", 1, F.TYPE_UINT64),
+        ("registration_id", 3, F.TYPE_UINT64),
+        ("block_ids", 5, F.TYPE_BYTES),
+        ("group_sizes", 6, F.TYPE_BYTES),
+        ("block_indices", 7, F.TYPE_BYTES),
+        ("session_id", 9, F.TYPE_STRING),
+    ):
+        head.field.add(name=name, number=number, type=kind, label=F.LABEL_OPTIONAL)
+    pool = descriptor_pool.DescriptorPool()
+    pool.Add(file)
+    return message_factory.GetMessageClass(
+        pool.FindMessageTypeByName("kvdepot.internal.TransferJobHead")
+    )
+
+
+_Head = _head_class()
+
+
+def _varints(packed: bytes) -> int:
+    return int(np.count_nonzero(np.frombuffer(packed, np.uint8) < 0x80)) if packed else 0
+
+
+def read_job(data: bytes, limits: JobLimits) -> JobMessage:
+    """The job `data` holds; an OversizedJob, undecoded, when its block ids, group
+    sizes or block indices are more than `limits` and MAX_GROUPS allow. Raises what
+    protobuf raises for bytes that are no TransferJob."""
+    if len(data) > SHALLOW_BYTES:
+        try:
+            head = _Head.FromString(data)
+        except DecodeError:
+            head = None  # decoded below, which says what is wrong
+        if head is not None:
+            counts = JobCounts(
+                0,
+                _varints(head.block_ids),
+                _varints(head.group_sizes),
+                _varints(head.block_indices),
+            )
+            if counts.blocks > limits.blocks or max(counts.groups, counts.indices) > MAX_GROUPS:
+                return OversizedJob(head.job_id, head.registration_id, head.session_id, counts)
+    return pb.TransferJob.FromString(data)
 
 
 def result_to_proto(result: JobResult) -> pb.TransferResult:

@@ -7,8 +7,9 @@ Messages become state calls; errors become statuses through `reports_errors`
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import grpc
 
@@ -19,12 +20,16 @@ from kvdepot.server.core.index import IndexEvent
 from kvdepot.server.core.kinds import EventKind, Tier
 from kvdepot.server.service.bounds import check_register_size
 from kvdepot.server.service.codec import (
+    JobMessage,
+    OversizedJob,
+    job_counts,
     job_from_proto,
     layout_from_proto,
     memory_from_proto,
+    read_job,
     result_to_proto,
 )
-from kvdepot.server.service.job_lane import MAX_JOB_BYTES, JobLanes
+from kvdepot.server.service.job_lane import JobLanes
 from kvdepot.server.service.status import abort_with, reports_errors
 from kvdepot.server.state import DepotState
 from kvdepot.v1 import depot_pb2 as pb
@@ -61,10 +66,19 @@ class DepotServicer(depot_pb2_grpc.DepotServicer):
         # Job lanes (OpenJobLane) run their jobs through the same `answer_job`.
         self.lanes = JobLanes(state, self.answer_job, MAX_UNREAD_RESULTS)
 
-    async def answer_job(self, job: pb.TransferJob) -> pb.TransferResult:
+    def request_parsers(self) -> dict[str, Callable[[bytes], object]]:
+        """Request types parsed otherwise than by protobuf's FromString (wire.py): a
+        TransferJob's lists are counted before they are decoded (codec.read_job)."""
+        read = functools.partial(read_job, limits=self.state.job_limits)
+        return {pb.TransferJob.DESCRIPTOR.full_name: read}
+
+    async def answer_job(self, job: JobMessage) -> pb.TransferResult:
         """One Transfer job, from a stream or a lane. Never raises (failures are results)."""
-        try:  # namespaces are joined, not named (kvdepot.server.state.namespaces)
-            self.state.check_job_namespace(job.session_id, job.registration_id)
+        try:  # an open session, counts within bounds, the namespace joined: before lists
+            if isinstance(job, OversizedJob):  # its lists too long: never decoded
+                self.state.admit_job(job.session_id, job.registration_id, job.counts)
+                raise errors.internal("an oversized job was admitted")  # cannot happen
+            self.state.admit_job(job.session_id, job.registration_id, job_counts(job))
         except errors.DepotError as exc:
             return result_to_proto(
                 JobResult(job.job_id, False, error=exc.message, error_code=exc.code.name)
@@ -217,14 +231,14 @@ class DepotServicer(depot_pb2_grpc.DepotServicer):
         return pb.UnpinResponse(not_pinned=missing)
 
     async def Transfer(
-        self, request_iterator: AsyncIterator[pb.TransferJob], context: grpc.aio.ServicerContext
+        self, request_iterator: AsyncIterator[JobMessage], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.TransferResult]:
         results: asyncio.Queue[pb.TransferResult | None] = asyncio.Queue()
         pending: set[asyncio.Task[None]] = set()
         drained = asyncio.Event()  # set when the client takes a result
         st = self.state
 
-        async def run(job: pb.TransferJob) -> None:
+        async def run(job: JobMessage) -> None:
             results.put_nowait(await self.answer_job(job))
 
         async def read() -> None:
@@ -278,7 +292,7 @@ class DepotServicer(depot_pb2_grpc.DepotServicer):
             request.session_id, request.fd_token, request.kind, request.batched_results
         )
         return pb.OpenJobLaneResponse(
-            lane_id=lane.id, max_job_bytes=MAX_JOB_BYTES, batched_results=lane.batched
+            lane_id=lane.id, max_job_bytes=lane.max_datagram_bytes, batched_results=lane.batched
         )
 
     @reports_errors

@@ -46,6 +46,7 @@ import logging
 import os
 import select
 import socket
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -56,8 +57,10 @@ from google.protobuf.internal import wire_format
 from kvdepot.common.jobs import JobResult
 from kvdepot.common.lane_protocol import DaemonLane
 from kvdepot.server import errors
+from kvdepot.server.core.log_limit import LogLimiter, held_note
 from kvdepot.server.peer import session_tag, socket_creator
-from kvdepot.server.service.codec import result_to_proto
+from kvdepot.server.service import bounds
+from kvdepot.server.service.codec import JobMessage, read_job, result_to_proto
 from kvdepot.server.state import DepotState
 from kvdepot.v1 import depot_pb2 as pb
 
@@ -75,7 +78,7 @@ RESULTS_DATAGRAM_BYTES = 1 << 16
 _RESULTS_TAG = b"\x0a"
 _varint = _encoder._VarintBytes
 
-Answer = Callable[[pb.TransferJob], Awaitable[pb.TransferResult]]
+Answer = Callable[[JobMessage], Awaitable[pb.TransferResult]]
 
 # One receive buffer for every lane: they are all read on the loop thread.
 _RECV_BUFFER = bytearray(MAX_JOB_BYTES + 1)
@@ -202,20 +205,26 @@ class JobLane:
                 return
             protocol.received()
             budget -= n
-            if n > MAX_JOB_BYTES:
+            if n > self.max_datagram_bytes:  # parsing costs by the field: not begun
                 self._reject(
                     bytes(_RECV_BUFFER[:64]),
-                    f"a job datagram of {n} bytes is larger than {MAX_JOB_BYTES}: send it on "
-                    f"a Transfer stream",
+                    f"a {self.noun} datagram of {n} bytes is larger than the "
+                    f"{self.max_datagram_bytes} bytes this lane reads (a job: its largest "
+                    f"legal size, from --max-job-keys and --max-job-blocks): split it",
                 )
                 continue
             self._take(bytes(_RECV_BUFFER[:n]))
         if not protocol.may_read():
             self._pause_reading()  # resumed when results go out (or never: closed)
 
+    @property
+    def max_datagram_bytes(self) -> int:
+        """The largest datagram this lane parses (told to the client when it opens)."""
+        return self.lanes.max_job_bytes
+
     def _take(self, data: bytes) -> None:
-        try:
-            job = pb.TransferJob.FromString(data)
+        try:  # its lists counted before they are decoded (codec.read_job)
+            job = read_job(data, self.lanes.state.job_limits)
         except Exception as exc:  # DecodeError, or anything a parser may raise
             self._reject(data, f"the datagram is not a valid kvdepot.v1.TransferJob: {exc}")
             return
@@ -249,7 +258,7 @@ class JobLane:
         rejected = JobResult(job_id, False, error=why, error_code="INVALID_ARGUMENT")
         self._send(result_to_proto(rejected).SerializeToString())
 
-    async def _run(self, job: pb.TransferJob) -> None:
+    async def _run(self, job: JobMessage) -> None:
         result = await self._answer(job)
         if not self.closed:
             self._send(result.SerializeToString())
@@ -370,7 +379,10 @@ class JobLane:
             task.cancel()
         self.sock.close()
         self.lanes.forget(self)
-        log.info("lane %d of session %s closed: %s", self.id, session_tag(self.session_id), why)
+        tag = session_tag(self.session_id)
+        held = self.lanes.log_limit.admit(tag, time.monotonic())
+        if held is not None:  # rate-limited per session (kvdepot.server.core.log_limit)
+            log.info("lane %d of session %s closed: %s%s", self.id, tag, why, held_note(held))
 
 
 class PinLane(JobLane):
@@ -381,12 +393,18 @@ class PinLane(JobLane):
 
     noun = "pin"
 
+    @property
+    def max_datagram_bytes(self) -> int:
+        return MAX_JOB_BYTES  # pin calls, not jobs: bounded by --max-batch-keys
+
     def _take(self, data: bytes) -> None:
         try:
             req = pb.PinRequest.FromString(data)
             if req.session_id != self.session_id:
                 raise errors.invalid("a pin lane pins for its own session only")
-            pinned = self.lanes.state.pin(self.session_id, req.namespace_id, list(req.keys))
+            # The repeated field itself, as over gRPC: its length is checked before a
+            # key is read (--max-batch-keys).
+            pinned = self.lanes.state.pin(self.session_id, req.namespace_id, req.keys)
         except Exception as exc:  # DecodeError, DepotError, or a bug: gRPC answers
             why = exc.message if isinstance(exc, errors.DepotError) else str(exc)
             self.close(f"a pin was refused ({why}); the client asks over gRPC")
@@ -405,6 +423,10 @@ class UnpinLane(JobLane):
 
     noun = "unpin"
 
+    @property
+    def max_datagram_bytes(self) -> int:
+        return MAX_JOB_BYTES
+
     def _take(self, data: bytes) -> None:
         try:
             req = pb.UnpinRequest.FromString(data)
@@ -415,9 +437,7 @@ class UnpinLane(JobLane):
             self.close("an unpin lane unpins for its own session only")
             return
         try:
-            self.lanes.state.unpin(
-                self.session_id, req.namespace_id, list(req.keys), list(req.touch_keys)
-            )
+            self.lanes.state.unpin(self.session_id, req.namespace_id, req.keys, req.touch_keys)
         except Exception as exc:
             refusal = errors.as_depot_error(exc)
             if refusal is None:  # a bug: the lane cannot be trusted to go on
@@ -429,13 +449,17 @@ class UnpinLane(JobLane):
                 # but a client naming someone else's namespace.
                 self.close(f"an unpin was refused ({refusal.message})")
                 return
-            log.warning(
-                "unpin lane %d of session %s: an unpin of %d keys was refused (%s)",
-                self.id,
-                session_tag(self.session_id),
-                len(req.keys),
-                refusal.message,
-            )
+            tag = session_tag(self.session_id)
+            held = self.lanes.log_limit.admit(tag, time.monotonic())
+            if held is not None:
+                log.warning(
+                    "unpin lane %d of session %s: an unpin of %d keys was refused (%s)%s",
+                    self.id,
+                    tag,
+                    len(req.keys),
+                    refusal.message,
+                    held_note(held),
+                )
             return
         self.lanes.lane_unpins += 1
 
@@ -458,6 +482,12 @@ class JobLanes:
         self.lane_jobs = 0  # jobs that came by a lane, since start
         self.lane_pins = 0  # pin calls that came by a pin lane, since start
         self.lane_unpins = 0  # unpin calls that came by an unpin lane, since start
+        self.log_limit = LogLimiter()  # lane lines, rate-limited per session
+        # The largest job datagram a job lane parses: its largest legal job (bounds.py).
+        cfg = state.config
+        self.max_job_bytes = min(
+            MAX_JOB_BYTES, bounds.max_job_bytes(cfg.max_job_keys, cfg.max_job_blocks)
+        )
 
     def open(
         self,
@@ -512,7 +542,11 @@ class JobLanes:
         lane = cls(self, next(self._ids), session_id, sock, self._answer, self._max_unread, batched)
         self._lanes[lane.id] = lane
         lane.start()
-        log.info("%s lane %d of session %s open", cls.noun, lane.id, session.tag)
+        held = self.log_limit.admit(session.tag, time.monotonic())
+        if held is not None:
+            log.info(
+                "%s lane %d of session %s open%s", cls.noun, lane.id, session.tag, held_note(held)
+            )
         return lane
 
     def forget(self, lane: JobLane) -> None:

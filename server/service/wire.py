@@ -14,11 +14,15 @@ INVALID_ARGUMENT.
 With `max_request_bytes`, a request larger than that (a PutRequest aside: it
 carries a section inline) is refused the same way before it is parsed: parsing
 runs on the event loop, and no legal request of the other kinds comes near it.
+`type_bytes` gives some message types a bound of their own below it (a TransferJob:
+its largest legal job, see bounds.py), and `parsers` a parser of their own (a
+TransferJob: codec.read_job, which counts its lists before decoding them), as
+parsing costs by the field, not the byte.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
 import grpc
@@ -64,11 +68,19 @@ def _message_name(deserialize: Callable[[bytes], Any]) -> str:
     return getattr(descriptor, "full_name", "protobuf")
 
 
-def _wrap(handler: grpc.RpcMethodHandler, max_bytes: int | None) -> grpc.RpcMethodHandler:
+def _wrap(
+    handler: grpc.RpcMethodHandler,
+    max_bytes: int | None,
+    type_bytes: Mapping[str, int],
+    parsers: Mapping[str, Callable[[bytes], Any]],
+) -> grpc.RpcMethodHandler:
     deserialize = handler.request_deserializer
     if deserialize is None:
         return handler
-    parse = _tolerant(deserialize, _message_name(deserialize), max_bytes)
+    name = _message_name(deserialize)
+    if max_bytes is not None and name in type_bytes:
+        max_bytes = min(max_bytes, type_bytes[name])
+    parse = _tolerant(parsers.get(name, deserialize), name, max_bytes)
 
     if not handler.request_streaming and not handler.response_streaming:
         inner_uu = handler.unary_unary
@@ -164,10 +176,13 @@ def add_servicer(
     servicer: object,
     server: grpc.aio.Server,
     max_request_bytes: int | None = None,
+    type_bytes: Mapping[str, int] | None = None,
+    parsers: Mapping[str, Callable[[bytes], Any]] | None = None,
 ) -> None:
     """`add_to_server(servicer, server)` (a generated function), made tolerant of
-    undecodable requests, and refusing requests over `max_request_bytes` (see the
-    module docstring)."""
+    undecodable requests, and refusing requests over `max_request_bytes`, or over
+    `type_bytes[the message's full name]` where that is lower; `parsers[full name]`
+    parses that type instead of protobuf's FromString (see the module docstring)."""
     capture = _Capture()
     add_to_server(servicer, capture)
     if capture.service is None:
@@ -175,7 +190,10 @@ def add_servicer(
             f"{add_to_server.__name__} registered no method table: regenerate the gRPC code "
             f"with grpcio-tools >= 1.62"
         )
-    handlers = {name: _wrap(h, max_request_bytes) for name, h in capture.handlers.items()}
+    handlers = {
+        name: _wrap(h, max_request_bytes, type_bytes or {}, parsers or {})
+        for name, h in capture.handlers.items()
+    }
     server.add_generic_rpc_handlers(
         (grpc.method_handlers_generic_handler(capture.service, handlers),)
     )

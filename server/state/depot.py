@@ -54,7 +54,7 @@ from kvdepot.server.state.events import EventBus
 from kvdepot.server.state.facade import forward, forward_value
 from kvdepot.server.state.inline import InlinePath
 from kvdepot.server.state.invariants import check_invariants, mutation
-from kvdepot.server.state.jobs import JobLimits, JobRunner
+from kvdepot.server.state.jobs import JobCounts, JobLimits, JobRunner, check_job_counts
 from kvdepot.server.state.key_calls import KeyCalls
 from kvdepot.server.state.namespaces import NamespaceAccess
 from kvdepot.server.state.registry import SessionRegistry
@@ -321,13 +321,18 @@ class DepotState:
     clear_in_slices = forward("admin", AdminEviction.clear_in_slices)
     slices_yielded = forward_value("admin.slices_yielded", "bulk-eviction slices so far")
 
-    def check_job_namespace(self, session_id: str, registration_id: int) -> None:
-        """A Transfer job (stream or lane): its session must have joined the namespace
-        of the registration it names (PERMISSION_DENIED otherwise; the message never
+    job_limits = forward_value("jobs.limits", "the largest job taken (--max-job-*)")
+
+    def admit_job(self, session_id: str, registration_id: int, counts: JobCounts) -> None:
+        """A Transfer job (stream or lane), before anything is built from its message:
+        its session must be open (FAILED_PRECONDITION), its lists no longer than any
+        job may have (`check_job_counts`), and its session must have joined the
+        namespace of the registration it names (PERMISSION_DENIED; the message never
         names that namespace). An unknown registration is left to the job runner."""
+        session = self._sessions.get(session_id)
+        check_job_counts(counts, self.jobs.limits)
         reg = self._sessions.registrations.get(registration_id)
-        session = self._sessions.sessions.get(session_id)
-        if reg is not None and session is not None and reg.layout.id not in session.namespaces:
+        if reg is not None and reg.layout.id not in session.namespaces:
             raise errors.denied(
                 f"registration {registration_id} is of a namespace this session has not "
                 f"joined: RegisterKV into the namespace first"

@@ -35,6 +35,7 @@ import operator
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from kvdepot.common.jobs import Job, JobResult
 from kvdepot.common.kinds import Direction
@@ -42,7 +43,7 @@ from kvdepot.server import errors
 from kvdepot.server.copy_queue import CopyQueue, CopyQueues
 from kvdepot.server.core.index import BlockIndex, Slot
 from kvdepot.server.core.job_check import JobShape, check_job, slice_shape
-from kvdepot.server.core.layout import NamespaceLayout
+from kvdepot.server.core.layout import MAX_GROUPS, NamespaceLayout
 from kvdepot.server.core.planner import CopyPlan, plan_copy
 from kvdepot.server.memory.arena import Arena
 from kvdepot.server.memory.copy_engine import PreparedCopy
@@ -66,6 +67,16 @@ class JobLimits:
     keys: int = 4096
     blocks: int = 16384
     pages: int = 1 << 20
+
+
+class JobCounts(NamedTuple):
+    """How many keys, block ids, group sizes and block indices a job message carries:
+    the lengths of its repeated fields, read before anything is built from them."""
+
+    keys: int
+    blocks: int
+    groups: int
+    indices: int
 
 
 class JobRunner:
@@ -320,19 +331,36 @@ class JobRunner:
                 raise errors.internal(f"copy failed: {exc}") from None
 
 
+def check_job_counts(counts: JobCounts, limits: JobLimits) -> None:
+    """Refuses a job whose lists are longer than any job may have: more keys or block
+    ids than `limits` (RESOURCE_EXHAUSTED, naming the limit), more group sizes or block
+    indices than a namespace has groups (INVALID_ARGUMENT). Lengths only: called on
+    the wire message's counts, before a list is made of it (a Transfer message of 4 Mi
+    block ids took 0.45 s to copy into a list before it was refused)."""
+    if counts.keys > limits.keys:
+        raise errors.exhausted(
+            f"job of {counts.keys} keys; this daemon takes at most {limits.keys} "
+            f"(--max-job-keys): split it"
+        )
+    if counts.blocks > limits.blocks:
+        raise errors.exhausted(
+            f"job of {counts.blocks} block ids; this daemon takes at most "
+            f"{limits.blocks} (--max-job-blocks): split it"
+        )
+    if max(counts.groups, counts.indices) > MAX_GROUPS:
+        raise errors.invalid(
+            f"job of {counts.groups} group sizes and {counts.indices} block indices; a "
+            f"namespace has at most {MAX_GROUPS} groups (MAX_GROUPS), one of each per group"
+        )
+
+
 def check_job_size(job: Job, layout: NamespaceLayout, limits: JobLimits) -> None:
     """Refuses (RESOURCE_EXHAUSTED, naming the limit) a job larger than `limits`, from
     its lists' lengths and group_sizes alone: nothing is built from the job before."""
-    if len(job.keys) > limits.keys:
-        raise errors.exhausted(
-            f"job of {len(job.keys)} keys; this daemon takes at most {limits.keys} "
-            f"(--max-job-keys): split it"
-        )
-    if len(job.block_ids) > limits.blocks:
-        raise errors.exhausted(
-            f"job of {len(job.block_ids)} block ids; this daemon takes at most "
-            f"{limits.blocks} (--max-job-blocks): split it"
-        )
+    check_job_counts(
+        JobCounts(len(job.keys), len(job.block_ids), len(job.group_sizes), len(job.block_indices)),
+        limits,
+    )
     if len(job.group_sizes) != layout.num_groups:
         return  # check_job says what is wrong
     # group_sizes and layout.groups have the same length (checked just above).

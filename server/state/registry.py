@@ -15,19 +15,21 @@ everything runs on the event loop. Errors are DepotError.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Iterable, Sequence
 
 from kvdepot.common.kinds import MemoryPath
 from kvdepot.server import errors
 from kvdepot.server.core.index import BlockIndex
 from kvdepot.server.core.layout import LayoutError, NamespaceLayout, check_namespace_id
+from kvdepot.server.core.log_limit import held_note
 from kvdepot.server.core.memory_map import LayerRef, TensorView
 from kvdepot.server.memory import journal_file
 from kvdepot.server.peer import Peer
 from kvdepot.server.state.events import EventBus
 from kvdepot.server.state.invariants import mutation
 from kvdepot.server.state.namespaces import NamespaceAccess
-from kvdepot.server.state.sessions import Registration, Session, Sessions
+from kvdepot.server.state.sessions import Registration, Session, Sessions, peer_key
 
 log = logging.getLogger("kvdepot.state")
 
@@ -96,9 +98,12 @@ class SessionRegistry:
         pins, rows = self.index.release_owner(session_id)
         self.bus.end_session(session_id)  # its Watch streams end with it
         self.forget_unused(s.namespaces)
+        held = self._sessions.log_limit.admit(peer_key(s.owner), time.monotonic())
+        if held is None:  # rate-limited per peer (kvdepot.server.core.log_limit)
+            return
         log.info(
             "session %s (%r, pid %d) closed: released %d registration(s), %d pin(s), "
-            "%d unfinished block row(s), %d pending fd(s)",
+            "%d unfinished block row(s), %d pending fd(s)%s",
             s.tag,
             s.client_name,
             s.pid,
@@ -106,6 +111,7 @@ class SessionRegistry:
             pins,
             rows,
             fds,
+            held_note(held),
         )
 
     def session(self, session_id: str) -> Session:

@@ -29,13 +29,14 @@ import contextlib
 import logging
 import secrets
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from kvdepot.common.kinds import MemoryPath
 from kvdepot.server import errors
 from kvdepot.server.core.layout import NamespaceLayout
+from kvdepot.server.core.log_limit import LogLimiter, held_note
 from kvdepot.server.core.memory_map import LayerRef, MemoryMap, TensorView
 from kvdepot.server.memory.copy_engine import CopyEngine, CpuCopyEngine
 from kvdepot.server.memory.paths import MemoryPathPlugin, PassedFd, SharedMemoryPath
@@ -114,6 +115,14 @@ class Registration:
         self.regions = []
 
 
+def peer_key(peer: Peer | None) -> Hashable:
+    """Whose lines a log limit counts together: a process the kernel names, else its uid
+    (processes the daemon cannot see apart), else everyone not attested yet."""
+    if peer is None:
+        return "unattested"
+    return ("pid", peer.pid) if peer.visible else ("uid", peer.uid)
+
+
 class Sessions:
     """Every session and registration, and the memory paths that map regions."""
 
@@ -139,6 +148,8 @@ class Sessions:
         self.max_per_uid = max_per_uid
         self.max_unattested = max_unattested
         self.permission_denied = 0  # identity refusals (Admin/GetStats)
+        # Lines about what clients do (sessions, refusals), rate-limited per peer.
+        self.log_limit = LogLimiter()
         self.sessions: dict[str, Session] = {}
         self.registrations: dict[int, Registration] = {}
         # Registration ids start at a random point per boot: a client still holding an
@@ -192,10 +203,13 @@ class Sessions:
         except KeyError as exc:
             raise errors.invalid(exc.args[0]) from None
 
-    def deny(self, message: str) -> errors.DepotError:
-        """A PERMISSION_DENIED for an identity refusal, counted (raise it)."""
+    def deny(self, message: str, key: Hashable = "refused") -> errors.DepotError:
+        """A PERMISSION_DENIED for an identity refusal, counted (raise it); logged,
+        rate-limited per `key` (the peer, where the caller knows it)."""
         self.permission_denied += 1
-        log.warning("refused: %s", message)
+        held = self.log_limit.admit(key, time.monotonic())
+        if held is not None:
+            log.warning("refused: %s%s", message, held_note(held))
         return errors.denied(message)
 
     # -- identity ----------------------------------------------------------------------
@@ -227,7 +241,9 @@ class Sessions:
                 f"(--max-sessions-per-uid, KVDEPOT_MAX_SESSIONS_PER_UID)"
             )
         s.owner = peer
-        log.info("session %s attested by %s", s.tag, peer)
+        held = self.log_limit.admit(peer_key(peer), time.monotonic())
+        if held is not None:
+            log.info("session %s attested by %s%s", s.tag, peer, held_note(held))
         return s
 
     def make_room(self) -> list[Session]:
@@ -258,7 +274,16 @@ class Sessions:
             secrets.token_hex(16), client_name[:200], pid, engine_id[:200], time.monotonic()
         )
         self.sessions[s.id] = s
-        log.info("session %s opened by %r (says pid %d)", s.tag, s.client_name, pid)
+        # One key for every open: who opens is not known yet (any pid may be claimed).
+        held = self.log_limit.admit("session opened", time.monotonic())
+        if held is not None:
+            log.info(
+                "session %s opened by %r (says pid %d)%s",
+                s.tag,
+                s.client_name,
+                pid,
+                held_note(held),
+            )
         return s
 
     def get(self, session_id: str) -> Session:

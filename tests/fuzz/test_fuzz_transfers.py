@@ -11,6 +11,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from kvdepot.common.kinds import SESSION_METADATA
 from kvdepot.v1 import depot_pb2 as pb
 from tests.support.engine import Geometry, make_key
 from tests.support.faults import DOCUMENTED_CODE_NAMES, DOCUMENTED_CODES
@@ -139,7 +140,10 @@ def test_transfer_streams(rig: Rig) -> None:
 
         if cut != "cancel_now" and cut != "cancel_after_one":
             requests.put(None)  # half-close: the daemon answers what it got, then ends
-        call = rig.stub.Transfer(request_iter(), timeout=20)
+        # The home session's stream (as the client opens it: its id in the metadata,
+        # server/service/gate.py), whatever sessions its jobs name.
+        metadata = [(SESSION_METADATA, rig.home.session_id)]
+        call = rig.stub.Transfer(request_iter(), timeout=20, metadata=metadata)
         out: queue.Queue = queue.Queue()
         reader = threading.Thread(target=_drain, args=(call, out), daemon=True)
         reader.start()

@@ -23,14 +23,14 @@ import grpc
 import numpy as np
 import pytest
 
-from kvdepot.client import DepotClient
+from kvdepot.client import DepotClient, session_stub
 from kvdepot.client.fdpass import FdPassError, attest, send_fd
 from kvdepot.client.pvm import register_process_kv, send_identity
 from kvdepot.server import errors
 from kvdepot.server.core.planner import CopyPlan
 from kvdepot.server.memory.copy_engine import LOAD, STORE, CpuCopyEngine, MappedRegion
 from kvdepot.testing.waiting import wait_for
-from kvdepot.v1 import admin_pb2, admin_pb2_grpc, depot_pb2_grpc
+from kvdepot.v1 import admin_pb2, admin_pb2_grpc
 from kvdepot.v1 import depot_pb2 as pb
 from tests.support.daemon import DaemonProcess, connect, stats
 from tests.support.engine import Engine, Geometry, chunk_plan
@@ -58,7 +58,7 @@ def round_trip(client: DepotClient, memory: str, salt: bytes) -> int:
 def raw_session(d: DaemonProcess, claimed_pid: int) -> tuple[grpc.Channel, object, pb.SessionHello]:
     """A Session opened by hand, claiming any pid (what a hostile client can do)."""
     ch = d.channel()
-    call = depot_pb2_grpc.DepotStub(ch).Session(pb.SessionRequest(client_name="x", pid=claimed_pid))
+    call = session_stub(ch).Session(pb.SessionRequest(client_name="x", pid=claimed_pid))
     return ch, call, next(iter(call)).hello
 
 
@@ -66,7 +66,7 @@ def register_pvm(
     ch: grpc.Channel, session_id: str, pid: int, address: int, size: int, token: str
 ) -> pb.RegisterKVResponse:
     page = 4096
-    return depot_pb2_grpc.DepotStub(ch).RegisterKV(
+    return session_stub(ch).RegisterKV(
         pb.RegisterKVRequest(
             session_id=session_id,
             namespace=Geometry(
@@ -221,6 +221,7 @@ THIEF = textwrap.dedent(
     import json, os, socket, sys
     import grpc
     from kvdepot.client.fdpass import FdPassError, attest, send_fd
+    from kvdepot.client import session_stub
     from kvdepot.client.pvm import send_identity
     from kvdepot.v1 import depot_pb2 as pb, depot_pb2_grpc
     target, fd_socket, stolen = sys.argv[1:4]
@@ -234,7 +235,7 @@ THIEF = textwrap.dedent(
         except FdPassError as exc:
             out[name] = [exc.code, str(exc)]
     ch = grpc.insecure_channel(target)
-    stub = depot_pb2_grpc.DepotStub(ch)
+    stub = session_stub(ch)
     own = stub.Session(pb.SessionRequest(client_name="thief"))
     mine = next(own).hello.session_id
     lane, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -375,7 +376,7 @@ def test_sessions_per_process_are_limited(daemon_factory) -> None:
     d = daemon_factory("--pool-size", "64MiB", "--max-sessions-per-pid", "3")
     calls, ch = [], d.channel()
     try:
-        stub = depot_pb2_grpc.DepotStub(ch)
+        stub = session_stub(ch)
         for i in range(4):
             call = stub.Session(pb.SessionRequest(client_name=f"s{i}"))
             hello = next(call).hello

@@ -19,11 +19,10 @@ from pathlib import Path
 import grpc
 import pytest
 
-from kvdepot.client import DepotClient
+from kvdepot.client import DepotClient, session_stub
 from kvdepot.testing.waiting import wait_for
 from kvdepot.v1 import admin_pb2
 from kvdepot.v1 import depot_pb2 as pb
-from kvdepot.v1.depot_pb2_grpc import DepotStub
 from tests.support.daemon import connect
 from tests.support.engine import Engine, Geometry, make_key
 from tests.support.ops import admin, load, store
@@ -232,12 +231,14 @@ def test_watch_streams_past_the_session_limit_are_refused(daemon_factory) -> Non
 
 def test_membership_and_its_watch_streams_end_with_the_session(daemon) -> None:
     with grpc.insecure_channel(daemon.target) as session_ch, daemon.channel() as watch_ch:
-        stub = DepotStub(session_ch)
+        stub = session_stub(session_ch)
         session = stub.Session(pb.SessionRequest(client_name="short-lived"))
         sid = next(iter(session)).hello.session_id
         layout = pb.NamespaceLayout(id="observed")
         stub.RegisterKV(pb.RegisterKVRequest(session_id=sid, namespace=layout), timeout=10)
-        watch = DepotStub(watch_ch).Watch(pb.WatchRequest(session_id=sid, namespace_id="observed"))
+        watch = session_stub(watch_ch).Watch(
+            pb.WatchRequest(session_id=sid, namespace_id="observed")
+        )
         it = iter(watch)
         assert next(it).kind == pb.WatchEvent.SNAPSHOT
         assert next(it).kind == pb.WatchEvent.SNAPSHOT_END
@@ -245,7 +246,7 @@ def test_membership_and_its_watch_streams_end_with_the_session(daemon) -> None:
         with pytest.raises(StopIteration):
             next(it)
         with pytest.raises(grpc.RpcError) as err:  # and its membership is gone
-            DepotStub(watch_ch).Lookup(
+            session_stub(watch_ch).Lookup(
                 pb.LookupRequest(session_id=sid, namespace_id="observed"), timeout=10
             )
         assert err.value.code() in (
