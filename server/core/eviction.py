@@ -5,9 +5,11 @@ evicted (READY, no pin, no reader, not dropped) and does the evicting; a policy 
 keeps the evictable rows in the order they are to go. Its calls, all from the index,
 on the daemon's event loop (a policy has no lock, no clock and no I/O):
 
-- `admit(slot)`: the row became evictable (it became READY, or its last pin or
-  read ended); this is its most recent use. A row is admitted at most once until
-  it is withdrawn or popped.
+- `insert(slot)`: a new row became READY (a store, a tier's promotion, a warm
+  restart); it is admitted, as its most recent use. A row is admitted (by
+  `insert`, `admit` or `admit_coldest`) at most once until it is withdrawn or popped.
+- `admit(slot)`: a row's last pin or read ended: it is evictable again, and this was
+  its most recent use.
 - `withdraw(slot)`: an admitted row is no longer evictable (pinned, read, or
   removed by Evict/Clear).
 - `refresh(slot)`: an admitted row was used without being held (a request that
@@ -33,7 +35,16 @@ takes tails first, and what stays is a loadable prefix, never a hole followed by
 chunks no lookup reaches. vLLM 0.33's CPU tier ranks a request's chunks the same
 way (its `LRUCachePolicy`: rank (request, -position)).
 
-`LruPolicy`, least recently used first, is the one the daemon runs.
+Two policies (`kvdepot serve --eviction-policy`, `make_policy`):
+
+- `LruPolicy` (`lru`, the default): least recently used first.
+- `ArcPolicy` (`arc`): adaptive replacement (Megiddo and Modha, FAST 2003) over the
+  same calls: rows used once (stored, and touched by the request that stored them)
+  in T1, rows used again (pinned, read, or touched again) in T2, and the ghosts of
+  rows evicted from each (B1, B2) steering how much of the pool T1 may keep. It keeps
+  a prefix many requests share (T2) from being pushed out by a stream of rows used
+  once (questions asked once, prompts never repeated), where LRU keeps whatever
+  came last.
 """
 
 from __future__ import annotations
@@ -50,6 +61,7 @@ class EvictionPolicy(Protocol):
 
     # Callables rather than methods in the interface, so that an implementation
     # may bind C functions there (LruPolicy does); a plain method serves as well.
+    insert: Callable[[Slot], object]
     admit: Callable[[Slot], object]
     withdraw: Callable[[Slot], object]
     refresh: Callable[[Slot], object]
@@ -71,7 +83,7 @@ class EvictionPolicy(Protocol):
 class LruPolicy:
     """Evicts the least recently used row first: an ordered dict, oldest first."""
 
-    __slots__ = ("_order", "admit", "refresh", "withdraw")
+    __slots__ = ("_order", "admit", "insert", "refresh", "withdraw")
 
     def __init__(self) -> None:
         order: OrderedDict[Slot, None] = OrderedDict()
@@ -82,6 +94,7 @@ class LruPolicy:
         # setdefault(slot) appends slot -> None at the young end (it is not there:
         # a row is admitted once); `del` raises KeyError for a row never admitted.
         self.admit: Callable[[Slot], object] = order.setdefault
+        self.insert: Callable[[Slot], object] = order.setdefault  # a new row: the same
         self.withdraw: Callable[[Slot], object] = order.__delitem__
         self.refresh: Callable[[Slot], object] = order.move_to_end
 
@@ -102,6 +115,145 @@ class LruPolicy:
 
     def __contains__(self, slot: object) -> bool:
         return slot in self._order
+
+
+class ArcPolicy:
+    """Adaptive replacement (ARC) of the rows, with the index's calls as uses.
+
+    - T1, rows used once: `insert` puts a new row here, at the young end; the first
+      `refresh` after it (the touch of the request that stored it) keeps it here.
+    - T2, rows used again: `admit` (a pin's or read's hold ended: a load), a later
+      `refresh` (a request reached it again), or `insert` of a row whose ghost is in
+      B1 or B2 (evicted, and wanted again).
+    - B1, B2: ghosts of the rows evicted from T1 and T2, each at most the capacity
+      in rows, as 64-bit hashes of (namespace, key) (8 bytes and a dict entry each;
+      a collision only nudges the target below). A new row whose ghost is in B1
+      raises `target`, T1's share of the pool (T1 evicted it too soon); one in B2
+      lowers it.
+    - `pop_victim` takes T1's oldest row while T1 holds at least `target` rows,
+      else T2's (a row of `admit_coldest` first: a hold that was not a use).
+
+    Within each list rows keep the order of their calls, so a request's rows,
+    admitted tail first (`tail_first`), leave each list tail first. The capacity in
+    rows (the ghosts' bound, the target's ceiling) is the pool's bytes over the
+    mean row held, so namespaces of several row sizes share one count.
+    """
+
+    def __init__(self, capacity_bytes: int) -> None:
+        self._capacity_bytes = max(1, capacity_bytes)
+        self._t1: OrderedDict[Slot, None] = OrderedDict()
+        self._t2: OrderedDict[Slot, None] = OrderedDict()
+        self._cold: OrderedDict[Slot, None] = OrderedDict()  # admit_coldest: go first
+        self._b1: OrderedDict[int, None] = OrderedDict()
+        self._b2: OrderedDict[int, None] = OrderedDict()
+        self._fresh: set[Slot] = set()  # in T1, not yet refreshed since inserted
+        self._bytes = 0  # of the rows admitted (T1, T2, cold)
+        self.target = 0.0  # T1's share of the pool, in rows
+
+    def capacity_rows(self) -> int:
+        rows = len(self)
+        if not rows:
+            return 1
+        return max(1, self._capacity_bytes * rows // max(1, self._bytes))
+
+    def insert(self, slot: Slot) -> None:
+        ghost = hash((slot.namespace, slot.key))
+        b1, b2 = self._b1, self._b2
+        if ghost in b1:
+            del b1[ghost]
+            self.target = min(self.target + max(1.0, len(b2) / (len(b1) + 1)), self.capacity_rows())
+            self._t2[slot] = None
+        elif ghost in b2:
+            del b2[ghost]
+            self.target = max(self.target - max(1.0, len(b1) / (len(b2) + 1)), 0.0)
+            self._t2[slot] = None
+        else:
+            self._t1[slot] = None
+            self._fresh.add(slot)
+        self._bytes += slot.extent.size
+
+    def admit(self, slot: Slot) -> None:
+        self._t2[slot] = None  # a pin's or read's hold ended: used again
+        self._bytes += slot.extent.size
+
+    def admit_coldest(self, slot: Slot) -> None:
+        self._cold[slot] = None
+        self._cold.move_to_end(slot, last=False)
+        self._bytes += slot.extent.size
+
+    def withdraw(self, slot: Slot) -> None:
+        for rows in (self._t1, self._t2, self._cold):
+            if slot in rows:
+                del rows[slot]
+                break
+        else:
+            raise KeyError(slot)
+        self._fresh.discard(slot)
+        self._bytes -= slot.extent.size
+
+    def refresh(self, slot: Slot) -> None:
+        t1 = self._t1
+        if slot in t1:
+            if slot in self._fresh:  # the touch of the request that stored it
+                self._fresh.discard(slot)
+                t1.move_to_end(slot)
+                return
+            del t1[slot]
+            self._t2[slot] = None
+        elif slot in self._t2:
+            self._t2.move_to_end(slot)
+        else:
+            del self._cold[slot]  # KeyError for a row not admitted, as the others
+            self._t2[slot] = None
+
+    def pop_victim(self) -> Slot | None:
+        if self._cold:
+            slot, ghosts = self._cold.popitem(last=False)[0], self._b1
+        elif self._t1 and (len(self._t1) >= self.target or not self._t2):
+            slot, ghosts = self._t1.popitem(last=False)[0], self._b1
+            self._fresh.discard(slot)
+        elif self._t2:
+            slot, ghosts = self._t2.popitem(last=False)[0], self._b2
+        else:
+            return None
+        self._bytes -= slot.extent.size
+        ghosts[hash((slot.namespace, slot.key))] = None
+        bound = self.capacity_rows()
+        while len(ghosts) > bound:
+            ghosts.popitem(last=False)
+        return slot
+
+    def __len__(self) -> int:
+        return len(self._t1) + len(self._t2) + len(self._cold)
+
+    def __iter__(self) -> Iterator[Slot]:
+        """The rows in the order they would go if nothing changed meanwhile."""
+        cold, t1, t2 = iter(self._cold), iter(self._t1), iter(self._t2)
+        yield from cold
+        left1, left2 = len(self._t1), len(self._t2)
+        target = self.target
+        while left1 or left2:
+            if left1 and (left1 >= target or not left2):
+                left1 -= 1
+                yield next(t1)
+            else:
+                left2 -= 1
+                yield next(t2)
+
+    def __contains__(self, slot: object) -> bool:
+        return slot in self._t1 or slot in self._t2 or slot in self._cold
+
+
+POLICIES = ("lru", "arc")
+
+
+def make_policy(name: str, capacity_bytes: int) -> EvictionPolicy:
+    """The policy `kvdepot serve --eviction-policy` names, for a pool of `capacity_bytes`."""
+    if name == "lru":
+        return LruPolicy()
+    if name == "arc":
+        return ArcPolicy(capacity_bytes)
+    raise ValueError(f"unknown eviction policy {name!r} (one of {', '.join(POLICIES)})")
 
 
 def tail_first(slots: Sequence[Slot]) -> Sequence[Slot]:
