@@ -260,8 +260,7 @@ class Writes(IndexPart):
                     became_ready.append(slot)
         finally:
             if became_ready:
-                for slot in tail_first(became_ready):  # a prefix's head youngest
-                    insert(slot)
+                insert(tail_first(became_ready))  # a prefix's head youngest
                 self._announce(EventKind.STORED, became_ready)
         return len(became_ready)
 
