@@ -4,6 +4,7 @@
     kvdepot bench --quick --json         # smoke run, JSON on stdout (the test uses it)
     kvdepot bench --socket /run/kvdepot/kvdepot.sock --plot bench.png
     kvdepot bench --node                 # only the node series: ranks over 1..N daemons
+    kvdepot bench --capacity             # only the capacity replay: hit rates at a full pool
 
 What runs, in order: a daemon (or the one at --socket) with its pool pre-faulted;
 synthetic engine processes (benchmarks/worker.py) with pre-faulted memfd KV
@@ -209,6 +210,17 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         help="geometries to run, of 70b-tp8, 8b-tp1 (default both)",
     )
     g.add_argument("--node-chunks", type=int, default=16, help="chunks per job (default 16)")
+    g = parser.add_argument_group("capacity (kvdepot.bench.capacity; runs alone)")
+    g.add_argument(
+        "--capacity",
+        action="store_true",
+        help="run only the capacity replay: token hit rates of chat, shared-document and "
+        "agent traces through kvdepot (a real daemon per policy, with and without --disk), "
+        "vLLM's CPU tier (lru, arc) and Belady's optimum, pools of the same chunks",
+    )
+    from kvdepot.bench.capacity import add_arguments as add_capacity_arguments
+
+    add_capacity_arguments(g)
     g = parser.add_argument_group("output")
     g.add_argument(
         "--quick",
@@ -295,6 +307,10 @@ def run_bench(args: argparse.Namespace) -> int:
         return 1 if args.strict and not all(t["met"] for t in remote["targets"]) else 0
     if args.node:
         return _node(args)
+    if args.capacity:  # its own figures and table (kvdepot.bench.capacity)
+        from kvdepot.bench.capacity import run as run_capacity
+
+        return run_capacity(args)
     started = time.monotonic()
     load_before = os.getloadavg()[0]
     try:

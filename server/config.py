@@ -412,6 +412,13 @@ class DaemonSettings(DerivedSockets):
         metavar="SECONDS",
         help="seconds a partly written block row may wait for its other ranks",
     )
+    eviction_policy: str = setting(
+        "--eviction-policy",
+        "lru",
+        parse=parsers.one_of("lru", "arc"),
+        help="which rows a full pool evicts first: lru (the least recently used) or arc "
+        "(adaptive replacement: rows used again are kept from rows used once)",
+    )
 
 
 @dataclass

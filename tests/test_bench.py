@@ -532,3 +532,61 @@ def test_node_table_says_when_engines_picked_fewer_shards_than_the_node_has() ->
         " note: 8b-tp1 on 4 shards: the engines' namespaces picked 2 of them "
         "(kvdepot.common.shards.first_shard)",
     ]
+
+
+# -- the capacity replay (`kvdepot bench --capacity`) ---------------------------------------
+
+
+def test_capacity_replay_runs_every_system_and_keeps_no_unreachable_rows() -> None:
+    """A short `kvdepot bench --capacity --quick` on the shared-documents trace: every
+    system replayed the same requests, kvdepot's LRU pool never held a row no lookup
+    reaches, and the targets that hold by construction hold (figures, not a speed)."""
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvdepot.server.cli",
+            "bench",
+            "--capacity",
+            "--quick",
+            "--json",
+            "--quiet",
+            "--capacity-traces",
+            "docs",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, f"bench --capacity failed:\n{proc.stderr[-4000:]}"
+    result = json.loads(proc.stdout)
+    assert result["command"].startswith("kvdepot bench --capacity --quick")
+    [row] = result["rows"]
+    trace = row["trace"]
+    assert trace["family"] == "docs" and trace["requests"] == result["config"]["requests"]
+    systems = row["systems"]
+    assert set(systems) == {
+        "belady",
+        "vllm-lru",
+        "vllm-arc",
+        "kvdepot-lru",
+        "kvdepot-arc",
+        "kvdepot-lru+disk",
+    }
+    tokens = trace["prompt_tokens"]
+    for name, s in systems.items():
+        assert 0 < s["hit_tokens"] < tokens, name  # some hits, never every token
+        assert s["hit_tokens"] % 16 == 0, name  # whole chunks only
+        assert s["hit_rate"] == pytest.approx(s["hit_tokens"] / tokens)
+        assert s["stored_bytes"] == s["stored_chunks"] * result["config"]["chunk_bytes"] > 0
+    assert row["unbounded_hit_rate"] >= systems["belady"]["hit_rate"]
+    lru = systems["kvdepot-lru"]
+    assert lru["unreachable_max"] == 0 and lru["unreachable_end"] == 0
+    assert lru["held_end"] == result["config"]["pool_chunks"]  # full, all of it reachable
+    assert lru["load_failures"] == 0 and lru["dropped_stores"] == 0
+    assert lru["hit_rate"] >= systems["vllm-lru"]["hit_rate"]
+    assert systems["kvdepot-lru+disk"]["hit_rate"] >= lru["hit_rate"]
+    assert systems["kvdepot-lru+disk"]["disk_hit_chunks"] > 0
+    targets = {t["target"] for t in result["targets"]}
+    assert "RAM+disk >= RAM only" in targets and "kvdepot lru unreachable" in targets
+    assert "kvdepot bench --capacity" in proc.stderr and "belady" in proc.stderr

@@ -58,6 +58,7 @@ class NewestFirst:
     def __init__(self) -> None:
         self._rows: list[Slot] = []
         self.admit = self._rows.append
+        self.insert = self._rows.extend
         self.admit_coldest = self._rows.append  # the next victim: the last admitted
         self.withdraw = self._rows.remove
 

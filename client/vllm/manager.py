@@ -316,6 +316,8 @@ class KVDepotOffloadingManager(OffloadingManager):
         keys = list(keys)
         self._pins.add(req_context.req_id, self._on_shards, keys)
         self._uses.note(req_context.req_id, keys)
+        if self._remote.fetching:
+            self._remote.arrived(keys)
         return KVDepotLoadSpec(self.namespace_id, keys)
 
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:

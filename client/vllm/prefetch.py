@@ -6,7 +6,8 @@ and `kvdepot_remote_wait_ms` is above 0, a key missing from the mirror answers R
 again next step") and is collected; at the step's end the step's keys go to the
 prefetch thread, which sends them in ONE Prefetch RPC. Keys the tier lacks become misses
 as soon as the answer arrives; fetched keys turn into hits when Watch announces them
-(the mirror's job); a key still not here after `kvdepot_remote_wait_ms` counts as a miss
+(the mirror's job) and, once loaded, are no longer being fetched (evicted again, they are
+asked for again); a key still not here after `kvdepot_remote_wait_ms` counts as a miss
 and is recomputed. A key the tier lacked, or gave up on, is not asked for again for
 `NO_REMOTE_S`, unless it is stored in the meantime (by this engine, or seen in the pool):
 it then goes below the pool when RAM evicts it. The scheduler thread never waits on the
@@ -14,7 +15,7 @@ network for any of it.
 
 Threads and ownership (`RemotePrefetch` owns the keys being fetched, the keys not to
 ask for, the step's keys, the queue to the prefetch thread and that thread):
-- `lookup`, `stored`, `end_step` and `reset` run on vLLM's scheduler thread;
+- `lookup`, `arrived`, `stored`, `end_step` and `reset` run on vLLM's scheduler thread;
 - `_run` is the "kvdepot-prefetch" thread: it sends the Prefetch RPCs of the current
   generation (the namespace's: `reset` starts a new one) and marks the keys the tier
   lacks, one GIL-atomic dict operation at a time. It waits without a timeout
@@ -126,6 +127,20 @@ class RemotePrefetch:
                     k: t for k, t in self._no_remote.items() if t > now and k not in ready
                 }
                 self._next_prune = now + 1.0
+
+    @property
+    def fetching(self) -> bool:
+        """Keys asked of the tier and not arrived (nor given up) yet."""
+        return bool(self._fetching)
+
+    def arrived(self, keys: Iterable[bytes]) -> None:
+        """Keys being loaded (so they came): no longer being fetched. A key left
+        "fetching" once here would, when RAM evicted it again before the once-a-second
+        prune saw it ready, answer RETRY without being asked for until its wait ran out,
+        and then count as a miss not asked for again for NO_REMOTE_S."""
+        fetching = self._fetching
+        for key in keys:
+            fetching.pop(key, None)
 
     def stored(self, keys: Iterable[bytes]) -> None:
         """Keys this engine stored: the tier's "absent" for them is stale (they go

@@ -5,11 +5,19 @@ evicted (READY, no pin, no reader, not dropped) and does the evicting; a policy 
 keeps the evictable rows in the order they are to go. Its calls, all from the index,
 on the daemon's event loop (a policy has no lock, no clock and no I/O):
 
-- `admit(slot)`: the row became evictable (it became READY, or its last pin or
-  read ended); this is its most recent use. A row is admitted at most once until
-  it is withdrawn or popped.
+- `insert(slots)`: new rows became READY together (a store job's, a tier's
+  promotion, a warm restart's), in the order to admit them (`tail_first`); each is
+  admitted as its most recent use. A row is admitted (by `insert`, `admit` or
+  `admit_coldest`) at most once until it is withdrawn or popped.
+- `admit(slot)`: a row's last pin or read ended: it is evictable again, and this was
+  its most recent use.
 - `withdraw(slot)`: an admitted row is no longer evictable (pinned, read, or
   removed by Evict/Clear).
+- `resume(slot)`: a hold that was no use ended (a tier's write behind of a row just
+  stored, `end_read(use=None)`): the row goes back where it was, as near as the
+  policy can (LRU: the young end, as `admit`; ARC: the list it left).
+- `admit_coldest(slot)`: a hold that was no use ended and the row is to go next
+  (the disk tier wrote the cold row behind ahead of its eviction).
 - `refresh(slot)`: an admitted row was used without being held (a request that
   offered or reached it again: `BlockIndex.touch`); it becomes the most recent.
 - `pop_victim()`: takes the row to evict next out of the policy; None when no row
@@ -33,13 +41,23 @@ takes tails first, and what stays is a loadable prefix, never a hole followed by
 chunks no lookup reaches. vLLM 0.33's CPU tier ranks a request's chunks the same
 way (its `LRUCachePolicy`: rank (request, -position)).
 
-`LruPolicy`, least recently used first, is the one the daemon runs.
+Two policies (`kvdepot serve --eviction-policy`, `make_policy`):
+
+- `LruPolicy` (`lru`, the default): least recently used first.
+- `ArcPolicy` (`arc`): adaptive replacement (Megiddo and Modha, FAST 2003) over the
+  same calls: rows used once (stored, and touched by the request that stored them)
+  in T1, rows used again (pinned, read, or touched again) in T2, and the ghosts of
+  rows evicted from each (B1, B2) steering how much of the pool T1 may keep. It keeps
+  a prefix many requests share (T2) from being pushed out by a stream of rows used
+  once (questions asked once, prompts never repeated), where LRU keeps whatever
+  came last. It evicts from one list, in the order of the calls, so it keeps
+  loadable prefixes as LRU does.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Protocol
 
 from kvdepot.server.core.index_types import Slot
@@ -53,6 +71,11 @@ class EvictionPolicy(Protocol):
     admit: Callable[[Slot], object]
     withdraw: Callable[[Slot], object]
     refresh: Callable[[Slot], object]
+    resume: Callable[[Slot], object]
+
+    def insert(self, slots: Iterable[Slot]) -> object:
+        """Admits new READY rows, used together, in this order (module docstring)."""
+        ...
 
     def admit_coldest(self, slot: Slot) -> object:
         """Admits `slot` as the next victim: a hold that was not a use ended (the disk
@@ -71,7 +94,7 @@ class EvictionPolicy(Protocol):
 class LruPolicy:
     """Evicts the least recently used row first: an ordered dict, oldest first."""
 
-    __slots__ = ("_order", "admit", "refresh", "withdraw")
+    __slots__ = ("_order", "admit", "refresh", "resume", "withdraw")
 
     def __init__(self) -> None:
         order: OrderedDict[Slot, None] = OrderedDict()
@@ -82,8 +105,14 @@ class LruPolicy:
         # setdefault(slot) appends slot -> None at the young end (it is not there:
         # a row is admitted once); `del` raises KeyError for a row never admitted.
         self.admit: Callable[[Slot], object] = order.setdefault
+        self.resume: Callable[[Slot], object] = order.setdefault  # the young end, as admit
         self.withdraw: Callable[[Slot], object] = order.__delitem__
         self.refresh: Callable[[Slot], object] = order.move_to_end
+
+    def insert(self, slots: Iterable[Slot]) -> None:
+        admit = self._order.setdefault
+        for slot in slots:
+            admit(slot)
 
     def admit_coldest(self, slot: Slot) -> None:
         self._order[slot] = None
@@ -102,6 +131,181 @@ class LruPolicy:
 
     def __contains__(self, slot: object) -> bool:
         return slot in self._order
+
+
+class ArcPolicy:
+    """Adaptive replacement (ARC) of the rows, with the index's calls as uses, kept
+    prefix-safe: a row never goes before the rows that follow it in a prompt.
+
+    - T1, rows used once: `insert` puts new rows here, at the young end; the first
+      `refresh` after it (the touch of the request that stored the row) keeps it here.
+    - T2, rows used again: `admit` (a pin's or read's hold ended: a load), a later
+      `refresh` (a request reached it again), or `insert` of a row whose ghost is in
+      B1 or B2 (evicted, and wanted again), and of the rows inserted with it after it
+      (the chunks before it in its prompt: rows come tail first).
+    - B1, B2: ghosts of the rows evicted that were used once, and used again, each at
+      most the capacity in rows, as 64-bit hashes of (namespace, key) (a collision only
+      nudges the target). A new row whose ghost is in B1 raises `target`, the rows T1
+      may keep (it was evicted too soon for being used once); one in B2 lowers it.
+    - `pop_victim` evicts from T1's old end only (after rows of `admit_coldest`, a
+      hold that was no use). T2 rows beyond their share (capacity less `target`) are
+      first moved to T1's young end, so they outlive the rows used once but are
+      evicted, as everything, from one list.
+
+    One list to evict from, in the order of the calls, keeps what `tail_first` gives
+    LRU: a row's predecessors in its prompt are used whenever it is, after it, so they
+    are always later in T2 and in T1, and a row moved from T2 lands after every row of
+    T1. (Evicting from T2's old end while a successor sits in T1, as ARC does, would
+    leave that successor where no lookup reaches it.) The capacity in rows is the
+    pool's bytes over the mean row held, so namespaces of several row sizes share one
+    count.
+    """
+
+    def __init__(self, capacity_bytes: int) -> None:
+        self._capacity_bytes = max(1, capacity_bytes)
+        self._t1: OrderedDict[Slot, None] = OrderedDict()
+        self._t2: OrderedDict[Slot, None] = OrderedDict()
+        self._cold: OrderedDict[Slot, None] = OrderedDict()  # admit_coldest: go first
+        self._b1: OrderedDict[int, None] = OrderedDict()
+        self._b2: OrderedDict[int, None] = OrderedDict()
+        self._fresh: set[Slot] = set()  # in T1: inserted, not yet refreshed
+        # Rows withdrawn from T1 -> fresh, for `resume`; bounded (oldest forgotten) as
+        # Evict and Clear withdraw rows they then remove.
+        self._held_from_t1: OrderedDict[Slot, bool] = OrderedDict()
+        self._moved: set[Slot] = set()  # in T1: moved there from T2 (its ghost: B2)
+        self._bytes = 0  # of the rows admitted (T1, T2, cold)
+        self._rows = 1  # capacity_rows' last figure
+        self.target = 0.0  # the rows T1 may keep while T2 is over its share
+
+    def capacity_rows(self) -> int:
+        """The pool's bytes over the mean row held (the last mean while none is)."""
+        rows = len(self)
+        if rows and self._bytes:
+            self._rows = max(1, self._capacity_bytes * rows // self._bytes)
+        return self._rows
+
+    def insert(self, slots: Iterable[Slot]) -> None:
+        t1, t2, b1, b2 = self._t1, self._t2, self._b1, self._b2
+        again = False  # a ghost was hit: it and the rows after it go to T2
+        for slot in slots:
+            self._bytes += slot.extent.size
+            ghost = hash((slot.namespace, slot.key))
+            if ghost in b1:
+                del b1[ghost]
+                rows = self.capacity_rows()
+                self.target = min(self.target + max(1.0, len(b2) / (len(b1) + 1)), rows)
+                again = True
+            elif ghost in b2:
+                del b2[ghost]
+                self.target = max(self.target - max(1.0, len(b1) / (len(b2) + 1)), 0.0)
+                again = True
+            if again:
+                t2[slot] = None
+            else:
+                t1[slot] = None
+                self._fresh.add(slot)
+
+    def admit(self, slot: Slot) -> None:
+        self._held_from_t1.pop(slot, None)
+        self._t2[slot] = None  # a pin's or read's hold ended: used again
+        self._bytes += slot.extent.size
+
+    def resume(self, slot: Slot) -> None:
+        fresh = self._held_from_t1.pop(slot, None)
+        if fresh is None:
+            self._t2[slot] = None
+        else:
+            self._t1[slot] = None
+            if fresh:
+                self._fresh.add(slot)
+        self._bytes += slot.extent.size
+
+    def admit_coldest(self, slot: Slot) -> None:
+        self._held_from_t1.pop(slot, None)
+        self._cold[slot] = None
+        self._cold.move_to_end(slot, last=False)
+        self._bytes += slot.extent.size
+
+    def withdraw(self, slot: Slot) -> None:
+        if slot in self._t1:
+            del self._t1[slot]
+            held = self._held_from_t1
+            held[slot] = slot in self._fresh
+            if len(held) > self._rows and len(held) > self.capacity_rows():
+                held.popitem(last=False)
+        elif slot in self._t2:
+            del self._t2[slot]
+        else:
+            del self._cold[slot]  # KeyError for a row not admitted
+        self._fresh.discard(slot)
+        self._moved.discard(slot)
+        self._bytes -= slot.extent.size
+
+    def refresh(self, slot: Slot) -> None:
+        t1 = self._t1
+        if slot in t1:
+            if slot in self._fresh:  # the touch of the request that stored it
+                self._fresh.discard(slot)
+                t1.move_to_end(slot)
+                return
+            del t1[slot]
+            self._moved.discard(slot)
+            self._t2[slot] = None
+        elif slot in self._t2:
+            self._t2.move_to_end(slot)
+        else:
+            del self._cold[slot]  # KeyError for a row not admitted, as the others
+            self._t2[slot] = None
+
+    def pop_victim(self) -> Slot | None:
+        if self._cold:
+            slot, ghosts = self._cold.popitem(last=False)[0], self._b1
+        else:
+            t1, t2 = self._t1, self._t2
+            share = self.capacity_rows() - int(self.target)
+            while t2 and (len(t2) > share or not t1):  # T2's oldest, after T1's youngest
+                moved = t2.popitem(last=False)[0]
+                t1[moved] = None
+                self._moved.add(moved)
+            if not t1:
+                return None
+            slot = t1.popitem(last=False)[0]
+            self._fresh.discard(slot)
+            if slot in self._moved:
+                self._moved.discard(slot)
+                ghosts = self._b2
+            else:
+                ghosts = self._b1
+        self._bytes -= slot.extent.size
+        ghosts[hash((slot.namespace, slot.key))] = None
+        bound = self.capacity_rows()
+        while len(ghosts) > bound:
+            ghosts.popitem(last=False)
+        return slot
+
+    def __len__(self) -> int:
+        return len(self._t1) + len(self._t2) + len(self._cold)
+
+    def __iter__(self) -> Iterator[Slot]:
+        """The rows next victim first (if nothing else changed meanwhile)."""
+        yield from self._cold
+        yield from self._t1
+        yield from self._t2
+
+    def __contains__(self, slot: object) -> bool:
+        return slot in self._t1 or slot in self._t2 or slot in self._cold
+
+
+POLICIES = ("lru", "arc")
+
+
+def make_policy(name: str, capacity_bytes: int) -> EvictionPolicy:
+    """The policy `kvdepot serve --eviction-policy` names, for a pool of `capacity_bytes`."""
+    if name == "lru":
+        return LruPolicy()
+    if name == "arc":
+        return ArcPolicy(capacity_bytes)
+    raise ValueError(f"unknown eviction policy {name!r} (one of {', '.join(POLICIES)})")
 
 
 def tail_first(slots: Sequence[Slot]) -> Sequence[Slot]:

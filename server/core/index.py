@@ -248,11 +248,15 @@ class BlockIndex:
         """`begin_read` of `keys` in order up to the first not READY (a load job's: _hold_ready)."""
         return _hold_ready(self.namespace(namespace_id), self._policy, keys)
 
-    def end_read(self, slot: Slot, *, use: bool = True) -> None:
+    def end_read(self, slot: Slot, *, use: bool | None = True) -> None:
+        """Ends a hold of `begin_read`. `use`: True, a read that was a use (a load's: the
+        latest); None, no use (a tier's write behind of a row just stored: back where it
+        was, EvictionPolicy.resume); False, no use and the next victim (the disk tier's
+        write of the pool's coldest row ahead of its eviction)."""
         slot.readers -= 1
         if not slot.readers and not slot.pins and slot.state is SlotState.READY:
-            # A read is a use (the latest); use=False (a disk write behind): the next victim
-            (self._policy.admit if use else self._policy.admit_coldest)(slot)
+            policy = self._policy
+            (policy.admit if use else policy.resume if use is None else policy.admit_coldest)(slot)
 
     def end_read_many(self, slots: Sequence[Slot]) -> None:
         """`end_read` of a load's slots (in the load's order), admitting those no

@@ -84,5 +84,5 @@ class Recovery(IndexPart):
             written_mask=ns.full_mask,
         )
         ns.attach(slot)
-        self._policy.admit(slot)
+        self._policy.insert((slot,))
         return slot

@@ -230,7 +230,7 @@ class Writes(IndexPart):
         bit = 1 << rank
         keep = ~bit
         became_ready: list[Slot] = []
-        namespaces, admit = self._namespaces, self._policy.admit
+        namespaces, insert = self._namespaces, self._policy.insert
         ns: Namespace | None = None
         full = 0  # ns.full_mask
         try:
@@ -260,8 +260,7 @@ class Writes(IndexPart):
                     became_ready.append(slot)
         finally:
             if became_ready:
-                for slot in tail_first(became_ready):  # a prefix's head youngest
-                    admit(slot)
+                insert(tail_first(became_ready))  # a prefix's head youngest
                 self._announce(EventKind.STORED, became_ready)
         return len(became_ready)
 

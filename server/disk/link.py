@@ -10,7 +10,8 @@ asks it first on Depot/Prefetch; Admin/GetStats and the Prometheus collector
   is noted; right after the event (a listener must not call back into the index)
   each row still ready is held with `begin_read` and handed to `DiskTier.write`
   straight from the pool's memory (page-aligned: nothing is staged); the hold ends
-  when the write's `done` comes back to the loop. A row that finds the bound on
+  when the write's `done` comes back to the loop, as no use (`end_read(use=None)`:
+  the row goes back where it was, EvictionPolicy.resume). A row that finds the bound on
   bytes in flight reached waits, as a key only (nothing held, so RAM may still
   evict it), in a list of at most WAITING_ROWS, written oldest first as writes
   finish: a burst larger than the bound still reaches the disk. Past that list,
@@ -248,13 +249,17 @@ class DiskLink:
                 drops[_DROPS[verdict]] += 1
 
     def write_row(
-        self, namespace_id: str, key: bytes, written: Callable[[Slot], None], use: bool = True
+        self,
+        namespace_id: str,
+        key: bytes,
+        written: Callable[[Slot], None],
+        use: bool | None = None,
     ) -> tuple[WriteVerdict | None, Slot | None]:
         """Holds a ready row and hands it to the tier straight from the pool's memory;
         `written(slot)` runs on the loop when the write is done and must end the hold.
-        A write the tier refuses ends it here (`use`: whether that counts as a use of
-        the row in RAM's LRU). (None, None): the row is gone (its namespace, or evicted
-        or replaced since it was noted)."""
+        A write the tier refuses ends it here (`use`: BlockIndex.end_read's; None, the
+        default: no use, the row back where it was). (None, None): the row is gone (its
+        namespace, or evicted or replaced since it was noted)."""
         index = self._index
         try:
             layout = index.namespace(namespace_id).layout
@@ -279,7 +284,7 @@ class DiskLink:
         return verdict
 
     def _write_done(self, slot: Slot) -> None:
-        self._index.end_read(slot)
+        self._index.end_read(slot, use=None)  # a write behind is no use
         if self._waiting:
             self._drain()
 

@@ -257,6 +257,6 @@ class WriteBehind:
             framed = await self._copy_queue.run(frame_all) if sources else []
         finally:
             for slot in held:
-                self._index.end_read(slot)
+                self._index.end_read(slot, use=None)  # no use: back where it was
         by_item = {id(i): v for (i, _), v in zip(sources, framed, strict=True)}
         return [by_item.get(id(i)) for i in items]

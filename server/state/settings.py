@@ -20,6 +20,7 @@ class StateConfig(Protocol):
     pool_file: str | None
     slot_granularity: int
     reservation_timeout: float
+    eviction_policy: str  # --eviction-policy: lru or arc (kvdepot.server.core.eviction)
     copy_threads: int
     gpu_copy_threads: int  # each GPU's own copy threads (kvdepot.server.copy_queue.CopyQueues)
     numa: str  # --numa: where the pool and the copy threads go (server/memory/numa.py)

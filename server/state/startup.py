@@ -27,6 +27,7 @@ import logging
 from dataclasses import dataclass
 
 from kvdepot.server.core.allocator import Extent, ExtentAllocator
+from kvdepot.server.core.eviction import make_policy
 from kvdepot.server.core.index import BlockIndex
 from kvdepot.server.memory import journal_file, numa, pool_file
 from kvdepot.server.memory.arena import Arena
@@ -69,6 +70,7 @@ def open_pool(config: StateConfig) -> OpenedPool:
         allocator = ExtentAllocator(arena.size, config.slot_granularity)
         return BlockIndex(
             allocator,
+            policy=make_policy(config.eviction_policy, arena.size),
             reservation_timeout=config.reservation_timeout,
             on_event=bus.publish,
             shares=config.namespace_share,

@@ -114,3 +114,48 @@ def test_a_prompt_stored_after_the_disk_lacked_it_comes_back_from_disk(
     rec = list(engine.records.values())[-1]
     assert rec.external_tokens == 160
     assert admin().disk_hits >= len(keys)
+
+
+def test_a_prompt_loaded_from_disk_and_evicted_again_is_asked_of_the_disk_again(
+    daemon_factory, make_engine, tmp_path
+) -> None:
+    """A key fetched from disk and loaded is no longer "being fetched": RAM evicting it
+    again and a request asking for it again sends a new Prefetch at once (before, it
+    answered RETRY without asking until `kvdepot_remote_wait_ms` ran out, then was
+    recomputed and not asked for again for 10 s)."""
+    d = daemon_factory(
+        "--pool-size", "4MiB", "--disk", str(tmp_path / "disk"), "--disk-size", "64MiB"
+    )  # fmt: skip
+    engine = make_engine(
+        socket=d.target, num_gpu_blocks=64, extra_config={"kvdepot_remote_wait_ms": 60_000}
+    )
+    engine.wait_registered()
+    m = engine.manager
+    # The once-a-second prune would forget keys it saw ready: the test must not
+    # depend on when it runs.
+    m._remote._next_prune = float("inf")
+    prompt = prompt_for(13, 160)
+    keys = engine.offload_keys(prompt)
+    engine.generate([prompt])
+    engine.wait_ready(keys)
+    admin = m._client.admin
+
+    def evict_from_ram() -> None:
+        admin.Evict(admin_pb2.EvictRequest(namespace_id=m.namespace_id, keys=keys))
+        engine.wait_until(lambda: not any(m.is_ready(k) for k in keys), what="RAM evicted")
+
+    engine.wait_until(
+        lambda: admin.GetStats(admin_pb2.GetStatsRequest()).disk_writes >= len(keys),
+        what="the prompt on disk",
+    )
+    for round_ in range(2):  # fetched from disk and loaded, twice
+        evict_from_ram()
+        engine.reset_gpu_prefix_cache()
+        asked = m.remote_asked
+        engine.add_request(prompt)
+        engine.step()
+        assert m.remote_asked == asked + len(keys), round_  # asked of the disk at once
+        engine.run(timeout=20)
+        rec = list(engine.records.values())[-1]
+        assert rec.external_tokens == 160, round_
+    assert m.remote_gave_up == 0
