@@ -189,11 +189,12 @@ class Daemon:
             # What the check above could not foresee (e.g. a read-only file system).
             raise PoolFilePathError(f"--pool-file {cfg.pool_file}: {exc}") from None
         log.info(
-            "kvdepot %s starting: pool %s in %s, boot id %s; open files up to %d (%d kept "
-            "free), at most %d sessions of %d registrations",
+            "kvdepot %s starting: pool %s in %s (eviction %s), boot id %s; open files up to "
+            "%d (%d kept free), at most %d sessions of %d registrations",
             kvdepot.__version__,
             format_size(st.arena.size),
             st.arena.backing,
+            cfg.eviction_policy,
             st.boot_id,
             nofile,
             cfg.fd_reserve,
