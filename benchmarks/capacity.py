@@ -77,13 +77,9 @@ def run_capacity(
     on_step: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
     """Every trace through every system; the figures, per trace."""
-    from kvdepot.bench.capacity_runs import (
-        DiskTier,
-        cpu_environment,
-        run_kvdepot,
-        run_vllm,
-    )
+    from kvdepot.bench.capacity_runs import DiskTier, run_kvdepot, run_vllm
     from kvdepot.bench.capacity_traces import belady, make_trace
+    from kvdepot.bench.connector_bench import cpu_environment
 
     cpu_environment()
     step = on_step or (lambda _: None)

@@ -25,7 +25,6 @@ leading chunks only, as vLLM's lookup stops at the first miss.
 
 from __future__ import annotations
 
-import os
 import shutil
 import tempfile
 import time
@@ -43,20 +42,6 @@ LAYERS = 2
 KV_HEADS = 1
 REQUEST_TIMEOUT_S = 60.0
 SETTLE_TIMEOUT_S = 30.0
-
-
-def cpu_environment() -> None:
-    """vLLM picks its platform when first imported: without a GPU it must be told."""
-    try:
-        import torch
-
-        has_cuda = torch.cuda.is_available()
-    except Exception:
-        has_cuda = False
-    if not has_cuda:
-        os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 
 def _engine_config(**kwargs: Any) -> Any:

@@ -45,8 +45,9 @@ from pathlib import Path
 from typing import Any, TextIO
 
 
-def _cpu_env() -> None:
-    # vLLM picks its platform when first imported: without a GPU it must be told.
+def cpu_environment() -> None:
+    """vLLM picks its platform when first imported: without a GPU it must be told (the
+    capacity bench sets it up the same way)."""
     try:
         import torch
 
@@ -166,7 +167,7 @@ def run_connector_bench(
     """Runs the measurements; prints a table to `out` (default stderr) and returns
     the figures as a dict. `target` is the daemon ("unix:///path"); None starts one
     (of `shards` shards; kvdepot's engines then run at TP=`shards`)."""
-    _cpu_env()
+    cpu_environment()
     from kvdepot.bench.daemon import OwnDaemon, target_of
     from kvdepot.client.vllm.pins import EARLY_PIN_KEYS
     from kvdepot.common.shards import shard_namespace_id

@@ -8,6 +8,7 @@ from kvdepot.server.core.allocator import Extent, ExtentAllocator
 from kvdepot.server.core.eviction import tail_first
 from kvdepot.server.core.index import BlockIndex, Slot
 from kvdepot.server.core.layout import NamespaceLayout
+from tests.support.prefixes import reach
 
 SLOT = 4096
 
@@ -31,9 +32,7 @@ def store(ix: BlockIndex, keys: list[bytes], per_job: int = 20) -> None:
 
 def loadable(ix: BlockIndex, keys: list[bytes]) -> tuple[int, int]:
     """(leading chunks a lookup reaches, chunks held after the first miss)."""
-    ready = ix.lookup("ns", keys)
-    lead = ready.index(False) if False in ready else len(ready)
-    return lead, sum(ready[lead:])
+    return reach(ix.lookup("ns", keys))
 
 
 def test_a_full_pool_keeps_the_leading_chunks_of_a_prompt_not_its_tail() -> None:

@@ -13,6 +13,7 @@ from kvdepot.v1 import depot_pb2 as pb
 from tests.support.daemon import stats
 from tests.support.engine import Engine, Geometry, make_key
 from tests.support.ops import store
+from tests.support.prefixes import reach
 from tests.test_pin_lane import open_unpin_lane
 
 GEO = Geometry(
@@ -27,9 +28,7 @@ def keys(prompt: bytes, n: int) -> list[bytes]:
 
 def lead(client: DepotClient, prompt_keys: list[bytes]) -> tuple[int, int]:
     """(leading chunks a lookup reaches, chunks held behind the first miss)."""
-    ready = client.lookup(GEO.namespace, prompt_keys)
-    first_miss = ready.index(False) if False in ready else len(ready)
-    return first_miss, sum(ready[first_miss:])
+    return reach(client.lookup(GEO.namespace, prompt_keys))
 
 
 @pytest.mark.parametrize("via", ["lane", "grpc"])

@@ -12,6 +12,15 @@ from pathlib import Path
 from tests.support.daemon import DaemonProcess, kvdepot_command
 
 NOBODY = 65534
+# The command prefix that runs a process as uid/gid 65534, no groups, no capabilities.
+AS_NOBODY = (
+    "setpriv",
+    f"--reuid={NOBODY}",
+    f"--regid={NOBODY}",
+    "--clear-groups",
+    "--inh-caps=-all",
+    "--bounding-set=-all",
+)
 
 
 @contextmanager
@@ -22,18 +31,10 @@ def unprivileged_daemon(*args: str) -> Iterator[DaemonProcess]:
     workdir = Path(f"/tmp/kvd-nobody-{os.getpid()}")
     workdir.mkdir(mode=0o777, exist_ok=True)
     os.chmod(workdir, 0o777)  # the daemon creates its sockets here
-    setpriv = [
-        "setpriv",
-        f"--reuid={NOBODY}",
-        f"--regid={NOBODY}",
-        "--clear-groups",
-        "--inh-caps=-all",
-        "--bounding-set=-all",
-    ]
     d = DaemonProcess(
         workdir,
         *(args or ("--pool-size", "16MiB", "--pvm")),
-        command=[*setpriv, *kvdepot_command()],
+        command=[*AS_NOBODY, *kvdepot_command()],
     )
     try:
         d.start()

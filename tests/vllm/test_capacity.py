@@ -14,6 +14,7 @@ import pytest
 pytest.importorskip("vllm")
 
 from kvdepot.testing.vllm_engine import SyntheticEngine, prompt_for
+from tests.support.prefixes import reach as prefix_reach
 
 pytestmark = pytest.mark.vllm
 
@@ -32,10 +33,8 @@ def prompt(seed: int, chunks: int) -> list[int]:
 
 
 def reach(engine: SyntheticEngine, keys: Sequence[bytes]) -> tuple[int, int]:
-    """(the leading chunks a lookup reaches, the chunks held behind the first miss)."""
-    ready = [engine.manager.is_ready(k) for k in keys]
-    lead = ready.index(False) if False in ready else len(ready)
-    return lead, sum(ready[lead:])
+    """(the leading chunks the scheduler's lookups reach, the chunks held behind)."""
+    return prefix_reach([engine.manager.is_ready(k) for k in keys])
 
 
 @pytest.fixture

@@ -41,6 +41,21 @@ def assert_every_rank_holds_the_prompt(engine: SyntheticEngine, block_ids: list[
                 assert bool((engine.page(rank, name, block) == want).all()), (rank, name, i)
 
 
+def loads_the_one_section(
+    make_engine, daemon, tp: int, namespace: str, keys: list[bytes]
+) -> SyntheticEngine:
+    """A TP=`tp` engine of the model: in `namespace`, and its ranks load the prompt's 8
+    chunks from kvdepot (its KV scrubbed first), every rank's pages byte for byte."""
+    engine = mla_engine(make_engine, daemon, tp)
+    assert engine.manager.namespace_id == namespace
+    engine.wait_ready(keys)
+    engine.scrub()
+    [loaded] = engine.generate([PROMPT])
+    assert loaded.external_tokens == 8 * 16
+    assert_every_rank_holds_the_prompt(engine, loaded.block_ids[0][:8])
+    return engine
+
+
 def test_an_mla_row_is_one_copy_shared_by_every_tp_size(daemon, make_engine) -> None:
     tp2 = mla_engine(make_engine, daemon, 2)
     assert tp2.scheduler_connector is not None
@@ -53,34 +68,14 @@ def test_an_mla_row_is_one_copy_shared_by_every_tp_size(daemon, make_engine) -> 
     assert (s.ready_blocks, s.used_bytes) == (8, 8 * ROW), s
     namespace = tp2.manager.namespace_id
 
-    # A TP=4 engine of the same model: the same namespace; its four ranks load the rows.
-    tp4 = mla_engine(make_engine, daemon, 4)
-    assert tp4.manager.namespace_id == namespace
-    tp4.wait_ready(keys)
-    tp4.scrub()
-    [loaded] = tp4.generate([PROMPT])
-    assert loaded.external_tokens == 8 * 16
-    assert_every_rank_holds_the_prompt(tp4, loaded.block_ids[0][:8])
-    # And TP=1 too (no replication to say: the same one-rank layout).
-    tp1 = mla_engine(make_engine, daemon, 1)
-    assert tp1.manager.namespace_id == namespace
-    tp1.wait_ready(keys)
-    tp1.scrub()
-    [one] = tp1.generate([PROMPT])
-    assert one.external_tokens == 8 * 16
-    assert_every_rank_holds_the_prompt(tp1, one.block_ids[0][:8])
-    # And TP=8: eight ranks load the one section; still one copy in the pool. (The
-    # engines before it close first: one process may hold 16 sessions, and a real
-    # engine's ranks are processes of their own.)
+    # TP=4 and TP=1 engines of the same model: the same namespace, every rank loads the
+    # rows. Then TP=8, once the others closed (one process may hold 16 sessions; a real
+    # engine's ranks are processes of their own).
+    tp4 = loads_the_one_section(make_engine, daemon, 4, namespace, keys)
+    tp1 = loads_the_one_section(make_engine, daemon, 1, namespace, keys)
     for engine in (tp1, tp2, tp4):
         engine.shutdown()
-    tp8 = mla_engine(make_engine, daemon, 8)
-    assert tp8.manager.namespace_id == namespace
-    tp8.wait_ready(keys)
-    tp8.scrub()
-    [eight] = tp8.generate([PROMPT])
-    assert eight.external_tokens == 8 * 16
-    assert_every_rank_holds_the_prompt(tp8, eight.block_ids[0][:8])
+    loads_the_one_section(make_engine, daemon, 8, namespace, keys)
     s = stats(daemon)
     assert (s.ready_blocks, s.used_bytes) == (8, 8 * ROW)  # nothing stored twice
     assert s.pinned_blocks == 0
