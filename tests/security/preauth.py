@@ -33,7 +33,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import grpc
@@ -154,17 +154,22 @@ def churn(target: str, until: float, codes: collections.Counter) -> None:
                 codes[f"Lookup {exc.code().name}"] += 1
 
 
+def together(n: int, attack: Callable[..., None], *args: object) -> None:
+    """`n` threads of `attack(*args)` at once; returns when all have ended."""
+    threads = [threading.Thread(target=attack, args=args) for _ in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
 def main() -> None:
     target, seconds, shape = sys.argv[1], float(sys.argv[2]), sys.argv[3]
     until = time.monotonic() + seconds
     codes: collections.Counter[str] = collections.Counter()
     if shape == "churn":
         print(json.dumps({"ready": 0}), flush=True)
-        threads = [threading.Thread(target=churn, args=(target, until, codes)) for _ in range(2)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        together(2, churn, target, until, codes)
         print(json.dumps({"shape": shape, "codes": dict(codes)}), flush=True)
         return
     if shape.startswith("large"):
@@ -173,14 +178,7 @@ def main() -> None:
         methods = ("Session",) if shape == "large-session" else LARGE_METHODS
         print(json.dumps({"ready": len(payload)}), flush=True)
         for method in methods:  # four at a time, as the attack did
-            threads = [
-                threading.Thread(target=large, args=(target, method, payload, fake, codes))
-                for _ in range(4)
-            ]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
+            together(4, large, target, method, payload, fake, codes)
         print(json.dumps({"shape": shape, "codes": dict(codes)}), flush=True)
         return
     blocks = {"4mi": 4 << 20, "counts": 100_000, "bound": JOB_BOUND_BLOCKS}[shape.split("-")[1]]
@@ -194,14 +192,7 @@ def main() -> None:
             metadata = [("kvdepot-session", session_id)]
         payload = job_bytes(blocks, session_id)
         print(json.dumps({"ready": len(payload)}), flush=True)
-        threads = [
-            threading.Thread(target=transfer, args=(target, payload, metadata, until, codes))
-            for _ in range(2)
-        ]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        together(2, transfer, target, payload, metadata, until, codes)
     else:
         print(json.dumps({"ready": blocks}), flush=True)
         lane(target, blocks, until, codes)
