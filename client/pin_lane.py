@@ -35,7 +35,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
 from kvdepot.client.job_lane import ClientLane, LaneUnavailable, enabled_by_env
@@ -282,6 +282,14 @@ def _recv_or_nothing(lane: ClientLane, size: int) -> bytes:
         return b""
 
 
+def tail_first_parts(n: int, size: int) -> Iterator[tuple[int, int]]:
+    """(start, end) of `n` keys cut in parts of at most `size`, the last part first: a
+    touch sent in parts keeps a request's head the youngest (the daemon makes each
+    part's rows young as it comes)."""
+    for end in range(n, 0, -size):
+        yield max(0, end - size), end
+
+
 class UnpinLane(SessionLane):
     """The unpin lane of one DepotClient. `unpin` is called from one thread at a time
     (the scheduler's unpin thread)."""
@@ -321,17 +329,13 @@ class UnpinLane(SessionLane):
         lane = self._lane_for(session_id)
         if lane is None or not self._client.joined(namespace_id, session_id):
             return keys
-        per_datagram = self._keys_per_datagram()
-        end = len(keys)
-        while end > 0:
-            start = max(0, end - per_datagram)
+        for start, end in tail_first_parts(len(keys), self._keys_per_datagram()):
             data = depot_pb2.UnpinRequest(
                 session_id=session_id, namespace_id=namespace_id, touch_keys=keys[start:end]
             ).SerializeToString()
             if not self._send(lane, data):
                 return keys[:end]
             self.lane_touches += 1
-            end = start
         return ()
 
     def _keys_per_datagram(self) -> int:

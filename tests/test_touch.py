@@ -70,3 +70,12 @@ def test_a_touch_of_another_namespace_is_refused(daemon, client) -> None:
             timeout=5,
         )
     assert err.value.code() is grpc.StatusCode.PERMISSION_DENIED
+
+
+def test_a_touch_is_cut_last_part_first() -> None:
+    """A touch in parts keeps the head youngest: the daemon refreshes each part as it
+    comes, so the part holding the first chunk must come last."""
+    from kvdepot.client.pin_lane import tail_first_parts
+
+    assert list(tail_first_parts(5, 2)) == [(3, 5), (1, 3), (0, 1)]
+    assert list(tail_first_parts(4, 4)) == [(0, 4)] and list(tail_first_parts(0, 4)) == []

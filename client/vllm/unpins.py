@@ -30,7 +30,7 @@ from collections.abc import Iterable
 import grpc
 
 from kvdepot.client import DepotClient, DepotUnavailable
-from kvdepot.client.pin_lane import UnpinLane
+from kvdepot.client.pin_lane import UnpinLane, tail_first_parts
 
 log = logging.getLogger("kvdepot.vllm.manager")
 
@@ -98,10 +98,9 @@ class UnpinSender:
                     self._client.unpin(ns, left, wait=True, timeout=5.0)
                 return
             left = self.lane.touch(session_id, ns, keys)
-            per_call = 1024  # well under --max-batch-keys a call (its default: 16384)
-            for end in range(len(left), 0, -per_call):  # the tail's part first, as the lane
-                part = left[max(0, end - per_call) : end]
-                self._client.unpin(ns, (), wait=True, timeout=5.0, touch=part)
+            # Parts well under --max-batch-keys a call (its default: 16384).
+            for start, end in tail_first_parts(len(left), 1024):
+                self._client.unpin(ns, (), wait=True, timeout=5.0, touch=left[start:end])
         except (DepotUnavailable, grpc.RpcError, ValueError) as exc:
             what = "touch" if touch else "unpin"
             log.debug("kvdepot %s of %d keys skipped: %s", what, len(keys), exc)
