@@ -388,10 +388,6 @@ class DaemonLane(LaneProtocol):
         self.event(LaneEvent.PEER_CLOSED)
 
     @property
-    def draining(self) -> bool:
-        return self.state is LaneState.CLOSED_BY_PEER
-
-    @property
     def drained(self) -> bool:
         """Half-closed and everything answered and sent: time to close."""
         return self.state is LaneState.CLOSED_BY_PEER and not self.running and not self.unsent

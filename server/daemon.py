@@ -401,9 +401,6 @@ class Daemon:
         st.attach_disk_tier(link)  # Prefetch, GetStats, and every index event
         return link
 
-    def request_stop(self) -> None:
-        self._stop.set()
-
     @staticmethod
     def _warmup_percent(st: DepotState) -> int:
         return int(100 * st.arena.warmup_done_bytes / st.arena.size)

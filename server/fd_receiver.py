@@ -118,11 +118,6 @@ class FdReceiver:
                 os.close(p.fd)
             self._pending.clear()
 
-    @property
-    def pending_count(self) -> int:
-        with self._lock:
-            return len(self._pending)
-
     def claim(self, token: str, session_id: str) -> int:
         """Takes ownership of the fd behind `token`; raises KeyError with why
         (ForeignToken when it was sent for another session)."""
@@ -159,11 +154,6 @@ class FdReceiver:
             for t in stale:
                 os.close(self._pending.pop(t).fd)
         return len(stale)
-
-    @property
-    def open_connections(self) -> int:
-        with self._lock:
-            return len(self._open)
 
     def _serve(self) -> None:
         while not self._stop.is_set():

@@ -120,8 +120,6 @@ class Fetcher:
 
     async def prefetch(self, namespace_id: str, keys: Sequence[bytes]) -> list[KeyState]:
         """Per key: LOCAL, FETCHING or ABSENT. Waits at most `exists_timeout_s`."""
-        self._stats.prefetch_calls += 1
-        self._stats.prefetch_keys += len(keys)
         ns = self._index.namespace(namespace_id)  # UnknownNamespace -> NOT_FOUND
         now = time.monotonic()
         if self._absent and now >= self._absent_check:  # forget old answers, once a second
