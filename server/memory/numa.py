@@ -240,7 +240,7 @@ def place(
         return Placement("off", basis="no node holds the daemon's CPUs", host_nodes=len(topo.nodes))
     pinned = [(n, topo.node(n).cpus & allowed) for n in nodes]  # type: ignore[union-attr]
     pinned = [(n, c) for n, c in pinned if c]  # a memory-only node gets no threads
-    gpu_cpus = [
+    gpu_cpus: list[tuple[str, int, frozenset[int]]] = [
         (address, n, getattr(topo.node(n), "cpus", frozenset()) & allowed)
         for address, n in zip(topo.gpu_addresses, topo.gpu_nodes, strict=False)
     ]
