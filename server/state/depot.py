@@ -174,7 +174,7 @@ class DepotState:
             pool_lock=pool.pool_lock,
             headroom=True,
         )
-        if pool.journalled:
+        if pool.journalled and config.pool_file:  # journalled: with a pool file
             st.journal, st._recovery = startup.start_journal(
                 pool, config.pool_file, st.boot_id, st.recovery
             )
