@@ -326,7 +326,8 @@ class DepotServicer(depot_pb2_grpc.DepotServicer):
                 states=[pb.PrefetchResponse.ABSENT] * len(request.keys), remote_tier=False
             )
         return pb.PrefetchResponse(
-            states=[int(s) for s in states],
+            # KeyState's values, as ints (the stubs want the enum's NewType).
+            states=[int(s) for s in states],  # type: ignore[misc]
             remote_tier=True,
             remote_healthy=st.tiers_healthy,
         )
