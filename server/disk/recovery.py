@@ -114,9 +114,16 @@ class IndexRebuild(threading.Thread):
             return kept, len(chunk) - kept
 
         for start in range(0, len(items), BATCH):
-            self._apply(lambda space, s=start: claim(space, by_offset[s : s + BATCH]))
+            # The ignores here: mypy infers no lambda with a bound default.
+            self._apply(
+                lambda space, s=start: claim(space, by_offset[s : s + BATCH])  # type: ignore[misc]
+            )
         for start in range(0, len(items), BATCH):  # in LRU order, least recent first
-            self._apply(lambda space, s=start: publish(space, range(s, min(s + BATCH, len(items)))))
+            self._apply(
+                lambda space, s=start: publish(  # type: ignore[misc]
+                    space, range(s, min(s + BATCH, len(items)))
+                )
+            )
         self.progress.scanned_bytes = self.progress.total_bytes
 
     def _scan(self) -> None:
@@ -132,11 +139,11 @@ class IndexRebuild(threading.Thread):
                 if self._kept(h.admitted_by):
                     batch.append((h.namespace, h.key, offset, h.length, h.digest, h.admitted_by))
                 if len(batch) >= BATCH:
-                    self._apply(lambda space, b=batch: adopt(space, b))
+                    self._apply(lambda space, b=batch: adopt(space, b))  # type: ignore[misc]
                     batch = []
                 if self._halt.is_set():
                     break
-            self._apply(lambda space, b=batch: adopt(space, b))
+            self._apply(lambda space, b=batch: adopt(space, b))  # type: ignore[misc]
         finally:
             window.close()
 
