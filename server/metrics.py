@@ -21,6 +21,7 @@ import enum
 import threading
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from typing import TypeVar
 
 from prometheus_client import (
     CollectorRegistry,
@@ -50,7 +51,10 @@ SECONDS_BUCKETS = (
 )  # fmt: skip
 
 
-def by_reason(counts: Mapping[enum.StrEnum, int], reasons: type[enum.StrEnum]) -> dict[str, int]:
+Reason = TypeVar("Reason", bound=enum.StrEnum)
+
+
+def by_reason(counts: Mapping[Reason, int], reasons: type[Reason]) -> dict[str, int]:
     """Counts under their reasons' labels; every reason is present (at 0) from the
     first scrape, so rate() and alerts work before the first event."""
     return {r.value: counts.get(r, 0) for r in reasons}
