@@ -89,7 +89,7 @@ class ClientLane:
         client: DepotClient,
         session_id: str,
         timeout: float = OPEN_TIMEOUT,
-        kind: int = depot_pb2.LANE_TRANSFER_JOBS,
+        kind: depot_pb2.LaneKind = depot_pb2.LANE_TRANSFER_JOBS,
     ) -> ClientLane:
         hello = client.hello
         if hello is None or not hello.fd_socket:

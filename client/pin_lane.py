@@ -64,7 +64,7 @@ class SessionLane:
     own (`open_soon`), dropped when the session ends, reopened after a break. When it
     opens is its LaneOpening's rule; the threads here do what that answers."""
 
-    kind: int  # the LaneKind
+    kind: depot_pb2.LaneKind
     noun: str  # in log lines
 
     def __init__(self, client: DepotClient, retry_s: float = 5.0) -> None:

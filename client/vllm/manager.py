@@ -172,8 +172,9 @@ class KVDepotOffloadingManager(OffloadingManager):
         )
         self._pins = StepPins(self._clients, self._stats, settings.pin_timeout_s)
         for shard, client in enumerate(self._clients):
-            client.add_session_listener(lambda _boot, s=shard: self._on_session(s))
-            client.add_disconnect_listener(lambda s=shard: self._on_disconnect(s))
+            # The ignores: mypy infers no lambda with a bound default.
+            client.add_session_listener(lambda _boot, s=shard: self._on_session(s))  # type: ignore[misc]
+            client.add_disconnect_listener(lambda s=shard: self._on_disconnect(s))  # type: ignore[misc]
         self._watches = self._watch_all()
 
     def _shard_namespace(self, namespace_id: str, shard: int) -> str:
@@ -359,7 +360,7 @@ class KVDepotOffloadingManager(OffloadingManager):
         # Stored already, stored now or by another request: used, either way.
         self._uses.note(req_context.req_id, keys)
         return PrepareStoreOutput(
-            keys_to_store=keys_to_store,  # type: ignore[arg-type]
+            keys_to_store=keys_to_store,
             store_spec=KVDepotStoreSpec(self.namespace_id, keys_to_store),
             evicted_keys=[],
         )
