@@ -558,6 +558,7 @@ class SettingsParser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
         self.environment_errors: list[str] = []
 
+    # one signature for argparse's overloads: the daemon passes no namespace type
     def parse_known_args(  # type: ignore[override]
         self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
     ) -> tuple[argparse.Namespace, list[str]]:

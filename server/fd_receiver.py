@@ -275,6 +275,7 @@ class FdReceiver:
 
                 def run() -> None:
                     try:
+                        # not None: checked above (the closure loses the narrowing)
                         self._authorize(session_id, sender)  # type: ignore[misc]
                         done.set_result(None)
                     except BaseException as exc:

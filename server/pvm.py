@@ -364,6 +364,7 @@ class PvmCopyEngine(CopyEngine):
             return
         pidfd = procs[0].pidfd
         futures = [
+            # shares beyond the first come only with a copy pool (`parts` is 1 without)
             self._pool.submit(copy_batches, pid, direction, s, pidfd)  # type: ignore[union-attr]
             for s in shares[1:]
         ]

@@ -326,11 +326,10 @@ class DiskTier(FileUpkeep):
                 key, offset = file.key, entry.offset
                 found = record.decode_header(header, offset, key)
                 verified = found == Header(
-                    # An indexed record has its digest (None only while being written).
                     entry.namespace,
                     entry.key,
                     entry.length,
-                    entry.digest,  # type: ignore[arg-type]
+                    entry.digest,  # type: ignore[arg-type]  # indexed: written, so it has one
                     entry.admitted_by,
                 ) and hmac.compare_digest(
                     key.payload_tag(entry.namespace, entry.key, offset, dest), entry.digest or b""

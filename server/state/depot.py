@@ -136,6 +136,7 @@ class DepotState:
         # Who may name which namespace, and the per-session quotas (state.namespaces).
         self.access = NamespaceAccess(config, index, self._sessions)
         index.max_writing_per_owner = self.access.max_writing
+        # session ids are the index's owners (Owner is any Hashable)
         index.internal_writers = self.internal_writers  # type: ignore[assignment]
         self.invariant_failure: str | None = None
         self.admin = AdminEviction(index, config, self.verify_invariants)
