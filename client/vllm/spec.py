@@ -38,7 +38,13 @@ from kvdepot.client.vllm.namespace import (
 )
 from kvdepot.client.vllm.stats import MetricName
 from kvdepot.client.vllm.worker import KVDepotOffloadingWorker
-from kvdepot.common.shards import engine_shards, first_shard, route_rank, shard_socket
+from kvdepot.common.shards import (
+    engine_parts,
+    engine_shards,
+    first_shard,
+    route_rank,
+    shard_socket,
+)
 from kvdepot.v1 import depot_pb2
 
 if TYPE_CHECKING:
@@ -258,9 +264,15 @@ class KVDepotOffloadingSpec(OffloadingSpec):
     def get_manager(self) -> OffloadingManager:
         if self._manager is None:
             node_shards = self.node_shards("scheduler")
-            first = self._first_shard(node_shards)
-            used = engine_shards(node_shards, self.namespace.world_size)
-            clients = [self._shard_client("scheduler", s) for s in range(first, first + used)]
+            # One client per namespace part (a shard's share of the ranks, or of a
+            # pipeline stage's): the scheduler reads every part.
+            parts = engine_parts(
+                self.namespace.world_size,
+                node_shards,
+                self._first_shard(node_shards),
+                self.namespace.pp_size,
+            )
+            clients = [self._shard_client("scheduler", part.shard) for part in parts]
             self._drop_asking_client()
             self._manager = KVDepotOffloadingManager(
                 clients,
@@ -268,6 +280,7 @@ class KVDepotOffloadingSpec(OffloadingSpec):
                 self.settings,
                 enable_events=self.kv_events_config.enable_kv_cache_events,
                 node_shards=node_shards,
+                part_suffixes=[part.namespace_id("") for part in parts],
             )
         return self._manager
 
@@ -281,12 +294,17 @@ class KVDepotOffloadingSpec(OffloadingSpec):
             world = self.namespace.world_size
             role = f"worker rank={self.config.parallel.rank}"
             node_shards = self.node_shards(role)
-            route = route_rank(rank, world, node_shards, self._first_shard(node_shards))
+            route = route_rank(
+                rank, world, node_shards, self._first_shard(node_shards), self.namespace.pp_size
+            )
             sharded = route.shard != 0 or route.shards > 1
-            if sharded:
+            if sharded or route.stages > 1:
                 log.info(
-                    "kvdepot: rank %d uses shard %d of the node's %d as its rank %d of %d",
+                    "kvdepot: rank %d (pipeline stage %d of %d) uses shard %d of the node's "
+                    "%d as its rank %d of %d",
                     rank,
+                    route.stage,
+                    route.stages,
                     route.shard,
                     node_shards,
                     route.rank,
@@ -303,7 +321,7 @@ class KVDepotOffloadingSpec(OffloadingSpec):
                 blocks_per_chunk=self.blocks_per_chunk,
                 memory_path=self.settings.memory_path,
                 job_timeout_s=self.settings.job_timeout_s,
-                route=route if sharded else None,
+                route=route if sharded or route.stages > 1 else None,
                 node_shards=node_shards,
             )
             if self.settings.startup_wait_s > 0 and self._worker._client.connected:

@@ -31,6 +31,7 @@ from kvdepot.testing.vllm_config import (
     GroupDef,
     make_kv_cache_config,
     make_vllm_config,
+    stage_kv_cache_configs,
 )
 
 pytestmark = pytest.mark.vllm
@@ -212,6 +213,37 @@ def test_offloaded_group_ids_are_part_of_the_namespace() -> None:
     assert spec_for(vllm_config, worker).namespace_id == ns
     vllm_config2, _, scheduler2 = vllm_configs((full, full, ring))
     assert spec_for(vllm_config2, scheduler2).namespace_id != ns
+
+
+def stage_ids(tp: int = 1) -> tuple[str, list[str]]:
+    """A five-layer model on two pipeline stages: the scheduler's namespace (its config
+    is the first stage's, flattened by vLLM), and each stage's workers'."""
+    cfg = EngineConfig(
+        socket="/nonexistent/kvdepot.sock",
+        groups=(GroupDef("full", block_size=16, num_layers=5),),
+        model_dir=str(find_model_dir()),
+        tp=tp,
+        pp=2,
+    )
+    vllm_config = make_vllm_config(cfg)
+    stages = stage_kv_cache_configs(cfg, vllm_config, 64)
+    scheduler = generate_scheduler_kv_cache_config([s for s in stages for _ in range(tp)])
+    workers = [spec_for(vllm_config, stage).namespace_id for stage in stages]
+    return spec_for(vllm_config, scheduler).namespace_id, workers
+
+
+def test_pipeline_stages_of_unequal_layers_are_one_namespace(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Three layers on the first stage, two on the second: each stage's workers see
+    their own layers and block bytes, the scheduler the first stage's; all of them
+    compute one id, and another split of the layers is another namespace."""
+    monkeypatch.delenv("VLLM_PP_LAYER_PARTITION", raising=False)
+    scheduler, workers = stage_ids(tp=2)
+    assert workers == [scheduler, scheduler]
+    monkeypatch.setenv("VLLM_PP_LAYER_PARTITION", "2,3")
+    other, workers = stage_ids(tp=2)
+    assert workers == [other, other] and other != scheduler
 
 
 # -- the prefix hash's seed ---------------------------------------------------------------
