@@ -113,7 +113,8 @@ class NamespaceInputs:
     def description(self) -> str:
         """A human-readable summary, shown by Admin/ListNamespaces."""
         groups = ",".join(
-            f"{g.kind}/{g.tokens_per_block}tok/{g.num_layers or 'staged '}L" for g in self.groups
+            f"{g.kind}/{g.tokens_per_block}tok/{f'{g.num_layers}L' if g.num_layers else 'staged'}"
+            for g in self.groups
         )
         salt = " salted" if self.salt else ""
         if self.replicated_ranks > 1:
@@ -261,8 +262,8 @@ def namespace_layout(
     world_size: int | None = None,
 ) -> depot_pb2.NamespaceLayout:
     """The NamespaceLayout a worker declares: the id plus its real per-layer pages;
-    `world_size`: the ranks whose sections make a row there (a shard's share of the
-    engine's world; default the whole world). Its group ids are vLLM's, which its keys
+    `world_size`: the ranks whose sections make a row there (a namespace part's: a
+    shard's or a pipeline stage's share of the engine's world; default the whole world). Its group ids are vLLM's, which its keys
     end with: the offloaded groups need not be 0..n-1 (a group vLLM does not offload
     comes before one it does, or HiSparse offloads group 1 alone)."""
     return depot_pb2.NamespaceLayout(

@@ -194,8 +194,8 @@ class KVDepotOffloadingSpec(OffloadingSpec):
     def make_layout(
         self, namespace_id: str, layer_pages: list[list[int]], world_size: int | None = None
     ) -> depot_pb2.NamespaceLayout:
-        """The NamespaceLayout a worker declares in `namespace_id` (on a shard: of the
-        `world_size` ranks that shard serves)."""
+        """The NamespaceLayout a worker declares in `namespace_id` (in a namespace part:
+        of the `world_size` ranks of that part, kvdepot.common.shards)."""
         return namespace_layout(namespace_id, self.namespace, layer_pages, world_size)
 
     def node_shards(self, role: str) -> int:
@@ -321,7 +321,7 @@ class KVDepotOffloadingSpec(OffloadingSpec):
                 blocks_per_chunk=self.blocks_per_chunk,
                 memory_path=self.settings.memory_path,
                 job_timeout_s=self.settings.job_timeout_s,
-                route=route if sharded or route.stages > 1 else None,
+                route=route,
                 node_shards=node_shards,
             )
             if self.settings.startup_wait_s > 0 and self._worker._client.connected:
