@@ -159,7 +159,11 @@ class KVDepotOffloadingSpec(OffloadingSpec):
                 hash_algo,
             )
         if config.canonical_layout:
-            log.warning("kvdepot stores each rank's section as is; canonical_layout is ignored")
+            log.warning(
+                "kvdepot stores each rank's section as is; canonical_layout is ignored, and "
+                "engines of other TP sizes do not share this engine's blocks "
+                "(docs/architecture.md, Namespaces)"
+            )
         self.namespace: NamespaceInputs = namespace_inputs(
             config,
             ctx.kv_cache_config if ctx is not None else None,

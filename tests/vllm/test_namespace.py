@@ -295,3 +295,21 @@ def test_the_xxhash_warning_only_when_no_engine_can_share(
     assert len(ids) == 1
     warned = [r for r in caplog.records if "cannot share offloaded blocks" in r.getMessage()]
     assert len(warned) == (2 if warns else 0)
+
+
+def test_canonical_layout_is_said_to_be_ignored(caplog: pytest.LogCaptureFixture) -> None:
+    """vLLM certifies a GQA model's pages as portable across TP sizes; kvdepot still stores
+    each rank's section, so a TP=2 and a TP=4 engine are two namespaces, and the
+    connector says so when `canonical_layout` asks for more (docs/architecture.md §4)."""
+    full = (GroupDef("full", block_size=16, num_layers=2),)
+    caplog.set_level(logging.WARNING, logger="kvdepot")
+    ids = []
+    for tp in (2, 4):
+        vllm_config, worker, _ = vllm_configs(full, tp=tp)
+        vllm_config.kv_transfer_config.kv_connector_extra_config["canonical_layout"] = True
+        config = build_offloading_config(vllm_config, worker)
+        assert config.canonical_layout and config.parallel.is_parallelism_agnostic
+        ids.append(spec_for(vllm_config, worker).namespace_id)
+    assert ids[0] != ids[1]
+    warned = [r for r in caplog.records if "canonical_layout is ignored" in r.getMessage()]
+    assert len(warned) == 2
