@@ -263,9 +263,10 @@ def namespace_layout(
 ) -> depot_pb2.NamespaceLayout:
     """The NamespaceLayout a worker declares: the id plus its real per-layer pages;
     `world_size`: the ranks whose sections make a row there (a namespace part's: a
-    shard's or a pipeline stage's share of the engine's world; default the whole world). Its group ids are vLLM's, which its keys
-    end with: the offloaded groups need not be 0..n-1 (a group vLLM does not offload
-    comes before one it does, or HiSparse offloads group 1 alone)."""
+    shard's or a pipeline stage's share of the engine's world; default the whole
+    world). Its group ids are vLLM's, which its keys end with: the offloaded groups
+    need not be 0..n-1 (a group vLLM does not offload comes before one it does, or
+    HiSparse offloads group 1 alone)."""
     return depot_pb2.NamespaceLayout(
         id=namespace_id,
         world_size=inputs.world_size if world_size is None else world_size,
