@@ -45,19 +45,34 @@ def behind_by_one_stage(engine: SyntheticEngine, prompt: list[int]) -> None:
         rank.paused = False
 
 
-@pytest.mark.parametrize(("shards", "tp"), [(1, 2), (4, 2), (2, 1)])
+@pytest.mark.parametrize(
+    ("shards", "tp", "split"),
+    [(1, 2, None), (4, 2, None), (2, 1, None), (1, 2, "1,4")],
+    ids=["one-shard", "a-part-a-rank", "a-stage-a-shard", "VLLM_PP_LAYER_PARTITION"],
+)
 def test_unequal_stages_store_and_reload_byte_for_byte(
-    daemon_factory, make_engine, shards: int, tp: int
+    daemon_factory,
+    make_engine,
+    monkeypatch: pytest.MonkeyPatch,
+    shards: int,
+    tp: int,
+    split: str | None,
 ) -> None:
-    """(1, 2): both stages on one daemon, a part each; (4, 2): a part per rank; (2, 1):
-    one stage a shard."""
+    """vLLM's even split of five layers is three and two; VLLM_PP_LAYER_PARTITION may
+    make the last stage the larger one. On one shard each stage is a part; on four, each
+    rank; on two, TP=1, each stage a shard."""
+    if split is None:
+        monkeypatch.delenv("VLLM_PP_LAYER_PARTITION", raising=False)
+    else:
+        monkeypatch.setenv("VLLM_PP_LAYER_PARTITION", split)
+    stage_layers = [3, 2] if split is None else [int(n) for n in split.split(",")]
     d = daemon_factory("--pool-size", "64MiB", *(("--shards", str(shards)) if shards > 1 else ()))
     wait_shards(d, shards)
     engine = make_engine(socket=d.target, groups=FIVE_LAYERS, tp=tp, pp=2, num_gpu_blocks=64)
     engine.wait_registered()
     world = 2 * tp
     layers = [len(engine.group_layers(0, r)) for r in range(world)]
-    assert layers == [3] * tp + [2] * tp
+    assert layers == [stage_layers[0]] * tp + [stage_layers[1]] * tp
     ns = engine.manager.namespace_id
     # Every rank, of either stage, computed the scheduler's namespace.
     assert {r.offloading_worker._namespace_id for r in engine.ranks} == {ns}
@@ -89,5 +104,5 @@ def test_unequal_stages_store_and_reload_byte_for_byte(
         target = shard_admin(d, part.shard) if shards > 1 else d.admin_target
         info = namespace_infos(target)[part.namespace_id(ns)]
         assert info.world_size == part.world_size
-        assert list(info.slot_bytes) == [part.world_size * (3 - part.stage) * page]
+        assert list(info.slot_bytes) == [part.world_size * stage_layers[part.stage] * page]
         assert info.ready_blocks == 6
