@@ -93,7 +93,7 @@ class _Rank:
         self.rank = rank
         self.vllm_config = engine.worker_config(rank)
         # A pipeline stage's ranks hold that stage's layers only.
-        self.kv_cache_config = kv_cache_config = engine.rank_kv_cache_config(rank)
+        kv_cache_config = engine.rank_kv_cache_config(rank)
         total = kv_cache_config.kv_cache_tensors[0].size
         self.buffer: SharedKVBuffer | None = None
         if engine.cfg.shm:
