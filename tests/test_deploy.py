@@ -82,6 +82,8 @@ KNOWN_SETTINGS = frozenset(
         "KVDEPOT_REMOTE_INSECURE",
     }
 )
+# What the connector reads from an engine container's environment.
+CONNECTOR_SETTINGS = frozenset({"KVDEPOT_NAMESPACE_SALT"})
 
 SOCKET_PATH = "/run/kvdepot/kvdepot.sock"
 SOCKET_URI = "unix://" + SOCKET_PATH
@@ -438,7 +440,32 @@ def test_manifests_name_only_known_settings() -> None:
         spec = _pod_spec(obj)
         for c in spec.get("initContainers", []) + spec.get("containers", []):
             names = {n for n in _env(c) if n.startswith("KVDEPOT_")}
-            assert names <= KNOWN_SETTINGS, (path.name, c["name"], names - KNOWN_SETTINGS)
+            known = KNOWN_SETTINGS | CONNECTOR_SETTINGS
+            assert names <= known, (path.name, c["name"], names - known)
+
+
+def test_engines_get_the_deployments_namespace_salt() -> None:
+    """Every vLLM container reads the deployment's salt from a Secret, and the connector
+    takes it as kvdepot_namespace_salt's default: its namespace ids cannot be computed,
+    or declared first with another layout, by anyone else on the node."""
+    from kvdepot.client.vllm.config import DepotSettings
+
+    engines = 0
+    for path, obj in _objects():
+        if obj["kind"] not in {"Pod", "Deployment"}:
+            continue
+        vllm = _container(_pod_spec(obj), "vllm")
+        (salt,) = [e for e in vllm["env"] if e["name"] == "KVDEPOT_NAMESPACE_SALT"]
+        assert salt["valueFrom"]["secretKeyRef"]["name"] == "kvdepot-namespace-salt", path.name
+        engines += 1
+    assert engines == 2
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("KVDEPOT_NAMESPACE_SALT", "deployment-salt")
+        assert DepotSettings.from_extra_config({}).namespace_salt == "deployment-salt"
+        named = {"kvdepot_namespace_salt": "v2"}
+        assert DepotSettings.from_extra_config(named).namespace_salt == "v2"
+        mp.delenv("KVDEPOT_NAMESPACE_SALT")
+        assert DepotSettings.from_extra_config({}).namespace_salt == ""
 
 
 # --- Kubernetes manifests -----------------------------------------------------------------
