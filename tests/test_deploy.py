@@ -37,6 +37,7 @@ KNOWN_SETTINGS = frozenset(
         "KVDEPOT_POOL_FILE",
         "KVDEPOT_METRICS_PORT",
         "KVDEPOT_METRICS_ADDR",
+        "KVDEPOT_METRICS_TOKEN_FILE",
         "KVDEPOT_MAX_SESSIONS",
         "KVDEPOT_MAX_REGISTRATIONS_PER_SESSION",
         "KVDEPOT_MAX_SESSIONS_PER_PID",
@@ -560,6 +561,25 @@ def test_daemonset_wiring() -> None:
         pool_volume.get("emptyDir", {}).get("medium") == "Memory"
     )
     assert _bytes(env["KVDEPOT_POOL_SIZE"]) < _bytes(daemon["resources"]["limits"]["memory"])
+
+
+def test_daemonset_metrics_port_is_reachable_from_the_monitoring_namespace_alone() -> None:
+    """The DaemonSet binds its metrics port to 0.0.0.0; its NetworkPolicy admits only the
+    monitoring namespace, on that port, to the daemon's pods."""
+    daemon = _container(_pod_spec(_object("DaemonSet", "kvdepot")), "kvdepot")
+    assert _env(daemon)["KVDEPOT_METRICS_ADDR"] == "0.0.0.0"
+    port = int(_env(daemon)["KVDEPOT_METRICS_PORT"])
+    policy = _object("NetworkPolicy", "kvdepot-metrics")
+    spec = policy["spec"]
+    assert policy["metadata"]["namespace"] == "kvdepot"
+    assert spec["podSelector"]["matchLabels"] == {"app.kubernetes.io/name": "kvdepot"}
+    assert spec["policyTypes"] == ["Ingress"]
+    (rule,) = spec["ingress"]
+    assert rule["ports"] == [{"protocol": "TCP", "port": port}]
+    (peer,) = rule["from"]
+    assert peer == {
+        "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}
+    }
 
 
 def test_pods_are_hardened() -> None:
