@@ -5,7 +5,7 @@ truth, nothing to keep in sync); per-transfer sizes and copy durations are obser
 into histograms as transfers finish (transfer jobs and inline Put/Get alike).
 
 The state belongs to the event loop, and the HTTP server (kvdepot.server.metrics_http:
-a bearer token, a cached text, a bounded share of the CPU) answers on its own thread,
+a bearer token, one request at a time, a bounded share of a CPU) answers on its own thread,
 so a scrape reads the state *on the loop* (a callback scheduled there) instead of
 walking dicts another thread may be changing. A loop that is stuck makes the scrape
 fail after SCRAPE_TIMEOUT_S, which is itself worth alerting on.

@@ -178,6 +178,8 @@ class DepotServicer(depot_pb2_grpc.DepotServicer):
             while True:
                 watcher.lagged = False
                 async for keys, first in self._snapshot(request.namespace_id):
+                    if st.shutting_down or watcher.ended:  # no need to read the rest
+                        return
                     yield pb.WatchEvent(
                         kind=pb.WatchEvent.SNAPSHOT, keys=keys, reset=first, boot_id=st.boot_id
                     )
