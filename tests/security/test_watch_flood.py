@@ -22,6 +22,7 @@ import threading
 import time
 from pathlib import Path
 
+import grpc
 import pytest
 
 from kvdepot.v1 import depot_pb2 as pb
@@ -111,16 +112,19 @@ def test_a_snapshot_read_while_rows_come_and_go_ends_in_the_exact_set(
     events = {"snapshot_messages": 0, "after": 0}
 
     def read() -> None:
-        for ev in stream:
-            if ev.kind == pb.WatchEvent.SNAPSHOT:
-                events["snapshot_messages"] += 1
-                seen.update(ev.keys)
-            elif ev.kind == pb.WatchEvent.STORED:
-                events["after"] += 1
-                seen.update(ev.keys)
-            elif ev.kind == pb.WatchEvent.REMOVED:
-                events["after"] += 1
-                seen.difference_update(ev.keys)
+        try:
+            for ev in stream:
+                if ev.kind == pb.WatchEvent.SNAPSHOT:
+                    events["snapshot_messages"] += 1
+                    seen.update(ev.keys)
+                elif ev.kind == pb.WatchEvent.STORED:
+                    events["after"] += 1
+                    seen.update(ev.keys)
+                elif ev.kind == pb.WatchEvent.REMOVED:
+                    events["after"] += 1
+                    seen.difference_update(ev.keys)
+        except grpc.RpcError as exc:  # the test cancels the stream when it is done
+            assert exc.code() == grpc.StatusCode.CANCELLED, exc
 
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
