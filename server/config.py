@@ -188,6 +188,14 @@ class DaemonSettings(DerivedSockets):
         help="address the metrics endpoint listens on: loopback by default, 0.0.0.0 (or "
         "the pod IP) for a scrape from another host or pod",
     )
+    metrics_token_file: str | None = setting(
+        "--metrics-token-file",
+        metavar="PATH",
+        shown="none: every request is answered",
+        help="a bearer token (the file's first line) that every scrape must send "
+        "(`Authorization: Bearer TOKEN`; Prometheus: `authorization: {credentials_file: ...}`); "
+        "others get 401. Others must not read it (chmod o-rwx)",
+    )
     max_sessions: int = setting(
         "--max-sessions",
         256,

@@ -33,22 +33,18 @@ layers, which the model identity fixes). Each stage is a namespace part of its o
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvdepot.client.vllm.model_identity import model_identity
+from kvdepot.common.namespace_digest import canonical, digest_id
 from kvdepot.v1 import depot_pb2
 
 if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.kv_offload.config import OffloadingConfig
-
-#: Bump when the meaning of the digest inputs or the section byte layout changes.
-NAMESPACE_FORMAT = 1
-_ID_PREFIX = f"kvd{NAMESPACE_FORMAT}-"
 
 
 @dataclass(frozen=True)
@@ -100,15 +96,18 @@ class NamespaceInputs:
     # (VLLM_PP_LAYER_PARTITION; "" for vLLM's even split). In the digest only then.
     pp_partition: str = ""
 
-    def digest(self) -> str:
-        """The namespace id: 'kvd1-' + 40 hex digits of a SHA-256 over the inputs."""
+    def digest_fields(self) -> dict[str, Any]:
+        """What the digest is taken over: every field but the display ones."""
         fields: dict[str, Any] = asdict(self)
         fields.pop("model_name")
         fields.pop("replicated_ranks")
         if self.pp_size == 1:  # the ids of engines without stages stay what they were
             fields.pop("pp_partition")
-        canonical = json.dumps(fields, sort_keys=True, separators=(",", ":"))
-        return _ID_PREFIX + hashlib.sha256(canonical.encode()).hexdigest()[:40]
+        return fields
+
+    def digest(self) -> str:
+        """The namespace id: 'kvd1-' + 40 hex digits of a SHA-256 over the inputs."""
+        return digest_id(self.digest_fields())
 
     def description(self) -> str:
         """A human-readable summary, shown by Admin/ListNamespaces."""
@@ -261,12 +260,13 @@ def namespace_layout(
     layer_page_bytes: list[list[int]],
     world_size: int | None = None,
 ) -> depot_pb2.NamespaceLayout:
-    """The NamespaceLayout a worker declares: the id plus its real per-layer pages;
-    `world_size`: the ranks whose sections make a row there (a namespace part's: a
-    shard's or a pipeline stage's share of the engine's world; default the whole
-    world). Its group ids are vLLM's, which its keys end with: the offloaded groups
-    need not be 0..n-1 (a group vLLM does not offload comes before one it does, or
-    HiSparse offloads group 1 alone)."""
+    """The NamespaceLayout a worker declares: the id plus its real per-layer pages and
+    the digest's inputs (the daemon checks the two agree with the id); `world_size`:
+    the ranks whose sections make a row there (a namespace part's: a shard's or a
+    pipeline stage's share of the engine's world; default the whole world). Its group
+    ids are vLLM's, which its keys end with: the offloaded groups need not be 0..n-1 (a
+    group vLLM does not offload comes before one it does, or HiSparse offloads group 1
+    alone)."""
     return depot_pb2.NamespaceLayout(
         id=namespace_id,
         world_size=inputs.world_size if world_size is None else world_size,
@@ -274,6 +274,7 @@ def namespace_layout(
         groups=[depot_pb2.GroupLayout(layer_page_bytes=pages) for pages in layer_page_bytes],
         description=inputs.description(),
         group_ids=[g.group_id for g in inputs.groups],
+        digest_inputs=canonical(inputs.digest_fields()),
     )
 
 
