@@ -257,6 +257,7 @@ class Daemon:
                 lambda sid: sid in st.sessions,
                 headroom=Headroom(cfg.fd_reserve),
                 authorize=st.attest,  # binds sessions to processes (kernel identity)
+                issue_ticket=st.issue_ticket,  # sessions owned from their open
                 loop=asyncio.get_running_loop(),
             )
             st.attach_fd_receiver(fd_receiver)

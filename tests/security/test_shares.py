@@ -1,0 +1,175 @@
+"""Shares per owner (docs/security.md, "Shares per owner"): what one client takes, it
+takes from its own share, never from another client's.
+
+Each attack is a real attacker process (tests/security/owners.py) against a real
+`kvdepot serve`, with a legitimate engine beside it whose bytes must come back
+exactly. Before:
+- a process opening Sessions in a loop ended the oldest session nobody had attested,
+  whoever's it was: a TCP engine (which never attests) lost its session 47 times in
+  10 s, and 8 processes holding the fd socket's places kept local engines from
+  attesting, so theirs went too;
+- two sessions of one process each took their 50 % of the pool in rows being written
+  (or pinned): the pool was held whole, every other engine's stores "pool full";
+- processes of one uid (engine pods share the image's) took the uid's whole quota of
+  sessions: another engine of the uid got none, and the daemon logged nothing;
+- a session holder opened thousands of idle Transfer streams, using up the server's
+  concurrent-call limit: every other client's calls got RESOURCE_EXHAUSTED.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+
+from kvdepot.v1 import depot_pb2 as pb
+from tests.support.daemon import DaemonProcess, connect
+from tests.support.engine import Engine, Geometry, chunk_plan, make_key
+from tests.support.faults import DaemonFactory
+from tests.support.unprivileged import AS_NOBODY
+
+pytestmark = pytest.mark.timeout(300)
+
+REPO = Path(__file__).resolve().parents[2]
+OWNERS = str(REPO / "tests/security/owners.py")
+GEO = Geometry(groups=[[16384, 16384]], blocks_per_chunk=2, world_size=1, num_blocks=64)
+
+
+def start(mode: str, target: str, seconds: float, *args: str, prefix: tuple[str, ...] = ()):
+    """An owners.py process, once it says it is under way (and what it said)."""
+    p = subprocess.Popen(
+        [*prefix, sys.executable, OWNERS, mode, target, str(seconds), *args],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+    )
+    assert p.stdout is not None
+    line = p.stdout.readline()
+    assert "ready" in line, (mode, line, p.wait(30))
+    return p, json.loads(line)["ready"]
+
+
+def finish(p: subprocess.Popen[str]) -> dict:
+    out, _ = p.communicate(timeout=120)
+    assert p.returncode == 0, out
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def round_trip(d: DaemonProcess, name: str, chunks: range) -> bool:
+    """A new engine (a session of its own, opened now) stores rows and loads them
+    back into other blocks, byte for byte."""
+    client = connect(d, name)
+    try:
+        eng = Engine(client, GEO, 0)
+        keys, blocks, indices = chunk_plan(GEO, chunks, salt=name.encode())
+        eng.fill(0, keys, blocks[0], indices[0])
+        stored = eng.job(pb.STORE, keys, blocks, indices)
+        if not stored.success or stored.stored_keys != len(keys):
+            return False
+        back = [[b + 32 for b in blocks[0]]]
+        loader = Engine(client, GEO, 0)  # memory of its own: nothing there but what loads
+        if not loader.job(pb.LOAD, keys, back, indices).success:
+            return False
+        return loader.mismatches(0, keys, back[0], indices[0], rank=0) == 0
+    finally:
+        client.close()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_sessions_opened_in_a_loop_end_only_the_openers_own(
+    daemon_factory: DaemonFactory,
+) -> None:
+    """Row: open Sessions in a loop. The TCP engine (uid 65534: it cannot reach the fd
+    socket, as an engine on another host cannot) keeps its one session throughout;
+    a local engine connecting during the attack gets a session and round-trips."""
+    if os.geteuid() != 0 or shutil.which("setpriv") is None:
+        pytest.skip("needs root and setpriv: the TCP engine runs as uid 65534")
+    port = free_port()
+    d = daemon_factory("--pool-size", "64MiB", "--listen", f"127.0.0.1:{port}")
+    victim, _ = start("tcp-victim", f"127.0.0.1:{port}", 10, prefix=AS_NOBODY)
+    attacker, _ = start("churn", d.target, 10)
+    time.sleep(1)
+    assert round_trip(d, "local engine", range(4))  # connects under the attack
+    churned = finish(attacker)["codes"]
+    seen = finish(victim)
+    print(f"\nchurn: {churned}; TCP engine: {seen}")
+    assert churned.get("opened", 0) > 200, churned  # the attack ran
+    assert seen["sessions_opened"] == 1, seen  # never lost its session
+    assert seen["failed"] == 0 and seen["wrong"] == 0 and seen["gets"] > 50, seen
+    assert round_trip(d, "engine after", range(4, 8))
+
+
+@pytest.mark.parametrize("mode", ["hold-writing", "hold-pins"])
+def test_sessions_of_one_process_share_one_quota(
+    daemon_factory: DaemonFactory, mode: str
+) -> None:
+    """Row: two sessions of one process each take their 50 % of the pool (in rows
+    being written, or pinned). Now the process's sessions share one 50 %: another
+    engine stores and loads half the pool beside it, byte for byte."""
+    d = daemon_factory("--pool-size", "8MiB")
+    hog, held = start(mode, d.target, 30)
+    print(f"\n{mode}: {held}")
+    # Rows of 64 KiB: 3 MiB stored by another process, and loaded back.
+    assert round_trip(d, "other engine", range(16))
+    assert round_trip(d, "another engine", range(16, 24))
+    if mode == "hold-writing":  # the second session's rows past the process's 50 %
+        assert held == [64, 0], held
+    else:  # the second session's pins refused: the process holds its 50 % already
+        assert held == [64, "RESOURCE_EXHAUSTED"], held
+    hog.kill()
+    hog.wait()
+
+
+def test_processes_of_one_uid_share_its_quota_fairly(daemon_factory: DaemonFactory) -> None:
+    """Row: processes of one uid hold the uid's whole quota of sessions. Now another
+    engine of the uid takes the place of the oldest session of the process holding
+    the most, and the daemon says so in words."""
+    d = daemon_factory(
+        "--pool-size", "64MiB", "--max-sessions-per-uid", "8", "--max-sessions-per-pid", "4"
+    )
+    hogs = [start("sessions", d.target, 20, "4") for _ in range(2)]
+    assert [held for _, held in hogs] == [4, 4]  # the uid's 8
+    assert round_trip(d, "third engine", range(4))
+    log = d.log_path.read_text()
+    assert "over its fair share" in log, log[-2000:]
+    for p, _ in hogs:
+        p.kill()
+        p.wait()
+
+
+def test_idle_streams_of_one_client_leave_the_others_served(daemon_factory: DaemonFactory) -> None:
+    """Row: ~4,150 idle Transfer streams use up the server's concurrent-call limit.
+    Without a session each is refused at once (the gate); with one, past the
+    account's MAX_STREAMS_PER_ACCOUNT. Another engine's Lookups are served throughout."""
+    d = daemon_factory("--pool-size", "64MiB")
+    victim = connect(d, "victim")
+    eng = Engine(victim, GEO, 0)
+    keys, blocks, indices = chunk_plan(GEO, range(4))
+    assert eng.job(pb.STORE, keys, blocks, indices).success
+    hog, said = start("streams", d.target, 5, "4200")
+    refused = 0
+    for _ in range(100):
+        try:
+            assert victim.lookup(GEO.namespace, [keys[0], make_key(99, 0)]) == [True, False]
+        except grpc.RpcError as exc:
+            refused += 1
+            assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, exc
+    got = finish(hog)
+    print(f"\nstreams: {said}; {got}; victim Lookups refused: {refused} of 100")
+    assert refused == 0
+    assert got["open"] <= 128 and got["codes"].get("RESOURCE_EXHAUSTED", 0) > 1000, got
+    assert round_trip(d, "engine after", range(4, 8))
+    victim.close()
