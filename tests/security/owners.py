@@ -13,7 +13,8 @@ what it did and got. Modes:
   attest for want of a place on the fd socket.
 - `tcp-victim`: an engine over TCP that cannot reach the fd socket (run as another
   uid): an inline registration, one row Put, then Gets of it for SECONDS; counts the
-  sessions it had to open and the Gets that failed or came back wrong.
+  sessions it had to open and the Gets that failed or came back wrong, and the Gets'
+  p50 in the first QUIET seconds and after.
 - `hold-writing`: two sessions of this one process, each storing rank 0 of rows of
   a two-rank namespace worth 60 % of the pool (rank 1 never comes, so the rows stay
   being written); then waits SECONDS. Before, each session had a quota of 50 %: the
@@ -34,6 +35,7 @@ import os
 import select
 import signal
 import socket
+import statistics
 import sys
 import threading
 import time
@@ -49,6 +51,7 @@ from kvdepot.v1 import depot_pb2 as pb
 from kvdepot.v1 import depot_pb2_grpc
 from tests.support.engine import Engine, Geometry, chunk_plan, make_key
 
+QUIET = 2.0  # seconds the tcp-victim measures before the attack starts
 POOL = 8 << 20  # the --pool-size the tests give these modes
 ROW = 64 << 10  # one row: a rank's section of 32 KiB, two ranks (hold-writing)
 GEO_WRITING = Geometry(
@@ -124,16 +127,28 @@ def tcp_victim(target: str, seconds: float) -> None:
     assert client.put(geo.namespace, key, 0, section, timeout=10).ready
     say({"ready": client.sessions_opened})
     gets = wrong = failed = 0
-    until = time.monotonic() + seconds
-    while time.monotonic() < until:
+    started = time.monotonic()
+    quiet: list[float] = []  # ms, the first QUIET seconds (before the attack starts)
+    loud: list[float] = []
+    while (now := time.monotonic()) < started + seconds:
         try:
             got = client.get(geo.namespace, key, 0, timeout=5)
             gets += 1
             wrong += got != section
+            (quiet if now < started + QUIET else loud).append((time.monotonic() - now) * 1e3)
         except Exception:  # a session ended under it (or not yet reopened)
             failed += 1
             time.sleep(0.01)
-    say({"sessions_opened": client.sessions_opened, "gets": gets, "wrong": wrong, "failed": failed})
+    say(
+        {
+            "sessions_opened": client.sessions_opened,
+            "gets": gets,
+            "wrong": wrong,
+            "failed": failed,
+            "p50_quiet_ms": round(statistics.median(quiet or [0]), 2),
+            "p50_attack_ms": round(statistics.median(loud or [0]), 2),
+        }
+    )
     client.close()
 
 
@@ -188,7 +203,9 @@ async def streams(target: str, seconds: float, n: int) -> None:
     assert client.wait_connected(10), "no session"
     metadata = [("kvdepot-session", client.session_id)]
     codes: collections.Counter[str] = collections.Counter()
-    channels = [grpc.aio.insecure_channel(target) for _ in range(max(1, n // 100))]
+    # Connections of their own (channels to one target share one by default).
+    options = [("grpc.use_local_subchannel_pool", 1)]
+    channels = [grpc.aio.insecure_channel(target, options=options) for _ in range(n // 100 + 1)]
     calls = []
 
     async def one(i: int) -> None:
