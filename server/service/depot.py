@@ -15,7 +15,7 @@ import grpc
 
 import kvdepot
 from kvdepot.common.jobs import JobResult
-from kvdepot.common.kinds import SESSION_METADATA, TICKET_METADATA
+from kvdepot.common.kinds import TICKET_METADATA
 from kvdepot.server import errors
 from kvdepot.server.core.index import IndexEvent
 from kvdepot.server.core.kinds import EventKind, Tier
@@ -263,23 +263,6 @@ class DepotServicer(depot_pb2_grpc.DepotServicer):
 
     async def Transfer(
         self, request_iterator: AsyncIterator[JobMessage], context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[pb.TransferResult]:
-        st = self.state
-        # Counted against the session's account before anything is read (the gate
-        # let it in for the live session its metadata names).
-        try:
-            stream = st.open_stream(st.session(metadata_value(context, SESSION_METADATA)))
-        except errors.DepotError as exc:
-            await abort_with(context, exc)
-            return
-        try:
-            async for result in self._transfer(request_iterator):
-                yield result
-        finally:
-            st.close_stream(stream)
-
-    async def _transfer(
-        self, request_iterator: AsyncIterator[JobMessage]
     ) -> AsyncIterator[pb.TransferResult]:
         results: asyncio.Queue[pb.TransferResult | None] = asyncio.Queue()
         pending: set[asyncio.Task[None]] = set()

@@ -105,7 +105,7 @@ class DepotState:
             max_unattested=config.max_unattested_sessions,
             # A quarter of the server's concurrent-call limit (16 per session of
             # --max-sessions, kvdepot.server.service.bounds.RPCS_PER_SESSION).
-            max_streams_per_uid=config.max_sessions * 4,
+            max_calls_per_uid=config.max_sessions * 4,
         )
         self.traffic = Traffic()
         # The shared CPU copy threads (`copy_queue`: jobs, inline and tier copies) and
@@ -300,8 +300,8 @@ class DepotState:
     takes_fds = forward("_sessions", Sessions.takes_fds)
     claim_passed = forward("_sessions", Sessions.claim_passed)
     deny = forward("_sessions", Sessions.deny)
-    open_stream = forward("_sessions", Sessions.open_stream)
-    close_stream = forward("_sessions", Sessions.close_stream)
+    open_call = forward("_sessions", Sessions.open_call)
+    close_call = forward("_sessions", Sessions.close_call)
     # Lookup, Pin, Unpin, Watch (kvdepot.server.state.key_calls).
     lookup = forward("keys", KeyCalls.lookup)
     pin = forward("keys", KeyCalls.pin)

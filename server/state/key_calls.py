@@ -12,7 +12,7 @@ everything runs on the event loop. Errors are DepotError or the index's own.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Sequence
 
 from kvdepot.server import errors
 from kvdepot.server.core.index import BlockIndex
@@ -41,8 +41,6 @@ class KeyCalls:
         self._sessions = sessions
         self.max_batch_keys = max_batch_keys
         self.verify_invariants = verify_invariants
-        # Each Watch stream's place among its account's streams (Sessions.open_stream).
-        self._streams: dict[Watcher, tuple[Hashable, int | None]] = {}
         # Told of every touch after the pool applied it (the disk tier: its order too).
         self.touch_listeners: list[Callable[[str, Sequence[bytes]], object]] = []
 
@@ -97,21 +95,11 @@ class KeyCalls:
         """Subscribes and returns the current ready keys (no event can fall between).
         The session must have joined the namespace and have a Watch stream to spare."""
         session = self.access.member(session_id, namespace_id)
-        stream = self._sessions.open_stream(session)  # per account and uid
-        try:
-            self.access.open_watch(session)  # --max-watches-per-session
-        except errors.DepotError:
-            self._sessions.close_stream(stream)
-            raise
-        w = self.bus.subscribe(namespace_id, session_id)
-        self._streams[w] = stream
-        return w, self.ready_keys(namespace_id)
+        self.access.open_watch(session)  # --max-watches-per-session
+        return self.bus.subscribe(namespace_id, session_id), self.ready_keys(namespace_id)
 
     def remove_watcher(self, w: Watcher) -> None:
         self.bus.unsubscribe(w)
-        stream = self._streams.pop(w, None)
-        if stream is not None:
-            self._sessions.close_stream(stream)
         session = self._sessions.sessions.get(w.session_id)
         if session is not None:
             self.access.close_watch(session)

@@ -24,8 +24,8 @@ owner, the transport's word where it has one (a TCP peer's host and certificate:
 sessions per process and per uid, the uid's shared fairly (a process below its fair
 share of the uid's quota takes the place of the oldest session of the uid's largest
 holder); sessions not owned yet, per opener (`max_unattested` each), whose oldest is
-ended to make room for a new one of the *same* opener, never another's; streams per
-account and per uid (`open_stream`). Refusals are logged in words, rate-limited per
+ended to make room for a new one of the *same* opener, never another's; calls in
+flight per account and per uid (`open_call`). Refusals are logged in words, rate-limited per
 peer. Pins and rows being written are counted per account in
 kvdepot.server.state.namespaces.
 
@@ -140,10 +140,11 @@ class Registration:
 
 UNATTESTED = "unattested"  # the account of every session no one is known to own yet
 
-# Streams (Transfer, Watch) one account may hold open at once: a worker needs a few;
-# the server's concurrent-RPC limit (bounds.RPCS_PER_SESSION x --max-sessions) is
-# shared by everyone, so no account may come near it.
-MAX_STREAMS_PER_ACCOUNT = 128
+# Depot calls one account may have in flight at once (streams, and unary calls from
+# their headers on): a worker needs a few; the server's concurrent-call limit
+# (bounds.RPCS_PER_SESSION x --max-sessions, 4,096) is everyone's, so no account may
+# come near it.
+MAX_CALLS_PER_ACCOUNT = 256
 TICKET_SECONDS = 10.0  # a ticket not used by then is forgotten
 
 
@@ -170,27 +171,27 @@ class Sessions:
         max_per_pid: int = 16,
         max_per_uid: int = 128,
         max_unattested: int = 32,
-        max_streams_per_uid: int = 1024,
+        max_calls_per_uid: int = 1024,
     ) -> None:
         """Limits: open sessions, registrations per session (--max-sessions,
         --max-registrations-per-session) and the process's fds and mappings
         (`headroom`; None: unchecked). Beyond them: RESOURCE_EXHAUSTED. Attested
         sessions per process and per uid (--max-sessions-per-pid, -per-uid), the
-        sessions not owned yet per opener (--max-unattested-sessions), and streams
-        per uid (`max_streams_per_uid`; per account MAX_STREAMS_PER_ACCOUNT). See the
-        module docstring."""
+        sessions not owned yet per opener (--max-unattested-sessions), and calls in
+        flight per uid (`max_calls_per_uid`; per account MAX_CALLS_PER_ACCOUNT). See
+        the module docstring."""
         self.max_sessions = max_sessions
         self.max_registrations = max_registrations
         self.headroom = headroom
         self.max_per_pid = max_per_pid
         self.max_per_uid = max_per_uid
         self.max_unattested = max_unattested
-        self.max_streams_per_uid = max_streams_per_uid
+        self.max_calls_per_uid = max_calls_per_uid
         # Tickets the fd socket issued (issue_ticket): token -> (process, expiry).
         self._tickets: dict[str, tuple[Peer, float]] = {}
-        # Streams open now per account, and per uid of owned sessions (open_stream).
-        self._streams: Counter[Hashable] = Counter()
-        self._uid_streams: Counter[int] = Counter()
+        # Calls in flight per account, and per uid of owned sessions (open_call).
+        self._calls: Counter[Hashable] = Counter()
+        self._uid_calls: Counter[int] = Counter()
         self.permission_denied = 0  # identity refusals (Admin/GetStats)
         # Lines about what clients do (sessions, refusals), rate-limited per peer.
         self.log_limit = LogLimiter()
@@ -394,42 +395,45 @@ class Sessions:
             return None
         return entry[0]
 
-    def open_stream(self, session: Session) -> tuple[Hashable, int | None]:
-        """Counts one more stream (Transfer, Watch) of `session` against its account
-        (MAX_STREAMS_PER_ACCOUNT) and its owner's uid (`max_streams_per_uid`);
-        RESOURCE_EXHAUSTED, logged, beyond. Give the result to `close_stream`."""
+    def open_call(self, session_id: str) -> tuple[Hashable, int | None]:
+        """Counts one more Depot call in flight (a stream, or a unary call from its
+        headers on) of `session_id` against its account (MAX_CALLS_PER_ACCOUNT) and
+        its owner's uid (`max_calls_per_uid`): FAILED_PRECONDITION for no session,
+        RESOURCE_EXHAUSTED (logged) beyond. Give the result to `close_call`."""
+        session = self.get(session_id)
         account = session.account
         uid = session.owner.uid if session.owner is not None else None
-        if self._streams[account] >= MAX_STREAMS_PER_ACCOUNT:
+        if self._calls[account] >= MAX_CALLS_PER_ACCOUNT:
             raise self.refuse(
                 account,
                 errors.exhausted(
-                    f"{session.owner or 'this client'} holds {self._streams[account]} streams "
-                    f"open, the most one process may (MAX_STREAMS_PER_ACCOUNT): reuse them"
+                    f"{session.owner or 'this client'} has {self._calls[account]} calls in "
+                    f"flight, the most one process may (MAX_CALLS_PER_ACCOUNT): end idle "
+                    f"streams, or wait for answers"
                 ),
             )
-        if uid is not None and self._uid_streams[uid] >= self.max_streams_per_uid:
+        if uid is not None and self._uid_calls[uid] >= self.max_calls_per_uid:
             raise self.refuse(
                 account,
                 errors.exhausted(
-                    f"uid {uid} holds {self._uid_streams[uid]} streams open, the most one user "
+                    f"uid {uid} has {self._uid_calls[uid]} calls in flight, the most one user "
                     f"may (a quarter of the server's concurrent-call limit)"
                 ),
             )
-        self._streams[account] += 1
+        self._calls[account] += 1
         if uid is not None:
-            self._uid_streams[uid] += 1
+            self._uid_calls[uid] += 1
         return account, uid
 
-    def close_stream(self, held: tuple[Hashable, int | None]) -> None:
+    def close_call(self, held: tuple[Hashable, int | None]) -> None:
         account, uid = held
-        self._streams[account] -= 1
-        if self._streams[account] <= 0:
-            del self._streams[account]
+        self._calls[account] -= 1
+        if self._calls[account] <= 0:
+            del self._calls[account]
         if uid is not None:
-            self._uid_streams[uid] -= 1
-            if self._uid_streams[uid] <= 0:
-                del self._uid_streams[uid]
+            self._uid_calls[uid] -= 1
+            if self._uid_calls[uid] <= 0:
+                del self._uid_calls[uid]
 
     def account_sessions(self, session_id: str) -> list[str]:
         """The ids of the sessions charged to `session_id`'s account (its own included;

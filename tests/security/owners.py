@@ -23,7 +23,9 @@ what it did and got. Modes:
   half the pool and pinning them; then waits SECONDS.
 - `sessions N`: N attested sessions (kvdepot's client) held for SECONDS.
 - `streams N`: one session of its own, then N Transfer streams on it (over several
-  connections), each left idle, for SECONDS.
+  connections), each left idle, for SECONDS; `bare-streams N`: the same streams
+  naming no session; `unread-calls N`: N Lookup calls of its session whose request
+  never comes (a unary call is open from its headers on).
 """
 
 from __future__ import annotations
@@ -198,10 +200,10 @@ def sessions(target: str, seconds: float, n: int) -> None:
         c.close()
 
 
-async def streams(target: str, seconds: float, n: int) -> None:
+async def streams(target: str, seconds: float, n: int, bare: bool, unary: bool) -> None:
     client = DepotClient(target, client_name="streams").start()
     assert client.wait_connected(10), "no session"
-    metadata = [("kvdepot-session", client.session_id)]
+    metadata = [] if bare else [("kvdepot-session", client.session_id)]
     codes: collections.Counter[str] = collections.Counter()
     # Connections of their own (channels to one target share one by default).
     options = [("grpc.use_local_subchannel_pool", 1)]
@@ -209,17 +211,32 @@ async def streams(target: str, seconds: float, n: int) -> None:
     calls = []
 
     async def one(i: int) -> None:
-        call = depot_pb2_grpc.DepotStub(channels[i % len(channels)]).Transfer(metadata=metadata)
+        channel = channels[i % len(channels)]
+        if unary:  # a Lookup whose request never comes: the call is open all the same
+            call = channel.stream_unary("/kvdepot.v1.Depot/Lookup")(metadata=metadata)
+        else:
+            call = depot_pb2_grpc.DepotStub(channel).Transfer(metadata=metadata)
         calls.append(call)
         try:
-            async for _ in call:
-                pass
+            if unary:
+                await call
+            else:
+                async for _ in call:
+                    pass
             codes["ended"] += 1
         except grpc.aio.AioRpcError as exc:
             codes[exc.code().name] += 1
 
     tasks = [asyncio.create_task(one(i)) for i in range(n)]
-    await asyncio.sleep(3)  # all of them under way
+    # Under way once the daemon has answered all it will: the burst itself is grpc's
+    # to queue (calls past its pending limit are reset, whoever's).
+    settled, seen = 0, -1
+    for _ in range(60):
+        await asyncio.sleep(0.5)
+        settled = settled + 1 if sum(codes.values()) == seen else 0
+        seen = sum(codes.values())
+        if settled >= 3:
+            break
     say({"ready": n, "refused_so_far": dict(codes)})
     await asyncio.sleep(seconds)
     ended = dict(codes)  # by the daemon (CANCELLED: reset by it before a status)
@@ -243,8 +260,9 @@ def main() -> None:
         hold_pins(target, seconds)
     elif mode == "sessions":
         sessions(target, seconds, int(sys.argv[4]))
-    elif mode == "streams":
-        asyncio.run(streams(target, seconds, int(sys.argv[4])))
+    elif mode in ("streams", "bare-streams", "unread-calls"):
+        n, bare, unary = int(sys.argv[4]), mode == "bare-streams", mode == "unread-calls"
+        asyncio.run(streams(target, seconds, n, bare, unary))
     else:
         raise SystemExit(f"unknown mode {mode}")
     sys.stdout.flush()
