@@ -209,23 +209,30 @@ async def streams(target: str, seconds: float, n: int, bare: bool, unary: bool) 
     options = [("grpc.use_local_subchannel_pool", 1)]
     channels = [grpc.aio.insecure_channel(target, options=options) for _ in range(n // 100 + 1)]
     calls = []
+    stopping = False
 
     async def one(i: int) -> None:
         channel = channels[i % len(channels)]
-        if unary:  # a Lookup whose request never comes: the call is open all the same
-            call = channel.stream_unary("/kvdepot.v1.Depot/Lookup")(metadata=metadata)
-        else:
-            call = depot_pb2_grpc.DepotStub(channel).Transfer(metadata=metadata)
-        calls.append(call)
-        try:
-            if unary:
-                await call
+        for _ in range(5):  # a call reset in the burst (grpc's pending limit) is retried
+            if unary:  # a Lookup whose request never comes: the call is open all the same
+                call = channel.stream_unary("/kvdepot.v1.Depot/Lookup")(metadata=metadata)
             else:
-                async for _ in call:
-                    pass
-            codes["ended"] += 1
-        except grpc.aio.AioRpcError as exc:
-            codes[exc.code().name] += 1
+                call = depot_pb2_grpc.DepotStub(channel).Transfer(metadata=metadata)
+            calls.append(call)
+            try:
+                if unary:
+                    await call
+                else:
+                    async for _ in call:
+                        pass
+                codes["ended"] += 1
+                return
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() != grpc.StatusCode.CANCELLED or stopping:
+                    codes[exc.code().name] += 1
+                    return
+                await asyncio.sleep(0.5)
+        codes["CANCELLED"] += 1
 
     tasks = [asyncio.create_task(one(i)) for i in range(n)]
     # Under way once the daemon has answered all it will: the burst itself is grpc's
@@ -239,7 +246,8 @@ async def streams(target: str, seconds: float, n: int, bare: bool, unary: bool) 
             break
     say({"ready": n, "refused_so_far": dict(codes)})
     await asyncio.sleep(seconds)
-    ended = dict(codes)  # by the daemon (CANCELLED: reset by it before a status)
+    ended = dict(codes)  # by the daemon (CANCELLED: reset five times in a row)
+    stopping = True
     for c in calls:
         c.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
