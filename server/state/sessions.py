@@ -146,6 +146,7 @@ UNATTESTED = "unattested"  # the account of every session no one is known to own
 # come near it.
 MAX_CALLS_PER_ACCOUNT = 256
 TICKET_SECONDS = 10.0  # a ticket not used by then is forgotten
+MAX_TICKETS = 1024  # unused tickets of every process together (a memory bound)
 
 
 def peer_key(peer: Peer | None) -> Hashable:
@@ -372,11 +373,15 @@ class Sessions:
     def issue_ticket(self, peer: Peer) -> str:
         """A one-use ticket that opens a session `peer` owns (the fd socket's "ticket"
         message, on the loop): valid TICKET_SECONDS; a process may hold as many
-        unused ones as it may hold sessions (RESOURCE_EXHAUSTED beyond)."""
+        unused ones as it may hold sessions (RESOURCE_EXHAUSTED beyond); past
+        MAX_TICKETS in all, the largest holder's oldest is forgotten."""
         now = time.monotonic()
         self._tickets = {t: v for t, v in self._tickets.items() if v[1] > now}
         me = peer_key(peer)
-        if sum(peer_key(p) == me for p, _ in self._tickets.values()) >= self.max_per_pid:
+        held: dict[Hashable, list[str]] = {}
+        for t, (p, _) in self._tickets.items():  # oldest first
+            held.setdefault(peer_key(p), []).append(t)
+        if len(held.get(me, ())) >= self.max_per_pid:
             raise self.refuse(
                 me,
                 errors.exhausted(
@@ -384,6 +389,8 @@ class Sessions:
                     f"with them first"
                 ),
             )
+        if len(self._tickets) >= MAX_TICKETS:  # many processes: the largest holder's go
+            del self._tickets[max(held.values(), key=len)[0]]
         token = secrets.token_hex(16)
         self._tickets[token] = (peer, now + TICKET_SECONDS)
         return token
