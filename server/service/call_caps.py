@@ -41,9 +41,16 @@ def _session_of(details: grpc.HandlerCallDetails) -> str:
 
 
 async def _only_request(requests: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> Any:
-    async for request in requests:
-        return request
-    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the call carried no request")
+    """The call's one request, read to the end of the stream: grpc's reader holds the
+    last message it gave until it is read past (a refused 64 MiB Put stayed)."""
+    request = None
+    async for each in requests:
+        if request is not None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "more than one request")
+        request = each
+    if request is None:
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the call carried no request")
+    return request
 
 
 class CallCaps(grpc.aio.ServerInterceptor):
