@@ -20,7 +20,8 @@ what it did and got. Modes:
   being written); then waits SECONDS. Before, each session had a quota of 50 %: the
   pool was held whole.
 - `hold-pins`: two sessions of this one process, each storing complete rows worth
-  half the pool and pinning them; then waits SECONDS.
+  half the pool and pinning them; then waits SECONDS. `hold-pins-one I`: one session
+  doing so, with the I-th half's keys (two such processes: the pool-wide bound).
 - `sessions N`: N attested sessions (kvdepot's client) held for SECONDS.
 - `streams N`: one session of its own, then N Transfer streams on it (over several
   connections), each left idle, for SECONDS; `bare-streams N`: the same streams
@@ -175,10 +176,10 @@ def hold_writing(target: str, seconds: float) -> None:
     say({"stored": stored})
 
 
-def hold_pins(target: str, seconds: float) -> None:
+def hold_pins(target: str, seconds: float, sessions: int = 2, first: int = 0) -> None:
     chunks = POOL // 2 // (2 * 2 * 16384)  # half the pool per session
     pinned = []
-    for i, eng in enumerate(two_sessions(target, GEO_PINS)):
+    for i, eng in enumerate(two_sessions(target, GEO_PINS)[:sessions], start=first):
         keys, blocks, indices = chunk_plan(GEO_PINS, range(i * chunks, (i + 1) * chunks))
         assert eng.job(pb.STORE, keys, blocks, indices).success
         try:
@@ -266,6 +267,8 @@ def main() -> None:
         hold_writing(target, seconds)
     elif mode == "hold-pins":
         hold_pins(target, seconds)
+    elif mode == "hold-pins-one":
+        hold_pins(target, seconds, 1, int(sys.argv[4]))
     elif mode == "sessions":
         sessions(target, seconds, int(sys.argv[4]))
     elif mode in ("streams", "bare-streams", "unread-calls"):

@@ -142,6 +142,24 @@ def test_sessions_of_one_process_share_one_quota(daemon_factory: DaemonFactory, 
     hog.wait()
 
 
+def test_pins_of_every_process_together_leave_a_quarter_of_the_pool(
+    daemon_factory: DaemonFactory,
+) -> None:
+    """Two processes, one session each, each pin half the pool: the second's pins
+    would hold it all; past 75 % (POOL_HELD_SHARE) they are refused, and another
+    engine stores and loads beside them."""
+    d = daemon_factory("--pool-size", "8MiB")
+    first, held = start("hold-pins-one", d.target, 30, "0")
+    second, held2 = start("hold-pins-one", d.target, 30, "1")
+    other = round_trip(d, "other engine", range(16))
+    print(f"\ntwo processes' pins: {held}, {held2}; other engine: {other}")
+    assert held == [64] and held2 == ["RESOURCE_EXHAUSTED"]
+    assert other == "ok"
+    for p in (first, second):
+        p.kill()
+        p.wait()
+
+
 def test_processes_of_one_uid_share_its_quota_fairly(daemon_factory: DaemonFactory) -> None:
     """Row: processes of one uid hold the uid's whole quota of sessions. Now another
     engine of the uid takes the place of the oldest session of the process holding
