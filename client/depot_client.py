@@ -57,6 +57,7 @@ from kvdepot.common.kinds import (
     HELLO_ENGINE_METADATA,
     HELLO_PID_METADATA,
     SESSION_METADATA,
+    TICKET_METADATA,
 )
 from kvdepot.v1 import admin_pb2_grpc, depot_pb2, depot_pb2_grpc
 
@@ -484,11 +485,27 @@ class DepotClient:
     # -- the streams' calls (opened here for kvdepot.client.session, .watch, and
     # .transfer_stream, which own and read them) ---------------------------------------
 
-    def _open_session(self, stub: depot_pb2_grpc.DepotStub) -> grpc.aio.UnaryStreamCall:
+    def _open_session(
+        self, stub: depot_pb2_grpc.DepotStub, ticket: str = ""
+    ) -> grpc.aio.UnaryStreamCall:
+        """The Session call; `ticket` (kvdepot.client.fdpass.ticket_async) makes the
+        session this process's from its open."""
         request = depot_pb2.SessionRequest(
             client_name=self.client_name, pid=os.getpid(), engine_id=self.engine_id
         )
-        return stub.Session(request, metadata=hello_metadata(request))
+        metadata = hello_metadata(request)
+        if ticket:
+            metadata.append((TICKET_METADATA, ticket))
+        return stub.Session(request, metadata=metadata)
+
+    @property
+    def fd_socket_guess(self) -> str:
+        """The daemon's fd socket before any hello names it: beside a Unix-socket
+        target (`<socket>.fd`, as the daemon makes it); "" for TCP."""
+        for prefix in ("unix://", "unix:"):
+            if self.target.startswith(prefix):
+                return self.target[len(prefix) :] + ".fd"
+        return ""
 
     def _open_watch(
         self, stub: depot_pb2_grpc.DepotStub, session_id: str, namespace_id: str

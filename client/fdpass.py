@@ -4,7 +4,9 @@ The protocol (framing, messages, refusals) is kvdepot.common.fd_protocol, shared
 the daemon; its names are re-exported here. `send_fd` sends one fd and returns the
 fd_token that RegisterKV names; `attest` (and `attest_async`) binds a session to
 this process. DepotClient attests every session it opens; a session's first fd
-attests it too.
+attests it too. `ticket_async` attests before a session exists: its ticket, sent as
+the Session call's `kvdepot-ticket` metadata, opens a session this process owns from
+the start (no other client's new sessions can end it while it attests).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ __all__ = [
     "refusal_error",
     "send_fd",
     "send_message",
+    "ticket_async",
 ]
 
 
@@ -69,12 +72,30 @@ def attest(fd_socket_path: str, session_id: str, timeout: float = 5.0) -> int:
 
 async def attest_async(fd_socket_path: str, session_id: str, timeout: float = 5.0) -> int:
     """`attest` on an asyncio loop (no fd travels, so a plain stream does)."""
+    message = {"session_id": session_id, "attest": True}
+    return _attested(await _exchange(fd_socket_path, message, timeout))
+
+
+async def ticket_async(fd_socket_path: str, timeout: float = 5.0) -> str:
+    """A ticket that opens a session owned by this process (see the module
+    docstring). Raises FdPassError (an older daemon: "carries no fd"...)."""
+    reply = await _exchange(fd_socket_path, {"ticket": True}, timeout)
+    if "error" in reply:
+        raise refusal_error(reply)
+    ticket = reply.get("ticket")
+    if not isinstance(ticket, str):
+        raise FdPassError(f"unexpected reply from the daemon: {reply}")
+    return ticket
+
+
+async def _exchange(fd_socket_path: str, message: dict, timeout: float) -> dict:
+    """One message without an fd and its reply, on an asyncio loop."""
     import asyncio
 
     async def exchange() -> dict:
         reader, writer = await asyncio.open_unix_connection(fd_socket_path)
         try:
-            writer.write(encode({"session_id": session_id, "attest": True}))
+            writer.write(encode(message))
             (length,) = LENGTH.unpack(await reader.readexactly(LENGTH.size))
             if length > MAX_MESSAGE:
                 raise FdPassError(f"message of {length} bytes is larger than {MAX_MESSAGE}")
@@ -86,10 +107,9 @@ async def attest_async(fd_socket_path: str, session_id: str, timeout: float = 5.
         return obj
 
     try:
-        reply = await asyncio.wait_for(exchange(), timeout)
+        return await asyncio.wait_for(exchange(), timeout)
     except (OSError, EOFError, ValueError, TimeoutError) as exc:
         raise FdPassError(f"fd socket {fd_socket_path}: {exc!r}") from exc
-    return _attested(reply)
 
 
 def _attested(reply: dict) -> int:

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
-from kvdepot.client.fdpass import FdPassError, attest_async
+from kvdepot.client.fdpass import FdPassError, attest_async, ticket_async
 from kvdepot.client.stream_loop import StreamLoop
 from kvdepot.common.backoff import Backoff
 from kvdepot.v1 import depot_pb2, depot_pb2_grpc
@@ -217,7 +217,7 @@ class SessionKeeper:
         assert stub is not None and ready is not None
         backoff = Backoff(*self._backoff, jitter=True)
         while True:
-            call = client._open_session(stub)
+            call = client._open_session(stub, await self._ticket())
             try:
                 while True:
                     try:
@@ -255,6 +255,20 @@ class SessionKeeper:
                     for fn in list(self._disconnect_listeners):
                         self._call_listener(fn)
             await asyncio.sleep(backoff.next_delay())
+
+    async def _ticket(self) -> str:
+        """A ticket from the fd socket (the last hello's, else the one beside the
+        target) so the session is this process's from its open; "" when there is
+        none to be had (TCP, an older daemon): the session then attests after."""
+        client = self._client
+        path = self.hello.fd_socket if self.hello is not None else client.fd_socket_guess
+        if not path:
+            return ""
+        try:
+            return await ticket_async(path, client.keepalive_timeout)
+        except FdPassError as exc:
+            log.debug("kvdepot session ticket not had (%s)", exc)
+            return ""
 
     async def _attest(self, hello: depot_pb2.SessionHello) -> bool:
         """Binds the new session to this process on the fd socket (kvdepot.client.fdpass),

@@ -37,3 +37,6 @@ SESSION_METADATA = "kvdepot-session"
 HELLO_CLIENT_METADATA = "kvdepot-client-bin"
 HELLO_PID_METADATA = "kvdepot-pid"
 HELLO_ENGINE_METADATA = "kvdepot-engine-bin"
+#: A Session call's ticket from the fd socket (kvdepot.client.fdpass.ticket_async): the
+#: session opens owned by the process the kernel named there.
+TICKET_METADATA = "kvdepot-ticket"

@@ -217,8 +217,9 @@ class DaemonSettings(DerivedSockets):
         parse=_pool_share,
         shown="50%%",  # argparse %-formats the help
         metavar="SIZE|PERCENT%",
-        help="bytes of blocks one session may hold pinned, as a size or a share of "
-        "--pool-size; a Pin beyond it is refused with RESOURCE_EXHAUSTED",
+        help="bytes of blocks one session, and every session of its process together, "
+        "may hold pinned, as a size or a share of --pool-size; a Pin beyond it is "
+        "refused with RESOURCE_EXHAUSTED",
     )
     max_writing_per_session: str = setting(
         "--max-writing-per-session",
@@ -226,8 +227,9 @@ class DaemonSettings(DerivedSockets):
         parse=_pool_share,
         shown="50%%",  # argparse %-formats the help
         metavar="SIZE|PERCENT%",
-        help="bytes of block rows one session may hold reserved while they are written, as a "
-        "size or a share of --pool-size; stores beyond it are dropped, with that reason",
+        help="bytes of block rows one session, and every session of its process together, "
+        "may hold reserved while they are written, as a size or a share of --pool-size; "
+        "stores beyond it are dropped, with that reason",
     )
     max_watches_per_session: int = setting(
         "--max-watches-per-session",
@@ -249,15 +251,17 @@ class DaemonSettings(DerivedSockets):
         128,
         parse=parsers.whole_number(1),
         metavar="N",
-        help="sessions the processes of one user may hold together",
+        help="sessions the processes of one user may hold together, shared fairly: past "
+        "it a process below its share takes the place of the largest holder's oldest",
     )
     max_unattested_sessions: int = setting(
         "--max-unattested-sessions",
         32,
         parse=parsers.whole_number(1),
         metavar="N",
-        help="sessions not yet bound to a process (kvdepot's client binds its own at "
-        "once); beyond them the oldest is ended, so no client can lock others out",
+        help="sessions not yet bound to a process, per opener (one TCP peer, or every "
+        "unnamed local caller; kvdepot's client binds its own from the open); beyond "
+        "them the opener's own oldest is ended, never another's",
     )
     pvm: bool = setting(
         "--pvm",

@@ -37,6 +37,7 @@ from kvdepot.server.resources import Headroom, raise_nofile_limit
 from kvdepot.server.sdnotify import SystemdNotifier, run_watchdog
 from kvdepot.server.service import bounds, wire
 from kvdepot.server.service.admin import AdminServicer
+from kvdepot.server.service.call_caps import CallCaps
 from kvdepot.server.service.depot import DepotServicer
 from kvdepot.server.service.gate import SessionGate
 from kvdepot.server.shards import serve_shards
@@ -221,7 +222,11 @@ class Daemon:
         server = self.server = grpc.aio.server(
             options=_SERVER_OPTIONS,
             maximum_concurrent_rpcs=bounds.max_concurrent_rpcs(cfg),
-            interceptors=[SessionGate(lambda sid: sid in st.sessions)],
+            # The gate first: the caps count only calls naming a live session.
+            interceptors=[
+                SessionGate(lambda sid: sid in st.sessions),
+                CallCaps(st.open_call, st.close_call),
+            ],
         )
         admin_server = self.admin_server = grpc.aio.server(options=_SERVER_OPTIONS)
         # Undecodable requests get INVALID_ARGUMENT, not grpcio's UNKNOWN, and requests
@@ -259,6 +264,7 @@ class Daemon:
                 lambda sid: sid in st.sessions,
                 headroom=Headroom(cfg.fd_reserve),
                 authorize=st.attest,  # binds sessions to processes (kernel identity)
+                issue_ticket=st.issue_ticket,  # sessions owned from their open
                 loop=asyncio.get_running_loop(),
             )
             st.attach_fd_receiver(fd_receiver)

@@ -6,7 +6,8 @@ its own, so a peer that stalls never delays another. Bounds, so that no peer can
 take the socket from the others: a whole-message deadline (`message_deadline`
 seconds from accept; then the connection is shut down), at most
 `max_per_peer` connections open per peer process (SO_PEERCRED) and
-`max_connections` in all (beyond them a peer is told so at once), and no fd
+`max_connections` in all (beyond them a peer is told so at once, unless it holds
+fewer than the largest holder, whose oldest connection then makes room), and no fd
 is taken while the process is near its open-file limit (`headroom`).
 
 A received fd waits under a random token until a RegisterKV of the same session
@@ -79,10 +80,13 @@ class FdReceiver:
         max_connections: int = MAX_CONNECTIONS,
         max_per_peer: int = MAX_PER_PEER,
         authorize: Authorize | None = None,
+        issue_ticket: Callable[[Peer], str] | None = None,
         loop: asyncio.AbstractEventLoop | None = None,
     ):
         """`authorize` (see `Authorize`) runs on `loop` when one is given, else on
-        the connection's thread; None accepts any sender (tests of the socket)."""
+        the connection's thread; None accepts any sender (tests of the socket).
+        `issue_ticket(sender)` (the same way) answers a "ticket" message: a token
+        that opens a session `sender` owns (None: tickets refused)."""
         self.path = path
         self.ttl = ttl
         self.headroom = headroom
@@ -91,6 +95,7 @@ class FdReceiver:
         self.max_per_peer = max_per_peer
         self._session_exists = session_exists
         self._authorize = authorize
+        self._issue_ticket = issue_ticket
         self._loop = loop
         self._lock = threading.Lock()
         self._pending: dict[str, PendingFd] = {}
@@ -188,13 +193,11 @@ class FdReceiver:
             ).start()
 
     def _admit(self, conn: socket.socket, peer_pid: int) -> str | None:
-        """Files the connection (None), or says why it is refused."""
+        """Files the connection (None), or says why it is refused. When every place is
+        taken, a process holding fewer than the largest holder takes the place of that
+        holder's oldest connection (shut down; one message each is all a client
+        needs), so no process, nor several, can keep the others from attesting."""
         with self._lock:
-            if len(self._open) >= self.max_connections:
-                return (
-                    f"the fd socket is serving {len(self._open)} connections, its limit: "
-                    f"retry in a moment"
-                )
             mine = sum(pid == peer_pid for pid, _ in self._open.values())
             if mine >= self.max_per_peer:
                 return (
@@ -202,6 +205,19 @@ class FdReceiver:
                     f"socket (at most {self.max_per_peer}): send one fd per connection and "
                     f"finish each message"
                 )
+            if len(self._open) >= self.max_connections:
+                held: dict[int, list[socket.socket]] = {}
+                for c, (pid, _) in self._open.items():  # oldest first (insertion order)
+                    held.setdefault(pid, []).append(c)
+                hog = max(held.values(), key=len)
+                if len(hog) <= mine + 1:
+                    return (
+                        f"the fd socket is serving {len(self._open)} connections, its limit: "
+                        f"retry in a moment"
+                    )
+                with contextlib.suppress(OSError):  # its thread sees the end and closes it
+                    hog[0].shutdown(socket.SHUT_RDWR)
+                del self._open[hog[0]]
             self._open[conn] = (peer_pid, time.monotonic() + self.message_deadline)
         return None
 
@@ -267,30 +283,39 @@ class FdReceiver:
         """None when `sender` may speak for the session, else the error reply."""
         if self._authorize is None:
             return None
+        return self._on_loop(self._authorize, session_id, sender)[1]
+
+    def _on_loop(self, fn: Callable[..., object], *args: object) -> tuple[object, dict | None]:
+        """fn(*args) on the daemon's loop (here without one): (its result, None), or
+        (None, the error reply)."""
         try:
             if self._loop is None:
-                self._authorize(session_id, sender)
-            else:
-                done: concurrent.futures.Future[None] = concurrent.futures.Future()
+                return fn(*args), None
+            done: concurrent.futures.Future[object] = concurrent.futures.Future()
 
-                def run() -> None:
-                    try:
-                        # not None: checked above (the closure loses the narrowing)
-                        self._authorize(session_id, sender)  # type: ignore[misc]
-                        done.set_result(None)
-                    except BaseException as exc:
-                        done.set_exception(exc)
+            def run() -> None:
+                try:
+                    done.set_result(fn(*args))
+                except BaseException as exc:
+                    done.set_exception(exc)
 
-                self._loop.call_soon_threadsafe(run)
-                done.result(AUTHORIZE_TIMEOUT)
+            self._loop.call_soon_threadsafe(run)
+            return done.result(AUTHORIZE_TIMEOUT), None
         except errors.DepotError as exc:
-            return {"error": exc.message, "code": exc.code.name}
+            return None, {"error": exc.message, "code": exc.code.name}
         except (TimeoutError, concurrent.futures.TimeoutError, RuntimeError):
-            return {"error": "the daemon is busy or stopping: retry", "code": "UNAVAILABLE"}
-        return None
+            return None, {"error": "the daemon is busy or stopping: retry", "code": "UNAVAILABLE"}
 
     def _accept(self, msg: dict, fds: list[int], sender: Peer) -> dict:
         session_id = msg.get("session_id")
+        if msg.get("ticket"):
+            # A ticket opens a session this process owns from the start (no session yet).
+            for fd in fds:
+                os.close(fd)
+            if fds or self._issue_ticket is None:
+                return {"error": "a ticket message carries no fd (and this socket issues none)"}
+            ticket, refused = self._on_loop(self._issue_ticket, sender)
+            return refused or {"ticket": ticket, "pid": sender.pid}
         if msg.get("attest"):
             # Binds the session to this process (no fd needed); see the docstring.
             for fd in fds:

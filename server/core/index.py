@@ -148,24 +148,35 @@ class BlockIndex:
         return ns
 
     @property
-    def max_writing_per_owner(self) -> int | None:
-        """Bytes of WRITING rows one owner may reserve (None: no limit)."""
-        return self._writes.max_per_owner
+    def writing_room(self) -> Callable[[Owner], int] | None:
+        """Bytes of WRITING rows an owner may still reserve, asked once per store call
+        (None: no limit). The state's quotas: they count an owner's sessions together
+        and the whole pool (kvdepot.server.state.namespaces)."""
+        return self._writes.room_for
 
-    @max_writing_per_owner.setter
-    def max_writing_per_owner(self, limit: int | None) -> None:
-        self._writes.max_per_owner = limit
+    @writing_room.setter
+    def writing_room(self, room_for: Callable[[Owner], int] | None) -> None:
+        self._writes.room_for = room_for
 
     @property
     def internal_writers(self) -> set[Owner]:
         """Owners that are the daemon's own tiers, not sessions: they claim every rank's
-        section of a row at once; max_writing_per_owner does not limit them, and they
+        section of a row at once; writing_room does not limit them, and they
         neither heed nor leave given-up marks (index_writes)."""
         return self._writes.internal_writers
 
     @internal_writers.setter
     def internal_writers(self, owners: set[Owner]) -> None:
         self._writes.internal_writers = owners
+
+    def owner_writing_bytes(self, owner: Owner) -> int:
+        """Bytes of the WRITING rows `owner` reserved and that are not settled yet."""
+        return self._writes.owner_writing.get(owner, 0)
+
+    def writing_bytes(self) -> int:
+        """Bytes of the WRITING rows sessions reserved (the daemon's tiers' not counted)."""
+        internal = self.internal_writers
+        return sum(n for o, n in self._writes.owner_writing.items() if o not in internal)
 
     def owner_pinned_bytes(self, owner: Owner) -> int:
         """Bytes of the distinct slots `owner` holds at least one pin on."""

@@ -26,7 +26,7 @@ cache miss) or fail to stop a row that will not be whole (what happened before).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from kvdepot.server.core.eviction import tail_first
 from kvdepot.server.core.index_evict import Evictions
@@ -64,8 +64,9 @@ class Writes(IndexPart):
         self.doomed: set[Slot] = set()  # detached, waiting for copies to end
         # Per owner (session): bytes of the WRITING rows it reserved (Slot.reserver).
         self.owner_writing: dict[Owner, int] = {}
-        # Bytes of WRITING rows one owner may reserve (None: no limit).
-        self.max_per_owner: int | None = None
+        # Bytes of WRITING rows an owner may still reserve now (None: no limit): the
+        # state's quotas, which count an owner's sessions together and the whole pool.
+        self.room_for: Callable[[Owner], int] | None = None
         # The daemon's own tiers (not sessions): they claim every rank's section of a
         # row at once, so the quota does not limit them and given-up marks are not
         # theirs to heed or leave (a row they claim is whole when they settle it).
@@ -126,11 +127,8 @@ class Writes(IndexPart):
         allocator, make_room = self._allocator, self._evictions.make_room
         needs: dict[int, tuple[int, int]] = {}  # group -> (slot bytes, rounded up)
         # Bytes this owner may still reserve (--max-writing-per-session); None: no limit.
-        budget = self.max_per_owner
-        if budget is not None and not internal:
-            budget -= self.owner_writing.get(owner, 0)
-        else:
-            budget = None
+        room_for = self.room_for
+        budget = None if internal or room_for is None else room_for(owner)
         claim = StoreClaim([], [])
         offsets, writing = claim.offsets, claim.slots
         removed: list[Slot] = []

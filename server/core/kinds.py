@@ -72,7 +72,7 @@ class DropReason(enum.StrEnum):
 
     POOL_FULL = "pool_full"
     ROW_TOO_LARGE = "row_too_large"
-    SESSION_QUOTA = "session_quota"  # the writer holds its --max-writing-per-session
+    SESSION_QUOTA = "session_quota"  # the writer's process holds its quota (or the pool)
     ROW_GIVEN_UP = "row_given_up"  # another rank of the row dropped it, or its row went unfinished
 
     @property
@@ -84,8 +84,9 @@ _DROP_TEXT = {
     DropReason.POOL_FULL: "pool full: every block is pinned or in flight",
     DropReason.ROW_TOO_LARGE: "block row larger than the pool",
     DropReason.SESSION_QUOTA: (
-        "this session holds its quota of block rows being written "
-        "(--max-writing-per-session, KVDEPOT_MAX_WRITING_PER_SESSION)"
+        "this process's sessions hold their quota of block rows being written "
+        "(--max-writing-per-session, KVDEPOT_MAX_WRITING_PER_SESSION, counts a process's "
+        "sessions together), or every client's rows being written hold 75% of the pool"
     ),
     DropReason.ROW_GIVEN_UP: (
         "another rank of this block row dropped it or its row was dropped unfinished: "

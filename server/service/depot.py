@@ -15,6 +15,7 @@ import grpc
 
 import kvdepot
 from kvdepot.common.jobs import JobResult
+from kvdepot.common.kinds import TICKET_METADATA
 from kvdepot.server import errors
 from kvdepot.server.core.index import IndexEvent
 from kvdepot.server.core.kinds import EventKind, Tier
@@ -45,6 +46,30 @@ MAX_UNREAD_RESULTS = 1024
 
 # RegisterKVResponse.memory_path of an observer join.
 OBSERVER = "observer"
+
+
+def metadata_value(context: grpc.aio.ServicerContext, key: str) -> str:
+    """The call's metadata `key` ("" when absent)."""
+    for item in context.invocation_metadata() or ():
+        if item[0] == key:
+            value = item[1]
+            return value if isinstance(value, str) else value.decode("utf-8", "replace")
+    return ""
+
+
+def transport_opener(context: grpc.aio.ServicerContext) -> tuple[str, str, str] | None:
+    """Who opens a session, as the transport says: a TCP peer's host and TLS
+    certificate name (("tcp", host, name); its port changes per connection); None on
+    the Unix socket, which names nobody (the fd socket's ticket or attest does)."""
+    peer = context.peer() or ""
+    kind, _, address = peer.partition(":")
+    if kind not in ("ipv4", "ipv6"):
+        return None
+    host = address.rpartition(":")[0]
+    auth = context.auth_context() or {}
+    names = auth.get("x509_subject_alternative_name") or auth.get("x509_common_name") or ()
+    name = b",".join(sorted(names)).decode("utf-8", "replace")
+    return ("tcp", host, name)
 
 
 def is_observer_join(request: pb.RegisterKVRequest) -> bool:
@@ -92,7 +117,13 @@ class DepotServicer(depot_pb2_grpc.DepotServicer):
     ) -> AsyncIterator[pb.SessionEvent]:
         st = self.state
         try:
-            session = st.open_session(request.client_name, request.pid, request.engine_id)
+            session = st.open_session(
+                request.client_name,
+                request.pid,
+                request.engine_id,
+                ticket=metadata_value(context, TICKET_METADATA),
+                opener=transport_opener(context),
+            )
         except errors.DepotError as exc:
             await abort_with(context, exc)
             return

@@ -103,6 +103,9 @@ class DepotState:
             max_per_pid=config.max_sessions_per_pid,
             max_per_uid=config.max_sessions_per_uid,
             max_unattested=config.max_unattested_sessions,
+            # A quarter of the server's concurrent-call limit (16 per session of
+            # --max-sessions, kvdepot.server.service.bounds.RPCS_PER_SESSION).
+            max_calls_per_uid=config.max_sessions * 4,
         )
         self.traffic = Traffic()
         # The shared CPU copy threads (`copy_queue`: jobs, inline and tier copies) and
@@ -135,8 +138,8 @@ class DepotState:
         self.internal_writers: set[str] = set()
         # Who may name which namespace, and the per-session quotas (state.namespaces).
         self.access = NamespaceAccess(config, index, self._sessions)
-        index.max_writing_per_owner = self.access.max_writing
         # session ids are the index's owners (Owner is any Hashable)
+        index.writing_room = self.access.writing_room  # type: ignore[assignment]
         index.internal_writers = self.internal_writers  # type: ignore[assignment]
         self.invariant_failure: str | None = None
         self.admin = AdminEviction(index, config, self.verify_invariants)
@@ -281,6 +284,7 @@ class DepotState:
     # Sessions and registrations (kvdepot.server.state.registry).
     open_session = forward("registry", SessionRegistry.open_session)
     attest = forward("registry", SessionRegistry.attest)
+    issue_ticket = forward("registry", SessionRegistry.issue_ticket)
     close_session = forward("registry", SessionRegistry.close_session)
     session = forward("registry", SessionRegistry.session)
     declare = forward("registry", SessionRegistry.declare)
@@ -297,6 +301,8 @@ class DepotState:
     takes_fds = forward("_sessions", Sessions.takes_fds)
     claim_passed = forward("_sessions", Sessions.claim_passed)
     deny = forward("_sessions", Sessions.deny)
+    open_call = forward("_sessions", Sessions.open_call)
+    close_call = forward("_sessions", Sessions.close_call)
     # Lookup, Pin, Unpin, Watch (kvdepot.server.state.key_calls).
     lookup = forward("keys", KeyCalls.lookup)
     pin = forward("keys", KeyCalls.pin)

@@ -13,10 +13,13 @@ call may name only a namespace its session joined (docs/security.md):
   exists or not, so a refusal never tells whether another tenant's id is live.
 - Membership lives on the Session and ends with it.
 
-Quotas per session, beyond which calls get RESOURCE_EXHAUSTED naming the
-setting: bytes pinned (--max-pinned-per-session), bytes of rows reserved for
-writing (--max-writing-per-session), Watch streams (--max-watches-per-session),
-and namespaces joined (MAX_JOINED_NAMESPACES, a memory bound).
+Quotas, beyond which calls get RESOURCE_EXHAUSTED naming the setting: bytes
+pinned (--max-pinned-per-session) and bytes of rows reserved for writing
+(--max-writing-per-session), each counted over a session and every other session
+of its account (its owner process: Session.account) together, and over the whole
+pool (POOL_HELD_SHARE, or the setting if larger); per session, Watch streams
+(--max-watches-per-session) and namespaces joined (MAX_JOINED_NAMESPACES, a
+memory bound). Two sessions of one process used to take half the pool each.
 
 A namespace's layout stays in the index while a registration or a block (any
 state, including a doomed one whose copy has not ended) uses it; then it is
@@ -44,6 +47,11 @@ MAX_JOINED_NAMESPACES = 1024
 
 JOIN_FIRST = "RegisterKV into the namespace first"
 
+# The share of the pool every session together may hold pinned, and (apart) hold in
+# rows being written, unless a per-owner setting allows more: what is left stays
+# for the rows that others store and load, whoever holds the rest.
+POOL_HELD_SHARE = 0.75
+
 
 def _shown(namespace_id: str) -> str:
     """The caller's own namespace id, for its error messages (bounded in length)."""
@@ -59,6 +67,8 @@ class NamespaceAccess:
         pool = config.pool_size
         self.max_pinned = pool_share_bytes(config.max_pinned_per_session, pool)
         self.max_writing = pool_share_bytes(config.max_writing_per_session, pool)
+        self.pool_pinned = max(self.max_pinned, int(pool * POOL_HELD_SHARE))
+        self.pool_writing = max(self.max_writing, int(pool * POOL_HELD_SHARE))
         self.max_watches = config.max_watches_per_session
 
     # -- membership ------------------------------------------------------------------
@@ -115,13 +125,32 @@ class NamespaceAccess:
         session.watches -= 1
 
     def check_pinned(self, session_id: str) -> None:
-        held = self._index.owner_pinned_bytes(session_id)
+        """RESOURCE_EXHAUSTED when the session's account (its process's sessions
+        together) holds more pinned than --max-pinned-per-session, or the pool more
+        than `pool_pinned`."""
+        index = self._index
+        held = sum(map(index.owner_pinned_bytes, self._sessions.account_sessions(session_id)))
         if held > self.max_pinned:
             raise errors.exhausted(
-                f"this Pin would hold {held} bytes pinned by this session, more than one "
-                f"session may ({self.max_pinned}; --max-pinned-per-session, "
-                f"KVDEPOT_MAX_PINNED_PER_SESSION): unpin loaded blocks first"
+                f"this Pin would hold {held} bytes pinned by this process's sessions, more "
+                f"than one process may ({self.max_pinned}; --max-pinned-per-session, "
+                f"KVDEPOT_MAX_PINNED_PER_SESSION, counts a process's sessions together): "
+                f"unpin loaded blocks first"
             )
+        if index.pinned_bytes > self.pool_pinned:
+            raise errors.exhausted(
+                f"this Pin would hold {index.pinned_bytes} bytes of the pool pinned, more than "
+                f"every client together may ({self.pool_pinned}, {POOL_HELD_SHARE:.0%} of the "
+                f"pool or --max-pinned-per-session if larger): retry when others unpin"
+            )
+
+    def writing_room(self, session_id: str) -> int:
+        """Bytes of rows the session may still reserve for writing (the index asks it
+        once per store call): what its account has left of --max-writing-per-session,
+        and the pool of `pool_writing`; 0 or less: its stores are dropped."""
+        index = self._index
+        mine = sum(map(index.owner_writing_bytes, self._sessions.account_sessions(session_id)))
+        return min(self.max_writing - mine, self.pool_writing - index.writing_bytes())
 
     # -- forgetting ------------------------------------------------------------------
 

@@ -1,9 +1,10 @@
 """Sessions and registrations as the services see them: a facet of `DepotState`.
 
-`SessionRegistry` opens and ends sessions (making room by ending the oldest
-unattested one), binds them to processes (the fd socket's attest), records
-registrations and observer joins into namespaces, and forgets the namespaces no
-registration and no block uses any more, in the index and in the crash journal.
+`SessionRegistry` opens and ends sessions (making room by ending the opener's own
+oldest unattested one, or a uid's largest holder's), binds them to processes (the
+fd socket's ticket and attest), records registrations and observer joins into
+namespaces, and forgets the namespaces no registration and no block uses any more,
+in the index and in the crash journal.
 The bookkeeping itself is `Sessions` (kvdepot.server.state.sessions) and the
 namespace rules `NamespaceAccess` (kvdepot.server.state.namespaces); this facet
 keeps them, the index and the event bus consistent.
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 
 from kvdepot.common.kinds import MemoryPath
 from kvdepot.server import errors
@@ -61,25 +62,49 @@ class SessionRegistry:
         self._journal = journal
         self.verify_invariants = verify_invariants
 
-    def open_session(self, client_name: str, pid: int, engine_id: str) -> Session:
+    def open_session(
+        self,
+        client_name: str,
+        pid: int,
+        engine_id: str,
+        *,
+        ticket: str = "",
+        opener: Hashable | None = None,
+    ) -> Session:
+        """A new session: owned from the start by the process a live `ticket` names
+        (Sessions.issue_ticket), else not owned yet, opened by `opener` (a TCP peer;
+        None on the Unix socket). Room is made by ending the opener's own oldest
+        session not owned yet, or one over its fair share of a uid (Sessions.make_room)."""
         if self._shutting_down():
             raise errors.unavailable("the daemon is shutting down: reconnect in a moment")
-        for old in self._sessions.make_room():  # the oldest unattested session, if full
+        owner = self._sessions.take_ticket(ticket)
+        self._end(self._sessions.make_room(owner, opener))
+        return self._sessions.open(client_name, pid, engine_id, owner=owner, opener=opener)
+
+    def _end(self, sessions: Iterable[Session]) -> None:
+        """Ends sessions the quotas took back (make_room, owner_room), saying why."""
+        for old in sessions:
             self.close_session(old.id)
-            old.revoke(
-                errors.exhausted(
-                    "this session was ended to make room: it never attested on the fd "
-                    "socket (kvdepot's client does; see kvdepot.client.fdpass.attest)"
+            if old.owner is None:
+                reason = (
+                    "this session was ended to make room for another of the same client: it "
+                    "never attested on the fd socket (kvdepot's client does; see "
+                    "kvdepot.client.fdpass.attest)"
                 )
-            )
-        return self._sessions.open(client_name, pid, engine_id)
+            else:
+                reason = (
+                    f"this session was ended to make room for another process of uid "
+                    f"{old.owner.uid}: {old.owner} held more than its fair share of the "
+                    f"uid's sessions (--max-sessions-per-uid)"
+                )
+            old.revoke(errors.exhausted(reason))
 
     def attest(self, session_id: str, peer: Peer) -> None:
         """The fd socket's identity check (kvdepot.server.fd_receiver; on the loop):
         binds the session to `peer` or checks it is the owner. A session over its
         owner's quota is ended (the error says which limit)."""
         try:
-            self._sessions.attest(session_id, peer)
+            self._end(self._sessions.attest(session_id, peer))
         except errors.DepotError as exc:
             if exc.code is errors.Code.RESOURCE_EXHAUSTED:
                 s = self._sessions.sessions.get(session_id)
@@ -87,6 +112,10 @@ class SessionRegistry:
                 if s is not None:
                     s.revoke(exc)
             raise
+
+    def issue_ticket(self, peer: Peer) -> str:
+        """The fd socket's "ticket" message (on the loop): see Sessions.issue_ticket."""
+        return self._sessions.issue_ticket(peer)
 
     @mutation
     def close_session(self, session_id: str) -> None:

@@ -13,9 +13,21 @@ logs and listings show its first 8 hex digits only (`session_tag`). The first
 process that speaks for it on the fd socket (kvdepot.server.fd_receiver: an
 attest, or its first fd) becomes its `owner`, a kernel identity; fds, lanes and
 pvm registrations from any other process are refused with PERMISSION_DENIED and
-counted (`permission_denied`). Quotas: attested sessions per process and per uid;
-sessions nobody attested yet share a small pool whose oldest member is ended to
-make room, so a process opening sessions in a loop cannot lock others out.
+counted (`permission_denied`). A process may also attest before it opens: it asks
+the fd socket for a ticket (one use, seconds long), and a Session call naming the
+ticket opens a session the ticket's process owns from the start.
+
+Shares per owner. A session's `account` is whom its quotas charge: its owner
+process (its uid and gid where the daemon cannot see processes apart); before an
+owner, the transport's word where it has one (a TCP peer's host and certificate:
+`opener`); else the one account of everyone not identified yet. Quotas: owned
+sessions per process and per uid, the uid's shared fairly (a process below its fair
+share of the uid's quota takes the place of the oldest session of the uid's largest
+holder); sessions not owned yet, per opener (`max_unattested` each), whose oldest is
+ended to make room for a new one of the *same* opener, never another's; calls in
+flight per account and per uid (`open_call`). Refusals are logged in words, rate-limited per
+peer. Pins and rows being written are counted per account in
+kvdepot.server.state.namespaces.
 
 A registration ends (UnregisterKV, or its session ends) at once for clients,
 but its regions stay mapped while copies still use them (`in_use`), so a late
@@ -29,6 +41,7 @@ import contextlib
 import logging
 import secrets
 import time
+from collections import Counter
 from collections.abc import Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -78,6 +91,9 @@ class Session:
     watches: int = 0  # Watch streams open now (--max-watches-per-session)
     # The process the kernel named on the fd socket (None: not attested yet).
     owner: Peer | None = None
+    # Who opened it, as the transport says at open (a TCP peer: ("tcp", host, cert));
+    # None on the Unix socket, which names nobody (the fd socket does, by attest).
+    opener: Hashable | None = None
     # Set when the daemon ends the session itself (evicted, over quota): the
     # Session stream then ends with `end_reason`.
     ended: asyncio.Event = field(default_factory=asyncio.Event)
@@ -86,6 +102,13 @@ class Session:
     @property
     def tag(self) -> str:
         return session_tag(self.id)
+
+    @property
+    def account(self) -> Hashable:
+        """Whom the session's shares are charged to (see the module docstring)."""
+        if self.owner is None and self.opener is not None:
+            return self.opener
+        return peer_key(self.owner)
 
     def revoke(self, reason: errors.DepotError) -> None:
         self.end_reason = reason
@@ -115,12 +138,26 @@ class Registration:
         self.regions = []
 
 
+UNATTESTED = "unattested"  # the account of every session no one is known to own yet
+
+# Depot calls one account may have in flight at once (streams, and unary calls from
+# their headers on): a worker needs a few; the server's concurrent-call limit
+# (bounds.RPCS_PER_SESSION x --max-sessions, 4,096) is everyone's, so no account may
+# come near it.
+MAX_CALLS_PER_ACCOUNT = 256
+TICKET_SECONDS = 10.0  # a ticket not used by then is forgotten
+MAX_TICKETS = 1024  # unused tickets of every process together (a memory bound)
+
+
 def peer_key(peer: Peer | None) -> Hashable:
-    """Whose lines a log limit counts together: a process the kernel names, else its uid
-    (processes the daemon cannot see apart), else everyone not attested yet."""
+    """One process the kernel names (pid and start time), else its uid and gid
+    (processes the daemon cannot see apart), else everyone not attested yet: whose
+    shares and log lines are counted together."""
     if peer is None:
-        return "unattested"
-    return ("pid", peer.pid) if peer.visible else ("uid", peer.uid)
+        return UNATTESTED
+    if peer.visible:
+        return ("pid", peer.pid, peer.start_time)
+    return ("uid", peer.uid, peer.gid)
 
 
 class Sessions:
@@ -135,18 +172,27 @@ class Sessions:
         max_per_pid: int = 16,
         max_per_uid: int = 128,
         max_unattested: int = 32,
+        max_calls_per_uid: int = 1024,
     ) -> None:
         """Limits: open sessions, registrations per session (--max-sessions,
         --max-registrations-per-session) and the process's fds and mappings
         (`headroom`; None: unchecked). Beyond them: RESOURCE_EXHAUSTED. Attested
-        sessions per process and per uid (--max-sessions-per-pid, -per-uid), and
-        the pool of unattested ones (--max-unattested-sessions; see the docstring)."""
+        sessions per process and per uid (--max-sessions-per-pid, -per-uid), the
+        sessions not owned yet per opener (--max-unattested-sessions), and calls in
+        flight per uid (`max_calls_per_uid`; per account MAX_CALLS_PER_ACCOUNT). See
+        the module docstring."""
         self.max_sessions = max_sessions
         self.max_registrations = max_registrations
         self.headroom = headroom
         self.max_per_pid = max_per_pid
         self.max_per_uid = max_per_uid
         self.max_unattested = max_unattested
+        self.max_calls_per_uid = max_calls_per_uid
+        # Tickets the fd socket issued (issue_ticket): token -> (process, expiry).
+        self._tickets: dict[str, tuple[Peer, float]] = {}
+        # Calls in flight per account, and per uid of owned sessions (open_call).
+        self._calls: Counter[Hashable] = Counter()
+        self._uid_calls: Counter[int] = Counter()
         self.permission_denied = 0  # identity refusals (Admin/GetStats)
         # Lines about what clients do (sessions, refusals), rate-limited per peer.
         self.log_limit = LogLimiter()
@@ -212,76 +258,236 @@ class Sessions:
             log.warning("refused: %s%s", message, held_note(held))
         return errors.denied(message)
 
-    # -- identity ----------------------------------------------------------------------
+    # -- identity and shares ---------------------------------------------------------
 
-    def attest(self, session_id: str, peer: Peer) -> Session:
+    def refuse(self, key: Hashable, error: errors.DepotError) -> errors.DepotError:
+        """`error` (raise it), logged in words, rate-limited per `key` (the peer)."""
+        held = self.log_limit.admit(key, time.monotonic())
+        if held is not None:
+            log.warning("refused: %s%s", error.message, held_note(held))
+        return error
+
+    def attest(self, session_id: str, peer: Peer) -> list[Session]:
         """Binds the session to `peer` (its first speaker on the fd socket), or checks
         that `peer` is its owner. PERMISSION_DENIED (counted) for another process;
-        RESOURCE_EXHAUSTED when `peer` already holds its quota of sessions."""
+        RESOURCE_EXHAUSTED when `peer` already holds its quota of sessions. Returns
+        the sessions the caller must end to make room (`owner_room`)."""
         s = self.get(session_id)
         if s.owner is not None:
             if not s.owner.same_process(peer):
                 raise self.deny(
                     f"session {s.tag} belongs to another process; {peer} may use only "
-                    f"sessions it opened"
+                    f"sessions it opened",
+                    peer_key(peer),
                 )
-            return s
-        owned = [o for o in (x.owner for x in self.sessions.values()) if o is not None]
-        # Processes the daemon cannot see apart (a sidecar's clients) count per uid only.
-        mine = sum(o.same_process(peer) for o in owned) if peer.visible else 0
-        if mine >= self.max_per_pid:
-            raise errors.exhausted(
-                f"{peer} already holds {mine} sessions, the most one process may "
-                f"(--max-sessions-per-pid, KVDEPOT_MAX_SESSIONS_PER_PID): reuse one client"
-            )
-        theirs = sum(o.uid == peer.uid for o in owned)
-        if theirs >= self.max_per_uid:
-            raise errors.exhausted(
-                f"uid {peer.uid} already holds {theirs} sessions, the most one user may "
-                f"(--max-sessions-per-uid, KVDEPOT_MAX_SESSIONS_PER_UID)"
-            )
+            return []
+        ends = self.owner_room(peer)
         s.owner = peer
         held = self.log_limit.admit(peer_key(peer), time.monotonic())
         if held is not None:
             log.info("session %s attested by %s%s", s.tag, peer, held_note(held))
-        return s
+        return ends
 
-    def make_room(self) -> list[Session]:
-        """Sessions to end so that one more may open: the oldest unattested one when
-        the unattested pool (or the whole table) is full. RESOURCE_EXHAUSTED when
-        the table is full of attested sessions."""
-        unattested = [s for s in self.sessions.values() if s.owner is None]
-        if len(unattested) < self.max_unattested and len(self.sessions) < self.max_sessions:
-            return []
-        if not unattested:
-            raise errors.exhausted(
-                f"{len(self.sessions)} sessions are open, the most this daemon allows "
-                f"(--max-sessions, KVDEPOT_MAX_SESSIONS): end idle engines or raise the limit"
+    def owner_room(self, peer: Peer) -> list[Session]:
+        """Sessions to end so that `peer` may own one more: none within its quotas.
+        Past the process's quota: RESOURCE_EXHAUSTED. Past the uid's: the uid's quota
+        is shared fairly among its processes that hold sessions (the newcomer
+        counted): a process below its share takes the place of the oldest session of
+        the process holding the most (which is above its share); otherwise
+        RESOURCE_EXHAUSTED. Refusals are logged, rate-limited per peer."""
+        held: dict[Hashable, list[Session]] = {}
+        for x in self.sessions.values():
+            if x.owner is not None and x.owner.uid == peer.uid:
+                held.setdefault(peer_key(x.owner), []).append(x)
+        me = peer_key(peer)
+        mine = len(held.get(me, ()))
+        # Processes the daemon cannot see apart (a sidecar's clients) count per uid only.
+        if peer.visible and mine >= self.max_per_pid:
+            raise self.refuse(
+                me,
+                errors.exhausted(
+                    f"{peer} already holds {mine} sessions, the most one process may "
+                    f"(--max-sessions-per-pid, KVDEPOT_MAX_SESSIONS_PER_PID): reuse one client"
+                ),
             )
-        return [min(unattested, key=lambda s: s.opened)]
+        theirs = sum(len(v) for v in held.values())
+        if theirs < self.max_per_uid:
+            return []
+        fair = max(1, self.max_per_uid // (len(held) + (me not in held)))
+        hog = max(held.values(), key=len)
+        if mine + 1 > fair or len(hog) <= fair or hog is held.get(me):
+            raise self.refuse(
+                me,
+                errors.exhausted(
+                    f"uid {peer.uid} already holds {theirs} sessions, the most one user may "
+                    f"(--max-sessions-per-uid, KVDEPOT_MAX_SESSIONS_PER_UID), and {peer} "
+                    f"holds {mine}, its fair share of them ({fair}) or more"
+                ),
+            )
+        oldest = min(hog, key=lambda x: x.opened)
+        held_lines = self.log_limit.admit(peer_key(oldest.owner), time.monotonic())
+        if held_lines is not None:
+            log.warning(
+                "uid %d holds its quota of %d sessions: ending session %s of %s, which holds "
+                "%d (over its fair share of %d), for %s, which holds %d%s",
+                peer.uid,
+                self.max_per_uid,
+                oldest.tag,
+                oldest.owner,
+                len(hog),
+                fair,
+                peer,
+                mine,
+                held_note(held_lines),
+            )
+        return [oldest]
+
+    def make_room(self, owner: Peer | None = None, opener: Hashable | None = None) -> list[Session]:
+        """Sessions to end so that one more, opened by `owner` (a ticket's process) or
+        else `opener` (the transport's word; None: nobody identified), may open.
+        An owner: `owner_room`. Otherwise the newcomer's own oldest session not owned
+        yet, when its opener holds `max_unattested` of them or the table is full;
+        never another opener's. RESOURCE_EXHAUSTED when no room can be made."""
+        if owner is not None:
+            ends = self.owner_room(owner)
+            if ends or len(self.sessions) < self.max_sessions:
+                return ends
+            mine: list[Session] = []
+            key = peer_key(owner)
+        else:
+            key = opener if opener is not None else UNATTESTED
+            mine = [s for s in self.sessions.values() if s.owner is None and s.account == key]
+            if len(mine) < self.max_unattested and len(self.sessions) < self.max_sessions:
+                return []
+        if not mine:
+            raise self.refuse(
+                key,
+                errors.exhausted(
+                    f"{len(self.sessions)} sessions are open, the most this daemon allows "
+                    f"(--max-sessions, KVDEPOT_MAX_SESSIONS): end idle engines or raise the "
+                    f"limit"
+                ),
+            )
+        return [min(mine, key=lambda s: s.opened)]
+
+    def issue_ticket(self, peer: Peer) -> str:
+        """A one-use ticket that opens a session `peer` owns (the fd socket's "ticket"
+        message, on the loop): valid TICKET_SECONDS; a process may hold as many
+        unused ones as it may hold sessions (RESOURCE_EXHAUSTED beyond); past
+        MAX_TICKETS in all, the largest holder's oldest is forgotten."""
+        now = time.monotonic()
+        self._tickets = {t: v for t, v in self._tickets.items() if v[1] > now}
+        me = peer_key(peer)
+        held: dict[Hashable, list[str]] = {}
+        for t, (p, _) in self._tickets.items():  # oldest first
+            held.setdefault(peer_key(p), []).append(t)
+        if len(held.get(me, ())) >= self.max_per_pid:
+            raise self.refuse(
+                me,
+                errors.exhausted(
+                    f"{peer} holds {self.max_per_pid} unused session tickets: open sessions "
+                    f"with them first"
+                ),
+            )
+        if len(self._tickets) >= MAX_TICKETS:  # many processes: the largest holder's go
+            del self._tickets[max(held.values(), key=len)[0]]
+        token = secrets.token_hex(16)
+        self._tickets[token] = (peer, now + TICKET_SECONDS)
+        return token
+
+    def take_ticket(self, token: str) -> Peer | None:
+        """The process a live ticket names (the ticket is used up); None if none."""
+        entry = self._tickets.pop(token, None) if token else None
+        if entry is None or entry[1] <= time.monotonic():
+            return None
+        return entry[0]
+
+    def open_call(self, session_id: str) -> tuple[Hashable, int | None]:
+        """Counts one more Depot call in flight (a stream, or a unary call from its
+        headers on) of `session_id` against its account (MAX_CALLS_PER_ACCOUNT) and
+        its owner's uid (`max_calls_per_uid`): FAILED_PRECONDITION for no session,
+        RESOURCE_EXHAUSTED (logged) beyond. Give the result to `close_call`."""
+        session = self.get(session_id)
+        account = session.account
+        uid = session.owner.uid if session.owner is not None else None
+        if self._calls[account] >= MAX_CALLS_PER_ACCOUNT:
+            raise self.refuse(
+                account,
+                errors.exhausted(
+                    f"{session.owner or 'this client'} has {self._calls[account]} calls in "
+                    f"flight, the most one process may (MAX_CALLS_PER_ACCOUNT): end idle "
+                    f"streams, or wait for answers"
+                ),
+            )
+        if uid is not None and self._uid_calls[uid] >= self.max_calls_per_uid:
+            raise self.refuse(
+                account,
+                errors.exhausted(
+                    f"uid {uid} has {self._uid_calls[uid]} calls in flight, the most one user "
+                    f"may (a quarter of the server's concurrent-call limit)"
+                ),
+            )
+        self._calls[account] += 1
+        if uid is not None:
+            self._uid_calls[uid] += 1
+        return account, uid
+
+    def close_call(self, held: tuple[Hashable, int | None]) -> None:
+        account, uid = held
+        self._calls[account] -= 1
+        if self._calls[account] <= 0:
+            del self._calls[account]
+        if uid is not None:
+            self._uid_calls[uid] -= 1
+            if self._uid_calls[uid] <= 0:
+                del self._uid_calls[uid]
+
+    def account_sessions(self, session_id: str) -> list[str]:
+        """The ids of the sessions charged to `session_id`'s account (its own included;
+        just it if it is not open)."""
+        session = self.sessions.get(session_id)
+        if session is None:
+            return [session_id]
+        account = session.account
+        return [s.id for s in self.sessions.values() if s.account == account]
 
     # -- sessions --------------------------------------------------------------------
 
-    def open(self, client_name: str, pid: int, engine_id: str) -> Session:
+    def open(
+        self,
+        client_name: str,
+        pid: int,
+        engine_id: str,
+        *,
+        owner: Peer | None = None,
+        opener: Hashable | None = None,
+    ) -> Session:
         """A new session (call `make_room` first; `pid` is the client's claim, shown
-        to operators only)."""
+        to operators only; `owner` and `opener` as for `make_room`)."""
         if len(self.sessions) >= self.max_sessions:
             raise errors.exhausted(
                 f"{len(self.sessions)} sessions are open, the most this daemon allows "
                 f"(--max-sessions, KVDEPOT_MAX_SESSIONS): end idle engines or raise the limit"
             )
         s = Session(
-            secrets.token_hex(16), client_name[:200], pid, engine_id[:200], time.monotonic()
+            secrets.token_hex(16),
+            client_name[:200],
+            pid,
+            engine_id[:200],
+            time.monotonic(),
+            owner=owner,
+            opener=opener,
         )
         self.sessions[s.id] = s
         # One key for every open: who opens is not known yet (any pid may be claimed).
         held = self.log_limit.admit("session opened", time.monotonic())
         if held is not None:
             log.info(
-                "session %s opened by %r (says pid %d)%s",
+                "session %s opened by %r (says pid %d%s)%s",
                 s.tag,
                 s.client_name,
                 pid,
+                f"; owned by {owner}" if owner is not None else "",
                 held_note(held),
             )
         return s

@@ -139,7 +139,9 @@ def test_a_second_engine_of_the_namespace_joins_and_loads_its_blocks(daemon) -> 
     a.close()
 
 
-def test_pins_past_the_session_quota_are_refused_and_others_pin_on(daemon_factory) -> None:
+def test_pins_past_the_quota_are_refused_for_every_session_of_the_process(
+    daemon_factory,
+) -> None:
     d = daemon_factory("--pool-size", "4MiB", "--max-pinned-per-session", "256KiB")
     a, b = connect(d.target, "engine-a"), connect(d.target, "engine-b")
     store(Engine(a, GEO_A, 0), range(40))
@@ -152,16 +154,20 @@ def test_pins_past_the_session_quota_are_refused_and_others_pin_on(daemon_factor
     ch, stub = admin(d)
     with ch:
         assert stub.GetStats(admin_pb2.GetStatsRequest()).pinned_blocks == 16  # none more
-    # Another session has a quota of its own; and a key pinned again costs nothing.
-    assert b.pin(GEO_A.namespace, keys[16:32]) == [True] * 16
-    assert a.pin(GEO_A.namespace, keys[:4]) == [True] * 4
+    # Another session of the same process shares the process's quota (each used to
+    # have one of its own: two sessions held the pool whole); tests/security/
+    # test_shares.py has another process store and load beside them.
+    with pytest.raises(grpc.RpcError) as err:
+        b.pin(GEO_A.namespace, keys[16:18])
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert a.pin(GEO_A.namespace, keys[:4]) == [True] * 4  # pinned again: costs nothing
     a.unpin(GEO_A.namespace, keys[:8], wait=True)  # keys 4..7 free up, 0..3 still held once
-    assert a.pin(GEO_A.namespace, keys[32:36]) == [True] * 4
+    assert b.pin(GEO_A.namespace, keys[32:36]) == [True] * 4
     a.close()
     b.close()
 
 
-def test_rows_being_written_past_the_session_quota_are_dropped(daemon_factory) -> None:
+def test_rows_being_written_past_the_quota_are_dropped(daemon_factory) -> None:
     # World size 2: a rank-0 store leaves its rows WRITING until rank 1 writes too.
     geo = Geometry(groups=[[4096, 4096]], world_size=2, num_blocks=64, namespace="half-written")
     slot = 2 * SECTION  # both ranks' sections
@@ -171,19 +177,19 @@ def test_rows_being_written_past_the_session_quota_are_dropped(daemon_factory) -
     res = store(rank0, range(5))
     assert (res.stored_keys, res.dropped_keys) == (3, 2)
     assert "--max-writing-per-session" in res.drop_reason
+    # The other session of this process shares its quota: no fresh row of its own.
+    rank1 = Engine(b, geo, 1)
+    res = store(rank1, range(10, 12))
+    assert (res.stored_keys, res.dropped_keys) == (0, 2)
     # Rank 1 completes rows 0..2; rows 3 and 4, which rank 0 gave up, it drops too
     # rather than begin rows rank 0 will not write (they would hold the pool).
-    rank1 = Engine(b, geo, 1)
     res = store(rank1, range(5))
     assert (res.stored_keys, res.dropped_keys) == (3, 2)
     assert "another rank of this block row dropped it" in res.drop_reason
     assert a.lookup(geo.namespace, [make_key(c, 0) for c in range(3)]) == [True] * 3
-    # The other session is not limited by rank 0's quota: its own fresh rows.
-    res = store(rank1, range(8, 10))
-    assert (res.stored_keys, res.dropped_keys) == (2, 0)
-    # Completed rows are charged to nobody: rank 0's quota is free again, and its
-    # new attempt at rows 3 and 4 (and one more: its whole quota) is stored, which
-    # rank 1 then completes.
+    # Completed rows are charged to nobody: the quota is free again, and rank 0's new
+    # attempt at rows 3 and 4 (and one more: its whole quota) is stored, which rank 1
+    # then completes.
     res = store(rank0, range(3, 6))
     assert (res.stored_keys, res.dropped_keys) == (3, 0)
     res = store(rank1, range(3, 6))
