@@ -268,6 +268,7 @@ class KVDepotOffloadingSpec(OffloadingSpec):
                 self.settings,
                 enable_events=self.kv_events_config.enable_kv_cache_events,
                 node_shards=node_shards,
+                chunk_events=self.kv_events_config.self_describing_kv_events,
             )
         return self._manager
 

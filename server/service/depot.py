@@ -167,8 +167,9 @@ class DepotServicer(depot_pb2_grpc.DepotServicer):
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT, "namespace_id is empty: name the namespace"
             )
+        namespace_id, with_events = request.namespace_id, request.key_events
         try:
-            watcher, keys = st.add_watcher(request.session_id, request.namespace_id)
+            watcher, keys = st.add_watcher(request.session_id, namespace_id)
         except errors.DepotError as exc:  # not joined, or the session's streams used up
             await abort_with(context, exc)
             return
@@ -177,11 +178,13 @@ class DepotServicer(depot_pb2_grpc.DepotServicer):
                 watcher.lagged = False
                 first = True
                 for i in range(0, max(len(keys), 1), SNAPSHOT_BATCH):
+                    batch = keys[i : i + SNAPSHOT_BATCH]
                     yield pb.WatchEvent(
                         kind=pb.WatchEvent.SNAPSHOT,
-                        keys=keys[i : i + SNAPSHOT_BATCH],
+                        keys=batch,
                         reset=first,
                         boot_id=st.boot_id,
+                        key_events=st.chunk_events(namespace_id, batch) if with_events else (),
                     )
                     first = False
                 yield pb.WatchEvent(kind=pb.WatchEvent.SNAPSHOT_END, boot_id=st.boot_id)
@@ -199,6 +202,11 @@ class DepotServicer(depot_pb2_grpc.DepotServicer):
                         reason=event_reason(run),
                         boot_id=st.boot_id,
                         tier=WATCH_TIERS[run.tier],
+                        key_events=(
+                            st.chunk_events(namespace_id, run.keys)
+                            if with_events and run.kind is EventKind.STORED
+                            else ()
+                        ),
                     )
                 keys = st.ready_keys(request.namespace_id)  # lagged: resync
                 log.warning(

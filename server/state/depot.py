@@ -303,6 +303,7 @@ class DepotState:
     add_watcher = forward("keys", KeyCalls.add_watcher)
     remove_watcher = forward("keys", KeyCalls.remove_watcher)
     ready_keys = forward("keys", KeyCalls.ready_keys)
+    chunk_events = forward("keys", KeyCalls.chunk_events)
     # The tiers below the pool, the disk and the fleet's (kvdepot.server.state.tiers).
     attach_remote_tier = forward("tiers", TiersBelow.attach_remote_tier)
     attach_disk_tier = forward("tiers", TiersBelow.attach_disk_tier)

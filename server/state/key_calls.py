@@ -104,6 +104,10 @@ class KeyCalls:
         if session is not None:
             self.access.close_watch(session)
 
+    def chunk_events(self, namespace_id: str, keys: Sequence[bytes]) -> list[bytes]:
+        """Each key's chunk event (WatchEvent.key_events), b"" where none is held."""
+        return self.index.chunk_events(namespace_id, keys)
+
     def ready_keys(self, namespace_id: str) -> list[bytes]:
         ns = self.index.namespaces.get(namespace_id)
         if ns is None:

@@ -25,6 +25,7 @@ def stats_fields(state: DepotState) -> dict[str, object]:
     alloc = state.index.allocator
     ix = state.index.stats
     store, load = state.traffic.store, state.traffic.load
+    chunk_event_rows, chunk_event_bytes = state.index.chunk_event_totals()
     return {
         "version": kvdepot.__version__,
         "boot_id": state.boot_id,
@@ -70,6 +71,8 @@ def stats_fields(state: DepotState) -> dict[str, object]:
         "pin_keys": ix.pin_keys,
         "pinned_keys": ix.pinned_keys,
         "touched_keys": ix.touched_keys,
+        "chunk_event_rows": chunk_event_rows,
+        "chunk_event_bytes": chunk_event_bytes,
         "recovery_blocks_total": state.recovery.total,
         "recovery_blocks_verified": state.recovery.verified,
         "recovery_blocks_rejected": state.recovery.rejected,
