@@ -188,6 +188,22 @@ class DaemonSettings(DerivedSockets):
         help="address the metrics endpoint listens on: loopback by default, 0.0.0.0 (or "
         "the pod IP) for a scrape from another host or pod",
     )
+    kv_events: str | None = setting(
+        "--kv-events",
+        parse=parsers.zmq_tcp,
+        metavar="tcp://HOST:PORT",
+        shown="off",
+        help="publish the pool's blocks to KV-cache-aware routers (llm-d, Dynamo) in "
+        "vLLM's KV-event format, as vLLM does: tcp://*:PORT binds PORT (replay requests "
+        "on PORT+1), tcp://HOST:PORT connects to a router's SUB socket",
+    )
+    kv_events_topic: str = setting(
+        "--kv-events-topic",
+        "",
+        metavar="TOPIC",
+        shown="none",
+        help="the ZMQ topic of --kv-events' messages (llm-d expects kv@POD-IP@MODEL)",
+    )
     max_sessions: int = setting(
         "--max-sessions",
         256,

@@ -22,6 +22,8 @@ from grpc_reflection.v1alpha import reflection
 import kvdepot
 from kvdepot.common.escape import EscapingFormatter
 from kvdepot.server.config import ServeConfig
+from kvdepot.server.core.index import IndexEvent
+from kvdepot.server.core.kinds import EventKind
 from kvdepot.server.core.planner import planning
 from kvdepot.server.cuda import enable_cuda
 from kvdepot.server.fd_receiver import FdReceiver
@@ -45,6 +47,7 @@ from kvdepot.v1 import admin_pb2, admin_pb2_grpc, depot_pb2, depot_pb2_grpc
 
 if TYPE_CHECKING:
     from kvdepot.server.disk.link import DiskLink
+    from kvdepot.server.kv_events import KvEventPublisher
     from kvdepot.server.remote.codec import Codec
     from kvdepot.server.remote.link import RemoteLink, RemoteSettings
 
@@ -167,6 +170,7 @@ class Daemon:
         self._ready = False  # READY=1 sent (read by the warm-up thread's STATUS lines)
         self.remote: RemoteLink | None = None
         self.disk: DiskLink | None = None
+        self.kv_events: KvEventPublisher | None = None
         self.depot: DepotServicer | None = None
         self.gc = GcPolicy()  # keeps the index out of full collections
 
@@ -295,6 +299,8 @@ class Daemon:
             log.info(
                 "Prometheus metrics on http://%s:%d/metrics", cfg.metrics_addr, cfg.metrics_port
             )
+        if cfg.kv_events:
+            self.kv_events = start_kv_events(st, cfg.kv_events, cfg.kv_events_topic)
         # SERVING only once everything (fd socket, metrics) is up.
         for health, name in zip((self.health, self.admin_health), SERVICES, strict=True):
             for service in ("", name):
@@ -449,11 +455,35 @@ class Daemon:
             await self.remote.close()
         if self.disk is not None:  # so must its I/O; and it writes its index checkpoint
             await self.disk.close()
+        if self.kv_events is not None:
+            self.kv_events.close()
         st.close()
         for path in (self.config.socket, self.config.fd_socket, self.config.admin_socket_path):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
         log.info("stopped; sockets removed")
+
+
+def start_kv_events(st: DepotState, endpoint: str, topic: str) -> KvEventPublisher:
+    """The node's KV-event stream (--kv-events): AllBlocksCleared, then the rows the
+    pool holds already (a warm restart's), then every change as it happens."""
+    from kvdepot.server.kv_events import KvEventPublisher
+
+    publisher = KvEventPublisher(endpoint, st.chunk_events, topic)
+    for namespace_id in list(st.index.namespaces):
+        keys = st.ready_keys(namespace_id)
+        if keys:
+            publisher.on_event(IndexEvent(namespace_id, EventKind.STORED, tuple(keys)))
+    st.add_event_listener(publisher.on_event)
+    st.event_stream = publisher
+    publisher.start()
+    log.info(
+        "KV events on %s (replay requests on %s), topic %r",
+        publisher.endpoint,
+        publisher.replay or "none: the PUB socket connects",
+        topic,
+    )
+    return publisher
 
 
 def configure_logging(level: str, tag: str = "") -> None:

@@ -201,7 +201,15 @@ class ReadyMirror:
     ) -> None:
         if self._events is None or not keys:
             return
-        event = OffloadingEvent(keys=keys, medium=medium, removed=removed, locality=locality)  # type: ignore[arg-type]
+        # A disk block's removal always follows (the tier announces it): vLLM's tracker
+        # then keeps the chunk's metadata until it, past the pool's removal.
+        event = OffloadingEvent(
+            keys=keys,  # type: ignore[arg-type]
+            medium=medium,
+            removed=removed,
+            locality=locality,
+            removal_expected=medium is Medium.STORAGE and not removed,
+        )
         with self._events_lock:
             self._events.append(event)
 

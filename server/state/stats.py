@@ -73,6 +73,8 @@ def stats_fields(state: DepotState) -> dict[str, object]:
         "touched_keys": ix.touched_keys,
         "chunk_event_rows": chunk_event_rows,
         "chunk_event_bytes": chunk_event_bytes,
+        "kv_events_published": state.event_stream.published if state.event_stream else 0,
+        "kv_events_dropped": state.event_stream.dropped if state.event_stream else 0,
         "recovery_blocks_total": state.recovery.total,
         "recovery_blocks_verified": state.recovery.verified,
         "recovery_blocks_rejected": state.recovery.rejected,
