@@ -143,3 +143,71 @@ def test_chunk_event_bytes_are_counted(daemon_factory, make_engine) -> None:
     per_row = st.chunk_event_bytes / st.chunk_event_rows
     # 4 blocks of 16 tokens: 4 hashes, a parent, 64 token ids and the small fields.
     assert 200 < per_row < 600, per_row
+
+
+def stored_on(engine, seen: list, medium: str) -> dict:
+    engine.scheduler_connector.take_events()
+    return {
+        tuple(e.block_hashes): e for e in seen if isinstance(e, BlockStored) and e.medium == medium
+    }
+
+
+def test_disk_tier_events_and_a_promotion_are_complete_too(
+    daemon_factory, make_engine, tmp_path
+) -> None:
+    pytest.importorskip("blake3")
+    d = daemon_factory(
+        "--pool-size", "64MiB", "--disk", str(tmp_path / "disk"), "--disk-size", "64MiB"
+    )  # fmt: skip
+    opts = dict(
+        socket=d.target,
+        num_gpu_blocks=64,
+        enable_kv_events=True,
+        blocks_per_chunk=4,
+        extra_config=SELF_DESCRIBING,
+    )
+    a, b = make_engine(**opts), make_engine(**opts)
+    a.wait_registered()
+    b.wait_registered()
+    seen_a, seen_b = recorder(a), recorder(b)
+    prompt = prompt_for(17, 192)
+    keys = a.offload_keys(prompt)
+    a.generate([prompt])
+    a.wait_ready(keys)
+    a.wait_until(lambda: len(stored_on(a, seen_a, "CPU")) >= len(keys), what="A's events")
+    expected = sorted(map(payload, stored_on(a, seen_a, "CPU").values()))
+    # Written to disk: B's STORAGE events are A's chunks, complete.
+    b.wait_until(lambda: len(stored_on(b, seen_b, "STORAGE")) >= len(keys), what="B's disk events")
+    assert sorted(map(payload, stored_on(b, seen_b, "STORAGE").values())) == expected
+
+    # Out of the pool, on disk only: C, started now, hears the records complete.
+    res = a.manager._client.admin.Evict(
+        admin_pb2.EvictRequest(namespace_id=a.manager.namespace_id, keys=keys)
+    )
+    assert res.evicted_blocks == len(keys)
+    a.wait_until(lambda: not any(a.manager.is_ready(k) for k in keys), what="RAM evicted")
+    c = make_engine(**opts)
+    c.wait_registered()
+    seen_c = recorder(c)
+    c.wait_until(lambda: len(stored_on(c, seen_c, "STORAGE")) >= len(keys), what="C's disk events")
+    assert sorted(map(payload, stored_on(c, seen_c, "STORAGE").values())) == expected
+    assert not stored_on(c, seen_c, "CPU")
+
+    # Promoted back into the pool (C asks for the prompt): every engine's CPU events
+    # are complete again, a later engine's snapshot too.
+    c.add_request(prompt)
+    c.step()
+    c.wait_ready(keys)
+    c.run()
+    for engine, seen in ((b, seen_b), (c, seen_c)):
+        engine.wait_ready(keys)
+        engine.wait_until(
+            lambda e=engine, s=seen: len(stored_on(e, s, "CPU")) >= len(keys), what="promoted"
+        )
+        assert sorted(map(payload, stored_on(engine, seen, "CPU").values())) == expected
+    late = make_engine(**opts)
+    late.wait_registered()
+    seen_late = recorder(late)
+    late.wait_ready(keys)
+    late.wait_until(lambda: len(stored_on(late, seen_late, "CPU")) >= len(keys), what="late")
+    assert sorted(map(payload, stored_on(late, seen_late, "CPU").values())) == expected
