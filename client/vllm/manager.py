@@ -325,7 +325,9 @@ class KVDepotOffloadingManager(OffloadingManager):
         return _MISS
 
     def get_load_source(self, key: OffloadKey, req_context: ReqContext) -> CacheHitSource:
-        return CacheHitSource.HOST
+        """`disk` for the first load of a key the daemon promoted from its disk for
+        this engine, `external_unspecified` for one the fleet sent, else `host`."""
+        return self._remote.load_source(key)
 
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
         keys = list(keys)

@@ -53,6 +53,9 @@ def is_observer_join(request: pb.RegisterKVRequest) -> bool:
 
 
 WATCH_KINDS = {EventKind.STORED: pb.WatchEvent.STORED, EventKind.REMOVED: pb.WatchEvent.REMOVED}
+# Prefetch's answers (kvdepot.server.remote.reader.KeyState's values): a disk fetch is
+# FETCHING on the wire, with from_disk.
+_FETCHING, _FETCHING_DISK = pb.PrefetchResponse.FETCHING, 4
 WATCH_TIERS = {Tier.POOL: pb.WatchEvent.TIER_POOL, Tier.DISK: pb.WatchEvent.TIER_DISK}
 
 
@@ -333,8 +336,12 @@ class DepotServicer(depot_pb2_grpc.DepotServicer):
             return pb.PrefetchResponse(
                 states=[pb.PrefetchResponse.ABSENT] * len(request.keys), remote_tier=False
             )
+        from_disk = [s == _FETCHING_DISK for s in states]
         return pb.PrefetchResponse(
-            states=[int(s) for s in states],
+            states=[
+                _FETCHING if disk else int(s) for s, disk in zip(states, from_disk, strict=True)
+            ],
             remote_tier=True,
             remote_healthy=st.tiers_healthy,
+            from_disk=from_disk if any(from_disk) else (),
         )

@@ -112,7 +112,7 @@ class TiersBelow:
         rest = [i for i, found in zip(missing, on_disk, strict=True) if not found]
         for i, found in zip(missing, on_disk, strict=True):
             if found:
-                states[i] = KeyState.FETCHING
+                states[i] = KeyState.FETCHING_DISK
         if rest and self.link is not None:
             fleet = await self.link.prefetch(namespace_id, [keys[i] for i in rest])
             for i, state in zip(rest, fleet, strict=True):

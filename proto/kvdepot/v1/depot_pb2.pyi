@@ -456,7 +456,7 @@ class PrefetchRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., namespace_id: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class PrefetchResponse(_message.Message):
-    __slots__ = ("states", "remote_tier", "remote_healthy")
+    __slots__ = ("states", "remote_tier", "remote_healthy", "from_disk")
     class KeyState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         KEY_STATE_UNSPECIFIED: _ClassVar[PrefetchResponse.KeyState]
@@ -470,7 +470,9 @@ class PrefetchResponse(_message.Message):
     STATES_FIELD_NUMBER: _ClassVar[int]
     REMOTE_TIER_FIELD_NUMBER: _ClassVar[int]
     REMOTE_HEALTHY_FIELD_NUMBER: _ClassVar[int]
+    FROM_DISK_FIELD_NUMBER: _ClassVar[int]
     states: _containers.RepeatedScalarFieldContainer[PrefetchResponse.KeyState]
     remote_tier: bool
     remote_healthy: bool
-    def __init__(self, states: _Optional[_Iterable[_Union[PrefetchResponse.KeyState, str]]] = ..., remote_tier: _Optional[bool] = ..., remote_healthy: _Optional[bool] = ...) -> None: ...
+    from_disk: _containers.RepeatedScalarFieldContainer[bool]
+    def __init__(self, states: _Optional[_Iterable[_Union[PrefetchResponse.KeyState, str]]] = ..., remote_tier: _Optional[bool] = ..., remote_healthy: _Optional[bool] = ..., from_disk: _Optional[_Iterable[bool]] = ...) -> None: ...
