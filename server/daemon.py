@@ -216,6 +216,8 @@ class Daemon:
         fleet = self._fleet()
         disk = self.disk = self._disk_tier(st, fleet[1].held_ids if fleet else frozenset())
         remote = self.remote = self._remote_tier(st, fleet)
+        if cfg.kv_events:  # before any server: its port taken stops the start cleanly
+            self.kv_events = start_kv_events(st, cfg.kv_events, cfg.kv_events_topic)
 
         # Two servers on this loop: one grpc server cannot serve different services on
         # different ports, and Admin must never be on the engines' socket (or TCP).
@@ -299,8 +301,6 @@ class Daemon:
             log.info(
                 "Prometheus metrics on http://%s:%d/metrics", cfg.metrics_addr, cfg.metrics_port
             )
-        if cfg.kv_events:
-            self.kv_events = start_kv_events(st, cfg.kv_events, cfg.kv_events_topic)
         # SERVING only once everything (fd socket, metrics) is up.
         for health, name in zip((self.health, self.admin_health), SERVICES, strict=True):
             for service in ("", name):
@@ -464,12 +464,21 @@ class Daemon:
         log.info("stopped; sockets removed")
 
 
+class KvEventsError(RuntimeError):
+    """--kv-events cannot be served (its port is taken, the address is not one)."""
+
+
 def start_kv_events(st: DepotState, endpoint: str, topic: str) -> KvEventPublisher:
     """The node's KV-event stream (--kv-events): AllBlocksCleared, then the rows the
     pool holds already (a warm restart's), then every change as it happens."""
+    import zmq
+
     from kvdepot.server.kv_events import KvEventPublisher
 
-    publisher = KvEventPublisher(endpoint, st.chunk_events, topic)
+    try:
+        publisher = KvEventPublisher(endpoint, st.chunk_events, topic)
+    except zmq.ZMQError as exc:
+        raise KvEventsError(f"--kv-events {endpoint}: {exc}") from None
     for namespace_id in list(st.index.namespaces):
         keys = st.ready_keys(namespace_id)
         if keys:
@@ -526,6 +535,7 @@ def serve_one(config: ServeConfig, notify_channel: socket.socket | None = None) 
         RemoteTierError,
         DiskTierError,
         ListenError,
+        KvEventsError,
     ) as exc:
         log.error("%s", exc)
         return 2

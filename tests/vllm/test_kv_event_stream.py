@@ -238,3 +238,24 @@ def test_it_connects_to_a_routers_sub_socket_with_its_topic(daemon_factory, make
         assert {(e.block_size, tuple(e.token_ids)) for e in got} == {(0, ())}
     finally:
         ctx.destroy(linger=0)
+
+
+def test_a_taken_port_stops_the_start_with_a_clear_error(tmp_path) -> None:
+    import subprocess
+
+    from kvdepot.testing.daemon import kvdepot_command
+
+    port = free_port_pair()
+    with socket.socket() as taken:
+        taken.bind(("0.0.0.0", port))
+        taken.listen()
+        serve = ["serve", "--socket", str(tmp_path / "s.sock"), "--pool-size", "16MiB"]
+        proc = subprocess.run(
+            [*kvdepot_command(), *serve, "--kv-events", f"tcp://*:{port}"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    assert proc.returncode == 2
+    assert f"--kv-events tcp://*:{port}: Address already in use" in proc.stderr
+    assert "Traceback" not in proc.stderr
