@@ -508,10 +508,16 @@ class DepotClient:
         return ""
 
     def _open_watch(
-        self, stub: depot_pb2_grpc.DepotStub, session_id: str, namespace_id: str
+        self,
+        stub: depot_pb2_grpc.DepotStub,
+        session_id: str,
+        namespace_id: str,
+        key_events: bool = False,
     ) -> grpc.aio.UnaryStreamCall:
         return stub.Watch(
-            depot_pb2.WatchRequest(session_id=session_id, namespace_id=namespace_id),
+            depot_pb2.WatchRequest(
+                session_id=session_id, namespace_id=namespace_id, key_events=key_events
+            ),
             metadata=session_metadata(session_id),
         )
 
@@ -522,12 +528,18 @@ class DepotClient:
 
     # -- streams ---------------------------------------------------------------------
 
-    def watch(self, namespace_id: str, on_event: Callable[[depot_pb2.WatchEvent], None]) -> Watch:
+    def watch(
+        self,
+        namespace_id: str,
+        on_event: Callable[[depot_pb2.WatchEvent], None],
+        key_events: bool = False,
+    ) -> Watch:
         """Follows the namespace's ready keys; see `Watch`. The namespace is joined
         (remembered at once; the join itself is the stream's first step, so this
-        never waits on the daemon)."""
+        never waits on the daemon). `key_events`: STORED and SNAPSHOT events carry
+        the stores' chunk events (WatchRequest.key_events)."""
         self._memberships.remember(namespace_id)
-        return Watch(self, namespace_id, on_event).start()
+        return Watch(self, namespace_id, on_event, key_events).start()
 
     def transfer_stream(
         self, job_lane: bool | None = None, *, open_lane_now: bool = True

@@ -21,7 +21,7 @@ from kvdepot.v1 import depot_pb2
 def job_to_proto(job: Job) -> depot_pb2.TransferJob:
     """The wire form of `job` (its namespace_id stays behind: the registration implies it;
     an empty session_id is filled by the TransferStream that sends it)."""
-    return depot_pb2.TransferJob(
+    msg = depot_pb2.TransferJob(
         job_id=job.job_id,
         direction=job.direction,  # type: ignore[arg-type]  # a Direction value
         registration_id=job.registration_id,
@@ -32,6 +32,9 @@ def job_to_proto(job: Job) -> depot_pb2.TransferJob:
         expedited=job.expedited,
         session_id=job.session_id,
     )
+    if job.key_events:  # most jobs carry none: no field to fill
+        msg.key_events.extend(job.key_events)
+    return msg
 
 
 def result_from_proto(msg: depot_pb2.TransferResult) -> JobResult:

@@ -46,10 +46,12 @@ class Watch:
         client: DepotClient,
         namespace_id: str,
         on_event: Callable[[depot_pb2.WatchEvent], None],
+        key_events: bool = False,
     ) -> None:
         self.client = client
         self.namespace_id = namespace_id
         self.on_event = on_event
+        self.key_events = key_events  # ask for the stores' chunk events
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> Watch:
@@ -66,7 +68,7 @@ class Watch:
             try:
                 session_id = client.session_id
                 await client._join_async(stub, session_id, self.namespace_id)
-                call = client._open_watch(stub, session_id, self.namespace_id)
+                call = client._open_watch(stub, session_id, self.namespace_id, self.key_events)
                 async for event in call:
                     self.on_event(event)
             except (grpc.RpcError, DepotUnavailable):

@@ -53,6 +53,9 @@ class Job:
     # The session the job runs as: filled by the client's Transfer stream, and by the
     # daemon's job lane with the lane's own session.
     session_id: str = ""
+    # STORE, optional: one serialized kvdepot.v1.ChunkEvent per key, in keys' order
+    # (b"": none for that key); what routers index, kept beside the rows.
+    key_events: Sequence[bytes] = ()
 
     @property
     def is_load(self) -> bool:

@@ -196,6 +196,22 @@ class DaemonSettings(DerivedSockets):
         "(`Authorization: Bearer TOKEN`; Prometheus: `authorization: {credentials_file: ...}`); "
         "others get 401. Others must not read it (chmod o-rwx)",
     )
+    kv_events: str | None = setting(
+        "--kv-events",
+        parse=parsers.zmq_tcp,
+        metavar="tcp://HOST:PORT",
+        shown="off",
+        help="publish the pool's blocks to KV-cache-aware routers (llm-d, Dynamo) in "
+        "vLLM's KV-event format, as vLLM does: tcp://*:PORT binds PORT (replay requests "
+        "on PORT+1), tcp://HOST:PORT connects to a router's SUB socket",
+    )
+    kv_events_topic: str = setting(
+        "--kv-events-topic",
+        "",
+        metavar="TOPIC",
+        shown="none",
+        help="the ZMQ topic of --kv-events' messages (llm-d expects kv@POD-IP@MODEL)",
+    )
     max_sessions: int = setting(
         "--max-sessions",
         256,

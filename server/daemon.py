@@ -22,6 +22,8 @@ from grpc_reflection.v1alpha import reflection
 import kvdepot
 from kvdepot.common.escape import EscapingFormatter
 from kvdepot.server.config import ServeConfig
+from kvdepot.server.core.index import IndexEvent
+from kvdepot.server.core.kinds import EventKind
 from kvdepot.server.core.planner import planning
 from kvdepot.server.cuda import enable_cuda
 from kvdepot.server.fd_receiver import FdReceiver
@@ -47,6 +49,7 @@ from kvdepot.v1 import admin_pb2, admin_pb2_grpc, depot_pb2, depot_pb2_grpc
 
 if TYPE_CHECKING:
     from kvdepot.server.disk.link import DiskLink
+    from kvdepot.server.kv_events import KvEventPublisher
     from kvdepot.server.remote.codec import Codec
     from kvdepot.server.remote.link import RemoteLink, RemoteSettings
 
@@ -169,6 +172,7 @@ class Daemon:
         self._ready = False  # READY=1 sent (read by the warm-up thread's STATUS lines)
         self.remote: RemoteLink | None = None
         self.disk: DiskLink | None = None
+        self.kv_events: KvEventPublisher | None = None
         self.depot: DepotServicer | None = None
         self.gc = GcPolicy()  # keeps the index out of full collections
 
@@ -215,6 +219,8 @@ class Daemon:
         fleet = self._fleet()
         disk = self.disk = self._disk_tier(st, fleet[1].held_ids if fleet else frozenset())
         remote = self.remote = self._remote_tier(st, fleet)
+        if cfg.kv_events:  # before any server: its port taken stops the start cleanly
+            self.kv_events = start_kv_events(st, cfg.kv_events, cfg.kv_events_topic)
 
         # Two servers on this loop: one grpc server cannot serve different services on
         # different ports, and Admin must never be on the engines' socket (or TCP).
@@ -461,11 +467,44 @@ class Daemon:
             await self.remote.close()
         if self.disk is not None:  # so must its I/O; and it writes its index checkpoint
             await self.disk.close()
+        if self.kv_events is not None:
+            self.kv_events.close()
         st.close()
         for path in (self.config.socket, self.config.fd_socket, self.config.admin_socket_path):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
         log.info("stopped; sockets removed")
+
+
+class KvEventsError(RuntimeError):
+    """--kv-events cannot be served (its port is taken, the address is not one)."""
+
+
+def start_kv_events(st: DepotState, endpoint: str, topic: str) -> KvEventPublisher:
+    """The node's KV-event stream (--kv-events): AllBlocksCleared, then the rows the
+    pool holds already (a warm restart's), then every change as it happens."""
+    import zmq
+
+    from kvdepot.server.kv_events import KvEventPublisher
+
+    try:
+        publisher = KvEventPublisher(endpoint, st.chunk_events, topic)
+    except zmq.ZMQError as exc:
+        raise KvEventsError(f"--kv-events {endpoint}: {exc}") from None
+    for namespace_id in list(st.index.namespaces):
+        keys = st.ready_keys(namespace_id)
+        if keys:
+            publisher.on_event(IndexEvent(namespace_id, EventKind.STORED, tuple(keys)))
+    st.add_event_listener(publisher.on_event)
+    st.event_stream = publisher
+    publisher.start()
+    log.info(
+        "KV events on %s (replay requests on %s), topic %r",
+        publisher.endpoint,
+        publisher.replay or "none: the PUB socket connects",
+        topic,
+    )
+    return publisher
 
 
 def configure_logging(level: str, tag: str = "") -> None:
@@ -509,6 +548,7 @@ def serve_one(config: ServeConfig, notify_channel: socket.socket | None = None) 
         DiskTierError,
         ListenError,
         MetricsTokenError,
+        KvEventsError,
     ) as exc:
         log.error("%s", exc)
         return 2

@@ -64,6 +64,17 @@ def host_port(text: str) -> str:
     return text.strip()
 
 
+def zmq_tcp(text: str) -> str:
+    """tcp://HOST:PORT: `*` binds every interface (the replay socket takes the next
+    port), any other host is connected to (a router's bound SUB socket)."""
+    value = text.strip()
+    rest = value.removeprefix("tcp://")
+    host, _, port = rest.rpartition(":")
+    if rest == value or not host or not port.isdigit() or not 1 <= int(port) < 65535:
+        raise ValueError(f"{text!r} is not tcp://HOST:PORT, e.g. tcp://*:5557")
+    return value
+
+
 def address(text: str) -> str:
     value = text.strip().strip("[]")
     read(

@@ -105,6 +105,8 @@ def shard_config(cfg: ServeConfig, i: int) -> ServeConfig:
                 f"listen on {port}, past 65535: choose a lower port"
             )
         changes["metrics_port"] = port
+    if cfg.kv_events and i > 0:  # one stream (and one port) for the node: shard 0's
+        changes["kv_events"] = None
     if cfg.disk:
         disk_size = _share(cfg, cfg.disk_size, "--disk-size", MIN_SHARD_DISK_BYTES)
         # Every shard in a directory of its own, also shard 0: a tier's file holds one

@@ -412,6 +412,11 @@ def test_named_admin_socket_pool_file_metrics_and_disk_are_split() -> None:
     )
 
 
+def test_only_shard_0_publishes_kv_events() -> None:
+    cfg = _cfg(shards=3, kv_events="tcp://*:5557")
+    assert [shard_config(cfg, i).kv_events for i in range(3)] == ["tcp://*:5557", None, None]
+
+
 def test_unset_or_any_metrics_port_stays_as_it_is() -> None:
     assert shard_config(_cfg(shards=2), 1).metrics_port is None
     assert shard_config(_cfg(shards=2, metrics_port=0), 1).metrics_port == 0

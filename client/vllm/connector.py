@@ -26,7 +26,10 @@ from typing import Any
 import numpy as np
 from vllm.config import VllmConfig
 from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorMetadata,
+    KVConnectorTransferResults,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
     OffloadingConnectorMetadata,
     OffloadingWorkerMetadata,
@@ -37,12 +40,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.worker import (
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
     OffloadingConnector,
 )
+from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.kv_cache_interface import KVCacheConfig
 from vllm.v1.kv_offload.base import OffloadingSpec
 from vllm.v1.outputs import KVConnectorOutput
 
+from kvdepot.client.vllm.chunk_events import encode_for_keys, tracker_of
 from kvdepot.client.vllm.manager import KVDepotOffloadingManager
 from kvdepot.client.vllm.spec import SPEC_NAME, ConnectorContext, connector_context
+from kvdepot.client.vllm.transfer_specs import KVDepotStoreSpec
 from kvdepot.client.vllm.worker import KVDepotOffloadingWorker
 
 log = logging.getLogger("kvdepot.vllm")
@@ -188,6 +194,13 @@ class KVDepotConnector(OffloadingConnector):
             super().__init__(vllm_config, role, kv_cache_config)
         finally:
             connector_context.reset(token)
+        # vLLM's events tracker, when it records self-describing events (scheduler).
+        self._chunk_tracker = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._chunk_tracker = tracker_of(self.connector_scheduler)
+            manager = self.connector_scheduler.manager if self.connector_scheduler else None
+            if self._chunk_tracker is not None and isinstance(manager, KVDepotOffloadingManager):
+                manager.follow_tracker(self._chunk_tracker)
         if role == KVConnectorRole.WORKER:
             assert self.connector_worker is not None
             self.connector_worker = KVDepotConnectorWorker(
@@ -237,6 +250,19 @@ class KVDepotConnector(OffloadingConnector):
         return set()
 
     # -- scheduler side ---------------------------------------------------------------------
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        """vLLM's, with each store's chunk events (self-describing KV events on): the
+        tracker's snapshots of the step's stored chunks travel with the store job, so
+        the daemon can hand them to every other engine (kvdepot.client.vllm.chunk_events)."""
+        meta = self.scheduler.build_connector_meta(scheduler_output)
+        tracker = self._chunk_tracker
+        if tracker is not None and isinstance(meta, OffloadingConnectorMetadata):
+            for job in meta.store_jobs.values():
+                spec = job.dst_spec
+                if type(spec) is KVDepotStoreSpec:
+                    spec.key_events = encode_for_keys(tracker, spec.keys)
+        return meta
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         # Runs every step: one type check, then vLLM's scheduler side directly.

@@ -39,6 +39,8 @@ each part's module says which thread calls what and what it owns:
 - `RemotePrefetch` (prefetch.py): RETRY answers and the prefetch thread.
 - `LoadFailureBackoff` (load_failures.py): keys that miss after a failed load.
 - `StepStats` (stats.py): the figures `get_stats` hands vLLM.
+- chunk_events.py: with vLLM's `self_describing_kv_events`, the stores' router
+  metadata, taken from the Watch stream into vLLM's events tracker (`follow_tracker`).
 What stays here is the namespace and its generation (reset_cache) and the store
 decision (scheduler thread only).
 
@@ -61,6 +63,9 @@ import threading
 import uuid
 from collections.abc import Collection, Iterable, Mapping, Sequence
 
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.events import (
+    OffloadingEventsTracker,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
     OffloadingConnectorStats,
 )
@@ -82,6 +87,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvdepot.client import DepotClient
 from kvdepot.client.pin_lane import PinLane, UnpinLane
+from kvdepot.client.vllm.chunk_events import feed_tracker
 from kvdepot.client.vllm.config import DepotSettings
 from kvdepot.client.vllm.load_failures import LoadFailureBackoff
 from kvdepot.client.vllm.mirror import ReadyMirror
@@ -136,12 +142,15 @@ class KVDepotOffloadingManager(OffloadingManager):
         enable_events: bool = False,
         node_shards: int | None = None,
         part_suffixes: Sequence[str] | None = None,
+        chunk_events: bool = False,
     ) -> None:
         """`clients`: the daemon's, or one per namespace part of the engine (a shard it
         uses, or a pipeline stage on one: kvdepot.common.shards.engine_parts), the first
         part's first; `part_suffixes`: what each part adds to the namespace id (default:
         one part per shard, `shard_namespace_id`); `node_shards`: the shards the engine
-        was routed for (default `settings.shards`, or 1 when that is "auto")."""
+        was routed for (default `settings.shards`, or 1 when that is "auto").
+        `chunk_events`: the Watch streams ask for the stores' chunk events (vLLM's
+        self-describing KV events are on)."""
         self._clients = [clients] if isinstance(clients, DepotClient) else list(clients)
         self._client = self._clients[0]
         self._settings = settings
@@ -150,6 +159,9 @@ class KVDepotOffloadingManager(OffloadingManager):
         self._generation = 0  # resets so far: the namespace's generation
         self._stats = StepStats()
         self._failures = LoadFailureBackoff(settings.load_failure_backoff_s)
+        self._chunk_events = chunk_events and enable_events
+        # vLLM's OffloadingEventsTracker, once the connector hands it (follow_tracker).
+        self._tracker: OffloadingEventsTracker | None = None
         self._mirror = ReadyMirror(
             enable_events, on_forget=self._failures.clear, shards=len(self._clients)
         )
@@ -198,7 +210,11 @@ class KVDepotOffloadingManager(OffloadingManager):
     def _watch_all(self) -> list:
         """One Watch stream per shard, for the current namespace and generation."""
         return [
-            client.watch(namespace_id, self._mirror.handler(self._generation, shard))
+            client.watch(
+                namespace_id,
+                self._mirror.handler(self._generation, shard),
+                key_events=self._chunk_events,
+            )
             for shard, (client, namespace_id) in enumerate(
                 zip(self._clients, self._on_shards, strict=True)
             )
@@ -323,7 +339,9 @@ class KVDepotOffloadingManager(OffloadingManager):
         return _MISS
 
     def get_load_source(self, key: OffloadKey, req_context: ReqContext) -> CacheHitSource:
-        return CacheHitSource.HOST
+        """`disk` for the first load of a key the daemon promoted from its disk for
+        this engine, `external_unspecified` for one the fleet sent, else `host`."""
+        return self._remote.load_source(key)
 
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
         keys = list(keys)
@@ -431,8 +449,16 @@ class KVDepotOffloadingManager(OffloadingManager):
         self._remote.end_step(self._generation, self.namespace_id, self._mirror.ready)
         self._failures.prune()
 
+    def follow_tracker(self, tracker: OffloadingEventsTracker) -> None:
+        """Feeds the chunk events that came with the Watch streams' keys into `tracker`
+        (vLLM's scheduler's, self-describing) before it translates their events."""
+        self._tracker = tracker
+
     def take_events(self) -> Iterable[OffloadingEvent]:
-        return self._mirror.take_events()
+        tracker = self._tracker
+        if tracker is None:
+            return self._mirror.take_events()
+        return self._mirror.take_events(functools.partial(feed_tracker, tracker))
 
     def has_pending_work(self) -> bool:
         return False

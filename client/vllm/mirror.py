@@ -8,6 +8,12 @@ daemon's disk tier wrote or dropped a block) never change the set: a block on di
 only is fetched by Prefetch, never a hit; they become vLLM KV events of medium
 STORAGE (the pool's are CPU), checked against the generation like the rest.
 
+Chunk events: a Watch stream asked for them (`key_events`) carries, with STORED and
+SNAPSHOT keys, what the storing engine said of each chunk (kvdepot.v1.ChunkEvent); the
+mirror collects them with the OffloadingEvents, and `take_events` hands both over at
+once, so vLLM's tracker learns a chunk before it translates the chunk's event
+(kvdepot.client.vllm.chunk_events).
+
 Generations: each namespace the engine follows is a generation (0 at start, +1 per
 `reset_cache`). A Watch handler serves one generation: its events are checked and
 applied under `ReadyMirror`'s lock, and `start_generation` switches generation and set
@@ -65,6 +71,8 @@ class ReadyMirror:
         self._lock = threading.Lock()
         self._generation = 0
         self._events: list[OffloadingEvent] | None = [] if enable_events else None
+        # Chunk events since the last take_events: key -> (ChunkEvent, in the pool).
+        self._chunk_events: dict[bytes, tuple[bytes, bool]] = {}
         self._events_lock = threading.Lock()
         self.watch_events = 0  # events applied (a monotonic count for tools)
 
@@ -97,10 +105,12 @@ class ReadyMirror:
         kind = event.kind
         if event.tier == _TIER_DISK:  # where a block lives, for routers: not a hit
             if kind in (_STORED, _REMOVED):
+                self._note_chunk_events(event, on_pool=False)
                 self._emit(list(event.keys), kind == _REMOVED, Medium.STORAGE, Locality.LOCAL)
         elif kind == _STORED:
             keys = list(event.keys)
             self.ready.update(keys)
+            self._note_chunk_events(event, on_pool=True)
             self._emit(keys, removed=False)
         elif kind == _REMOVED:
             keys = list(event.keys)
@@ -117,6 +127,7 @@ class ReadyMirror:
             keys = list(event.keys)
             if keys:
                 self.ready.update(keys)
+                self._note_chunk_events(event, on_pool=True)
                 self._emit(keys, removed=False)
         # SNAPSHOT_END: nothing to do, the snapshot keys are in already.
 
@@ -127,6 +138,7 @@ class ReadyMirror:
         kind = event.kind
         if event.tier == _TIER_DISK:
             if shard == 0 and kind in (_STORED, _REMOVED):
+                self._note_chunk_events(event, on_pool=False)
                 self._emit(list(event.keys), kind == _REMOVED, Medium.STORAGE, Locality.LOCAL)
             return
         held = self._held[shard]
@@ -150,6 +162,7 @@ class ReadyMirror:
         if kind in (_STORED, _SNAPSHOT):
             keys = list(event.keys)
             held.update(keys)
+            self._note_chunk_events(event, on_pool=True)
             # Ready now: held here, and by every other shard. Set operations in C, over
             # the event's keys (intersection walks the smaller set): per key, not per
             # key and shard, in Python.
@@ -169,6 +182,16 @@ class ReadyMirror:
         """Keys found gone (a pin missed them) before their REMOVED event arrives."""
         self.ready.difference_update(keys)
 
+    def _note_chunk_events(self, event: depot_pb2.WatchEvent, on_pool: bool) -> None:
+        """Keeps the event's chunk events for take_events (removals carry none)."""
+        chunk_events = event.key_events
+        if self._events is None or not chunk_events or event.kind == _REMOVED:
+            return
+        with self._events_lock:
+            for key, data in zip(event.keys, chunk_events, strict=False):
+                if data:
+                    self._chunk_events[key] = (data, on_pool)
+
     def _emit(
         self,
         keys: list[bytes],
@@ -178,14 +201,29 @@ class ReadyMirror:
     ) -> None:
         if self._events is None or not keys:
             return
-        event = OffloadingEvent(keys=keys, medium=medium, removed=removed, locality=locality)
+        # A disk block's removal always follows (the tier announces it): vLLM's tracker
+        # then keeps the chunk's metadata until it, past the pool's removal.
+        event = OffloadingEvent(
+            keys=keys,
+            medium=medium,
+            removed=removed,
+            locality=locality,
+            removal_expected=medium is Medium.STORAGE and not removed,
+        )
         with self._events_lock:
             self._events.append(event)
 
-    def take_events(self) -> Iterable[OffloadingEvent]:
-        """The KV events since the last call (a plain function: vLLM drains it every step)."""
+    def take_events(
+        self, feed: Callable[[dict[bytes, tuple[bytes, bool]]], object] | None = None
+    ) -> Iterable[OffloadingEvent]:
+        """The KV events since the last call (a plain function: vLLM drains it every
+        step). `feed` gets the chunk events that came with them (key -> (ChunkEvent, in
+        the pool)), taken in the same swap, before they are returned."""
         if not self._events:  # events off (None), or none since the last step
             return ()
         with self._events_lock:
             events, self._events = self._events, []
+            chunk_events, self._chunk_events = self._chunk_events, {}
+        if chunk_events and feed is not None:
+            feed(chunk_events)
         return events

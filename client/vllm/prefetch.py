@@ -13,9 +13,15 @@ and is recomputed. A key the tier lacked, or gave up on, is not asked for again 
 it then goes below the pool when RAM evicts it. The scheduler thread never waits on the
 network for any of it.
 
+Where a fetched key came from (vLLM's cache-hit sources, `vllm:prompt_tokens_cached_by_source`):
+the daemon says which keys it promotes from its disk (PrefetchResponse.from_disk); the
+first load of such a key reports `disk`, of a key the fleet sent `external_unspecified`
+(vLLM has no source for a shared store), of any other `host` (the pool).
+
 Threads and ownership (`RemotePrefetch` owns the keys being fetched, the keys not to
 ask for, the step's keys, the queue to the prefetch thread and that thread):
-- `lookup`, `arrived`, `stored`, `end_step` and `reset` run on vLLM's scheduler thread;
+- `lookup`, `arrived`, `stored`, `load_source`, `end_step` and `reset` run on vLLM's
+  scheduler thread;
 - `_run` is the "kvdepot-prefetch" thread: it sends the Prefetch RPCs of the current
   generation (the namespace's: `reset` starts a new one) and marks the keys the tier
   lacks, one GIL-atomic dict operation at a time. It waits without a timeout
@@ -33,6 +39,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 import grpc
 from vllm.v1.kv_offload.base import LookupResult
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvdepot.client import DepotClient, DepotUnavailable
 from kvdepot.client.vllm.load_failures import LoadFailureBackoff
@@ -44,6 +51,10 @@ log = logging.getLogger("kvdepot.vllm.manager")
 _MISS = LookupResult.MISS
 _RETRY = LookupResult.RETRY
 _ABSENT = depot_pb2.PrefetchResponse.ABSENT
+_FETCHING = depot_pb2.PrefetchResponse.FETCHING
+_DISK, _FLEET = CacheHitSource.DISK, CacheHitSource.EXTERNAL_UNSPECIFIED
+# Seconds a fetched key's source waits for its load (a key never loaded is forgotten).
+SOURCE_KEEP_S = 30.0
 # A key the remote tier lacked (or gave up on) is not asked for again this long:
 # it is recomputed here and stored in this node's pool meanwhile.
 NO_REMOTE_S = 10.0
@@ -75,6 +86,9 @@ class RemotePrefetch:
         self._fetching: dict[bytes, float] = {}
         self._no_remote: dict[bytes, float] = {}
         self._next_prune = 0.0
+        # Keys the tier is sending -> (where from, monotonic time of the answer): the
+        # first load of each reports it (`load_source`); pruned after SOURCE_KEEP_S.
+        self._sources: dict[bytes, tuple[CacheHitSource, float]] = {}
         self._step_keys: list[bytes] = []
         # (generation, namespace, keys) for the prefetch thread.
         self._queue: list[tuple[int, str, list[bytes]]] = []
@@ -116,7 +130,7 @@ class RemotePrefetch:
             self._stats.count(MetricName.REMOTE_PREFETCH_KEYS, len(keys))
             self._queue.append((generation, namespace_id, keys))
             self._wakeup.set()
-        if self._fetching or self._no_remote:
+        if self._fetching or self._no_remote or self._sources:
             now = time.monotonic()
             if now >= self._next_prune:
                 self._fetching = {
@@ -126,6 +140,9 @@ class RemotePrefetch:
                 self._no_remote = {
                     k: t for k, t in self._no_remote.items() if t > now and k not in ready
                 }
+                if self._sources:
+                    old = now - SOURCE_KEEP_S
+                    self._sources = {k: v for k, v in self._sources.items() if v[1] > old}
                 self._next_prune = now + 1.0
 
     @property
@@ -142,6 +159,12 @@ class RemotePrefetch:
         for key in keys:
             fetching.pop(key, None)
 
+    def load_source(self, key: bytes) -> CacheHitSource:
+        """Where a key being loaded came from: the tier below that sent it, the first
+        time it is asked; the pool (`host`) otherwise."""
+        found = self._sources.pop(key, None) if self._sources else None
+        return found[0] if found is not None else CacheHitSource.HOST
+
     def stored(self, keys: Iterable[bytes]) -> None:
         """Keys this engine stored: the tier's "absent" for them is stale (they go
         below the pool when RAM evicts them), so a later miss asks again."""
@@ -153,6 +176,7 @@ class RemotePrefetch:
         """A new namespace: what was asked for the old one no longer counts."""
         self._generation = generation
         self._fetching, self._no_remote, self._step_keys = {}, {}, []
+        self._sources = {}
 
     def _run(self) -> None:
         while not self._closed:
@@ -166,21 +190,31 @@ class RemotePrefetch:
     def _prefetch(self, namespace_id: str, keys: list[bytes]) -> None:
         """Asks every shard for its sections of `keys`; a key any shard lacks is a miss."""
         absent = [False] * len(keys)
+        fetched: list[int] = []  # shard 0's answer: where each key comes from
+        from_disk: Sequence[bool] = ()
         for shard, client in enumerate(self._clients):
-            for i, state in enumerate(self._prefetch_shard(client, namespace_id, shard, keys)):
+            states, disk = self._prefetch_shard(client, namespace_id, shard, keys)
+            if shard == 0:
+                fetched, from_disk = states, disk
+            for i, state in enumerate(states):
                 if state == _ABSENT:
                     absent[i] = True
         until = time.monotonic() + NO_REMOTE_S
-        fetching, no_remote = self._fetching, self._no_remote
-        for key, lacked in zip(keys, absent, strict=True):
+        fetching, no_remote, sources = self._fetching, self._no_remote, self._sources
+        now = time.monotonic()
+        for i, (key, lacked) in enumerate(zip(keys, absent, strict=True)):
             if lacked:  # recompute it: a miss from the next lookup on
                 no_remote[key] = until
                 fetching.pop(key, None)
+            elif fetched[i] == _FETCHING:
+                via_disk = i < len(from_disk) and from_disk[i]
+                sources[key] = (_DISK if via_disk else _FLEET, now)
 
     def _prefetch_shard(
         self, client: DepotClient, namespace_id: str, shard: int, keys: list[bytes]
-    ) -> list[int]:
-        """One shard's Prefetch answer: a state per key (all ABSENT when it failed)."""
+    ) -> tuple[list[int], Sequence[bool]]:
+        """One shard's Prefetch answer: a state per key (all ABSENT when it failed), and
+        which come from its disk (empty: none)."""
         try:
             resp = client.prefetch(
                 self._shard_namespace(namespace_id, shard), keys, timeout=max(self._wait_s, 0.5)
@@ -190,11 +224,11 @@ class RemotePrefetch:
             if code == grpc.StatusCode.UNIMPLEMENTED:  # a daemon without the call
                 self.on = False
             log.debug("kvdepot prefetch of %d keys failed: %s", len(keys), exc)
-            return [_ABSENT] * len(keys)
+            return [_ABSENT] * len(keys), ()
         self.rpcs += 1
         if not resp.remote_tier:
             self.on = False
-        return list(resp.states)
+        return list(resp.states), list(resp.from_disk)
 
     def on_session(self, hello: depot_pb2.SessionHello | None) -> None:
         # kvdepot_remote_wait_ms = 0: this engine never waits for the tier, nor asks it.

@@ -285,6 +285,7 @@ class KVDepotOffloadingSpec(OffloadingSpec):
                 enable_events=self.kv_events_config.enable_kv_cache_events,
                 node_shards=node_shards,
                 part_suffixes=[part.namespace_id("") for part in parts],
+                chunk_events=self.kv_events_config.self_describing_kv_events,
             )
         return self._manager
 

@@ -27,7 +27,21 @@ class KVDepotLoadStoreSpec(LoadStoreSpec):
 
 
 class KVDepotStoreSpec(KVDepotLoadStoreSpec):
-    """Destination of a store: the daemon allocates the slots when the copy arrives."""
+    """Destination of a store: the daemon allocates the slots when the copy arrives.
+    `key_events`: each key's chunk event (kvdepot.v1.ChunkEvent, b"": none), or empty;
+    the connector fills it at the step's end (kvdepot.client.vllm.chunk_events)."""
+
+    __slots__ = ("key_events",)
+
+    def __init__(self, namespace_id: str, keys: list[bytes]) -> None:
+        super().__init__(namespace_id, keys)
+        self.key_events: list[bytes] = []
+
+    def __getstate__(self) -> tuple[str, list[bytes], list[bytes]]:  # type: ignore[override]
+        return self.namespace_id, self.keys, self.key_events
+
+    def __setstate__(self, state: tuple[str, list[bytes], list[bytes]]) -> None:  # type: ignore[override]
+        self.namespace_id, self.keys, self.key_events = state
 
 
 class KVDepotLoadSpec(KVDepotLoadStoreSpec):

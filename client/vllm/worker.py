@@ -45,7 +45,7 @@ from kvdepot.client.vllm.inline import InlineTransport
 from kvdepot.client.vllm.job_ledger import JobLedger, Submitted
 from kvdepot.client.vllm.memory_paths import MemoryPath, MemoryPlan, describe_memory, log_choice
 from kvdepot.client.vllm.registration import Registrar
-from kvdepot.client.vllm.transfer_specs import KVDepotLoadStoreSpec
+from kvdepot.client.vllm.transfer_specs import KVDepotLoadStoreSpec, KVDepotStoreSpec
 from kvdepot.common.jobs import Job, JobResult
 from kvdepot.common.kinds import Direction
 from kvdepot.common.shards import RankRoute
@@ -218,6 +218,11 @@ class KVDepotOffloadingWorker(OffloadingWorker):
             expedited,
             0,  # registration_id: set when the job is sent
             self._on_shard(depot_spec.namespace_id),
+            "",  # session_id: the stream's
+            # What routers index, kept beside the rows: one rank's copy is enough.
+            depot_spec.key_events
+            if self._rank == 0 and type(depot_spec) is KVDepotStoreSpec
+            else (),
         )
         if not job.keys:
             self._ledger.finish_local(job, JobResult(job_id, True))

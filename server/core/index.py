@@ -29,7 +29,7 @@ for a store, Evict, Clear).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from kvdepot.server.core.allocator import Extent, ExtentAllocator
 from kvdepot.server.core.eviction import EvictionPolicy, LruPolicy, tail_first
@@ -244,6 +244,32 @@ class BlockIndex:
         by this rank and not yet finished); returns how many became READY. Its
         promises: Writes.finish_store_many."""
         return self._writes.finish_store_many(slots, rank, ok)
+
+    # -- chunk events (what routers index: kvdepot.v1.ChunkEvent) ---------------------
+
+    def keep_chunk_events(
+        self, namespace_id: str, slots: Iterable[Slot], events: Mapping[bytes, bytes]
+    ) -> None:
+        """Keeps `events[slot.key]` beside each of `slots` (a store claim's) that has
+        none yet; counted in the namespace, dropped with the row."""
+        ns = self.namespace(namespace_id)
+        for slot in slots:
+            if not slot.doomed:
+                ns.set_chunk_event(slot, events.get(slot.key, b""))
+
+    def chunk_events(self, namespace_id: str, keys: Iterable[bytes]) -> list[bytes]:
+        """Each key's chunk event, b"" where its row is gone or has none."""
+        ns = self.namespaces.get(namespace_id)
+        slots = ns.slots if ns is not None else {}
+        return [slot.chunk_event if (slot := slots.get(k)) is not None else b"" for k in keys]
+
+    def chunk_event_totals(self) -> tuple[int, int]:
+        """Rows holding a chunk event, and those events' bytes: O(namespaces)."""
+        rows = size = 0
+        for ns in self.namespaces.values():
+            rows += ns.chunk_event_rows
+            size += ns.chunk_event_bytes
+        return rows, size
 
     # -- loads -----------------------------------------------------------------------
 

@@ -58,6 +58,9 @@ class Slot:
     # Such rows are never kept in the pool file nor written back to the fleet, and a
     # restart without that key drops them from the disk (docs/security.md).
     admitted_by: bytes = b""
+    # What a router needs to index the row (a serialized kvdepot.v1.ChunkEvent, from
+    # the storing engine's job; b"": none). Set once (Namespace.set_chunk_event).
+    chunk_event: bytes = b""
 
     @property
     def pin_count(self) -> int:
@@ -103,6 +106,8 @@ class Namespace:
     # holds no more, other namespaces' stores do not evict its rows (index_evict).
     share_bytes: int = 0
     evicted_blocks: int = 0  # rows evicted for room (LRU), since the namespace began
+    chunk_event_rows: int = 0  # slots in `slots` with a chunk_event
+    chunk_event_bytes: int = 0  # and those events' bytes
 
     @property
     def full_mask(self) -> int:
@@ -121,12 +126,24 @@ class Namespace:
             self.writing_blocks += 1
             self.writing_bytes += slot.extent.size
 
+    def set_chunk_event(self, slot: Slot, event: bytes) -> None:
+        """Keeps `event` beside `slot` (one of this namespace's, WRITING or READY) and
+        counts it, unless the slot has one already or `event` is empty: the first
+        rank's job to carry one sets it, later ones change nothing."""
+        if event and not slot.chunk_event:
+            slot.chunk_event = event
+            self.chunk_event_rows += 1
+            self.chunk_event_bytes += len(event)
+
     def detach(self, slot: Slot) -> None:
         """Takes `slot` out of this namespace and its counts; used_bytes stays
         until the slot's extent is freed."""
         del self.slots[slot.key]
         self.sorted_keys.remove(slot.key)
         self.group_blocks[slot.group] -= 1
+        if slot.chunk_event:
+            self.chunk_event_rows -= 1
+            self.chunk_event_bytes -= len(slot.chunk_event)
         if slot.state is SlotState.READY:
             self.ready_blocks -= 1
             self.ready_bytes -= slot.extent.size

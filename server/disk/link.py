@@ -142,6 +142,12 @@ class DiskLink:
         self._from_disk: set[tuple[str, bytes]] = set()  # promoted: not written back
         # Where the disk's events go (the Watch streams); None: nowhere.
         self.announce: Callable[[IndexEvent], None] | None = None
+        # The chunk events (kvdepot.v1.ChunkEvent) of the records written from rows
+        # that had one, so a record's STORED event and its promotion into the pool
+        # still carry it once the pool's row is gone. In memory only: a restart's
+        # records have none. Dropped with the record.
+        self._chunk_events: dict[tuple[str, bytes], bytes] = {}
+        self.chunk_event_bytes = 0
 
     @classmethod
     def from_settings(cls, settings: DiskSettings, index: BlockIndex, arena: Arena) -> DiskLink:
@@ -302,7 +308,32 @@ class DiskLink:
         for (namespace_id, why), run in groupby(changes, key=lambda c: (c[0], c[2])):
             kind = EventKind.STORED if why is None else EventKind.REMOVED
             keys = tuple(change[1] for change in run)
+            self._keep_chunk_events(namespace_id, keys, kind is EventKind.STORED)
             announce(IndexEvent(namespace_id, kind, keys, why, Tier.DISK))
+
+    def _keep_chunk_events(self, namespace_id: str, keys: Sequence[bytes], stored: bool) -> None:
+        """A record written takes its row's chunk event (the row is in the pool still,
+        or the event is lost); a record dropped drops it."""
+        held = self._chunk_events
+        if stored:
+            for key, event in zip(keys, self._index.chunk_events(namespace_id, keys), strict=True):
+                if event and (namespace_id, key) not in held:
+                    held[(namespace_id, key)] = event
+                    self.chunk_event_bytes += len(event)
+        elif held:
+            for key in keys:
+                dropped = held.pop((namespace_id, key), None)
+                if dropped is not None:
+                    self.chunk_event_bytes -= len(dropped)
+
+    def chunk_events(self, namespace_id: str, keys: Sequence[bytes]) -> list[bytes]:
+        """Each record's chunk event, b"" where it has none (or is not on disk)."""
+        held = self._chunk_events
+        return [held.get((namespace_id, key), b"") for key in keys]
+
+    @property
+    def chunk_event_rows(self) -> int:
+        return len(self._chunk_events)
 
     def on_watch(self, namespace_id: str) -> list[IndexEvent]:
         """What a new Watch stream is told is on disk (after the pool's snapshot): one
@@ -373,6 +404,9 @@ class DiskLink:
         # A fleet row stays one in RAM: never written back to the fleet, nor kept in
         # the pool file (the read checks the record's header, this id among it).
         slot.admitted_by = admitted_by
+        event = self._chunk_events.get((namespace_id, key))
+        if event:  # what routers index comes back with the row
+            self._index.keep_chunk_events(namespace_id, (slot,), {key: event})
         # A fresh slot: every other rank's section is free to claim as well.
         for rank in range(1, world_size):
             self._index.begin_store(namespace_id, key, rank, OWNER)

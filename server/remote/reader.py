@@ -54,6 +54,9 @@ class KeyState(enum.IntEnum):
     LOCAL = 1  # in the pool already (ready or being written)
     FETCHING = 2  # the tier has it: it becomes READY shortly (or is given up)
     ABSENT = 3  # neither here nor in the tier (or the tier is not answering)
+    # FETCHING, from the disk tier (kvdepot.server.disk): on the wire FETCHING, with
+    # PrefetchResponse.from_disk (vLLM's cache-hit source of the load that follows).
+    FETCHING_DISK = 4
 
 
 class _Fetch(NamedTuple):

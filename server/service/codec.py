@@ -63,6 +63,7 @@ def job_from_proto(job: pb.TransferJob) -> Job:
         job.registration_id,
         "",
         job.session_id,
+        job.key_events,
     )
 
 

@@ -79,6 +79,9 @@ def is_observer_join(request: pb.RegisterKVRequest) -> bool:
 
 
 WATCH_KINDS = {EventKind.STORED: pb.WatchEvent.STORED, EventKind.REMOVED: pb.WatchEvent.REMOVED}
+# Prefetch's answers (kvdepot.server.remote.reader.KeyState's values): a disk fetch is
+# FETCHING on the wire, with from_disk.
+_FETCHING, _FETCHING_DISK = pb.PrefetchResponse.FETCHING, 4
 WATCH_TIERS = {Tier.POOL: pb.WatchEvent.TIER_POOL, Tier.DISK: pb.WatchEvent.TIER_DISK}
 
 
@@ -200,19 +203,24 @@ class DepotServicer(depot_pb2_grpc.DepotServicer):
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT, "namespace_id is empty: name the namespace"
             )
+        namespace_id, with_events = request.namespace_id, request.key_events
         try:
-            watcher = st.add_watcher(request.session_id, request.namespace_id)
+            watcher = st.add_watcher(request.session_id, namespace_id)
         except errors.DepotError as exc:  # not joined, or the session's streams used up
             await abort_with(context, exc)
             return
         try:
             while True:
                 watcher.lagged = False
-                async for keys, first in self._snapshot(request.namespace_id):
+                async for keys, first in self._snapshot(namespace_id):
                     if st.shutting_down or watcher.ended:  # no need to read the rest
                         return
                     yield pb.WatchEvent(
-                        kind=pb.WatchEvent.SNAPSHOT, keys=keys, reset=first, boot_id=st.boot_id
+                        kind=pb.WatchEvent.SNAPSHOT,
+                        keys=keys,
+                        reset=first,
+                        boot_id=st.boot_id,
+                        key_events=st.chunk_events(namespace_id, keys) if with_events else (),
                     )
                 yield pb.WatchEvent(kind=pb.WatchEvent.SNAPSHOT_END, boot_id=st.boot_id)
                 while not watcher.lagged:
@@ -229,6 +237,11 @@ class DepotServicer(depot_pb2_grpc.DepotServicer):
                         reason=event_reason(run),
                         boot_id=st.boot_id,
                         tier=WATCH_TIERS[run.tier],
+                        key_events=(
+                            st.chunk_events(namespace_id, run.keys)
+                            if with_events and run.kind is EventKind.STORED
+                            else ()
+                        ),
                     )
                 log.warning(
                     "a watcher of %s fell behind; resending a snapshot", request.namespace_id
@@ -372,9 +385,14 @@ class DepotServicer(depot_pb2_grpc.DepotServicer):
             return pb.PrefetchResponse(
                 states=[pb.PrefetchResponse.ABSENT] * len(request.keys), remote_tier=False
             )
+        from_disk = [s == _FETCHING_DISK for s in states]
         return pb.PrefetchResponse(
             # KeyState's values, as ints (the stubs want the enum's NewType).
-            states=[int(s) for s in states],  # type: ignore[misc]
+            states=[
+                _FETCHING if disk else int(s)  # type: ignore[misc]
+                for s, disk in zip(states, from_disk, strict=True)
+            ],
             remote_tier=True,
             remote_healthy=st.tiers_healthy,
+            from_disk=from_disk if any(from_disk) else (),
         )

@@ -38,6 +38,7 @@ import secrets
 import threading
 import time
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
 from kvdepot.common.jobs import Job, JobResult
 from kvdepot.server import errors
@@ -65,6 +66,13 @@ from kvdepot.server.state.tiers import TiersBelow
 from kvdepot.server.state.traffic import Traffic, TransferObserver
 
 log = logging.getLogger("kvdepot.state")
+
+
+class EventStreamCounts(Protocol):
+    """What GetStats reads of the KV-event publisher (kvdepot.server.kv_events)."""
+
+    published: int  # batches sent
+    dropped: int  # index events dropped, its queue full
 
 
 class DepotState:
@@ -128,6 +136,8 @@ class DepotState:
         )
         self.inline = InlinePath(index, arena, self.copy_queue, self.traffic)
         self.shutting_down = False
+        # `kvdepot serve --kv-events`' publisher, for GetStats' figures (the daemon's).
+        self.event_stream: EventStreamCounts | None = None
         self.shutdown_event = asyncio.Event()
         # Reply queues of open Transfer streams: shutdown ends them (None).
         self.transfer_streams: set[asyncio.Queue] = set()
@@ -311,6 +321,7 @@ class DepotState:
     remove_watcher = forward("keys", KeyCalls.remove_watcher)
     ready_keys = forward("keys", KeyCalls.ready_keys)
     ready_after = forward("keys", KeyCalls.ready_after)
+    chunk_events = forward("keys", KeyCalls.chunk_events)
     # The tiers below the pool, the disk and the fleet's (kvdepot.server.state.tiers).
     attach_remote_tier = forward("tiers", TiersBelow.attach_remote_tier)
     attach_disk_tier = forward("tiers", TiersBelow.attach_disk_tier)

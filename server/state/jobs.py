@@ -58,6 +58,9 @@ log = logging.getLogger("kvdepot.state")
 KEY_SLICE = 256
 PAGE_SLICE = 4096
 _DIRECTIONS = {int(d): d for d in Direction}
+# A store's chunk event kept per key at most (TransferJob.key_events): a 4-block chunk
+# of 16-token blocks is about 350 bytes; this leaves room for 1024 tokens a chunk.
+MAX_CHUNK_EVENT_BYTES = 4096
 
 
 @dataclass(frozen=True)
@@ -161,6 +164,7 @@ class JobRunner:
         offsets: list[int | None] = []
         claimed: list[Slot] = []
         ok = False
+        events = chunk_events_of(job)
         try:
             for start in range(0, len(job.keys), KEY_SLICE):
                 if start:
@@ -173,6 +177,8 @@ class JobRunner:
                     job.session_id,
                     shape.key_groups[start:end],  # checked by check_job
                 )
+                if events:
+                    index.keep_chunk_events(reg.layout.id, claim.slots, events)
                 claimed += claim.slots
                 offsets += claim.offsets
                 out.present_keys += claim.present
@@ -372,6 +378,25 @@ def check_job_size(job: Job, layout: NamespaceLayout, limits: JobLimits) -> None
             f"job of {pages} pages (block ids x layers of their group); this daemon takes at "
             f"most {limits.pages} (--max-job-pages): split it"
         )
+
+
+def chunk_events_of(job: Job) -> dict[bytes, bytes] | None:
+    """A store's chunk events by key (TransferJob.key_events), None when it carries
+    none; refused (INVALID_ARGUMENT) when they are not one per key or one is larger
+    than MAX_CHUNK_EVENT_BYTES, before anything of the job is done."""
+    events = job.key_events
+    if not events:
+        return None
+    if len(events) != len(job.keys):
+        raise errors.invalid(
+            f"key_events: {len(events)} for {len(job.keys)} keys; send one per key or none"
+        )
+    if max(map(len, events)) > MAX_CHUNK_EVENT_BYTES:
+        raise errors.invalid(
+            f"key_events: a chunk event over {MAX_CHUNK_EVENT_BYTES} bytes; this daemon "
+            "keeps at most that much a key"
+        )
+    return dict(zip(job.keys, events, strict=True))
 
 
 def shape_pages(layout: NamespaceLayout, shape: JobShape) -> int:

@@ -43,6 +43,8 @@ class KeyCalls:
         self.verify_invariants = verify_invariants
         # Told of every touch after the pool applied it (the disk tier: its order too).
         self.touch_listeners: list[Callable[[str, Sequence[bytes]], object]] = []
+        # Tiers below the pool that hold chunk events of rows the pool has not (the disk).
+        self.chunk_event_sources: list[Callable[[str, Sequence[bytes]], list[bytes]]] = []
 
     def check_batch(self, keys: Sequence[bytes]) -> None:
         limit = self.max_batch_keys
@@ -120,6 +122,16 @@ class KeyCalls:
         session = self._sessions.sessions.get(w.session_id)
         if session is not None:
             self.access.close_watch(session)
+
+    def chunk_events(self, namespace_id: str, keys: Sequence[bytes]) -> list[bytes]:
+        """Each key's chunk event (WatchEvent.key_events): its pool row's, else a tier's
+        below (a disk record's), b"" where none is held."""
+        events = self.index.chunk_events(namespace_id, keys)
+        if self.chunk_event_sources and not all(events):
+            for source in self.chunk_event_sources:
+                below = source(namespace_id, keys)
+                events = [e or b for e, b in zip(events, below, strict=True)]
+        return events
 
     def ready_keys(self, namespace_id: str) -> list[bytes]:
         ns = self.index.namespaces.get(namespace_id)

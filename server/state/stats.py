@@ -25,6 +25,11 @@ def stats_fields(state: DepotState) -> dict[str, object]:
     alloc = state.index.allocator
     ix = state.index.stats
     store, load = state.traffic.store, state.traffic.load
+    chunk_event_rows, chunk_event_bytes = state.index.chunk_event_totals()
+    disk = state.tiers.disk
+    if disk is not None:  # the disk's records' (kvdepot.server.disk.link)
+        chunk_event_rows += disk.chunk_event_rows
+        chunk_event_bytes += disk.chunk_event_bytes
     return {
         "version": kvdepot.__version__,
         "boot_id": state.boot_id,
@@ -70,6 +75,10 @@ def stats_fields(state: DepotState) -> dict[str, object]:
         "pin_keys": ix.pin_keys,
         "pinned_keys": ix.pinned_keys,
         "touched_keys": ix.touched_keys,
+        "chunk_event_rows": chunk_event_rows,
+        "chunk_event_bytes": chunk_event_bytes,
+        "kv_events_published": state.event_stream.published if state.event_stream else 0,
+        "kv_events_dropped": state.event_stream.dropped if state.event_stream else 0,
         "recovery_blocks_total": state.recovery.total,
         "recovery_blocks_verified": state.recovery.verified,
         "recovery_blocks_rejected": state.recovery.rejected,

@@ -56,6 +56,7 @@ class TiersBelow:
         self.disk = disk
         self.bus.add_listener(disk.on_event)
         self.keys.touch_listeners.append(disk.touch)  # the disk keeps the pool's order
+        self.keys.chunk_event_sources.append(disk.chunk_events)  # records' router metadata
         disk.announce = self.bus.publish_to_watchers  # the disk's own events: Watch only
         self.bus.add_greeting(disk.on_watch)  # a new Watch stream hears what is on disk
 
@@ -111,7 +112,7 @@ class TiersBelow:
         rest = [i for i, found in zip(missing, on_disk, strict=True) if not found]
         for i, found in zip(missing, on_disk, strict=True):
             if found:
-                states[i] = KeyState.FETCHING
+                states[i] = KeyState.FETCHING_DISK
         if rest and self.link is not None:
             fleet = await self.link.prefetch(namespace_id, [keys[i] for i in rest])
             for i, state in zip(rest, fleet, strict=True):

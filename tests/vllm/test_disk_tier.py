@@ -159,3 +159,44 @@ def test_a_prompt_loaded_from_disk_and_evicted_again_is_asked_of_the_disk_again(
         rec = list(engine.records.values())[-1]
         assert rec.external_tokens == 160, round_
     assert m.remote_gave_up == 0
+
+
+def test_prompt_tokens_cached_by_source_says_disk_then_host(
+    daemon_factory, make_engine, tmp_path, monkeypatch
+) -> None:
+    """vLLM's `vllm:prompt_tokens_cached_by_source`: tokens a load brought from the
+    daemon's disk count as `disk`, the same tokens loaded again from the pool as `host`."""
+    from collections import Counter
+
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+    d = daemon_factory(
+        "--pool-size", "64MiB", "--disk", str(tmp_path / "disk"), "--disk-size", "64MiB"
+    )
+    run_engine_process(d.target, prompt_seed=14)
+    d.stop()
+    d.start()  # the pool empty, the blocks on disk
+    engine = make_engine(socket=d.target, num_gpu_blocks=64)
+    engine.wait_registered()
+    prompt = prompt_for(14, 160)
+    keys = engine.offload_keys(prompt)
+    # What vLLM's stats loggers read each step (SchedulerStats), summed.
+    by_source: Counter = Counter()
+    make_stats = engine.scheduler.make_stats
+
+    def recorded(*args, **kwargs):
+        stats = make_stats(*args, **kwargs)
+        if stats is not None and stats.connector_prefix_cache_stats is not None:
+            by_source.update(stats.connector_prefix_cache_stats.hits_by_source)
+        return stats
+
+    monkeypatch.setattr(engine.scheduler, "make_stats", recorded)
+    engine.add_request(prompt)
+    engine.step()  # RETRY: the disk promotes the keys
+    engine.wait_ready(keys)
+    engine.run()
+    assert dict(by_source) == {CacheHitSource.DISK: 160}
+    engine.reset_gpu_prefix_cache()
+    engine.add_request(prompt)
+    engine.run()
+    assert dict(by_source) == {CacheHitSource.DISK: 160, CacheHitSource.HOST: 160}

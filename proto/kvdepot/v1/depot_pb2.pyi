@@ -208,15 +208,17 @@ class UnregisterKVResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class WatchRequest(_message.Message):
-    __slots__ = ("session_id", "namespace_id")
+    __slots__ = ("session_id", "namespace_id", "key_events")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
+    KEY_EVENTS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     namespace_id: str
-    def __init__(self, session_id: _Optional[str] = ..., namespace_id: _Optional[str] = ...) -> None: ...
+    key_events: bool
+    def __init__(self, session_id: _Optional[str] = ..., namespace_id: _Optional[str] = ..., key_events: _Optional[bool] = ...) -> None: ...
 
 class WatchEvent(_message.Message):
-    __slots__ = ("kind", "keys", "reset", "reason", "boot_id", "tier")
+    __slots__ = ("kind", "keys", "reset", "reason", "boot_id", "tier", "key_events")
     class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         KIND_UNSPECIFIED: _ClassVar[WatchEvent.Kind]
@@ -241,13 +243,15 @@ class WatchEvent(_message.Message):
     REASON_FIELD_NUMBER: _ClassVar[int]
     BOOT_ID_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
+    KEY_EVENTS_FIELD_NUMBER: _ClassVar[int]
     kind: WatchEvent.Kind
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     reset: bool
     reason: str
     boot_id: str
     tier: WatchEvent.Tier
-    def __init__(self, kind: _Optional[_Union[WatchEvent.Kind, str]] = ..., keys: _Optional[_Iterable[bytes]] = ..., reset: _Optional[bool] = ..., reason: _Optional[str] = ..., boot_id: _Optional[str] = ..., tier: _Optional[_Union[WatchEvent.Tier, str]] = ...) -> None: ...
+    key_events: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, kind: _Optional[_Union[WatchEvent.Kind, str]] = ..., keys: _Optional[_Iterable[bytes]] = ..., reset: _Optional[bool] = ..., reason: _Optional[str] = ..., boot_id: _Optional[str] = ..., tier: _Optional[_Union[WatchEvent.Tier, str]] = ..., key_events: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
     __slots__ = ("session_id", "namespace_id", "keys")
@@ -300,7 +304,7 @@ class UnpinResponse(_message.Message):
     def __init__(self, not_pinned: _Optional[int] = ...) -> None: ...
 
 class TransferJob(_message.Message):
-    __slots__ = ("job_id", "direction", "registration_id", "keys", "block_ids", "group_sizes", "block_indices", "expedited", "session_id")
+    __slots__ = ("job_id", "direction", "registration_id", "keys", "block_ids", "group_sizes", "block_indices", "expedited", "session_id", "key_events")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     DIRECTION_FIELD_NUMBER: _ClassVar[int]
     REGISTRATION_ID_FIELD_NUMBER: _ClassVar[int]
@@ -310,6 +314,7 @@ class TransferJob(_message.Message):
     BLOCK_INDICES_FIELD_NUMBER: _ClassVar[int]
     EXPEDITED_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    KEY_EVENTS_FIELD_NUMBER: _ClassVar[int]
     job_id: int
     direction: Direction
     registration_id: int
@@ -319,7 +324,32 @@ class TransferJob(_message.Message):
     block_indices: _containers.RepeatedScalarFieldContainer[int]
     expedited: bool
     session_id: str
-    def __init__(self, job_id: _Optional[int] = ..., direction: _Optional[_Union[Direction, str]] = ..., registration_id: _Optional[int] = ..., keys: _Optional[_Iterable[bytes]] = ..., block_ids: _Optional[_Iterable[int]] = ..., group_sizes: _Optional[_Iterable[int]] = ..., block_indices: _Optional[_Iterable[int]] = ..., expedited: _Optional[bool] = ..., session_id: _Optional[str] = ...) -> None: ...
+    key_events: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, job_id: _Optional[int] = ..., direction: _Optional[_Union[Direction, str]] = ..., registration_id: _Optional[int] = ..., keys: _Optional[_Iterable[bytes]] = ..., block_ids: _Optional[_Iterable[int]] = ..., group_sizes: _Optional[_Iterable[int]] = ..., block_indices: _Optional[_Iterable[int]] = ..., expedited: _Optional[bool] = ..., session_id: _Optional[str] = ..., key_events: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class ChunkEvent(_message.Message):
+    __slots__ = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "group_idx", "has_lora", "lora_id", "lora_name", "kv_cache_spec_kind", "kv_cache_spec_sliding_window")
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    PARENT_BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    GROUP_IDX_FIELD_NUMBER: _ClassVar[int]
+    HAS_LORA_FIELD_NUMBER: _ClassVar[int]
+    LORA_ID_FIELD_NUMBER: _ClassVar[int]
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_SPEC_KIND_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_SPEC_SLIDING_WINDOW_FIELD_NUMBER: _ClassVar[int]
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    parent_block_hash: bytes
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    block_size: int
+    group_idx: int
+    has_lora: bool
+    lora_id: int
+    lora_name: str
+    kv_cache_spec_kind: str
+    kv_cache_spec_sliding_window: int
+    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ..., parent_block_hash: _Optional[bytes] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., group_idx: _Optional[int] = ..., has_lora: _Optional[bool] = ..., lora_id: _Optional[int] = ..., lora_name: _Optional[str] = ..., kv_cache_spec_kind: _Optional[str] = ..., kv_cache_spec_sliding_window: _Optional[int] = ...) -> None: ...
 
 class TransferResult(_message.Message):
     __slots__ = ("job_id", "success", "bytes", "copy_seconds", "total_seconds", "error", "stored_keys", "present_keys", "dropped_keys", "drop_reason", "error_code")
@@ -428,7 +458,7 @@ class PrefetchRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., namespace_id: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class PrefetchResponse(_message.Message):
-    __slots__ = ("states", "remote_tier", "remote_healthy")
+    __slots__ = ("states", "remote_tier", "remote_healthy", "from_disk")
     class KeyState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         KEY_STATE_UNSPECIFIED: _ClassVar[PrefetchResponse.KeyState]
@@ -442,7 +472,9 @@ class PrefetchResponse(_message.Message):
     STATES_FIELD_NUMBER: _ClassVar[int]
     REMOTE_TIER_FIELD_NUMBER: _ClassVar[int]
     REMOTE_HEALTHY_FIELD_NUMBER: _ClassVar[int]
+    FROM_DISK_FIELD_NUMBER: _ClassVar[int]
     states: _containers.RepeatedScalarFieldContainer[PrefetchResponse.KeyState]
     remote_tier: bool
     remote_healthy: bool
-    def __init__(self, states: _Optional[_Iterable[_Union[PrefetchResponse.KeyState, str]]] = ..., remote_tier: _Optional[bool] = ..., remote_healthy: _Optional[bool] = ...) -> None: ...
+    from_disk: _containers.RepeatedScalarFieldContainer[bool]
+    def __init__(self, states: _Optional[_Iterable[_Union[PrefetchResponse.KeyState, str]]] = ..., remote_tier: _Optional[bool] = ..., remote_healthy: _Optional[bool] = ..., from_disk: _Optional[_Iterable[bool]] = ...) -> None: ...

@@ -1,0 +1,117 @@
+"""A chunk's router metadata between vLLM's OffloadingEventsTracker and kvdepot.v1.ChunkEvent.
+
+With `self_describing_kv_events` on, vLLM's offloading scheduler snapshots, for each
+chunk it stores or hits, what its KV events need (`OffloadingEventsTracker`: block
+hashes, parent hash, token ids, block size, group, LoRA) and turns its manager's
+OffloadingEvents into complete BlockStored / BlockRemoved events from it. A chunk
+another engine stored has no snapshot here, so vLLM would publish a placeholder (one
+hash, no tokens, block size 0). kvdepot closes that gap:
+
+- the storing engine's scheduler reads the snapshots of the chunks a step stores
+  (`encode_for_keys`) and sends them with the store job (TransferJob.key_events, from
+  the worker of rank 0 on each shard);
+- the daemon keeps each beside its row and hands it with Watch STORED and SNAPSHOT
+  events; the mirror collects them, and `feed_tracker` puts each one the tracker lacks
+  into it before it translates the step's events: every engine then publishes what
+  the storing one does.
+
+The tracker's snapshot table (`_pending_event_metadata`) and its record type are
+vLLM 0.33.0's own (kvdepot pins that version): this module is the one place that
+reads or writes them, and tests/vllm/test_chunk_events.py compares the events of
+every engine with the storing engine's, so a change in vLLM fails there.
+
+Threads: `encode_for_keys` and `feed_tracker` run on vLLM's scheduler thread, which
+owns the tracker.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.events import (
+    OffloadingEventGroupSpec,
+    OffloadingEventsTracker,
+    _OffloadEventMetadata,
+)
+from vllm.v1.kv_offload.base import Medium
+
+from kvdepot.v1 import depot_pb2
+
+# The residency vLLM's tracker gives a chunk held by the primary (CPU) tier.
+_POOL_RESIDENCY = (Medium.CPU, None)
+
+
+def tracker_of(scheduler: Any) -> OffloadingEventsTracker | None:
+    """The OffloadingConnectorScheduler's tracker, when it records self-describing events."""
+    tracker = getattr(scheduler, "_events_tracker", None)
+    if isinstance(tracker, OffloadingEventsTracker) and tracker.self_describing_enabled:
+        return tracker
+    return None
+
+
+def encode(meta: _OffloadEventMetadata) -> bytes:
+    """One snapshot as a serialized ChunkEvent."""
+    msg = depot_pb2.ChunkEvent(
+        block_hashes=list(meta.block_hashes),
+        parent_block_hash=meta.parent_block_hash or b"",
+        token_ids=meta.token_ids,
+        block_size=meta.block_size,
+        group_idx=meta.group_idx,
+        has_lora=meta.lora_id is not None or meta.lora_name is not None,
+        lora_id=meta.lora_id or 0,
+        lora_name=meta.lora_name or "",
+        kv_cache_spec_kind=meta.kv_cache_spec.kv_cache_spec_kind or "",
+        kv_cache_spec_sliding_window=meta.kv_cache_spec.kv_cache_spec_sliding_window or 0,
+    )
+    return msg.SerializeToString()
+
+
+def encode_for_keys(tracker: OffloadingEventsTracker, keys: Iterable[bytes]) -> list[bytes]:
+    """Each key's snapshot, serialized (b"" where the tracker has none: a sliding-window
+    group's); an empty list when it has none of them."""
+    table = tracker._pending_event_metadata
+    out = [encode(meta) if (meta := table.get(key)) is not None else b"" for key in keys]
+    return out if any(out) else []
+
+
+def decode(data: bytes, on_pool: bool) -> _OffloadEventMetadata:
+    """A serialized ChunkEvent as the tracker's snapshot; `on_pool`: the chunk is in the
+    daemon's pool (vLLM's primary tier), as the tracker records a hit."""
+    msg = depot_pb2.ChunkEvent.FromString(data)
+    return _OffloadEventMetadata(
+        block_hashes=tuple(msg.block_hashes),
+        parent_block_hash=msg.parent_block_hash or None,
+        token_ids=tuple(msg.token_ids),
+        block_size=msg.block_size,
+        lora_id=msg.lora_id if msg.has_lora else None,
+        lora_name=(msg.lora_name or None) if msg.has_lora else None,
+        extra_keys=None,  # vLLM 0.33.0's tracker sends none either
+        group_idx=msg.group_idx,
+        kv_cache_spec=OffloadingEventGroupSpec(
+            msg.kv_cache_spec_kind or None, msg.kv_cache_spec_sliding_window or None
+        ),
+        active_residencies={_POOL_RESIDENCY} if on_pool else set(),
+    )
+
+
+def feed_tracker(
+    tracker: OffloadingEventsTracker, events: Mapping[bytes, tuple[bytes, bool]]
+) -> int:
+    """Puts each key's chunk event (`events`: key -> (ChunkEvent bytes, in the pool))
+    into the tracker unless it has the key already (its own snapshot, taken from the
+    Request, stays); returns how many it took. A chunk event that does not parse is
+    skipped: the tracker then publishes vLLM's placeholder for it, as before."""
+    table = tracker._pending_event_metadata
+    taken = 0
+    for key, (data, on_pool) in events.items():
+        if key in table:
+            if on_pool:
+                table[key].active_residencies.add(_POOL_RESIDENCY)
+            continue
+        try:
+            table[key] = decode(data, on_pool)
+        except Exception:  # a bad event costs its completeness, nothing more
+            continue
+        taken += 1
+    return taken

@@ -1,0 +1,170 @@
+"""Chunk events (TransferJob.key_events) in the daemon, and their translation into vLLM's
+KV events (kvdepot.server.kv_events.EventTranslator), without vLLM.
+
+A store's chunk events are kept beside its rows, counted, handed with Watch events to a
+watcher that asked, and dropped with the rows; a job whose events are not one per key,
+or one of which is too large, is refused with INVALID_ARGUMENT and changes nothing,
+and the daemon keeps storing.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+
+from kvdepot.client import DepotClient
+from kvdepot.common.jobs import Job, JobResult
+from kvdepot.server.kv_events import BlockRemoved, BlockStored, EventTranslator
+from kvdepot.server.state.jobs import MAX_CHUNK_EVENT_BYTES
+from kvdepot.v1 import admin_pb2
+from kvdepot.v1 import depot_pb2 as pb
+from tests.support.engine import Engine, Geometry, chunk_plan
+
+
+def chunk_event(hashes: list[bytes], parent: bytes = b"", tokens: int = 16) -> bytes:
+    return pb.ChunkEvent(
+        block_hashes=hashes,
+        parent_block_hash=parent,
+        token_ids=list(range(1000, 1000 + tokens)),
+        block_size=16,
+        group_idx=0,
+        kv_cache_spec_kind="full_attention",
+    ).SerializeToString()
+
+
+# -- the translator (sans I/O) --------------------------------------------------------------
+
+
+def test_a_chunk_event_becomes_a_complete_block_stored_and_its_removal_names_its_hashes() -> None:
+    tr = EventTranslator(int_hashes=True)
+    h1, h2, parent = b"\x01" * 32, b"\x02" * 32, b"\x00" * 31 + b"\x09"
+    key = h2 + (0).to_bytes(4, "big")
+    [stored] = tr.stored("ns", [key], [chunk_event([h1, h2], parent, tokens=32)])
+    assert stored.block_hashes == [int.from_bytes(h1[-8:], "big"), int.from_bytes(h2[-8:], "big")]
+    assert stored.parent_block_hash == 9
+    assert stored.token_ids == list(range(1000, 1032))
+    assert (stored.block_size, stored.group_idx, stored.medium) == (16, 0, "CPU")
+    assert tr.rows_remembered == 1
+    [removed] = tr.removed("ns", [key])
+    assert isinstance(removed, BlockRemoved)
+    assert removed.block_hashes == stored.block_hashes and removed.group_idx == 0
+    assert tr.rows_remembered == 0  # forgotten with the row
+
+
+def test_no_or_a_bad_chunk_event_gives_vllms_placeholder() -> None:
+    tr = EventTranslator(int_hashes=False)
+    key = b"\x07" * 32 + (1).to_bytes(4, "big")
+    for data in (b"", b"\xff\xff not a ChunkEvent"):
+        [e] = tr.stored("ns", [key], [data])
+        assert isinstance(e, BlockStored)
+        assert (e.block_hashes, e.token_ids, e.block_size, e.group_idx) == ([key[:-4]], [], 0, 1)
+    assert tr.rows_remembered == 0
+    [removed] = tr.removed("ns", [key])
+    assert removed.block_hashes == [key[:-4]]
+
+
+# -- the daemon -------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def setup(daemon_factory):
+    d = daemon_factory("--pool-size", "16MiB")
+    c = DepotClient(d.target, client_name="chunk-events").start()
+    assert c.wait_connected(10)
+    geo = Geometry(world_size=1, namespace="chunk-events")
+    eng = Engine(c, geo, 0)
+    yield d, c, geo, eng
+    c.close()
+
+
+def store(eng: Engine, keys: list[bytes], blocks, idx, **fields: Any) -> JobResult:
+    job = Job(
+        eng._next_job,
+        pb.STORE,
+        keys,
+        [b for bl in blocks for b in bl],
+        [len(b) for b in blocks],
+        idx,
+        registration_id=eng.registration.registration_id,
+        **fields,
+    )
+    eng._next_job += 1
+    eng.stream.submit(job)
+    assert eng.stream.wait({job.job_id}, timeout=10)
+    (res,) = [r for r in eng.stream.poll() if r.job_id == job.job_id]
+    return res
+
+
+def test_the_daemon_keeps_counts_hands_on_and_drops_chunk_events(setup) -> None:
+    d, c, geo, eng = setup
+    keys, blocks, idx = chunk_plan(geo, range(0, 2))
+    ns = geo.layout().id
+    events = [chunk_event([k[:-4]]) for k in keys]
+
+    # Refused, nothing stored: not one per key; one too large.
+    bad = store(eng, keys, blocks, idx, key_events=events[:-1])
+    assert (bad.success, bad.error_code) == (
+        False,
+        "INVALID_ARGUMENT",
+    ) and "one per key" in bad.error
+    huge = [b"x" * (MAX_CHUNK_EVENT_BYTES + 1), *events[1:]]
+    bad = store(eng, keys, blocks, idx, key_events=huge)
+    assert (bad.success, bad.error_code) == (False, "INVALID_ARGUMENT")
+    assert str(MAX_CHUNK_EVENT_BYTES) in bad.error
+    assert d.stats().ready_blocks == 0
+
+    # A watcher that asks for them gets them with the snapshot and the STORED event.
+    seen: list[pb.WatchEvent] = []
+    got = threading.Event()
+
+    def on_event(e: pb.WatchEvent) -> None:
+        seen.append(e)
+        if e.kind == pb.WatchEvent.STORED:
+            got.set()
+
+    watch = c.watch(ns, on_event, key_events=True)
+    ok = store(eng, keys, blocks, idx, key_events=events)
+    assert ok.success, ok.error
+    assert got.wait(10)
+    stored = {
+        k: e
+        for m in seen
+        if m.kind == pb.WatchEvent.STORED
+        for k, e in zip(m.keys, m.key_events, strict=True)
+    }
+    assert stored == dict(zip(keys, events, strict=True))
+    st = d.stats()
+    assert (st.chunk_event_rows, st.chunk_event_bytes) == (len(keys), sum(map(len, events)))
+    watch.stop()
+
+    # A later watcher's snapshot carries them; one that does not ask gets none.
+    snap: list[pb.WatchEvent] = []
+    done = threading.Event()
+
+    def on_snapshot(e: pb.WatchEvent) -> None:
+        snap.append(e)
+        if e.kind == pb.WatchEvent.SNAPSHOT_END:
+            done.set()
+
+    for asked in (True, False):
+        snap.clear()
+        done.clear()
+        w = c.watch(ns, on_snapshot, key_events=asked)
+        assert done.wait(10)
+        w.stop()
+        held = {
+            k: e
+            for m in snap
+            if m.kind == pb.WatchEvent.SNAPSHOT
+            for k, e in zip(m.keys, m.key_events or [b""] * len(m.keys), strict=True)
+        }
+        assert set(held) == set(keys)
+        assert held == (dict(zip(keys, events, strict=True)) if asked else dict.fromkeys(keys, b""))
+
+    # Gone with the rows.
+    res = c.admin.Evict(admin_pb2.EvictRequest(namespace_id=ns, keys=keys))
+    assert res.evicted_blocks == len(keys)
+    st = d.stats()
+    assert (st.chunk_event_rows, st.chunk_event_bytes) == (0, 0)
