@@ -53,6 +53,11 @@ def hybrid_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_model("gemma3-hybrid", tmp_path_factory.mktemp("gemma3"))
 
 
+@pytest.fixture(scope="session")
+def mla_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_model("deepseek-v2-tiny", tmp_path_factory.mktemp("deepseek-v2"))
+
+
 @pytest.fixture
 def engines() -> Iterator[list]:
     """Engines and servers a test starts, closed afterwards."""
