@@ -68,7 +68,7 @@ def _split(jobs: int, size: int) -> list[int]:
 class Series:
     """Rounds of one direction, merged: rates over the rounds' windows, CPU summed."""
 
-    def __init__(self, rounds: list[TimedRun]) -> None:
+    def __init__(self, rounds: list[TimedRun], pool_rows: int, pool_bytes: int) -> None:
         rates = [r.rate() for r in rounds]
         self.window_s = sum(w for _, w in rates)
         self.bytes_per_s = sum(b * w for b, w in rates) / self.window_s if self.window_s else 0.0
@@ -86,9 +86,9 @@ class Series:
         self.overhead_ms = [x for r in rounds for x in r.overhead_ms()]
         # Each round from its first timed submit to its last answer (no start barriers).
         self.span_s = sum(_span(r) for r in rounds)
-        # The pool after the series: rows READY and the bytes they hold (set by _one_node).
-        self.pool_rows = 0
-        self.pool_bytes = 0
+        # The pool after the series: rows READY and the bytes the pool holds.
+        self.pool_rows = pool_rows
+        self.pool_bytes = pool_bytes
 
     def rate(self) -> tuple[float, float]:
         return self.bytes_per_s, self.window_s
@@ -306,11 +306,9 @@ def _one_node(
                 raise RuntimeError(
                     f"node series, {engines} x TP={geo.tp} on {shards} shard(s), {direction}: {exc}"
                 ) from exc
-            series = Series(rounds)
             pool = [d.stats() for d in daemons]
-            series.pool_rows = sum(p.ready_blocks for p in pool)
-            series.pool_bytes = sum(p.used_bytes for p in pool)
-            out.append((direction, series))
+            rows, held = sum(p.ready_blocks for p in pool), sum(p.used_bytes for p in pool)
+            out.append((direction, Series(rounds, rows, held)))
         return out
     finally:
         if fleet is not None:
