@@ -25,16 +25,19 @@ pytest.importorskip("vllm", reason="needs vLLM 0.33 with CUDA")
 
 from kvdepot.bench.vllm_models import build_model
 from kvdepot.testing.environment import prompt_for
+from kvdepot.testing.waiting import log_tails, wait_for
 from tests.engine.runner import LLMEngine, readme_kv_config
-from tests.engine.test_engine import external_tokens, wait_ready_blocks
+from tests.engine.test_engine import external_tokens
 from tests.engine.test_mla_engine import registered_ranks
 from tests.support.daemon import stats
 
 pytestmark = pytest.mark.timeout(600)
 
 PROMPT = prompt_for(401, 8 * 64 + 5)  # 8 chunks of 64 tokens, 32 of 16: either block size
+FULL = 8 * 64  # the prompt's tokens in full blocks: what can come from kvdepot
 LATENT_BYTES = 576 * 2  # one token's latent in one layer, bfloat16
 LAYERS = 2
+ONE_COPY = FULL * LAYERS * LATENT_BYTES  # the prompt's rows, one section each
 LOGPROB_TOLERANCE = 0.05  # bfloat16 over a few decode steps
 # Small and quick to start: eager mode (no CUDA graphs, no compilation).
 GPU_ARGS = {"dtype": "bfloat16", "enforce_eager": True, "gpu_memory_utilization": 0.2}
@@ -58,15 +61,23 @@ def computed(engine: LLMEngine, model: Path) -> dict:
     return out
 
 
-def loads(engine: LLMEngine, model: Path, want: dict) -> float:
-    """The prompt again, vLLM's own cache emptied: tokens it took from kvdepot, and the
+def wait_stored(daemon, engine: LLMEngine) -> None:  # type: ignore[no-untyped-def]
+    """Until the pool holds the prompt's full blocks, none still being written."""
+
+    def stored() -> bool:
+        s = stats(daemon)
+        return s.used_bytes >= ONE_COPY and s.writing_blocks == 0
+
+    wait_for(stored, 60, "the prompt's rows stored", detail=log_tails(engine, daemon))
+
+
+def loads(engine: LLMEngine, model: Path, want: dict) -> None:
+    """The prompt again, vLLM's own cache emptied: every full block from kvdepot, and the
     output equal to `want`."""
     engine.reset_prefix_cache()
     before = external_tokens(engine, model)
     assert_same_tokens(engine.generate([PROMPT])[0], want)
-    loaded = external_tokens(engine, model) - before
-    assert loaded >= 8 * 64 - 64, loaded  # every full chunk (less one of the largest)
-    return loaded
+    assert external_tokens(engine, model) - before == FULL
 
 
 def test_v2_model_runner_loads_what_the_v1_runner_stored(
@@ -84,15 +95,13 @@ def test_v2_model_runner_loads_what_the_v1_runner_stored(
         v1 = LLMEngine(mla_model, tmp_path, readme_kv_config(daemon.target), **GPU_ARGS)
         try:
             assert_same_tokens(computed(v1, mla_model), want)
-            wait_ready_blocks(daemon, 8, v1)
+            wait_stored(daemon, v1)
+            # One namespace: the runners' pages are described alike.
+            assert len({ns for ns, _ in registered_ranks(daemon.admin_target)}) == 1
         finally:
-            held = stats(daemon)
             v1.close()
-        # One namespace: the runners' pages are described alike.
-        assert len({ns for ns, _ in registered_ranks(daemon.admin_target)}) == 1
-        loaded = loads(v2, mla_model, want)
-        # The pool holds one latent a token of what was loaded (full chunks only).
-        assert held.used_bytes == loaded * LAYERS * LATENT_BYTES, (held, loaded)
+        loads(v2, mla_model, want)
+        assert stats(daemon).used_bytes == ONE_COPY  # one latent a token, stored once
     finally:
         v2.close()
 
@@ -119,15 +128,15 @@ def test_tp2_stores_one_section_a_row_that_tp1_loads(
         )
         try:
             assert computed(tp2, mla_model)["token_ids"] == want["token_ids"]
-            wait_ready_blocks(daemon, 8, tp2)
+            wait_stored(daemon, tp2)
+            assert stats(daemon).used_bytes == ONE_COPY  # one section a row, not two
             # Both ranks of the TP=2 engine registered as rank 0 of the TP=1 engine's
             # namespace: a world of one.
             ranks = registered_ranks(daemon.admin_target)
             assert len({ns for ns, _ in ranks}) == 1 and [r for _, r in ranks] == [0, 0, 0]
         finally:
-            held = stats(daemon)
             tp2.close()
-        loaded = loads(tp1, mla_model, want)
-        assert held.used_bytes == loaded * LAYERS * LATENT_BYTES, (held, loaded)  # one copy
+        loads(tp1, mla_model, want)
+        assert stats(daemon).used_bytes == ONE_COPY
     finally:
         tp1.close()
