@@ -188,10 +188,19 @@ class TimedRun:
     dropped: int  # store keys dropped, a load's set included (only where allowed)
     copies: int  # copies the daemons' copy threads started (GetStats copies_started)
     copy_wait_s: float  # their seconds from queued to started (GetStats copy_wait_seconds)
+    # Bytes the daemons copied (planned, with copies off) into or out of the pool,
+    # warm-up included (GetStats stored_bytes + loaded_bytes): a store of a row another
+    # rank copies (MLA's replicated ranks) adds none.
+    copied_bytes: int = 0
 
     def rate(self) -> tuple[float, float]:
         """Bytes/s while every worker ran, and that window (stats.overlap_rate)."""
         return overlap_rate([[(j[0], j[1], int(j[2])) for j in r["jobs"]] for r in self.replies])
+
+    def job_rate(self) -> tuple[float, float]:
+        """Jobs/s while every worker ran (each job counts, whatever it copied), and that
+        window: the window of `rate`."""
+        return overlap_rate([[(j[0], j[1], 1) for j in r["jobs"]] for r in self.replies])
 
     def overhead_ms(self) -> list[float]:
         """Round trip - copy of every timed job (the copy is nil here: copies are off)."""
@@ -244,22 +253,26 @@ def timed_run(
     keys.pattern += jobs + warmup
     dropped += sum(r["dropped"] for r in replies)
     submitted = (jobs + warmup) * len(fleet.workers)
-    loop, copies, wait = (after - before for after, before in zip(c1, c0, strict=True))
-    return TimedRun(replies, d1 - d0, e1 - e0, loop, submitted, dropped, int(copies), wait)
+    loop, copies, wait, copied = (after - before for after, before in zip(c1, c0, strict=True))
+    return TimedRun(
+        replies, d1 - d0, e1 - e0, loop, submitted, dropped, int(copies), wait, int(copied)
+    )
 
 
 def cpu_total(pids: Sequence[int]) -> float:
     return sum(cpu_seconds(pid) for pid in pids)
 
 
-def daemon_counters(daemons: Sequence[OwnDaemon]) -> tuple[float, float, float]:
+def daemon_counters(daemons: Sequence[OwnDaemon]) -> tuple[float, float, float, float]:
     """The daemons' counters so far, summed: their event loops' CPU seconds (the serial
-    part of each), the copies their threads started, and those copies' seconds queued."""
+    part of each), the copies their threads started, those copies' seconds queued, and
+    the bytes they copied (both directions)."""
     readings = [d.stats() for d in daemons]
     return (
         sum(s.loop_cpu_seconds for s in readings),
         sum(s.copies_started for s in readings),
         sum(s.copy_wait_seconds for s in readings),
+        sum(s.stored_bytes + s.loaded_bytes for s in readings),
     )
 
 

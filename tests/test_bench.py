@@ -487,10 +487,82 @@ def test_node_series_deals_ranks_to_shards_as_the_connector_does() -> None:
     assert {v[1].tp for v in shard_views(geo, engines=2, shards=1).values()} == {8}
     # TP=1 engines, each a namespace of its own (as distinct models): each on the shard
     # its namespace picks, and together spread over the node's shards.
+    # Replicated MLA ranks register as the connector's do: rank 0 of a world of one,
+    # every rank of an engine on its one shard, the whole latent each.
+    mla = preset("deepseek-v3-tp8", quick=False)
+    for shards in (1, 2, 8):
+        routed = shard_views(mla, engines=2, shards=shards)
+        assert {(v.registered_world, local, v.page_bytes) for _, v, local in routed.values()} == {
+            (1, 0, 576 * 2 * 16)
+        }
+        for engine in range(2):
+            assert len({v[0] for (e, _), v in routed.items() if e == engine}) == 1
     one_rank = preset("8b-tp1", quick=False)
     spread = shard_views(one_rank, engines=16, shards=4)
     assert {local for _, _, local in spread.values()} == {0}
     assert len({shard for shard, _, _ in spread.values()}) > 1
+
+
+def test_node_series_stores_a_replicated_mla_row_once_at_every_tp() -> None:
+    """`kvdepot bench --node --node-geometry deepseek-v3-tp8 --node-tp 1,2` (cut to 8
+    layers): an MLA row is one section (8 layers x 16 tokens x 576 bf16 values), the same
+    in the pool at TP=1 and TP=2, copied in once per chunk however many ranks store it and
+    out once per rank. A section per rank, as kvdepot stored MLA before, doubles both."""
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvdepot.server.cli",
+            "bench",
+            "--node",
+            "--quick",
+            "--json",
+            "--quiet",
+            "--node-geometry",
+            "deepseek-v3-tp8,deepseek-v3-tp8-sections",
+            "--node-tp",
+            "2,1",
+            "--node-engines",
+            "1",
+            "--node-shards",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert proc.returncode == 0, f"bench --node failed ({proc.returncode}):\n{proc.stderr[-4000:]}"
+    result = json.loads(proc.stdout)
+    section = 8 * 16 * 576 * 2
+    rows = {(r["geometry"], r["tp"], r["direction"]): r for r in result["node_ceiling"]}
+    assert len(rows) == 8
+    for (name, tp, direction), r in rows.items():
+        replicated = name == "deepseek-v3-tp8"
+        row = section if replicated else tp * section
+        assert r["rank_job_bytes"] == result["node"]["chunks"] * section  # a rank's latent
+        assert r["pool_bytes_per_row"] == row, r
+        assert _positive(r["rank_jobs_per_s"]) and r["dropped_keys"] == 0
+        assert r["equivalent_gbps"] == pytest.approx(
+            r["rank_jobs_per_s"] * r["rank_job_bytes"] / 1e9
+        )
+        # A store copies each row once (a rank that finds it copied copies nothing; a
+        # row evicted before a slow rank's store is copied again: within 5 %); every
+        # rank loads its section.
+        copied = row if direction == "store" else tp * section
+        assert r["copied_bytes_per_chunk"] == pytest.approx(copied, rel=0.05), r
+    assert "DeepSeek-V3-like MLA" in proc.stderr and "one section a row" in proc.stderr
+
+
+def test_node_series_refuses_a_tp_the_heads_do_not_split_over() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvdepot.bench", "--node", "--node-geometry", "70b-tp8",
+         "--node-tp", "3"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    assert "--node-tp: 70b-tp8: 8 KV heads do not split over TP=3" in proc.stderr
 
 
 def test_node_series_refuses_an_unknown_geometry() -> None:
@@ -514,7 +586,8 @@ def test_node_table_says_when_engines_picked_fewer_shards_than_the_node_has() ->
             "vs_one_shard": 1.0, "daemon_cpu_us_per_rank_job": 200.0,
             "loop_cpu_us_per_rank_job": 180.0, "engine_cpu_us_per_rank_job": 90.0,
             "one_core_gbps": 50.0, "host_cpu_share": 0.6, "copy_wait_ms_mean": 0.5,
-            "overhead_ms_p50": 2.0, "dropped_keys": 0,
+            "overhead_ms_p50": 2.0, "dropped_keys": 0, "copied_gbps": 3.2,
+            "copied_bytes_per_chunk": 2048.0, "pool_bytes_per_row": 2048.0,
         }  # fmt: skip
 
     node = {
