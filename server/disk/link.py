@@ -8,10 +8,11 @@ asks it first on Depot/Prefetch; Admin/GetStats and the Prometheus collector
 
 - Write-behind, `--disk-write ready`: a row that becomes READY (its STORED event)
   is noted; right after the event (a listener must not call back into the index)
-  each row still ready is held with `begin_read` and handed to `DiskTier.write`
-  straight from the pool's memory (page-aligned: nothing is staged); the hold ends
-  when the write's `done` comes back to the loop, as no use (`end_read(use=None)`:
-  the row goes back where it was, EvictionPolicy.resume). A row that finds the bound on
+  each row still ready is kept in place with `begin_keep` (no use: it keeps its
+  place in the eviction order, which eviction passes over, so the order in which
+  writes end never reorders a prefix) and handed to `DiskTier.write` straight from
+  the pool's memory (page-aligned: nothing is staged); the hold ends when the
+  write's `done` comes back to the loop (`end_keep`). A row that finds the bound on
   bytes in flight reached waits, as a key only (nothing held, so RAM may still
   evict it), in a list of at most WAITING_ROWS, written oldest first as writes
   finish: a burst larger than the bound still reaches the disk. Past that list,
@@ -24,18 +25,21 @@ asks it first on Depot/Prefetch; Admin/GetStats and the Prometheus collector
   reused meanwhile moves to the hot end and is not written. The walk covers only
   the coldest bytes above the high-water mark and runs again after new rows or
   finished writes worth an eighth of what it last walked (amortized: a few checks
-  per stored row). The write's hold ends as no use (`end_read(use=False)`): a
-  written row stays the next victim.
+  per stored row). The write keeps the row in place, as above: a written row is
+  still among the coldest.
 - With `--disk-write-priority low` (the default) the write threads run at nice 19
   and the lowest best-effort I/O priority (`io_threads.lower_priority`): stores' copies and
   the event loop win the CPU, and what the disk cannot take in time is dropped.
 - Writes in flight hold at most half the pool (`POOL_SHARE`; a row being written is
   unevictable, and a pool all held would drop stores).
-- Promotion: `promote(namespace, keys)` claims, for each key on disk whose record
-  is a whole row of the namespace's layout, every rank's section of a fresh slot
+- Promotion, a tier below the pool for Prefetch (kvdepot.server.core.prefix_fetch):
+  `locate(namespace, keys)` says which keys the disk has as a whole row of the
+  namespace's layout; `fetch(namespace, keys)`, for the leading run of a request
+  the state picked, claims every rank's section of a fresh slot for each
   (`begin_store`, as the remote fetcher does), `DiskTier.read` reads the record
-  straight into it, and `done` makes it READY (`finish_store`, announced on Watch)
-  or drops it (a record that did not verify: never served).
+  straight into it, and once all of the call's reads are done their rows become
+  READY tail first (`finish_store`, announced on Watch), or are dropped (a record
+  that did not verify: never served).
 - Events: the tier's record changes (`DiskTier.watch`: a record written; one
   evicted, not verified or lost with its file) reach `announce` (the event bus's
   Watch streams, set by kvdepot.server.state.tiers) on the loop, in order, as
@@ -249,23 +253,19 @@ class DiskLink:
                 drops[_DROPS[verdict]] += 1
 
     def write_row(
-        self,
-        namespace_id: str,
-        key: bytes,
-        written: Callable[[Slot], None],
-        use: bool | None = None,
+        self, namespace_id: str, key: bytes, written: Callable[[Slot], None]
     ) -> tuple[WriteVerdict | None, Slot | None]:
-        """Holds a ready row and hands it to the tier straight from the pool's memory;
-        `written(slot)` runs on the loop when the write is done and must end the hold.
-        A write the tier refuses ends it here (`use`: BlockIndex.end_read's; None, the
-        default: no use, the row back where it was). (None, None): the row is gone (its
-        namespace, or evicted or replaced since it was noted)."""
+        """Keeps a ready row in place (BlockIndex.begin_keep) and hands it to the tier
+        straight from the pool's memory; `written(slot)` runs on the loop when the
+        write is done and must end the hold (`end_keep`). A write the tier refuses
+        ends it here. (None, None): the row is gone (its namespace, or evicted or
+        replaced since it was noted)."""
         index = self._index
         try:
             layout = index.namespace(namespace_id).layout
         except UnknownNamespace:
             return None, None
-        slot = index.begin_read(namespace_id, key)
+        slot = index.begin_keep(namespace_id, key)
         if slot is None:
             return None, None
         view = self._arena.view(slot.extent.offset, layout.slot_bytes(slot.group))
@@ -274,7 +274,7 @@ class DiskLink:
             namespace_id, key, view, lambda ok: on_loop(written, slot), slot.admitted_by
         )
         if verdict is not WriteVerdict.ACCEPTED:
-            index.end_read(slot, use=use)
+            index.end_keep(slot)
         return verdict, slot
 
     def _write_row(self, namespace_id: str, key: bytes) -> WriteVerdict | None:
@@ -284,7 +284,7 @@ class DiskLink:
         return verdict
 
     def _write_done(self, slot: Slot) -> None:
-        self._index.end_read(slot, use=None)  # a write behind is no use
+        self._index.end_keep(slot)
         if self._waiting:
             self._drain()
 
@@ -459,8 +459,7 @@ class ColdEndWriter:
         self._credit = 0  # rows stored or written since the last walk
         self._walk_rows = 0  # rows the last walk went over
         self._walk_due = False
-        self._writing = 0  # rows being written: held, so not in the LRU the walk sees
-        self._writing_bytes = 0
+        self._writing = 0  # rows being written (kept in place)
 
     def on_event(self, event: IndexEvent) -> None:
         """New rows count towards the next walk; a row RAM evicted before it was
@@ -486,10 +485,9 @@ class ColdEndWriter:
         self._walk_due = False
         self._credit = 0
         allocator = self._index.allocator
-        # The coldest bytes over the mark, less the rows being written (held: the
-        # walk does not see them).
+        # The coldest bytes over the mark (rows being written among them: kept in
+        # place, the walk sees them and passes over them).
         ahead = allocator.used_bytes - int(self.high_water * allocator.capacity)
-        ahead -= self._writing_bytes
         if ahead <= 0 or not self.tier.health.up:
             self._walk_rows = 0
             return
@@ -499,7 +497,7 @@ class ColdEndWriter:
                 break
             ahead -= slot.extent.size
             walked += 1
-            if not contains(slot.namespace, slot.key):
+            if not slot.kept and not contains(slot.namespace, slot.key):
                 todo.append(slot)
         self._walk_rows = walked
         for cold in todo:
@@ -510,16 +508,14 @@ class ColdEndWriter:
                 self._link.stats.write_drops[_DROPS[verdict]] += 1
 
     def _write(self, cold: Slot) -> WriteVerdict | None:
-        verdict, slot = self._link.write_row(cold.namespace, cold.key, self._written, use=False)
+        verdict, slot = self._link.write_row(cold.namespace, cold.key, self._written)
         if slot is not None and verdict is WriteVerdict.ACCEPTED:
             self._writing += 1
-            self._writing_bytes += slot.extent.size
         return verdict
 
     def _written(self, slot: Slot) -> None:
-        self._index.end_read(slot, use=False)  # no use: the row stays the next victim
+        self._index.end_keep(slot)  # no use: the row is still among the coldest
         self._writing -= 1
-        self._writing_bytes -= slot.extent.size
         self._credit += 1
         if self._writing == 0:  # the bound may have stopped the last walk
             self._credit = self._walk_rows
