@@ -59,13 +59,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from itertools import groupby
 from typing import Any
 
+from kvdepot.server.core.eviction import tail_first
 from kvdepot.server.core.index import BlockIndex, IndexEvent, Slot, UnknownNamespace
 from kvdepot.server.core.kinds import EventKind, EvictionReason, StoreOutcome, Tier
 from kvdepot.server.disk.io_threads import lower_priority
@@ -119,6 +119,26 @@ class DiskLinkStats:
     misses: int = 0  # keys asked for that the disk did not have
     write_drops: Counter[str] = field(default_factory=Counter)  # rows not written, by reason
     promote_drops: Counter[str] = field(default_factory=Counter)  # rows not promoted
+
+
+@dataclass(eq=False)
+class _Read:
+    """One row being read from disk into its claimed slot."""
+
+    namespace: str
+    key: bytes
+    slot: Slot
+    world_size: int
+    ok: bool = False
+
+
+@dataclass(eq=False)
+class _Promotion:
+    """One Prefetch's reads from disk (`DiskLink.fetch`), settled together."""
+
+    order: list[_Read] = field(default_factory=list)  # the request's order
+    pending: int = 0  # reads not done yet
+    all_started: bool = False
 
 
 class DiskLink:
@@ -318,51 +338,71 @@ class DiskLink:
         young as the pool's rows are, so the disk keeps the pool's prefix order."""
         self.tier.touch(namespace_id, keys)
 
-    # -- promotion ------------------------------------------------------------------------
+    # -- promotion (a TierBelow: kvdepot.server.core.prefix_fetch) ---------------------
 
-    def promote(self, namespace_id: str, keys: Sequence[bytes]) -> list[bool]:
-        """Per key (checked, missing in the pool): True when it is being read from disk
-        into the pool (READY and announced shortly), False when the disk lacks it."""
-        ns = self._index.namespace(namespace_id)
-        layout, tier = ns.layout, self.tier
-        if not tier.health.up:  # no slot claimed (nor a row evicted for it) in vain
-            for key in keys:
-                layout.key_group(key)
+    async def locate(self, namespace_id: str, keys: Sequence[bytes]) -> list[bool]:
+        """Per key (checked, missing in the pool): whether the disk has it as a whole
+        row of the namespace's layout (or is reading it into the pool already)."""
+        return self._locate(namespace_id, keys)
+
+    def _locate(self, namespace_id: str, keys: Sequence[bytes]) -> list[bool]:
+        layout, tier = self._index.namespace(namespace_id).layout, self.tier
+        if not tier.health.up:
             self.stats.misses += len(keys)
             return [False] * len(keys)
         out: list[bool] = []
-        asked_at = time.monotonic()
-        # Each read touches its record: the last key first, so that a prefix's first
-        # chunk is the disk's youngest (as a touch leaves it).
-        for key in reversed(keys):
+        for key in keys:
             if (namespace_id, key) in self._promoting:
                 out.append(True)
                 continue
             found = tier.record_of(namespace_id, key)
-            size = layout.slot_bytes(layout.key_group(key))
             if found is None:
                 self.stats.misses += 1
                 out.append(False)
-                continue
-            length, admitted_by = found
-            if length != size:  # another layout's row under this name: never loaded
+            elif found[0] != layout.slot_bytes(layout.key_group(key)):
+                # Another layout's row under this name: never loaded.
                 self.stats.promote_drops["wrong_length"] += 1
+                out.append(False)
+            else:
+                out.append(True)
+        return out
+
+    def fetch(self, namespace_id: str, keys: Sequence[bytes]) -> list[bool]:
+        """Reads `keys` (a leading run of a request, in its order, that `locate` found)
+        from disk into the pool: per key, True when under way (or in the pool already).
+        The reads go tail first (each touches its record, so a prefix's first chunk is
+        the disk's youngest, as a touch leaves it), and the rows become READY together
+        once all of this call's reads are done, tail first (the pool's order)."""
+        ns = self._index.namespace(namespace_id)
+        layout, tier = ns.layout, self.tier
+        batch = _Promotion()
+        out: list[bool] = []
+        for key in reversed(keys):
+            if key in ns.slots:  # being read already, or stored meanwhile
+                out.append(True)
+                continue
+            found = tier.record_of(namespace_id, key) if tier.health.up else None
+            size = layout.slot_bytes(layout.key_group(key))
+            if found is None or found[0] != size:  # gone since `locate`
+                self.stats.misses += 1
                 out.append(False)
                 continue
             out.append(
-                self._read_into_pool(
-                    namespace_id, key, size, layout.world_size, asked_at, admitted_by
-                )
+                self._read_into_pool(batch, namespace_id, key, size, layout.world_size, found[1])
             )
+        batch.order.reverse()  # the request's order
+        batch.all_started = True
+        if not batch.pending:
+            self._settle_batch(batch)
         return out[::-1]
 
     def _read_into_pool(
         self,
+        batch: _Promotion,
         namespace_id: str,
         key: bytes,
         size: int,
         world_size: int,
-        asked_at: float,
         admitted_by: bytes,
     ) -> bool:
         first = self._index.begin_store(namespace_id, key, 0, OWNER)
@@ -377,26 +417,40 @@ class DiskLink:
         for rank in range(1, world_size):
             self._index.begin_store(namespace_id, key, rank, OWNER)
         dest = self._arena.view(slot.extent.offset, size)
+        read = _Read(namespace_id, key, slot, world_size)
 
         def done(ok: bool) -> None:  # an I/O thread
-            self._on_loop(self._promoted, namespace_id, key, slot, world_size, ok)
+            self._on_loop(self._promoted, batch, read, ok)
 
-        if not self.tier.read(namespace_id, key, dest, done):  # gone since length_of
+        if not self.tier.read(namespace_id, key, dest, done):  # gone since record_of
             self.stats.misses += 1
             self._settle(slot, world_size, False)
             return False
         self._promoting.add((namespace_id, key))
+        batch.order.append(read)
+        batch.pending += 1
         return True
 
-    def _promoted(self, namespace_id: str, key: bytes, slot: Slot, world: int, ok: bool) -> None:
-        self._promoting.discard((namespace_id, key))
-        if ok and self.write_mode == "ready":  # its STORED event must not write it back
-            self._from_disk.add((namespace_id, key))
-        if self._settle(slot, world, ok):
-            self.stats.hits += 1
-            return
-        self._from_disk.discard((namespace_id, key))
-        self.stats.promote_drops["rejected" if not ok else "dropped"] += 1
+    def _promoted(self, batch: _Promotion, read: _Read, ok: bool) -> None:
+        read.ok = ok
+        batch.pending -= 1
+        if not batch.pending and batch.all_started:
+            self._settle_batch(batch)
+
+    def _settle_batch(self, batch: _Promotion) -> None:
+        """A Prefetch's reads are all done: their rows become READY tail first (one
+        insert each, the head last: the youngest)."""
+        by_slot = {read.slot: read for read in batch.order}
+        for slot in tail_first([read.slot for read in batch.order]):
+            read = by_slot[slot]
+            self._promoting.discard((read.namespace, read.key))
+            if read.ok and self.write_mode == "ready":  # its STORED event must not write it back
+                self._from_disk.add((read.namespace, read.key))
+            if self._settle(slot, read.world_size, read.ok):
+                self.stats.hits += 1
+                continue
+            self._from_disk.discard((read.namespace, read.key))
+            self.stats.promote_drops["rejected" if not read.ok else "dropped"] += 1
 
     def _settle(self, slot: Slot, world_size: int, ok: bool) -> bool:
         ready = False

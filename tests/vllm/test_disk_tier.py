@@ -12,7 +12,9 @@ pytest.importorskip("vllm")
 pytest.importorskip("blake3")
 
 from kvdepot.testing.vllm_engine import prompt_for
+from kvdepot.testing.waiting import wait_for
 from kvdepot.v1 import admin_pb2
+from tests.disk.helpers import forget_records
 from tests.vllm.engine_proc import run_engine_process
 
 pytestmark = pytest.mark.vllm
@@ -45,6 +47,52 @@ def test_a_prompt_only_on_disk_is_an_external_hit(daemon_factory, make_engine, t
     assert engine.kv_digest(0, 0, rec.block_ids[0][:10]) == first["digest"]
     s = m._client.admin.GetStats(admin_pb2.GetStatsRequest())
     assert s.disk_hits == len(keys) and s.disk_rejected == 0
+
+
+def test_a_prefetch_promotes_the_chunks_before_one_no_tier_holds_and_none_after(
+    daemon_factory, make_engine, tmp_path
+) -> None:
+    """A prompt on disk but for its chunk 8 (its record lost): the one Prefetch of the
+    request's 20 keys brings chunks 0-7 into the pool and nothing after chunk 8 (those
+    rows no lookup could reach; before, all 19 on disk were promoted); the request then
+    loads the 8 chunks byte for byte and computes the rest."""
+    chunks, hole = 20, 8
+    disk = tmp_path / "disk"
+    d = daemon_factory("--pool-size", "64MiB", "--disk", str(disk), "--disk-size", "64MiB")
+    first = run_engine_process(d.target, prompt_seed=15, length=chunks * 16)
+    keys = [bytes.fromhex(k) for k in first["keys"]]
+    wait_for(lambda: d.stats().disk_writes >= chunks, what="the prompt on disk")
+    d.stop()  # a clean stop: the disk's index checkpoint is written
+    assert forget_records(disk, [keys[hole]]) == 1  # no tier holds chunk 8 now
+    d.start()
+
+    engine = make_engine(socket=d.target, num_gpu_blocks=64)
+    engine.wait_registered()
+    m = engine.manager
+    prompt = prompt_for(15, chunks * 16)
+    assert engine.offload_keys(prompt) == keys
+    admin = m._client.admin
+    engine.add_request(prompt)
+    engine.step()  # RETRY for every key, all asked of the disk in one Prefetch
+    assert m.remote_asked == chunks
+    engine.wait_until(lambda: m.prefetch_rpcs == 1, what="the Prefetch answer")
+    engine.wait_ready(keys[:hole])
+    listed = admin.ListBlocks(admin_pb2.ListBlocksRequest(namespace_id=m.namespace_id))
+    # Every row the Prefetch claimed was claimed before it answered: the pool holds the
+    # 8 leading chunks, ready, and nothing else.
+    assert sorted((b.key, b.state) for b in listed.blocks) == sorted(
+        (k, "ready") for k in keys[:hole]
+    )
+    assert admin.GetStats(admin_pb2.GetStatsRequest()).disk_hits == hole
+
+    engine.run()
+    rec = next(iter(engine.records.values()))
+    assert rec.external_tokens == hole * 16
+    for i, block in enumerate(rec.block_ids[0][:hole]):
+        for name in engine.group_layers(0):
+            want = engine.expected_page(prompt, 0, i, name, 0)
+            assert bool((engine.page(0, name, block) == want).all()), (name, i)
+    assert m.remote_gave_up == 0
 
 
 def test_a_request_that_asks_for_ram_only_never_waits_on_the_disk(
