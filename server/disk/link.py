@@ -343,9 +343,6 @@ class DiskLink:
     async def locate(self, namespace_id: str, keys: Sequence[bytes]) -> list[bool]:
         """Per key (checked, missing in the pool): whether the disk has it as a whole
         row of the namespace's layout (or is reading it into the pool already)."""
-        return self._locate(namespace_id, keys)
-
-    def _locate(self, namespace_id: str, keys: Sequence[bytes]) -> list[bool]:
         layout, tier = self._index.namespace(namespace_id).layout, self.tier
         if not tier.health.up:
             self.stats.misses += len(keys)

@@ -6,9 +6,8 @@ RemoteLink; the daemon starts and closes both): each hears every index event;
 Prefetch asks them in order (the disk, then the fleet: `TierBelow`,
 kvdepot.server.core.prefix_fetch) which of a request's keys missing in RAM they
 hold and fetches the leading run, never a key behind a hole; their figures join
-GetStats. Without either, Prefetch still checks the
-call and fetches nothing. The services never hold the links
-(tests/test_service_facade.py).
+GetStats. Without either, Prefetch still checks the call and fetches nothing. The
+services never hold the links (tests/test_service_facade.py).
 
 Owned by `DepotState`, which offers these calls as its own (kvdepot.server.state.facade);
 everything runs on the event loop.
