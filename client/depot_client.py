@@ -464,7 +464,12 @@ class DepotClient:
         return self.stub.Prefetch(req, timeout=timeout)
 
     def open_lane(
-        self, session_id: str, fd_token: str, kind: int, timeout: float, batched: bool = False
+        self,
+        session_id: str,
+        fd_token: str,
+        kind: depot_pb2.LaneKind,
+        timeout: float,
+        batched: bool = False,
     ) -> depot_pb2.OpenJobLaneResponse:
         """Attaches the socket the fd socket took as `fd_token` as a lane of `kind`
         (Depot/OpenJobLane; kvdepot.client.job_lane, kvdepot.client.pin_lane);

@@ -31,9 +31,8 @@ import grpc
 
 from kvdepot.client.fdpass import FdPassError, send_fd
 from kvdepot.client.job_codec import result_from_bytes, results_from_bytes
-from kvdepot.common.backoff import Backoff
 from kvdepot.common.jobs import JobResult
-from kvdepot.common.lane_protocol import ClientLaneProtocol
+from kvdepot.common.lane_protocol import ClientLaneProtocol, LaneOpening
 from kvdepot.v1 import depot_pb2
 
 if TYPE_CHECKING:
@@ -90,7 +89,7 @@ class ClientLane:
         client: DepotClient,
         session_id: str,
         timeout: float = OPEN_TIMEOUT,
-        kind: int = depot_pb2.LANE_TRANSFER_JOBS,
+        kind: depot_pb2.LaneKind = depot_pb2.LANE_TRANSFER_JOBS,
     ) -> ClientLane:
         hello = client.hello
         if hello is None or not hello.fd_socket:
@@ -170,10 +169,26 @@ class ClientLane:
         self.sock.close()
 
 
+def follow_opening(
+    action: float | None, open_: Callable[[], None], wait_ended: Callable[[], None], name: str
+) -> None:
+    """Does what a LaneOpening answered: 0.0, `open_` on a thread named `name`; a
+    delay, `wait_ended` on a timer thread after it; None, nothing."""
+    if action is None:
+        return
+    if action == 0.0:
+        threading.Thread(target=open_, name=name, daemon=True).start()
+        return
+    timer = threading.Timer(action, wait_ended)
+    timer.daemon = True
+    timer.start()
+
+
 class LaneKeeper:
     """The lane of one TransferStream: opens it in the background, reads its results
-    on a thread of its own, reopens it after a break (not before `retry_s`, the
-    wait of its Backoff).
+    on a thread of its own, reopens it after a break (when: its LaneOpening's rule,
+    not before `retry_s` after a failed try, and a request inside that wait is
+    deferred to its end).
 
     Shares the stream's lock (a Condition); methods without a leading underscore
     are called with it held. Lane generations are negative, so that they never
@@ -191,14 +206,11 @@ class LaneKeeper:
     ) -> None:
         self.client = client
         self.lock = lock
-        self.wanted = wanted
         self.deliver = deliver  # (result, generation): a result came
         self.broken = broken  # (generation, why): fail that lane's jobs in flight
-        self._retry = Backoff(retry_s, retry_s)  # a fixed wait between tries
+        self.opening = LaneOpening(retry_s, wanted)
         self.lane: ClientLane | None = None
         self.generation = 0
-        self._opening = False
-        self._retry_at = 0.0
         self._fallback_logged = False
 
     def maybe_open(self, background: bool = True) -> None:
@@ -206,19 +218,18 @@ class LaneKeeper:
         or (background=False, called WITHOUT the lock) now, so that every job of a
         new stream takes the same path."""
         with contextlib.nullcontext() if background else self.lock:
-            if (
-                not self.wanted
-                or self.lane is not None
-                or self._opening
-                or time.monotonic() < self._retry_at
-                or not self.client.connected
-            ):
+            if self.lane is not None or not self.client.connected:
                 return
-            self._opening = True
-        if background:
-            threading.Thread(target=self._open, name="kvdepot-lane-open", daemon=True).start()
-        else:
+            action = self.opening.request(time.monotonic())
+        if action == 0.0 and not background:
             self._open(SYNC_OPEN_TIMEOUT)
+        else:
+            follow_opening(action, self._open, self._wait_ended, "kvdepot-lane-open")
+
+    def _wait_ended(self) -> None:
+        with self.lock:
+            self.opening.timer_fired()
+            self.maybe_open()
 
     def send(self, job: depot_pb2.TransferJob) -> bool:
         """True if the job went on the lane (its generation is `self.generation`)."""
@@ -243,7 +254,7 @@ class LaneKeeper:
 
     def finish(self) -> None:
         """close(): the daemon answers the lane's jobs, then closes it; no new lane."""
-        self.wanted = False
+        self.opening.stop()
         lane, self.lane = self.lane, None
         if lane is not None:
             lane.finish()
@@ -252,20 +263,17 @@ class LaneKeeper:
         try:
             lane = ClientLane.open(self.client, self.client.session_id, timeout)
         except (LaneUnavailable, OSError, RuntimeError) as exc:  # RuntimeError: no session
+            permanent = isinstance(exc, LaneUnavailable) and exc.permanent
             with self.lock:
-                self._opening = False
-                if isinstance(exc, LaneUnavailable) and exc.permanent:
-                    self.wanted = False
-                else:
-                    self._retry_at = time.monotonic() + self._retry.next_delay()
+                action = self.opening.failed(time.monotonic(), permanent)
                 if not self._fallback_logged:
                     self._fallback_logged = True
                     log.info("kvdepot: no job lane (%s); jobs use the Transfer stream", exc)
+            follow_opening(action, self._open, self._wait_ended, "kvdepot-lane-open")
             return
         with self.lock:
-            self._opening = False
-            self._retry.reset()
-            if not self.wanted:  # the stream closed meanwhile
+            self.opening.opened()
+            if not self.opening.wanted:  # the stream closed meanwhile
                 lane.close()
                 return
             self.generation -= 1

@@ -26,8 +26,9 @@ returns the keys the lane could not take, and the caller unpins those over gRPC.
 
 The rules of which answer belongs to which call, and when a lane is spent, are
 the pin lane's sans-I/O protocol (`PinCalls`, kvdepot.common.lane_protocol); the
-classes here are its socket adapters and keep the lanes open (reopened after a
-break, not before a fixed `retry_s`: a kvdepot.common.backoff.Backoff).
+classes here are its socket adapters and keep the lanes open: when a lane opens
+is that module's `LaneOpening` (reopened after a break, not before a fixed
+`retry_s`; a request inside that wait is deferred to its end, never dropped).
 """
 
 from __future__ import annotations
@@ -38,9 +39,8 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
-from kvdepot.client.job_lane import ClientLane, LaneUnavailable, enabled_by_env
-from kvdepot.common.backoff import Backoff
-from kvdepot.common.lane_protocol import PinCalls
+from kvdepot.client.job_lane import ClientLane, LaneUnavailable, enabled_by_env, follow_opening
+from kvdepot.common.lane_protocol import LaneOpening, PinCalls
 from kvdepot.v1 import depot_pb2
 
 if TYPE_CHECKING:
@@ -61,20 +61,18 @@ class PinTimeout(TimeoutError):
 
 class SessionLane:
     """A lane of one kind for the client's current session: opened on a thread of its
-    own (`open_soon`), dropped when the session ends, reopened after a break."""
+    own (`open_soon`), dropped when the session ends, reopened after a break. When it
+    opens is its LaneOpening's rule; the threads here do what that answers."""
 
-    kind: int  # the LaneKind
+    kind: depot_pb2.LaneKind
     noun: str  # in log lines
 
     def __init__(self, client: DepotClient, retry_s: float = 5.0) -> None:
         self._client = client
-        self._retry = Backoff(retry_s, retry_s)  # a fixed wait between tries
-        self._wanted = enabled_by_env()
+        self._opening = LaneOpening(retry_s, wanted=enabled_by_env())
         self._lock = threading.Lock()
         self._lane: ClientLane | None = None
         self._lane_session = ""
-        self._opening = False
-        self._retry_at = 0.0
         self._fallback_logged = False
 
     @property
@@ -83,14 +81,20 @@ class SessionLane:
 
     def open_soon(self) -> None:
         """Opens a lane for the current session in the background, unless one is
-        open or opening, lanes are off, or the last try failed under `retry_s` ago."""
+        open or lanes are off; under `retry_s` after a failed try, when that wait ends."""
         with self._lock:
-            if not self._wanted or self._opening or time.monotonic() < self._retry_at:
-                return
             if self._lane is not None and self._lane_session == self._session_id():
                 return
-            self._opening = True
-        threading.Thread(target=self._open, name=f"kvdepot-{self.noun}-lane", daemon=True).start()
+            action = self._opening.request(time.monotonic())
+        self._follow(action)
+
+    def _follow(self, action: float | None) -> None:
+        follow_opening(action, self._open, self._wait_ended, f"kvdepot-{self.noun}-lane")
+
+    def _wait_ended(self) -> None:
+        with self._lock:
+            self._opening.timer_fired()
+        self.open_soon()
 
     def drop(self) -> None:
         """Forgets the lane (its session ended: the daemon closed its end)."""
@@ -127,23 +131,22 @@ class SessionLane:
             session_id = self._client.session_id
             lane = ClientLane.open(self._client, session_id, kind=self.kind)
         except (LaneUnavailable, OSError, RuntimeError) as exc:  # RuntimeError: no session
+            permanent = isinstance(exc, LaneUnavailable) and exc.permanent
             with self._lock:
-                self._opening = False
-                if isinstance(exc, LaneUnavailable) and exc.permanent:
-                    self._wanted = False
-                else:
-                    self._retry_at = time.monotonic() + self._retry.next_delay()
+                action = self._opening.failed(time.monotonic(), permanent)
                 logged, self._fallback_logged = self._fallback_logged, True
             if not logged:
                 log.info("kvdepot: no %s lane (%s); %ss use gRPC", self.noun, exc, self.noun)
+            self._follow(action)
             return
         self._attached(lane)
         with self._lock:
-            self._opening = False
-            self._retry.reset()
+            asked_again = self._opening.opened()
             old, self._lane, self._lane_session = self._lane, lane, session_id
         if old is not None:
             old.close()
+        if asked_again:  # perhaps by a newer session than this lane's
+            self.open_soon()
 
 
 class PinLane(SessionLane):

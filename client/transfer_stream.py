@@ -106,6 +106,7 @@ class TransferStream:
             item = q.get()
             if item is _STREAM_END:
                 return
+            # the queue holds TransferJobs and the end marker, tested just above
             yield item  # type: ignore[misc]
 
     def _open(self, session_id: str) -> queue.SimpleQueue[object]:

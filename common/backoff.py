@@ -7,8 +7,8 @@ from [0.5, 1.5) times the schedule's, so that many clients that lost the same
 daemon do not all come back in the same millisecond.
 
 Users (each keeps its delays of before this module): DepotClient's session
-reconnect (0.05 s doubling to 2 s, jittered), the job lane keeper and the pin and
-unpin lanes' reopen (a fixed 5 s), the remote tier's probe (0.5 s doubling to 10 s).
+reconnect (0.05 s doubling to 2 s, jittered), the client lanes' reopen (a fixed 5 s,
+kvdepot.common.lane_protocol.LaneOpening), the remote tier's probe (0.5 s doubling to 10 s).
 
 A plain object without a lock: its owner calls it from one thread at a time (or
 under its own lock). Standard library only.

@@ -144,6 +144,7 @@ def validate(
 def decode(msg: object) -> IpcRegionSpec:
     """A `kvdepot.v1.CudaIpcHandle` message -> a validated IpcRegionSpec."""
     return validate(
+        # a CudaIpcHandle message: common may not import kvdepot.v1 (its type)
         msg.ipc_handle,  # type: ignore[attr-defined]
         msg.device_uuid,  # type: ignore[attr-defined]
         msg.offset,  # type: ignore[attr-defined]

@@ -39,6 +39,7 @@ class EscapingFormatter(logging.Formatter):
         return escaped(super().formatMessage(record))
 
     def formatException(self, ei: object) -> str:
+        # logging hands this exc_info's tuple on as it got it
         return escaped(super().formatException(ei), keep="\n")  # type: ignore[arg-type]
 
     def formatStack(self, stack_info: str) -> str:

@@ -35,6 +35,13 @@ The rules the protocols keep (each was once a bug, see `git log` of the lanes):
   the daemon); a half-closed lane answers what runs, then closes; a closed one
   drops what it has not sent. Each answer is sent once, in the order made.
 
+- `LaneOpening`: a client lane asked for is opened, never forgotten. A request
+  inside the back-off after a failed open is deferred to the back-off's end (the
+  adapter arms one timer), and one made while an open is under way is asked again
+  when that open ends: a session that comes back always gets its lanes back
+  (a lane's open failed while the daemon was down, and the session that came back
+  within the back-off once lost its unpin lane until the next unpin).
+
 Standard library only: the protobuf messages are encoded and decoded by the
 adapters (the pin answers through the `decode` they hand `PinCalls`).
 """
@@ -44,6 +51,8 @@ from __future__ import annotations
 import collections
 import enum
 from collections.abc import Callable, Sequence
+
+from kvdepot.common.backoff import Backoff
 
 
 class LaneState(enum.Enum):
@@ -231,6 +240,79 @@ class PinCalls(ClientLaneProtocol):
         self.event(LaneEvent.BREAK)
 
 
+class LaneOpening:
+    """When a client's lane (a job, pin or unpin lane) opens: one open at a time, a
+    fixed back-off (`retry_s`) after a failed one, and no request lost.
+
+    The adapter calls `request(now)` whenever it wants a lane and has none for its
+    session, and does what the answer says: 0.0, open one now (then `opened` or
+    `failed`); a delay, `timer_fired()` then `request` again after it (one timer:
+    a later request inside the same back-off answers None, the timer covers it);
+    None, nothing (lanes are off, or an open or a timer is under way, and each
+    asks again itself).
+    Times are the caller's monotonic clock, in seconds. Not thread-safe: the
+    adapter calls it under its lock.
+    """
+
+    __slots__ = ("_asked_again", "_deferred", "_retry", "_retry_at", "opening", "wanted")
+
+    def __init__(self, retry_s: float, wanted: bool = True) -> None:
+        self.wanted = wanted  # False: lanes are off (by the user, or the daemon has none)
+        self.opening = False
+        self._retry = Backoff(retry_s, retry_s)  # a fixed wait between tries
+        self._retry_at = 0.0
+        self._deferred = False  # a timer is armed for the back-off's end
+        self._asked_again = False  # a request came while opening
+
+    def request(self, now: float) -> float | None:
+        """A lane is wanted now: 0.0 open it, > 0 call `due` after that many seconds,
+        None nothing to do."""
+        if not self.wanted:
+            return None
+        if self.opening:
+            self._asked_again = True
+            return None
+        if now < self._retry_at:
+            if self._deferred:
+                return None
+            self._deferred = True
+            return self._retry_at - now
+        self.opening = True
+        self._asked_again = False
+        return 0.0
+
+    def timer_fired(self) -> None:
+        """The deferred request's timer fired: the adapter requests again (if it
+        still has no lane)."""
+        self._deferred = False
+
+    def opened(self) -> bool:
+        """The open succeeded. True: a request came meanwhile (the adapter checks
+        the new lane is the one it wants, e.g. of the session now, with `request`
+        again if not)."""
+        self.opening = False
+        self._retry.reset()
+        self._retry_at = 0.0
+        return self._asked_again
+
+    def failed(self, now: float, permanent: bool = False) -> float | None:
+        """The open failed (`permanent`: the daemon has no lanes, so no more tries).
+        A request that came meanwhile is deferred: a delay, as `request` answers."""
+        self.opening = False
+        if permanent:
+            self.wanted = False
+            return None
+        self._retry_at = now + self._retry.next_delay()
+        if not self._asked_again:
+            return None
+        self._asked_again = False
+        return self.request(now)
+
+    def stop(self) -> None:
+        """No more lanes (the owner closed): requests and timers are ignored."""
+        self.wanted = False
+
+
 class DaemonLane(LaneProtocol):
     """The daemon's end of a lane (jobs, pins or unpins), on its event loop.
 
@@ -304,10 +386,6 @@ class DaemonLane(LaneProtocol):
     def half_closed(self) -> None:
         """The peer will send nothing more: answer what runs, then close."""
         self.event(LaneEvent.PEER_CLOSED)
-
-    @property
-    def draining(self) -> bool:
-        return self.state is LaneState.CLOSED_BY_PEER
 
     @property
     def drained(self) -> bool:

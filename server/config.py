@@ -188,6 +188,14 @@ class DaemonSettings(DerivedSockets):
         help="address the metrics endpoint listens on: loopback by default, 0.0.0.0 (or "
         "the pod IP) for a scrape from another host or pod",
     )
+    metrics_token_file: str | None = setting(
+        "--metrics-token-file",
+        metavar="PATH",
+        shown="none: every request is answered",
+        help="a bearer token (the file's first line) that every scrape must send "
+        "(`Authorization: Bearer TOKEN`; Prometheus: `authorization: {credentials_file: ...}`); "
+        "others get 401. Others must not read it (chmod o-rwx)",
+    )
     max_sessions: int = setting(
         "--max-sessions",
         256,
@@ -558,6 +566,7 @@ class SettingsParser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
         self.environment_errors: list[str] = []
 
+    # one signature for argparse's overloads: the daemon passes no namespace type
     def parse_known_args(  # type: ignore[override]
         self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
     ) -> tuple[argparse.Namespace, list[str]]:

@@ -44,7 +44,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 from kvdepot.server import errors
 from kvdepot.server.status_copies import STALLED_COPY_SECONDS
@@ -130,7 +130,7 @@ class CopyQueue:
         starts = list(self._since)  # one consistent copy (under the GIL)
         if not starts or None in starts:  # a thread is free (or about to be)
             return 0.0
-        age = time.monotonic() - max(starts)  # type: ignore[type-var]
+        age = time.monotonic() - max(cast("list[float]", starts))  # no None: checked above
         return age if age >= self.stall_seconds else 0.0
 
     def refuse_if_stalled(self) -> None:
@@ -269,6 +269,7 @@ class CopyQueue:
                 since[i] = started = time.monotonic()
                 times.copies += 1
                 times.wait_seconds += started - ticket.queued
+            ended: _Ended
             try:
                 result = fn()
             except BaseException as exc:  # reported to the awaiting job

@@ -30,6 +30,7 @@ from kvdepot.server.health import HealthServicer
 from kvdepot.server.memory import private_files
 from kvdepot.server.memory.copy_engine import copier
 from kvdepot.server.memory.pool_file import PoolFileBusy
+from kvdepot.server.metrics_token import MetricsTokenError, read_token
 from kvdepot.server.operator import ListenError, admin_refusal, listen_credentials
 from kvdepot.server.pvm import enable_pvm
 from kvdepot.server.resources import Headroom, raise_nofile_limit
@@ -173,6 +174,7 @@ class Daemon:
     async def run(self) -> None:
         cfg = self.config
         tcp_credentials = listen_credentials(cfg)  # refuses TCP without mTLS off loopback
+        metrics_token = self._metrics_token()  # exit 2, before anything is made, if unusable
         prepare_socket_path(cfg.socket)
         prepare_socket_path(cfg.fd_socket)
         prepare_socket_path(cfg.admin_socket_path)
@@ -291,7 +293,7 @@ class Daemon:
                 from kvdepot.server.disk.metrics import DiskCollector
 
                 metrics.registry.register(DiskCollector(disk))
-            metrics.serve(cfg.metrics_port, cfg.metrics_addr)
+            metrics.serve(cfg.metrics_port, cfg.metrics_addr, metrics_token)
             log.info(
                 "Prometheus metrics on http://%s:%d/metrics", cfg.metrics_addr, cfg.metrics_port
             )
@@ -322,6 +324,13 @@ class Daemon:
         ]
         await self._stop.wait()
         await self._shutdown(st, tasks)
+
+    def _metrics_token(self) -> str | None:
+        """The bearer token scrapes must send (`--metrics-token-file`), or None."""
+        path = self.config.metrics_token_file
+        if path is None:
+            return None
+        return read_token(path)
 
     def _fleet(self) -> tuple[RemoteSettings, Codec] | None:
         """`--remote`'s settings and the fleet's codec (its key file read once, here);
@@ -400,9 +409,6 @@ class Daemon:
             raise DiskTierError(f"--disk {cfg.disk}: {exc}") from None
         st.attach_disk_tier(link)  # Prefetch, GetStats, and every index event
         return link
-
-    def request_stop(self) -> None:
-        self._stop.set()
 
     @staticmethod
     def _warmup_percent(st: DepotState) -> int:
@@ -496,6 +502,7 @@ def serve_one(config: ServeConfig, notify_channel: socket.socket | None = None) 
         RemoteTierError,
         DiskTierError,
         ListenError,
+        MetricsTokenError,
     ) as exc:
         log.error("%s", exc)
         return 2

@@ -118,11 +118,6 @@ class FdReceiver:
                 os.close(p.fd)
             self._pending.clear()
 
-    @property
-    def pending_count(self) -> int:
-        with self._lock:
-            return len(self._pending)
-
     def claim(self, token: str, session_id: str) -> int:
         """Takes ownership of the fd behind `token`; raises KeyError with why
         (ForeignToken when it was sent for another session)."""
@@ -159,11 +154,6 @@ class FdReceiver:
             for t in stale:
                 os.close(self._pending.pop(t).fd)
         return len(stale)
-
-    @property
-    def open_connections(self) -> int:
-        with self._lock:
-            return len(self._open)
 
     def _serve(self) -> None:
         while not self._stop.is_set():
@@ -285,6 +275,7 @@ class FdReceiver:
 
                 def run() -> None:
                     try:
+                        # not None: checked above (the closure loses the narrowing)
                         self._authorize(session_id, sender)  # type: ignore[misc]
                         done.set_result(None)
                     except BaseException as exc:

@@ -15,7 +15,8 @@ import asyncio
 from grpc import aio
 from grpc_health.v1 import health, health_pb2
 
-_Status = health_pb2.HealthCheckResponse.ServingStatus
+# health_pb2's ServingStatus, an int enum (grpc_health has no stubs: an int to mypy).
+_Status = int
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 SERVICE_UNKNOWN = health_pb2.HealthCheckResponse.SERVICE_UNKNOWN
@@ -59,7 +60,11 @@ class HealthServicer(health.aio.HealthServicer):
             # shutdown (grpcio's Watch writes under it).
             async with self._changed:
                 await self._changed.wait_for(
-                    lambda last=last: self._closing or self._current(request.service) != last
+                    # mypy infers no lambda with a bound default
+                    lambda last=last: (
+                        self._closing  # type: ignore[misc]
+                        or self._current(request.service) != last
+                    )
                 )
                 status, closing = self._current(request.service), self._closing
             if status != last:

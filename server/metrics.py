@@ -4,7 +4,8 @@ Gauges and counters are read from the daemon's state at scrape time (one source 
 truth, nothing to keep in sync); per-transfer sizes and copy durations are observed
 into histograms as transfers finish (transfer jobs and inline Put/Get alike).
 
-The state belongs to the event loop, and the HTTP server answers on its own thread,
+The state belongs to the event loop, and the HTTP server (kvdepot.server.metrics_http:
+a bearer token, one request at a time, a bounded share of a CPU) answers on its own thread,
 so a scrape reads the state *on the loop* (a callback scheduled there) instead of
 walking dicts another thread may be changing. A loop that is stuck makes the scrape
 fail after SCRAPE_TIMEOUT_S, which is itself worth alerting on.
@@ -18,9 +19,9 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import enum
-import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
+from typing import TypeVar
 
 from prometheus_client import (
     CollectorRegistry,
@@ -28,12 +29,12 @@ from prometheus_client import (
     Histogram,
     ProcessCollector,
     disable_created_metrics,
-    start_http_server,
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
 from prometheus_client.registry import Collector
 
 from kvdepot.common.kinds import Direction
+from kvdepot.server import metrics_http
 from kvdepot.server.core.kinds import AbortReason, DropReason, EvictionReason
 from kvdepot.server.gc_policy import GcStats
 from kvdepot.server.state import DepotState
@@ -50,7 +51,10 @@ SECONDS_BUCKETS = (
 )  # fmt: skip
 
 
-def by_reason(counts: Mapping[enum.StrEnum, int], reasons: type[enum.StrEnum]) -> dict[str, int]:
+Reason = TypeVar("Reason", bound=enum.StrEnum)
+
+
+def by_reason(counts: Mapping[Reason, int], reasons: type[Reason]) -> dict[str, int]:
     """Counts under their reasons' labels; every reason is present (at 0) from the
     first scrape, so rate() and alerts work before the first event."""
     return {r.value: counts.get(r, 0) for r in reasons}
@@ -423,7 +427,7 @@ class Metrics:
         for direction in DIRECTIONS:  # series exist (at 0) before the first transfer
             self.transfer_bytes.labels(direction)
             self.transfer_seconds.labels(direction)
-        self._http: tuple[object, threading.Thread] | None = None
+        self._stop_http: Callable[[], None] | None = None
         state.add_transfer_observer(self.observe)
 
     def observe(self, direction: Direction, ok: bool, nbytes: int, seconds: float) -> None:
@@ -432,6 +436,7 @@ class Metrics:
             self.transfer_bytes.labels(direction.label).observe(nbytes)
             self.transfer_seconds.labels(direction.label).observe(seconds)
 
-    def serve(self, port: int, addr: str = "127.0.0.1") -> None:
-        """Serves http://addr:port/metrics until the process exits."""
-        self._http = start_http_server(port, addr=addr, registry=self.registry)
+    def serve(self, port: int, addr: str = "127.0.0.1", token: str | None = None) -> None:
+        """Serves http://addr:port/metrics until the process exits; with `token`, only to
+        requests that carry it (kvdepot.server.metrics_http)."""
+        self._stop_http = metrics_http.serve(self.registry, port, addr, token)

@@ -84,6 +84,7 @@ def listen_credentials(cfg: ServeConfig) -> grpc.ServerCredentials | None:
             else "--listen with TLS needs all of --tls-cert, --tls-key and --tls-client-ca"
         )
         raise ListenError(f"{why}; missing {', '.join(missing)}")
+    # none missing: checked just above
     cert = _read_pem("--tls-cert", files["--tls-cert"])  # type: ignore[arg-type]
     key = _read_pem("--tls-key", files["--tls-key"])  # type: ignore[arg-type]
     client_ca = _read_pem("--tls-client-ca", files["--tls-client-ca"])  # type: ignore[arg-type]

@@ -85,7 +85,7 @@ PARALLEL_THREADS = min(4, os.cpu_count() or 1)
 CAP_SYS_PTRACE = 19
 
 _libc = ctypes.CDLL(None, use_errno=True)
-_RW_ARGTYPES = [
+_RW_ARGTYPES: list[type[ctypes.c_int | ctypes.c_void_p | ctypes.c_ulong]] = [
     ctypes.c_int,
     ctypes.c_void_p,
     ctypes.c_ulong,
@@ -364,6 +364,7 @@ class PvmCopyEngine(CopyEngine):
             return
         pidfd = procs[0].pidfd
         futures = [
+            # shares beyond the first come only with a copy pool (`parts` is 1 without)
             self._pool.submit(copy_batches, pid, direction, s, pidfd)  # type: ignore[union-attr]
             for s in shares[1:]
         ]
@@ -373,8 +374,7 @@ class PvmCopyEngine(CopyEngine):
         except (ProcessGone, PermissionError) as exc:
             failure = exc
         for f in futures:  # wait for every share, failed or not
-            exc = f.exception()
-            failure = failure or exc
+            failure = failure or f.exception()
         if failure is not None:
             if isinstance(failure, ProcessGone | PermissionError):
                 raise errors.precondition(f"{failure}; register again") from None

@@ -84,6 +84,7 @@ def one_of(*choices: str) -> Callable[[str], str]:
             raise ValueError(f"{text!r} is not one of {', '.join(choices)}")
         return value
 
+    # argparse reads a type function's `metavar`; functions declare no such attribute
     parse.metavar = "{" + ",".join(choices) + "}"  # type: ignore[attr-defined]
     return parse
 

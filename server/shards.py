@@ -111,6 +111,7 @@ def shard_config(cfg: ServeConfig, i: int) -> ServeConfig:
         # shard's sections, and is locked by the process that uses it.
         changes["disk"] = str(Path(cfg.disk) / f"shard{i}")
         changes["disk_size"] = disk_size
+    # each change is its ServeConfig field's type (a dict of mixed values)
     return dataclasses.replace(cfg, **changes)  # type: ignore[arg-type]
 
 
@@ -308,6 +309,7 @@ class Supervisor:
             for key, _ in self.selector.select(timeout):
                 if key.data == "signal":
                     with contextlib.suppress(OSError):
+                        # the signal key's file object is the wake-up socket
                         key.fileobj.recv(64)  # type: ignore[union-attr]
                 elif isinstance(key.data, tuple):
                     self._read_notifications(key.data[1])

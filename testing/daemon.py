@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -22,7 +23,11 @@ from kvdepot.v1 import admin_pb2, admin_pb2_grpc
 
 
 def kvdepot_command() -> list[str]:
-    """The `kvdepot` of this interpreter's environment (or the module, if not on PATH)."""
+    """The `kvdepot` of this interpreter's environment (or the module, if not on PATH);
+    TESTS_KVDEPOT_COMMAND replaces it (e.g. another tree's daemon, to run the security
+    tests' attacks against the code before a fix)."""
+    if other := os.environ.get("TESTS_KVDEPOT_COMMAND"):
+        return shlex.split(other)
     exe = shutil.which("kvdepot", path=str(Path(sys.executable).parent))
     return [exe] if exe else [sys.executable, "-m", "kvdepot.server.cli"]
 

@@ -69,6 +69,10 @@ class EngineConfig:
     model_dir: str | None = None
     blocks_per_chunk: int = 1
     tp: int = 1
+    # Pipeline stages: each stage's `tp` ranks hold its share of the layers only, split
+    # as vLLM splits a model's layers (get_pp_indices: VLLM_PP_LAYER_PARTITION, or even
+    # with the remainder on the stages before the last).
+    pp: int = 1
     num_gpu_blocks: int = 128
     dtype: str = "float16"
     salt: str = ""
@@ -137,14 +141,14 @@ def make_vllm_config(cfg: EngineConfig) -> VllmConfig:
         cache_config=cache,
         scheduler_config=sched,
         kv_transfer_config=transfer,
-        parallel_config=ParallelConfig(tensor_parallel_size=cfg.tp),
+        parallel_config=ParallelConfig(tensor_parallel_size=cfg.tp, pipeline_parallel_size=cfg.pp),
         **kwargs,
     )
 
 
 def worker_config(vllm_config: VllmConfig, rank: int) -> VllmConfig:
     """The config one worker rank sees: the engine's, with its own parallel rank."""
-    if rank == 0 and vllm_config.parallel_config.tensor_parallel_size == 1:
+    if rank == 0 and vllm_config.parallel_config.world_size == 1:
         return vllm_config
     config = copy.copy(vllm_config)
     config.parallel_config = copy.copy(vllm_config.parallel_config)
@@ -208,6 +212,37 @@ def make_kv_cache_config(
     layer a region of one backing allocation, layer after layer (one KVCacheTensor per
     run of layers of one spec, as vLLM plans them). Also sets
     `vllm_config.cache_config.num_gpu_blocks` (vLLM's profiling would)."""
+    groups, specs = _model_groups(cfg, vllm_config)
+    return _plan(cfg, vllm_config, groups, specs, num_blocks)
+
+
+def stage_kv_cache_configs(
+    cfg: EngineConfig, vllm_config: VllmConfig, num_blocks: int
+) -> list[KVCacheConfig]:
+    """Each pipeline stage's KV cache (one config with `cfg.pp` 1): the model's groups
+    projected onto the stage's layers by vLLM's own planner function, each stage's
+    layers planned as `make_kv_cache_config` plans a whole model's, with one block count."""
+    groups, specs = _model_groups(cfg, vllm_config)
+    if cfg.pp == 1:
+        return [_plan(cfg, vllm_config, groups, specs, num_blocks)]
+    from vllm.distributed.utils import get_pp_indices
+    from vllm.v1.core.kv_cache_planning import _project_kv_cache_groups_to_worker
+
+    decoder_layer = {name: int(name.split(".")[2]) for name in specs}
+    n = len(set(decoder_layer.values()))
+    configs = []
+    for stage in range(cfg.pp):
+        start, end = get_pp_indices(n, stage, cfg.pp)
+        mine = {name: s for name, s in specs.items() if start <= decoder_layer[name] < end}
+        projected = _project_kv_cache_groups_to_worker(groups, mine)
+        configs.append(_plan(cfg, vllm_config, projected, mine, num_blocks))
+    return configs
+
+
+def _model_groups(
+    cfg: EngineConfig, vllm_config: VllmConfig
+) -> tuple[list[KVCacheGroupSpec], dict[str, KVCacheSpec]]:
+    """The whole model's groups and each of its layers' spec, in order."""
     model = vllm_config.model_config
     heads = model.get_total_num_kv_heads() // cfg.tp
     head_size = model.get_head_size()
@@ -220,6 +255,17 @@ def make_kv_cache_config(
     pages = {s.page_size_bytes for s in specs.values()}
     if len(groups) > 1 and len(pages) != 1:
         raise ValueError(f"all layers need one page size (vLLM's hybrid allocator): {pages}")
+    return groups, specs
+
+
+def _plan(
+    cfg: EngineConfig,
+    vllm_config: VllmConfig,
+    groups: list[KVCacheGroupSpec],
+    specs: dict[str, KVCacheSpec],
+    num_blocks: int,
+) -> KVCacheConfig:
+    """One rank's KVCacheConfig holding `specs`' layers in `groups`."""
     size = sum(s.page_size_bytes for s in specs.values()) * num_blocks
     tensors: list[KVCacheTensor] = []
     offset = 0

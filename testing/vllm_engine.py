@@ -43,7 +43,7 @@ from vllm.v1.core.kv_cache_utils import (
 )
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.kv_cache_interface import MLAAttentionSpec
+from vllm.v1.kv_cache_interface import KVCacheConfig, MLAAttentionSpec
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
@@ -55,8 +55,8 @@ from kvdepot.testing.vllm_config import (
     EngineConfig,
     GroupDef,
     layer_specs,
-    make_kv_cache_config,
     make_vllm_config,
+    stage_kv_cache_configs,
     worker_config,
 )
 from kvdepot.testing.waiting import wait_for
@@ -90,12 +90,13 @@ class _Rank:
     """One worker rank: its KV memory and its WORKER-role connector."""
 
     def __init__(self, engine: SyntheticEngine, rank: int) -> None:
-        cfg = engine.cfg
         self.rank = rank
         self.vllm_config = engine.worker_config(rank)
-        total = engine.kv_cache_config.kv_cache_tensors[0].size
+        # A pipeline stage's ranks hold that stage's layers only.
+        kv_cache_config = engine.rank_kv_cache_config(rank)
+        total = kv_cache_config.kv_cache_tensors[0].size
         self.buffer: SharedKVBuffer | None = None
-        if cfg.shm:
+        if engine.cfg.shm:
             self.buffer = SharedKVBuffer.allocate(total, name=f"kvdepot-test-r{rank}")
             raw = self.buffer.tensor()
         else:
@@ -107,8 +108,8 @@ class _Rank:
         # layer name -> uint8 view (blocks, heads, tokens, row bytes) for the model.
         self.u8: dict[str, torch.Tensor] = {}
         kv_caches: dict[str, torch.Tensor] = {}
-        specs = layer_specs(engine.kv_cache_config)
-        for tensor in engine.kv_cache_config.kv_cache_tensors:
+        specs = layer_specs(kv_cache_config)
+        for tensor in kv_cache_config.kv_cache_tensors:
             for i, name in enumerate(tensor.layers):
                 spec = specs[name]
                 start = tensor.offset + i * tensor.layer_stride
@@ -121,7 +122,7 @@ class _Rank:
                     shape = (engine.num_blocks, heads, spec.block_size, 2 * spec.head_size)
                 self.u8[name] = region.view(engine.num_blocks, heads, spec.block_size, -1)
                 kv_caches[name] = region.view(spec.dtype).view(shape)
-        for g, group in enumerate(engine.kv_cache_config.kv_cache_groups):
+        for g, group in enumerate(kv_cache_config.kv_cache_groups):
             for name in group.layer_names:
                 engine.layer_group[name] = g
         from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
@@ -130,7 +131,7 @@ class _Rank:
             self.connector = KVConnectorFactory.create_connector(
                 config=self.vllm_config,
                 role=KVConnectorRole.WORKER,
-                kv_cache_config=engine.kv_cache_config,
+                kv_cache_config=kv_cache_config,
             )
             self.connector.register_kv_caches(kv_caches)
         # Steps a paused rank skips (a slow rank): its stores stay queued.
@@ -156,36 +157,44 @@ class SyntheticEngine:
         self.torch_dtype = DTYPES[cfg.dtype]
         self.num_blocks = cfg.num_gpu_blocks
         self.vllm_config = make_vllm_config(cfg)
-        self.kv_cache_config = make_kv_cache_config(cfg, self.vllm_config, self.num_blocks)
+        self.world_size = cfg.tp * cfg.pp
+        # One per pipeline stage; the first stage's stands for the engine where one
+        # config is meant (vLLM hands the scheduler a copy of it).
+        self.kv_cache_configs = stage_kv_cache_configs(cfg, self.vllm_config, self.num_blocks)
+        self.kv_cache_config = self.kv_cache_configs[0]
         sched_bs, hash_bs = resolve_kv_cache_block_sizes(self.kv_cache_config, self.vllm_config)
-        self.kv_cache_config.hash_block_size = hash_bs
-        self.kv_cache_config.cache_hit_alignment_tokens = resolve_cache_hit_alignment_tokens(
-            self.kv_cache_config, self.vllm_config, sched_bs, hash_bs
-        )
+        for config in self.kv_cache_configs:
+            config.hash_block_size = hash_bs
+            config.cache_hit_alignment_tokens = resolve_cache_hit_alignment_tokens(
+                config, self.vllm_config, sched_bs, hash_bs
+            )
         self.hash_block_size = hash_bs
         self.layer_group: dict[str, int] = {}
         self.ring_groups = {g for g, gd in enumerate(cfg.groups) if gd.kind == "ring"}
         # Global layer index (for the KV bytes) of each layer name.
         self.layer_index: dict[str, int] = {}
-        for group in self.kv_cache_config.kv_cache_groups:
-            for name in group.layer_names:
-                self.layer_index[name] = len(self.layer_index)
+        for config in self.kv_cache_configs:
+            for group in config.kv_cache_groups:
+                for name in group.layer_names:
+                    self.layer_index[name] = len(self.layer_index)
         hash_fn = get_hash_fn_by_name(self.vllm_config.cache_config.prefix_caching_hash_algo)
         init_none_hash(hash_fn)
         self._hasher = get_request_block_hasher(hash_bs, hash_fn)
         with set_current_vllm_config(self.vllm_config):
             self.scheduler = Scheduler(
                 vllm_config=self.vllm_config,
-                # What vLLM's engine core hands its scheduler: the workers' config
+                # What vLLM's engine core hands its scheduler: the first worker's config
                 # with each UniformTypeKVCacheSpecs group flattened to one layer's spec.
-                kv_cache_config=generate_scheduler_kv_cache_config([self.kv_cache_config] * cfg.tp),
+                kv_cache_config=generate_scheduler_kv_cache_config(
+                    [self.rank_kv_cache_config(r) for r in range(self.world_size)]
+                ),
                 structured_output_manager=StructuredOutputManager(self.vllm_config),
                 block_size=sched_bs,
                 hash_block_size=hash_bs,
                 log_stats=True,
             )
-        self.ranks = [_Rank(self, r) for r in range(cfg.tp)] if cfg.workers else []
-        self.aggregator = KVOutputAggregator(expected_finished_count=cfg.tp)
+        self.ranks = [_Rank(self, r) for r in range(self.world_size)] if cfg.workers else []
+        self.aggregator = KVOutputAggregator(expected_finished_count=self.world_size)
         self.records: dict[str, RequestRecord] = {}
         self._requests: dict[str, Request] = {}
         self._prefix_hash: dict[str, list[int]] = {}
@@ -209,6 +218,14 @@ class SyntheticEngine:
 
     def worker_config(self, rank: int) -> VllmConfig:
         return worker_config(self.vllm_config, rank)
+
+    def stage(self, rank: int) -> int:
+        """The pipeline stage of `rank` (vLLM numbers a stage's TP ranks consecutively)."""
+        return rank // self.cfg.tp
+
+    def rank_kv_cache_config(self, rank: int) -> KVCacheConfig:
+        """The KV cache of `rank`: its pipeline stage's."""
+        return self.kv_cache_configs[self.stage(rank)]
 
     # -- requests ----------------------------------------------------------------------
 
@@ -263,7 +280,7 @@ class SyntheticEngine:
         h = torch.tensor([x % (1 << 20) for x in prefix_hashes], dtype=torch.int64)
         lid = self.layer_index[layer]
         # Ranks that hold the same KV (vLLM's kv_tp_replicas: MLA's latent) write alike.
-        shard = rank // self.kv_cache_config.kv_tp_replicas
+        shard = rank % self.cfg.tp // self.kv_cache_config.kv_tp_replicas
         head = torch.arange(heads, dtype=torch.int64) + shard * heads
         col = torch.arange(row, dtype=torch.int64)
         vals = (
@@ -288,8 +305,9 @@ class SyntheticEngine:
         """The bytes a worker holds in one block of one layer: (heads, tokens, row)."""
         return self.ranks[rank].u8[layer][block_id].clone()
 
-    def group_layers(self, group: int) -> list[str]:
-        return list(self.kv_cache_config.kv_cache_groups[group].layer_names)
+    def group_layers(self, group: int, rank: int = 0) -> list[str]:
+        """The layers of `group` that `rank` holds (its pipeline stage's)."""
+        return list(self.rank_kv_cache_config(rank).kv_cache_groups[group].layer_names)
 
     def _forward(self, out: SchedulerOutput) -> None:
         for req_id, n in out.num_scheduled_tokens.items():
@@ -391,7 +409,7 @@ class SyntheticEngine:
         )
 
         jobs = {**meta.load_jobs, **meta.store_jobs}
-        done = OffloadingWorkerMetadata(completed_jobs={j: self.cfg.tp for j in jobs})
+        done = OffloadingWorkerMetadata(completed_jobs={j: self.world_size for j in jobs})
         recving = {job.req_id for job in meta.load_jobs.values() if not job.sync}
         return KVConnectorOutput(
             finished_recving=recving or None, kv_connector_worker_meta=done if jobs else None
@@ -500,7 +518,7 @@ class SyntheticEngine:
     def kv_digest(self, rank: int, group: int, block_ids: Sequence[int]) -> str:
         """SHA-256 over the bytes of these blocks in every layer of a group."""
         h = hashlib.sha256()
-        for name in self.group_layers(group):
+        for name in self.group_layers(group, rank):
             for b in block_ids:
                 h.update(self.ranks[rank].u8[name][b].numpy().tobytes())
         return h.hexdigest()

@@ -37,6 +37,7 @@ KNOWN_SETTINGS = frozenset(
         "KVDEPOT_POOL_FILE",
         "KVDEPOT_METRICS_PORT",
         "KVDEPOT_METRICS_ADDR",
+        "KVDEPOT_METRICS_TOKEN_FILE",
         "KVDEPOT_MAX_SESSIONS",
         "KVDEPOT_MAX_REGISTRATIONS_PER_SESSION",
         "KVDEPOT_MAX_SESSIONS_PER_PID",
@@ -82,6 +83,8 @@ KNOWN_SETTINGS = frozenset(
         "KVDEPOT_REMOTE_INSECURE",
     }
 )
+# What the connector reads from an engine container's environment.
+CONNECTOR_SETTINGS = frozenset({"KVDEPOT_NAMESPACE_SALT"})
 
 SOCKET_PATH = "/run/kvdepot/kvdepot.sock"
 SOCKET_URI = "unix://" + SOCKET_PATH
@@ -438,7 +441,32 @@ def test_manifests_name_only_known_settings() -> None:
         spec = _pod_spec(obj)
         for c in spec.get("initContainers", []) + spec.get("containers", []):
             names = {n for n in _env(c) if n.startswith("KVDEPOT_")}
-            assert names <= KNOWN_SETTINGS, (path.name, c["name"], names - KNOWN_SETTINGS)
+            known = KNOWN_SETTINGS | CONNECTOR_SETTINGS
+            assert names <= known, (path.name, c["name"], names - known)
+
+
+def test_engines_get_the_deployments_namespace_salt() -> None:
+    """Every vLLM container reads the deployment's salt from a Secret, and the connector
+    takes it as kvdepot_namespace_salt's default: its namespace ids cannot be computed,
+    or declared first with another layout, by anyone else on the node."""
+    from kvdepot.client.vllm.config import DepotSettings
+
+    engines = 0
+    for path, obj in _objects():
+        if obj["kind"] not in {"Pod", "Deployment"}:
+            continue
+        vllm = _container(_pod_spec(obj), "vllm")
+        (salt,) = [e for e in vllm["env"] if e["name"] == "KVDEPOT_NAMESPACE_SALT"]
+        assert salt["valueFrom"]["secretKeyRef"]["name"] == "kvdepot-namespace-salt", path.name
+        engines += 1
+    assert engines == 2
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("KVDEPOT_NAMESPACE_SALT", "deployment-salt")
+        assert DepotSettings.from_extra_config({}).namespace_salt == "deployment-salt"
+        named = {"kvdepot_namespace_salt": "v2"}
+        assert DepotSettings.from_extra_config(named).namespace_salt == "v2"
+        mp.delenv("KVDEPOT_NAMESPACE_SALT")
+        assert DepotSettings.from_extra_config({}).namespace_salt == ""
 
 
 # --- Kubernetes manifests -----------------------------------------------------------------
@@ -533,6 +561,25 @@ def test_daemonset_wiring() -> None:
         pool_volume.get("emptyDir", {}).get("medium") == "Memory"
     )
     assert _bytes(env["KVDEPOT_POOL_SIZE"]) < _bytes(daemon["resources"]["limits"]["memory"])
+
+
+def test_daemonset_metrics_port_is_reachable_from_the_monitoring_namespace_alone() -> None:
+    """The DaemonSet binds its metrics port to 0.0.0.0; its NetworkPolicy admits only the
+    monitoring namespace, on that port, to the daemon's pods."""
+    daemon = _container(_pod_spec(_object("DaemonSet", "kvdepot")), "kvdepot")
+    assert _env(daemon)["KVDEPOT_METRICS_ADDR"] == "0.0.0.0"
+    port = int(_env(daemon)["KVDEPOT_METRICS_PORT"])
+    policy = _object("NetworkPolicy", "kvdepot-metrics")
+    spec = policy["spec"]
+    assert policy["metadata"]["namespace"] == "kvdepot"
+    assert spec["podSelector"]["matchLabels"] == {"app.kubernetes.io/name": "kvdepot"}
+    assert spec["policyTypes"] == ["Ingress"]
+    (rule,) = spec["ingress"]
+    assert rule["ports"] == [{"protocol": "TCP", "port": port}]
+    (peer,) = rule["from"]
+    assert peer == {
+        "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}
+    }
 
 
 def test_pods_are_hardened() -> None:

@@ -24,6 +24,7 @@ from tests.support.daemon import connect, kvdepot_command
 from tests.support.engine import Engine, Geometry, make_key
 from tests.support.faults import open_fds, rss_mib
 from tests.support.ops import free_port
+from tests.support.unprivileged import AS_NOBODY, nobody_kvdepot
 
 Code = grpc.StatusCode
 
@@ -278,11 +279,12 @@ def test_refused_large_puts_leave_rss_flat(daemon_factory) -> None:
 # --- 5. unusable --pool-file paths --------------------------------------------------------------
 
 
-def serve_once(tmp: Path, *args: str, prefix: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+def serve_once(
+    tmp: Path, *args: str, command: list[str] | None = None
+) -> subprocess.CompletedProcess:
     return subprocess.run(
         [
-            *prefix,
-            *kvdepot_command(),
+            *(command or kvdepot_command()),
             "serve",
             "--socket",
             str(tmp / "k.sock"),
@@ -324,8 +326,9 @@ def test_pool_file_without_permission_exits_2() -> None:
         os.chmod(top, 0o777)  # the daemon (as nobody) creates its sockets here
         locked = top / "locked"
         locked.mkdir(mode=0o555)
-        nobody = ("setpriv", "--reuid=65534", "--regid=65534", "--clear-groups")
-        out = serve_once(top, "--pool-file", str(locked / "x.pool"), prefix=nobody)
+        out = serve_once(
+            top, "--pool-file", str(locked / "x.pool"), command=[*AS_NOBODY, *nobody_kvdepot()]
+        )
         assert out.returncode == 2, out.stderr
         assert "no permission to create files in" in out.stderr, out.stderr
         assert "Traceback" not in out.stderr

@@ -9,6 +9,8 @@ on its deadline and the lane comes back after; with lanes off, pins use gRPC.
 Unpins over their lane drop one pin per key, as gRPC's do, in datagrams of a
 bounded size; a refused one is logged and the lane goes on; a garbage datagram
 closes it, and the keys it could not send come back to the caller (for gRPC).
+A session that comes back gets its lanes back, even inside the back-off of an open
+that failed while the daemon was away.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import time
 
 import grpc
 import pytest
@@ -317,3 +320,30 @@ def test_keys_encoded_once_make_the_same_call_as_a_whole_pin_request() -> None:
     data = header.SerializeToString() + pin_lane.encode_pin_keys(keys)
     assert pb.PinRequest.FromString(data) == whole
     assert data == whole.SerializeToString()  # byte for byte: fields go in number order
+
+
+def test_a_session_back_inside_the_back_off_gets_its_lane_back(daemon, client) -> None:
+    """The daemon killed: a lane's open fails while it is away, which starts the
+    back-off; the daemon restarted, the session comes back inside it, and the lane
+    opens at the back-off's end with no call asking again (as a vLLM scheduler's
+    unpin lane, asked for only when a session starts and when an unpin finds none)."""
+    retry_s = 8.0
+    lane = UnpinLane(client, retry_s=retry_s)
+    client.add_session_listener(lambda _session: lane.open_soon())
+    client.add_disconnect_listener(lane.drop)
+    lane.open_soon()
+    assert wait_for(lambda: lane.open, 10), "the unpin lane did not open"
+    daemon.kill()
+    wait_for(lambda: not client.connected and not lane.open, 10, "the session to end")
+    lane.open_soon()  # an unpin finds no lane while the daemon is away
+    wait_for(lambda: not lane._opening.opening, 10, "the open to fail")
+    failed_at = time.monotonic()
+    daemon.start()
+    assert client.wait_connected(10)
+    assert time.monotonic() - failed_at < retry_s - 1, "back after the back-off: no test"
+    assert not lane.open
+    assert wait_for(lambda: lane.open, retry_s + 5), "the unpin lane did not come back"
+    keys = stored_keys(client, 2)  # in the new daemon
+    assert client.pin(GEO.namespace, keys) == [True, True]
+    assert lane.unpin(client.session_id, GEO.namespace, keys) == ()
+    wait_for(lambda: stats(daemon.admin_target).pinned_blocks == 0, 10, "the unpins")

@@ -7,6 +7,7 @@ import pytest
 
 from kvdepot.common.shards import (
     RankRoute,
+    engine_parts,
     engine_shards,
     first_shard,
     route_rank,
@@ -93,3 +94,55 @@ def test_a_single_shard_engine_off_shard_0_checks_whom_it_reached() -> None:
     wrong = shard_mismatch(route, 8, 0, 0)
     assert wrong is not None and "expects shard 5 of 8" in wrong
     assert shard_namespace_id("kvd1-abc", route.part, route.shards) == "kvd1-abc"
+
+
+# -- pipeline stages: a namespace part per stage (and shard) ------------------------------
+
+
+def assert_parts_cover_the_world(world: int, node: int, stages: int, first: int = 0) -> None:
+    """Every rank is in exactly one part, at its place there, and a part's ranks share
+    one shard and one stage: its rows hold sections of one length."""
+    parts = engine_parts(world, node, first, stages)
+    seen = []
+    for part in parts:
+        assert part.rank == 0
+        ranks = range(len(seen), len(seen) + part.world_size)
+        routes = [route_rank(r, world, node, first, stages) for r in ranks]
+        assert [x.rank for x in routes] == list(range(part.world_size))
+        assert {(x.shard, x.stage, x.world_size, x.namespace_id("ns")) for x in routes} == {
+            (part.shard, part.stage, part.world_size, part.namespace_id("ns"))
+        }
+        assert {r // (world // stages) for r in ranks} == {part.stage}
+        seen += ranks
+    assert seen == list(range(world))
+    assert len({part.namespace_id("ns") for part in parts}) == len(parts)
+
+
+def test_each_pipeline_stage_is_a_namespace_part_of_its_own() -> None:
+    """TP=2 x PP=2 on one shard: a part per stage, two ranks each, on shard 0."""
+    parts = engine_parts(4, 1, 0, 2)
+    assert [(x.shard, x.stage, x.world_size) for x in parts] == [(0, 0, 2), (0, 1, 2)]
+    assert [x.namespace_id("kvd1-abc") for x in parts] == ["kvd1-abc.pp0of2", "kvd1-abc.pp1of2"]
+    assert route_rank(3, 4, 1, 0, 2) == RankRoute(0, 1, 2, 1, 0, 1, 2)
+    # One stage: the parts and ids of before.
+    assert engine_parts(4, 1) == [RankRoute(0, 0, 4, 1)]
+    assert engine_parts(4, 1)[0].namespace_id("kvd1-abc") == "kvd1-abc"
+    # On four shards: a part per rank, named by its shard and its stage.
+    assert [x.namespace_id("n") for x in engine_parts(4, 4, 0, 2)] == [
+        "n.s0of4.pp0of2", "n.s1of4.pp0of2", "n.s2of4.pp1of2", "n.s3of4.pp1of2"
+    ]  # fmt: skip
+    for world, node, stages in [(4, 1, 2), (4, 2, 2), (4, 4, 2), (8, 2, 4), (8, 8, 2), (6, 1, 3)]:
+        assert_parts_cover_the_world(world, node, stages)
+    assert_parts_cover_the_world(2, 8, 2, first=6)
+    with pytest.raises(ValueError, match="cannot make 3 pipeline stages"):
+        route_rank(0, 4, 1, 0, 3)
+
+
+def test_shards_and_stages_that_do_not_divide_each_other_make_parts_of_two_sizes() -> None:
+    """TP=6 x PP=2 on three shards: 4 ranks a shard, 6 a stage; the shard in the middle
+    holds two ranks of each stage."""
+    parts = engine_parts(12, 3, 0, 2)
+    assert [(x.shard, x.stage, x.world_size) for x in parts] == [
+        (0, 0, 4), (1, 0, 2), (1, 1, 2), (2, 1, 4)
+    ]  # fmt: skip
+    assert_parts_cover_the_world(12, 3, 2)

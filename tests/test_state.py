@@ -34,8 +34,8 @@ def test_listeners_and_watchers_hear_every_index_change(state: DepotState) -> No
     state.add_event_listener(lambda e: 1 / 0)  # a broken listener changes nothing
     session = state.open_session("test", os.getpid(), "")
     state.register(session.id, LAYOUT, 0, [], [], [])
-    watcher, ready = state.add_watcher(session.id, "ns")
-    assert ready == []
+    watcher = state.add_watcher(session.id, "ns")
+    assert state.ready_after("ns", None, 16) == ([], None)
     data = os.urandom(SECTION)
 
     async def run() -> None:
@@ -81,6 +81,39 @@ def test_memory_paths_are_added_explicitly(state: DepotState) -> None:
     with pytest.raises(ZeroDivisionError):  # the path opened (and its error propagated)
         state.register(session.id, LAYOUT, 0, [("pvm", "handle")], [], [])
     assert opened == [("handle", session.id)] and not state.registrations
+
+
+def test_a_snapshot_is_read_in_key_order_a_slice_at_a_time(state: DepotState) -> None:
+    """`ready_after` walks the namespace's sorted keys from a cursor: every READY key once,
+    in order, whatever the slice; a key added or removed between slices changes only
+    what is still ahead of the cursor (a watcher hears the rest as events)."""
+    session = state.open_session("test", os.getpid(), "")
+    state.register(session.id, LAYOUT, 0, [], [], [])
+    data = os.urandom(SECTION)
+
+    async def put(*indices: int) -> None:
+        for i in indices:
+            await state.put(session.id, "ns", key(i), 0, data)
+
+    asyncio.run(put(*range(10)))
+    for limit in (1, 3, 10, 11):
+        got: list[bytes] = []
+        after = None
+        while True:
+            batch, after = state.ready_after("ns", after, limit)
+            got += batch
+            if after is None:
+                break
+        assert got == sorted(key(i) for i in range(10)), limit
+    first, after = state.ready_after("ns", None, 5)
+    assert after == first[-1]
+    ahead = next(i for i in range(10, 40) if key(i) > after)
+    behind = next(i for i in range(10, 40) if key(i) < after)
+    asyncio.run(put(ahead, behind))
+    state.evict("ns", [first[0]])
+    rest, end = state.ready_after("ns", after, 100)
+    assert end is None and key(ahead) in rest and key(behind) not in rest
+    assert state.ready_after("gone", None, 5) == ([], None)
 
 
 def test_a_watcher_coalesces_runs_and_resyncs_when_it_falls_behind(

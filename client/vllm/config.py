@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -94,10 +95,12 @@ def _memory_path(key: str, raw: Any) -> str:
     return value
 
 
-def _key(name: str, default: Any, parse: Callable[[str, Any], Any]) -> Any:
-    """A `DepotSettings` field read from key `name` (default: the key's default, parsed)."""
+def _key(name: str, default: Any, parse: Callable[[str, Any], Any], env: str = "") -> Any:
+    """A `DepotSettings` field read from key `name` (default: the environment variable
+    `env` where it is set, else the key's default, parsed)."""
     return field(
-        default=parse(name, default), metadata={"key": name, "raw": default, "parse": parse}
+        default=parse(name, default),
+        metadata={"key": name, "raw": default, "parse": parse, "env": env},
     )
 
 
@@ -107,7 +110,8 @@ class DepotSettings:
 
     socket: gRPC target of the daemon ("unix:///path" or a bare absolute path).
     namespace_salt: mixed into the namespace digest; engines share blocks only
-        with engines of the same salt (use it to separate weight versions).
+        with engines of the same salt (use it to separate weight versions). Default:
+        KVDEPOT_NAMESPACE_SALT (the deployment's salt), else none.
     pin_timeout_s: deadline of the one pin call (pin lane or Pin RPC) a scheduler step may make.
     startup_wait_s: how long the scheduler and each worker wait for the daemon
         when they start (never fails start-up; 0 = do not wait).
@@ -136,7 +140,7 @@ class DepotSettings:
     """
 
     socket: str = _key("kvdepot_socket", DEFAULT_SOCKET, _socket)
-    namespace_salt: str = _key("kvdepot_namespace_salt", "", _text)
+    namespace_salt: str = _key("kvdepot_namespace_salt", "", _text, env="KVDEPOT_NAMESPACE_SALT")
     pin_timeout_s: float = _key("kvdepot_pin_timeout_ms", 50, _number(1.0, per=1000))
     startup_wait_s: float = _key("kvdepot_startup_wait_s", 1.0, _number(0.0))
     job_timeout_s: float = _key("kvdepot_job_timeout_s", 15.0, _number(0.1))
@@ -159,8 +163,9 @@ class DepotSettings:
         """Parses and validates; raises ValueError naming the key and the fix."""
         values = {}
         for f in dataclasses.fields(cls):
-            key, parse = f.metadata["key"], f.metadata["parse"]
-            values[f.name] = parse(key, extra.get(key, f.metadata["raw"]))
+            key, parse, env = f.metadata["key"], f.metadata["parse"], f.metadata["env"]
+            default = os.environ.get(env, f.metadata["raw"]) if env else f.metadata["raw"]
+            values[f.name] = parse(key, extra.get(key, default))
         return cls(**values)
 
 

@@ -69,6 +69,8 @@ class KVDepotWorkerMetadata(OffloadingWorkerMetadata):
 class KVDepotConnectorWorker(OffloadingConnectorWorker):
     """vLLM's offloading worker connector with failures reported, not asserted."""
 
+    _connector_worker_meta: OffloadingWorkerMetadata  # vLLM's, declared for the checker
+
     def __init__(
         self,
         spec: OffloadingSpec,
@@ -87,7 +89,7 @@ class KVDepotConnectorWorker(OffloadingConnectorWorker):
 
     def start_kv_transfers(self, metadata: OffloadingConnectorMetadata) -> None:
         for job_id, entry in metadata.load_jobs.items():
-            self._load_block_ids[job_id] = entry.dst_spec.block_ids  # type: ignore[attr-defined]
+            self._load_block_ids[job_id] = entry.dst_spec.block_ids
         super().start_kv_transfers(metadata)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
@@ -155,6 +157,8 @@ class KVDepotConnectorWorker(OffloadingConnectorWorker):
 
 class KVDepotConnector(OffloadingConnector):
     """`"kv_connector": "KVDepotConnector", "kv_connector_module_path": "kvdepot.client.vllm"`."""
+
+    connector_worker: OffloadingConnectorWorker | None  # vLLM's, declared for the checker
 
     def __init__(
         self,

@@ -47,7 +47,10 @@ client per shard, and with it one Watch stream, one pin lane and one `UnpinSende
 shard, each in that shard's namespace. The mirror counts a key ready when every shard has
 it; a step's pins go to every shard before any answer is read, so the step waits for the
 slowest shard, not for their sum; a load's keys are unpinned on each shard that pinned
-them. vLLM sees one manager and one namespace.
+them. vLLM sees one manager and one namespace. Pipeline stages are parts too: an engine
+of P > 1 stages has a namespace part per stage (per stage and shard, with shards), each
+with a client of its own, even where two parts are on one shard; the code says "shard"
+for a part.
 """
 
 from __future__ import annotations
@@ -132,10 +135,13 @@ class KVDepotOffloadingManager(OffloadingManager):
         settings: DepotSettings,
         enable_events: bool = False,
         node_shards: int | None = None,
+        part_suffixes: Sequence[str] | None = None,
     ) -> None:
-        """`clients`: the daemon's, or one per shard the engine uses, shard 0 first;
-        `node_shards`: the shards the engine was routed for (default `settings.shards`,
-        or 1 when that is "auto")."""
+        """`clients`: the daemon's, or one per namespace part of the engine (a shard it
+        uses, or a pipeline stage on one: kvdepot.common.shards.engine_parts), the first
+        part's first; `part_suffixes`: what each part adds to the namespace id (default:
+        one part per shard, `shard_namespace_id`); `node_shards`: the shards the engine
+        was routed for (default `settings.shards`, or 1 when that is "auto")."""
         self._clients = [clients] if isinstance(clients, DepotClient) else list(clients)
         self._client = self._clients[0]
         self._settings = settings
@@ -158,6 +164,12 @@ class KVDepotOffloadingManager(OffloadingManager):
         self._request_generation: dict[str, int] = {}
         self._closed = False
         self._node_shards = node_shards or settings.shards or 1  # "auto" unasked: one
+        n = len(self._clients)
+        self._suffixes = (
+            list(part_suffixes)
+            if part_suffixes is not None
+            else [shard_namespace_id("", s, n) for s in range(n)]
+        )
         # The namespace as each shard names it (per request and shard in a step: built
         # once per namespace, not per call).
         self._on_shards = self._shard_namespaces(namespace_id)
@@ -172,12 +184,13 @@ class KVDepotOffloadingManager(OffloadingManager):
         )
         self._pins = StepPins(self._clients, self._stats, settings.pin_timeout_s)
         for shard, client in enumerate(self._clients):
-            client.add_session_listener(lambda _boot, s=shard: self._on_session(s))
-            client.add_disconnect_listener(lambda s=shard: self._on_disconnect(s))
+            # The ignores: mypy infers no lambda with a bound default.
+            client.add_session_listener(lambda _boot, s=shard: self._on_session(s))  # type: ignore[misc]
+            client.add_disconnect_listener(lambda s=shard: self._on_disconnect(s))  # type: ignore[misc]
         self._watches = self._watch_all()
 
     def _shard_namespace(self, namespace_id: str, shard: int) -> str:
-        return shard_namespace_id(namespace_id, shard, len(self._clients))
+        return namespace_id + self._suffixes[shard]
 
     def _shard_namespaces(self, namespace_id: str) -> list[str]:
         return [self._shard_namespace(namespace_id, s) for s in range(len(self._clients))]
@@ -359,7 +372,7 @@ class KVDepotOffloadingManager(OffloadingManager):
         # Stored already, stored now or by another request: used, either way.
         self._uses.note(req_context.req_id, keys)
         return PrepareStoreOutput(
-            keys_to_store=keys_to_store,  # type: ignore[arg-type]
+            keys_to_store=keys_to_store,
             store_spec=KVDepotStoreSpec(self.namespace_id, keys_to_store),
             evicted_keys=[],
         )

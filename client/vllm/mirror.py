@@ -178,7 +178,7 @@ class ReadyMirror:
     ) -> None:
         if self._events is None or not keys:
             return
-        event = OffloadingEvent(keys=keys, medium=medium, removed=removed, locality=locality)  # type: ignore[arg-type]
+        event = OffloadingEvent(keys=keys, medium=medium, removed=removed, locality=locality)
         with self._events_lock:
             self._events.append(event)
 

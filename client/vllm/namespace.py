@@ -20,27 +20,31 @@ flatten theirs the same way here; the pages that flattening hides are in the
 block bytes, read from the KV cache tensors both configs share. The workers'
 layout (`namespace_layout`) carries their real per-layer pages, which the daemon
 compares between registrations.
+
+Pipeline stages (pp > 1): each stage's workers hold that stage's layers only, and the
+scheduler is handed stage 0's config; stages may differ in layers (61 on two: 31 and
+30). So the digest takes nothing a stage decides: per group one layer's page (every
+layer of a group has the scheduler's spec), no layer count, no block bytes; instead
+the layer partition (VLLM_PP_LAYER_PARTITION, or vLLM's even split of the model's
+layers, which the model identity fixes). Each stage is a namespace part of its own
+(kvdepot.common.shards), whose workers declare their real pages.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvdepot.client.vllm.model_identity import model_identity
+from kvdepot.common.namespace_digest import canonical, digest_id
 from kvdepot.v1 import depot_pb2
 
 if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.kv_offload.config import OffloadingConfig
-
-#: Bump when the meaning of the digest inputs or the section byte layout changes.
-NAMESPACE_FORMAT = 1
-_ID_PREFIX = f"kvd{NAMESPACE_FORMAT}-"
 
 
 @dataclass(frozen=True)
@@ -54,9 +58,10 @@ class GroupGeometry:
     kind: str
     # Page bytes of each layer for one block on one rank (un-padded), as the
     # scheduler sees them (a UniformTypeKVCacheSpecs group: its first layer's page
-    # for every layer). Empty when the KV cache config is not known.
+    # for every layer). Empty when the KV cache config is not known; one layer's
+    # with pipeline stages (their layer counts are theirs).
     layer_page_bytes: tuple[int, ...]
-    num_layers: int
+    num_layers: int  # 0 with pipeline stages
 
 
 @dataclass(frozen=True)
@@ -87,21 +92,34 @@ class NamespaceInputs:
     # `world_size` and `tp_size` above are 1. Shown, never part of the digest: a TP=1
     # engine of the same model makes the same namespace.
     replicated_ranks: int = 1
+    # With pp_size > 1: how the model's layers are split over the stages
+    # (VLLM_PP_LAYER_PARTITION; "" for vLLM's even split). In the digest only then.
+    pp_partition: str = ""
 
-    def digest(self) -> str:
-        """The namespace id: 'kvd1-' + 40 hex digits of a SHA-256 over the inputs."""
+    def digest_fields(self) -> dict[str, Any]:
+        """What the digest is taken over: every field but the display ones."""
         fields: dict[str, Any] = asdict(self)
         fields.pop("model_name")
         fields.pop("replicated_ranks")
-        canonical = json.dumps(fields, sort_keys=True, separators=(",", ":"))
-        return _ID_PREFIX + hashlib.sha256(canonical.encode()).hexdigest()[:40]
+        if self.pp_size == 1:  # the ids of engines without stages stay what they were
+            fields.pop("pp_partition")
+        return fields
+
+    def digest(self) -> str:
+        """The namespace id: 'kvd1-' + 40 hex digits of a SHA-256 over the inputs."""
+        return digest_id(self.digest_fields())
 
     def description(self) -> str:
         """A human-readable summary, shown by Admin/ListNamespaces."""
-        groups = ",".join(f"{g.kind}/{g.tokens_per_block}tok/{g.num_layers}L" for g in self.groups)
+        groups = ",".join(
+            f"{g.kind}/{g.tokens_per_block}tok/{f'{g.num_layers}L' if g.num_layers else 'staged'}"
+            for g in self.groups
+        )
         salt = " salted" if self.salt else ""
         if self.replicated_ranks > 1:
             salt += f" replicated-over={self.replicated_ranks}"
+        if self.pp_partition:
+            salt += f" pp-layers={self.pp_partition}"
         if self.hash_seed != "default":
             salt += " seed=" + self.hash_seed.partition(":")[0]
         return (
@@ -185,8 +203,10 @@ def namespace_inputs(
     seed: str | None = None,
 ) -> NamespaceInputs:
     """Collects the digest inputs from vLLM's OffloadingConfig (and, when the
-    connector passes it, the KVCacheConfig: the scheduler's, or a worker's, alike);
-    `seed`: `hash_seed(hash_algo)` unless given."""
+    connector passes it, the KVCacheConfig: the scheduler's, or a worker's of any
+    pipeline stage, alike); `seed`: `hash_seed(hash_algo)` unless given."""
+    p = config.parallel
+    staged = p.pp_size > 1  # a stage's layers and block bytes are its own: left out
     groups = []
     for g in config.groups:
         kind = "unknown"
@@ -195,6 +215,8 @@ def namespace_inputs(
             spec = _scheduler_spec(kv_cache_config.kv_cache_groups[g.group_id].kv_cache_spec)
             kind = type(spec).__name__
             pages = _layer_page_bytes(kv_cache_config, g.group_id)
+            if staged:
+                pages = pages[:1]
         elif (window := getattr(g, "sliding_window_size_in_chunks", None)) is not None:
             # vLLM 0.33 only; 0.32 does not tell the scheduler about windows here.
             kind = f"windowed/{window}"
@@ -204,10 +226,9 @@ def namespace_inputs(
                 tokens_per_block=g.tokens_per_block,
                 kind=kind,
                 layer_page_bytes=pages,
-                num_layers=len(g.layer_names),
+                num_layers=0 if staged else len(g.layer_names),
             )
         )
-    p = config.parallel
     # MLA at TP > 1 (vLLM's replicated_layout): every rank holds the same latent KV, so
     # a row is one section and the namespace does not depend on the TP size: engines
     # of one MLA model at TP=1, 2, 4 and 8 share every block.
@@ -226,9 +247,10 @@ def namespace_inputs(
         dcp_size=p.dcp_size,
         hash_algo=hash_algo,
         salt=salt,
-        worker_bytes_per_block=_bytes_per_block(config, kv_cache_config),
+        worker_bytes_per_block=0 if staged else _bytes_per_block(config, kv_cache_config),
         hash_seed=hash_seed(hash_algo) if seed is None else seed,
         replicated_ranks=p.world_size if replicated else 1,
+        pp_partition=os.environ.get("VLLM_PP_LAYER_PARTITION", "") if staged else "",
     )
 
 
@@ -238,11 +260,13 @@ def namespace_layout(
     layer_page_bytes: list[list[int]],
     world_size: int | None = None,
 ) -> depot_pb2.NamespaceLayout:
-    """The NamespaceLayout a worker declares: the id plus its real per-layer pages;
-    `world_size`: the ranks whose sections make a row there (a shard's share of the
-    engine's world; default the whole world). Its group ids are vLLM's, which its keys
-    end with: the offloaded groups need not be 0..n-1 (a group vLLM does not offload
-    comes before one it does, or HiSparse offloads group 1 alone)."""
+    """The NamespaceLayout a worker declares: the id plus its real per-layer pages and
+    the digest's inputs (the daemon checks the two agree with the id); `world_size`:
+    the ranks whose sections make a row there (a namespace part's: a shard's or a
+    pipeline stage's share of the engine's world; default the whole world). Its group
+    ids are vLLM's, which its keys end with: the offloaded groups need not be 0..n-1 (a
+    group vLLM does not offload comes before one it does, or HiSparse offloads group 1
+    alone)."""
     return depot_pb2.NamespaceLayout(
         id=namespace_id,
         world_size=inputs.world_size if world_size is None else world_size,
@@ -250,6 +274,7 @@ def namespace_layout(
         groups=[depot_pb2.GroupLayout(layer_page_bytes=pages) for pages in layer_page_bytes],
         description=inputs.description(),
         group_ids=[g.group_id for g in inputs.groups],
+        digest_inputs=canonical(inputs.digest_fields()),
     )
 
 

@@ -38,7 +38,13 @@ from kvdepot.client.vllm.namespace import (
 )
 from kvdepot.client.vllm.stats import MetricName
 from kvdepot.client.vllm.worker import KVDepotOffloadingWorker
-from kvdepot.common.shards import engine_shards, first_shard, route_rank, shard_socket
+from kvdepot.common.shards import (
+    engine_parts,
+    engine_shards,
+    first_shard,
+    route_rank,
+    shard_socket,
+)
 from kvdepot.v1 import depot_pb2
 
 if TYPE_CHECKING:
@@ -153,7 +159,11 @@ class KVDepotOffloadingSpec(OffloadingSpec):
                 hash_algo,
             )
         if config.canonical_layout:
-            log.warning("kvdepot stores each rank's section as is; canonical_layout is ignored")
+            log.warning(
+                "kvdepot stores each rank's section as is; canonical_layout is ignored, and "
+                "engines of other TP sizes do not share this engine's blocks "
+                "(docs/architecture.md, Namespaces)"
+            )
         self.namespace: NamespaceInputs = namespace_inputs(
             config,
             ctx.kv_cache_config if ctx is not None else None,
@@ -188,8 +198,8 @@ class KVDepotOffloadingSpec(OffloadingSpec):
     def make_layout(
         self, namespace_id: str, layer_pages: list[list[int]], world_size: int | None = None
     ) -> depot_pb2.NamespaceLayout:
-        """The NamespaceLayout a worker declares in `namespace_id` (on a shard: of the
-        `world_size` ranks that shard serves)."""
+        """The NamespaceLayout a worker declares in `namespace_id` (in a namespace part:
+        of the `world_size` ranks of that part, kvdepot.common.shards)."""
         return namespace_layout(namespace_id, self.namespace, layer_pages, world_size)
 
     def node_shards(self, role: str) -> int:
@@ -258,9 +268,15 @@ class KVDepotOffloadingSpec(OffloadingSpec):
     def get_manager(self) -> OffloadingManager:
         if self._manager is None:
             node_shards = self.node_shards("scheduler")
-            first = self._first_shard(node_shards)
-            used = engine_shards(node_shards, self.namespace.world_size)
-            clients = [self._shard_client("scheduler", s) for s in range(first, first + used)]
+            # One client per namespace part (a shard's share of the ranks, or of a
+            # pipeline stage's): the scheduler reads every part.
+            parts = engine_parts(
+                self.namespace.world_size,
+                node_shards,
+                self._first_shard(node_shards),
+                self.namespace.pp_size,
+            )
+            clients = [self._shard_client("scheduler", part.shard) for part in parts]
             self._drop_asking_client()
             self._manager = KVDepotOffloadingManager(
                 clients,
@@ -268,6 +284,7 @@ class KVDepotOffloadingSpec(OffloadingSpec):
                 self.settings,
                 enable_events=self.kv_events_config.enable_kv_cache_events,
                 node_shards=node_shards,
+                part_suffixes=[part.namespace_id("") for part in parts],
             )
         return self._manager
 
@@ -281,12 +298,17 @@ class KVDepotOffloadingSpec(OffloadingSpec):
             world = self.namespace.world_size
             role = f"worker rank={self.config.parallel.rank}"
             node_shards = self.node_shards(role)
-            route = route_rank(rank, world, node_shards, self._first_shard(node_shards))
+            route = route_rank(
+                rank, world, node_shards, self._first_shard(node_shards), self.namespace.pp_size
+            )
             sharded = route.shard != 0 or route.shards > 1
-            if sharded:
+            if sharded or route.stages > 1:
                 log.info(
-                    "kvdepot: rank %d uses shard %d of the node's %d as its rank %d of %d",
+                    "kvdepot: rank %d (pipeline stage %d of %d) uses shard %d of the node's "
+                    "%d as its rank %d of %d",
                     rank,
+                    route.stage,
+                    route.stages,
                     route.shard,
                     node_shards,
                     route.rank,
@@ -303,7 +325,7 @@ class KVDepotOffloadingSpec(OffloadingSpec):
                 blocks_per_chunk=self.blocks_per_chunk,
                 memory_path=self.settings.memory_path,
                 job_timeout_s=self.settings.job_timeout_s,
-                route=route if sharded else None,
+                route=route,
                 node_shards=node_shards,
             )
             if self.settings.startup_wait_s > 0 and self._worker._client.connected:

@@ -48,7 +48,7 @@ from kvdepot.client.vllm.registration import Registrar
 from kvdepot.client.vllm.transfer_specs import KVDepotLoadStoreSpec
 from kvdepot.common.jobs import Job, JobResult
 from kvdepot.common.kinds import Direction
-from kvdepot.common.shards import RankRoute, shard_namespace_id
+from kvdepot.common.shards import RankRoute
 from kvdepot.v1 import depot_pb2
 
 log = logging.getLogger("kvdepot.vllm.worker")
@@ -73,9 +73,10 @@ class KVDepotOffloadingWorker(OffloadingWorker):
         route: RankRoute | None = None,
         node_shards: int = 1,
     ) -> None:
-        """`rank`: the rank on the daemon; with shards, `route` says which shard `client`
-        reaches (the rank is `route.rank` there) and the scheduler's namespaces are
-        renamed for it (kvdepot.common.shards)."""
+        """`rank`: the rank on the daemon; with shards or pipeline stages, `route` says
+        which shard `client` reaches and which namespace part the rank is in (the rank
+        is `route.rank` there), and the scheduler's namespaces are renamed for it
+        (kvdepot.common.shards)."""
         self._client = client
         self._route = route
         self._namespace_id = namespace_id  # as this rank computed it, before any shard
@@ -116,11 +117,10 @@ class KVDepotOffloadingWorker(OffloadingWorker):
         self._registrar.start()
 
     def _on_shard(self, namespace_id: str) -> str:
-        """The scheduler's namespace as this rank's shard names it."""
+        """The scheduler's namespace as this rank's part (its shard's, its pipeline
+        stage's) names it."""
         route = self._route
-        if route is None:
-            return namespace_id
-        return shard_namespace_id(namespace_id, route.part, route.shards)
+        return namespace_id if route is None else route.namespace_id(namespace_id)
 
     # -- registration ---------------------------------------------------------------------
 

@@ -74,9 +74,6 @@ class ExtentAllocator:
         """A copy of offset -> size of every allocated extent."""
         return dict(self._allocated)
 
-    def can_fit(self, size: int) -> bool:
-        return self.largest_free_extent >= self.round_up(size)
-
     # -- allocation ------------------------------------------------------------------
 
     def allocate(self, size: int) -> Extent:

@@ -67,10 +67,14 @@ class EvictionPolicy(Protocol):
     """The order in which evictable rows go (see the module docstring)."""
 
     # Callables rather than methods in the interface, so that an implementation
-    # may bind C functions there (LruPolicy does); a plain method serves as well.
-    admit: Callable[[Slot], object]
-    withdraw: Callable[[Slot], object]
-    refresh: Callable[[Slot], object]
+    # may bind C functions there (LruPolicy does); a plain method serves as well
+    # (read-only to the index: a method is not a settable attribute).
+    @property
+    def admit(self) -> Callable[[Slot], object]: ...
+    @property
+    def withdraw(self) -> Callable[[Slot], object]: ...
+    @property
+    def refresh(self) -> Callable[[Slot], object]: ...
 
     def insert(self, slots: Iterable[Slot]) -> object:
         """Admits new READY rows, used together, in this order (module docstring)."""

@@ -168,10 +168,6 @@ class BlockIndex:
     def internal_writers(self, owners: set[Owner]) -> None:
         self._writes.internal_writers = owners
 
-    def owner_writing_bytes(self, owner: Owner) -> int:
-        """Bytes of the WRITING rows `owner` reserved and that are not settled yet."""
-        return self._writes.owner_writing.get(owner, 0)
-
     def owner_pinned_bytes(self, owner: Owner) -> int:
         """Bytes of the distinct slots `owner` holds at least one pin on."""
         return self._pins.owner_bytes.get(owner, 0)

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from kvdepot.server.core.eviction import EvictionPolicy
     from kvdepot.server.core.index import BlockIndex
     from kvdepot.server.core.index_pins import Pins
+    from kvdepot.server.core.index_types import Owner, Slot
     from kvdepot.server.core.index_writes import Writes
 
 
@@ -67,7 +68,7 @@ def check_index(ix: BlockIndex, policy: EvictionPolicy, writes: Writes, pins: Pi
     evictable_count = sum(s.state is SlotState.READY and not s.held for s in live)
     assert len(policy) == evictable_count, "the eviction policy holds rows that are gone"
     assert not any(s.doomed for s in live)
-    owner_pins = Counter()
+    owner_pins: Counter[Slot] = Counter()
     for owned in pins.by_owner.values():
         owner_pins.update(owned)
     for slot in live:
@@ -78,9 +79,9 @@ def check_index(ix: BlockIndex, policy: EvictionPolicy, writes: Writes, pins: Pi
     assert pins.owner_bytes == {
         owner: sum(slot.extent.size for slot in owned) for owner, owned in pins.by_owner.items()
     }, "pinned bytes per owner drifted"
-    writing: Counter = Counter()
+    writing_by_owner: Counter[Owner] = Counter()
     for slot in writes.writing:
         if slot.reserver is not None:
-            writing[slot.reserver] += slot.extent.size
-    assert writes.owner_writing == dict(writing), "writing bytes per owner drifted"
+            writing_by_owner[slot.reserver] += slot.extent.size
+    assert writes.owner_writing == dict(writing_by_owner), "writing bytes per owner drifted"
     assert all(s.reserver is None for s in live if s.state is SlotState.READY)

@@ -84,7 +84,7 @@ class Pins(IndexPart):
         for key in keys:
             slot = get(key)
             held = 0 if slot is None else held_get(slot, 0)
-            if not held:
+            if slot is None or not held:
                 missing += 1
                 continue
             size = slot.extent.size

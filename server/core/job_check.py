@@ -16,6 +16,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+import numpy.typing as npt
 
 from kvdepot.common import chunks
 from kvdepot.server.core.layout import (
@@ -26,6 +27,10 @@ from kvdepot.server.core.layout import (
     check_key,
 )
 from kvdepot.server.core.memory_map import MemoryMap
+
+# Block ids, key indices or sub-blocks of a group: a list or range, or an int64 array
+# (read only), indexed alike.
+Ints = Sequence[int] | npt.NDArray[np.int64]
 
 # Jobs of up to this many block ids are bounds-checked on a Python list, larger ones
 # with numpy (the same checks; whichever is cheaper at that size).
@@ -42,7 +47,7 @@ class JobShape:
     """
 
     num_keys: int
-    groups: tuple[tuple[int, Sequence[int], Sequence[int], Sequence[int] | None], ...]
+    groups: tuple[tuple[int, Ints, Ints, Ints | None], ...]
     # per non-empty group: (group, block ids, key index per block, sub-block per block
     # or None when blocks_per_chunk is 1)
     # The group of each key, as checked (empty when the keys were not given): the
@@ -150,7 +155,7 @@ class _Frame:
     key_groups: tuple[int, ...]  # each key's group
     # per non-empty group: (group, first and end block position in the job, key index
     # per block, sub-block per block or None when blocks_per_chunk is 1)
-    groups: tuple[tuple[int, int, int, Sequence[int], Sequence[int] | None], ...]
+    groups: tuple[tuple[int, int, int, Ints, Ints | None], ...]
 
 
 # A node's few job shapes. Bounded for a client that sends many: a frame holds two
@@ -172,7 +177,7 @@ def _frame(
     for g, n in enumerate(group_sizes):
         if n:
             if bpc == 1:
-                key_of: Sequence[int] = range(key_pos, key_pos + n)
+                key_of: Ints = range(key_pos, key_pos + n)
                 subs = None
             else:
                 # block_positions, column-wise: block i is sub-block (skip + i) % bpc

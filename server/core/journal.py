@@ -139,6 +139,7 @@ def _header(body: memoryview) -> tuple[int, int]:
     pool_size, granularity = head.get("pool_size"), head.get("granularity")
     if not (_positive_int(pool_size) and _positive_int(granularity)):
         raise JournalError("the journal's header lacks a valid pool_size and granularity")
+    # both checked positive ints just above
     return pool_size, granularity  # type: ignore[return-value]
 
 

@@ -35,7 +35,7 @@ from kvdepot.server.core.memory_map import MemoryMap
 from kvdepot.server.core.page_chains import PageChains, equal_cuts
 
 try:  # built from _plan.c when the install had a C compiler (pyproject.toml)
-    from kvdepot.server.core import _plan as compiled
+    import kvdepot.server.core._plan as compiled
 except ImportError:
     compiled = None
 

@@ -134,9 +134,9 @@ def plan_dma(
     dev, host, n = plan.address_columns(region_addresses, pool_address, host_split)
     srcs, dsts = (dev, host) if direction == STORE else (host, dev)
     if strided:
-        found = _strided(dsts, srcs, n, dev, host, pool_address, host_split, plan.nbytes)
-        if found is not None:
-            copies, rest = found
+        strided_found = _strided(dsts, srcs, n, dev, host, pool_address, host_split, plan.nbytes)
+        if strided_found is not None:
+            copies, rest = strided_found
             if rest is None:
                 return DmaPlan([], copies)
             left = n[rest]
@@ -186,8 +186,8 @@ def _chain_copies(
         if cut <= max_batch:  # the usual case: one batch, the columns as they are
             rest = [DmaBatch(dsts, srcs, n, c.nbytes - moved)]
         else:
-            columns = (np.frombuffer(a, np.uint64) for a in (dsts, srcs, n))
-            rest = _batches(*columns, max_batch, c.nbytes - moved)
+            d, s, m = (np.frombuffer(a, np.uint64) for a in (dsts, srcs, n))
+            rest = _batches(d, s, m, max_batch, c.nbytes - moved)
     if not kept:
         return DmaPlan(rest)
     store = direction == STORE

@@ -55,10 +55,6 @@ class ServedDevice:
                     )
         return self._ctx
 
-    @property
-    def has_context(self) -> bool:
-        return self._ctx is not None
-
     def make_current(self) -> None:
         self.driver.set_current(self.context)
 

@@ -15,6 +15,7 @@
     link.py        DiskLink: the tier attached to the daemon (write-behind, promotion, figures)
     metrics.py     its Prometheus series (kvdepot_disk_*)
 
-The daemon builds a DiskLink for `kvdepot serve --disk DIR`; nothing else imports
-these modules. blake3 is the `disk` extra.
+The daemon (kvdepot.server.daemon) builds a DiskLink for `kvdepot serve --disk DIR`
+and serves its metrics; the state holds the link (kvdepot.server.state.tiers, which
+names its type only); nothing else imports these modules. blake3 is the `disk` extra.
 """

@@ -112,6 +112,7 @@ class IOThreads:
             try:
                 item = self._queue.get(timeout=every)
             except queue.Empty:
+                # `every` is None without a hook: the get blocks, Empty never comes
                 self._call(hook)  # type: ignore[arg-type]
                 continue
             if item is _STOP:

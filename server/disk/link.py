@@ -461,6 +461,7 @@ class DiskLink:
         """GetStats' disk_* fields."""
         snap = self.tier.snapshot()
         drops = Counter(self.stats.write_drops)
+        # the tier's snapshot counters are ints (a dict of mixed values)
         drops["error"] = int(snap["write_errors"])  # type: ignore[call-overload]
         return {
             "disk_enabled": True,
@@ -482,6 +483,7 @@ class DiskLink:
             "disk_write_drops": {k: v for k, v in drops.items() if v},
             "disk_promote_drops": sum(self.stats.promote_drops.values()),
             "disk_rejected": snap["rejected"],
+            # the tier's snapshot counters are ints (a dict of mixed values)
             "disk_errors": int(snap["write_errors"]) + int(snap["read_errors"]),  # type: ignore[call-overload]
             "disk_evicted": snap["evicted"],
             "disk_recovery_complete": bool(snap["recovery_complete"]),

@@ -66,10 +66,12 @@ class DiskCollector(Collector):
         fields = {k.removeprefix("disk_"): v for k, v in self.link.stats_fields().items()}
         for name, doc, key in _GAUGES:
             g = GaugeMetricFamily(f"kvdepot_disk_{name}", doc)
+            # these fields are numbers (stats_fields is a dict of mixed values)
             g.add_metric([], float(fields[key]))  # type: ignore[arg-type]
             yield g
         for name, doc, key in _COUNTERS:
             c = CounterMetricFamily(f"kvdepot_disk_{name}", doc)
+            # these fields are numbers (stats_fields is a dict of mixed values)
             c.add_metric([], float(fields[key]))  # type: ignore[arg-type]
             yield c
         drops = CounterMetricFamily(
@@ -77,6 +79,7 @@ class DiskCollector(Collector):
             "Rows not written to the disk tier, by reason.",
             labels=["reason"],
         )
+        # write_drops is a Counter (stats_fields is a dict of mixed values)
         for reason, n in sorted(fields["write_drops"].items()):  # type: ignore[attr-defined]
             drops.add_metric([reason], n)
         yield drops

@@ -18,6 +18,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import mmap
 import threading
@@ -114,9 +115,10 @@ class IndexRebuild(threading.Thread):
             return kept, len(chunk) - kept
 
         for start in range(0, len(items), BATCH):
-            self._apply(lambda space, s=start: claim(space, by_offset[s : s + BATCH]))
+            self._apply(functools.partial(claim, chunk=by_offset[start : start + BATCH]))
         for start in range(0, len(items), BATCH):  # in LRU order, least recent first
-            self._apply(lambda space, s=start: publish(space, range(s, min(s + BATCH, len(items)))))
+            end = min(start + BATCH, len(items))
+            self._apply(functools.partial(publish, chunk=range(start, end)))
         self.progress.scanned_bytes = self.progress.total_bytes
 
     def _scan(self) -> None:
@@ -132,11 +134,11 @@ class IndexRebuild(threading.Thread):
                 if self._kept(h.admitted_by):
                     batch.append((h.namespace, h.key, offset, h.length, h.digest, h.admitted_by))
                 if len(batch) >= BATCH:
-                    self._apply(lambda space, b=batch: adopt(space, b))
+                    self._apply(functools.partial(adopt, found=batch))
                     batch = []
                 if self._halt.is_set():
                     break
-            self._apply(lambda space, b=batch: adopt(space, b))
+            self._apply(functools.partial(adopt, found=batch))
         finally:
             window.close()
 

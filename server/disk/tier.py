@@ -326,7 +326,11 @@ class DiskTier(FileUpkeep):
                 key, offset = file.key, entry.offset
                 found = record.decode_header(header, offset, key)
                 verified = found == Header(
-                    entry.namespace, entry.key, entry.length, entry.digest, entry.admitted_by
+                    entry.namespace,
+                    entry.key,
+                    entry.length,
+                    entry.digest,  # type: ignore[arg-type]  # indexed: written, so it has one
+                    entry.admitted_by,
                 ) and hmac.compare_digest(
                     key.payload_tag(entry.namespace, entry.key, offset, dest), entry.digest or b""
                 )

@@ -161,11 +161,13 @@ class Arena:
         # may hold blocks that a warm restart serves).
         page = mmap.PAGESIZE
         buf = self._mmap
+        assert buf is not None  # the warm-up ends before close() drops the mapping
         for p in range(off, off + n, page):
             buf[p] = buf[p]
 
     def flush(self) -> None:
         if self.path is not None:
+            assert self._mmap is not None, "the pool is closed"
             self._mmap.flush()
 
     def close(self, unmap: bool = True) -> None:

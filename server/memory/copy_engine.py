@@ -97,8 +97,8 @@ def check_runs(regions: Sequence[MappedRegion], plan: CopyPlan, pool_size: int |
     if len(regions) == 1:
         inside = region_end <= regions[0].size
     else:  # each run against its own region's size
-        sizes = np.array([r.size for r in regions], dtype=np.int64)
-        inside = bool((cols[1] + cols[3] <= sizes[cols[0]]).all())
+        region_sizes = np.array([r.size for r in regions], dtype=np.int64)
+        inside = bool((cols[1] + cols[3] <= region_sizes[cols[0]]).all())
     if inside and (pool_size is None or pool_end <= pool_size):
         return
     raise errors.invalid(

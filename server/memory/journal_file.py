@@ -509,6 +509,7 @@ def begin_recovery(
                     detail,
                 )
             continue
+        # a row that reaches here has its CRC (rows without one were dropped above)
         to_verify.append((ns_id, key, extent, row.crc))  # type: ignore[arg-type]
         listed.append((ns_id, key, row))
     # Verify (and serve) the youngest rows last, as the LRU order had them.

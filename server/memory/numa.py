@@ -238,9 +238,10 @@ def place(
         basis, policy = f"--numa {setting}", "bind"
     if not nodes:  # a cpuset outside every node (should not happen): leave it be
         return Placement("off", basis="no node holds the daemon's CPUs", host_nodes=len(topo.nodes))
+    # `nodes` come from topo.nodes_of: each is a node of `topo`
     pinned = [(n, topo.node(n).cpus & allowed) for n in nodes]  # type: ignore[union-attr]
     pinned = [(n, c) for n, c in pinned if c]  # a memory-only node gets no threads
-    gpu_cpus = [
+    gpu_cpus: list[tuple[str, int, frozenset[int]]] = [
         (address, n, getattr(topo.node(n), "cpus", frozenset()) & allowed)
         for address, n in zip(topo.gpu_addresses, topo.gpu_nodes, strict=False)
     ]

@@ -131,7 +131,9 @@ def _span(rows: list[tuple[int, int, int, int]]) -> tuple[int, np.ndarray]:
     """(low address, uint8 array from it) covering every (start, count, step, nbytes) row set."""
     low = min(start + min(0, (count - 1) * step) for start, count, step, _ in rows)
     high = max(start + max(0, (count - 1) * step) + nbytes for start, count, step, nbytes in rows)
-    return low, np.frombuffer((ctypes.c_char * (high - low)).from_address(low), dtype=np.uint8)
+    window = (ctypes.c_char * (high - low)).from_address(low)
+    # A ctypes array is a buffer; numpy's stubs do not say so.
+    return low, np.frombuffer(window, dtype=np.uint8)  # type: ignore[call-overload]
 
 
 def _view(

@@ -114,8 +114,6 @@ class Fetcher:
         """Per key (checked, missing in the pool): whether the tier holds it as a row of
         the namespace's layout (or it is being fetched already). One STRLEN batch,
         waiting at most `exists_timeout_s`; fetches nothing."""
-        self._stats.prefetch_calls += 1
-        self._stats.prefetch_keys += len(keys)
         ns = self._index.namespace(namespace_id)  # UnknownNamespace -> NOT_FOUND
         now = time.monotonic()
         if self._absent and now >= self._absent_check:  # forget old answers, once a second

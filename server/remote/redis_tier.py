@@ -144,7 +144,8 @@ class RedisTier(RemoteTier):
                         **self._common(),
                     )
                     await client.initialize()
-                    self._discovered = [(n.host, n.port) for n in client.get_nodes()]
+                    # redis-py's stubs say str | int: a cluster node's port is an int.
+                    self._discovered = [(n.host, n.port) for n in client.get_nodes()]  # type: ignore[misc]
                 else:
                     h, p = self.url.seeds[0]
                     client = Redis(host=h, port=p, **self._common())

@@ -46,8 +46,6 @@ class RemoteStats:
     fetch_drops: Counter[str] = field(default_factory=Counter)  # fetched rows not loaded
     verify_failures: Counter[str] = field(default_factory=Counter)  # by codec reason
     errors: int = 0  # failed tier calls (timeouts, connection errors)
-    prefetch_calls: int = 0
-    prefetch_keys: int = 0
     write_seconds: Histogram = field(default_factory=Histogram)  # per write call
     read_seconds: Histogram = field(default_factory=Histogram)  # per read call
     miss_to_ready_seconds: Histogram = field(default_factory=Histogram)  # Prefetch -> READY

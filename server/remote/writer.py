@@ -249,7 +249,8 @@ class WriteBehind:
 
         def frame_all() -> list[bytes]:
             return [
-                encode(i.namespace, i.key, i.payload if o is None else arena.view(o, i.size))
+                # No pool offset: the item carries its payload.
+                encode(i.namespace, i.key, i.payload if o is None else arena.view(o, i.size))  # type: ignore[arg-type]
                 for i, o in sources
             ]
 

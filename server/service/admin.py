@@ -10,7 +10,7 @@ runs with --no-destructive-admin.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, cast
 
 import grpc
 
@@ -43,10 +43,11 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         broken = self.state.verify_invariants()
         if broken is not None:
             raise errors.internal(broken)
+        # Each figure is its field's type (tests/test_admin_api.py reads them all).
         return pb.GetStatsResponse(
-            **self.state.stats(),
-            **self.state.tier_stats(),
-            **(self.lanes.stats_fields() if self.lanes is not None else {}),
+            **cast("dict[str, Any]", self.state.stats()),
+            **cast("dict[str, Any]", self.state.tier_stats()),
+            **cast("dict[str, Any]", self.lanes.stats_fields() if self.lanes is not None else {}),
             evictions_by_reason=self.state.evictions_by_reason(),
         )
 

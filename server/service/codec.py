@@ -31,6 +31,7 @@ from kvdepot.server import errors
 from kvdepot.server.core.index import Namespace, Slot
 from kvdepot.server.core.layout import MAX_GROUPS, LayoutError, NamespaceLayout
 from kvdepot.server.core.memory_map import LayerRef, TensorView
+from kvdepot.server.core.namespace_proof import check_declaration
 from kvdepot.server.state.jobs import JobCounts, JobLimits
 from kvdepot.server.state.sessions import Registration, Session
 from kvdepot.v1 import admin_pb2
@@ -170,8 +171,9 @@ def result_to_proto(result: JobResult) -> pb.TransferResult:
 
 
 def layout_from_proto(msg: pb.NamespaceLayout) -> NamespaceLayout:
+    """A declared layout, checked against the id it claims (`check_declaration`)."""
     try:
-        return NamespaceLayout(
+        layout = NamespaceLayout(
             id=msg.id,
             world_size=msg.world_size,
             blocks_per_chunk=msg.blocks_per_chunk,
@@ -179,6 +181,8 @@ def layout_from_proto(msg: pb.NamespaceLayout) -> NamespaceLayout:
             description=msg.description,
             group_ids=tuple(msg.group_ids),
         )
+        check_declaration(layout, msg.digest_inputs)
+        return layout
     except LayoutError as exc:
         raise errors.invalid(f"namespace layout: {exc}") from None
 

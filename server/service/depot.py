@@ -37,7 +37,8 @@ from kvdepot.v1 import depot_pb2_grpc
 
 log = logging.getLogger("kvdepot.depot")
 
-SNAPSHOT_BATCH = 4096
+SNAPSHOT_BATCH = 4096  # keys in one message of events
+SNAPSHOT_SLICE = 1024  # keys of a namespace a Watch snapshot reads at a time
 # Jobs of one Transfer stream running or answered but not yet taken by the client.
 MAX_UNREAD_RESULTS = 1024
 
@@ -63,6 +64,7 @@ def event_reason(event: IndexEvent) -> str:
 class DepotServicer(depot_pb2_grpc.DepotServicer):
     def __init__(self, state: DepotState) -> None:
         self.state = state
+        self._snapshot_turn = asyncio.Lock()  # one Watch snapshot slice read at a time
         # Job lanes (OpenJobLane) run their jobs through the same `answer_job`.
         self.lanes = JobLanes(state, self.answer_job, MAX_UNREAD_RESULTS)
 
@@ -168,22 +170,19 @@ class DepotServicer(depot_pb2_grpc.DepotServicer):
                 grpc.StatusCode.INVALID_ARGUMENT, "namespace_id is empty: name the namespace"
             )
         try:
-            watcher, keys = st.add_watcher(request.session_id, request.namespace_id)
+            watcher = st.add_watcher(request.session_id, request.namespace_id)
         except errors.DepotError as exc:  # not joined, or the session's streams used up
             await abort_with(context, exc)
             return
         try:
             while True:
                 watcher.lagged = False
-                first = True
-                for i in range(0, max(len(keys), 1), SNAPSHOT_BATCH):
+                async for keys, first in self._snapshot(request.namespace_id):
+                    if st.shutting_down or watcher.ended:  # no need to read the rest
+                        return
                     yield pb.WatchEvent(
-                        kind=pb.WatchEvent.SNAPSHOT,
-                        keys=keys[i : i + SNAPSHOT_BATCH],
-                        reset=first,
-                        boot_id=st.boot_id,
+                        kind=pb.WatchEvent.SNAPSHOT, keys=keys, reset=first, boot_id=st.boot_id
                     )
-                    first = False
                 yield pb.WatchEvent(kind=pb.WatchEvent.SNAPSHOT_END, boot_id=st.boot_id)
                 while not watcher.lagged:
                     if st.shutting_down or watcher.ended:  # ended: its session did
@@ -200,12 +199,29 @@ class DepotServicer(depot_pb2_grpc.DepotServicer):
                         boot_id=st.boot_id,
                         tier=WATCH_TIERS[run.tier],
                     )
-                keys = st.ready_keys(request.namespace_id)  # lagged: resync
                 log.warning(
                     "a watcher of %s fell behind; resending a snapshot", request.namespace_id
                 )
         finally:
             st.remove_watcher(watcher)
+
+    async def _snapshot(self, namespace_id: str) -> AsyncIterator[tuple[list[bytes], bool]]:
+        """A Watch snapshot's batches of ready keys (the first, flagged, even when empty),
+        read a slice of the namespace's keys at a time after the watcher subscribed. The
+        reader holds `_snapshot_turn` through a turn of the loop, so all snapshots together
+        read about one slice per turn: streams reopened in a loop over a large namespace
+        add a slice to another call's wait at most, never a walk over every row."""
+        after: bytes | None = None
+        first = True
+        while True:
+            async with self._snapshot_turn:
+                keys, after = self.state.ready_after(namespace_id, after, SNAPSHOT_SLICE)
+                await asyncio.sleep(0)
+            if keys or first:
+                yield keys, first
+                first = False
+            if after is None:
+                return
 
     @reports_errors
     async def Lookup(
@@ -326,7 +342,8 @@ class DepotServicer(depot_pb2_grpc.DepotServicer):
                 states=[pb.PrefetchResponse.ABSENT] * len(request.keys), remote_tier=False
             )
         return pb.PrefetchResponse(
-            states=[int(s) for s in states],
+            # KeyState's values, as ints (the stubs want the enum's NewType).
+            states=[int(s) for s in states],  # type: ignore[misc]
             remote_tier=True,
             remote_healthy=st.tiers_healthy,
         )

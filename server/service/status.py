@@ -48,6 +48,7 @@ def reports_errors(handler: Callable[..., Awaitable[R]]) -> Callable[..., Awaita
         # A non-OK code set here makes grpcio discard the (empty) response.
         context.set_code(code)
         context.set_details(message)
+        # no response: the code set above makes grpcio send none
         return None  # type: ignore[return-value]
 
     return wrapper

@@ -1,16 +1,23 @@
 """The daemon's state, between the sans-I/O core and the gRPC services.
 
-depot.py       DepotState: assembles the parts; the API the services call
-startup.py     how it starts: empty pool, warm restart, crash recovery
-sessions.py    sessions, registrations, memory paths, fd claiming and sealing
-jobs.py        the job runner: check once, reserve, plan once, copy, settle
-inline.py      inline Put/Get
-events.py      the event bus and the Watch streams' queues
-traffic.py     job and block counters, transfer observers
-listing.py     the admin queries: namespaces, blocks a page at a time
-stats.py       Admin/GetStats' figures
-invariants.py  what must hold between two steps of the event loop
-settings.py    the settings it reads: a protocol (ServeConfig has them), not the table
+depot.py          DepotState: assembles the parts; the API the services call
+facade.py         how DepotState offers its facets' calls as its own
+startup.py        how it starts: empty pool, warm restart, crash recovery
+sessions.py       sessions, registrations, memory paths, fd claiming and sealing
+registry.py       facet: sessions and registrations as the services see them
+namespaces.py     who may name which namespace; the per-session quotas
+key_calls.py      facet: Lookup, Pin, Unpin and Watch on a joined namespace's keys
+jobs.py           the job runner: check once, reserve, plan once, copy, settle
+inline.py         inline Put/Get
+tiers.py          facet: the tiers below the pool (disk, fleet) and Prefetch
+events.py         the event bus and the Watch streams' queues
+traffic.py        job and block counters, transfer observers
+admin_queries.py  facet: the operators' read-only queries
+listing.py        the admin queries: namespaces, blocks a page at a time
+admin_evict.py    Admin/Evict and Admin/Clear: the checks, bulk eviction in slices
+stats.py          Admin/GetStats' figures
+invariants.py     what must hold between two steps of the event loop
+settings.py       the settings it reads: a protocol (ServeConfig has them), not the table
 """
 
 from kvdepot.server.state.depot import DepotState

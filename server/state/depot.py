@@ -136,6 +136,7 @@ class DepotState:
         # Who may name which namespace, and the per-session quotas (state.namespaces).
         self.access = NamespaceAccess(config, index, self._sessions)
         index.max_writing_per_owner = self.access.max_writing
+        # session ids are the index's owners (Owner is any Hashable)
         index.internal_writers = self.internal_writers  # type: ignore[assignment]
         self.invariant_failure: str | None = None
         self.admin = AdminEviction(index, config, self.verify_invariants)
@@ -174,7 +175,7 @@ class DepotState:
             pool_lock=pool.pool_lock,
             headroom=True,
         )
-        if pool.journalled:
+        if pool.journalled and config.pool_file:  # journalled: with a pool file
             st.journal, st._recovery = startup.start_journal(
                 pool, config.pool_file, st.boot_id, st.recovery
             )
@@ -303,6 +304,7 @@ class DepotState:
     add_watcher = forward("keys", KeyCalls.add_watcher)
     remove_watcher = forward("keys", KeyCalls.remove_watcher)
     ready_keys = forward("keys", KeyCalls.ready_keys)
+    ready_after = forward("keys", KeyCalls.ready_after)
     # The tiers below the pool, the disk and the fleet's (kvdepot.server.state.tiers).
     attach_remote_tier = forward("tiers", TiersBelow.attach_remote_tier)
     attach_disk_tier = forward("tiers", TiersBelow.attach_disk_tier)

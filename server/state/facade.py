@@ -20,14 +20,20 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from operator import attrgetter
-from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, Any, Concatenate, Generic, ParamSpec, TypeVar
 
 P = ParamSpec("P")
 R = TypeVar("R")
 
 if TYPE_CHECKING:
 
-    def forward(part: str, method: Callable[Concatenate[Any, P], R]) -> Callable[P, R]: ...
+    class Forwarded(Generic[P, R]):
+        """What a row is to a type checker: a descriptor whose value is the facet's
+        method, bound (a plain Callable class attribute would be bound to the state)."""
+
+        def __get__(self, obj: object, owner: type | None = None) -> Callable[P, R]: ...
+
+    def forward(part: str, method: Callable[Concatenate[Any, P], R]) -> Forwarded[P, R]: ...
 
 else:
 

@@ -63,6 +63,7 @@ def mutation(fn: F) -> F:
             finally:
                 self.verify_invariants()
 
+        # functools.wraps keeps the signature F promises
         return run_async  # type: ignore[return-value]
 
     @functools.wraps(fn)
@@ -72,4 +73,5 @@ def mutation(fn: F) -> F:
         finally:
             self.verify_invariants()
 
+    # functools.wraps keeps the signature F promises
     return run  # type: ignore[return-value]

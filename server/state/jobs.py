@@ -283,6 +283,7 @@ class JobRunner:
                         raise span
                     raise errors.internal(f"copy failed: {span}")
         if spans:
+            # every span is a (start, end) pair: the exceptions raised above
             out.copy_seconds = max(e for _, e in spans) - min(s for s, _ in spans)  # type: ignore[misc]
         out.bytes = nbytes  # only once the bytes have landed
 
@@ -322,6 +323,7 @@ class JobRunner:
                 for span in spans:
                     if isinstance(span, BaseException):
                         raise span
+                # every span is a (start, end) pair: the exceptions raised above
                 return max(e for _, e in spans) - min(s for s, _ in spans)  # type: ignore[misc]
             except errors.DepotError:
                 raise

@@ -91,12 +91,29 @@ class KeyCalls:
                 listener(namespace_id, touch)
         return missing
 
-    def add_watcher(self, session_id: str, namespace_id: str) -> tuple[Watcher, list[bytes]]:
-        """Subscribes and returns the current ready keys (no event can fall between).
-        The session must have joined the namespace and have a Watch stream to spare."""
+    def add_watcher(self, session_id: str, namespace_id: str) -> Watcher:
+        """Subscribes; the snapshot is then read a batch at a time (`ready_after`): a key
+        that changes meanwhile has an event queued after the snapshot. The session must
+        have joined the namespace and have a Watch stream to spare."""
         session = self.access.member(session_id, namespace_id)
         self.access.open_watch(session)  # --max-watches-per-session
-        return self.bus.subscribe(namespace_id, session_id), self.ready_keys(namespace_id)
+        return self.bus.subscribe(namespace_id, session_id)
+
+    def ready_after(
+        self, namespace_id: str, after: bytes | None, limit: int
+    ) -> tuple[list[bytes], bytes | None]:
+        """The READY keys among the namespace's next `limit` keys after `after` (in key
+        order; from the first when None), and the key the next batch starts after (None
+        when no key is left). O(log n + limit), so a snapshot of any size is sent in
+        batches with the event loop yielded between them; keys added or removed between
+        batches reach a watcher subscribed before the first as events."""
+        ns = self.index.namespaces.get(namespace_id)
+        if ns is None:
+            return [], None
+        keys = ns.sorted_keys.after(after, limit)
+        slots = ns.slots
+        ready = [k for k in keys if (s := slots.get(k)) is not None and s.state is SlotState.READY]
+        return ready, keys[-1] if len(keys) == limit else None
 
     def remove_watcher(self, w: Watcher) -> None:
         self.bus.unsubscribe(w)

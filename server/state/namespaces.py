@@ -123,18 +123,6 @@ class NamespaceAccess:
                 f"KVDEPOT_MAX_PINNED_PER_SESSION): unpin loaded blocks first"
             )
 
-    def writing_budget(self, session_id: str) -> int:
-        """Bytes of rows the session may still reserve for writing; RESOURCE_EXHAUSTED
-        when it holds its whole quota already."""
-        left = self.max_writing - self._index.owner_writing_bytes(session_id)
-        if left <= 0:
-            raise errors.exhausted(
-                f"this session holds {self.max_writing} bytes of block rows being written, "
-                f"the most one session may (--max-writing-per-session, "
-                f"KVDEPOT_MAX_WRITING_PER_SESSION): finish (or fail) its stores first"
-            )
-        return left
-
     # -- forgetting ------------------------------------------------------------------
 
     def forget_unused(self, candidates: Iterable[str] | None = None) -> list[str]:

@@ -77,7 +77,7 @@ def open_pool(config: StateConfig) -> OpenedPool:
         )
 
     index = new_index()
-    if plan is None:
+    if plan is None or not config.pool_file:  # a plan comes with a pool file
         return OpenedPool(arena, index, bus)
     # A killed daemon leaves no snapshot but a journal: recover from it. A
     # snapshot that was there but does not apply voids the journal too (the

@@ -33,7 +33,7 @@ from tests.support.faults import DaemonFactory, admin, stats
 from tests.support.ops import free_port, load, store
 from tests.support.status_cli import one_line_error, status
 from tests.support.tls import Pki, make_pki
-from tests.support.unprivileged import AS_NOBODY, NOBODY
+from tests.support.unprivileged import AS_NOBODY, NOBODY, nobody_python
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -80,9 +80,8 @@ print(health_pb2.HealthCheckResponse.ServingStatus.Name(r.status))
 
 
 def run_python(code: str, *args: str, as_nobody: bool = False) -> subprocess.CompletedProcess[str]:
-    cmd = [sys.executable, "-c", code, *args]
-    if as_nobody:
-        cmd = [*AS_NOBODY, *cmd]
+    cmd = [*AS_NOBODY, nobody_python()] if as_nobody else [sys.executable]
+    cmd += ["-c", code, *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=60)
 
 

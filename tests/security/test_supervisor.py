@@ -34,7 +34,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kvdepot.common.shards import shard_socket
 from tests.support.faults import DaemonFactory
 from tests.support.notify import NotifyListener
-from tests.support.unprivileged import AS_NOBODY
+from tests.support.unprivileged import AS_NOBODY, nobody_python
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -78,7 +78,7 @@ print(json.dumps({"found": found, "sent": sent, "scans": scans}), flush=True)
 def attacker(seconds: float) -> subprocess.Popen[str]:
     cmd = [sys.executable, "-c", ATTACKER, str(seconds)]
     if os.geteuid() == 0 and shutil.which("setpriv"):
-        cmd = [*AS_NOBODY, *cmd]
+        cmd = [*AS_NOBODY, nobody_python(), "-c", ATTACKER, str(seconds)]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
 
 

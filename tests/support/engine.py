@@ -32,9 +32,9 @@ import json
 import mmap
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import numpy as np
 
@@ -47,6 +47,7 @@ from kvdepot.client.pvm import register_process_kv
 from kvdepot.common.chunks import block_positions
 from kvdepot.common.jobs import Job, JobResult
 from kvdepot.common.libc import libc
+from kvdepot.common.namespace_digest import canonical, digest_id
 from kvdepot.v1 import depot_pb2 as pb
 
 
@@ -59,6 +60,8 @@ class Geometry:
     world_size: int = 2
     num_blocks: int = 512
     namespace: str = "test-ns"
+    # The digest's inputs, for a namespace id of the connector's form (`digested`).
+    digest_inputs: str = ""
 
     def layout(self) -> pb.NamespaceLayout:
         return pb.NamespaceLayout(
@@ -66,7 +69,23 @@ class Geometry:
             world_size=self.world_size,
             blocks_per_chunk=self.blocks_per_chunk,
             groups=[pb.GroupLayout(layer_page_bytes=g) for g in self.groups],
+            digest_inputs=self.digest_inputs,
         )
+
+    def digested(self, model: str) -> Self:
+        """This geometry in a namespace whose id is, as the connector's are, the digest
+        of inputs that describe the layout (`model` stands for the rest of them)."""
+        fields = {
+            "model": model,
+            "blocks_per_chunk": self.blocks_per_chunk,
+            "world_size": self.world_size,
+            "groups": [
+                {"group_id": i, "num_layers": len(pages), "layer_page_bytes": pages}
+                for i, pages in enumerate(self.groups)
+            ],
+            "worker_bytes_per_block": self.groups[0][0],  # a tensor per layer
+        }
+        return replace(self, namespace=digest_id(fields), digest_inputs=canonical(fields))
 
     @property
     def layer_pages(self) -> list[int]:

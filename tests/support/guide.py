@@ -7,7 +7,6 @@ rewrites the guide's outputs; tests/test_status.py does the same for the status 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 import re
@@ -70,23 +69,17 @@ class DescribedGeometry(Geometry):
         return lay
 
 
-def _namespace_id(name: str) -> str:
-    # Shaped like the connector's ids ("kvd1-" + 40 hex digits of a digest).
-    return "kvd1-" + hashlib.sha256(name.encode()).hexdigest()[:40]
-
-
+# Ids of the connector's form ("kvd1-" + 40 hex digits of a digest of the inputs).
 GEO_A = DescribedGeometry(
-    namespace=_namespace_id("operations guide: engine A"),
     description="synthetic engine A: 2 groups (2 and 3 layers), bpc=2, world=2",
-)
+).digested("operations guide: engine A")
 GEO_B = DescribedGeometry(
     groups=[[2048, 2048, 2048, 2048]],
     blocks_per_chunk=4,
     world_size=1,
     num_blocks=64,
-    namespace=_namespace_id("operations guide: engine B"),
     description="synthetic engine B: 1 group (4 layers), bpc=4, world=1",
-)
+).digested("operations guide: engine B")
 
 
 @dataclass

@@ -22,8 +22,16 @@ def status(
     if user is not None:
         import pwd
 
+        from tests.support.unprivileged import nobody_kvdepot
+
         pw = pwd.getpwnam(user)
-        cmd = ["setpriv", f"--reuid={pw.pw_uid}", f"--regid={pw.pw_gid}", "--clear-groups", *cmd]
+        # Another uid runs kvdepot from a copy it can read (tests/support/unprivileged.py).
+        cmd = [
+            *("setpriv", f"--reuid={pw.pw_uid}", f"--regid={pw.pw_gid}", "--clear-groups"),
+            *nobody_kvdepot(),
+            "status",
+            *args,
+        ]
     full_env = {**os.environ, "COLUMNS": str(WIDTH), "LINES": "60", **(env or {})}
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env)
 

@@ -34,7 +34,8 @@ pytestmark = pytest.mark.vllm
 
 def pages(engine: SyntheticEngine, rank: int, group: int, block_ids: list[int]) -> list:
     """The bytes of these blocks in every layer of a group, in order."""
-    return [engine.page(rank, name, b) for name in engine.group_layers(group) for b in block_ids]
+    layers = engine.group_layers(group, rank)
+    return [engine.page(rank, name, b) for name in layers for b in block_ids]
 
 
 def assert_same_bytes(before: list, after: list) -> None:
@@ -53,7 +54,7 @@ def assert_expected(
     first_logical: int = 0,
 ) -> None:
     """Every byte of these blocks is what the model computes for the prompt."""
-    for name in engine.group_layers(group):
+    for name in engine.group_layers(group, rank):
         for i, b in enumerate(block_ids):
             want = engine.expected_page(prompt, group, first_logical + i, name, rank)
             got = engine.page(rank, name, b)

@@ -31,6 +31,7 @@ from kvdepot.testing.vllm_config import (
     GroupDef,
     make_kv_cache_config,
     make_vllm_config,
+    stage_kv_cache_configs,
 )
 
 pytestmark = pytest.mark.vllm
@@ -214,6 +215,37 @@ def test_offloaded_group_ids_are_part_of_the_namespace() -> None:
     assert spec_for(vllm_config2, scheduler2).namespace_id != ns
 
 
+def stage_ids(tp: int = 1) -> tuple[str, list[str]]:
+    """A five-layer model on two pipeline stages: the scheduler's namespace (its config
+    is the first stage's, flattened by vLLM), and each stage's workers'."""
+    cfg = EngineConfig(
+        socket="/nonexistent/kvdepot.sock",
+        groups=(GroupDef("full", block_size=16, num_layers=5),),
+        model_dir=str(find_model_dir()),
+        tp=tp,
+        pp=2,
+    )
+    vllm_config = make_vllm_config(cfg)
+    stages = stage_kv_cache_configs(cfg, vllm_config, 64)
+    scheduler = generate_scheduler_kv_cache_config([s for s in stages for _ in range(tp)])
+    workers = [spec_for(vllm_config, stage).namespace_id for stage in stages]
+    return spec_for(vllm_config, scheduler).namespace_id, workers
+
+
+def test_pipeline_stages_of_unequal_layers_are_one_namespace(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Three layers on the first stage, two on the second: each stage's workers see
+    their own layers and block bytes, the scheduler the first stage's; all of them
+    compute one id, and another split of the layers is another namespace."""
+    monkeypatch.delenv("VLLM_PP_LAYER_PARTITION", raising=False)
+    scheduler, workers = stage_ids(tp=2)
+    assert workers == [scheduler, scheduler]
+    monkeypatch.setenv("VLLM_PP_LAYER_PARTITION", "2,3")
+    other, workers = stage_ids(tp=2)
+    assert workers == [other, other] and other != scheduler
+
+
 # -- the prefix hash's seed ---------------------------------------------------------------
 
 
@@ -263,3 +295,21 @@ def test_the_xxhash_warning_only_when_no_engine_can_share(
     assert len(ids) == 1
     warned = [r for r in caplog.records if "cannot share offloaded blocks" in r.getMessage()]
     assert len(warned) == (2 if warns else 0)
+
+
+def test_canonical_layout_is_said_to_be_ignored(caplog: pytest.LogCaptureFixture) -> None:
+    """vLLM certifies a GQA model's pages as portable across TP sizes; kvdepot still stores
+    each rank's section, so a TP=2 and a TP=4 engine are two namespaces, and the
+    connector says so when `canonical_layout` asks for more (docs/architecture.md §4)."""
+    full = (GroupDef("full", block_size=16, num_layers=2),)
+    caplog.set_level(logging.WARNING, logger="kvdepot")
+    ids = []
+    for tp in (2, 4):
+        vllm_config, worker, _ = vllm_configs(full, tp=tp)
+        vllm_config.kv_transfer_config.kv_connector_extra_config["canonical_layout"] = True
+        config = build_offloading_config(vllm_config, worker)
+        assert config.canonical_layout and config.parallel.is_parallelism_agnostic
+        ids.append(spec_for(vllm_config, worker).namespace_id)
+    assert ids[0] != ids[1]
+    warned = [r for r in caplog.records if "canonical_layout is ignored" in r.getMessage()]
+    assert len(warned) == 2

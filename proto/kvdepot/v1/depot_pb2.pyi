@@ -72,20 +72,22 @@ class SessionKeepalive(_message.Message):
     def __init__(self, uptime_seconds: _Optional[float] = ...) -> None: ...
 
 class NamespaceLayout(_message.Message):
-    __slots__ = ("id", "world_size", "blocks_per_chunk", "groups", "description", "group_ids")
+    __slots__ = ("id", "world_size", "blocks_per_chunk", "groups", "description", "group_ids", "digest_inputs")
     ID_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_PER_CHUNK_FIELD_NUMBER: _ClassVar[int]
     GROUPS_FIELD_NUMBER: _ClassVar[int]
     DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
     GROUP_IDS_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_INPUTS_FIELD_NUMBER: _ClassVar[int]
     id: str
     world_size: int
     blocks_per_chunk: int
     groups: _containers.RepeatedCompositeFieldContainer[GroupLayout]
     description: str
     group_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, id: _Optional[str] = ..., world_size: _Optional[int] = ..., blocks_per_chunk: _Optional[int] = ..., groups: _Optional[_Iterable[_Union[GroupLayout, _Mapping]]] = ..., description: _Optional[str] = ..., group_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    digest_inputs: str
+    def __init__(self, id: _Optional[str] = ..., world_size: _Optional[int] = ..., blocks_per_chunk: _Optional[int] = ..., groups: _Optional[_Iterable[_Union[GroupLayout, _Mapping]]] = ..., description: _Optional[str] = ..., group_ids: _Optional[_Iterable[int]] = ..., digest_inputs: _Optional[str] = ...) -> None: ...
 
 class GroupLayout(_message.Message):
     __slots__ = ("layer_page_bytes",)

@@ -1,0 +1,83 @@
+"""check_declaration: a layout declared under a digest id must be the one its inputs
+describe (server/core/namespace_proof.py; the attack: tests/security/test_squatting.py)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+
+from kvdepot.common.chunks import LayoutError
+from kvdepot.common.namespace_digest import digest_id
+from kvdepot.server.core.layout import NamespaceLayout
+from kvdepot.server.core.namespace_proof import MAX_DIGEST_INPUTS, check_declaration
+from tests.support.engine import Geometry
+
+GEO = Geometry(groups=[[4096, 4096], [1024]], world_size=4).digested("model")
+
+
+def layout(geo: Geometry, namespace: str | None = None) -> NamespaceLayout:
+    return NamespaceLayout(
+        id=namespace or geo.namespace,
+        world_size=geo.world_size,
+        blocks_per_chunk=geo.blocks_per_chunk,
+        groups=tuple(tuple(g) for g in geo.groups),
+    )
+
+
+def test_the_layout_its_inputs_describe_passes_under_the_id_and_ids_derived_from_it() -> None:
+    for suffix in ("", ".r1-" + "f" * 32, ".s1of2", ".r2-" + "0" * 32 + ".s0of4"):
+        check_declaration(layout(GEO, GEO.namespace + suffix), GEO.digest_inputs)
+    half = replace(GEO, world_size=2)  # a shard's rows: half the world's ranks
+    check_declaration(layout(half, GEO.namespace + ".s0of2"), GEO.digest_inputs)
+
+
+def test_an_id_of_another_form_is_the_clients_own() -> None:
+    check_declaration(layout(GEO, "my-namespace"), "")
+    check_declaration(layout(GEO, "kvd1-" + "a" * 39), "")  # not a digest's length
+
+
+@pytest.mark.parametrize(
+    "geo",
+    [
+        replace(GEO, groups=[[4096, 8192], [1024]]),
+        replace(GEO, groups=[[4096, 4096], [2048]]),
+        replace(GEO, groups=[[4096, 4096]]),
+        replace(GEO, blocks_per_chunk=4),
+        replace(GEO, world_size=3),
+    ],
+    ids=["several-sizes", "other-page", "fewer-groups", "blocks-per-chunk", "world-size"],
+)
+def test_another_layout_under_the_id_is_refused(geo: Geometry) -> None:
+    with pytest.raises(LayoutError, match="digest of its inputs"):
+        check_declaration(layout(geo, GEO.namespace), GEO.digest_inputs)
+
+
+def test_inputs_must_hash_to_the_id_and_be_a_json_object() -> None:
+    other = replace(GEO, groups=[[8192, 8192], [1024]]).digested("model")
+    with pytest.raises(LayoutError, match="inputs of another id"):
+        check_declaration(layout(other, GEO.namespace), other.digest_inputs)
+    with pytest.raises(LayoutError, match="no digest_inputs"):
+        check_declaration(layout(GEO), "")
+    for bad, why in [("{", "not JSON"), ("[1]", "not a JSON object")]:
+        with pytest.raises(LayoutError, match=why):
+            check_declaration(layout(GEO), bad)
+    with pytest.raises(LayoutError, match="more than"):
+        check_declaration(layout(GEO), " " * (MAX_DIGEST_INPUTS + 1))
+
+
+def test_a_group_of_several_page_sizes_must_add_up_to_the_inputs_block_bytes() -> None:
+    """vLLM's scheduler sees such a group (MLA with a DSA indexer) flattened to its first
+    layer's page; the real pages then sum to one GPU block's bytes."""
+    fields = json.loads(GEO.digest_inputs)
+    fields["groups"] = [{"group_id": 0, "num_layers": 3, "layer_page_bytes": [4096] * 3}]
+    fields["worker_bytes_per_block"] = 4096 + 2 * 512
+    inputs = json.dumps(fields)
+    real = NamespaceLayout(
+        id=digest_id(fields), world_size=4, blocks_per_chunk=2, groups=((4096, 512, 512),)
+    )
+    check_declaration(real, inputs)
+    for pages in [(4096, 1024, 0 + 1), (512, 4096, 512), (4096, 4096, 4096 + 1)]:
+        with pytest.raises(LayoutError, match="other page sizes"):
+            check_declaration(replace(real, groups=(pages,)), inputs)
