@@ -93,9 +93,34 @@ def test_the_index_evicts_its_policys_victims_and_spares_pinned_rows() -> None:
     ix.check_invariants()
 
 
-def test_a_hold_that_was_no_use_leaves_the_row_the_next_victim() -> None:
-    """The disk tier's write of a cold row (end_read(use=False)) does not make it the
-    latest use, as a load's read does: it goes back to the cold end."""
+def test_a_row_kept_in_place_keeps_its_place_and_eviction_passes_over_it() -> None:
+    """A tier writing a row behind (BlockIndex.begin_keep) is no use: the row stays
+    where it was in the order, a touch still moves it, eviction takes the rows around
+    it and, once the write is done, the row goes in its turn."""
+    ix = BlockIndex(ExtentAllocator(3 * SLOT))
+    ix.declare_namespace(NamespaceLayout("ns", 1, 1, ((SLOT,),)))
+    for i in range(3):
+        claim = ix.begin_store_many("ns", [key(i)], 0, "s1")
+        ix.finish_store_many(claim.slots, 0, True)
+    kept = ix.begin_keep("ns", key(0))
+    assert kept is not None and [s.key for s in ix.coldest()] == [key(0), key(1), key(2)]
+    assert ix.begin_keep("ns", key(9)) is None  # not in the pool
+    assert ix.evict("ns", [key(0)]) == (0, 1)  # nor does Admin/Evict take it
+    ix.take_events()
+    assert ix.begin_store("ns", key(3), 0, "s1").outcome is StoreOutcome.WRITE
+    assert [e.keys for e in ix.take_events()] == [(key(1),)]  # passed over key 0
+    assert [s.key for s in ix.coldest()] == [key(0), key(2)]  # still the coldest
+    ix.touch("ns", [key(0)])  # a request used it again meanwhile
+    assert [s.key for s in ix.coldest()] == [key(2), key(0)]
+    ix.end_keep(kept)
+    ix.check_invariants()
+    ix.take_events()
+    assert ix.begin_store("ns", key(4), 0, "s1").outcome is StoreOutcome.WRITE
+    assert [e.keys for e in ix.take_events()] == [(key(2),)]
+    ix.check_invariants()
+
+
+def test_rows_passed_over_go_back_to_the_cold_end_in_their_order() -> None:
     lru = LruPolicy()
     a, b, c = slot(0), slot(1), slot(2)
     for s in (a, b, c):
@@ -103,20 +128,3 @@ def test_a_hold_that_was_no_use_leaves_the_row_the_next_victim() -> None:
     lru.withdraw(b)
     lru.admit_coldest(b)
     assert list(lru) == [b, a, c]
-
-    ix = BlockIndex(ExtentAllocator(3 * SLOT))
-    ix.declare_namespace(NamespaceLayout("ns", 1, 1, ((SLOT,),)))
-    for i in range(3):
-        claim = ix.begin_store_many("ns", [key(i)], 0, "s1")
-        ix.finish_store_many(claim.slots, 0, True)
-    coldest = [s.key for s in ix.coldest()]
-    assert coldest == [key(0), key(1), key(2)]
-    held = ix.begin_read("ns", key(1))
-    assert held is not None and [s.key for s in ix.coldest()] == [key(0), key(2)]
-    ix.end_read(held, use=False)
-    assert [s.key for s in ix.coldest()] == [key(1), key(0), key(2)]
-    read = ix.begin_read("ns", key(0))
-    assert read is not None
-    ix.end_read(read)  # a load's read: the latest use
-    assert [s.key for s in ix.coldest()] == [key(1), key(2), key(0)]
-    ix.check_invariants()

@@ -56,21 +56,20 @@ def test_a_pin_or_read_that_ends_is_a_use_and_admit_coldest_is_none() -> None:
     assert list(p) == [b, c, a] == drain(p)
 
 
-@pytest.mark.parametrize("use", [None, True])
-def test_a_hold_that_was_no_use_puts_the_row_back_in_the_list_it_left(use: bool | None) -> None:
-    """A tier's write behind of a row just stored (end_read(use=None)) is no use: the
-    row goes back to T1, still waiting for its storing request's touch, and goes
-    before a row loaded since; as a use (True) it would be kept over rows used once."""
+def test_a_row_kept_in_place_stays_in_the_list_it_is_in() -> None:
+    """A tier's write behind of a row just stored (BlockIndex.begin_keep) is no use:
+    the row stays in T1, still waiting for its storing request's touch, and goes
+    before a row loaded since."""
     ix = BlockIndex(ExtentAllocator(8 * SLOT), policy=ArcPolicy(8 * SLOT))
     ix.declare_namespace(NamespaceLayout("ns", 1, 1, ((SLOT,),)))
     keys = [key(i) for i in range(3)]
     claim = ix.begin_store_many("ns", keys, 0, "engine")
     ix.finish_store_many(claim.slots, 0, True)
-    written = [ix.begin_read("ns", k) for k in keys[:2]]  # the disk writes two rows
-    for held in written:
-        assert held is not None
-        ix.end_read(held, use=use)
-    ix.touch("ns", keys)  # the storing request's own touch
+    written = [ix.begin_keep("ns", k) for k in keys[:2]]  # the disk writes two rows
+    ix.touch("ns", keys)  # the storing request's own touch, while they are written
+    for kept in written:
+        assert kept is not None
+        ix.end_keep(kept)
     loaded = ix.begin_read("ns", keys[2])
     assert loaded is not None
     ix.end_read(loaded)  # a load: used again
@@ -78,12 +77,8 @@ def test_a_hold_that_was_no_use_puts_the_row_back_in_the_list_it_left(use: bool 
     for k in fresh:  # rows used once fill the pool, then push two rows out
         claim = ix.begin_store_many("ns", [k], 0, "engine")
         ix.finish_store_many(claim.slots, 0, True)
-    if use is None:
-        assert ix.lookup("ns", keys) == [False, False, True]  # written: used once
-        assert ix.lookup("ns", fresh) == [True] * 7
-    else:
-        assert ix.lookup("ns", keys) == [True] * 3
-        assert ix.lookup("ns", fresh) == [False, False] + [True] * 5
+    assert ix.lookup("ns", keys) == [False, False, True]  # written: used once
+    assert ix.lookup("ns", fresh) == [True] * 7
     ix.check_invariants()
 
 

@@ -8,6 +8,7 @@ from kvdepot.server.core.allocator import Extent, ExtentAllocator
 from kvdepot.server.core.eviction import tail_first
 from kvdepot.server.core.index import BlockIndex, Slot
 from kvdepot.server.core.layout import NamespaceLayout
+from kvdepot.server.core.prefix_fetch import leading_run
 from tests.support.prefixes import reach
 
 SLOT = 4096
@@ -101,6 +102,30 @@ def test_a_touch_skips_rows_held_or_being_written_and_counts_what_it_refreshed()
     ix.unpin("ns", keys[:1], "scheduler")
     assert [s.key for s in ix.coldest()] == [keys[2], keys[1], keys[3], keys[0]]
     ix.check_invariants()
+
+
+def test_rows_a_tier_writes_behind_keep_the_prefix_order_whatever_order_the_writes_end() -> None:
+    """The disk writes a prompt's rows behind while the request's touch comes, and the
+    writes end head first: the rows kept their place, so the full pool still keeps the
+    leading chunks (a write's end that put its row at the young end left 25 rows behind
+    a miss)."""
+    ix = make(slots=85)
+    p1 = [key(1, c) for c in range(40)]
+    store(ix, p1, per_job=20)
+    kept = [ix.begin_keep("ns", k) for k in p1]
+    assert ix.touch("ns", p1) == 40  # kept rows are touched as any
+    for slot in kept:
+        assert slot is not None
+        ix.end_keep(slot)
+    store(ix, [key(2, c) for c in range(60)])
+    assert loadable(ix, p1) == (25, 0)
+    ix.check_invariants()
+
+
+def test_the_fetched_run_stops_at_each_groups_first_key_nothing_holds() -> None:
+    assert leading_run([0, 0, 0, 0], [True, True, False, True]) == [True, True, False, False]
+    assert leading_run([0, 0, 1, 1], [True, False, True, True]) == [True, False, True, True]
+    assert leading_run([], []) == []
 
 
 def slot(group: int, chunk: int) -> Slot:

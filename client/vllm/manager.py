@@ -335,7 +335,7 @@ class KVDepotOffloadingManager(OffloadingManager):
                 return _MISS
             return _HIT
         if self._remote.on and (tiers is _ALL_TIERS or tiers_allowed(tiers)[1]):
-            return self._remote.lookup(key)
+            return self._remote.lookup(key, req_context.req_id)
         return _MISS
 
     def get_load_source(self, key: OffloadKey, req_context: ReqContext) -> CacheHitSource:

@@ -3,8 +3,10 @@ for, not missed.
 
 When the daemon has a tier below its pool, `--disk` or `--remote` (SessionHello.remote_tier),
 and `kvdepot_remote_wait_ms` is above 0, a key missing from the mirror answers RETRY ("ask
-again next step") and is collected; at the step's end the step's keys go to the
-prefetch thread, which sends them in ONE Prefetch RPC. Keys the tier lacks become misses
+again next step") and is collected with its request's; at the step's end the step's keys
+go to the prefetch thread, which sends one Prefetch RPC per request (the daemon fetches
+the leading run of a request's keys that some tier holds, never a key behind one none
+holds: one request's keys per call, in its lookups' order). Keys the tier lacks become misses
 as soon as the answer arrives; fetched keys turn into hits when Watch announces them
 (the mirror's job) and, once loaded, are no longer being fetched (evicted again, they are
 asked for again); a key still not here after `kvdepot_remote_wait_ms` counts as a miss
@@ -89,8 +91,8 @@ class RemotePrefetch:
         # Keys the tier is sending -> (where from, monotonic time of the answer): the
         # first load of each reports it (`load_source`); pruned after SOURCE_KEEP_S.
         self._sources: dict[bytes, tuple[CacheHitSource, float]] = {}
-        self._step_keys: list[bytes] = []
-        # (generation, namespace, keys) for the prefetch thread.
+        self._step_keys: dict[str, list[bytes]] = {}  # request id -> its keys, in order
+        # (generation, namespace, one request's keys) for the prefetch thread.
         self._queue: list[tuple[int, str, list[bytes]]] = []
         # Figures for benchmarks and tests (monotonic counters).
         self.asked = 0
@@ -101,9 +103,9 @@ class RemotePrefetch:
         self._thread = threading.Thread(target=self._run, name="kvdepot-prefetch", daemon=True)
         self._thread.start()
 
-    def lookup(self, key: bytes) -> LookupResult:
-        """A key missing locally while `on`: RETRY while it may still arrive, MISS once
-        the tier lacked it or the wait is over."""
+    def lookup(self, key: bytes, req_id: str) -> LookupResult:
+        """A key of request `req_id` missing locally while `on`: RETRY while it may still
+        arrive, MISS once the tier lacked it or the wait is over."""
         now = time.monotonic()
         until = self._fetching.get(key)
         if until is not None:
@@ -118,17 +120,22 @@ class RemotePrefetch:
         if self._no_remote.get(key, 0.0) > now or (backed_off and key in backed_off):
             return _MISS
         self._fetching[key] = now + self._wait_s
-        self._step_keys.append(key)
+        step = self._step_keys.get(req_id)
+        if step is None:
+            self._step_keys[req_id] = [key]
+        else:
+            step.append(key)
         return _RETRY
 
     def end_step(self, generation: int, namespace_id: str, ready: set[bytes]) -> None:
         """Hands the step's keys to the prefetch thread; forgets settled keys (keys now
         `ready` in the mirror, or whose wait is long over), once a second at most."""
         if self._step_keys:
-            keys, self._step_keys = self._step_keys, []
-            self.asked += len(keys)
-            self._stats.count(MetricName.REMOTE_PREFETCH_KEYS, len(keys))
-            self._queue.append((generation, namespace_id, keys))
+            step, self._step_keys = self._step_keys, {}
+            asked = sum(map(len, step.values()))
+            self.asked += asked
+            self._stats.count(MetricName.REMOTE_PREFETCH_KEYS, asked)
+            self._queue.extend((generation, namespace_id, keys) for keys in step.values())
             self._wakeup.set()
         if self._fetching or self._no_remote or self._sources:
             now = time.monotonic()
@@ -175,7 +182,7 @@ class RemotePrefetch:
     def reset(self, generation: int) -> None:
         """A new namespace: what was asked for the old one no longer counts."""
         self._generation = generation
-        self._fetching, self._no_remote, self._step_keys = {}, {}, []
+        self._fetching, self._no_remote, self._step_keys = {}, {}, {}
         self._sources = {}
 
     def _run(self) -> None:

@@ -13,11 +13,9 @@ on the daemon's event loop (a policy has no lock, no clock and no I/O):
   its most recent use.
 - `withdraw(slot)`: an admitted row is no longer evictable (pinned, read, or
   removed by Evict/Clear).
-- `resume(slot)`: a hold that was no use ended (a tier's write behind of a row just
-  stored, `end_read(use=None)`): the row goes back where it was, as near as the
-  policy can (LRU: the young end, as `admit`; ARC: the list it left).
-- `admit_coldest(slot)`: a hold that was no use ended and the row is to go next
-  (the disk tier wrote the cold row behind ahead of its eviction).
+- `admit_coldest(slot)`: a row popped off and passed over (kept in place by a
+  tier writing it behind, or spared by its namespace's share) goes back to the old
+  end: rows passed over are put back coldest last, so they keep their order.
 - `refresh(slot)`: an admitted row was used without being held (a request that
   offered or reached it again: `BlockIndex.touch`); it becomes the most recent.
 - `pop_victim()`: takes the row to evict next out of the policy; None when no row
@@ -28,7 +26,9 @@ on the daemon's event loop (a policy has no lock, no clock and no I/O):
 A lookup is not a use: an engine's scheduler looks up keys it may never load. A
 use is a store, a pin or a read (a row in use is not evictable, so that use is its
 withdrawal and re-admission), or a touch: the connector names the chunks a finished
-request offered or loaded again, which costs no copy. This is the shape of vLLM's
+request offered or loaded again, which costs no copy. A tier writing a row behind
+is no use: the row stays where it is in the policy (`BlockIndex.begin_keep`), and
+the index passes over it while the write runs. This is the shape of vLLM's
 `kv_offload.cpu.policies.base.CachePolicy` (insert/touch/evict,
 mark_evictable/mark_non_evictable), less the slot storage, which the index keeps.
 
@@ -75,16 +75,14 @@ class EvictionPolicy(Protocol):
     def withdraw(self) -> Callable[[Slot], object]: ...
     @property
     def refresh(self) -> Callable[[Slot], object]: ...
-    @property
-    def resume(self) -> Callable[[Slot], object]: ...
 
     def insert(self, slots: Iterable[Slot]) -> object:
         """Admits new READY rows, used together, in this order (module docstring)."""
         ...
 
     def admit_coldest(self, slot: Slot) -> object:
-        """Admits `slot` as the next victim: a hold that was not a use ended (the disk
-        tier wrote the cold row behind; kvdepot.server.disk.link)."""
+        """Admits `slot` as the next victim: a row popped off and passed over goes
+        back (the index's eviction)."""
         ...
 
     def pop_victim(self) -> Slot | None: ...
@@ -99,7 +97,7 @@ class EvictionPolicy(Protocol):
 class LruPolicy:
     """Evicts the least recently used row first: an ordered dict, oldest first."""
 
-    __slots__ = ("_order", "admit", "refresh", "resume", "withdraw")
+    __slots__ = ("_order", "admit", "refresh", "withdraw")
 
     def __init__(self) -> None:
         order: OrderedDict[Slot, None] = OrderedDict()
@@ -110,7 +108,6 @@ class LruPolicy:
         # setdefault(slot) appends slot -> None at the young end (it is not there:
         # a row is admitted once); `del` raises KeyError for a row never admitted.
         self.admit: Callable[[Slot], object] = order.setdefault
-        self.resume: Callable[[Slot], object] = order.setdefault  # the young end, as admit
         self.withdraw: Callable[[Slot], object] = order.__delitem__
         self.refresh: Callable[[Slot], object] = order.move_to_end
 
@@ -152,8 +149,8 @@ class ArcPolicy:
       most the capacity in rows, as 64-bit hashes of (namespace, key) (a collision only
       nudges the target). A new row whose ghost is in B1 raises `target`, the rows T1
       may keep (it was evicted too soon for being used once); one in B2 lowers it.
-    - `pop_victim` evicts from T1's old end only (after rows of `admit_coldest`, a
-      hold that was no use). T2 rows beyond their share (capacity less `target`) are
+    - `pop_victim` evicts from T1's old end only (after rows of `admit_coldest`:
+      rows the index passed over). T2 rows beyond their share (capacity less `target`) are
       first moved to T1's young end, so they outlive the rows used once but are
       evicted, as everything, from one list.
 
@@ -174,9 +171,6 @@ class ArcPolicy:
         self._b1: OrderedDict[int, None] = OrderedDict()
         self._b2: OrderedDict[int, None] = OrderedDict()
         self._fresh: set[Slot] = set()  # in T1: inserted, not yet refreshed
-        # Rows withdrawn from T1 -> fresh, for `resume`; bounded (oldest forgotten) as
-        # Evict and Clear withdraw rows they then remove.
-        self._held_from_t1: OrderedDict[Slot, bool] = OrderedDict()
         self._moved: set[Slot] = set()  # in T1: moved there from T2 (its ghost: B2)
         self._bytes = 0  # of the rows admitted (T1, T2, cold)
         self._rows = 1  # capacity_rows' last figure
@@ -211,22 +205,10 @@ class ArcPolicy:
                 self._fresh.add(slot)
 
     def admit(self, slot: Slot) -> None:
-        self._held_from_t1.pop(slot, None)
         self._t2[slot] = None  # a pin's or read's hold ended: used again
         self._bytes += slot.extent.size
 
-    def resume(self, slot: Slot) -> None:
-        fresh = self._held_from_t1.pop(slot, None)
-        if fresh is None:
-            self._t2[slot] = None
-        else:
-            self._t1[slot] = None
-            if fresh:
-                self._fresh.add(slot)
-        self._bytes += slot.extent.size
-
     def admit_coldest(self, slot: Slot) -> None:
-        self._held_from_t1.pop(slot, None)
         self._cold[slot] = None
         self._cold.move_to_end(slot, last=False)
         self._bytes += slot.extent.size
@@ -234,10 +216,6 @@ class ArcPolicy:
     def withdraw(self, slot: Slot) -> None:
         if slot in self._t1:
             del self._t1[slot]
-            held = self._held_from_t1
-            held[slot] = slot in self._fresh
-            if len(held) > self._rows and len(held) > self.capacity_rows():
-                held.popitem(last=False)
         elif slot in self._t2:
             del self._t2[slot]
         else:

@@ -18,7 +18,8 @@ reservation outlives `reservation_timeout`; its extent is freed only once no cop
 is in flight on it, so a late copy can never land in someone else's slot.
 READY slots with no pins and no readers are admitted to the eviction policy
 (`kvdepot.server.core.eviction`, least recently used first); they are the only
-ones eviction may take.
+ones eviction may take, but for those a tier is writing behind (`begin_keep`:
+they keep their place in the order, and eviction passes over them).
 
 `BlockIndex` owns the namespaces, the allocator and the policy, and hands three
 jobs to parts it owns and calls: `Writes` (index_writes: reservations, stores
@@ -281,15 +282,12 @@ class BlockIndex:
         """`begin_read` of `keys` in order up to the first not READY (a load job's: _hold_ready)."""
         return _hold_ready(self.namespace(namespace_id), self._policy, keys)
 
-    def end_read(self, slot: Slot, *, use: bool | None = True) -> None:
-        """Ends a hold of `begin_read`. `use`: True, a read that was a use (a load's: the
-        latest); None, no use (a tier's write behind of a row just stored: back where it
-        was, EvictionPolicy.resume); False, no use and the next victim (the disk tier's
-        write of the pool's coldest row ahead of its eviction)."""
+    def end_read(self, slot: Slot) -> None:
+        """Ends a hold of `begin_read`: a use, so a row no longer held becomes the
+        most recently used."""
         slot.readers -= 1
         if not slot.readers and not slot.pins and slot.state is SlotState.READY:
-            policy = self._policy
-            (policy.admit if use else policy.resume if use is None else policy.admit_coldest)(slot)
+            self._policy.admit(slot)
 
     def end_read_many(self, slots: Sequence[Slot]) -> None:
         """`end_read` of a load's slots (in the load's order), admitting those no
@@ -302,6 +300,22 @@ class BlockIndex:
         admit = self._policy.admit
         for slot in tail_first(unheld):
             admit(slot)
+
+    def begin_keep(self, namespace_id: str, key: bytes) -> Slot | None:
+        """Holds a READY row against eviction where it stands, for a tier writing it
+        behind (no use): it keeps its place in the eviction order (touches still move
+        it) and eviction passes over it until `end_keep`, so that the order of the
+        writes' ends never reorders a prefix. None if the key is not READY."""
+        slot = self.namespace(namespace_id).slots.get(key)
+        if slot is None or slot.state is not SlotState.READY:
+            return None
+        slot.kept += 1
+        return slot
+
+    def end_keep(self, slot: Slot) -> None:
+        """Ends a hold of `begin_keep` (the row is still READY: nothing evicts a row
+        kept in place)."""
+        slot.kept -= 1
 
     def touch(self, namespace_id: str, keys: Sequence[bytes]) -> int:
         """A request used `keys` again (a finished request's chunks, group-major and

@@ -5,7 +5,9 @@ and calls it (on the daemon's event loop, like every index call); it shares the
 index's namespaces, allocator, counters and event sink, and asks the index's
 `EvictionPolicy` (kvdepot.server.core.eviction) which row goes next. A row leaves
 the index here only when READY and unheld (no pin, no reader, so admitted to the
-policy); each removal is counted and announced (REMOVED) with its reason.
+policy) and not kept in place (`Slot.kept`: a tier is writing it behind, and
+eviction passes over it); each removal is counted and announced (REMOVED) with its
+reason.
 """
 
 from __future__ import annotations
@@ -30,27 +32,33 @@ class Evictions(IndexPart):
         is appended to `removed`, for the caller to count and announce. None when no
         room is left to make.
 
-        Shares (`Namespace.share_bytes`, the operator's --namespace-share): a row of a
-        namespace that holds no more than its share is spared when another namespace
-        needs room; it stays where it was in the policy's order. At most MAX_SPARED
-        rows are passed over in one call (then the store is dropped: room is made
-        only from rows nobody's share protects)."""
+        Rows passed over stay where they were in the policy's order:
+        - a row kept in place (`Slot.kept`: a tier is writing it behind);
+        - shares (`Namespace.share_bytes`, the operator's --namespace-share): a row of
+          a namespace that holds no more than its share, when another namespace needs
+          room. At most MAX_SPARED such rows are passed over in one call (then the
+          store is dropped: room is made only from rows nobody's share protects)."""
         alloc, pop_victim = self._allocator, self._policy.pop_victim
         namespaces = self._namespaces
-        spared: list[Slot] = []
+        passed: list[Slot] = []
+        spared = 0
         try:
             while alloc.largest_free_extent < need:
                 victim = pop_victim()
                 if victim is None:
                     return None
+                if victim.kept:
+                    passed.append(victim)
+                    continue
                 ns = namespaces[victim.namespace]
                 if (
                     ns.share_bytes
                     and ns.used_bytes <= ns.share_bytes
                     and victim.namespace != for_namespace
                 ):
-                    spared.append(victim)
-                    if len(spared) >= MAX_SPARED:
+                    passed.append(victim)
+                    spared += 1
+                    if spared >= MAX_SPARED:
                         return None
                     continue
                 ns.detach(victim)
@@ -63,9 +71,14 @@ class Evictions(IndexPart):
                 alloc.free(victim.extent)
             return alloc.allocate(need)
         finally:
-            admit_coldest = self._policy.admit_coldest
-            for slot in reversed(spared):  # back where they were, the coldest first
-                admit_coldest(slot)
+            self._put_back(passed)
+
+    def _put_back(self, passed: list[Slot]) -> None:
+        """Rows popped off the policy and passed over, back where they were: the
+        coldest first."""
+        admit_coldest = self._policy.admit_coldest
+        for slot in reversed(passed):
+            admit_coldest(slot)
 
     def _remove(self, slot: Slot, reason: EvictionReason) -> None:
         """Removes a READY row already withdrawn from (or popped off) the policy."""
@@ -92,7 +105,7 @@ class Evictions(IndexPart):
         )
         evicted = skipped = 0
         for slot in candidates:
-            if slot.state is SlotState.READY and not slot.held:
+            if slot.state is SlotState.READY and not slot.held and not slot.kept:
                 self._policy.withdraw(slot)
                 self._remove(slot, reason)
                 evicted += 1
@@ -124,7 +137,12 @@ class Evictions(IndexPart):
         evicted = skipped = 0
         for n, key in enumerate(keys):
             slot = ns.slots.get(key)
-            if slot is not None and slot.state is SlotState.READY and not slot.held:
+            if (
+                slot is not None
+                and slot.state is SlotState.READY
+                and not slot.held
+                and not slot.kept
+            ):
                 self._policy.withdraw(slot)
                 self._remove(slot, reason)
                 evicted += 1
@@ -136,20 +154,27 @@ class Evictions(IndexPart):
 
     def evict_cold_slice(self, limit: int, budget_s: float, reason: EvictionReason) -> int:
         """Evicts up to `limit` of the policy's victims (least recently used
-        first), stopping early after `budget_s` seconds: one slice of a Clear,
-        which walks the evictable blocks of every namespace rather than the keys,
-        because blocks freed in the order they were stored coalesce in the
-        allocator. Returns how many it evicted."""
+        first; rows kept in place are passed over), stopping early after
+        `budget_s` seconds: one slice of a Clear, which walks the evictable blocks
+        of every namespace rather than the keys, because blocks freed in the order
+        they were stored coalesce in the allocator. Returns how many it evicted."""
         deadline = self._clock() + budget_s
         n = 0
-        while n < limit:
-            victim = self._policy.pop_victim()
-            if victim is None:
-                break
-            self._remove(victim, reason)
-            n += 1
-            if n % 32 == 0 and self._clock() > deadline:
-                break
+        passed: list[Slot] = []
+        try:
+            while n < limit:
+                victim = self._policy.pop_victim()
+                if victim is None:
+                    break
+                if victim.kept:
+                    passed.append(victim)
+                    continue
+                self._remove(victim, reason)
+                n += 1
+                if n % 32 == 0 and self._clock() > deadline:
+                    break
+        finally:
+            self._put_back(passed)
         return n
 
     def unevictable_blocks(self) -> int:

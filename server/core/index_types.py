@@ -51,6 +51,9 @@ class Slot:
     writers: dict[int, Owner] | None = None  # WRITING: rank -> session
     pins: dict[Owner, int] | None = None  # session -> pin count (> 0); None: no pin
     readers: int = 0  # load copies in flight
+    # Holds that keep the row where it stands in the eviction order (a tier writing it
+    # behind: BlockIndex.begin_keep): eviction passes over it, touches still move it.
+    kept: int = 0
     reserver: Owner | None = None  # WRITING: who reserved the row (charged for its bytes)
     doomed: bool = False  # detached from its namespace; freed when no copy is in flight
     # The fleet key id that verified the row, for a row fetched from the fleet (or

@@ -8,10 +8,11 @@ asks it first on Depot/Prefetch; Admin/GetStats and the Prometheus collector
 
 - Write-behind, `--disk-write ready`: a row that becomes READY (its STORED event)
   is noted; right after the event (a listener must not call back into the index)
-  each row still ready is held with `begin_read` and handed to `DiskTier.write`
-  straight from the pool's memory (page-aligned: nothing is staged); the hold ends
-  when the write's `done` comes back to the loop, as no use (`end_read(use=None)`:
-  the row goes back where it was, EvictionPolicy.resume). A row that finds the bound on
+  each row still ready is kept in place with `begin_keep` (no use: it keeps its
+  place in the eviction order, which eviction passes over, so the order in which
+  writes end never reorders a prefix) and handed to `DiskTier.write` straight from
+  the pool's memory (page-aligned: nothing is staged); the hold ends when the
+  write's `done` comes back to the loop (`end_keep`). A row that finds the bound on
   bytes in flight reached waits, as a key only (nothing held, so RAM may still
   evict it), in a list of at most WAITING_ROWS, written oldest first as writes
   finish: a burst larger than the bound still reaches the disk. Past that list,
@@ -24,18 +25,21 @@ asks it first on Depot/Prefetch; Admin/GetStats and the Prometheus collector
   reused meanwhile moves to the hot end and is not written. The walk covers only
   the coldest bytes above the high-water mark and runs again after new rows or
   finished writes worth an eighth of what it last walked (amortized: a few checks
-  per stored row). The write's hold ends as no use (`end_read(use=False)`): a
-  written row stays the next victim.
+  per stored row). The write keeps the row in place, as above: a written row is
+  still among the coldest.
 - With `--disk-write-priority low` (the default) the write threads run at nice 19
   and the lowest best-effort I/O priority (`io_threads.lower_priority`): stores' copies and
   the event loop win the CPU, and what the disk cannot take in time is dropped.
 - Writes in flight hold at most half the pool (`POOL_SHARE`; a row being written is
   unevictable, and a pool all held would drop stores).
-- Promotion: `promote(namespace, keys)` claims, for each key on disk whose record
-  is a whole row of the namespace's layout, every rank's section of a fresh slot
+- Promotion, a tier below the pool for Prefetch (kvdepot.server.core.prefix_fetch):
+  `locate(namespace, keys)` says which keys the disk has as a whole row of the
+  namespace's layout; `fetch(namespace, keys)`, for the leading run of a request
+  the state picked, claims every rank's section of a fresh slot for each
   (`begin_store`, as the remote fetcher does), `DiskTier.read` reads the record
-  straight into it, and `done` makes it READY (`finish_store`, announced on Watch)
-  or drops it (a record that did not verify: never served).
+  straight into it, and once all of the call's reads are done their rows become
+  READY tail first (`finish_store`, announced on Watch), or are dropped (a record
+  that did not verify: never served).
 - Events: the tier's record changes (`DiskTier.watch`: a record written; one
   evicted, not verified or lost with its file) reach `announce` (the event bus's
   Watch streams, set by kvdepot.server.state.tiers) on the loop, in order, as
@@ -55,13 +59,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from itertools import groupby
 from typing import Any
 
+from kvdepot.server.core.eviction import tail_first
 from kvdepot.server.core.index import BlockIndex, IndexEvent, Slot, UnknownNamespace
 from kvdepot.server.core.kinds import EventKind, EvictionReason, StoreOutcome, Tier
 from kvdepot.server.disk.io_threads import lower_priority
@@ -115,6 +119,26 @@ class DiskLinkStats:
     misses: int = 0  # keys asked for that the disk did not have
     write_drops: Counter[str] = field(default_factory=Counter)  # rows not written, by reason
     promote_drops: Counter[str] = field(default_factory=Counter)  # rows not promoted
+
+
+@dataclass(eq=False)
+class _Read:
+    """One row being read from disk into its claimed slot."""
+
+    namespace: str
+    key: bytes
+    slot: Slot
+    world_size: int
+    ok: bool = False
+
+
+@dataclass(eq=False)
+class _Promotion:
+    """One Prefetch's reads from disk (`DiskLink.fetch`), settled together."""
+
+    order: list[_Read] = field(default_factory=list)  # the request's order
+    pending: int = 0  # reads not done yet
+    all_started: bool = False
 
 
 class DiskLink:
@@ -255,23 +279,19 @@ class DiskLink:
                 drops[_DROPS[verdict]] += 1
 
     def write_row(
-        self,
-        namespace_id: str,
-        key: bytes,
-        written: Callable[[Slot], None],
-        use: bool | None = None,
+        self, namespace_id: str, key: bytes, written: Callable[[Slot], None]
     ) -> tuple[WriteVerdict | None, Slot | None]:
-        """Holds a ready row and hands it to the tier straight from the pool's memory;
-        `written(slot)` runs on the loop when the write is done and must end the hold.
-        A write the tier refuses ends it here (`use`: BlockIndex.end_read's; None, the
-        default: no use, the row back where it was). (None, None): the row is gone (its
-        namespace, or evicted or replaced since it was noted)."""
+        """Keeps a ready row in place (BlockIndex.begin_keep) and hands it to the tier
+        straight from the pool's memory; `written(slot)` runs on the loop when the
+        write is done and must end the hold (`end_keep`). A write the tier refuses
+        ends it here. (None, None): the row is gone (its namespace, or evicted or
+        replaced since it was noted)."""
         index = self._index
         try:
             layout = index.namespace(namespace_id).layout
         except UnknownNamespace:
             return None, None
-        slot = index.begin_read(namespace_id, key)
+        slot = index.begin_keep(namespace_id, key)
         if slot is None:
             return None, None
         view = self._arena.view(slot.extent.offset, layout.slot_bytes(slot.group))
@@ -280,7 +300,7 @@ class DiskLink:
             namespace_id, key, view, lambda ok: on_loop(written, slot), slot.admitted_by
         )
         if verdict is not WriteVerdict.ACCEPTED:
-            index.end_read(slot, use=use)
+            index.end_keep(slot)
         return verdict, slot
 
     def _write_row(self, namespace_id: str, key: bytes) -> WriteVerdict | None:
@@ -290,7 +310,7 @@ class DiskLink:
         return verdict
 
     def _write_done(self, slot: Slot) -> None:
-        self._index.end_read(slot, use=None)  # a write behind is no use
+        self._index.end_keep(slot)
         if self._waiting:
             self._drain()
 
@@ -349,51 +369,68 @@ class DiskLink:
         young as the pool's rows are, so the disk keeps the pool's prefix order."""
         self.tier.touch(namespace_id, keys)
 
-    # -- promotion ------------------------------------------------------------------------
+    # -- promotion (a TierBelow: kvdepot.server.core.prefix_fetch) ---------------------
 
-    def promote(self, namespace_id: str, keys: Sequence[bytes]) -> list[bool]:
-        """Per key (checked, missing in the pool): True when it is being read from disk
-        into the pool (READY and announced shortly), False when the disk lacks it."""
-        ns = self._index.namespace(namespace_id)
-        layout, tier = ns.layout, self.tier
-        if not tier.health.up:  # no slot claimed (nor a row evicted for it) in vain
-            for key in keys:
-                layout.key_group(key)
+    async def locate(self, namespace_id: str, keys: Sequence[bytes]) -> list[bool]:
+        """Per key (checked, missing in the pool): whether the disk has it as a whole
+        row of the namespace's layout (or is reading it into the pool already)."""
+        layout, tier = self._index.namespace(namespace_id).layout, self.tier
+        if not tier.health.up:
             self.stats.misses += len(keys)
             return [False] * len(keys)
         out: list[bool] = []
-        asked_at = time.monotonic()
-        # Each read touches its record: the last key first, so that a prefix's first
-        # chunk is the disk's youngest (as a touch leaves it).
-        for key in reversed(keys):
+        for key in keys:
             if (namespace_id, key) in self._promoting:
                 out.append(True)
                 continue
             found = tier.record_of(namespace_id, key)
-            size = layout.slot_bytes(layout.key_group(key))
             if found is None:
                 self.stats.misses += 1
                 out.append(False)
-                continue
-            length, admitted_by = found
-            if length != size:  # another layout's row under this name: never loaded
+            elif found[0] != layout.slot_bytes(layout.key_group(key)):
+                # Another layout's row under this name: never loaded.
                 self.stats.promote_drops["wrong_length"] += 1
+                out.append(False)
+            else:
+                out.append(True)
+        return out
+
+    def fetch(self, namespace_id: str, keys: Sequence[bytes]) -> list[bool]:
+        """Reads `keys` (a leading run of a request, in its order, that `locate` found)
+        from disk into the pool: per key, True when under way (or in the pool already).
+        The reads go tail first (each touches its record, so a prefix's first chunk is
+        the disk's youngest, as a touch leaves it), and the rows become READY together
+        once all of this call's reads are done, tail first (the pool's order)."""
+        ns = self._index.namespace(namespace_id)
+        layout, tier = ns.layout, self.tier
+        batch = _Promotion()
+        out: list[bool] = []
+        for key in reversed(keys):
+            if key in ns.slots:  # being read already, or stored meanwhile
+                out.append(True)
+                continue
+            found = tier.record_of(namespace_id, key) if tier.health.up else None
+            size = layout.slot_bytes(layout.key_group(key))
+            if found is None or found[0] != size:  # gone since `locate`
+                self.stats.misses += 1
                 out.append(False)
                 continue
             out.append(
-                self._read_into_pool(
-                    namespace_id, key, size, layout.world_size, asked_at, admitted_by
-                )
+                self._read_into_pool(batch, namespace_id, key, size, layout.world_size, found[1])
             )
+        batch.order.reverse()  # the request's order
+        batch.all_started = True
+        if not batch.pending:
+            self._settle_batch(batch)
         return out[::-1]
 
     def _read_into_pool(
         self,
+        batch: _Promotion,
         namespace_id: str,
         key: bytes,
         size: int,
         world_size: int,
-        asked_at: float,
         admitted_by: bytes,
     ) -> bool:
         first = self._index.begin_store(namespace_id, key, 0, OWNER)
@@ -411,26 +448,40 @@ class DiskLink:
         for rank in range(1, world_size):
             self._index.begin_store(namespace_id, key, rank, OWNER)
         dest = self._arena.view(slot.extent.offset, size)
+        read = _Read(namespace_id, key, slot, world_size)
 
         def done(ok: bool) -> None:  # an I/O thread
-            self._on_loop(self._promoted, namespace_id, key, slot, world_size, ok)
+            self._on_loop(self._promoted, batch, read, ok)
 
-        if not self.tier.read(namespace_id, key, dest, done):  # gone since length_of
+        if not self.tier.read(namespace_id, key, dest, done):  # gone since record_of
             self.stats.misses += 1
             self._settle(slot, world_size, False)
             return False
         self._promoting.add((namespace_id, key))
+        batch.order.append(read)
+        batch.pending += 1
         return True
 
-    def _promoted(self, namespace_id: str, key: bytes, slot: Slot, world: int, ok: bool) -> None:
-        self._promoting.discard((namespace_id, key))
-        if ok and self.write_mode == "ready":  # its STORED event must not write it back
-            self._from_disk.add((namespace_id, key))
-        if self._settle(slot, world, ok):
-            self.stats.hits += 1
-            return
-        self._from_disk.discard((namespace_id, key))
-        self.stats.promote_drops["rejected" if not ok else "dropped"] += 1
+    def _promoted(self, batch: _Promotion, read: _Read, ok: bool) -> None:
+        read.ok = ok
+        batch.pending -= 1
+        if not batch.pending and batch.all_started:
+            self._settle_batch(batch)
+
+    def _settle_batch(self, batch: _Promotion) -> None:
+        """A Prefetch's reads are all done: their rows become READY tail first (one
+        insert each, the head last: the youngest)."""
+        by_slot = {read.slot: read for read in batch.order}
+        for slot in tail_first([read.slot for read in batch.order]):
+            read = by_slot[slot]
+            self._promoting.discard((read.namespace, read.key))
+            if read.ok and self.write_mode == "ready":  # its STORED event must not write it back
+                self._from_disk.add((read.namespace, read.key))
+            if self._settle(slot, read.world_size, read.ok):
+                self.stats.hits += 1
+                continue
+            self._from_disk.discard((read.namespace, read.key))
+            self.stats.promote_drops["rejected" if not read.ok else "dropped"] += 1
 
     def _settle(self, slot: Slot, world_size: int, ok: bool) -> bool:
         ready = False
@@ -495,8 +546,7 @@ class ColdEndWriter:
         self._credit = 0  # rows stored or written since the last walk
         self._walk_rows = 0  # rows the last walk went over
         self._walk_due = False
-        self._writing = 0  # rows being written: held, so not in the LRU the walk sees
-        self._writing_bytes = 0
+        self._writing = 0  # rows being written (kept in place)
 
     def on_event(self, event: IndexEvent) -> None:
         """New rows count towards the next walk; a row RAM evicted before it was
@@ -522,10 +572,9 @@ class ColdEndWriter:
         self._walk_due = False
         self._credit = 0
         allocator = self._index.allocator
-        # The coldest bytes over the mark, less the rows being written (held: the
-        # walk does not see them).
+        # The coldest bytes over the mark (rows being written among them: kept in
+        # place, the walk sees them and passes over them).
         ahead = allocator.used_bytes - int(self.high_water * allocator.capacity)
-        ahead -= self._writing_bytes
         if ahead <= 0 or not self.tier.health.up:
             self._walk_rows = 0
             return
@@ -535,7 +584,7 @@ class ColdEndWriter:
                 break
             ahead -= slot.extent.size
             walked += 1
-            if not contains(slot.namespace, slot.key):
+            if not slot.kept and not contains(slot.namespace, slot.key):
                 todo.append(slot)
         self._walk_rows = walked
         for cold in todo:
@@ -546,16 +595,14 @@ class ColdEndWriter:
                 self._link.stats.write_drops[_DROPS[verdict]] += 1
 
     def _write(self, cold: Slot) -> WriteVerdict | None:
-        verdict, slot = self._link.write_row(cold.namespace, cold.key, self._written, use=False)
+        verdict, slot = self._link.write_row(cold.namespace, cold.key, self._written)
         if slot is not None and verdict is WriteVerdict.ACCEPTED:
             self._writing += 1
-            self._writing_bytes += slot.extent.size
         return verdict
 
     def _written(self, slot: Slot) -> None:
-        self._index.end_read(slot, use=False)  # no use: the row stays the next victim
+        self._index.end_keep(slot)  # no use: the row is still among the coldest
         self._writing -= 1
-        self._writing_bytes -= slot.extent.size
         self._credit += 1
         if self._writing == 0:  # the bound may have stopped the last walk
             self._credit = self._walk_rows

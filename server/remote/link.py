@@ -14,6 +14,7 @@ import contextlib
 import logging
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,7 +24,7 @@ from kvdepot.server.memory.arena import Arena
 from kvdepot.server.remote.codec import Codec
 from kvdepot.server.remote.fleet_key import KeyFileError, load_key_file
 from kvdepot.server.remote.health import remote_health
-from kvdepot.server.remote.reader import Fetcher, KeyState
+from kvdepot.server.remote.reader import Fetcher
 from kvdepot.server.remote.stats import RemoteStats
 from kvdepot.server.remote.tier import RemoteTier, TierUnavailable
 
@@ -191,8 +192,12 @@ class RemoteLink:
     def on_event(self, event: IndexEvent) -> None:
         self.writer.on_event(event)
 
-    async def prefetch(self, namespace_id: str, keys: list[bytes]) -> list[KeyState]:
-        return await self.fetcher.prefetch(namespace_id, keys)
+    async def locate(self, namespace_id: str, keys: Sequence[bytes]) -> list[bool]:
+        """A tier below the pool (kvdepot.server.core.prefix_fetch): Fetcher.locate."""
+        return await self.fetcher.locate(namespace_id, keys)
+
+    def fetch(self, namespace_id: str, keys: Sequence[bytes]) -> list[bool]:
+        return self.fetcher.fetch(namespace_id, keys)
 
     def stats_fields(self) -> dict[str, object]:
         return self.stats.fields(

@@ -1,11 +1,12 @@
 """Fetch on a local miss: rows the tier has are read, verified and made READY in
 the pool, so that Watch announces them like any stored row.
 
-`prefetch(namespace, keys)` runs on the event loop for the Depot/Prefetch RPC. It
-never waits on a row's bytes: it asks the tier the size of each key's value
-(one STRLEN batch under a short deadline), queues those whose size is the
-framed size the namespace's layout gives for fetching and answers per key (see
-`KeyState`); a value of another size is rejected there, never downloaded. Fetch
+`locate(namespace, keys)` and `fetch(namespace, keys)` run on the event loop for the
+Depot/Prefetch RPC (a tier below the pool: kvdepot.server.core.prefix_fetch). They
+never wait on a row's bytes: `locate` asks the tier the size of each key's value
+(one STRLEN batch under a short deadline) and says which are the framed size the
+namespace's layout gives (a value of another size is rejected there, never
+downloaded); `fetch` queues the leading run of those the state picked. Fetch
 workers read the rows (GETRANGE batches bounded by that size, so a value
 replaced meanwhile by a huge one is not pulled in whole), check each value on a
 thread (kvdepot.server.remote.codec: format, namespace, key, length, MAC) and
@@ -19,7 +20,6 @@ never copied into the pool, and its key is not asked again for
 from __future__ import annotations
 
 import asyncio
-import enum
 import logging
 import time
 from collections.abc import Sequence
@@ -46,17 +46,6 @@ WORKERS = 4
 ABSENT_MEMORY_S = 1.0  # a key the tier lacked is not asked again for this long
 REJECTED_MEMORY_S = 30.0  # nor one whose value was rejected (no re-download, no log flood)
 LOG_EVERY_S = 10.0  # rejected values are logged at most this often (each is counted)
-
-
-class KeyState(enum.IntEnum):
-    """Per-key answer of a prefetch (the wire values of PrefetchResponse)."""
-
-    LOCAL = 1  # in the pool already (ready or being written)
-    FETCHING = 2  # the tier has it: it becomes READY shortly (or is given up)
-    ABSENT = 3  # neither here nor in the tier (or the tier is not answering)
-    # FETCHING, from the disk tier (kvdepot.server.disk): on the wire FETCHING, with
-    # PrefetchResponse.from_disk (vLLM's cache-hit source of the load that follows).
-    FETCHING_DISK = 4
 
 
 class _Fetch(NamedTuple):
@@ -119,35 +108,35 @@ class Fetcher:
     async def close(self) -> None:
         await self._fetches.close()
 
-    # -- the RPC ------------------------------------------------------------------------------
+    # -- the RPC: a tier below the pool (kvdepot.server.core.prefix_fetch.TierBelow) ---------
 
-    async def prefetch(self, namespace_id: str, keys: Sequence[bytes]) -> list[KeyState]:
-        """Per key: LOCAL, FETCHING or ABSENT. Waits at most `exists_timeout_s`."""
+    async def locate(self, namespace_id: str, keys: Sequence[bytes]) -> list[bool]:
+        """Per key (checked, missing in the pool): whether the tier holds it as a row of
+        the namespace's layout (or it is being fetched already). One STRLEN batch,
+        waiting at most `exists_timeout_s`; fetches nothing."""
         ns = self._index.namespace(namespace_id)  # UnknownNamespace -> NOT_FOUND
         now = time.monotonic()
         if self._absent and now >= self._absent_check:  # forget old answers, once a second
             self._absent = {k: t for k, t in self._absent.items() if t > now}
             self._absent_check = now + 1.0
         unique = list(dict.fromkeys(keys))
-        states = await self._prefetch_unique(namespace_id, ns, unique, now)
-        by_key = dict(zip(unique, states, strict=True))
+        found = await self._locate_unique(namespace_id, ns, unique, now)
+        by_key = dict(zip(unique, found, strict=True))
         return [by_key[k] for k in keys]
 
-    async def _prefetch_unique(
+    async def _locate_unique(
         self, namespace_id: str, ns: Namespace, keys: list[bytes], now: float
-    ) -> list[KeyState]:
-        out: list[KeyState] = []
+    ) -> list[bool]:
+        out: list[bool] = []
         ask: list[int] = []
         for i, key in enumerate(keys):
             ns.layout.key_group(key)  # LayoutError -> INVALID_ARGUMENT
-            if key in ns.slots:
-                out.append(KeyState.LOCAL)
-            elif (namespace_id, key) in self._fetching:
-                out.append(KeyState.FETCHING)
+            if (namespace_id, key) in self._fetching:
+                out.append(True)
             elif self._absent.get((namespace_id, key), 0.0) > now or not self._health.usable():
-                out.append(KeyState.ABSENT)
+                out.append(False)
             else:
-                out.append(KeyState.ABSENT)
+                out.append(False)
                 ask.append(i)
         if not ask:
             return out
@@ -166,11 +155,7 @@ class Fetcher:
                 self._stats.misses += 1
                 self._absent[(namespace_id, key)] = asked_at + ABSENT_MEMORY_S
                 continue
-            if key in ns.slots or (namespace_id, key) in self._fetching:
-                out[i] = KeyState.LOCAL if key in ns.slots else KeyState.FETCHING
-                continue
-            size = ns.layout.slot_bytes(ns.layout.key_group(key))
-            frame = self._codec.frame_bytes(namespace_id, key, size)
+            frame = self._frame(namespace_id, ns, key)
             if stored != frame:  # not a row of this layout: never downloaded
                 self._reject(
                     namespace_id,
@@ -180,13 +165,39 @@ class Fetcher:
                     ),
                 )
                 continue
+            out[i] = True
+        return out
+
+    def _frame(self, namespace_id: str, ns: Namespace, key: bytes) -> int:
+        """Bytes of `key`'s framed value: more is never downloaded."""
+        return self._codec.frame_bytes(
+            namespace_id, key, ns.layout.slot_bytes(ns.layout.key_group(key))
+        )
+
+    def fetch(self, namespace_id: str, keys: Sequence[bytes]) -> list[bool]:
+        """Queues `keys` (a leading run of a request, in its order, that `locate` found)
+        for the fetch workers, tail first, so that a batch inserts the head last (the
+        youngest; batches that several workers fetch at once may end in another
+        order). Per key: True when under way (or in the pool already), False when
+        the bound on bytes in flight dropped it."""
+        ns = self._index.namespace(namespace_id)
+        asked_at = time.monotonic()
+        out: list[bool] = []
+        for key in reversed(keys):
+            if key in ns.slots or (namespace_id, key) in self._fetching:
+                out.append(True)
+                continue
+            size = ns.layout.slot_bytes(ns.layout.key_group(key))
             if self.pending_bytes + size > self.max_inflight_bytes:
                 self._stats.fetch_drops["backlog_full"] += 1
+                out.append(False)
                 continue
             self._fetching.add((namespace_id, key))
-            self._fetches.put(_Fetch(namespace_id, key, size, asked_at, frame))
-            out[i] = KeyState.FETCHING
-        return out
+            self._fetches.put(
+                _Fetch(namespace_id, key, size, asked_at, self._frame(namespace_id, ns, key))
+            )
+            out.append(True)
+        return out[::-1]
 
     def _reject(self, namespace_id: str, key: bytes, exc: codec.VerifyError) -> None:
         """A value that must not be loaded: counted, its key not asked again for a

@@ -5,8 +5,8 @@ event loop, synchronously, as the index announces a change.
 
 - mode "ready": each row that becomes READY is queued. A worker later checks
   which keys the tier has (one EXISTS batch: the fleet writes each key once),
-  reads the rows still ready out of the pool (held by begin_read against
-  eviction), frames them (kvdepot.server.remote.codec: with the fleet key's MAC)
+  reads the rows still ready out of the pool (kept in place against eviction:
+  BlockIndex.begin_keep), frames them (kvdepot.server.remote.codec: with the fleet key's MAC)
   on a thread and writes
   them with set-if-absent and the TTL.
 - mode "evict": a row is written when LRU eviction removes it. Its bytes are
@@ -223,8 +223,8 @@ class WriteBehind:
     async def _frames(self, items: list[_Item]) -> list[bytes | None]:
         """Framed values; None for a row evicted before it could be read, and for every
         row while the CPU copy threads are stalled (dropped). The rows still ready are
-        held (begin_read) and framed in one go on a copy thread: the daemon waits for
-        those before it unmaps the pool."""
+        kept in place (begin_keep: no use) and framed in one go on a copy thread: the
+        daemon waits for those before it unmaps the pool."""
         if self._copy_queue.check_stall():
             # Every CPU copy thread holds a copy that may never end: framing would
             # queue behind it, so the rows are dropped now, as a job is refused.
@@ -237,7 +237,7 @@ class WriteBehind:
                 sources.append((item, None))
                 continue
             try:
-                slot = self._index.begin_read(item.namespace, item.key)
+                slot = self._index.begin_keep(item.namespace, item.key)
             except LookupError:  # the namespace is gone
                 slot = None
             if slot is None:
@@ -258,6 +258,6 @@ class WriteBehind:
             framed = await self._copy_queue.run(frame_all) if sources else []
         finally:
             for slot in held:
-                self._index.end_read(slot, use=None)  # no use: back where it was
+                self._index.end_keep(slot)  # no use: it kept its place
         by_item = {id(i): v for (i, _), v in zip(sources, framed, strict=True)}
         return [by_item.get(id(i)) for i in items]

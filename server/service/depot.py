@@ -79,7 +79,7 @@ def is_observer_join(request: pb.RegisterKVRequest) -> bool:
 
 
 WATCH_KINDS = {EventKind.STORED: pb.WatchEvent.STORED, EventKind.REMOVED: pb.WatchEvent.REMOVED}
-# Prefetch's answers (kvdepot.server.remote.reader.KeyState's values): a disk fetch is
+# Prefetch's answers (kvdepot.server.core.prefix_fetch.KeyState's values): a disk fetch is
 # FETCHING on the wire, with from_disk.
 _FETCHING, _FETCHING_DISK = pb.PrefetchResponse.FETCHING, 4
 WATCH_TIERS = {Tier.POOL: pb.WatchEvent.TIER_POOL, Tier.DISK: pb.WatchEvent.TIER_DISK}

@@ -2,11 +2,12 @@
 
 `TiersBelow` holds the tiers below the pool once the daemon attaches them (the
 disk, kvdepot.server.disk.link.DiskLink; the fleet's, kvdepot.server.remote.link.
-RemoteLink; the daemon starts and closes both): each hears every index event, and
-Prefetch asks them in order for the keys missing locally (RAM, then the disk, then
-the fleet); their figures join GetStats. Without either, Prefetch still checks the
-call and fetches nothing. The services never hold the links
-(tests/test_service_facade.py).
+RemoteLink; the daemon starts and closes both): each hears every index event;
+Prefetch asks them in order (the disk, then the fleet: `TierBelow`,
+kvdepot.server.core.prefix_fetch) which of a request's keys missing in RAM they
+hold and fetches the leading run, never a key behind a hole; their figures join
+GetStats. Without either, Prefetch still checks the call and fetches nothing. The
+services never hold the links (tests/test_service_facade.py).
 
 Owned by `DepotState`, which offers these calls as its own (kvdepot.server.state.facade);
 everything runs on the event loop.
@@ -18,6 +19,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from kvdepot.server.core.index import BlockIndex
+from kvdepot.server.core.prefix_fetch import KeyState, TierBelow, leading_run
 from kvdepot.server.state.events import EventBus
 from kvdepot.server.state.key_calls import KeyCalls
 from kvdepot.server.state.namespaces import NamespaceAccess
@@ -25,7 +27,6 @@ from kvdepot.server.state.namespaces import NamespaceAccess
 if TYPE_CHECKING:  # the tiers' extras (redis, blake3) may be missing
     from kvdepot.server.disk.link import DiskLink
     from kvdepot.server.remote.link import RemoteLink
-    from kvdepot.server.remote.reader import KeyState
 
 
 class TiersBelow:
@@ -79,42 +80,54 @@ class TiersBelow:
             out.update(self.disk.stats_fields())
         return out
 
+    @property
+    def below(self) -> list[TierBelow]:
+        """The tiers below the pool, nearest first: the disk, then the fleet's."""
+        return [tier for tier in (self.disk, self.link) if tier is not None]
+
     async def prefetch(
         self, session_id: str, namespace_id: str, keys: Sequence[bytes]
     ) -> list[KeyState] | None:
-        """Depot/Prefetch: fetches the keys missing locally from the tiers below (the
-        disk, then the fleet) and says, per key, where it is. None when the daemon has
-        no tier below the pool (the keys are checked; nothing is fetched)."""
+        """Depot/Prefetch: `keys` are one request's, in the order its lookups asked for
+        them. Fetches into the pool, from the tiers below, the leading run of each
+        group that the pool or a tier holds, never a key after one nothing holds
+        (kvdepot.server.core.prefix_fetch), and says, per key, where it is. None when
+        the daemon has no tier below the pool (the keys are checked; nothing is
+        fetched)."""
         self.access.member(session_id, namespace_id)
         self.keys.check_batch(keys)  # before the keys are copied
         keys = list(keys)
-        if self.link is None and self.disk is None:
-            layout = self.index.namespace(namespace_id).layout
-            for key in keys:
-                layout.key_group(key)
+        ns = self.index.namespace(namespace_id)
+        groups = [ns.layout.key_group(key) for key in keys]  # LayoutError: INVALID_ARGUMENT
+        below = self.below
+        if not below:
             return None
-        if self.disk is None:
-            assert self.link is not None
-            return await self.link.prefetch(namespace_id, keys)
-        return await self._prefetch_from_disk_first(namespace_id, keys)
-
-    async def _prefetch_from_disk_first(
-        self, namespace_id: str, keys: list[bytes]
-    ) -> list[KeyState]:
-        """RAM, then the disk, then (for what the disk lacks) the fleet."""
-        from kvdepot.server.remote.reader import KeyState  # blake3: the disk needs it too
-
-        assert self.disk is not None
-        slots = self.index.namespace(namespace_id).slots
+        slots = ns.slots
         states = [KeyState.LOCAL if key in slots else KeyState.ABSENT for key in keys]
-        missing = [i for i, state in enumerate(states) if state is KeyState.ABSENT]
-        on_disk = self.disk.promote(namespace_id, [keys[i] for i in missing])
-        rest = [i for i, found in zip(missing, on_disk, strict=True) if not found]
-        for i, found in zip(missing, on_disk, strict=True):
-            if found:
-                states[i] = KeyState.FETCHING_DISK
-        if rest and self.link is not None:
-            fleet = await self.link.prefetch(namespace_id, [keys[i] for i in rest])
-            for i, state in zip(rest, fleet, strict=True):
-                states[i] = state
+        holder: list[TierBelow | None] = [None] * len(keys)
+        for tier in below:
+            ask = [
+                i
+                for i, state in enumerate(states)
+                if state is KeyState.ABSENT and holder[i] is None
+            ]
+            if not ask:
+                break
+            found = await tier.locate(namespace_id, [keys[i] for i in ask])
+            for i, has in zip(ask, found, strict=True):
+                if has:
+                    holder[i] = tier
+        held = [
+            state is KeyState.LOCAL or tier is not None
+            for state, tier in zip(states, holder, strict=True)
+        ]
+        run = leading_run(groups, held)
+        for tier in below:
+            mine = [i for i in range(len(keys)) if run[i] and holder[i] is tier]
+            if not mine:
+                continue
+            under_way = tier.fetch(namespace_id, [keys[i] for i in mine])
+            for i, ok in zip(mine, under_way, strict=True):
+                if ok:  # where from: vLLM's cache-hit source of the load that follows
+                    states[i] = KeyState.FETCHING_DISK if tier is self.disk else KeyState.FETCHING
         return states

@@ -11,13 +11,13 @@ import os
 import shutil
 import subprocess
 import threading
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from kvdepot.server.disk import secret
+from kvdepot.server.disk import checkpoint, files, secret
 from kvdepot.server.disk.record import RecordKey
 from kvdepot.server.disk.space import WriteVerdict
 from kvdepot.server.disk.tier import DiskTier
@@ -37,6 +37,20 @@ def block(key: bytes, length: int) -> memoryview:
 def record_key(directory: Path) -> RecordKey:
     """The record key a tier made in `directory` (its file read as the daemon does)."""
     return RecordKey((directory / secret.FILE_NAME).read_bytes())
+
+
+def forget_records(directory: Path, keys: Collection[bytes]) -> int:
+    """Rewrites the index checkpoint a clean stop left in `directory` without the
+    records of `keys` (in any namespace), so that the next start knows nothing of them,
+    as if they had never been written. Returns how many it left out."""
+    st = (directory / files.FILE_NAME).stat()
+    identity = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+    path = directory / checkpoint.FILE_NAME
+    items = checkpoint.decode(path.read_bytes(), identity)
+    assert items is not None, "no index checkpoint of this tier file"
+    kept = [item for item in items if item[1] not in keys]
+    path.write_bytes(checkpoint.encode(identity, kept))
+    return len(items) - len(kept)
 
 
 def key(i: int) -> bytes:

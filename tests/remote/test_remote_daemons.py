@@ -89,6 +89,39 @@ def test_rows_stored_on_a_are_loaded_on_b_byte_for_byte(which, request, daemon_f
     b.close()
 
 
+def test_a_prefetch_fetches_each_groups_leading_run_and_nothing_behind_a_hole(
+    redis_standalone, daemon_factory
+) -> None:
+    """Chunks 0-7 of two groups reach the fleet from A; group 0's chunk 3 is then gone
+    from it. B's Prefetch of the 16 keys fetches group 0's chunks 0-2 and group 1's
+    eight, and nothing of group 0 behind the hole: no lookup would reach those rows."""
+    import redis
+
+    from tests.support.fleet_key import shared_codec
+
+    geo = Geometry(namespace=f"hole-{time.monotonic_ns()}")
+    chunks = range(0, 8)
+    _, a = node(daemon_factory, redis_standalone.url)
+    _, b = node(daemon_factory, redis_standalone.url)
+    _, keys = store_on(a, geo, chunks)
+    wait_for(lambda: stats(a).remote_writes == len(keys), what="A's writes")
+    fleet = redis.Redis(port=redis_standalone.port)
+    assert fleet.delete(shared_codec().remote_key(geo.namespace, keys[3])) == 1
+
+    engines_b = [Engine(b, geo, r) for r in range(geo.world_size)]  # declares the namespace
+    states = list(prefetch(b, geo.namespace, keys).states)
+    assert states == [FETCHING] * 3 + [ABSENT] * 5 + [FETCHING] * 8
+    run = keys[:3] + keys[8:]
+    wait_for(lambda: all(b.lookup(geo.namespace, run)), what="the leading runs on B")
+    sb = wait_for(lambda: (s := stats(b)).remote_inflight_bytes == 0 and s, what="B idle")
+    assert sb.remote_hits == len(run)
+    assert b.lookup(geo.namespace, keys[3:8]) == [False] * 5
+    lead = keys[:3] + keys[8:11]  # chunks 0-2 of both groups, byte for byte
+    assert load_and_compare(engines_b, geo, range(0, 3), lead) == 0
+    a.close()
+    b.close()
+
+
 def test_a_second_node_skips_rows_the_tier_has(redis_standalone, daemon_factory) -> None:
     geo = Geometry(namespace=f"dedupe-{time.monotonic_ns()}")
     _, a = node(daemon_factory, redis_standalone.url)

@@ -12,7 +12,9 @@ pytest.importorskip("vllm")
 pytest.importorskip("blake3")
 
 from kvdepot.testing.vllm_engine import prompt_for
+from kvdepot.testing.waiting import wait_for
 from kvdepot.v1 import admin_pb2
+from tests.disk.helpers import forget_records
 from tests.vllm.engine_proc import run_engine_process
 
 pytestmark = pytest.mark.vllm
@@ -45,6 +47,56 @@ def test_a_prompt_only_on_disk_is_an_external_hit(daemon_factory, make_engine, t
     assert engine.kv_digest(0, 0, rec.block_ids[0][:10]) == first["digest"]
     s = m._client.admin.GetStats(admin_pb2.GetStatsRequest())
     assert s.disk_hits == len(keys) and s.disk_rejected == 0
+
+
+def test_a_prefetch_promotes_the_chunks_before_one_no_tier_holds_and_none_after(
+    daemon_factory, make_engine, tmp_path
+) -> None:
+    """Prompt A is on disk but for its chunk 8 (its record lost), prompt B whole. Both
+    requests miss in one step: one Prefetch each, so A's hole cuts A only. A's brings
+    chunks 0-7 into the pool and nothing after chunk 8 (rows no lookup could reach;
+    before, all 19 on disk were promoted); A loads its 8 chunks byte for byte and
+    computes the rest, B loads all 20."""
+    chunks, hole = 20, 8
+    disk = tmp_path / "disk"
+    d = daemon_factory("--pool-size", "64MiB", "--disk", str(disk), "--disk-size", "64MiB")
+    first = run_engine_process(d.target, prompt_seed=15, length=chunks * 16)
+    run_engine_process(d.target, prompt_seed=16, length=chunks * 16)
+    keys = [bytes.fromhex(k) for k in first["keys"]]
+    wait_for(lambda: d.stats().disk_writes >= 2 * chunks, what="the prompts on disk")
+    d.stop()  # a clean stop: the disk's index checkpoint is written
+    assert forget_records(disk, [keys[hole]]) == 1  # no tier holds A's chunk 8 now
+    d.start()
+
+    engine = make_engine(socket=d.target, num_gpu_blocks=128)
+    engine.wait_registered()
+    m = engine.manager
+    a, b = prompt_for(15, chunks * 16), prompt_for(16, chunks * 16)
+    assert engine.offload_keys(a) == keys
+    admin = m._client.admin
+    engine.add_request(a)
+    engine.add_request(b)
+    engine.step()  # RETRY for every key, asked of the disk in one Prefetch a request
+    assert m.remote_asked == 2 * chunks
+    engine.wait_until(lambda: m.prefetch_rpcs == 2, what="the Prefetch answers")
+    engine.wait_ready(keys[:hole] + engine.offload_keys(b))
+    listed = admin.ListBlocks(admin_pb2.ListBlocksRequest(namespace_id=m.namespace_id))
+    # Every row a Prefetch claimed was claimed before it answered: the pool holds A's 8
+    # leading chunks and B's 20, ready, and nothing else.
+    held = {row.key for row in listed.blocks if row.state == "ready"}
+    assert len(listed.blocks) == len(held) == hole + chunks
+    assert set(keys[:hole]) <= held and not held & set(keys[hole:])
+    assert admin.GetStats(admin_pb2.GetStatsRequest()).disk_hits == hole + chunks
+
+    engine.run()
+    rec_a, rec_b = engine.records.values()
+    assert (rec_a.external_tokens, rec_b.external_tokens) == (hole * 16, chunks * 16)
+    for prompt, rec, n in ((a, rec_a, hole), (b, rec_b, chunks)):
+        for i, block in enumerate(rec.block_ids[0][:n]):
+            for name in engine.group_layers(0):
+                want = engine.expected_page(prompt, 0, i, name, 0)
+                assert bool((engine.page(0, name, block) == want).all()), (name, i)
+    assert m.remote_gave_up == 0
 
 
 def test_a_request_that_asks_for_ram_only_never_waits_on_the_disk(

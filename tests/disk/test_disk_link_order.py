@@ -1,0 +1,83 @@
+"""The disk tier writing rows behind never reorders a prefix in the pool: a row being
+written keeps its place in the eviction order (BlockIndex.begin_keep), so the touch
+of the request that stored it still reaches it, and the order in which the writes
+end does not matter. A real state (arena, index), a real DiskLink and DiskTier in a
+temporary directory, without the gRPC layer."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from kvdepot.server.core.layout import NamespaceLayout
+from kvdepot.server.state import DepotState
+from tests.support.prefixes import reach
+
+pytest.importorskip("blake3")
+
+from kvdepot.server.disk.link import DiskLink, DiskSettings
+
+ROW = 96 << 10  # 85 rows in the fixture's 8 MiB pool
+LAYOUT = NamespaceLayout("ns", world_size=1, blocks_per_chunk=1, groups=((ROW,),))
+
+
+def key(prompt: int, chunk: int) -> bytes:
+    return hashlib.sha256(bytes([prompt, chunk])).digest() + (0).to_bytes(4, "big")
+
+
+async def until(what: Callable[[], bool], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not what():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.01)
+
+
+def store(st: DepotState, owner: str, keys: list[bytes], per_job: int = 20) -> None:
+    """Makes `keys` ready in jobs of `per_job` (chunked prefill: one job a step)."""
+    for start in range(0, len(keys), per_job):
+        claim = st.index.begin_store_many("ns", keys[start : start + per_job], 0, owner)
+        assert len(claim.slots) == len(keys[start : start + per_job])
+        assert st.index.finish_store_many(claim.slots, 0, True) == len(claim.slots)
+
+
+def test_a_prompt_written_behind_while_its_request_touches_it_keeps_its_leading_chunks(
+    state: DepotState, tmp_path: Path
+) -> None:
+    link = DiskLink.from_settings(
+        DiskSettings(str(tmp_path / "disk"), 64 << 20), state.index, state.arena
+    )
+    state.attach_disk_tier(link)
+    session = state.open_session("test", os.getpid(), "")
+    state.register(session.id, LAYOUT, 0, [], [], [])
+    p1 = [key(1, c) for c in range(40)]
+    p2 = [key(2, c) for c in range(60)]
+
+    async def run() -> None:
+        link.start()
+        try:
+            await until(lambda: bool(link.tier.snapshot()["recovery_complete"]))
+            store(state, session.id, p1)
+            # One turn of the loop: the disk takes the 40 rows (their writes start),
+            # and no write's end can come back before the next turn.
+            await asyncio.sleep(0)
+            assert link.tier.snapshot()["inflight_bytes"] == 40 * (4096 + ROW)  # header, row
+            state.unpin(session.id, "ns", [], touch=p1)  # the request ends: its touch
+            await until(lambda: link.tier.snapshot()["written_records"] == 40)
+            # Every write's end has come back to the loop (a row still kept in place
+            # would be passed over by the eviction below).
+            await until(lambda: not any(slot.kept for slot in state.index.ready_slots()))
+            assert state.index.evictable_blocks == 40
+            store(state, session.id, p2)  # 100 rows for 85: 15 must go
+            assert reach(state.index.lookup("ns", p1)) == (25, 0)
+            assert reach(state.index.lookup("ns", p2)) == (60, 0)
+            state.index.check_invariants()
+        finally:
+            await link.close()
+
+    asyncio.run(run())
