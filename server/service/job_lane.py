@@ -50,12 +50,14 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from google.protobuf.internal import decoder as _wire
-from google.protobuf.internal import encoder as _encoder
-from google.protobuf.internal import wire_format
-
 from kvdepot.common.jobs import JobResult
-from kvdepot.common.lane_protocol import DaemonLane
+from kvdepot.common.lane_protocol import (
+    MAX_CALL_BYTES,
+    DaemonLane,
+    Flush,
+    Received,
+    leading_job_id,
+)
 from kvdepot.server import errors
 from kvdepot.server.core.log_limit import LogLimiter, held_note
 from kvdepot.server.peer import session_tag, socket_creator
@@ -66,62 +68,14 @@ from kvdepot.v1 import depot_pb2 as pb
 
 log = logging.getLogger("kvdepot.lane")
 
-MAX_JOB_BYTES = 4 << 20  # the largest job datagram read; larger ones go on a Transfer stream
 MAX_LANES_PER_SESSION = 8
 READ_BATCH = 64  # datagrams per wake-up, so one busy lane cannot hold the loop
 READ_BYTES = 1 << 20  # nor bytes parsed per wake-up (64 jobs of 4 MiB took ~0.3 s)
-# A batched lane's datagram carries results up to this size (a result alone may be
-# larger: it goes alone); the client reads with a buffer of twice this.
-RESULTS_DATAGRAM_BYTES = 1 << 16
-# The tag of TransferResults.results (field 1, length-delimited): a batch is its
-# results' bytes, each behind this tag and its length, with no message built.
-_RESULTS_TAG = b"\x0a"
-_varint = _encoder._VarintBytes
 
 Answer = Callable[[JobMessage], Awaitable[pb.TransferResult]]
 
 # One receive buffer for every lane: they are all read on the loop thread.
-_RECV_BUFFER = bytearray(MAX_JOB_BYTES + 1)
-
-
-def pack_results(answers: list[bytes]) -> list[tuple[bytes, int]]:
-    """Serialized TransferResults as TransferResults datagrams of at most
-    RESULTS_DATAGRAM_BYTES (a larger result alone in its own), each with how
-    many results it carries."""
-    datagrams: list[tuple[bytes, int]] = []
-    parts: list[bytes] = []
-    size = count = 0
-    for data in answers:
-        length = _varint(len(data))
-        item = 1 + len(length) + len(data)
-        if count and size + item > RESULTS_DATAGRAM_BYTES:
-            datagrams.append((b"".join(parts), count))
-            parts, size, count = [], 0, 0
-        parts += (_RESULTS_TAG, length, data)
-        size += item
-        count += 1
-    if count:
-        datagrams.append((b"".join(parts), count))
-    return datagrams
-
-
-def leading_job_id(data: bytes) -> int | None:
-    """The job_id (field 1, varint) of a datagram that does not parse as a whole,
-    read with protobuf's own wire decoder from the well-formed fields before the
-    damage; None if there is none."""
-    buffer, pos, end = memoryview(data), 0, len(data)
-    try:
-        while pos < end:
-            tag, pos = _wire._DecodeVarint(buffer, pos)
-            field, wire_type = wire_format.UnpackTag(tag)
-            if wire_type in (wire_format.WIRETYPE_START_GROUP, wire_format.WIRETYPE_END_GROUP):
-                return None  # no field of a TransferJob: the damage starts here
-            value, pos = _wire._DecodeUnknownField(buffer, pos, end, field, wire_type)
-            if field == 1 and wire_type == wire_format.WIRETYPE_VARINT:
-                return value
-    except Exception:  # the damage (DecodeError, IndexError, struct.error): no job_id before it
-        return None
-    return None
+_RECV_BUFFER = bytearray(MAX_CALL_BYTES + 1)
 
 
 class JobLane:
@@ -145,11 +99,10 @@ class JobLane:
         self.sock = sock
         self.fd = sock.fileno()
         self._answer = answer
-        # The lane's state, read bound and backlog (kvdepot.common.lane_protocol);
+        # The lane's state, read bound, framing and backlog (batched: TransferResults
+        # datagrams, as the client asked; job lanes only), kvdepot.common.lane_protocol;
         # this class is its socket adapter on the loop.
-        self.protocol = DaemonLane(max_unread)
-        # TransferResults datagrams (the client asked; job lanes only).
-        self.batched = batched
+        self.protocol = DaemonLane(max_unread, self.max_datagram_bytes, batched)
         self._loop = asyncio.get_running_loop()
         self._pending: set[asyncio.Task[None]] = set()  # to cancel them on close
         self._reading = False
@@ -161,6 +114,11 @@ class JobLane:
     @property
     def closed(self) -> bool:
         return self.protocol.closed
+
+    @property
+    def batched(self) -> bool:
+        """The lane sends TransferResults datagrams (told to the client when it opens)."""
+        return self.protocol.batched
 
     def start(self) -> None:
         self._resume_reading()
@@ -200,12 +158,12 @@ class JobLane:
             except OSError as exc:
                 self.close(f"reading failed: {exc}")
                 return
-            if n == 0:
+            kind = protocol.received(n)
+            if kind is Received.END:
                 self._on_eof()
                 return
-            protocol.received()
             budget -= n
-            if n > self.max_datagram_bytes:  # parsing costs by the field: not begun
+            if kind is Received.TOO_LARGE:  # parsing costs by the field: not begun
                 self._reject(
                     bytes(_RECV_BUFFER[:64]),
                     f"a {self.noun} datagram of {n} bytes is larger than the "
@@ -283,58 +241,40 @@ class JobLane:
     # -- writing -----------------------------------------------------------------------
 
     def _send(self, data: bytes) -> None:
-        """Answers: on a batched lane `data` goes out at the lane's flush, once this
-        turn of the loop has made every answer it will (one flush per lane per
-        turn); on another (a pin lane's answer, an older client's result) now."""
-        if not self.protocol.closed and self.protocol.answer(data):
-            if self.batched:
-                self._loop.call_soon(self._flush)
-            else:
-                self._flush()
+        """An answer: flushed when the protocol says (a batched lane's once this turn
+        of the loop has made every answer it will; another's now)."""
+        if self.protocol.closed:
+            return
+        flush = self.protocol.answer(data)
+        if flush is Flush.NOW:
+            self._flush()
+        elif flush is Flush.END_OF_TURN:
+            self._loop.call_soon(self._flush)
 
     def _flush(self) -> None:
-        protocol = self.protocol
-        if protocol.closed:
+        if self.protocol.closed:
             return  # the outbox was dropped with the lane
-        datagrams = self._datagrams(protocol.take_answers())
-        if self._writing:  # a backlog waits: these go after it
-            for datagram, count in datagrams:
-                protocol.queue(datagram, count)
-            return
+        self.protocol.flush()
+        if not self._writing:  # else the writer sends them, behind the backlog
+            self._send_datagrams()
+
+    def _send_datagrams(self) -> None:
+        """Sends the protocol's datagrams until none is left or the socket is full
+        (then the writer callback goes on when it has room)."""
+        protocol = self.protocol
         send = self.sock.send
-        for i, (datagram, count) in enumerate(datagrams):
+        while (datagram := protocol.next_datagram()) is not None:
             try:
                 send(datagram)
             except (BlockingIOError, InterruptedError):
-                for late, late_count in datagrams[i:]:
-                    protocol.queue(late, late_count)
-                self._loop.add_writer(self.fd, self._on_writable)
-                self._writing = True
+                if not self._writing:
+                    self._loop.add_writer(self.fd, self._send_datagrams)
+                    self._writing = True
                 return
             except OSError as exc:
                 self.close(f"sending a result failed: {exc}")
                 return
-            protocol.sent(count)
-        self._after_progress()
-
-    def _datagrams(self, answers: list[bytes]) -> list[tuple[bytes, int]]:
-        """Answers as this lane's datagrams, each with how many answers it carries."""
-        return pack_results(answers) if self.batched else [(a, 1) for a in answers]
-
-    def _on_writable(self) -> None:
-        protocol = self.protocol
-        backlog = protocol.backlog
-        while backlog and not self.closed:
-            datagram, count = backlog[0]
-            try:
-                self.sock.send(datagram)
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError as exc:
-                self.close(f"sending a result failed: {exc}")
-                return
-            backlog.popleft()
-            protocol.sent(count)
+            protocol.datagram_sent()
         if self._writing and not self.closed:
             self._loop.remove_writer(self.fd)
             self._writing = False
@@ -363,14 +303,16 @@ class JobLane:
         """Idempotent. Jobs whose copy has not started are skipped (CopyQueue)."""
         if self.closed:
             return
-        outbox = self.protocol.take_answers()
-        if outbox and not self._writing:
+        protocol = self.protocol
+        if protocol.outbox and not self._writing:
             # Answers made this turn, before the close, go if the socket takes them
             # now (a lane closed for a bad datagram); a peer gone refuses them.
+            protocol.flush()
             with contextlib.suppress(OSError):
-                for datagram, _ in self._datagrams(outbox):
+                while (datagram := protocol.next_datagram()) is not None:
                     self.sock.send(datagram)
-        self.protocol.close()  # and its backlog is dropped
+                    protocol.datagram_sent()
+        protocol.close()  # and its backlog is dropped
         self._pause_reading()
         if self._writing:
             self._loop.remove_writer(self.fd)
@@ -395,7 +337,7 @@ class PinLane(JobLane):
 
     @property
     def max_datagram_bytes(self) -> int:
-        return MAX_JOB_BYTES  # pin calls, not jobs: bounded by --max-batch-keys
+        return MAX_CALL_BYTES  # pin calls, not jobs: bounded by --max-batch-keys
 
     def _take(self, data: bytes) -> None:
         try:
@@ -425,7 +367,7 @@ class UnpinLane(JobLane):
 
     @property
     def max_datagram_bytes(self) -> int:
-        return MAX_JOB_BYTES
+        return MAX_CALL_BYTES
 
     def _take(self, data: bytes) -> None:
         try:
@@ -486,7 +428,7 @@ class JobLanes:
         # The largest job datagram a job lane parses: its largest legal job (bounds.py).
         cfg = state.config
         self.max_job_bytes = min(
-            MAX_JOB_BYTES, bounds.max_job_bytes(cfg.max_job_keys, cfg.max_job_blocks)
+            MAX_CALL_BYTES, bounds.max_job_bytes(cfg.max_job_keys, cfg.max_job_blocks)
         )
 
     def open(
