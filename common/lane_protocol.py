@@ -58,6 +58,7 @@ import enum
 from collections.abc import Callable, Sequence
 
 from kvdepot.common.backoff import Backoff
+from kvdepot.common.jobs import JobResult
 
 # The largest call datagram a daemon's lane reads (a job lane: less, its largest
 # legal job); a larger call goes over gRPC.
@@ -176,6 +177,44 @@ class ClientLaneProtocol(LaneProtocol):
         self.event(LaneEvent.BREAK)
 
 
+class JobCalls(ClientLaneProtocol):
+    """The client's end of a job lane: TransferJob datagrams out, results back (each
+    names its job: the stream matches them, not the lane). A batched lane's datagram
+    is one TransferResults (`pack_results`), another's one TransferResult;
+    `decode_batch` and `decode_one` (the client's codec) read them.
+
+    An empty datagram is the daemon's end, never an answer: SOCK_SEQPACKET reads the
+    peer's shutdown as a datagram of no bytes (and so nothing sends one: `fits`)."""
+
+    __slots__ = ("_decode", "answer_bytes")
+
+    def __init__(
+        self,
+        max_datagram: int,
+        batched: bool,
+        decode_one: Callable[[bytes], JobResult],
+        decode_batch: Callable[[bytes], list[JobResult]],
+    ) -> None:
+        super().__init__(max_datagram)
+        # The receive size: a batched datagram is at most RESULTS_DATAGRAM_BYTES unless
+        # one result alone is larger, read with room to spare; a result alone is a few
+        # hundred bytes at most.
+        self.answer_bytes = 2 * RESULTS_DATAGRAM_BYTES if batched else 1 << 16
+        self._decode = decode_batch if batched else lambda data: [decode_one(data)]
+
+    def receive(self, data: bytes) -> list[JobResult] | None:
+        """The results in a datagram read; None: the lane ended (`data` is empty). A
+        datagram that does not decode breaks the lane, and its error is raised."""
+        if not data:
+            self.event(LaneEvent.PEER_CLOSED)
+            return None
+        try:
+            return self._decode(data)
+        except Exception:
+            self.event(LaneEvent.BREAK)
+            raise
+
+
 class PinCalls(ClientLaneProtocol):
     """The client's end of a pin lane: PinRequest calls out, one PinResponse per
     call back, in order. `decode(answer)` is the answer's per-key pinned flags
@@ -187,6 +226,13 @@ class PinCalls(ClientLaneProtocol):
         super().__init__(max_datagram)
         self._decode = decode
         self._owed: collections.deque[int] = collections.deque()  # key counts, oldest first
+
+    @staticmethod
+    def goes_on_lane(keys: int) -> bool:
+        """Whether a call of `keys` keys is sent at all: a call of none is answered at
+        once (nothing pinned), as its answer, an empty PinResponse, would be an empty
+        datagram, which reads as the daemon closing the lane."""
+        return keys > 0
 
     @property
     def owed(self) -> int:
@@ -200,6 +246,8 @@ class PinCalls(ClientLaneProtocol):
 
     def call_sent(self, keys: int) -> None:
         """One call of `keys` keys went; its answer is read after those owed before."""
+        if not self.goes_on_lane(keys):
+            raise LaneProtocolError("a pin call of no keys was sent: its answer reads as EOF")
         self.event(LaneEvent.SEND)
         self._owed.append(keys)
 
@@ -212,9 +260,10 @@ class PinCalls(ClientLaneProtocol):
             self.event(LaneEvent.BREAK)
 
     def receive(self, data: bytes) -> list[bool] | None:
-        """The oldest owed call's answer, from `data` (b"": the peer closed). None:
-        no answer for it (the peer closed, or `data` does not fit the call): the
-        lane is broken and that call and every later one fall back."""
+        """The oldest owed call's answer, from `data` (b"": the peer closed, as no
+        answer is empty: `goes_on_lane`). None: no answer for it (the peer closed, or
+        `data` does not fit the call): the lane is broken and that call and every
+        later one fall back."""
         if self.state is LaneState.CLOSED:
             # Closed by this side meanwhile (its session ended, on another thread):
             # whatever is read now is no answer to trust.

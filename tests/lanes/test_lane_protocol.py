@@ -24,11 +24,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvdepot.common.jobs import JobResult
 from kvdepot.common.lane_protocol import (
     CLIENT_TRANSITIONS,
     DAEMON_TRANSITIONS,
+    RESULTS_DATAGRAM_BYTES,
     DaemonLane,
     Flush,
+    JobCalls,
     LaneEvent,
     LaneProtocol,
     LaneProtocolError,
@@ -137,6 +140,9 @@ class PinClient:
 
     def send(self, keys: int, refuse: bool) -> None:
         call_id = next(self.ids)
+        if not PinCalls.goes_on_lane(keys):  # nothing to pin: answered without the lane
+            self._settle(call_id, "empty")
+            return
         if not self.calls.fits(b"x" * (keys + 1)):  # not OPEN: the call goes over gRPC
             self._settle(call_id, "fallback")
             return
@@ -281,6 +287,66 @@ def test_send_limits_of_a_client_lane() -> None:
     assert calls.fits(b"x" * 8)
     assert not calls.fits(b"")  # would read as the end of the lane
     assert not calls.fits(b"x" * 9)  # larger than the daemon reads
+
+
+def test_a_pin_call_of_no_keys_never_goes_on_the_lane() -> None:
+    """Its answer, an empty PinResponse, would be an empty datagram: read as the
+    daemon's end, it broke the lane and sent the calls behind it to gRPC."""
+    calls = PinCalls(1 << 16, lambda data: [True] * len(data))
+    assert not PinCalls.goes_on_lane(0) and PinCalls.goes_on_lane(1)
+    with pytest.raises(LaneProtocolError, match="no keys"):
+        calls.call_sent(0)
+    assert calls.owed == 0 and calls.usable  # refused before it counted
+    calls.call_sent(1)
+    calls.call_sent(1)
+    assert calls.receive(b"") is None  # what such an answer would read as
+    assert calls.state is LaneState.BROKEN and calls.owed == 0
+
+
+# -- the job lane, client end -------------------------------------------------------------
+
+
+def job_calls(batched: bool) -> JobCalls:
+    """Results as one byte per job_id; a batch is several, one each."""
+    return JobCalls(
+        1 << 16,
+        batched,
+        decode_one=lambda data: JobResult(int.from_bytes(data, "big"), True),
+        decode_batch=lambda data: [JobResult(b, True) for b in data],
+    )
+
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_an_empty_datagram_is_the_daemons_end_never_a_result(batched: bool) -> None:
+    calls = job_calls(batched)
+    got = calls.receive(b"\x07")
+    assert got is not None and [r.job_id for r in got] == [7]
+    assert calls.receive(b"") is None
+    assert calls.state is LaneState.CLOSED_BY_PEER and not calls.usable
+    assert not calls.fits(b"job")  # nothing more goes: the stream sends it over gRPC
+
+
+def test_a_batched_job_lane_reads_every_result_of_a_datagram_in_a_larger_buffer() -> None:
+    assert job_calls(True).answer_bytes > RESULTS_DATAGRAM_BYTES  # a full batch fits
+    got = job_calls(True).receive(b"\x01\x02\x03")
+    assert got is not None and [r.job_id for r in got] == [1, 2, 3]
+
+
+def test_a_datagram_that_is_no_result_breaks_the_job_lane() -> None:
+    def decode(data: bytes) -> JobResult:
+        raise ValueError("not a TransferResult")
+
+    calls = JobCalls(1 << 16, False, decode, lambda data: [])
+    with pytest.raises(ValueError, match="not a TransferResult"):
+        calls.receive(b"junk")
+    assert calls.state is LaneState.BROKEN and not calls.fits(b"job")
+
+
+def test_a_job_lane_closed_by_this_side_reads_its_end_quietly() -> None:
+    """cancel() shuts the socket both ways: the reader's recv then returns b""."""
+    calls = job_calls(True)
+    calls.close()
+    assert calls.receive(b"") is None and calls.state is LaneState.CLOSED
 
 
 # -- the daemon's end -------------------------------------------------------------------
