@@ -11,8 +11,9 @@ cost and the client's thread hand-offs; the job itself runs exactly as a
 Transfer stream's (the same `answer` coroutine: validation, JobRunner,
 expedited handling, error codes).
 
-Contract, per lane (its state, read bound and backlog are a sans-I/O
-`DaemonLane`, kvdepot.common.lane_protocol; `JobLane` is its socket adapter):
+Contract, per lane (its state, read bound, framing and backlog are a sans-I/O
+`DaemonLane`, kvdepot.common.lane_protocol; `Lane` is its socket adapter, and
+`JobLane` the kind that runs jobs):
 - never blocks the loop: the socket is non-blocking, read with `add_reader`;
   results wait in the lane's outbox until its one flush per loop turn
   (`call_soon`), and datagrams that do not fit in the socket then wait in a
@@ -78,10 +79,13 @@ Answer = Callable[[JobMessage], Awaitable[pb.TransferResult]]
 _RECV_BUFFER = bytearray(MAX_CALL_BYTES + 1)
 
 
-class JobLane:
-    """One attached lane (see the module docstring). Lives on the event loop."""
+class Lane:
+    """One attached lane's socket adapter (see the module docstring), on the event
+    loop: it reads datagrams and sends the answers its `protocol` (a DaemonLane) has
+    framed, and closes. What a call does is its kind's: `JobLane`, `PinLane` or
+    `UnpinLane` (`_take`, and `_too_large` for a datagram too large to parse)."""
 
-    noun = "job"  # in log lines
+    noun: str  # in log lines
 
     def __init__(
         self,
@@ -164,12 +168,7 @@ class JobLane:
                 return
             budget -= n
             if kind is Received.TOO_LARGE:  # parsing costs by the field: not begun
-                self._reject(
-                    bytes(_RECV_BUFFER[:64]),
-                    f"a {self.noun} datagram of {n} bytes is larger than the "
-                    f"{self.max_datagram_bytes} bytes this lane reads (a job: its largest "
-                    f"legal size, from --max-job-keys and --max-job-blocks): split it",
-                )
+                self._too_large(bytes(_RECV_BUFFER[:64]), n)
                 continue
             self._take(bytes(_RECV_BUFFER[:n]))
         if not protocol.may_read():
@@ -178,55 +177,18 @@ class JobLane:
     @property
     def max_datagram_bytes(self) -> int:
         """The largest datagram this lane parses (told to the client when it opens)."""
-        return self.lanes.max_job_bytes
+        return MAX_CALL_BYTES
 
     def _take(self, data: bytes) -> None:
-        try:  # its lists counted before they are decoded (codec.read_job)
-            job = read_job(data, self.lanes.state.job_limits)
-        except Exception as exc:  # DecodeError, or anything a parser may raise
-            self._reject(data, f"the datagram is not a valid kvdepot.v1.TransferJob: {exc}")
-            return
-        if job.session_id and job.session_id != self.session_id:
-            # A lane runs its own session's jobs only (the lane is the owner's).
-            self.lanes.state.deny(
-                f"a job naming another session on a lane of session {session_tag(self.session_id)}"
-            )
-            refused = JobResult(
-                job.job_id,
-                False,
-                error="a job lane runs jobs of its own session only",
-                error_code="PERMISSION_DENIED",
-            )
-            self._send(result_to_proto(refused).SerializeToString())
-            return
-        # As the lane's session's job: `answer` refuses it (PERMISSION_DENIED) when
-        # that session has not joined the namespace of the registration it names.
-        job.session_id = self.session_id
-        self.lanes.lane_jobs += 1
-        self.protocol.started()
-        task = self._loop.create_task(self._run(job))
-        self._pending.add(task)
-        task.add_done_callback(self._job_done)
+        """A call read from the lane: its kind runs it."""
+        raise NotImplementedError
 
-    def _reject(self, data: bytes, why: str) -> None:
-        job_id = leading_job_id(data)
-        if job_id is None:
-            self.close(f"{why}; no job_id could be read from it")
-            return
-        rejected = JobResult(job_id, False, error=why, error_code="INVALID_ARGUMENT")
-        self._send(result_to_proto(rejected).SerializeToString())
-
-    async def _run(self, job: JobMessage) -> None:
-        result = await self._answer(job)
-        if not self.closed:
-            self._send(result.SerializeToString())
-
-    def _job_done(self, task: asyncio.Task[None]) -> None:
-        self._pending.discard(task)
-        self.protocol.finished()
-        if not task.cancelled() and task.exception() is not None:
-            log.error("lane %d: a job failed unexpectedly", self.id, exc_info=task.exception())
-        self._after_progress()
+    def _too_large(self, head: bytes, size: int) -> None:
+        """A call of `size` bytes, larger than the lane parses (`head`: its first bytes)."""
+        self.close(
+            f"a {self.noun} datagram of {size} bytes is larger than the "
+            f"{self.max_datagram_bytes} bytes this lane reads"
+        )
 
     def _on_eof(self) -> None:
         self._pause_reading()
@@ -327,17 +289,82 @@ class JobLane:
             log.info("lane %d of session %s closed: %s%s", self.id, tag, why, held_note(held))
 
 
-class PinLane(JobLane):
+class JobLane(Lane):
+    """A lane of Transfer jobs: one TransferJob datagram in, its TransferResult out
+    when the job is done (batched: several in one TransferResults datagram), each
+    job run as a Transfer stream's (`answer`)."""
+
+    noun = "job"
+
+    @property
+    def max_datagram_bytes(self) -> int:
+        """A job's largest legal size (from --max-job-keys and --max-job-blocks)."""
+        return self.lanes.max_job_bytes
+
+    def _too_large(self, head: bytes, size: int) -> None:
+        self._reject(
+            head,
+            f"a job datagram of {size} bytes is larger than the {self.max_datagram_bytes} "
+            f"bytes this lane reads (a job: its largest legal size, from --max-job-keys "
+            f"and --max-job-blocks): split it",
+        )
+
+    def _take(self, data: bytes) -> None:
+        try:  # its lists counted before they are decoded (codec.read_job)
+            job = read_job(data, self.lanes.state.job_limits)
+        except Exception as exc:  # DecodeError, or anything a parser may raise
+            self._reject(data, f"the datagram is not a valid kvdepot.v1.TransferJob: {exc}")
+            return
+        if job.session_id and job.session_id != self.session_id:
+            # A lane runs its own session's jobs only (the lane is the owner's).
+            self.lanes.state.deny(
+                f"a job naming another session on a lane of session {session_tag(self.session_id)}"
+            )
+            refused = JobResult(
+                job.job_id,
+                False,
+                error="a job lane runs jobs of its own session only",
+                error_code="PERMISSION_DENIED",
+            )
+            self._send(result_to_proto(refused).SerializeToString())
+            return
+        # As the lane's session's job: `answer` refuses it (PERMISSION_DENIED) when
+        # that session has not joined the namespace of the registration it names.
+        job.session_id = self.session_id
+        self.lanes.lane_jobs += 1
+        self.protocol.started()
+        task = self._loop.create_task(self._run(job))
+        self._pending.add(task)
+        task.add_done_callback(self._job_done)
+
+    def _reject(self, data: bytes, why: str) -> None:
+        job_id = leading_job_id(data)
+        if job_id is None:
+            self.close(f"{why}; no job_id could be read from it")
+            return
+        rejected = JobResult(job_id, False, error=why, error_code="INVALID_ARGUMENT")
+        self._send(result_to_proto(rejected).SerializeToString())
+
+    async def _run(self, job: JobMessage) -> None:
+        result = await self._answer(job)
+        if not self.closed:
+            self._send(result.SerializeToString())
+
+    def _job_done(self, task: asyncio.Task[None]) -> None:
+        self._pending.discard(task)
+        self.protocol.finished()
+        if not task.cancelled() and task.exception() is not None:
+            log.error("lane %d: a job failed unexpectedly", self.id, exc_info=task.exception())
+        self._after_progress()
+
+
+class PinLane(Lane):
     """A lane of Pin calls: one PinRequest datagram in, one PinResponse out, in
     order, answered on the loop at once (a pin is index work only). A request for
     another session, or one the daemon refuses, closes the lane: the client then
     asks over gRPC's Pin, whose status says why."""
 
-    noun = "pin"
-
-    @property
-    def max_datagram_bytes(self) -> int:
-        return MAX_CALL_BYTES  # pin calls, not jobs: bounded by --max-batch-keys
+    noun = "pin"  # its calls are bounded by --max-batch-keys, not by a job's size
 
     def _take(self, data: bytes) -> None:
         try:
@@ -355,7 +382,7 @@ class PinLane(JobLane):
         self._send(pb.PinResponse(pinned=pinned).SerializeToString())
 
 
-class UnpinLane(JobLane):
+class UnpinLane(Lane):
     """A lane of Unpin calls: UnpinRequest datagrams in, applied on the loop in
     order, nothing out (the client's unpin thread never waits). An unpin the daemon
     refuses (a namespace it no longer has, say) is logged and the lane goes on, so
@@ -364,10 +391,6 @@ class UnpinLane(JobLane):
     join, closes the lane."""
 
     noun = "unpin"
-
-    @property
-    def max_datagram_bytes(self) -> int:
-        return MAX_CALL_BYTES
 
     def _take(self, data: bytes) -> None:
         try:
@@ -420,7 +443,7 @@ class JobLanes:
         self._answer = answer
         self._max_unread = max_unread
         self._ids = itertools.count(1)
-        self._lanes: dict[int, JobLane] = {}
+        self._lanes: dict[int, Lane] = {}
         self.lane_jobs = 0  # jobs that came by a lane, since start
         self.lane_pins = 0  # pin calls that came by a pin lane, since start
         self.lane_unpins = 0  # unpin calls that came by an unpin lane, since start
@@ -437,7 +460,7 @@ class JobLanes:
         fd_token: str,
         kind: int = pb.LANE_TRANSFER_JOBS,
         batched_results: bool = False,
-    ) -> JobLane:
+    ) -> Lane:
         """Attaches the socket behind `fd_token` as a lane of `kind` (a LaneKind);
         raises a DepotError with why not. `batched_results`: the client reads
         TransferResults datagrams (honoured on job lanes; `lane.batched` says)."""
@@ -491,7 +514,7 @@ class JobLanes:
             )
         return lane
 
-    def forget(self, lane: JobLane) -> None:
+    def forget(self, lane: Lane) -> None:
         self._lanes.pop(lane.id, None)
 
     def count(self, session_id: str) -> int:
@@ -520,7 +543,7 @@ class JobLanes:
         }
 
 
-_LANE_CLASSES: dict[int, type[JobLane]] = {
+_LANE_CLASSES: dict[int, type[Lane]] = {
     pb.LANE_TRANSFER_JOBS: JobLane,
     pb.LANE_PINS: PinLane,
     pb.LANE_UNPINS: UnpinLane,
