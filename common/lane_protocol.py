@@ -461,6 +461,8 @@ class DaemonLane(LaneProtocol):
         answers, self.outbox = self.outbox, []
         if self.batched:
             self.backlog += pack_results(answers)
+        elif len(answers) == 1:  # an unbatched lane flushes each answer as it is made
+            self.backlog.append((answers[0], 1))
         else:
             self.backlog += [(a, 1) for a in answers]
 

@@ -29,6 +29,7 @@ from kvdepot.common.lane_protocol import (
     CLIENT_TRANSITIONS,
     DAEMON_TRANSITIONS,
     RESULTS_DATAGRAM_BYTES,
+    ClientLaneProtocol,
     DaemonLane,
     Flush,
     JobCalls,
@@ -81,6 +82,18 @@ def test_the_daemon_per_job_checks_agree_with_its_table() -> None:
         else:
             with pytest.raises(LaneProtocolError):
                 lane.answer(b"r")
+
+
+def test_the_client_per_job_check_agrees_with_its_table() -> None:
+    """`fits` checks the state inline (it runs per job): a datagram fits exactly where
+    the table allows a SEND, and SEND leaves the state as it is."""
+    for state in LaneState:
+        lane = ClientLaneProtocol(8)
+        lane.state = state
+        allowed = LaneEvent.SEND in CLIENT_TRANSITIONS.get(state, {})
+        assert lane.fits(b"job") is allowed
+        if allowed:
+            assert CLIENT_TRANSITIONS[state][LaneEvent.SEND] is state
 
 
 # -- the pin lane, client end, against a model daemon -------------------------------------
