@@ -32,7 +32,7 @@ import grpc
 from kvdepot.client.fdpass import FdPassError, send_fd
 from kvdepot.client.job_codec import result_from_bytes, results_from_bytes
 from kvdepot.common.jobs import JobResult
-from kvdepot.common.lane_protocol import ClientLaneProtocol, LaneOpening
+from kvdepot.common.lane_protocol import ClientLaneProtocol, JobCalls, LaneOpening
 from kvdepot.v1 import depot_pb2
 
 if TYPE_CHECKING:
@@ -44,10 +44,6 @@ ENV = "KVDEPOT_JOB_LANE"
 # Socket buffers: a 1024-key job (~50 KiB) fits many times over. The kernel caps
 # them at net.core.{w,r}mem_max; a job larger than what it allows goes on gRPC.
 BUFFER_BYTES = 4 << 20
-RESULT_BYTES = 1 << 16  # a TransferResult is a few hundred bytes at most
-# A batched datagram is at most 64 KiB (the daemon's RESULTS_DATAGRAM_BYTES) unless
-# one result alone is larger: read with room to spare.
-RESULTS_BYTES = 1 << 17
 OPEN_TIMEOUT = 5.0  # in the background
 # The first open runs inside transfer_stream(), maybe on an engine's hot path (a new
 # stream after the daemon stopped answering): a healthy daemon needs a few ms.
@@ -69,19 +65,27 @@ class LaneUnavailable(RuntimeError):
 
 
 class ClientLane:
-    """An attached lane: the socket adapter over its `protocol` (a ClientLaneProtocol,
-    or the pin lane's PinCalls), which says what may go and what came. `send` from
-    any thread; `recv` from one reader thread."""
+    """An attached lane: the socket adapter over its `protocol` (a job lane's JobCalls,
+    an unpin lane's ClientLaneProtocol, or the pin lane's PinCalls), which says what
+    may go and what came. `send` from any thread; `recv` from one reader thread."""
 
     def __init__(
-        self, sock: socket.socket, lane_id: int, max_job_bytes: int, batched: bool = False
+        self,
+        sock: socket.socket,
+        lane_id: int,
+        max_job_bytes: int,
+        batched: bool = False,
+        kind: depot_pb2.LaneKind = depot_pb2.LANE_TRANSFER_JOBS,
     ) -> None:
         self.sock = sock
         self.lane_id = lane_id
         self.max_job_bytes = max_job_bytes
-        self.protocol = ClientLaneProtocol(max_job_bytes)
-        # The daemon sends TransferResults datagrams (it said so when the lane opened).
-        self.batched = batched
+        # `batched`: the daemon sends TransferResults datagrams (it said so at the open).
+        self.protocol: ClientLaneProtocol = (
+            JobCalls(max_job_bytes, batched, result_from_bytes, results_from_bytes)
+            if kind == depot_pb2.LANE_TRANSFER_JOBS
+            else ClientLaneProtocol(max_job_bytes)
+        )
 
     @classmethod
     def open(
@@ -122,7 +126,7 @@ class ClientLane:
         except BaseException:
             mine.close()
             raise
-        return cls(mine, resp.lane_id, resp.max_job_bytes, resp.batched_results)
+        return cls(mine, resp.lane_id, resp.max_job_bytes, resp.batched_results, kind)
 
     def send(self, data: bytes) -> bool:
         """Sends one job datagram without blocking. False: it did not go (the lane
@@ -144,12 +148,11 @@ class ClientLane:
         return True
 
     def recv(self) -> list[JobResult] | None:
-        """Blocks for the next datagram's results; None when the lane ended."""
-        if self.batched:
-            data = self.sock.recv(RESULTS_BYTES)
-            return results_from_bytes(data) if data else None
-        data = self.sock.recv(RESULT_BYTES)
-        return [result_from_bytes(data)] if data else None
+        """Blocks for the next datagram's results (a job lane's); None when the lane
+        ended. Raises OSError, or the codec's error for a datagram that is no result."""
+        calls = self.protocol
+        assert isinstance(calls, JobCalls), "recv reads a job lane's results"
+        return calls.receive(self.sock.recv(calls.answer_bytes))
 
     def finish(self) -> None:
         """Half-close: the daemon answers the jobs it has, then closes the lane."""
@@ -287,8 +290,7 @@ class LaneKeeper:
         try:
             while True:
                 results = lane.recv()
-                if results is None:
-                    lane.protocol.peer_closed()
+                if results is None:  # the protocol saw the daemon's end
                     break
                 with self.lock:
                     for result in results:

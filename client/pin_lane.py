@@ -179,10 +179,8 @@ class PinLane(SessionLane):
         datagram, answers still owed on an earlier lane, a broken lane, a namespace
         this session has not joined yet): pin those keys over gRPC. `payload`:
         `encode_pin_keys(keys)`, when the caller sends the same keys to several shards."""
-        if not keys:
-            # Nothing to pin, and nothing sent: the answer to an empty call, an empty
-            # PinResponse, is an empty datagram, which reads as the daemon closing the lane.
-            return True
+        if not PinCalls.goes_on_lane(len(keys)):
+            return True  # nothing to pin: answered at once, nothing sent
         lane = self._lane_for(session_id)
         if lane is None or (self._sent_on is not None and lane is not self._sent_on):
             return False

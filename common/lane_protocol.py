@@ -33,7 +33,10 @@ The rules the protocols keep (each was once a bug, see `git log` of the lanes):
 - `DaemonLane`: while `max_unread` jobs of the lane are running or answered but
   unsent, nothing more is read from it (a client that never reads cannot grow
   the daemon); a half-closed lane answers what runs, then closes; a closed one
-  drops what it has not sent. Each answer is sent once, in the order made.
+  drops what it has not sent. Each answer is sent once, in the order made; a
+  batched lane packs a loop turn's answers in as few datagrams as fit. An empty
+  datagram read is the peer's end, never a call; a datagram larger than the lane
+  reads is refused unparsed.
 
 - `LaneOpening`: a client lane asked for is opened, never forgotten. A request
   inside the back-off after a failed open is deferred to the back-off's end (the
@@ -43,7 +46,9 @@ The rules the protocols keep (each was once a bug, see `git log` of the lanes):
   within the back-off once lost its unpin lane until the next unpin).
 
 Standard library only: the protobuf messages are encoded and decoded by the
-adapters (the pin answers through the `decode` they hand `PinCalls`).
+adapters (the pin answers through the `decode` they hand `PinCalls`); the
+daemon's framing (a batch of results as one TransferResults, a damaged job's
+job_id) is protobuf's wire format written out at the end of this module.
 """
 
 from __future__ import annotations
@@ -53,6 +58,11 @@ import enum
 from collections.abc import Callable, Sequence
 
 from kvdepot.common.backoff import Backoff
+from kvdepot.common.jobs import JobResult
+
+# The largest call datagram a daemon's lane reads (a job lane: less, its largest
+# legal job); a larger call goes over gRPC.
+MAX_CALL_BYTES = 4 << 20
 
 
 class LaneState(enum.Enum):
@@ -167,6 +177,44 @@ class ClientLaneProtocol(LaneProtocol):
         self.event(LaneEvent.BREAK)
 
 
+class JobCalls(ClientLaneProtocol):
+    """The client's end of a job lane: TransferJob datagrams out, results back (each
+    names its job: the stream matches them, not the lane). A batched lane's datagram
+    is one TransferResults (`pack_results`), another's one TransferResult;
+    `decode_batch` and `decode_one` (the client's codec) read them.
+
+    An empty datagram is the daemon's end, never an answer: SOCK_SEQPACKET reads the
+    peer's shutdown as a datagram of no bytes (and so nothing sends one: `fits`)."""
+
+    __slots__ = ("_decode", "answer_bytes")
+
+    def __init__(
+        self,
+        max_datagram: int,
+        batched: bool,
+        decode_one: Callable[[bytes], JobResult],
+        decode_batch: Callable[[bytes], list[JobResult]],
+    ) -> None:
+        super().__init__(max_datagram)
+        # The receive size: a batched datagram is at most RESULTS_DATAGRAM_BYTES unless
+        # one result alone is larger, read with room to spare; a result alone is a few
+        # hundred bytes at most.
+        self.answer_bytes = 2 * RESULTS_DATAGRAM_BYTES if batched else 1 << 16
+        self._decode = decode_batch if batched else lambda data: [decode_one(data)]
+
+    def receive(self, data: bytes) -> list[JobResult] | None:
+        """The results in a datagram read; None: the lane ended (`data` is empty). A
+        datagram that does not decode breaks the lane, and its error is raised."""
+        if not data:
+            self.event(LaneEvent.PEER_CLOSED)
+            return None
+        try:
+            return self._decode(data)
+        except Exception:
+            self.event(LaneEvent.BREAK)
+            raise
+
+
 class PinCalls(ClientLaneProtocol):
     """The client's end of a pin lane: PinRequest calls out, one PinResponse per
     call back, in order. `decode(answer)` is the answer's per-key pinned flags
@@ -178,6 +226,13 @@ class PinCalls(ClientLaneProtocol):
         super().__init__(max_datagram)
         self._decode = decode
         self._owed: collections.deque[int] = collections.deque()  # key counts, oldest first
+
+    @staticmethod
+    def goes_on_lane(keys: int) -> bool:
+        """Whether a call of `keys` keys is sent at all: a call of none is answered at
+        once (nothing pinned), as its answer, an empty PinResponse, would be an empty
+        datagram, which reads as the daemon closing the lane."""
+        return keys > 0
 
     @property
     def owed(self) -> int:
@@ -191,6 +246,8 @@ class PinCalls(ClientLaneProtocol):
 
     def call_sent(self, keys: int) -> None:
         """One call of `keys` keys went; its answer is read after those owed before."""
+        if not self.goes_on_lane(keys):
+            raise LaneProtocolError("a pin call of no keys was sent: its answer reads as EOF")
         self.event(LaneEvent.SEND)
         self._owed.append(keys)
 
@@ -203,9 +260,10 @@ class PinCalls(ClientLaneProtocol):
             self.event(LaneEvent.BREAK)
 
     def receive(self, data: bytes) -> list[bool] | None:
-        """The oldest owed call's answer, from `data` (b"": the peer closed). None:
-        no answer for it (the peer closed, or `data` does not fit the call): the
-        lane is broken and that call and every later one fall back."""
+        """The oldest owed call's answer, from `data` (b"": the peer closed, as no
+        answer is empty: `goes_on_lane`). None: no answer for it (the peer closed, or
+        `data` does not fit the call): the lane is broken and that call and every
+        later one fall back."""
         if self.state is LaneState.CLOSED:
             # Closed by this side meanwhile (its session ended, on another thread):
             # whatever is read now is no answer to trust.
@@ -313,42 +371,70 @@ class LaneOpening:
         self.wanted = False
 
 
+class Flush(enum.Enum):
+    """When the adapter flushes a daemon lane's outbox after an answer joined it."""
+
+    NOW = "now: the lane sends each answer as it is made"
+    END_OF_TURN = "once, when this turn of the loop has made every answer it will"
+
+
+class Received(enum.Enum):
+    """What a datagram read by the daemon is (`DaemonLane.received`)."""
+
+    CALL = "a call: the adapter parses and runs it"
+    TOO_LARGE = "larger than the lane reads: refused unparsed (`leading_job_id`)"
+    END = "the empty datagram: the peer shut its end (half-closed, or hung up)"
+
+
 class DaemonLane(LaneProtocol):
     """The daemon's end of a lane (jobs, pins or unpins), on its event loop.
 
-    Answers wait in `outbox` until the adapter's one flush per loop turn
-    (`answer` returns True for the first, when a flush must be scheduled), which
-    `take_answers` empties into datagrams: one answer each, or several packed in
-    one where the lane is batched. A datagram the socket does not take now waits
-    in `backlog` (with how many answers it carries), drained in order.
+    Calls: the adapter reads a datagram only while `may_read` and tells `received`
+    its size, which says what it is (a call, one too large to parse, the peer's
+    end). Reads are bounded: `may_read` is False while `max_unread` calls are
+    running (`started`, not yet `finished`) or answered but unsent.
 
-    Reads are bounded: `may_read` is False while `max_unread` calls are running
-    (`started`, not yet `finished`) or answered but unsent (`unsent`: in the
-    outbox or the backlog).
+    Answers: `answer` puts one in the outbox and says when the adapter flushes
+    (`Flush`: at once, or on a batched lane once per loop turn); `flush` frames the
+    outbox as datagrams (one answer each, or on a batched lane several packed as
+    one TransferResults, `pack_results`) behind those still unsent, and the adapter
+    sends `next_datagram` until the socket refuses one, reporting each with
+    `datagram_sent`. The datagrams go once each, in the order the answers were made.
     """
 
-    __slots__ = ("backlog", "max_unread", "outbox", "running", "unsent")
+    __slots__ = ("backlog", "batched", "max_datagram", "max_unread", "outbox", "running", "unsent")
     transitions = DAEMON_TRANSITIONS
 
-    def __init__(self, max_unread: int) -> None:
+    def __init__(
+        self, max_unread: int, max_datagram: int = MAX_CALL_BYTES, batched: bool = False
+    ) -> None:
         super().__init__()
         self.max_unread = max_unread
+        self.max_datagram = max_datagram  # the largest datagram parsed
+        self.batched = batched  # answers packed as TransferResults (job lanes that asked)
         self.running = 0
         self.unsent = 0
-        self.outbox: list[bytes] = []
+        self.outbox: list[bytes] = []  # answers made this turn, not framed yet
+        # Framed datagrams not sent yet (the socket was full), oldest first, each with
+        # how many answers it carries.
         self.backlog: collections.deque[tuple[bytes, int]] = collections.deque()
 
     def may_read(self) -> bool:
         return self.state is LaneState.OPEN and self.running + self.unsent < self.max_unread
 
-    def received(self) -> None:
-        """A call was read (the adapter reads only while `may_read`). RECEIVE keeps
-        an OPEN lane OPEN: checked here without the table, as this runs per job."""
+    def received(self, size: int) -> Received:
+        """A datagram of `size` bytes was read (the adapter reads only while
+        `may_read`; an empty one is the peer's end, whatever the bound). RECEIVE
+        keeps an OPEN lane OPEN: checked here without the table, as this runs per
+        job."""
+        if size == 0:
+            return Received.END
         if not self.may_read():
             raise LaneProtocolError(
                 f"a datagram was read from a lane that is {self.state.value}, with "
                 f"{self.running} running and {self.unsent} unsent of {self.max_unread}"
             )
+        return Received.TOO_LARGE if size > self.max_datagram else Received.CALL
 
     def started(self) -> None:
         self.running += 1
@@ -356,32 +442,38 @@ class DaemonLane(LaneProtocol):
     def finished(self) -> None:
         self.running -= 1
 
-    def answer(self, data: bytes) -> bool:
-        """`data` joins the outbox; True when it is the first there (the adapter
-        then schedules its flush). SEND keeps the state as it is where allowed
-        (OPEN, CLOSED_BY_PEER): checked here without the table, as this runs per
-        job."""
+    def answer(self, data: bytes) -> Flush | None:
+        """`data` joins the outbox. The flush the adapter makes for it: None when one
+        is due already (the outbox held an answer). SEND keeps the state as it is
+        where allowed (OPEN, CLOSED_BY_PEER): checked here without the table, as
+        this runs per job."""
         if self.state is LaneState.CLOSED:
             self.event(LaneEvent.SEND)  # raises: nothing goes on a closed lane
         self.outbox.append(data)
         self.unsent += 1
-        return len(self.outbox) == 1
+        if len(self.outbox) > 1:
+            return None
+        return Flush.END_OF_TURN if self.batched else Flush.NOW
 
-    def take_answers(self) -> list[bytes]:
-        """The outbox's answers, oldest first, for the adapter to send as datagrams
-        (each datagram it makes goes to `sent`, or to `queue` if the socket
-        refuses it); the outbox is empty after."""
+    def flush(self) -> None:
+        """The outbox's answers, framed as this lane's datagrams, go behind the
+        datagrams not sent yet; the outbox is empty after."""
         answers, self.outbox = self.outbox, []
-        return answers
+        if self.batched:
+            self.backlog += pack_results(answers)
+        elif len(answers) == 1:  # an unbatched lane flushes each answer as it is made
+            self.backlog.append((answers[0], 1))
+        else:
+            self.backlog += [(a, 1) for a in answers]
 
-    def queue(self, datagram: bytes, answers: int) -> None:
-        """The socket could not take `datagram` (carrying `answers` answers) now,
-        or a datagram is queued before it: it waits, in order."""
-        self.backlog.append((datagram, answers))
+    def next_datagram(self) -> bytes | None:
+        """The datagram to send now (it stays the next one until `datagram_sent`);
+        None when none waits or the lane is closed."""
+        return self.backlog[0][0] if self.backlog and self.state is not LaneState.CLOSED else None
 
-    def sent(self, answers: int) -> None:
-        """A datagram carrying `answers` answers went into the socket."""
-        self.unsent -= answers
+    def datagram_sent(self) -> None:
+        """The socket took `next_datagram`."""
+        self.unsent -= self.backlog.popleft()[1]
 
     def half_closed(self) -> None:
         """The peer will send nothing more: answer what runs, then close."""
@@ -402,3 +494,91 @@ class DaemonLane(LaneProtocol):
         self.backlog.clear()
         self.outbox.clear()
         self.unsent = 0
+
+
+# -- framing: protobuf's wire format, by hand (this module is standard library only) ----
+
+# A batched job lane's datagram carries results up to this size (a result alone may be
+# larger: it goes alone); the client reads with a buffer of twice this.
+RESULTS_DATAGRAM_BYTES = 1 << 16
+# The tag of TransferResults.results (field 1, length-delimited): a batch is its
+# results' bytes, each behind this tag and its length, with no message built.
+_RESULTS_TAG = b"\x0a"
+_UINT64 = (1 << 64) - 1
+
+
+def _varint_bytes(value: int) -> bytes:
+    if value < 0x80:
+        return bytes((value,))
+    out = bytearray()
+    while value >= 0x80:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def _read_varint(data: bytes, pos: int) -> tuple[int, int]:
+    """(value, position after it); IndexError when cut short, ValueError past 10 bytes
+    (as protobuf's decoder: the value is kept to 64 bits)."""
+    result = shift = 0
+    while True:
+        byte = data[pos]
+        pos += 1
+        result |= (byte & 0x7F) << shift
+        if not byte & 0x80:
+            return result & _UINT64, pos
+        shift += 7
+        if shift >= 64:
+            raise ValueError("a varint of more than 10 bytes")
+
+
+def pack_results(answers: list[bytes]) -> list[tuple[bytes, int]]:
+    """Serialized TransferResults as TransferResults datagrams of at most
+    RESULTS_DATAGRAM_BYTES (a larger result alone in its own), each with how
+    many results it carries."""
+    datagrams: list[tuple[bytes, int]] = []
+    parts: list[bytes] = []
+    size = count = 0
+    for data in answers:
+        length = _varint_bytes(len(data))
+        item = 1 + len(length) + len(data)
+        if count and size + item > RESULTS_DATAGRAM_BYTES:
+            datagrams.append((b"".join(parts), count))
+            parts, size, count = [], 0, 0
+        parts += (_RESULTS_TAG, length, data)
+        size += item
+        count += 1
+    if count:
+        datagrams.append((b"".join(parts), count))
+    return datagrams
+
+
+def leading_job_id(data: bytes) -> int | None:
+    """The job_id (field 1, varint) of a TransferJob datagram that does not parse as a
+    whole, read from the well-formed fields before the damage; None if there is
+    none (the lane cannot say which job failed)."""
+    pos, end = 0, len(data)
+    try:
+        while pos < end:
+            tag, pos = _read_varint(data, pos)
+            field, wire_type = tag >> 3, tag & 7
+            value = None
+            if wire_type == 0:  # varint
+                value, pos = _read_varint(data, pos)
+            elif wire_type == 1:  # fixed64
+                pos += 8
+            elif wire_type == 5:  # fixed32
+                pos += 4
+            elif wire_type == 2:  # length-delimited
+                size, pos = _read_varint(data, pos)
+                pos += size
+            else:  # a group (no field of a TransferJob) or no wire type: the damage
+                return None
+            if pos > end:  # cut short
+                return None
+            if field == 1 and value is not None:
+                return value
+    except (IndexError, ValueError):  # the damage: no job_id before it
+        return None
+    return None

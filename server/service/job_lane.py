@@ -11,8 +11,9 @@ cost and the client's thread hand-offs; the job itself runs exactly as a
 Transfer stream's (the same `answer` coroutine: validation, JobRunner,
 expedited handling, error codes).
 
-Contract, per lane (its state, read bound and backlog are a sans-I/O
-`DaemonLane`, kvdepot.common.lane_protocol; `JobLane` is its socket adapter):
+Contract, per lane (its state, read bound, framing and backlog are a sans-I/O
+`DaemonLane`, kvdepot.common.lane_protocol; `Lane` is its socket adapter, and
+`JobLane` the kind that runs jobs):
 - never blocks the loop: the socket is non-blocking, read with `add_reader`;
   results wait in the lane's outbox until its one flush per loop turn
   (`call_soon`), and datagrams that do not fit in the socket then wait in a
@@ -50,12 +51,14 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from google.protobuf.internal import decoder as _wire
-from google.protobuf.internal import encoder as _encoder
-from google.protobuf.internal import wire_format
-
 from kvdepot.common.jobs import JobResult
-from kvdepot.common.lane_protocol import DaemonLane
+from kvdepot.common.lane_protocol import (
+    MAX_CALL_BYTES,
+    DaemonLane,
+    Flush,
+    Received,
+    leading_job_id,
+)
 from kvdepot.server import errors
 from kvdepot.server.core.log_limit import LogLimiter, held_note
 from kvdepot.server.peer import session_tag, socket_creator
@@ -66,68 +69,23 @@ from kvdepot.v1 import depot_pb2 as pb
 
 log = logging.getLogger("kvdepot.lane")
 
-MAX_JOB_BYTES = 4 << 20  # the largest job datagram read; larger ones go on a Transfer stream
 MAX_LANES_PER_SESSION = 8
 READ_BATCH = 64  # datagrams per wake-up, so one busy lane cannot hold the loop
 READ_BYTES = 1 << 20  # nor bytes parsed per wake-up (64 jobs of 4 MiB took ~0.3 s)
-# A batched lane's datagram carries results up to this size (a result alone may be
-# larger: it goes alone); the client reads with a buffer of twice this.
-RESULTS_DATAGRAM_BYTES = 1 << 16
-# The tag of TransferResults.results (field 1, length-delimited): a batch is its
-# results' bytes, each behind this tag and its length, with no message built.
-_RESULTS_TAG = b"\x0a"
-_varint = _encoder._VarintBytes
 
 Answer = Callable[[JobMessage], Awaitable[pb.TransferResult]]
 
 # One receive buffer for every lane: they are all read on the loop thread.
-_RECV_BUFFER = bytearray(MAX_JOB_BYTES + 1)
+_RECV_BUFFER = bytearray(MAX_CALL_BYTES + 1)
 
 
-def pack_results(answers: list[bytes]) -> list[tuple[bytes, int]]:
-    """Serialized TransferResults as TransferResults datagrams of at most
-    RESULTS_DATAGRAM_BYTES (a larger result alone in its own), each with how
-    many results it carries."""
-    datagrams: list[tuple[bytes, int]] = []
-    parts: list[bytes] = []
-    size = count = 0
-    for data in answers:
-        length = _varint(len(data))
-        item = 1 + len(length) + len(data)
-        if count and size + item > RESULTS_DATAGRAM_BYTES:
-            datagrams.append((b"".join(parts), count))
-            parts, size, count = [], 0, 0
-        parts += (_RESULTS_TAG, length, data)
-        size += item
-        count += 1
-    if count:
-        datagrams.append((b"".join(parts), count))
-    return datagrams
+class Lane:
+    """One attached lane's socket adapter (see the module docstring), on the event
+    loop: it reads datagrams and sends the answers its `protocol` (a DaemonLane) has
+    framed, and closes. What a call does is its kind's: `JobLane`, `PinLane` or
+    `UnpinLane` (`_take`, and `_too_large` for a datagram too large to parse)."""
 
-
-def leading_job_id(data: bytes) -> int | None:
-    """The job_id (field 1, varint) of a datagram that does not parse as a whole,
-    read with protobuf's own wire decoder from the well-formed fields before the
-    damage; None if there is none."""
-    buffer, pos, end = memoryview(data), 0, len(data)
-    try:
-        while pos < end:
-            tag, pos = _wire._DecodeVarint(buffer, pos)
-            field, wire_type = wire_format.UnpackTag(tag)
-            if wire_type in (wire_format.WIRETYPE_START_GROUP, wire_format.WIRETYPE_END_GROUP):
-                return None  # no field of a TransferJob: the damage starts here
-            value, pos = _wire._DecodeUnknownField(buffer, pos, end, field, wire_type)
-            if field == 1 and wire_type == wire_format.WIRETYPE_VARINT:
-                return value
-    except Exception:  # the damage (DecodeError, IndexError, struct.error): no job_id before it
-        return None
-    return None
-
-
-class JobLane:
-    """One attached lane (see the module docstring). Lives on the event loop."""
-
-    noun = "job"  # in log lines
+    noun: str  # in log lines
 
     def __init__(
         self,
@@ -145,11 +103,10 @@ class JobLane:
         self.sock = sock
         self.fd = sock.fileno()
         self._answer = answer
-        # The lane's state, read bound and backlog (kvdepot.common.lane_protocol);
+        # The lane's state, read bound, framing and backlog (batched: TransferResults
+        # datagrams, as the client asked; job lanes only), kvdepot.common.lane_protocol;
         # this class is its socket adapter on the loop.
-        self.protocol = DaemonLane(max_unread)
-        # TransferResults datagrams (the client asked; job lanes only).
-        self.batched = batched
+        self.protocol = DaemonLane(max_unread, self.max_datagram_bytes, batched)
         self._loop = asyncio.get_running_loop()
         self._pending: set[asyncio.Task[None]] = set()  # to cancel them on close
         self._reading = False
@@ -161,6 +118,11 @@ class JobLane:
     @property
     def closed(self) -> bool:
         return self.protocol.closed
+
+    @property
+    def batched(self) -> bool:
+        """The lane sends TransferResults datagrams (told to the client when it opens)."""
+        return self.protocol.batched
 
     def start(self) -> None:
         self._resume_reading()
@@ -200,18 +162,13 @@ class JobLane:
             except OSError as exc:
                 self.close(f"reading failed: {exc}")
                 return
-            if n == 0:
+            kind = protocol.received(n)
+            if kind is Received.END:
                 self._on_eof()
                 return
-            protocol.received()
             budget -= n
-            if n > self.max_datagram_bytes:  # parsing costs by the field: not begun
-                self._reject(
-                    bytes(_RECV_BUFFER[:64]),
-                    f"a {self.noun} datagram of {n} bytes is larger than the "
-                    f"{self.max_datagram_bytes} bytes this lane reads (a job: its largest "
-                    f"legal size, from --max-job-keys and --max-job-blocks): split it",
-                )
+            if kind is Received.TOO_LARGE:  # parsing costs by the field: not begun
+                self._too_large(bytes(_RECV_BUFFER[:64]), n)
                 continue
             self._take(bytes(_RECV_BUFFER[:n]))
         if not protocol.may_read():
@@ -220,7 +177,137 @@ class JobLane:
     @property
     def max_datagram_bytes(self) -> int:
         """The largest datagram this lane parses (told to the client when it opens)."""
+        return MAX_CALL_BYTES
+
+    def _take(self, data: bytes) -> None:
+        """A call read from the lane: its kind runs it."""
+        raise NotImplementedError
+
+    def _too_large(self, head: bytes, size: int) -> None:
+        """A call of `size` bytes, larger than the lane parses (`head`: its first bytes)."""
+        self.close(
+            f"a {self.noun} datagram of {size} bytes is larger than the "
+            f"{self.max_datagram_bytes} bytes this lane reads"
+        )
+
+    def _on_eof(self) -> None:
+        self._pause_reading()
+        # Hung up (closed or died): nobody will read the results, so skip the jobs
+        # not started yet. Otherwise the peer only half-closed and awaits its answers.
+        if self._hung_up():
+            self.close("the client closed it")
+            return
+        self.protocol.half_closed()
+        self._after_progress()
+
+    # -- writing -----------------------------------------------------------------------
+
+    def _send(self, data: bytes) -> None:
+        """An answer: flushed when the protocol says (a batched lane's once this turn
+        of the loop has made every answer it will; another's now)."""
+        if self.protocol.closed:
+            return
+        flush = self.protocol.answer(data)
+        if flush is Flush.NOW:
+            self._flush()
+        elif flush is Flush.END_OF_TURN:
+            self._loop.call_soon(self._flush)
+
+    def _flush(self) -> None:
+        if self.protocol.closed:
+            return  # the outbox was dropped with the lane
+        self.protocol.flush()
+        if not self._writing:  # else the writer sends them, behind the backlog
+            self._send_datagrams()
+
+    def _send_datagrams(self) -> None:
+        """Sends the protocol's datagrams until none is left or the socket is full
+        (then the writer callback goes on when it has room)."""
+        protocol = self.protocol
+        send = self.sock.send
+        while (datagram := protocol.next_datagram()) is not None:
+            try:
+                send(datagram)
+            except (BlockingIOError, InterruptedError):
+                if not self._writing:
+                    self._loop.add_writer(self.fd, self._send_datagrams)
+                    self._writing = True
+                return
+            except OSError as exc:
+                self.close(f"sending a result failed: {exc}")
+                return
+            protocol.datagram_sent()
+        if self._writing and not self.closed:
+            self._loop.remove_writer(self.fd)
+            self._writing = False
+        self._after_progress()
+
+    def _after_progress(self) -> None:
+        if self.protocol.drained:
+            self.close("the client half-closed it and every job was answered")
+        else:
+            self._resume_reading()
+
+    # -- closing -----------------------------------------------------------------------
+
+    def stop_reading(self) -> None:
+        """Shutdown: take no more jobs; the running ones finish and are answered."""
+        self._pause_reading()
+        if not self.closed:
+            self.protocol.half_closed()
+            self._after_progress()
+
+    async def wait_pending(self, timeout: float) -> None:
+        if self._pending:
+            await asyncio.wait(set(self._pending), timeout=timeout)
+
+    def close(self, why: str) -> None:
+        """Idempotent. Jobs whose copy has not started are skipped (CopyQueue)."""
+        if self.closed:
+            return
+        protocol = self.protocol
+        if protocol.outbox and not self._writing:
+            # Answers made this turn, before the close, go if the socket takes them
+            # now (a lane closed for a bad datagram); a peer gone refuses them.
+            protocol.flush()
+            with contextlib.suppress(OSError):
+                while (datagram := protocol.next_datagram()) is not None:
+                    self.sock.send(datagram)
+                    protocol.datagram_sent()
+        protocol.close()  # and its backlog is dropped
+        self._pause_reading()
+        if self._writing:
+            self._loop.remove_writer(self.fd)
+            self._writing = False
+        for task in self._pending:
+            task.cancel()
+        self.sock.close()
+        self.lanes.forget(self)
+        tag = session_tag(self.session_id)
+        held = self.lanes.log_limit.admit(tag, time.monotonic())
+        if held is not None:  # rate-limited per session (kvdepot.server.core.log_limit)
+            log.info("lane %d of session %s closed: %s%s", self.id, tag, why, held_note(held))
+
+
+class JobLane(Lane):
+    """A lane of Transfer jobs: one TransferJob datagram in, its TransferResult out
+    when the job is done (batched: several in one TransferResults datagram), each
+    job run as a Transfer stream's (`answer`)."""
+
+    noun = "job"
+
+    @property
+    def max_datagram_bytes(self) -> int:
+        """A job's largest legal size (from --max-job-keys and --max-job-blocks)."""
         return self.lanes.max_job_bytes
+
+    def _too_large(self, head: bytes, size: int) -> None:
+        self._reject(
+            head,
+            f"a job datagram of {size} bytes is larger than the {self.max_datagram_bytes} "
+            f"bytes this lane reads (a job: its largest legal size, from --max-job-keys "
+            f"and --max-job-blocks): split it",
+        )
 
     def _take(self, data: bytes) -> None:
         try:  # its lists counted before they are decoded (codec.read_job)
@@ -270,132 +357,14 @@ class JobLane:
             log.error("lane %d: a job failed unexpectedly", self.id, exc_info=task.exception())
         self._after_progress()
 
-    def _on_eof(self) -> None:
-        self._pause_reading()
-        # Hung up (closed or died): nobody will read the results, so skip the jobs
-        # not started yet. Otherwise the peer only half-closed and awaits its answers.
-        if self._hung_up():
-            self.close("the client closed it")
-            return
-        self.protocol.half_closed()
-        self._after_progress()
 
-    # -- writing -----------------------------------------------------------------------
-
-    def _send(self, data: bytes) -> None:
-        """Answers: on a batched lane `data` goes out at the lane's flush, once this
-        turn of the loop has made every answer it will (one flush per lane per
-        turn); on another (a pin lane's answer, an older client's result) now."""
-        if not self.protocol.closed and self.protocol.answer(data):
-            if self.batched:
-                self._loop.call_soon(self._flush)
-            else:
-                self._flush()
-
-    def _flush(self) -> None:
-        protocol = self.protocol
-        if protocol.closed:
-            return  # the outbox was dropped with the lane
-        datagrams = self._datagrams(protocol.take_answers())
-        if self._writing:  # a backlog waits: these go after it
-            for datagram, count in datagrams:
-                protocol.queue(datagram, count)
-            return
-        send = self.sock.send
-        for i, (datagram, count) in enumerate(datagrams):
-            try:
-                send(datagram)
-            except (BlockingIOError, InterruptedError):
-                for late, late_count in datagrams[i:]:
-                    protocol.queue(late, late_count)
-                self._loop.add_writer(self.fd, self._on_writable)
-                self._writing = True
-                return
-            except OSError as exc:
-                self.close(f"sending a result failed: {exc}")
-                return
-            protocol.sent(count)
-        self._after_progress()
-
-    def _datagrams(self, answers: list[bytes]) -> list[tuple[bytes, int]]:
-        """Answers as this lane's datagrams, each with how many answers it carries."""
-        return pack_results(answers) if self.batched else [(a, 1) for a in answers]
-
-    def _on_writable(self) -> None:
-        protocol = self.protocol
-        backlog = protocol.backlog
-        while backlog and not self.closed:
-            datagram, count = backlog[0]
-            try:
-                self.sock.send(datagram)
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError as exc:
-                self.close(f"sending a result failed: {exc}")
-                return
-            backlog.popleft()
-            protocol.sent(count)
-        if self._writing and not self.closed:
-            self._loop.remove_writer(self.fd)
-            self._writing = False
-        self._after_progress()
-
-    def _after_progress(self) -> None:
-        if self.protocol.drained:
-            self.close("the client half-closed it and every job was answered")
-        else:
-            self._resume_reading()
-
-    # -- closing -----------------------------------------------------------------------
-
-    def stop_reading(self) -> None:
-        """Shutdown: take no more jobs; the running ones finish and are answered."""
-        self._pause_reading()
-        if not self.closed:
-            self.protocol.half_closed()
-            self._after_progress()
-
-    async def wait_pending(self, timeout: float) -> None:
-        if self._pending:
-            await asyncio.wait(set(self._pending), timeout=timeout)
-
-    def close(self, why: str) -> None:
-        """Idempotent. Jobs whose copy has not started are skipped (CopyQueue)."""
-        if self.closed:
-            return
-        outbox = self.protocol.take_answers()
-        if outbox and not self._writing:
-            # Answers made this turn, before the close, go if the socket takes them
-            # now (a lane closed for a bad datagram); a peer gone refuses them.
-            with contextlib.suppress(OSError):
-                for datagram, _ in self._datagrams(outbox):
-                    self.sock.send(datagram)
-        self.protocol.close()  # and its backlog is dropped
-        self._pause_reading()
-        if self._writing:
-            self._loop.remove_writer(self.fd)
-            self._writing = False
-        for task in self._pending:
-            task.cancel()
-        self.sock.close()
-        self.lanes.forget(self)
-        tag = session_tag(self.session_id)
-        held = self.lanes.log_limit.admit(tag, time.monotonic())
-        if held is not None:  # rate-limited per session (kvdepot.server.core.log_limit)
-            log.info("lane %d of session %s closed: %s%s", self.id, tag, why, held_note(held))
-
-
-class PinLane(JobLane):
+class PinLane(Lane):
     """A lane of Pin calls: one PinRequest datagram in, one PinResponse out, in
     order, answered on the loop at once (a pin is index work only). A request for
     another session, or one the daemon refuses, closes the lane: the client then
     asks over gRPC's Pin, whose status says why."""
 
-    noun = "pin"
-
-    @property
-    def max_datagram_bytes(self) -> int:
-        return MAX_JOB_BYTES  # pin calls, not jobs: bounded by --max-batch-keys
+    noun = "pin"  # its calls are bounded by --max-batch-keys, not by a job's size
 
     def _take(self, data: bytes) -> None:
         try:
@@ -413,7 +382,7 @@ class PinLane(JobLane):
         self._send(pb.PinResponse(pinned=pinned).SerializeToString())
 
 
-class UnpinLane(JobLane):
+class UnpinLane(Lane):
     """A lane of Unpin calls: UnpinRequest datagrams in, applied on the loop in
     order, nothing out (the client's unpin thread never waits). An unpin the daemon
     refuses (a namespace it no longer has, say) is logged and the lane goes on, so
@@ -422,10 +391,6 @@ class UnpinLane(JobLane):
     join, closes the lane."""
 
     noun = "unpin"
-
-    @property
-    def max_datagram_bytes(self) -> int:
-        return MAX_JOB_BYTES
 
     def _take(self, data: bytes) -> None:
         try:
@@ -478,7 +443,7 @@ class JobLanes:
         self._answer = answer
         self._max_unread = max_unread
         self._ids = itertools.count(1)
-        self._lanes: dict[int, JobLane] = {}
+        self._lanes: dict[int, Lane] = {}
         self.lane_jobs = 0  # jobs that came by a lane, since start
         self.lane_pins = 0  # pin calls that came by a pin lane, since start
         self.lane_unpins = 0  # unpin calls that came by an unpin lane, since start
@@ -486,7 +451,7 @@ class JobLanes:
         # The largest job datagram a job lane parses: its largest legal job (bounds.py).
         cfg = state.config
         self.max_job_bytes = min(
-            MAX_JOB_BYTES, bounds.max_job_bytes(cfg.max_job_keys, cfg.max_job_blocks)
+            MAX_CALL_BYTES, bounds.max_job_bytes(cfg.max_job_keys, cfg.max_job_blocks)
         )
 
     def open(
@@ -495,7 +460,7 @@ class JobLanes:
         fd_token: str,
         kind: int = pb.LANE_TRANSFER_JOBS,
         batched_results: bool = False,
-    ) -> JobLane:
+    ) -> Lane:
         """Attaches the socket behind `fd_token` as a lane of `kind` (a LaneKind);
         raises a DepotError with why not. `batched_results`: the client reads
         TransferResults datagrams (honoured on job lanes; `lane.batched` says)."""
@@ -549,7 +514,7 @@ class JobLanes:
             )
         return lane
 
-    def forget(self, lane: JobLane) -> None:
+    def forget(self, lane: Lane) -> None:
         self._lanes.pop(lane.id, None)
 
     def count(self, session_id: str) -> int:
@@ -578,7 +543,7 @@ class JobLanes:
         }
 
 
-_LANE_CLASSES: dict[int, type[JobLane]] = {
+_LANE_CLASSES: dict[int, type[Lane]] = {
     pb.LANE_TRANSFER_JOBS: JobLane,
     pb.LANE_PINS: PinLane,
     pb.LANE_UNPINS: UnpinLane,

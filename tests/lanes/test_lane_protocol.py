@@ -24,15 +24,21 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvdepot.common.jobs import JobResult
 from kvdepot.common.lane_protocol import (
     CLIENT_TRANSITIONS,
     DAEMON_TRANSITIONS,
+    RESULTS_DATAGRAM_BYTES,
+    ClientLaneProtocol,
     DaemonLane,
+    Flush,
+    JobCalls,
     LaneEvent,
     LaneProtocol,
     LaneProtocolError,
     LaneState,
     PinCalls,
+    Received,
 )
 
 # -- the tables -------------------------------------------------------------------------
@@ -66,16 +72,28 @@ def test_the_daemon_per_job_checks_agree_with_its_table() -> None:
         lane = DaemonLane(4)
         lane.state = state
         if LaneEvent.RECEIVE in row:
-            lane.received()
+            lane.received(8)
         else:
             with pytest.raises(LaneProtocolError):
-                lane.received()
+                lane.received(8)
         if LaneEvent.SEND in row:
             lane.answer(b"r")
             assert lane.state is row[LaneEvent.SEND]
         else:
             with pytest.raises(LaneProtocolError):
                 lane.answer(b"r")
+
+
+def test_the_client_per_job_check_agrees_with_its_table() -> None:
+    """`fits` checks the state inline (it runs per job): a datagram fits exactly where
+    the table allows a SEND, and SEND leaves the state as it is."""
+    for state in LaneState:
+        lane = ClientLaneProtocol(8)
+        lane.state = state
+        allowed = LaneEvent.SEND in CLIENT_TRANSITIONS.get(state, {})
+        assert lane.fits(b"job") is allowed
+        if allowed:
+            assert CLIENT_TRANSITIONS[state][LaneEvent.SEND] is state
 
 
 # -- the pin lane, client end, against a model daemon -------------------------------------
@@ -135,6 +153,9 @@ class PinClient:
 
     def send(self, keys: int, refuse: bool) -> None:
         call_id = next(self.ids)
+        if not PinCalls.goes_on_lane(keys):  # nothing to pin: answered without the lane
+            self._settle(call_id, "empty")
+            return
         if not self.calls.fits(b"x" * (keys + 1)):  # not OPEN: the call goes over gRPC
             self._settle(call_id, "fallback")
             return
@@ -281,6 +302,66 @@ def test_send_limits_of_a_client_lane() -> None:
     assert not calls.fits(b"x" * 9)  # larger than the daemon reads
 
 
+def test_a_pin_call_of_no_keys_never_goes_on_the_lane() -> None:
+    """Its answer, an empty PinResponse, would be an empty datagram: read as the
+    daemon's end, it broke the lane and sent the calls behind it to gRPC."""
+    calls = PinCalls(1 << 16, lambda data: [True] * len(data))
+    assert not PinCalls.goes_on_lane(0) and PinCalls.goes_on_lane(1)
+    with pytest.raises(LaneProtocolError, match="no keys"):
+        calls.call_sent(0)
+    assert calls.owed == 0 and calls.usable  # refused before it counted
+    calls.call_sent(1)
+    calls.call_sent(1)
+    assert calls.receive(b"") is None  # what such an answer would read as
+    assert calls.state is LaneState.BROKEN and calls.owed == 0
+
+
+# -- the job lane, client end -------------------------------------------------------------
+
+
+def job_calls(batched: bool) -> JobCalls:
+    """Results as one byte per job_id; a batch is several, one each."""
+    return JobCalls(
+        1 << 16,
+        batched,
+        decode_one=lambda data: JobResult(int.from_bytes(data, "big"), True),
+        decode_batch=lambda data: [JobResult(b, True) for b in data],
+    )
+
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_an_empty_datagram_is_the_daemons_end_never_a_result(batched: bool) -> None:
+    calls = job_calls(batched)
+    got = calls.receive(b"\x07")
+    assert got is not None and [r.job_id for r in got] == [7]
+    assert calls.receive(b"") is None
+    assert calls.state is LaneState.CLOSED_BY_PEER and not calls.usable
+    assert not calls.fits(b"job")  # nothing more goes: the stream sends it over gRPC
+
+
+def test_a_batched_job_lane_reads_every_result_of_a_datagram_in_a_larger_buffer() -> None:
+    assert job_calls(True).answer_bytes > RESULTS_DATAGRAM_BYTES  # a full batch fits
+    got = job_calls(True).receive(b"\x01\x02\x03")
+    assert got is not None and [r.job_id for r in got] == [1, 2, 3]
+
+
+def test_a_datagram_that_is_no_result_breaks_the_job_lane() -> None:
+    def decode(data: bytes) -> JobResult:
+        raise ValueError("not a TransferResult")
+
+    calls = JobCalls(1 << 16, False, decode, lambda data: [])
+    with pytest.raises(ValueError, match="not a TransferResult"):
+        calls.receive(b"junk")
+    assert calls.state is LaneState.BROKEN and not calls.fits(b"job")
+
+
+def test_a_job_lane_closed_by_this_side_reads_its_end_quietly() -> None:
+    """cancel() shuts the socket both ways: the reader's recv then returns b""."""
+    calls = job_calls(True)
+    calls.close()
+    assert calls.receive(b"") is None and calls.state is LaneState.CLOSED
+
+
 # -- the daemon's end -------------------------------------------------------------------
 
 
@@ -295,18 +376,33 @@ daemon_ops = st.one_of(
 )
 
 
+def unframe(datagram: bytes, batched: bool) -> list[bytes]:
+    """The answers in a datagram, as the client's reader finds them: a batched lane's
+    is a TransferResults (field 1, length-delimited, per answer; the answers here are
+    shorter than 128 bytes: a one-byte length)."""
+    if not batched:
+        return [datagram]
+    answers, pos = [], 0
+    while pos < len(datagram):
+        assert datagram[pos] == 0x0A and datagram[pos + 1] < 0x80
+        end = pos + 2 + datagram[pos + 1]
+        answers.append(datagram[pos + 2 : end])
+        pos = end
+    return answers
+
+
 @settings(max_examples=400, deadline=None)
 @given(st.integers(1, 6), st.integers(0, 4), st.booleans(), st.lists(daemon_ops, max_size=60))
 def test_daemon_lane_stays_within_its_bound_and_answers_each_call_once(
     max_unread: int, socket_room: int, batched: bool, script
 ) -> None:
     """Drives DaemonLane as kvdepot.server.service.job_lane.JobLane does its socket:
-    it reads only while `may_read`; an answer goes into the outbox, flushed at once
-    (unbatched) or at the end of the loop's turn (batched: one datagram for all);
-    a datagram goes now if the socket has room and nothing is queued, else waits
-    in the backlog, drained in order. Every answer reaches the client once, in the
-    order made, unless the lane closed first."""
-    lane = DaemonLane(max_unread)
+    it reads only while `may_read`; an answer goes into the outbox, flushed when
+    `answer` says (at once, or on a batched lane at the end of the loop's turn: one
+    datagram for all); the flushed datagrams go while the socket has room, and the
+    rest when the writer callback runs, in order, never ahead of older ones. Every
+    answer reaches the client once, in the order made, unless the lane closed first."""
+    lane = DaemonLane(max_unread, batched=batched)
     waiting = collections.deque(range(1000))  # the client's calls, in its socket
     running: collections.deque[int] = collections.deque()
     answered: list[int] = []  # what the client read, in order
@@ -319,31 +415,35 @@ def test_daemon_lane_stays_within_its_bound_and_answers_each_call_once(
         if lane.drained:
             lane.close()
 
-    def flush() -> None:
+    def send_datagrams() -> None:
         nonlocal writing
-        answers = lane.take_answers()
-        datagrams = [(b"".join(answers), len(answers))] if batched else [(a, 1) for a in answers]
-        for datagram, count in datagrams:
-            if writing or len(in_socket) >= socket_room:
-                lane.queue(datagram, count)
+        while (datagram := lane.next_datagram()) is not None:
+            if len(in_socket) >= socket_room:
                 writing = True
-            else:
-                in_socket.append(datagram)
-                lane.sent(count)
+                return
+            in_socket.append(datagram)
+            lane.datagram_sent()
+        writing = False
         after_progress()
+
+    def flush() -> None:
+        lane.flush()
+        if not writing:
+            send_datagrams()
 
     def answer(call: int) -> None:
         nonlocal flush_due
         produced.append(call)
-        if lane.answer(call.to_bytes(4, "big")):
-            if batched:
-                flush_due = True
-            else:
-                flush()
+        due = lane.answer(call.to_bytes(4, "big"))
+        assert due is (None if flush_due else Flush.END_OF_TURN if batched else Flush.NOW)
+        if due is Flush.NOW:
+            flush()
+        elif due is Flush.END_OF_TURN:
+            flush_due = True
 
     for op in script:
         if op[0] == "datagram" and lane.may_read():
-            lane.received()
+            assert lane.received(8) is Received.CALL
             call = waiting.popleft()
             if op[1]:
                 answer(call)
@@ -362,77 +462,101 @@ def test_daemon_lane_stays_within_its_bound_and_answers_each_call_once(
                 flush()
         elif op[0] == "client_reads":
             for _ in range(min(op[1], len(in_socket))):
-                data = in_socket.popleft()
-                answered += [int.from_bytes(data[i : i + 4], "big") for i in range(0, len(data), 4)]
+                for data in unframe(in_socket.popleft(), batched):
+                    answered.append(int.from_bytes(data, "big"))
         elif op[0] == "writable" and writing:
-            while lane.backlog and len(in_socket) < socket_room and not lane.closed:
-                datagram, count = lane.backlog.popleft()
-                in_socket.append(datagram)
-                lane.sent(count)
-            if not lane.backlog:
-                writing = False
-            after_progress()
+            send_datagrams()
         elif op[0] == "half_close" and not lane.closed:
             lane.half_closed()
             after_progress()
         elif op[0] == "close" and not lane.closed:
             lane.close()
+            flush_due = False
         assert lane.running + lane.unsent <= max_unread, "read past the bound"
         in_outbox = len(lane.outbox) + sum(count for _, count in lane.backlog)
         assert lane.unsent == in_outbox, "unsent answers miscounted"
         assert answered == produced[: len(answered)], "answers out of order, lost or doubled"
         if lane.closed:
             assert not lane.backlog and not lane.outbox and not lane.may_read()
+            assert lane.next_datagram() is None
     if lane.state is LaneState.OPEN:
         assert lane.may_read() == (lane.running + lane.unsent < max_unread)
 
 
 def test_an_answer_waits_behind_the_backlog_even_when_the_socket_has_room() -> None:
     """The writer callback runs some time after the client read: a datagram made in
-    between must not overtake the ones queued before it (the adapter queues it)."""
-    lane = DaemonLane(4)
+    between must not overtake the ones queued before it (a flush frames it behind them)."""
+    lane = DaemonLane(4, batched=True)
     for _ in range(3):
-        lane.received()
+        lane.received(8)
         lane.started()
         lane.finished()
-    assert lane.answer(b"1")  # the first in the outbox: the adapter flushes
-    assert not lane.answer(b"2")  # the same flush takes it
-    assert lane.take_answers() == [b"1", b"2"] and lane.unsent == 2
-    lane.queue(b"12", 2)  # the socket was full
-    assert lane.answer(b"3")
-    lane.queue(b"3", 1)  # the writer is on: it goes after "12"
-    assert list(lane.backlog) == [(b"12", 2), (b"3", 1)]
+    assert lane.answer(b"1") is Flush.END_OF_TURN  # the first in the outbox
+    assert lane.answer(b"2") is None  # the same flush takes it
+    lane.flush()
+    assert lane.unsent == 2 and not lane.outbox
+    assert lane.next_datagram() == b"\n\x011\n\x012"  # one TransferResults; the socket is full
+    assert lane.answer(b"3") is Flush.END_OF_TURN
+    lane.flush()  # the writer is on: it goes after "12"
+    assert list(lane.backlog) == [(b"\n\x011\n\x012", 2), (b"\n\x013", 1)]
     assert lane.unsent == 3 and lane.may_read()
-    lane.received()
+    lane.received(8)
     lane.started()
     assert not lane.may_read()  # 3 unsent + 1 running: the bound of 4
     lane.finished()
-    lane.sent(2)
-    lane.sent(1)
-    assert lane.unsent == 0 and lane.may_read()
+    lane.datagram_sent()
+    assert lane.next_datagram() == b"\n\x013" and lane.unsent == 1
+    lane.datagram_sent()
+    assert lane.unsent == 0 and lane.may_read() and lane.next_datagram() is None
+
+
+def test_an_unbatched_lane_sends_each_answer_alone_and_now() -> None:
+    """A pin lane's answers, and an older client's job results: one datagram each, as
+    made (a pin's caller waits for it)."""
+    lane = DaemonLane(4)
+    assert lane.answer(b"a") is Flush.NOW
+    lane.flush()
+    assert lane.answer(b"b") is Flush.NOW
+    lane.flush()
+    assert list(lane.backlog) == [(b"a", 1), (b"b", 1)]
+
+
+def test_what_a_datagram_read_is() -> None:
+    """An empty datagram is the peer's end (SOCK_SEQPACKET's EOF), read even at the
+    bound; one larger than the lane parses is refused unparsed, and counts."""
+    lane = DaemonLane(1, max_datagram=100)
+    assert lane.received(100) is Received.CALL
+    assert lane.received(101) is Received.TOO_LARGE
+    lane.started()
+    assert not lane.may_read()
+    assert lane.received(0) is Received.END  # the reader saw EOF: never a call
+    with pytest.raises(LaneProtocolError, match="1 running"):
+        lane.received(1)
 
 
 def test_daemon_lane_refuses_a_read_past_its_bound() -> None:
     lane = DaemonLane(1)
-    lane.received()
+    lane.received(8)
     lane.started()
     with pytest.raises(LaneProtocolError, match="1 running"):
-        lane.received()
+        lane.received(8)
     lane.half_closed()
     with pytest.raises(LaneProtocolError):
-        lane.received()  # half-closed: nothing more is read
+        lane.received(8)  # half-closed: nothing more is read
     lane.finished()
     assert lane.answer(b"r") and not lane.drained  # answered, not sent yet
-    lane.take_answers()
-    lane.sent(1)
+    lane.flush()
+    lane.datagram_sent()
     assert lane.drained
 
 
 def test_daemon_lane_sends_nothing_once_closed() -> None:
     lane = DaemonLane(4)
     lane.answer(b"a")
-    lane.queue(b"b", 1)
+    lane.flush()
+    lane.answer(b"b")
     lane.close()
     assert not lane.backlog and not lane.outbox and lane.unsent == 0
+    assert lane.next_datagram() is None
     with pytest.raises(LaneProtocolError):
         lane.answer(b"b")

@@ -1,14 +1,17 @@
 """A job lane datagram that does not parse fails its job by the job_id read before
-the damage (kvdepot.server.service.job_lane.leading_job_id, protobuf's own wire
-decoder); with no job_id before the damage there is none (the lane closes). The
+the damage (kvdepot.common.lane_protocol.leading_job_id, protobuf's wire format read
+by hand, and read as protobuf's own decoder reads it); with no job_id before the damage
+there is none (the lane closes). The
 real daemon's answer to such datagrams: tests/test_job_lane.py."""
 
 from __future__ import annotations
 
+from google.protobuf.internal import decoder as wire
+from google.protobuf.internal import wire_format
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvdepot.server.service.job_lane import leading_job_id
+from kvdepot.common.lane_protocol import leading_job_id
 from kvdepot.v1 import depot_pb2 as pb
 
 
@@ -42,3 +45,27 @@ def test_the_job_id_of_any_damaged_job_is_found(
 def test_arbitrary_bytes_never_raise_and_give_a_uint64(data: bytes) -> None:
     found = leading_job_id(data)
     assert found is None or 0 <= found < 2**64  # TransferResult.job_id takes it
+
+
+def protobufs_leading_job_id(data: bytes) -> int | None:
+    """The same, read with protobuf's own wire decoder (the daemon's reader before the
+    lane protocol read it by hand, standard library only)."""
+    buffer, pos, end = memoryview(data), 0, len(data)
+    try:
+        while pos < end:
+            tag, pos = wire._DecodeVarint(buffer, pos)
+            field, wire_type = wire_format.UnpackTag(tag)
+            if wire_type in (wire_format.WIRETYPE_START_GROUP, wire_format.WIRETYPE_END_GROUP):
+                return None
+            value, pos = wire._DecodeUnknownField(buffer, pos, end, field, wire_type)
+            if field == 1 and wire_type == wire_format.WIRETYPE_VARINT:
+                return value
+    except Exception:
+        return None
+    return None
+
+
+@settings(max_examples=1000, deadline=None)
+@given(st.one_of(st.binary(max_size=64), st.builds(bytes.__add__, st.just(b"\x08"), st.binary())))
+def test_it_reads_what_protobufs_decoder_reads(data: bytes) -> None:
+    assert leading_job_id(data) == protobufs_leading_job_id(data)

@@ -1,4 +1,4 @@
-"""A batched job lane's datagrams (kvdepot.server.service.job_lane.pack_results): the
+"""A batched job lane's datagrams (kvdepot.common.lane_protocol.pack_results): the
 results' own serialized bytes framed as kvdepot.v1.TransferResults, read back by
 protobuf and by the client's codec as the same results, each once, in the order
 given; no datagram over RESULTS_DATAGRAM_BYTES unless one result alone is larger.
@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvdepot.client.job_codec import results_from_bytes
-from kvdepot.server.service.job_lane import RESULTS_DATAGRAM_BYTES, pack_results
+from kvdepot.common.lane_protocol import RESULTS_DATAGRAM_BYTES, pack_results
 from kvdepot.v1 import depot_pb2 as pb
 
 results = st.builds(
