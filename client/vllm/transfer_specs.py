@@ -37,9 +37,11 @@ class KVDepotStoreSpec(KVDepotLoadStoreSpec):
         super().__init__(namespace_id, keys)
         self.key_events: list[bytes] = []
 
+    # The pickled state gains the key events (the base's is two fields, this one's three).
     def __getstate__(self) -> tuple[str, list[bytes], list[bytes]]:  # type: ignore[override]
         return self.namespace_id, self.keys, self.key_events
 
+    # The base takes a state of two fields: this one's has three.
     def __setstate__(self, state: tuple[str, list[bytes], list[bytes]]) -> None:  # type: ignore[override]
         self.namespace_id, self.keys, self.key_events = state
 
