@@ -172,8 +172,9 @@ def test_the_codecs_themselves_are_seen_building_them() -> None:
         ),
         (
             "client/job_lane.py",
-            "return results_from_bytes(data) if data else None",
-            "return list(depot_pb2.TransferResults.FromString(data).results) if data else None",
+            "JobCalls(max_job_bytes, batched, result_from_bytes, results_from_bytes)",
+            "JobCalls(max_job_bytes, batched, result_from_bytes, "
+            "lambda d: list(depot_pb2.TransferResults.FromString(d).results))",
         ),
         (
             "client/vllm/worker.py",

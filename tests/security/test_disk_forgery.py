@@ -145,7 +145,8 @@ def test_a_forged_record_in_a_tenants_row_is_never_adopted(daemon_factory, tmp_p
     assert s.disk_recovery_source == "scan"
 
     # The attack fails: the victim's namespace has no such key, on disk or in RAM.
-    states = promoted(victim, VICTIM, [target, v1, v2])
+    # (Two calls: a Prefetch fetches a leading run, nothing after a key no tier has.)
+    states = promoted(victim, VICTIM, [target]) + promoted(victim, VICTIM, [v1, v2])
     assert states[0] == pb.PrefetchResponse.ABSENT, (states, d.log()[-3000:])
     assert victim.lookup(VICTIM, [target]) == [False]
     with pytest.raises(grpc.RpcError):

@@ -146,17 +146,23 @@ def test_kv_event_stream_in_vllms_format(daemon_factory, make_engine) -> None:
         keys2 = engine.offload_keys(prompt2)
         engine.generate([prompt2])
         engine.wait_ready(keys2)
-        engine.wait_until(
-            lambda: d.stats().kv_events_published > last_seen + 1, what="published while away"
-        )
-        missed = replay(ctx, replay_endpoint, last_seen + 1)
-        assert sorted(missed) == list(range(last_seen + 1, max(missed) + 1))
-        again = [e for seq in sorted(missed) for e in missed[seq].events]
-        assert [e.block_hashes[-1] for e in again if isinstance(e, BlockStored)] == [
+        expected = [
             e.block_hashes[-1]
             for e in own + list(engine.scheduler_connector.take_events())
             if isinstance(e, BlockStored) and e.medium == "CPU"
         ][len(mine) :]
+        assert len(expected) == len(keys2)
+
+        def replayed() -> tuple[dict[int, KVEventBatch], list[int]]:
+            missed = replay(ctx, replay_endpoint, last_seen + 1)
+            again = [e for seq in sorted(missed) for e in missed[seq].events]
+            return missed, [e.block_hashes[-1] for e in again if isinstance(e, BlockStored)]
+
+        # The publisher's thread sends what the loop queued: wait until it sent them all.
+        engine.wait_until(lambda: len(replayed()[1]) >= len(expected), what="published while away")
+        missed, again = replayed()
+        assert sorted(missed) == list(range(last_seen + 1, max(missed) + 1))
+        assert again == expected
 
         # From the start: the daemon's first batch says AllBlocksCleared.
         everything = replay(ctx, replay_endpoint, 0)
