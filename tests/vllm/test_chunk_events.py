@@ -250,7 +250,8 @@ def test_other_engines_chunks_cost_one_steps_memory(daemon_factory, make_engine)
         a.generate([prompt])
         a.wait_ready(keys)
         all_keys += keys
-        b.wait_until(lambda: len(stored_cpu(b, seen_b)) >= len(all_keys), what="B's events")
+        want = len(all_keys)
+        b.wait_until(lambda w=want: len(stored_cpu(b, seen_b)) >= w, what="B's events")
     n = len(all_keys)
     assert n >= 15
     a.wait_until(lambda: len(stored_cpu(a, seen_a)) >= n, what="A's events")
