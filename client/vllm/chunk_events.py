@@ -118,11 +118,6 @@ class TrackerFeed:
         self._tracker = tracker
         self._lent: list[tuple[bytes, _OffloadEventMetadata]] = []
 
-    @property
-    def lent(self) -> int:
-        """Snapshots lent and not taken back yet."""
-        return len(self._lent)
-
     def lend(self, events: Mapping[bytes, tuple[bytes, bool]]) -> int:
         """Puts each key's chunk event (`events`: key -> (ChunkEvent bytes, in the
         pool)) into the tracker unless it has the key already (its own snapshot,
