@@ -117,14 +117,17 @@ def test_the_daemon_keeps_counts_hands_on_and_drops_chunk_events(setup) -> None:
 
     # A watcher that asks for them gets them with the snapshot and the STORED event.
     seen: list[pb.WatchEvent] = []
-    got = threading.Event()
+    got, watching = threading.Event(), threading.Event()
 
     def on_event(e: pb.WatchEvent) -> None:
         seen.append(e)
-        if e.kind == pb.WatchEvent.STORED:
+        if e.kind == pb.WatchEvent.SNAPSHOT_END:
+            watching.set()
+        elif e.kind == pb.WatchEvent.STORED:
             got.set()
 
     watch = c.watch(ns, on_event, key_events=True)
+    assert watching.wait(10)  # subscribed: the store comes as STORED, not in a snapshot
     ok = store(eng, keys, blocks, idx, key_events=events)
     assert ok.success, ok.error
     assert got.wait(10)
