@@ -117,14 +117,17 @@ def test_the_daemon_keeps_counts_hands_on_and_drops_chunk_events(setup) -> None:
 
     # A watcher that asks for them gets them with the snapshot and the STORED event.
     seen: list[pb.WatchEvent] = []
-    got = threading.Event()
+    got, watching = threading.Event(), threading.Event()
 
     def on_event(e: pb.WatchEvent) -> None:
         seen.append(e)
-        if e.kind == pb.WatchEvent.STORED:
+        if e.kind == pb.WatchEvent.SNAPSHOT_END:
+            watching.set()
+        elif e.kind == pb.WatchEvent.STORED:
             got.set()
 
     watch = c.watch(ns, on_event, key_events=True)
+    assert watching.wait(10)  # subscribed: the store comes as STORED, not in a snapshot
     ok = store(eng, keys, blocks, idx, key_events=events)
     assert ok.success, ok.error
     assert got.wait(10)
@@ -163,8 +166,37 @@ def test_the_daemon_keeps_counts_hands_on_and_drops_chunk_events(setup) -> None:
         assert set(held) == set(keys)
         assert held == (dict(zip(keys, events, strict=True)) if asked else dict.fromkeys(keys, b""))
 
-    # Gone with the rows.
+    # Gone with the rows; their REMOVED events carry them to a watcher that asks (an
+    # engine keeps none until then), to none that does not.
+    removals: dict[bool, list[pb.WatchEvent]] = {True: [], False: []}
+    ended = {True: threading.Event(), False: threading.Event()}
+    subscribed = {True: threading.Event(), False: threading.Event()}
+    watchers = []
+    for asked in (True, False):
+
+        def on_removal(e: pb.WatchEvent, asked: bool = asked) -> None:
+            if e.kind == pb.WatchEvent.SNAPSHOT_END:
+                subscribed[asked].set()
+            elif e.kind == pb.WatchEvent.REMOVED:
+                removals[asked].append(e)
+                if sum(len(m.keys) for m in removals[asked]) >= len(keys):
+                    ended[asked].set()
+
+        watchers.append(c.watch(ns, on_removal, key_events=asked))
+    assert all(ev.wait(10) for ev in subscribed.values())
     res = c.admin.Evict(admin_pb2.EvictRequest(namespace_id=ns, keys=keys))
     assert res.evicted_blocks == len(keys)
+    for asked in (True, False):
+        assert ended[asked].wait(10)
+        got_removed = {
+            k: e
+            for m in removals[asked]
+            for k, e in zip(m.keys, m.key_events or [b""] * len(m.keys), strict=True)
+        }
+        assert got_removed == (
+            dict(zip(keys, events, strict=True)) if asked else dict.fromkeys(keys, b"")
+        )
+    for w in watchers:
+        w.stop()
     st = d.stats()
     assert (st.chunk_event_rows, st.chunk_event_bytes) == (0, 0)

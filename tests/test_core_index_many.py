@@ -233,3 +233,29 @@ def test_a_claim_takes_the_job_checks_groups_and_checks_keys_without_them() -> N
     # Without them (or with a count that does not match) every key is checked again.
     with pytest.raises(LayoutError):
         ix.begin_store_many("ns", [key(2, 7)], 0, "s1", groups=(0, 1))
+
+
+def test_a_removed_rows_chunk_event_leaves_with_its_removed_event() -> None:
+    ix = make(slots=4)
+    ns = ix.namespaces["ns"]
+    for k in (key(0), key(1), key(2)):
+        claim = ix.begin_store_many("ns", [k], 0, "s")
+        ix.keep_chunk_events("ns", claim.slots, {key(0): b"e0", key(2): b"e2"})
+        ix.finish_store_many(claim.slots, 0, True)
+    fill(ix, [key(3)])
+    assert (ns.chunk_event_rows, ns.chunk_event_bytes) == (2, 4)
+    # Room made (LRU): the removed rows' chunk events, in key order, b"" for none.
+    claim = ix.begin_store_many("ns", [key(10), key(11)], 0, "s1")
+    [lru] = ix.take_events()
+    assert (lru.kind, lru.keys, lru.chunk_events) == (
+        EventKind.REMOVED,
+        (key(0), key(1)),
+        (b"e0", b""),
+    )
+    ix.finish_store_many(claim.slots, 0, True)
+    assert ix.take_events()[0].chunk_events == ()  # STORED events carry none
+    # Evicted by name: the row's, or none for a row that had none.
+    ix.evict("ns", [key(2), key(3)], EvictionReason.ADMIN)
+    assert [e.chunk_events for e in ix.take_events()] == [(b"e2",), ()]
+    assert (ns.chunk_event_rows, ns.chunk_event_bytes) == (0, 0)
+    ix.check_invariants()

@@ -54,3 +54,27 @@ def test_the_disk_tiers_events_are_never_merged_with_the_pools() -> None:
         ]
 
     asyncio.run(run())
+
+
+def test_removed_rows_chunk_events_stay_with_their_keys_when_runs_merge_and_split() -> None:
+    async def run() -> None:
+        w = Watcher("ns")
+        removed, lru = EventKind.REMOVED, EvictionReason.LRU
+        w.push(IndexEvent("ns", removed, (key(1), key(2)), lru, chunk_events=(b"e1", b"e2")))
+        w.push(IndexEvent("ns", removed, (key(3),), lru))  # a row that had none
+        w.push(IndexEvent("ns", removed, (key(4), key(5)), lru, chunk_events=(b"", b"e5")))
+        w.push(IndexEvent("ns", removed, (key(6),), lru))
+        runs = []
+        while (r := w.take_run(max_keys=4)) is not None:
+            runs.append((r.keys, r.chunk_events))
+        assert runs == [
+            ((key(1), key(2), key(3), key(4)), (b"e1", b"e2", b"", b"")),
+            ((key(5), key(6)), (b"e5", b"")),
+        ]
+        # A run of rows none of which had one carries none (not a list of b"").
+        w.push(IndexEvent("ns", removed, (key(7),), lru))
+        w.push(IndexEvent("ns", removed, (key(8),), lru))
+        r = w.take_run(max_keys=4)
+        assert r is not None and r.chunk_events == ()
+
+    asyncio.run(run())

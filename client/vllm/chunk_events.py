@@ -11,16 +11,17 @@ hash, no tokens, block size 0). kvdepot closes that gap:
   (`encode_for_keys`) and sends them with the store job (TransferJob.key_events, from
   the worker of rank 0 on each shard);
 - the daemon keeps each beside its row and hands it with Watch STORED and SNAPSHOT
-  events; the mirror collects them, and `feed_tracker` puts each one the tracker lacks
-  into it before it translates the step's events: every engine then publishes what
-  the storing one does.
+  events, and with REMOVED events the rows' it removed; the mirror collects them, and
+  `TrackerFeed` lends the tracker, for one step, each one the step's events name and
+  the tracker lacks, before it translates them: every engine then publishes what the
+  storing one does, and holds other engines' snapshots for one step, not the pool's.
 
 The tracker's snapshot table (`_pending_event_metadata`) and its record type are
 vLLM 0.33.0's own (kvdepot pins that version): this module is the one place that
 reads or writes them, and tests/vllm/test_chunk_events.py compares the events of
 every engine with the storing engine's, so a change in vLLM fails there.
 
-Threads: `encode_for_keys` and `feed_tracker` run on vLLM's scheduler thread, which
+Threads: `encode_for_keys` and `TrackerFeed` run on vLLM's scheduler thread, which
 owns the tracker.
 """
 
@@ -95,23 +96,61 @@ def decode(data: bytes, on_pool: bool) -> _OffloadEventMetadata:
     )
 
 
-def feed_tracker(
-    tracker: OffloadingEventsTracker, events: Mapping[bytes, tuple[bytes, bool]]
-) -> int:
-    """Puts each key's chunk event (`events`: key -> (ChunkEvent bytes, in the pool))
-    into the tracker unless it has the key already (its own snapshot, taken from the
-    Request, stays); returns how many it took. A chunk event that does not parse is
-    skipped: the tracker then publishes vLLM's placeholder for it, as before."""
-    table = tracker._pending_event_metadata
-    taken = 0
-    for key, (data, on_pool) in events.items():
-        if key in table:
-            if on_pool:
-                table[key].active_residencies.add(_POOL_RESIDENCY)
-            continue
-        try:
-            table[key] = decode(data, on_pool)
-        except Exception:  # a bad event costs its completeness, nothing more
-            continue
-        taken += 1
-    return taken
+class TrackerFeed:
+    """Lends vLLM's tracker, for one step, the chunk events of the keys that step's
+    KV events name and that it lacks, and takes them back at the next step.
+
+    The tracker keeps a snapshot until the chunk's final removal; kept for every
+    chunk of the node's pool, another engine's snapshots would cost each engine's
+    scheduler about a kilobyte a chunk. Lent instead for the one translation that
+    needs them (a removal's comes with the daemon's REMOVED event), they cost at
+    most one step's events. A lent snapshot is taken back only while the tracker
+    still holds that very object: one the tracker replaced (its own store's) or
+    dropped (a final removal) is its own business.
+
+    Threads: vLLM's scheduler thread (the manager's `take_events`), which owns the
+    tracker: `withdraw` the previous step's loans, then `lend` this step's, before
+    the tracker translates the events (OffloadingConnectorScheduler.take_events
+    drains the manager, then translates).
+    """
+
+    def __init__(self, tracker: OffloadingEventsTracker) -> None:
+        self._tracker = tracker
+        self._lent: list[tuple[bytes, _OffloadEventMetadata]] = []
+
+    def lend(self, events: Mapping[bytes, tuple[bytes, bool]]) -> int:
+        """Puts each key's chunk event (`events`: key -> (ChunkEvent bytes, in the
+        pool)) into the tracker unless it has the key already (its own snapshot,
+        taken from the Request, stays); returns how many it lent. A chunk event that
+        does not parse is skipped: the tracker then publishes vLLM's placeholder for
+        it, as before."""
+        table = self._tracker._pending_event_metadata
+        lent = self._lent
+        taken = 0
+        for key, (data, on_pool) in events.items():
+            if (own := table.get(key)) is not None:
+                if on_pool:
+                    own.active_residencies.add(_POOL_RESIDENCY)
+                continue
+            try:
+                meta = decode(data, on_pool)
+            except Exception:  # a bad event costs its completeness, nothing more
+                continue
+            table[key] = meta
+            lent.append((key, meta))
+            taken += 1
+        return taken
+
+    def withdraw(self) -> int:
+        """Takes back the snapshots lent at the last step that the tracker still
+        holds as lent; returns how many."""
+        if not self._lent:
+            return 0
+        table = self._tracker._pending_event_metadata
+        taken_back = 0
+        for key, meta in self._lent:
+            if table.get(key) is meta:
+                del table[key]
+                taken_back += 1
+        self._lent = []
+        return taken_back

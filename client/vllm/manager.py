@@ -87,7 +87,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvdepot.client import DepotClient
 from kvdepot.client.pin_lane import PinLane, UnpinLane
-from kvdepot.client.vllm.chunk_events import feed_tracker
+from kvdepot.client.vllm.chunk_events import TrackerFeed
 from kvdepot.client.vllm.config import DepotSettings
 from kvdepot.client.vllm.load_failures import LoadFailureBackoff
 from kvdepot.client.vllm.mirror import ReadyMirror
@@ -160,8 +160,9 @@ class KVDepotOffloadingManager(OffloadingManager):
         self._stats = StepStats()
         self._failures = LoadFailureBackoff(settings.load_failure_backoff_s)
         self._chunk_events = chunk_events and enable_events
-        # vLLM's OffloadingEventsTracker, once the connector hands it (follow_tracker).
-        self._tracker: OffloadingEventsTracker | None = None
+        # Lends vLLM's OffloadingEventsTracker chunk events, once the connector hands
+        # it (follow_tracker).
+        self._tracker_feed: TrackerFeed | None = None
         self._mirror = ReadyMirror(
             enable_events, on_forget=self._failures.clear, shards=len(self._clients)
         )
@@ -450,15 +451,18 @@ class KVDepotOffloadingManager(OffloadingManager):
         self._failures.prune()
 
     def follow_tracker(self, tracker: OffloadingEventsTracker) -> None:
-        """Feeds the chunk events that came with the Watch streams' keys into `tracker`
-        (vLLM's scheduler's, self-describing) before it translates their events."""
-        self._tracker = tracker
+        """Lends `tracker` (vLLM's scheduler's, self-describing) the chunk events that
+        came with the Watch streams' keys, for the step that translates their events."""
+        self._tracker_feed = TrackerFeed(tracker)
 
     def take_events(self) -> Iterable[OffloadingEvent]:
-        tracker = self._tracker
-        if tracker is None:
+        feed = self._tracker_feed
+        if feed is None:
             return self._mirror.take_events()
-        return self._mirror.take_events(functools.partial(feed_tracker, tracker))
+        # The last step's events are translated by now (vLLM's connector drains this,
+        # then translates, every step): its loans go back before this step's.
+        feed.withdraw()
+        return self._mirror.take_events(feed.lend)
 
     def has_pending_work(self) -> bool:
         return False

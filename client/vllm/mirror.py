@@ -8,11 +8,13 @@ daemon's disk tier wrote or dropped a block) never change the set: a block on di
 only is fetched by Prefetch, never a hit; they become vLLM KV events of medium
 STORAGE (the pool's are CPU), checked against the generation like the rest.
 
-Chunk events: a Watch stream asked for them (`key_events`) carries, with STORED and
-SNAPSHOT keys, what the storing engine said of each chunk (kvdepot.v1.ChunkEvent); the
-mirror collects them with the OffloadingEvents, and `take_events` hands both over at
-once, so vLLM's tracker learns a chunk before it translates the chunk's event
-(kvdepot.client.vllm.chunk_events).
+Chunk events: a Watch stream asked for them (`key_events`) carries, with STORED,
+SNAPSHOT and REMOVED keys, what the storing engine said of each chunk
+(kvdepot.v1.ChunkEvent); the mirror collects them with the OffloadingEvents, and
+`take_events` hands over at once the events and the chunk events of the keys they
+name, so vLLM's tracker learns a chunk before it translates the chunk's event
+(kvdepot.client.vllm.chunk_events). Nothing is kept past that step: a chunk event of
+a key no event names (a shard's store, before every shard holds the key) is dropped.
 
 Generations: each namespace the engine follows is a generation (0 at start, +1 per
 `reset_cache`). A Watch handler serves one generation: its events are checked and
@@ -115,6 +117,7 @@ class ReadyMirror:
         elif kind == _REMOVED:
             keys = list(event.keys)
             self.ready.difference_update(keys)
+            self._note_chunk_events(event, on_pool=False)
             self._emit(keys, removed=True)
         elif kind == _SNAPSHOT:
             if event.reset:
@@ -145,6 +148,7 @@ class ReadyMirror:
         if kind == _REMOVED:
             keys = list(event.keys)
             held.difference_update(keys)
+            self._note_chunk_events(event, on_pool=False)
             gone = [k for k in keys if k in self.ready]
             self.ready.difference_update(gone)
             self._emit(gone, removed=True)
@@ -183,9 +187,9 @@ class ReadyMirror:
         self.ready.difference_update(keys)
 
     def _note_chunk_events(self, event: depot_pb2.WatchEvent, on_pool: bool) -> None:
-        """Keeps the event's chunk events for take_events (removals carry none)."""
+        """Keeps the event's chunk events for take_events."""
         chunk_events = event.key_events
-        if self._events is None or not chunk_events or event.kind == _REMOVED:
+        if self._events is None or not chunk_events:
             return
         with self._events_lock:
             for key, data in zip(event.keys, chunk_events, strict=False):
@@ -217,13 +221,24 @@ class ReadyMirror:
         self, feed: Callable[[dict[bytes, tuple[bytes, bool]]], object] | None = None
     ) -> Iterable[OffloadingEvent]:
         """The KV events since the last call (a plain function: vLLM drains it every
-        step). `feed` gets the chunk events that came with them (key -> (ChunkEvent, in
-        the pool)), taken in the same swap, before they are returned."""
+        step). `feed` gets the chunk events of the keys they name (key -> (ChunkEvent,
+        in the pool)), taken in the same swap, before they are returned; the others
+        are dropped."""
         if not self._events:  # events off (None), or none since the last step
+            if self._chunk_events:  # a shard's, for keys not ready yet: not kept
+                with self._events_lock:
+                    self._chunk_events = {}
             return ()
         with self._events_lock:
             events, self._events = self._events, []
             chunk_events, self._chunk_events = self._chunk_events, {}
         if chunk_events and feed is not None:
-            feed(chunk_events)
+            named = {
+                key: chunk_event
+                for event in events
+                for key in event.keys
+                if (chunk_event := chunk_events.get(key)) is not None
+            }
+            if named:
+                feed(named)
         return events

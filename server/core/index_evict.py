@@ -87,7 +87,12 @@ class Evictions(IndexPart):
         ns.used_bytes -= slot.extent.size
         self._allocator.free(slot.extent)
         self._stats.evictions[reason] += 1
-        self._emit(IndexEvent(slot.namespace, EventKind.REMOVED, (slot.key,), reason))
+        chunk_events = (slot.chunk_event,) if slot.chunk_event else ()
+        self._emit(
+            IndexEvent(
+                slot.namespace, EventKind.REMOVED, (slot.key,), reason, chunk_events=chunk_events
+            )
+        )
 
     def evict(
         self, ns: Namespace, keys: Iterable[bytes] | None, reason: EvictionReason

@@ -180,6 +180,10 @@ class IndexEvent:
     keys: tuple[bytes, ...]
     reason: EvictionReason | DiskRemoval | None = None  # REMOVED events
     tier: Tier = Tier.POOL  # DISK: the disk tier's event, announced to watchers only
+    # REMOVED events: the removed rows' chunk events, in key order, taken as the rows
+    # go (their slots are forgotten then); () when none had one. Watch streams that
+    # ask for chunk events hand them on, so an engine needs no copy until removal.
+    chunk_events: tuple[bytes, ...] = ()
 
 
 @dataclass

@@ -265,17 +265,17 @@ class Writes(IndexPart):
     def _announce(
         self, kind: EventKind, slots: list[Slot], reason: EvictionReason | None = None
     ) -> None:
-        """One event per namespace for `slots`, keys in the order given."""
+        """One event per namespace for `slots`, keys in the order given (a REMOVED
+        event with the rows' chunk events)."""
         namespaces = {slot.namespace for slot in slots}
         if len(namespaces) == 1:  # a job's keys: the usual case
-            keys = tuple([slot.key for slot in slots])
-            self._emit(IndexEvent(namespaces.pop(), kind, keys, reason))
+            self._emit(_event(namespaces.pop(), kind, slots, reason))
             return
-        by_ns: dict[str, list[bytes]] = {}
+        by_ns: dict[str, list[Slot]] = {}
         for slot in slots:
-            by_ns.setdefault(slot.namespace, []).append(slot.key)
-        for namespace_id, keys_of_ns in by_ns.items():
-            self._emit(IndexEvent(namespace_id, kind, tuple(keys_of_ns), reason))
+            by_ns.setdefault(slot.namespace, []).append(slot)
+        for namespace_id, slots_of_ns in by_ns.items():
+            self._emit(_event(namespace_id, kind, slots_of_ns, reason))
 
     def release(self, owner: Owner) -> int:
         """Drops every unfinished row `owner` was writing; returns how many."""
@@ -341,3 +341,15 @@ class Writes(IndexPart):
             self.doomed.discard(slot)
             self._namespaces[slot.namespace].used_bytes -= slot.extent.size
             self._allocator.free(slot.extent)
+
+
+def _event(
+    namespace_id: str, kind: EventKind, slots: list[Slot], reason: EvictionReason | None
+) -> IndexEvent:
+    keys = tuple([slot.key for slot in slots])
+    if kind is not EventKind.REMOVED:
+        return IndexEvent(namespace_id, kind, keys, reason)
+    chunk_events = tuple([slot.chunk_event for slot in slots])
+    return IndexEvent(
+        namespace_id, kind, keys, reason, chunk_events=chunk_events if any(chunk_events) else ()
+    )

@@ -328,23 +328,27 @@ class DiskLink:
         for (namespace_id, why), run in groupby(changes, key=lambda c: (c[0], c[2])):
             kind = EventKind.STORED if why is None else EventKind.REMOVED
             keys = tuple(change[1] for change in run)
-            self._keep_chunk_events(namespace_id, keys, kind is EventKind.STORED)
-            announce(IndexEvent(namespace_id, kind, keys, why, Tier.DISK))
+            dropped = self._keep_chunk_events(namespace_id, keys, kind is EventKind.STORED)
+            announce(IndexEvent(namespace_id, kind, keys, why, Tier.DISK, dropped))
 
-    def _keep_chunk_events(self, namespace_id: str, keys: Sequence[bytes], stored: bool) -> None:
+    def _keep_chunk_events(
+        self, namespace_id: str, keys: Sequence[bytes], stored: bool
+    ) -> tuple[bytes, ...]:
         """A record written takes its row's chunk event (the row is in the pool still,
-        or the event is lost); a record dropped drops it."""
+        or the event is lost); a record dropped drops it, and the dropped events are
+        returned, in key order, for its REMOVED event (() when none was held)."""
         held = self._chunk_events
         if stored:
             for key, event in zip(keys, self._index.chunk_events(namespace_id, keys), strict=True):
                 if event and (namespace_id, key) not in held:
                     held[(namespace_id, key)] = event
                     self.chunk_event_bytes += len(event)
-        elif held:
-            for key in keys:
-                dropped = held.pop((namespace_id, key), None)
-                if dropped is not None:
-                    self.chunk_event_bytes -= len(dropped)
+            return ()
+        if not held:
+            return ()
+        dropped = tuple([held.pop((namespace_id, key), b"") for key in keys])
+        self.chunk_event_bytes -= sum(map(len, dropped))
+        return dropped if any(dropped) else ()
 
     def chunk_events(self, namespace_id: str, keys: Sequence[bytes]) -> list[bytes]:
         """Each record's chunk event, b"" where it has none (or is not on disk)."""

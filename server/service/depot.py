@@ -89,6 +89,14 @@ def event_reason(event: IndexEvent) -> str:
     return event.reason.text if event.reason is not None else ""
 
 
+def _chunk_events_of(st: DepotState, run: IndexEvent) -> list[bytes] | tuple[bytes, ...]:
+    """A Watch message's key_events: a STORED run's rows' (read now, from the pool or
+    a tier below); a REMOVED run's, taken as the rows went (their slots are gone)."""
+    if run.kind is EventKind.STORED:
+        return st.chunk_events(run.namespace, run.keys)
+    return run.chunk_events
+
+
 class DepotServicer(depot_pb2_grpc.DepotServicer):
     def __init__(self, state: DepotState) -> None:
         self.state = state
@@ -237,11 +245,7 @@ class DepotServicer(depot_pb2_grpc.DepotServicer):
                         reason=event_reason(run),
                         boot_id=st.boot_id,
                         tier=WATCH_TIERS[run.tier],
-                        key_events=(
-                            st.chunk_events(namespace_id, run.keys)
-                            if with_events and run.kind is EventKind.STORED
-                            else ()
-                        ),
+                        key_events=_chunk_events_of(st, run) if with_events else (),
                     )
                 log.warning(
                     "a watcher of %s fell behind; resending a snapshot", request.namespace_id

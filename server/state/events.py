@@ -56,14 +56,29 @@ class Watcher:
             return None
         first = q.popleft()
         keys = list(first.keys)
+        # Chunk events ride with their keys (REMOVED events'), b"" for a key without.
+        chunk_events = _padded(first)
         run = (first.kind, first.reason, first.tier)
         while q and len(keys) < max_keys and (q[0].kind, q[0].reason, q[0].tier) == run:
-            keys.extend(q.popleft().keys)
+            event = q.popleft()
+            keys.extend(event.keys)
+            chunk_events.extend(_padded(event))
         if len(keys) > max_keys:
-            q.appendleft(replace(first, keys=tuple(keys[max_keys:])))
+            rest = tuple(chunk_events[max_keys:]) if any(chunk_events[max_keys:]) else ()
+            q.appendleft(replace(first, keys=tuple(keys[max_keys:]), chunk_events=rest))
             del keys[max_keys:]
+            del chunk_events[max_keys:]
         self.queued_keys -= len(keys)
-        return replace(first, keys=tuple(keys))
+        return replace(
+            first,
+            keys=tuple(keys),
+            chunk_events=tuple(chunk_events) if any(chunk_events) else (),
+        )
+
+
+def _padded(event: IndexEvent) -> list[bytes]:
+    """The event's chunk events, one per key (b"" where it carries none)."""
+    return list(event.chunk_events) if event.chunk_events else [b""] * len(event.keys)
 
 
 class EventBus:

@@ -211,3 +211,77 @@ def test_disk_tier_events_and_a_promotion_are_complete_too(
     late.wait_ready(keys)
     late.wait_until(lambda: len(stored_on(late, seen_late, "CPU")) >= len(keys), what="late")
     assert sorted(map(payload, stored_on(late, seen_late, "CPU").values())) == expected
+
+
+def test_other_engines_chunks_cost_one_steps_memory(daemon_factory, make_engine) -> None:
+    """B lends its tracker A's chunk events for the step that translates them, then
+    takes them back: B holds at most one step's (not the N chunks A stored), while
+    its published events, removals included, still equal A's."""
+    d = daemon_factory("--pool-size", "64MiB")
+    opts = dict(
+        socket=d.target,
+        num_gpu_blocks=64,
+        enable_kv_events=True,
+        blocks_per_chunk=1,
+        extra_config=SELF_DESCRIBING,
+    )
+    a, b = make_engine(**opts), make_engine(**opts)
+    a.wait_registered()
+    b.wait_registered()
+    seen_a = recorder(a)
+    table = b.scheduler_connector._chunk_tracker._pending_event_metadata
+    seen_b: list = []
+    held_after_drain: list[tuple[int, int]] = []  # (tracker entries, events in the drain)
+    take_events = b.scheduler_connector.take_events
+
+    def drained() -> list:
+        events = list(take_events())
+        seen_b.extend(events)
+        held_after_drain.append((len(table), len(events)))
+        return events
+
+    b.scheduler_connector.take_events = drained
+
+    # A stores N chunks over three requests; B drains its events between them.
+    all_keys: list[bytes] = []
+    for seed in (31, 32, 33):
+        prompt = prompt_for(seed, 96)
+        keys = a.offload_keys(prompt)
+        a.generate([prompt])
+        a.wait_ready(keys)
+        all_keys += keys
+        want = len(all_keys)
+        b.wait_until(lambda w=want: len(stored_cpu(b, seen_b)) >= w, what="B's events")
+    n = len(all_keys)
+    assert n >= 15
+    a.wait_until(lambda: len(stored_cpu(a, seen_a)) >= n, what="A's events")
+    own = stored_cpu(a, seen_a)
+    assert sorted(map(payload, stored_cpu(b, seen_b).values())) == sorted(
+        map(payload, own.values())
+    )
+    # Each drain left at most what its own events named, never the N chunks; one
+    # drain later, nothing (B stored and looked up nothing itself).
+    assert all(held <= named for held, named in held_after_drain), held_after_drain
+    assert max(held for held, _ in held_after_drain) < n
+    b.scheduler_connector.take_events()
+    assert len(table) == 0
+
+    # Removed: B's BlockRemoved name every hash A's stores named, from the REMOVED
+    # events' chunk events, and B's tracker is empty again.
+    res = a.manager._client.admin.Evict(
+        admin_pb2.EvictRequest(namespace_id=a.manager.namespace_id, keys=all_keys)
+    )
+    assert res.evicted_blocks == n
+    all_hashes = {h for hashes in own for h in hashes}
+
+    def removed() -> set:
+        b.scheduler_connector.take_events()
+        return {
+            h for e in seen_b if isinstance(e, BlockRemoved) and e.medium == "CPU"
+            for h in e.block_hashes
+        }  # fmt: skip
+
+    b.wait_until(lambda: removed() >= all_hashes, what="B's removals")
+    assert removed() == all_hashes
+    b.scheduler_connector.take_events()
+    assert len(table) == 0
