@@ -95,6 +95,18 @@ def _memory_path(key: str, raw: Any) -> str:
     return value
 
 
+EVICTION_POLICIES = ("lru", "arc")  # vLLM's CPU tier's names, and the daemon's
+
+
+def _policy(key: str, raw: Any) -> str:
+    value = str(raw).lower()
+    if value and value not in EVICTION_POLICIES:
+        raise ValueError(
+            f"{_where(key)} must be one of {', '.join(EVICTION_POLICIES)}; got {value!r}"
+        )
+    return value
+
+
 def _key(name: str, default: Any, parse: Callable[[str, Any], Any], env: str = "") -> Any:
     """A `DepotSettings` field read from key `name` (default: the environment variable
     `env` where it is set, else the key's default, parsed)."""
@@ -137,6 +149,10 @@ class DepotSettings:
         it was offered this many times (by this engine; values below 2: at once).
     max_tracker_size: vLLM's own key: how many chunks' offers store_threshold
         counts, the least recently offered forgotten first.
+    eviction_policy: vLLM's own key ("lru" or "arc"), the policy this engine expects
+        of the pool. The pool is the node's, so its policy is the daemon's
+        (`kvdepot serve --eviction-policy`): the connector says so when they differ.
+        "" (the default): whatever the daemon runs.
     """
 
     socket: str = _key("kvdepot_socket", DEFAULT_SOCKET, _socket)
@@ -157,6 +173,7 @@ class DepotSettings:
 
     store_threshold: int = _key("store_threshold", 0, _whole(0))
     max_tracker_size: int = _key("max_tracker_size", 64_000, _whole(1))
+    eviction_policy: str = _key("eviction_policy", "", _policy)
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any]) -> DepotSettings:

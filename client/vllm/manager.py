@@ -187,6 +187,7 @@ class KVDepotOffloadingManager(OffloadingManager):
         # once per namespace, not per call).
         self._on_shards = self._shard_namespaces(namespace_id)
         self._shards_said = False  # a shard count mismatch was logged
+        self._policy_said = False  # an eviction policy mismatch was logged
         self._unpins = [UnpinSender(c) for c in self._clients]
         self._remote = RemotePrefetch(
             self._clients,
@@ -236,6 +237,24 @@ class KVDepotOffloadingManager(OffloadingManager):
         if shard == 0:
             self._remote.on_session(self._client.hello)
             self._check_shards()
+            self._check_policy()
+
+    def _check_policy(self) -> None:
+        """Says so (once) when this engine's `eviction_policy` is not the pool's: the
+        pool is the node's, its policy the daemon's (an older daemon names none)."""
+        hello, wanted = self._client.hello, self._settings.eviction_policy
+        running = hello.eviction_policy if hello is not None else ""
+        if not wanted or not running or wanted == running or self._policy_said:
+            return
+        self._policy_said = True
+        log.warning(
+            "kvdepot: eviction_policy is %r, but the pool at %s is the node's and evicts by "
+            "%r (kvdepot serve --eviction-policy %s to change it for every engine)",
+            wanted,
+            self._settings.socket,
+            running,
+            wanted,
+        )
 
     def _check_shards(self) -> None:
         """Says so (once) when the daemon runs another number of shards than the engine

@@ -150,6 +150,7 @@ class DepotServicer(depot_pb2_grpc.DepotServicer):
                     remote_tier=st.has_tier_below,
                     shard=st.config.shard,
                     shard_count=st.config.shards,
+                    eviction_policy=st.config.eviction_policy,
                 )
             )
             # Ends at shutdown, or when the daemon ends the session itself (evicted

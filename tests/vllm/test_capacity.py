@@ -119,3 +119,26 @@ def test_store_threshold_2_stores_a_chunk_on_its_second_offer(small_pool, make_e
     engine.reset_gpu_prefix_cache()
     [third] = engine.generate([p])
     assert third.external_tokens == 10 * CHUNK_TOKENS
+
+
+def test_an_engines_eviction_policy_is_the_pools_or_it_says_so(
+    daemon_factory, make_engine, caplog
+) -> None:
+    """vLLM's `eviction_policy` key: the pool is the node's, its policy the daemon's; an
+    engine that expects another says so once (naming the daemon's setting), one that
+    expects the daemon's or names none says nothing, and a name vLLM has not is refused."""
+    caplog.set_level("WARNING", logger="kvdepot.vllm.manager")
+    d = daemon_factory("--pool-size", POOL, "--eviction-policy", "arc")
+    said = []
+    for wanted in ("lru", "arc", ""):
+        caplog.clear()
+        engine = make_engine(socket=d.target, extra_config={"eviction_policy": wanted}, **ENGINE)
+        engine.wait_registered()
+        assert engine.manager._client.hello.eviction_policy == "arc"
+        said.append([r.getMessage() for r in caplog.records if "eviction_policy" in r.getMessage()])
+        engine.shutdown()
+    assert len(said[0]) == 1 and "evicts by 'arc'" in said[0][0], said
+    assert "--eviction-policy lru" in said[0][0]
+    assert said[1:] == [[], []]
+    with pytest.raises(ValueError, match=r"eviction_policy.*must be one of lru, arc"):
+        make_engine(socket=d.target, extra_config={"eviction_policy": "fifo"})

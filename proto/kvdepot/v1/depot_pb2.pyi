@@ -44,7 +44,7 @@ class SessionEvent(_message.Message):
     def __init__(self, hello: _Optional[_Union[SessionHello, _Mapping]] = ..., keepalive: _Optional[_Union[SessionKeepalive, _Mapping]] = ...) -> None: ...
 
 class SessionHello(_message.Message):
-    __slots__ = ("session_id", "boot_id", "version", "pool_capacity_bytes", "max_job_keys", "fd_socket", "remote_tier", "shard", "shard_count")
+    __slots__ = ("session_id", "boot_id", "version", "pool_capacity_bytes", "max_job_keys", "fd_socket", "remote_tier", "shard", "shard_count", "eviction_policy")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     BOOT_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -54,6 +54,7 @@ class SessionHello(_message.Message):
     REMOTE_TIER_FIELD_NUMBER: _ClassVar[int]
     SHARD_FIELD_NUMBER: _ClassVar[int]
     SHARD_COUNT_FIELD_NUMBER: _ClassVar[int]
+    EVICTION_POLICY_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     boot_id: str
     version: str
@@ -63,7 +64,8 @@ class SessionHello(_message.Message):
     remote_tier: bool
     shard: int
     shard_count: int
-    def __init__(self, session_id: _Optional[str] = ..., boot_id: _Optional[str] = ..., version: _Optional[str] = ..., pool_capacity_bytes: _Optional[int] = ..., max_job_keys: _Optional[int] = ..., fd_socket: _Optional[str] = ..., remote_tier: _Optional[bool] = ..., shard: _Optional[int] = ..., shard_count: _Optional[int] = ...) -> None: ...
+    eviction_policy: str
+    def __init__(self, session_id: _Optional[str] = ..., boot_id: _Optional[str] = ..., version: _Optional[str] = ..., pool_capacity_bytes: _Optional[int] = ..., max_job_keys: _Optional[int] = ..., fd_socket: _Optional[str] = ..., remote_tier: _Optional[bool] = ..., shard: _Optional[int] = ..., shard_count: _Optional[int] = ..., eviction_policy: _Optional[str] = ...) -> None: ...
 
 class SessionKeepalive(_message.Message):
     __slots__ = ("uptime_seconds",)
