@@ -406,33 +406,27 @@ def test_the_bench_is_its_own_program_and_kvdepot_bench_hands_on_to_it(
 # -- the node series (`kvdepot bench --node`) ---------------------------------------------
 
 
+def run_node_bench(args: list[str], timeout: float) -> tuple[dict, str]:
+    """`kvdepot bench --node --quick --json --quiet ARGS` as a subprocess: its figures
+    and what it printed on stderr (the table)."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvdepot.server.cli", "bench", "--node", "--quick", "--json",
+         "--quiet", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )  # fmt: skip
+    assert proc.returncode == 0, f"bench --node failed ({proc.returncode}):\n{proc.stderr[-4000:]}"
+    return json.loads(proc.stdout), proc.stderr
+
+
 def test_node_series_runs_one_and_two_daemon_shards() -> None:
     """A short `kvdepot bench --node --quick` (the 70B-like geometry cut to 8 layers and
     TP=2, 2 engines): a row per shard count and direction, with the jobs' rate and the
     CPU the daemons and engines spent, read from /proc (figures, no speed threshold)."""
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "kvdepot.server.cli",
-            "bench",
-            "--node",
-            "--quick",
-            "--json",
-            "--quiet",
-            "--node-geometry",
-            "70b-tp8",
-            "--node-engines",
-            "2",
-            "--node-shards",
-            "1,2",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
+    result, table = run_node_bench(
+        ["--node-geometry", "70b-tp8", "--node-engines", "2", "--node-shards", "1,2"], 120
     )
-    assert proc.returncode == 0, f"bench --node failed ({proc.returncode}):\n{proc.stderr[-4000:]}"
-    result = json.loads(proc.stdout)
     rows = result["node_ceiling"]
     assert sorted((r["shards"], r["direction"]) for r in rows) == [
         (1, "load"),
@@ -462,7 +456,6 @@ def test_node_series_runs_one_and_two_daemon_shards() -> None:
         assert isinstance(r["dropped_keys"], int) and r["dropped_keys"] >= 0
         assert r["shards_used"] == r["shards"]  # TP=2 on 1 or 2 shards: every one
     assert info["skipped"] == []
-    table = proc.stderr
     assert "kvdepot bench --node" in table and "rank jobs/s" in table
     assert len([line for line in table.splitlines() if line.startswith(" 70b-tp8")]) == 4
 
@@ -508,16 +501,8 @@ def test_node_series_stores_a_replicated_mla_row_once_at_every_tp() -> None:
     layers): an MLA row is one section (8 layers x 16 tokens x 576 bf16 values), the same
     in the pool at TP=1 and TP=2, copied in once per chunk however many ranks store it and
     out once per rank. A section per rank, as kvdepot stored MLA before, doubles both."""
-    proc = subprocess.run(
+    result, table = run_node_bench(
         [
-            sys.executable,
-            "-m",
-            "kvdepot.server.cli",
-            "bench",
-            "--node",
-            "--quick",
-            "--json",
-            "--quiet",
             "--node-geometry",
             "deepseek-v3-tp8,deepseek-v3-tp8-sections",
             "--node-tp",
@@ -527,12 +512,8 @@ def test_node_series_stores_a_replicated_mla_row_once_at_every_tp() -> None:
             "--node-shards",
             "1",
         ],
-        capture_output=True,
-        text=True,
-        timeout=180,
+        180,
     )
-    assert proc.returncode == 0, f"bench --node failed ({proc.returncode}):\n{proc.stderr[-4000:]}"
-    result = json.loads(proc.stdout)
     section = 8 * 16 * 576 * 2
     rows = {(r["geometry"], r["tp"], r["direction"]): r for r in result["node_ceiling"]}
     assert len(rows) == 8
@@ -550,7 +531,7 @@ def test_node_series_stores_a_replicated_mla_row_once_at_every_tp() -> None:
         # rank loads its section.
         copied = row if direction == "store" else tp * section
         assert r["copied_bytes_per_chunk"] == pytest.approx(copied, rel=0.05), r
-    assert "DeepSeek-V3-like MLA" in proc.stderr and "one section a row" in proc.stderr
+    assert "DeepSeek-V3-like MLA" in table and "one section a row" in table
 
 
 def test_node_series_refuses_a_tp_the_heads_do_not_split_over() -> None:
