@@ -122,10 +122,11 @@ def test_oversized_jobs_are_refused_before_anything_is_built(
         f"attack ({len(loud)} Lookups; max {max(loud):.1f} ms); attacker got {codes}"
     )
     assert set(codes) == REFUSED[shape] and sum(codes.values()) >= 2, codes
-    # Generous: the machine is shared; before, the ratio was 800 (4 Mi ids) and 300
-    # (1.2 Mi). A session streaming jobs of 1.2 MB as fast as it can still costs grpc's
-    # receiving them (about 500 MB/s here): more room for that one.
-    slack = 30 if shape == "session-bound" else 10
+    # Generous: the machine is shared (a loaded 2-CPU VM went over 10 ms of noise);
+    # before, the attacks cost the victim about 1,000 ms (4 Mi ids) and 400 ms (1.2 Mi).
+    # A session streaming jobs of 1.2 MB as fast as it can still costs grpc's receiving
+    # them (about 500 MB/s here): more room for that one.
+    slack = 100 if shape == "session-bound" else 50
     assert p50(loud) < max(5 * p50(quiet), p50(quiet) + slack), (quiet, loud)
     assert victim.round_trips()
     victim.client.close()
