@@ -82,7 +82,8 @@ def test_reopening_watch_streams_on_a_large_namespace_does_not_hold_the_loop(
     )
     assert counts.get("first_message", 0) >= 50, counts  # the attack ran
     base = statistics.median(quiet_full)
-    assert statistics.median(loud) < max(5 * base, base + 10), (quiet_full, loud)
+    # 20 ms of room for a loaded machine: the attack cost the victim about 49 ms.
+    assert statistics.median(loud) < max(5 * base, base + 20), (quiet_full, loud)
     assert victim.round_trips()
 
 
