@@ -20,8 +20,8 @@ The façade: every RPC the client library makes is made here, and every
 `RegisterKVRequest` is built by `_register_request` (a registration on any memory
 path, `register_memory`; an observer join, `join`). The other modules ask: the
 memory paths (kvdepot.client.cuda_ipc, kvdepot.client.pvm) call `register_memory`,
-the lanes `open_lane`, and the stream modules open their calls with `_open_session`,
-`_open_watch` and `_open_transfer` (tests/test_client_rpcs.py checks that no other
+the lanes `open_lane`, and the stream modules open their calls with `open_session_call`,
+`open_watch_call` and `open_transfer_call` (tests/test_client_rpcs.py checks that no other
 module of the client calls a stub).
 
 Threads and ownership: the unary calls, `join`, `watch`, `transfer_stream`, `start`
@@ -29,8 +29,8 @@ and `close` are called from any thread. The client owns three channels: the sync
 one (unary calls and the Transfer streams, kvdepot.client.transfer_stream); the
 `grpc.aio` one of its long-lived streams, Session and Watch (kvdepot.client.watch),
 held by its `SessionKeeper` (kvdepot.client.session) and used only on the process's
-stream loop thread (kvdepot.client.stream_loop), where `_open_session`, `_open_watch`,
-`_join_async` and `_rejoin` run; and the operator socket's, opened on first use of
+stream loop thread (kvdepot.client.stream_loop), where `open_session_call`, `open_watch_call`,
+`join_async` and `rejoin` run; and the operator socket's, opened on first use of
 `admin` (under `_lock`). `close` ends all three. The joined namespaces are kept by
 `Memberships` (kvdepot.client.session), under a lock of their own.
 """
@@ -321,7 +321,7 @@ class DepotClient:
         self.stub.RegisterKV(_register_request(session_id, observer), timeout=timeout)
         self._memberships.mark_joined(session_id, namespace_id)
 
-    async def _join_async(
+    async def join_async(
         self, stub: depot_pb2_grpc.DepotStub, session_id: str, namespace_id: str
     ) -> None:
         """`join` on the stream loop (a Watch stream's first step)."""
@@ -335,11 +335,11 @@ class DepotClient:
             )
             self._memberships.mark_joined(session_id, namespace_id)
 
-    async def _rejoin(self, stub: depot_pb2_grpc.DepotStub, session_id: str) -> None:
+    async def rejoin(self, stub: depot_pb2_grpc.DepotStub, session_id: str) -> None:
         """Joins every remembered namespace in the new session `session_id`."""
         for namespace_id in self._memberships.new_session(session_id):
             try:
-                await self._join_async(stub, session_id, namespace_id)
+                await self.join_async(stub, session_id, namespace_id)
             except grpc.RpcError as exc:  # its calls join again (or say why not)
                 log.warning("kvdepot: could not join namespace %s again: %s", namespace_id, exc)
 
@@ -485,7 +485,7 @@ class DepotClient:
     # -- the streams' calls (opened here for kvdepot.client.session, .watch, and
     # .transfer_stream, which own and read them) ---------------------------------------
 
-    def _open_session(
+    def open_session_call(
         self, stub: depot_pb2_grpc.DepotStub, ticket: str = ""
     ) -> grpc.aio.UnaryStreamCall:
         """The Session call; `ticket` (kvdepot.client.fdpass.ticket_async) makes the
@@ -507,7 +507,7 @@ class DepotClient:
                 return self.target[len(prefix) :] + ".fd"
         return ""
 
-    def _open_watch(
+    def open_watch_call(
         self,
         stub: depot_pb2_grpc.DepotStub,
         session_id: str,
@@ -521,7 +521,7 @@ class DepotClient:
             metadata=session_metadata(session_id),
         )
 
-    def _open_transfer(
+    def open_transfer_call(
         self, requests: Iterator[depot_pb2.TransferJob], session_id: str
     ) -> grpc.Future:  # also an iterator of TransferResults
         return self.stub.Transfer(requests, metadata=session_metadata(session_id))
@@ -539,7 +539,7 @@ class DepotClient:
         never waits on the daemon). `key_events`: STORED and SNAPSHOT events carry
         the stores' chunk events (WatchRequest.key_events)."""
         self._memberships.remember(namespace_id)
-        return Watch(self, namespace_id, on_event, key_events).start()
+        return Watch(self, self._session, namespace_id, on_event, key_events).start()
 
     def transfer_stream(
         self, job_lane: bool | None = None, *, open_lane_now: bool = True

@@ -25,7 +25,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import grpc
 
@@ -34,9 +34,6 @@ from kvdepot.client.job_codec import result_from_bytes, results_from_bytes
 from kvdepot.common.jobs import JobResult
 from kvdepot.common.lane_protocol import ClientLaneProtocol, JobCalls, LaneOpening
 from kvdepot.v1 import depot_pb2
-
-if TYPE_CHECKING:
-    from kvdepot.client.depot_client import DepotClient
 
 log = logging.getLogger("kvdepot.client")
 
@@ -53,6 +50,28 @@ SYNC_OPEN_TIMEOUT = 0.5
 def enabled_by_env() -> bool:
     """False when KVDEPOT_JOB_LANE is 0/false/no/off."""
     return os.environ.get(ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+class LaneOwner(Protocol):
+    """What a lane asks of its client (DepotClient, which makes every RPC); any thread."""
+
+    @property
+    def hello(self) -> depot_pb2.SessionHello | None: ...
+
+    @property
+    def connected(self) -> bool: ...
+
+    @property
+    def session_id(self) -> str: ...
+
+    def open_lane(
+        self,
+        session_id: str,
+        fd_token: str,
+        kind: depot_pb2.LaneKind,
+        timeout: float,
+        batched: bool = False,
+    ) -> depot_pb2.OpenJobLaneResponse: ...
 
 
 class LaneUnavailable(RuntimeError):
@@ -90,7 +109,7 @@ class ClientLane:
     @classmethod
     def open(
         cls,
-        client: DepotClient,
+        client: LaneOwner,
         session_id: str,
         timeout: float = OPEN_TIMEOUT,
         kind: depot_pb2.LaneKind = depot_pb2.LANE_TRANSFER_JOBS,
@@ -200,7 +219,7 @@ class LaneKeeper:
 
     def __init__(
         self,
-        client: DepotClient,
+        client: LaneOwner,
         lock: threading.Condition,
         wanted: bool,
         deliver: Callable[[JobResult, int], None],

@@ -37,14 +37,17 @@ import logging
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-from kvdepot.client.job_lane import ClientLane, LaneUnavailable, enabled_by_env, follow_opening
+from kvdepot.client.job_lane import (
+    ClientLane,
+    LaneOwner,
+    LaneUnavailable,
+    enabled_by_env,
+    follow_opening,
+)
 from kvdepot.common.lane_protocol import LaneOpening, PinCalls
 from kvdepot.v1 import depot_pb2
-
-if TYPE_CHECKING:
-    from kvdepot.client.depot_client import DepotClient
 
 log = logging.getLogger("kvdepot.client")
 
@@ -53,6 +56,12 @@ log = logging.getLogger("kvdepot.client")
 # socket buffers the kernel allows by default (net.core.wmem_max) and the daemon's
 # per-call key limit.
 UNPIN_KEYS_PER_DATAGRAM = 1024
+
+
+class PinLaneOwner(LaneOwner, Protocol):
+    """What the pin and unpin lanes ask of their client beyond a lane's."""
+
+    def joined(self, namespace_id: str, session_id: str) -> bool: ...
 
 
 class PinTimeout(TimeoutError):
@@ -67,7 +76,7 @@ class SessionLane:
     kind: depot_pb2.LaneKind
     noun: str  # in log lines
 
-    def __init__(self, client: DepotClient, retry_s: float = 5.0) -> None:
+    def __init__(self, client: PinLaneOwner, retry_s: float = 5.0) -> None:
         self._client = client
         self._opening = LaneOpening(retry_s, wanted=enabled_by_env())
         self._lock = threading.Lock()
@@ -157,7 +166,7 @@ class PinLane(SessionLane):
     kind = depot_pb2.LANE_PINS
     noun = "pin"
 
-    def __init__(self, client: DepotClient, retry_s: float = 5.0) -> None:
+    def __init__(self, client: PinLaneOwner, retry_s: float = 5.0) -> None:
         super().__init__(client, retry_s)
         self.lane_pins = 0  # pins answered on the lane (tests, benchmarks)
         # The lane the calls owed an answer went on (None: none owed). Its PinCalls
@@ -298,7 +307,7 @@ class UnpinLane(SessionLane):
     kind = depot_pb2.LANE_UNPINS
     noun = "unpin"
 
-    def __init__(self, client: DepotClient, retry_s: float = 5.0) -> None:
+    def __init__(self, client: PinLaneOwner, retry_s: float = 5.0) -> None:
         super().__init__(client, retry_s)
         self.lane_unpins = 0  # unpin calls sent on the lane (tests, benchmarks)
         self.lane_touches = 0  # touch datagrams sent on the lane (tests, benchmarks)

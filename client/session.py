@@ -30,7 +30,7 @@ import asyncio
 import logging
 import threading
 from collections.abc import Callable, Coroutine, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import grpc
 
@@ -38,9 +38,6 @@ from kvdepot.client.fdpass import FdPassError, attest_async, ticket_async
 from kvdepot.client.stream_loop import StreamLoop
 from kvdepot.common.backoff import Backoff
 from kvdepot.v1 import depot_pb2, depot_pb2_grpc
-
-if TYPE_CHECKING:
-    from kvdepot.client.depot_client import DepotClient
 
 log = logging.getLogger("kvdepot.client")
 
@@ -82,12 +79,29 @@ class Memberships:
             return list(self._remembered)
 
 
+class SessionOwner(Protocol):
+    """What a keeper asks of its client (DepotClient, which makes every RPC): the
+    calls below run on the stream loop thread."""
+
+    target: str
+    keepalive_timeout: float
+
+    @property
+    def fd_socket_guess(self) -> str: ...
+
+    def open_session_call(
+        self, stub: depot_pb2_grpc.DepotStub, ticket: str = ""
+    ) -> grpc.aio.UnaryStreamCall: ...
+
+    async def rejoin(self, stub: depot_pb2_grpc.DepotStub, session_id: str) -> None: ...
+
+
 class SessionKeeper:
     """The Session stream of one client and the client's tasks on the stream loop."""
 
     def __init__(
         self,
-        client: DepotClient,
+        client: SessionOwner,
         channel_options: Sequence[tuple[str, Any]],
         backoff_initial: float,
         backoff_max: float,
@@ -217,7 +231,7 @@ class SessionKeeper:
         assert stub is not None and ready is not None
         backoff = Backoff(*self._backoff, jitter=True)
         while True:
-            call = client._open_session(stub, await self._ticket())
+            call = client.open_session_call(stub, await self._ticket())
             try:
                 while True:
                     try:
@@ -237,7 +251,7 @@ class SessionKeeper:
                             break  # the daemon refused this process the session: retry
                         # Before anyone sees the session: Watch streams and lanes
                         # restart in it only once their namespaces are joined again.
-                        await client._rejoin(stub, event.hello.session_id)
+                        await client.rejoin(stub, event.hello.session_id)
                         backoff.reset()
                         self._opened(event.hello)
             except grpc.RpcError as exc:

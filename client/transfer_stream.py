@@ -29,22 +29,26 @@ import queue
 import threading
 import time
 from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import grpc
 
 from kvdepot.client.job_codec import job_to_proto, result_from_proto
-from kvdepot.client.job_lane import LaneKeeper
+from kvdepot.client.job_lane import LaneKeeper, LaneOwner
 from kvdepot.client.job_lane import enabled_by_env as job_lane_enabled_by_env
 from kvdepot.client.session import DepotUnavailable
 from kvdepot.common.jobs import Job, JobResult
 from kvdepot.v1 import depot_pb2
 
-if TYPE_CHECKING:
-    from kvdepot.client.depot_client import DepotClient
-
-
 _STREAM_END = object()
+
+
+class TransferOwner(LaneOwner, Protocol):
+    """What a stream asks of its client (DepotClient) beyond its lane's: the call."""
+
+    def open_transfer_call(
+        self, requests: Iterator[depot_pb2.TransferJob], session_id: str
+    ) -> grpc.Future: ...
 
 
 class TransferStream:
@@ -64,7 +68,7 @@ class TransferStream:
     """
 
     def __init__(
-        self, client: DepotClient, job_lane: bool | None = None, *, open_lane_now: bool = True
+        self, client: TransferOwner, job_lane: bool | None = None, *, open_lane_now: bool = True
     ) -> None:
         self.client = client
         self._lock = threading.Condition()
@@ -115,7 +119,7 @@ class TransferStream:
         q: queue.SimpleQueue[object] = queue.SimpleQueue()
         self._generation += 1
         generation = self._generation
-        call = self._call = self.client._open_transfer(self._requests_iter(q), session_id)
+        call = self._call = self.client.open_transfer_call(self._requests_iter(q), session_id)
         threading.Thread(
             target=self._read, args=(call, q, generation), name="kvdepot-transfer", daemon=True
         ).start()

@@ -93,8 +93,8 @@ def test_register_kv_request_is_built_once() -> None:
         # An aio stub handed to a stream module, called there.
         (
             "watch.py",
-            "call = client._open_watch(",
-            "call = stub.Watch(request) or client._open_watch(",
+            "call = client.open_watch_call(",
+            "call = stub.Watch(request) or client.open_watch_call(",
         ),
     ],
 )
