@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     serve_p = sub.add_parser("serve", help="run the daemon")
     add_serve_arguments(serve_p)
 
-    from kvdepot.server.status import add_status_arguments, run_status
+    from kvdepot.server.status.command import add_status_arguments, run_status
 
     add_status_arguments(sub.add_parser("status", help="show the running daemon's state"))
 

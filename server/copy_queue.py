@@ -47,9 +47,13 @@ from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 from kvdepot.server import errors
-from kvdepot.server.status_copies import STALLED_COPY_SECONDS
 
 log = logging.getLogger("kvdepot.copy")
+
+# A copy takes milliseconds; one running this long is stalled (a GPU's DMA that never
+# ends holds its thread). While every thread of a set holds such a copy, the queue
+# fails that set's queued and new jobs; `kvdepot status` reports it (status/copies.py).
+STALLED_COPY_SECONDS = 5.0
 
 
 @dataclasses.dataclass
@@ -66,7 +70,6 @@ class CopyTimes:
 
 
 class CopyQueue:
-    # A copy takes milliseconds: one running this long holds its thread, maybe for good.
     stall_seconds = STALLED_COPY_SECONDS
 
     def __init__(

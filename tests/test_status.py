@@ -256,7 +256,7 @@ def test_socket_from_the_environment_and_serve_default(daemon_factory: DaemonFac
     import argparse
 
     from kvdepot.server.config import default_socket_path
-    from kvdepot.server.status import add_status_arguments
+    from kvdepot.server.status.command import add_status_arguments
 
     env = {k: v for k, v in os.environ.items() if k != "KVDEPOT_SOCKET"}
     parser = argparse.ArgumentParser()

@@ -19,7 +19,7 @@ def _screen(report: dict[str, Any]) -> str:
     """The screen `kvdepot status` prints for `report`, WIDTH columns wide."""
     from rich.console import Console
 
-    from kvdepot.server.status_render import render
+    from kvdepot.server.status.render import render
 
     console = Console(width=WIDTH)
     with console.capture() as cap:
@@ -61,8 +61,8 @@ def test_older_daemon_without_job_and_pin_counters(guide_daemon: DaemonProcess) 
     """A daemon that predates the job, block and pin counters: shown without them."""
     from rich.console import Console
 
-    from kvdepot.server.status_render import render
-    from kvdepot.server.status_report import OPTIONAL_COUNTERS, Sample, build_report
+    from kvdepot.server.status.render import render
+    from kvdepot.server.status.report import OPTIONAL_COUNTERS, Sample, build_report
 
     older = _stats_class({}, drop=OPTIONAL_COUNTERS)
     ch, stub = admin(guide_daemon)
@@ -87,7 +87,7 @@ def test_remote_tier_and_unknown_fields(guide_daemon: DaemonProcess) -> None:
     reading plus values)."""
     from google.protobuf.descriptor_pb2 import FieldDescriptorProto as F
 
-    from kvdepot.server.status_report import Sample, build_report
+    from kvdepot.server.status.report import Sample, build_report
 
     off = status_json(guide_daemon.socket_path, "--interval", "0")
     if off["remote"] is not None:  # a daemon with a remote tier, started without one
@@ -132,7 +132,7 @@ def test_gpu_copy_threads_line(guide_daemon: DaemonProcess) -> None:
     """Once GPUs have registered, the numa part says how many copy threads each has of its
     own; a daemon older than --gpu-copy-threads shows none."""
 
-    from kvdepot.server.status_report import Sample, build_report
+    from kvdepot.server.status.report import Sample, build_report
 
     ch, stub = admin(guide_daemon)
     with ch:
@@ -168,7 +168,7 @@ def test_copies_line_reads_busy_share_and_wait_over_the_interval(
     naming its threads. One reading: the same since start. A daemon before the
     copy-time fields: no line."""
 
-    from kvdepot.server.status_report import Sample, build_report
+    from kvdepot.server.status.report import Sample, build_report
 
     ch, stub = admin(guide_daemon)
     with ch:
@@ -226,7 +226,7 @@ def test_event_loop_line_reads_its_share_of_a_core_and_says_when_to_shard(
     to run more shards. One reading: 4.9 s of CPU in 12 s since start, 41%, no hint. A
     daemon that does not count it (0, or a version before the field): no line."""
 
-    from kvdepot.server.status_report import Sample, build_report
+    from kvdepot.server.status.report import Sample, build_report
 
     ch, stub = admin(guide_daemon)
     with ch:

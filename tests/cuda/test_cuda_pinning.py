@@ -113,8 +113,8 @@ def test_page_locking_is_reported_apart_from_warmup(state: DepotState) -> None:
     from rich.console import Console
 
     from kvdepot.server.metrics import Metrics
-    from kvdepot.server.status_render import render
-    from kvdepot.server.status_report import Sample, build_report
+    from kvdepot.server.status.render import render
+    from kvdepot.server.status.report import Sample, build_report
     from kvdepot.v1 import admin_pb2
 
     def report() -> dict:

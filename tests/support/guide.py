@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvdepot.client import DepotClient
-from kvdepot.server.status_report import NUMA_FIELDS
+from kvdepot.server.status.report import NUMA_FIELDS
 from kvdepot.v1 import admin_pb2
 from kvdepot.v1 import depot_pb2 as pb
 from tests.support.daemon import DaemonProcess, connect

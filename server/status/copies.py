@@ -2,7 +2,7 @@
 for `kvdepot status`'s "copies" line (server/copy_queue.CopyTimes are what the daemon
 counts), and its event loop, for the "event loop" line. Together they say which limits
 the daemon: its copies or its control plane. Sans I/O: the readings in, plain dicts
-out; status_report puts them in the report.
+out; report.py puts them in the report.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from kvdepot.server.copy_queue import STALLED_COPY_SECONDS
 from kvdepot.v1 import admin_pb2
 
 # GetStats' fields of the copy threads' and the event loop's load.
@@ -25,11 +26,6 @@ THREAD_LOAD_FIELDS = (
     "gpu_copy_longest_running_seconds",
     "loop_cpu_seconds",
 )
-
-# A copy takes milliseconds; one running this long is reported as stalled (a GPU's DMA
-# that never ends holds its thread). While every thread of a set holds such a copy, the
-# daemon fails that set's queued and new jobs (server/copy_queue).
-STALLED_COPY_SECONDS = 5.0
 
 
 def copy_load(

@@ -1,4 +1,4 @@
-"""What `kvdepot status` shows: a report (kvdepot.server.status_report) rendered for
+"""What `kvdepot status` shows: a report (kvdepot.server.status.report) rendered for
 the screen with rich.
 
 `render(report)` is the whole screen: the pool with a bar (pinned ▓, used █, free ░),
@@ -15,7 +15,7 @@ from typing import Any
 
 from kvdepot.common.escape import escaped
 from kvdepot.server.sizes import format_size
-from kvdepot.server.status_report import REMOTE_COUNTERS, admin_socket_of, shard_sockets
+from kvdepot.server.status.report import REMOTE_COUNTERS, admin_socket_of, shard_sockets
 
 BAR_WIDTH = 40
 

@@ -32,7 +32,7 @@ from google.protobuf.message import Message
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvdepot.common.shards import shard_socket
-from kvdepot.server.status_copies import THREAD_LOAD_FIELDS, copy_load, loop_load
+from kvdepot.server.status.copies import THREAD_LOAD_FIELDS, copy_load, loop_load
 from kvdepot.v1 import admin_pb2, admin_pb2_grpc
 
 # GetStats' NUMA placement fields (`kvdepot serve --numa`): the "numa" line.

@@ -42,8 +42,8 @@ from typing import TYPE_CHECKING, Any
 
 from kvdepot.common.escape import escaped
 from kvdepot.server.config import default_socket_path
-from kvdepot.server.status_render import render
-from kvdepot.server.status_report import (
+from kvdepot.server.status.render import render
+from kvdepot.server.status.report import (
     Sample,
     Sampler,
     StatusError,
