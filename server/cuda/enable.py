@@ -27,7 +27,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Hashable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 from kvdepot.common import cuda_driver
@@ -36,7 +36,7 @@ from kvdepot.common.kinds import MemoryPath
 from kvdepot.server import errors
 from kvdepot.server.cuda.pinning import PoolPinner
 from kvdepot.server.cuda.senders import GpuUnknown, SenderGpus, SenderRefused
-from kvdepot.server.memory.paths import MemoryPaths
+from kvdepot.server.memory.paths import MemoryPaths, PassedFds
 from kvdepot.server.peer import Peer
 from kvdepot.server.sizes import format_size
 
@@ -58,12 +58,12 @@ class OwnedSession(Protocol):
     def owner(self) -> Peer | None: ...
 
 
-class CudaHost(MemoryPaths, Protocol):
+class CudaHost(MemoryPaths, PassedFds, Protocol):
     """What the CUDA path needs of the state (DepotState): a place to plug in, each
-    session's owner (the process the fd socket named), counted refusals."""
+    session's owner (the process the fd socket named), the fd socket's fds (a
+    sender's GPU device node) and counted refusals."""
 
     def session(self, session_id: str) -> OwnedSession: ...
-    def deny(self, message: str, key: Hashable = ...) -> errors.DepotError: ...
 
 
 class CudaPath:
@@ -85,14 +85,21 @@ class CudaPath:
         and only on a GPU that process holds open (kvdepot.server.cuda.senders):
         PERMISSION_DENIED, counted and logged, otherwise."""
         owner = self.host.session(session_id).owner
+        token = getattr(handle, "gpu_token", "")
 
         def admit(dev: ServedDevice) -> None:
+            node = self.host.claim_passed(token, session_id) if token else None
             try:
-                self.senders.check(owner, dev.info.pci_bus_id, dev.uuid)
+                self.senders.check(
+                    owner, dev.info.pci_bus_id, dev.uuid, node.fd if node is not None else None
+                )
             except SenderRefused as exc:
                 raise self.host.deny(f"cuda_ipc: {exc}", owner or "unattested") from None
             except GpuUnknown as exc:
                 raise errors.precondition(f"cuda_ipc: {exc}") from None
+            finally:
+                if node is not None:
+                    os.close(node.fd)
 
         return self.engine.open_region(handle, admit)
 

@@ -20,6 +20,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from kvdepot.bench.cuda_engine import CudaEngine, make_key
+from kvdepot.common.nvidia_gpus import device_minor, held_node
 from kvdepot.v1 import depot_pb2 as pb
 from tests.support.daemon import connect
 
@@ -98,6 +99,8 @@ def hold(args: argparse.Namespace) -> None:
                 # What another process could copy, and the device nodes this one holds.
                 "handle": region.ipc_handle.hex(),
                 "device_uuid": region.device_uuid,
+                # What register_cuda_kv sent as its proof of the GPU (gpu_token).
+                "node_fd": held_node(device_minor(eng.export.pci_bus_id, eng.export.device_uuid)),
                 "held_nodes": sorted(
                     os.readlink(f"/proc/self/fd/{fd}")
                     for fd in os.listdir("/proc/self/fd")

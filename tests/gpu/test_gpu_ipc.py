@@ -166,9 +166,10 @@ def test_garbage_handles_are_refused_and_the_daemon_survives(cuda_daemon) -> Non
 
 def test_a_handle_copied_by_a_process_without_the_gpu_is_refused(cuda_daemon) -> None:
     """The sender check on a real driver: an engine's CUDA context holds its GPU's
-    device node (the check's premise; the node names are printed for the record) and
-    its registration passes; its handle, sent by a process with no CUDA context (it
-    holds no /dev/nvidia<N>), is PERMISSION_DENIED naming the GPU and its minor."""
+    device node (the check's premise; the node names are printed for the record), its
+    registration sends that node (gpu_token) and passes; its handle, sent by a process
+    with no CUDA context (it holds no /dev/nvidia<N>, so the daemon's reading of its
+    open files finds none), is PERMISSION_DENIED naming the GPU and its minor."""
     from kvdepot.server.cuda.senders import SenderGpus
 
     d = cuda_daemon("--pool-size", "1GiB")
@@ -184,6 +185,7 @@ def test_a_handle_copied_by_a_process_without_the_gpu_is_refused(cuda_daemon) ->
         minor = SenderGpus().device_minor(info.pci_bus_id, rep["device_uuid"])
         print("GPU", rep["device_uuid"], info.pci_bus_id, "is device minor", minor)
         assert f"/dev/nvidia{minor}" in rep["held_nodes"], rep
+        assert rep["node_fd"] is not None, rep  # so its registration sent the node
         thief = subprocess.run(
             [
                 sys.executable,

@@ -48,15 +48,14 @@ def contents(minor: int) -> bytes:
 def main() -> int:
     from kvdepot.server import daemon
     from kvdepot.server.cli import main as cli_main
-    from kvdepot.server.cuda.senders import SenderGpus
-    from tests.support.fake_cuda import FakeDriver
+    from tests.support.fake_cuda import FakeDriver, FakeGpuHost
 
     root = Path(os.environ[HOST_ENV])
     drv = FakeDriver([DeviceInfo(m, parse_uuid(u), f"Fake H200 {m}", p) for m, u, p in GPUS])
     for minor, _, _ in GPUS:
         buf = (ctypes.c_char * ALLOC_BYTES).from_buffer_copy(contents(minor))
         drv.exports[handle_of(minor)] = buf
-    senders = SenderGpus(driver_root=root / "driver", dev_root=root / "dev")
+    senders = FakeGpuHost(root).senders
     daemon.enable_cuda = functools.partial(daemon.enable_cuda, driver=drv, senders=senders)
     return cli_main()
 

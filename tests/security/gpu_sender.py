@@ -1,10 +1,13 @@
 """A client process that registers a GPU's CUDA IPC handle, holding the device nodes
 it is told to (as a CUDA process holds its GPUs'), for tests/security/test_cuda_ipc.py.
 
-    python tests/security/gpu_sender.py --target T --handle HEX --uuid GPU-... [--hold PATH]...
+    python tests/security/gpu_sender.py --target T --handle HEX --uuid GPU-...
+        [--hold PATH]... [--send-node PATH]
 
 Opens a session of its own (kvdepot's client: attested, as any engine's), registers
-the handle's bytes and prints one JSON object: {"code", "message"} of RegisterKV.
+the handle's bytes (with `--send-node`, sending that file over the fd socket as its
+proof of the GPU, CudaIpcHandle.gpu_token) and prints one JSON object: {"code",
+"message"} of RegisterKV.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ if __package__ in (None, ""):  # run as a script
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from kvdepot.client import DepotClient
+from kvdepot.client.fdpass import send_fd
 from kvdepot.v1 import depot_pb2 as pb
 
 PAGE = 4096
@@ -29,9 +33,10 @@ EVENT = bytes(range(100, 164))  # the fake driver opens any event handle
 
 
 def register_gpu(
-    client: DepotClient, handle: bytes, uuid: str, namespace: str
+    client: DepotClient, handle: bytes, uuid: str, namespace: str, gpu_token: str = ""
 ) -> pb.RegisterKVResponse:
-    """RegisterKV of a fake GPU's whole allocation: one layer of BLOCKS pages."""
+    """RegisterKV of a fake GPU's whole allocation: one layer of BLOCKS pages;
+    `gpu_token`: the fd_token of a device node sent as the proof of the GPU."""
     return client.register_memory(
         pb.NamespaceLayout(
             id=namespace,
@@ -43,7 +48,11 @@ def register_gpu(
         [
             pb.MemoryRegion(
                 cuda_ipc=pb.CudaIpcHandle(
-                    ipc_handle=handle, device_uuid=uuid, size=BLOCKS * PAGE, event_handle=EVENT
+                    ipc_handle=handle,
+                    device_uuid=uuid,
+                    size=BLOCKS * PAGE,
+                    event_handle=EVENT,
+                    gpu_token=gpu_token,
                 )
             )
         ],
@@ -59,14 +68,21 @@ def main() -> None:
     p.add_argument("--handle", required=True)
     p.add_argument("--uuid", required=True)
     p.add_argument("--hold", action="append", default=[])
+    p.add_argument("--send-node")
     args = p.parse_args()
     held = [os.open(path, os.O_RDONLY) for path in args.hold]
     client = DepotClient(args.target, client_name="gpu-sender").start()
     try:
         if not client.wait_connected(10):
             raise SystemExit("no daemon")
+        token = ""
+        if args.send_node:
+            assert client.hello is not None
+            node = os.open(args.send_node, os.O_RDONLY)
+            token = send_fd(client.hello.fd_socket, client.session_id, node)
+            os.close(node)
         try:
-            resp = register_gpu(client, bytes.fromhex(args.handle), args.uuid, "sender")
+            resp = register_gpu(client, bytes.fromhex(args.handle), args.uuid, "sender", token)
             out = {"code": "OK", "message": f"registration {resp.registration_id}"}
         except grpc.RpcError as exc:
             out = {"code": exc.code().name, "message": exc.details() or ""}

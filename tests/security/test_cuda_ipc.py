@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from kvdepot.client.cuda_ipc import gpu_node_token
 from kvdepot.common.jobs import Job
 from kvdepot.server.memory.copy_engine import STORE
 from tests.security.fake_gpu_serve import GPUS, HOST_ENV, contents, handle_of
@@ -46,12 +47,17 @@ def gpu_daemon(daemon_factory, tmp_path: Path) -> tuple[DaemonProcess, FakeGpuHo
     host.close()
 
 
-def send(d: DaemonProcess, minor: int, uuid: str, hold: list[Path]) -> dict[str, str]:
-    """Another process registers GPU `minor`'s handle, naming `uuid`, holding `hold`."""
+def send(
+    d: DaemonProcess, minor: int, uuid: str, hold: list[Path], node: Path | None = None
+) -> dict[str, str]:
+    """Another process registers GPU `minor`'s handle, naming `uuid`, holding `hold`
+    (and sending `node` as its proof of the GPU)."""
     args = [sys.executable, str(HERE / "gpu_sender.py"), "--target", d.target]
     args += ["--handle", handle_of(minor).hex(), "--uuid", uuid]
     for path in hold:
         args += ["--hold", str(path)]
+    if node is not None:
+        args += ["--send-node", str(node)]
     out = subprocess.run(args, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -65,18 +71,38 @@ def test_a_handle_on_a_gpu_the_sender_does_not_hold_is_refused(gpu_daemon) -> No
         out = send(d, 0, UUID0, hold)
         assert out["code"] == "PERMISSION_DENIED", out
         assert f"does not hold GPU {UUID0} (device minor 0) open" in out["message"], out
-    assert stats(d).permission_denied == before + 2
+    # Its own GPU's node sent as the proof of GPU 0, and a look-alike file.
+    out = send(d, 0, UUID0, [], node=host.node(1))
+    assert out["code"] == "PERMISSION_DENIED", out
+    assert "sent device minor 1's node as its proof of GPU" in out["message"], out
+    look_alike = host.dev_root.parent / "nvidia0"
+    look_alike.touch()
+    out = send(d, 0, UUID0, [], node=look_alike)
+    assert out["code"] == "PERMISSION_DENIED" and "sent no GPU's device node" in out["message"]
+    assert stats(d).permission_denied == before + 4
     assert stats(d).registrations == 0
-    # The same process is let through on the GPU it holds: the refusal is the GPU's.
+    # The same process is let through on the GPU it holds, proven either way: the
+    # refusals are the GPU's.
     assert send(d, 1, UUID1, [host.node(1)])["code"] == "OK"
+    assert send(d, 1, UUID1, [], node=host.node(1))["code"] == "OK"
     assert "does not hold GPU" in (d.workdir / "daemon.log").read_text()
 
-    # Beside it, the owner of GPU 0 (this process, holding its node) registers and
-    # stores: the pool holds the GPU's bytes exactly.
+    # Beside it, the owner of GPU 0 (this process, holding its node) registers with
+    # the client library's proof (its node over the fd socket) and stores: the pool
+    # holds the GPU's bytes exactly.
     host.hold(0)
     client = connect(d, "gpu-0 owner")
     try:
-        reg = register_gpu(client, handle_of(0), UUID0, "owner").registration_id
+        token = gpu_node_token(
+            client,
+            UUID0,
+            GPUS[0][2],
+            client.session_id,
+            driver_root=str(host.driver_root),
+            identify=host.identify,
+        )
+        assert token
+        reg = register_gpu(client, handle_of(0), UUID0, "owner", token).registration_id
         keys, blocks = [make_key(i) for i in range(3)], [2, 7, 15]
         stream = client.transfer_stream(job_lane=False)
         stream.submit(Job(1, STORE, keys, blocks, [len(blocks)], [0], registration_id=reg))

@@ -38,17 +38,31 @@ EVENT = bytes(range(100, 164))
 
 class FakeGpuHost:
     """The driver's /proc/driver/nvidia/gpus/<pci>/information files and the device
-    nodes (empty files named nvidia<minor>) of a GPU host, under `root`; `senders`
-    is the daemon's sender check over them. `hold(minor)` opens a node in this
-    process, as a CUDA process holds its GPUs' nodes."""
+    nodes (empty regular files named nvidia<minor>: only root may make character
+    devices) of a GPU host, under `root`. `identify` names an open file's GPU minor
+    when it is one of these nodes (by device and inode, as the real check knows a
+    node by its device number); `senders` is the daemon's sender check over them.
+    `hold(minor)` opens a node in this process, as a CUDA process holds its GPUs'."""
 
     def __init__(self, root: Path) -> None:
         self.driver_root = root / "driver"
         self.dev_root = root / "dev"
         (self.driver_root / "gpus").mkdir(parents=True, exist_ok=True)
         self.dev_root.mkdir(parents=True, exist_ok=True)
-        self.senders = SenderGpus(driver_root=self.driver_root, dev_root=self.dev_root)
+        self.senders = SenderGpus(driver_root=self.driver_root, identify=self.identify)
         self._held: dict[int, int] = {}
+
+    def identify(self, st: os.stat_result) -> int | None:
+        for node in self.dev_root.glob("nvidia*"):
+            mine = node.stat()
+            if (mine.st_dev, mine.st_ino) == (st.st_dev, st.st_ino):
+                return int(node.name.removeprefix("nvidia"))
+        return None
+
+    def held_fd(self, minor: int) -> int:
+        """This process's fd on GPU `minor`'s node (held first if it was not)."""
+        self.hold(minor)
+        return self._held[minor]
 
     def add(self, minor: int, uuid: str, pci: str = "") -> None:
         """A GPU of the driver: its information file (as the driver writes it) and node."""
