@@ -11,6 +11,10 @@ did. On a host without CUDA it logs why and returns False: the daemon stays on t
 shared-memory (CPU) path, and a cuda_ipc registration is refused with a message
 that says so.
 
+Who may register: `CudaPath.open` maps a handle only for the session's owner and
+only on a GPU that process uses (its device node, sent or held open:
+kvdepot.server.cuda.senders), before the driver sees the handle.
+
 Which devices are served: every device this process sees, or those named in
 KVDEPOT_CUDA_DEVICES (comma-separated UUIDs or ordinals; "none" turns CUDA off).
 A CUDA context is created only on a served device: on the first one at start-up
