@@ -15,6 +15,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -33,7 +34,7 @@ HERE = Path(__file__).resolve().parent
 
 
 @pytest.fixture
-def gpu_daemon(daemon_factory, tmp_path: Path) -> tuple[DaemonProcess, FakeGpuHost]:
+def gpu_daemon(daemon_factory, tmp_path: Path) -> Iterator[tuple[DaemonProcess, FakeGpuHost]]:
     host = FakeGpuHost(tmp_path / "gpu-host")
     for minor, uuid, pci in GPUS:
         host.add(minor, uuid, pci)
