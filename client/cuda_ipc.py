@@ -22,6 +22,13 @@ before the forward pass that wrote them has finished. Record it after the work
 the job depends on was enqueued and before the job is sent. A load is answered
 only after its copy completed, so the result itself orders a load.
 
+Proof of the GPU: the daemon maps a handle only for the session's own process, and
+only on a GPU that process uses (kvdepot.server.cuda.senders). `register_cuda_kv`
+sends the GPU's device node (the /dev/nvidia<minor> fd that the worker's CUDA
+context holds open) over the fd socket and names it in `CudaIpcHandle.gpu_token`;
+where it cannot (no NVIDIA driver entries in /proc here), it logs why and
+registers without one, and the daemon reads the worker's open files instead.
+
 Ownership: the worker keeps the KV memory and the `CudaKVExport` (its event)
 alive while registered, and unregisters (or closes its session) before freeing
 the memory. Memory that CUDA IPC cannot export (PyTorch expandable segments,
@@ -32,11 +39,13 @@ Imports without CUDA or torch: both are loaded when a function is called.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from kvdepot.client.fdpass import FdPassError, send_fd
 from kvdepot.common.cuda_handles import (
     IpcRegionSpec,
     UnexportableMemory,
@@ -44,12 +53,22 @@ from kvdepot.common.cuda_handles import (
     unexportable_message,
     validate,
 )
+from kvdepot.common.nvidia_gpus import (
+    DRIVER_ROOT,
+    GpuUnknown,
+    NodeIdentity,
+    device_minor,
+    held_node,
+    nvidia_minor,
+)
 from kvdepot.v1 import depot_pb2
 
 if TYPE_CHECKING:
     import torch
 
     from kvdepot.client.depot_client import DepotClient
+
+log = logging.getLogger("kvdepot.client")
 
 __all__ = [
     "CudaKVExport",
@@ -145,6 +164,7 @@ class CudaKVExport:
     tensors: list[depot_pb2.KVTensor]
     device: Any  # torch.device
     device_uuid: str
+    pci_bus_id: str = ""  # the driver's, "0000:3B:00.0": finds the GPU's device node
     event: Any = None  # torch.cuda.Event(interprocess=True), or None
     registered_bytes: int = 0
     _keep: list[Any] = field(default_factory=list, repr=False)
@@ -221,7 +241,8 @@ def export_kv_tensors(
         ordinal = drv.pointer_attribute(
             placements[0].ptr, cuda_driver.CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL
         )
-        uuid = format_uuid(drv.device_info(ordinal).uuid)
+        info = drv.device_info(ordinal)
+        uuid = format_uuid(info.uuid)
         spans, tensors = group_regions(placements, allocations)
         event = event_handle = None
         if with_event:
@@ -237,6 +258,7 @@ def export_kv_tensors(
         tensors=tensors,
         device=device,
         device_uuid=uuid,
+        pci_bus_id=info.pci_bus_id,
         event=event,
         registered_bytes=sum(s for _, _, s in spans),
         _keep=list(kv_tensors),
@@ -251,11 +273,55 @@ def register_cuda_kv(
     groups: Sequence[depot_pb2.GroupRefs],
     timeout: float = 30.0,
 ) -> depot_pb2.RegisterKVResponse:
-    """Registers exported CUDA KV memory (RegisterKV with cuda_ipc regions).
+    """Registers exported CUDA KV memory (RegisterKV with cuda_ipc regions), each
+    region with this process's proof of the GPU (`gpu_node_token`).
 
     `groups[g].layers[i].tensor_index` indexes the tensors in the order they were
     given to `export_kv_tensors`. Call again after a daemon restart (new session).
     """
+    session_id = client.session_id
+    regions = []
+    for r in export.regions:
+        region = depot_pb2.MemoryRegion()
+        region.CopyFrom(r)
+        region.cuda_ipc.gpu_token = gpu_node_token(
+            client, export.device_uuid, export.pci_bus_id, session_id
+        )
+        regions.append(region)
     return client.register_memory(
-        layout, rank, export.regions, export.tensors, groups, timeout=timeout
+        layout, rank, regions, export.tensors, groups, timeout=timeout, session_id=session_id
     )
+
+
+def gpu_node_token(
+    client: DepotClient,
+    device_uuid: str,
+    pci_bus_id: str,
+    session_id: str,
+    *,
+    driver_root: str = DRIVER_ROOT,
+    identify: NodeIdentity = nvidia_minor,
+    timeout: float = 5.0,
+) -> str:
+    """Sends the GPU's device node, as this process holds it open, to the daemon's fd
+    socket for `session_id`; returns its fd_token (CudaIpcHandle.gpu_token). Returns
+    "" where it cannot, saying why in the log (the daemon then reads this process's
+    open files instead). `driver_root` and `identify` are for tests (a fake GPU host).
+    """
+    hello = client.hello
+    try:
+        if hello is None or not hello.fd_socket:
+            raise FdPassError("the daemon has no fd socket")
+        minor = device_minor(pci_bus_id, device_uuid, driver_root)
+        fd = held_node(minor, identify)
+        if fd is None:
+            raise FdPassError(f"this process holds no /dev/nvidia{minor} open")
+        return send_fd(hello.fd_socket, session_id, fd, timeout=timeout)
+    except (GpuUnknown, FdPassError, OSError) as exc:
+        log.warning(
+            "kvdepot: cannot send GPU %s's device node to the daemon (%s); it reads this "
+            "process's open files instead",
+            device_uuid,
+            exc,
+        )
+        return ""

@@ -57,6 +57,13 @@ def _pool_share(text: str) -> str:
     return text.strip()
 
 
+def _auto_or_whole(text: str) -> int:
+    """ "auto" (0: derived from other settings) or a whole number of at least 1."""
+    if text.strip().lower() == "auto":
+        return 0
+    return parsers.whole_number(1)(text)
+
+
 # --- the table ----------------------------------------------------------------------------
 
 
@@ -247,6 +254,16 @@ class DaemonSettings(DerivedSockets):
         "may hold reserved while they are written, as a size or a share of --pool-size; "
         "stores beyond it are dropped, with that reason",
     )
+    max_pool_held: str = setting(
+        "--max-pool-held",
+        "75%",
+        parse=_pool_share,
+        shown="75%%",  # argparse %-formats the help
+        metavar="SIZE|PERCENT%",
+        help="bytes every client together may hold pinned, and apart hold in rows being "
+        "written, as a size or a share of --pool-size (the per-session setting instead "
+        "where larger); the rest stays for others' stores and loads",
+    )
     max_watches_per_session: int = setting(
         "--max-watches-per-session",
         16,
@@ -269,6 +286,25 @@ class DaemonSettings(DerivedSockets):
         metavar="N",
         help="sessions the processes of one user may hold together, shared fairly: past "
         "it a process below its share takes the place of the largest holder's oldest",
+    )
+    max_calls_per_pid: int = setting(
+        "--max-calls-per-pid",
+        256,
+        parse=parsers.whole_number(1),
+        metavar="N",
+        help="Depot calls one client process (its sessions together) may have in flight, "
+        "streams included, from their headers on; more are refused with RESOURCE_EXHAUSTED "
+        "before they are read",
+    )
+    max_calls_per_uid: int = setting(
+        "--max-calls-per-uid",
+        0,
+        parse=_auto_or_whole,
+        shown="auto",
+        metavar="auto|N",
+        help="Depot calls the processes of one user may have in flight together; auto: a "
+        "quarter of the server's concurrent-call limit (16 x --max-sessions: 1024 at the "
+        "defaults)",
     )
     max_unattested_sessions: int = setting(
         "--max-unattested-sessions",

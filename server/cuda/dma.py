@@ -142,11 +142,12 @@ class CudaCopyEngine(CopyEngine):
         return None
 
     def open_region(
-        self, handle: object, session: object = None
+        self, handle: object, admit: Callable[[ServedDevice], None] | None = None
     ) -> tuple[MappedRegion, CopyEngine]:
         """Opens a "cuda_ipc" region (the state's opener for it is a CudaPath).
 
-        Validates the handle, finds the device by UUID among the served ones, maps
+        Validates the handle, finds the device by UUID among the served ones, runs
+        `admit(device)` (the CudaPath's sender check, which raises to refuse), maps
         the allocation (once per handle; later registrations share the mapping),
         checks offset + size against the allocation, and opens the event.
         Raises DepotError (INVALID_ARGUMENT / FAILED_PRECONDITION) with what to do.
@@ -163,6 +164,8 @@ class CudaCopyEngine(CopyEngine):
                 f"the daemon on the node whose GPU holds the KV cache, with that GPU visible "
                 f"(CUDA_VISIBLE_DEVICES) and allowed (KVDEPOT_CUDA_DEVICES)"
             )
+        if admit is not None:
+            admit(dev)
         mapping = self.handles.acquire_mapping(dev, spec)
         event = None
         try:

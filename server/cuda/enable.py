@@ -11,6 +11,10 @@ did. On a host without CUDA it logs why and returns False: the daemon stays on t
 shared-memory (CPU) path, and a cuda_ipc registration is refused with a message
 that says so.
 
+Who may register: `CudaPath.open` maps a handle only for the session's owner and
+only on a GPU that process uses (its device node, sent or held open:
+kvdepot.server.cuda.senders), before the driver sees the handle.
+
 Which devices are served: every device this process sees, or those named in
 KVDEPOT_CUDA_DEVICES (comma-separated UUIDs or ordinals; "none" turns CUDA off).
 A CUDA context is created only on a served device: on the first one at start-up
@@ -28,19 +32,23 @@ import os
 import threading
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from kvdepot.common import cuda_driver
 from kvdepot.common.cuda_handles import HandleError, format_uuid, parse_uuid
 from kvdepot.common.kinds import MemoryPath
+from kvdepot.server import errors
 from kvdepot.server.cuda.pinning import PoolPinner
+from kvdepot.server.cuda.senders import GpuUnknown, SenderGpus, SenderRefused
+from kvdepot.server.memory.paths import MemoryPaths, PassedFds
+from kvdepot.server.peer import Peer
 from kvdepot.server.sizes import format_size
 
 if TYPE_CHECKING:  # annotations only: this module loads with the standard library alone
     from kvdepot.server.cuda.dma import CudaCopyEngine
+    from kvdepot.server.cuda.ipc_region import ServedDevice
     from kvdepot.server.memory.arena import Arena
     from kvdepot.server.memory.copy_engine import CopyEngine
-    from kvdepot.server.memory.paths import MemoryPaths
     from kvdepot.server.memory.regions import MappedRegion
 
 log = logging.getLogger("kvdepot.cuda")
@@ -49,20 +57,55 @@ DEVICES_ENV = "KVDEPOT_CUDA_DEVICES"
 FOLLOW_CHUNK_BYTES = 256 << 20  # page-locking pieces when following a running warm-up
 
 
+class OwnedSession(Protocol):
+    @property
+    def owner(self) -> Peer | None: ...
+
+
+class CudaHost(MemoryPaths, PassedFds, Protocol):
+    """What the CUDA path needs of the state (DepotState): a place to plug in, each
+    session's owner (the process the fd socket named), the fd socket's fds (a
+    sender's GPU device node) and counted refusals."""
+
+    def session(self, session_id: str) -> OwnedSession: ...
+
+
 class CudaPath:
     """The CUDA IPC memory path of one daemon (a kvdepot.server.memory.paths
     MemoryPathPlugin): its copy engine and the pool's page-locking."""
 
     kind = MemoryPath.CUDA_IPC
 
-    def __init__(self, engine: CudaCopyEngine, pinner: PoolPinner) -> None:
+    def __init__(
+        self, engine: CudaCopyEngine, pinner: PoolPinner, host: CudaHost, senders: SenderGpus
+    ) -> None:
         self.engine = engine
         self.pinner = pinner
+        self.host = host
+        self.senders = senders
 
     def open(self, handle: object, session_id: str) -> tuple[MappedRegion, CopyEngine]:
-        """`handle`: RegisterKV's CudaIpcHandle (any process may send one: the
-        driver maps only what its exporter shared)."""
-        return self.engine.open_region(handle)
+        """`handle`: RegisterKV's CudaIpcHandle. Mapped only for the session's owner,
+        and only on a GPU that process holds open (kvdepot.server.cuda.senders):
+        PERMISSION_DENIED, counted and logged, otherwise."""
+        owner = self.host.session(session_id).owner
+        token = getattr(handle, "gpu_token", "")
+
+        def admit(dev: ServedDevice) -> None:
+            node = self.host.claim_passed(token, session_id) if token else None
+            try:
+                self.senders.check(
+                    owner, dev.info.pci_bus_id, dev.uuid, node.fd if node is not None else None
+                )
+            except SenderRefused as exc:
+                raise self.host.deny(f"cuda_ipc: {exc}", owner or "unattested") from None
+            except GpuUnknown as exc:
+                raise errors.precondition(f"cuda_ipc: {exc}") from None
+            finally:
+                if node is not None:
+                    os.close(node.fd)
+
+        return self.engine.open_region(handle, admit)
 
     def page_locking_fields(self) -> dict[str, object]:
         """GetStats' page-locking fields (admin.proto: page_locking and after)."""
@@ -119,18 +162,20 @@ def select_devices(devices: Sequence[Any], spec: str | None) -> list[Any]:
 
 
 def enable_cuda(
-    state: MemoryPaths,
+    state: CudaHost,
     arena: Arena,
     *,
     driver: Any = None,
     env: dict[str, str] | None = None,
     max_batch: int | None = None,
+    senders: SenderGpus | None = None,
 ) -> bool:
     """Serves cuda_ipc registrations and page-locks the pool when CUDA is usable.
 
     Returns True when CUDA is on. Never raises: a host without CUDA, or a driver
     error, is logged and leaves the daemon on the CPU path (returns False).
-    `driver` and `env` are for tests (a fake driver; a fixed environment).
+    `driver`, `env` and `senders` are for tests (a fake driver; a fixed
+    environment; the sender check over a fake driver tree).
     """
     from kvdepot.server.cuda.dma import DEFAULT_MAX_BATCH, CudaCopyEngine
     from kvdepot.server.cuda.pinning import PoolPinner
@@ -172,7 +217,7 @@ def enable_cuda(
         )
         return False
 
-    path = CudaPath(engine, pinner)
+    path = CudaPath(engine, pinner, state, senders or SenderGpus())
     state.add_memory_path(path)
     arena.on_close(path.close)
     if arena.warmup_started:

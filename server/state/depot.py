@@ -111,9 +111,10 @@ class DepotState:
             max_per_pid=config.max_sessions_per_pid,
             max_per_uid=config.max_sessions_per_uid,
             max_unattested=config.max_unattested_sessions,
-            # A quarter of the server's concurrent-call limit (16 per session of
-            # --max-sessions, kvdepot.server.service.bounds.RPCS_PER_SESSION).
-            max_calls_per_uid=config.max_sessions * 4,
+            max_calls_per_account=config.max_calls_per_pid,
+            # "auto" (0): a quarter of the server's concurrent-call limit (16 per session
+            # of --max-sessions, kvdepot.server.service.bounds.RPCS_PER_SESSION).
+            max_calls_per_uid=config.max_calls_per_uid or config.max_sessions * 4,
         )
         self.traffic = Traffic()
         # The shared CPU copy threads (`copy_queue`: jobs, inline and tier copies) and

@@ -17,7 +17,7 @@ Quotas, beyond which calls get RESOURCE_EXHAUSTED naming the setting: bytes
 pinned (--max-pinned-per-session) and bytes of rows reserved for writing
 (--max-writing-per-session), each counted over a session and every other session
 of its account (its owner process: Session.account) together, and over the whole
-pool (POOL_HELD_SHARE, or the setting if larger); per session, Watch streams
+pool (--max-pool-held, 75%, or the per-session setting if larger); per session, Watch streams
 (--max-watches-per-session) and namespaces joined (MAX_JOINED_NAMESPACES, a
 memory bound). Two sessions of one process used to take half the pool each.
 
@@ -47,11 +47,6 @@ MAX_JOINED_NAMESPACES = 1024
 
 JOIN_FIRST = "RegisterKV into the namespace first"
 
-# The share of the pool every session together may hold pinned, and (apart) hold in
-# rows being written, unless a per-owner setting allows more: what is left stays
-# for the rows that others store and load, whoever holds the rest.
-POOL_HELD_SHARE = 0.75
-
 
 def _shown(namespace_id: str) -> str:
     """The caller's own namespace id, for its error messages (bounded in length)."""
@@ -67,8 +62,12 @@ class NamespaceAccess:
         pool = config.pool_size
         self.max_pinned = pool_share_bytes(config.max_pinned_per_session, pool)
         self.max_writing = pool_share_bytes(config.max_writing_per_session, pool)
-        self.pool_pinned = max(self.max_pinned, int(pool * POOL_HELD_SHARE))
-        self.pool_writing = max(self.max_writing, int(pool * POOL_HELD_SHARE))
+        # What every session together may hold pinned, and (apart) in rows being
+        # written, unless a per-owner setting allows more: what is left stays for the
+        # rows that others store and load, whoever holds the rest.
+        self.pool_held = pool_share_bytes(config.max_pool_held, pool)
+        self.pool_pinned = max(self.max_pinned, self.pool_held)
+        self.pool_writing = max(self.max_writing, self.pool_held)
         self.max_watches = config.max_watches_per_session
 
     # -- membership ------------------------------------------------------------------
@@ -140,8 +139,9 @@ class NamespaceAccess:
         if index.pinned_bytes > self.pool_pinned:
             raise errors.exhausted(
                 f"this Pin would hold {index.pinned_bytes} bytes of the pool pinned, more than "
-                f"every client together may ({self.pool_pinned}, {POOL_HELD_SHARE:.0%} of the "
-                f"pool or --max-pinned-per-session if larger): retry when others unpin"
+                f"every client together may ({self.pool_pinned}: --max-pool-held, "
+                f"KVDEPOT_MAX_POOL_HELD, or --max-pinned-per-session if larger): retry when "
+                f"others unpin"
             )
 
     def writing_room(self, session_id: str) -> int:

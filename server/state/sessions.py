@@ -25,9 +25,9 @@ sessions per process and per uid, the uid's shared fairly (a process below its f
 share of the uid's quota takes the place of the oldest session of the uid's largest
 holder); sessions not owned yet, per opener (`max_unattested` each), whose oldest is
 ended to make room for a new one of the *same* opener, never another's; calls in
-flight per account and per uid (`open_call`). Refusals are logged in words, rate-limited per
-peer. Pins and rows being written are counted per account in
-kvdepot.server.state.namespaces.
+flight per account and per uid (`open_call`: --max-calls-per-pid, -per-uid).
+Refusals are logged in words, rate-limited per peer. Pins and rows being written are
+counted per account in kvdepot.server.state.namespaces.
 
 A registration ends (UnregisterKV, or its session ends) at once for clients,
 but its regions stay mapped while copies still use them (`in_use`), so a late
@@ -141,9 +141,9 @@ class Registration:
 UNATTESTED = "unattested"  # the account of every session no one is known to own yet
 
 # Depot calls one account may have in flight at once (streams, and unary calls from
-# their headers on): a worker needs a few; the server's concurrent-call limit
-# (bounds.RPCS_PER_SESSION x --max-sessions, 4,096) is everyone's, so no account may
-# come near it.
+# their headers on), by default (--max-calls-per-pid): a worker needs a few; the
+# server's concurrent-call limit (bounds.RPCS_PER_SESSION x --max-sessions, 4,096) is
+# everyone's, so no account may come near it.
 MAX_CALLS_PER_ACCOUNT = 256
 TICKET_SECONDS = 10.0  # a ticket not used by then is forgotten
 MAX_TICKETS = 1024  # unused tickets of every process together (a memory bound)
@@ -172,6 +172,7 @@ class Sessions:
         max_per_pid: int = 16,
         max_per_uid: int = 128,
         max_unattested: int = 32,
+        max_calls_per_account: int = MAX_CALLS_PER_ACCOUNT,
         max_calls_per_uid: int = 1024,
     ) -> None:
         """Limits: open sessions, registrations per session (--max-sessions,
@@ -179,14 +180,15 @@ class Sessions:
         (`headroom`; None: unchecked). Beyond them: RESOURCE_EXHAUSTED. Attested
         sessions per process and per uid (--max-sessions-per-pid, -per-uid), the
         sessions not owned yet per opener (--max-unattested-sessions), and calls in
-        flight per uid (`max_calls_per_uid`; per account MAX_CALLS_PER_ACCOUNT). See
-        the module docstring."""
+        flight per account and per uid (--max-calls-per-pid, -per-uid). See the module
+        docstring."""
         self.max_sessions = max_sessions
         self.max_registrations = max_registrations
         self.headroom = headroom
         self.max_per_pid = max_per_pid
         self.max_per_uid = max_per_uid
         self.max_unattested = max_unattested
+        self.max_calls_per_account = max_calls_per_account
         self.max_calls_per_uid = max_calls_per_uid
         # Tickets the fd socket issued (issue_ticket): token -> (process, expiry).
         self._tickets: dict[str, tuple[Peer, float]] = {}
@@ -404,19 +406,19 @@ class Sessions:
 
     def open_call(self, session_id: str) -> tuple[Hashable, int | None]:
         """Counts one more Depot call in flight (a stream, or a unary call from its
-        headers on) of `session_id` against its account (MAX_CALLS_PER_ACCOUNT) and
+        headers on) of `session_id` against its account (`max_calls_per_account`) and
         its owner's uid (`max_calls_per_uid`): FAILED_PRECONDITION for no session,
         RESOURCE_EXHAUSTED (logged) beyond. Give the result to `close_call`."""
         session = self.get(session_id)
         account = session.account
         uid = session.owner.uid if session.owner is not None else None
-        if self._calls[account] >= MAX_CALLS_PER_ACCOUNT:
+        if self._calls[account] >= self.max_calls_per_account:
             raise self.refuse(
                 account,
                 errors.exhausted(
                     f"{session.owner or 'this client'} has {self._calls[account]} calls in "
-                    f"flight, the most one process may (MAX_CALLS_PER_ACCOUNT): end idle "
-                    f"streams, or wait for answers"
+                    f"flight, the most one process may (--max-calls-per-pid, "
+                    f"KVDEPOT_MAX_CALLS_PER_PID): end idle streams, or wait for answers"
                 ),
             )
         if uid is not None and self._uid_calls[uid] >= self.max_calls_per_uid:
@@ -424,7 +426,7 @@ class Sessions:
                 account,
                 errors.exhausted(
                     f"uid {uid} has {self._uid_calls[uid]} calls in flight, the most one user "
-                    f"may (a quarter of the server's concurrent-call limit)"
+                    f"may (--max-calls-per-uid, KVDEPOT_MAX_CALLS_PER_UID)"
                 ),
             )
         self._calls[account] += 1

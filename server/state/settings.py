@@ -33,12 +33,15 @@ class StateConfig(Protocol):
     max_watches_per_session: int
     max_pinned_per_session: str  # a size or a share of the pool (server/sizes.py)
     max_writing_per_session: str
+    max_pool_held: str  # every session together, pinned and (apart) writing
     fd_reserve: int
     # Jobs and calls.
     max_job_keys: int
     max_job_blocks: int
     max_job_pages: int
     max_batch_keys: int
+    max_calls_per_pid: int  # Depot calls in flight per account (Sessions.open_call)
+    max_calls_per_uid: int  # 0: a quarter of the server's concurrent-call limit
     namespace_share: NamespaceShares  # --namespace-share (kvdepot.server.core.shares)
     destructive_admin: bool
     # Read by the Depot service through the state (SessionHello, the Session stream).

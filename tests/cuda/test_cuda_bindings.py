@@ -8,6 +8,7 @@ import asyncio
 import ctypes
 import threading
 from array import array
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -26,7 +27,15 @@ from kvdepot.server.cuda import cuda_path, enable_cuda
 from kvdepot.server.memory.copy_engine import LOAD, STORE
 from kvdepot.server.state import DepotState
 from kvdepot.v1 import depot_pb2 as pb
-from tests.support.fake_cuda import HANDLE, UUID1, ipc_msg, job, make_key
+from tests.support.fake_cuda import (
+    HANDLE,
+    UUID1,
+    FakeGpuHost,
+    attested_session,
+    ipc_msg,
+    job,
+    make_key,
+)
 
 # -- the real ctypes bindings, against a fake libcuda built from the real cuda.h ------------
 #
@@ -411,13 +420,14 @@ def test_a_driver_that_fails_cuinit_reads_as_unavailable(fake_libcuda: str) -> N
 
 
 def test_depot_state_end_to_end_through_the_real_bindings(
-    fake_libcuda: str, state: DepotState
+    fake_libcuda: str, state: DepotState, tmp_path: Path
 ) -> None:
     """enable_cuda + register + store + load + session end + pool pinning, with the
     real CudaDriver on the fake libcuda: every ctypes path the daemon takes."""
     drv = cuda_driver.load(fake_libcuda)
     fake = _fake_controls(fake_libcuda)
-    assert enable_cuda(state, state.arena, driver=drv, env={})
+    gpus = FakeGpuHost(tmp_path / "gpu-host").add_devices(drv.devices())
+    assert enable_cuda(state, state.arena, driver=drv, env={}, senders=gpus.senders)
     state.arena.start_warmup(chunk_bytes=16 << 20)
     assert state.arena.wait_warmup(30)
     assert fake.fake_count(b"hostregs") == 4  # 64 MiB in 16 MiB chunks
@@ -428,7 +438,7 @@ def test_depot_state_end_to_end_through_the_real_bindings(
     ctypes.memmove(base + 65536, rng.bytes(size), size)
     drv.set_current(drv.primary_context(0))
     handle = drv.ipc_get_mem_handle(base)
-    session = state.open_session("engine", 1, "")
+    session = attested_session(state)
     lay = NamespaceLayout("real", 1, 1, ((page,) * layers,))
     tensors = [TensorView(0, i * nb * page, nb, page, page) for i in range(layers)]
     refs = [[LayerRef(i, 0, page) for i in range(layers)]]
@@ -524,6 +534,7 @@ def test_depot_state_end_to_end_through_the_real_bindings(
     state.close()  # copy threads, regions, then the wrapped arena close: unregister
     assert fake.fake_count(b"hostregs") == 0 and fake.fake_count(b"streams") == 0
     assert fake.fake_count(b"own_events") == 0
+    gpus.close()
 
 
 def test_a_daemon_process_turns_cuda_on_and_refuses_bad_handles_over_grpc(
@@ -573,7 +584,9 @@ def test_a_daemon_process_turns_cuda_on_and_refuses_bad_handles_over_grpc(
             groups=[pb.GroupLayout(layer_page_bytes=[4096])],
         )
         for handle, code, words in [
-            (ipc_msg(b"\x01" * 64, 4096, uuid=fake_uuid), "INVALID_ARGUMENT", "cannot open"),
+            # This host has no NVIDIA driver entries, so the sender check refuses to
+            # guess which GPU the handle names, before the driver opens it.
+            (ipc_msg(b"\x01" * 64, 4096, uuid=fake_uuid), "FAILED_PRECONDITION", "driver"),
             (ipc_msg(HANDLE, 4096, uuid=UUID1), "FAILED_PRECONDITION", "not served"),
             (ipc_msg(HANDLE[:60], 4096, uuid=fake_uuid), "INVALID_ARGUMENT", "60 bytes"),
         ]:

@@ -27,6 +27,7 @@ from tests.support.fake_cuda import (
     UUID0,
     UUID1,
     FakeDriver,
+    FakeGpuHost,
     ipc_msg,
     job,
     make_key,
@@ -37,10 +38,10 @@ from tests.support.fake_cuda import (
 
 
 def test_depot_state_stores_and_loads_every_byte_through_the_cuda_engine(
-    state: DepotState,
+    state: DepotState, gpu_host: FakeGpuHost
 ) -> None:
     drv = FakeDriver()
-    assert enable_cuda(state, state.arena, driver=drv, env={})
+    assert enable_cuda(state, state.arena, driver=drv, env={}, senders=gpu_host.senders)
     assert cuda_path(state) is not None
     session, reg, buf, lay, tensors = register_fake_engine(state, drv)
     assert reg.memory_path == "cuda_ipc" and reg.registered_bytes == 8 * 16 * 16384
@@ -68,9 +69,11 @@ def test_depot_state_stores_and_loads_every_byte_through_the_cuda_engine(
     assert not state.registrations and not drv.open_counts and not drv.opened_events
 
 
-def test_a_session_closed_mid_copy_unmaps_only_after_the_copy(state: DepotState) -> None:
+def test_a_session_closed_mid_copy_unmaps_only_after_the_copy(
+    state: DepotState, gpu_host: FakeGpuHost
+) -> None:
     drv = FakeDriver()
-    assert enable_cuda(state, state.arena, driver=drv, env={})
+    assert enable_cuda(state, state.arena, driver=drv, env={}, senders=gpu_host.senders)
     session, reg, buf, _, _ = register_fake_engine(state, drv)
     drv.copy_gate = threading.Event()
 
@@ -89,10 +92,10 @@ def test_a_session_closed_mid_copy_unmaps_only_after_the_copy(state: DepotState)
 
 
 def test_unregister_closes_the_mapping_and_bad_handles_leave_no_registration(
-    state: DepotState,
+    state: DepotState, gpu_host: FakeGpuHost
 ) -> None:
     drv = FakeDriver()
-    assert enable_cuda(state, state.arena, driver=drv, env={})
+    assert enable_cuda(state, state.arena, driver=drv, env={}, senders=gpu_host.senders)
     session, reg, _, lay, tensors = register_fake_engine(state, drv)
     state.unregister(session.id, reg.id)
     assert not drv.open_counts and not state.registrations
@@ -106,7 +109,9 @@ def test_unregister_closes_the_mapping_and_bad_handles_leave_no_registration(
     assert not drv.open_counts and not state.registrations
 
 
-def _two_gpus_with_gpu0_gated(state: DepotState) -> tuple[Any, Any, Any, Any, threading.Event]:
+def _two_gpus_with_gpu0_gated(
+    state: DepotState, gpu_host: FakeGpuHost
+) -> tuple[Any, Any, Any, Any, threading.Event]:
     """Two fake GPUs, each registered in a namespace of its own, GPU 0's DMA held until
     the gate opens: (session 0, registration 0, session 1, registration 1, gate)."""
     drv = FakeDriver(
@@ -115,7 +120,7 @@ def _two_gpus_with_gpu0_gated(state: DepotState) -> tuple[Any, Any, Any, Any, th
             DeviceInfo(1, parse_uuid(UUID1), "H200 b", "0000:9A:00.0"),
         ]
     )
-    assert enable_cuda(state, state.arena, driver=drv, env={})
+    assert enable_cuda(state, state.arena, driver=drv, env={}, senders=gpu_host.senders)
     s0, r0, _, _, _ = register_fake_engine(state, drv, uuid=UUID0, namespace="gpu-a")
     s1, r1, _, _, _ = register_fake_engine(state, drv, uuid=UUID1, namespace="gpu-b")
     assert (r0.copy_device, r1.copy_device) == ((UUID0, "0000:18:00.0"), (UUID1, "0000:9A:00.0"))
@@ -154,10 +159,12 @@ def _assert_said_one_gpu0_stall(caplog: pytest.LogCaptureFixture) -> None:
     assert said[1] == f"GPU {UUID0}: a stalled copy ended; taking jobs again", said
 
 
-def test_a_gpus_jobs_never_wait_behind_another_gpus(state: DepotState) -> None:
+def test_a_gpus_jobs_never_wait_behind_another_gpus(
+    state: DepotState, gpu_host: FakeGpuHost
+) -> None:
     """Each GPU copies on threads of its own: with GPU 0's DMA hung on every one of its
     threads, GPU 1's job still runs; GPU 0's jobs end once its DMA does."""
-    s0, r0, s1, r1, gate = _two_gpus_with_gpu0_gated(state)
+    s0, r0, s1, r1, gate = _two_gpus_with_gpu0_gated(state, gpu_host)
     threads = state.copy_queues.device_threads
 
     async def run() -> None:
@@ -189,7 +196,10 @@ def test_a_gpus_jobs_never_wait_behind_another_gpus(state: DepotState) -> None:
 
 
 def test_a_hung_gpus_new_jobs_fail_at_once_and_the_other_gpu_goes_on(
-    state: DepotState, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    state: DepotState,
+    gpu_host: FakeGpuHost,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     """Every one of GPU 0's copy threads holds a DMA that does not end: GPU 0's next job
     fails at once (UNAVAILABLE, its claimed slot released, nothing stored) instead of
@@ -198,7 +208,7 @@ def test_a_hung_gpus_new_jobs_fail_at_once_and_the_other_gpu_goes_on(
     and ended."""
     # A second: room for a slow machine between the copies' start and the queued job.
     monkeypatch.setattr(CopyQueue, "stall_seconds", 1.0)
-    s0, r0, s1, r1, gate = _two_gpus_with_gpu0_gated(state)
+    s0, r0, s1, r1, gate = _two_gpus_with_gpu0_gated(state, gpu_host)
     threads = state.copy_queues.device_threads
 
     async def run() -> None:
@@ -241,7 +251,10 @@ def test_a_hung_gpus_new_jobs_fail_at_once_and_the_other_gpu_goes_on(
 
 
 def test_a_hung_gpus_queued_jobs_fail_with_no_new_job_to_find_the_stall(
-    state: DepotState, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    state: DepotState,
+    gpu_host: FakeGpuHost,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     """No new job comes to GPU 0 once its DMA hangs: the daemon's once-a-second
     housekeeping finds the stall, and the job queued behind the hung copies fails
@@ -250,7 +263,7 @@ def test_a_hung_gpus_queued_jobs_fail_with_no_new_job_to_find_the_stall(
     the end, and GPU 0 stores again."""
     # A second: room for a slow machine between the copies' start and the first look.
     monkeypatch.setattr(CopyQueue, "stall_seconds", 1.0)
-    s0, r0, _, _, gate = _two_gpus_with_gpu0_gated(state)
+    s0, r0, _, _, gate = _two_gpus_with_gpu0_gated(state, gpu_host)
     threads = state.copy_queues.device_threads
 
     async def run() -> None:

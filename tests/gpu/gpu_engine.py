@@ -2,7 +2,8 @@
 registered with a daemon over CUDA IPC. Prints one JSON line with what it saw.
 
     python tests/gpu/gpu_engine.py roundtrip --target T [--chunks 64 --job-chunks 16]
-    python tests/gpu/gpu_engine.py hold --target T --num-blocks 2048   (then waits to die)
+    python tests/gpu/gpu_engine.py hold --target T --num-blocks 2048   (then waits to die;
+        prints its first region's IPC handle and the /dev/nvidia* nodes it holds open)
     python tests/gpu/gpu_engine.py export-only                          (tries to export)
 """
 
@@ -19,6 +20,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from kvdepot.bench.cuda_engine import CudaEngine, make_key
+from kvdepot.common.nvidia_gpus import device_minor, held_node
 from kvdepot.v1 import depot_pb2 as pb
 from tests.support.daemon import connect
 
@@ -86,6 +88,7 @@ def hold(args: argparse.Namespace) -> None:
     eng.fill_random(range(8), seed=3)
     torch.cuda.synchronize()
     res, _ = eng.run(pb.STORE, [make_key(b"hold", i) for i in range(8)], list(range(8)), 8)
+    region = eng.export.regions[0].cuda_ipc
     print(
         json.dumps(
             {
@@ -93,6 +96,17 @@ def hold(args: argparse.Namespace) -> None:
                 "pid": os.getpid(),
                 "ok": all(r.success for r in res),
                 "kv_bytes": eng.kv.numel(),
+                # What another process could copy, and the device nodes this one holds.
+                "handle": region.ipc_handle.hex(),
+                "device_uuid": region.device_uuid,
+                # What register_cuda_kv sent as its proof of the GPU (gpu_token).
+                "node_fd": held_node(device_minor(eng.export.pci_bus_id, eng.export.device_uuid)),
+                "held_nodes": sorted(
+                    os.readlink(f"/proc/self/fd/{fd}")
+                    for fd in os.listdir("/proc/self/fd")
+                    if os.path.exists(f"/proc/self/fd/{fd}")
+                    and os.readlink(f"/proc/self/fd/{fd}").startswith("/dev/nvidia")
+                ),
             }
         ),
         flush=True,

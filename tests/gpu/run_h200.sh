@@ -2,7 +2,8 @@
 # The GPU checks of the CUDA data path, in one run on one H200 (under nine minutes at
 # worst: every step has a timeout, and the node series starts no shard count after 330 s):
 # tests/gpu (IPC registration, every byte back, store ordering, a killed engine's
-# mappings released, bad handles refused, expandable segments detected) and the
+# mappings released, bad handles refused, a handle from a process without the GPU
+# refused, expandable segments detected) and the
 # GPU benchmark (store/load GB/s through the daemon next to in-process
 # cudaMemcpyAsync, and the ratio).
 #
@@ -19,7 +20,8 @@
 #      (device tool: command "bash tests/gpu/run_h200.sh", carry ["build/gpu-wheels"],
 #      timeout_s 540). Logs go to $OUT (or build/gpu-out): run_h200.log (everything),
 #      env.txt, context_cost.txt (the GPU memory one daemon process's CUDA context
-#      holds), daemons.log, gpu_bench.txt, gpu_bench.json, gpu_bench_daemon.log,
+#      holds), sender_check.txt (each GPU's device minor; the /dev/nvidia* nodes a
+#      CUDA context holds open: the CUDA IPC sender check's premises), daemons.log, gpu_bench.txt, gpu_bench.json, gpu_bench_daemon.log,
 #      cpu_bench.json (kvdepot bench's CPU series on the GPU machine's cores),
 #      job_cost.txt (one TP=8 rank job's loop time, step by step, on this CPU),
 #      node_bench_s{1,8,2,4}.json (the node series: 8 engines x TP=8 over 1-8
@@ -136,6 +138,26 @@ apps = subprocess.run(
 mine = [line for line in apps.splitlines() if line.split(",")[0].strip() == str(os.getpid())]
 print("a primary context on GPU 0 holds:", mine[0].split(",")[1].strip() if mine else apps)
 EOF
+# The CUDA IPC sender check's premises on this host (docs/security.md, "CUDA IPC"): each
+# GPU's device minor from the driver's /proc entries, and the /dev/nvidia* nodes a
+# process with a context on GPU 0 holds open. tests/gpu/test_gpu_ipc.py then checks the
+# engine's registration passes and its handle from a process without the GPU is refused.
+echo "== the CUDA IPC sender check: device minors, nodes a CUDA context holds"
+timeout 60 "$PY" - <<'EOF' 2>&1 | tee "$OUT/sender_check.txt"
+import os
+from kvdepot.common import cuda_driver
+from kvdepot.common.cuda_handles import format_uuid
+from kvdepot.server.cuda.senders import SenderGpus
+drv = cuda_driver.load()
+senders = SenderGpus()
+for d in drv.devices():
+    print(format_uuid(d.uuid), d.pci_bus_id, "device minor",
+          senders.device_minor(d.pci_bus_id, format_uuid(d.uuid)))
+print("before a context, this process holds minors", sorted(senders.held_minors(os.getpid())))
+drv.set_current(drv.primary_context(0))
+print("with a context on device 0, it holds minors", sorted(senders.held_minors(os.getpid())))
+EOF
+(( PIPESTATUS[0] == 0 )) || rc=1
 if [[ "${KVDEPOT_GPU_TESTS:-1}" != 0 ]]; then
     echo "== tests/gpu"
     timeout 180 "$PY" -m pytest tests/gpu -v -p no:cacheprovider -o addopts="-ra" \

@@ -113,12 +113,17 @@ def test_a_killed_engine_releases_its_mappings_in_the_daemon(cuda_daemon) -> Non
 
 
 def test_garbage_handles_are_refused_and_the_daemon_survives(cuda_daemon) -> None:
+    import torch
+
     from kvdepot.client import DepotClient
     from kvdepot.common import cuda_driver
     from kvdepot.common.cuda_handles import format_uuid
 
     d = cuda_daemon("--pool-size", "256MiB")
     uuid = format_uuid(cuda_driver.load().device_info(0).uuid)
+    # A context on GPU 0, as an engine has: this process then holds its device node, so
+    # the daemon's sender check lets its handles through to the driver's own checks.
+    torch.zeros(1, device="cuda:0")
     c = DepotClient(d.target).start()
     assert c.wait_connected(10)
     layout = pb.NamespaceLayout(
@@ -157,6 +162,54 @@ def test_garbage_handles_are_refused_and_the_daemon_survives(cuda_daemon) -> Non
     st = admin(d.admin_target).GetStats(admin_pb2.GetStatsRequest(), timeout=5)
     assert st.registrations == 0
     c.close()
+
+
+def test_a_handle_copied_by_a_process_without_the_gpu_is_refused(cuda_daemon) -> None:
+    """The sender check on a real driver: an engine's CUDA context holds its GPU's
+    device node (the check's premise; the node names are printed for the record), its
+    registration sends that node (gpu_token) and passes; its handle, sent by a process
+    with no CUDA context (it holds no /dev/nvidia<N>, so the daemon's reading of its
+    open files finds none), is PERMISSION_DENIED naming the GPU and its minor."""
+    from kvdepot.server.cuda.senders import SenderGpus
+
+    d = cuda_daemon("--pool-size", "1GiB")
+    proc = engine("hold", "--target", d.target, "--num-blocks", "64")
+    try:
+        assert proc.stdout is not None
+        rep = json.loads(proc.stdout.readline())
+        assert rep["ready"] and rep["ok"], (rep, d.log())
+        print("the engine holds", rep["held_nodes"])
+        from kvdepot.common import cuda_driver
+
+        info = cuda_driver.load().device_info(0)
+        minor = SenderGpus().device_minor(info.pci_bus_id, rep["device_uuid"])
+        print("GPU", rep["device_uuid"], info.pci_bus_id, "is device minor", minor)
+        assert f"/dev/nvidia{minor}" in rep["held_nodes"], rep
+        assert rep["node_fd"] is not None, rep  # so its registration sent the node
+        thief = subprocess.run(
+            [
+                sys.executable,
+                str(GPU_ENGINE.parents[1] / "security" / "gpu_sender.py"),
+                "--target",
+                d.target,
+                "--handle",
+                rep["handle"],
+                "--uuid",
+                rep["device_uuid"],
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert thief.returncode == 0, thief.stderr
+        out = json.loads(thief.stdout.strip().splitlines()[-1])
+        assert out["code"] == "PERMISSION_DENIED", out
+        assert f"does not hold GPU {rep['device_uuid']} (device minor {minor})" in out["message"]
+        st = admin(d.admin_target).GetStats(admin_pb2.GetStatsRequest(), timeout=5)
+        assert st.registrations == 1 and st.permission_denied >= 1  # the engine's only
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(30)
 
 
 def test_expandable_segments_are_detected_with_the_setting_to_change() -> None:

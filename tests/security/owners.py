@@ -20,8 +20,9 @@ what it did and got. Modes:
   being written); then waits SECONDS. Before, each session had a quota of 50 %: the
   pool was held whole.
 - `hold-pins`: two sessions of this one process, each storing complete rows worth
-  half the pool and pinning them; then waits SECONDS. `hold-pins-one I`: one session
-  doing so, with the I-th half's keys (two such processes: the pool-wide bound).
+  half the pool and pinning them; then waits SECONDS. `hold-pins-one I [PERCENT]`: one
+  session doing so, with the I-th half's keys (two such processes: the pool-wide bound);
+  PERCENT of the pool instead of half.
 - `sessions N`: N attested sessions (kvdepot's client) held for SECONDS.
 - `streams N`: one session of its own, then N Transfer streams on it (over several
   connections), each left idle, for SECONDS; `bare-streams N`: the same streams
@@ -176,8 +177,10 @@ def hold_writing(target: str, seconds: float) -> None:
     say({"stored": stored})
 
 
-def hold_pins(target: str, seconds: float, sessions: int = 2, first: int = 0) -> None:
-    chunks = POOL // 2 // (2 * 2 * 16384)  # half the pool per session
+def hold_pins(
+    target: str, seconds: float, sessions: int = 2, first: int = 0, percent: int = 50
+) -> None:
+    chunks = POOL * percent // 100 // (2 * 2 * 16384)  # `percent` of the pool per session
     pinned = []
     for i, eng in enumerate(two_sessions(target, GEO_PINS)[:sessions], start=first):
         keys, blocks, indices = chunk_plan(GEO_PINS, range(i * chunks, (i + 1) * chunks))
@@ -258,6 +261,7 @@ async def streams(target: str, seconds: float, n: int, bare: bool, unary: bool) 
 
 def main() -> None:
     mode, target, seconds = sys.argv[1], sys.argv[2], float(sys.argv[3])
+    argv5 = len(sys.argv) > 5
     signal.signal(signal.SIGTERM, lambda *_: os._exit(1))
     if mode == "churn":
         churn(target, seconds)
@@ -268,7 +272,7 @@ def main() -> None:
     elif mode == "hold-pins":
         hold_pins(target, seconds)
     elif mode == "hold-pins-one":
-        hold_pins(target, seconds, 1, int(sys.argv[4]))
+        hold_pins(target, seconds, 1, int(sys.argv[4]), int(sys.argv[5]) if argv5 else 50)
     elif mode == "sessions":
         sessions(target, seconds, int(sys.argv[4]))
     elif mode in ("streams", "bare-streams", "unread-calls"):

@@ -146,7 +146,7 @@ def test_pins_of_every_process_together_leave_a_quarter_of_the_pool(
     daemon_factory: DaemonFactory,
 ) -> None:
     """Two processes, one session each, each pin half the pool: the second's pins
-    would hold it all; past 75 % (POOL_HELD_SHARE) they are refused, and another
+    would hold it all; past 75 % (--max-pool-held) they are refused, and another
     engine stores and loads beside them."""
     d = daemon_factory("--pool-size", "8MiB")
     first, held = start("hold-pins-one", d.target, 30, "0")
@@ -158,6 +158,43 @@ def test_pins_of_every_process_together_leave_a_quarter_of_the_pool(
     for p in (first, second):
         p.kill()
         p.wait()
+
+
+@pytest.mark.parametrize("held", ["75%", "40%"])
+def test_a_lower_pool_held_setting_takes_effect(daemon_factory: DaemonFactory, held: str) -> None:
+    """Two processes pin 30% of the pool each (within --max-pinned-per-session 30%):
+    together 60%, which the default --max-pool-held (75%) allows and 40% refuses; an
+    engine stores and loads beside them either way."""
+    d = daemon_factory(
+        "--pool-size", "8MiB", "--max-pinned-per-session", "30%", "--max-pool-held", held
+    )
+    first, got = start("hold-pins-one", d.target, 30, "0", "30")
+    second, got2 = start("hold-pins-one", d.target, 30, "1", "30")
+    print(f"\n--max-pool-held {held}: pins {got}, {got2}")
+    assert got == [38]  # 30% of 8 MiB in 64 KiB chunks
+    assert got2 == ([38] if held == "75%" else ["RESOURCE_EXHAUSTED"])
+    assert round_trip(d, "other engine", range(8)) == "ok"
+    for p in (first, second):
+        p.kill()
+        p.wait()
+
+
+def test_lower_call_caps_take_effect(daemon_factory: DaemonFactory) -> None:
+    """--max-calls-per-pid 16, --max-calls-per-uid 24: two processes of one uid open 200
+    idle Transfer streams each; 16 of the first stay open and 8 of the second (the
+    uid's 24), the rest are refused, and another engine's calls are served."""
+    d = daemon_factory(
+        "--pool-size", "64MiB", "--max-calls-per-pid", "16", "--max-calls-per-uid", "24"
+    )
+    first, _ = start("streams", d.target, 10, "200")  # still open while the second opens
+    second, _ = start("streams", d.target, 1, "200")
+    got, got2 = finish(first), finish(second)
+    print(f"\nstreams held: {got}, {got2}")
+    assert got["open"] == 16 and got2["open"] == 8, (got, got2)
+    assert got["codes"]["RESOURCE_EXHAUSTED"] == 184, got
+    said = d.log_path.read_text()
+    assert "--max-calls-per-pid" in said and "--max-calls-per-uid" in said, said[-2000:]
+    assert round_trip(d, "engine beside", range(4)) == "ok"
 
 
 def test_processes_of_one_uid_share_its_quota_fairly(daemon_factory: DaemonFactory) -> None:
@@ -186,7 +223,7 @@ def test_idle_streams_of_one_client_leave_the_others_served(
 ) -> None:
     """Row: ~4,150 idle Transfer streams use up the server's concurrent-call limit.
     Without a session each is refused at once (the gate); with one, past the
-    account's MAX_CALLS_PER_ACCOUNT, and so are Lookups whose request never comes.
+    account's --max-calls-per-pid (256), and so are Lookups whose request never comes.
     Another engine's Lookups are served throughout."""
     d = daemon_factory("--pool-size", "64MiB")
     victim = connect(d, "victim")
@@ -216,7 +253,7 @@ def test_idle_streams_of_one_client_leave_the_others_served(
         f"quiet {quiet[0]:.2f}, {quiet[1]}; under attack {loud[0]:.2f}, {loud[1]}"
     )
     assert loud[1] == 0
-    limit = 0 if mode == "bare-streams" else 256  # the gate; MAX_CALLS_PER_ACCOUNT
+    limit = 0 if mode == "bare-streams" else 256  # the gate; --max-calls-per-pid
     assert got["open"] <= limit, got
     assert round_trip(d, "engine after", range(4, 8)) == "ok"
     victim.close()

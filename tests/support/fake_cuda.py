@@ -1,5 +1,6 @@
-"""A fake CUDA driver whose "device memory" is host memory, and helpers to register a
-fake engine with a real DepotState through it (tests/cuda/).
+"""A fake CUDA driver whose "device memory" is host memory, a fake GPU host for the
+sender check (the driver's /proc entries and the device nodes, under a folder), and
+helpers to register a fake engine with a real DepotState through them (tests/cuda/).
 """
 
 from __future__ import annotations
@@ -7,8 +8,10 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import itertools
+import os
 import threading
 from array import array
+from pathlib import Path
 from typing import Any
 
 from kvdepot.common.cuda_driver import (
@@ -17,24 +20,101 @@ from kvdepot.common.cuda_driver import (
     CudaError,
     DeviceInfo,
 )
-from kvdepot.common.cuda_handles import parse_uuid
+from kvdepot.common.cuda_handles import format_uuid, parse_uuid
 from kvdepot.common.jobs import Job
 from kvdepot.server.core.layout import NamespaceLayout
 from kvdepot.server.core.memory_map import LayerRef, TensorView
+from kvdepot.server.cuda.senders import SenderGpus
+from kvdepot.server.peer import Peer, start_time
 from kvdepot.server.state import DepotState
 from kvdepot.v1 import depot_pb2 as pb
 
 UUID0 = "GPU-8f5e2a1c-0b3d-4e6f-9a7b-1c2d3e4f5a6b"
 UUID1 = "GPU-00112233-4455-6677-8899-aabbccddeeff"
+PCI0 = "0000:3B:00.0"
 HANDLE = bytes(range(1, 65))
 EVENT = bytes(range(100, 164))
+
+
+class FakeGpuHost:
+    """The driver's /proc/driver/nvidia/gpus/<pci>/information files and the device
+    nodes (empty regular files named nvidia<minor>: only root may make character
+    devices) of a GPU host, under `root`. `identify` names an open file's GPU minor
+    when it is one of these nodes (by device and inode, as the real check knows a
+    node by its device number); `senders` is the daemon's sender check over them.
+    `hold(minor)` opens a node in this process, as a CUDA process holds its GPUs'."""
+
+    def __init__(self, root: Path) -> None:
+        self.driver_root = root / "driver"
+        self.dev_root = root / "dev"
+        (self.driver_root / "gpus").mkdir(parents=True, exist_ok=True)
+        self.dev_root.mkdir(parents=True, exist_ok=True)
+        self.senders = SenderGpus(driver_root=self.driver_root, identify=self.identify)
+        self._held: dict[int, int] = {}
+
+    def identify(self, st: os.stat_result) -> int | None:
+        for node in self.dev_root.glob("nvidia*"):
+            mine = node.stat()
+            if (mine.st_dev, mine.st_ino) == (st.st_dev, st.st_ino):
+                return int(node.name.removeprefix("nvidia"))
+        return None
+
+    def held_fd(self, minor: int) -> int:
+        """This process's fd on GPU `minor`'s node (held first if it was not)."""
+        self.hold(minor)
+        return self._held[minor]
+
+    def add(self, minor: int, uuid: str, pci: str = "") -> None:
+        """A GPU of the driver: its information file (as the driver writes it) and node."""
+        name = pci.lower() or f"0000:{0x10 + minor:02x}:00.0"
+        entry = self.driver_root / "gpus" / name
+        entry.mkdir(exist_ok=True)
+        (entry / "information").write_text(
+            f"Model: \t\t Fake H200\nIRQ:   \t\t 42\nGPU UUID: \t {uuid.lower()}\n"
+            f"Bus Type: \t PCIe\nBus Location: \t {pci.lower() or '-'}\n"
+            f"Device Minor: \t {minor}\nGPU Excluded:\t No\n"
+        )
+        self.node(minor).touch()
+
+    def add_devices(self, devices: list[DeviceInfo]) -> FakeGpuHost:
+        """Each of a driver's `devices`, its minor its ordinal, held open here."""
+        for d in devices:
+            self.add(d.ordinal, format_uuid(d.uuid), d.pci_bus_id)
+            self.hold(d.ordinal)
+        return self
+
+    def node(self, minor: int) -> Path:
+        return self.dev_root / f"nvidia{minor}"
+
+    def hold(self, *minors: int) -> None:
+        for m in minors:
+            if m not in self._held:
+                self._held[m] = os.open(self.node(m), os.O_RDONLY)
+
+    def close(self) -> None:
+        for fd in self._held.values():
+            os.close(fd)
+        self._held.clear()
+
+
+def this_process() -> Peer:
+    """This process, as the fd socket's kernel check would name it."""
+    pid = os.getpid()
+    return Peer(pid, os.getuid(), os.getgid(), start_time(pid))
+
+
+def attested_session(st: DepotState, name: str = "fake-engine") -> Any:
+    """A session of `st` owned by this process (as if it attested on the fd socket)."""
+    session = st.open_session(name, os.getpid(), "e0")
+    st.attest(session.id, this_process())
+    return session
 
 
 class FakeDriver:
     """Implements the CudaDriver methods the engine and pinner use, on host memory."""
 
     def __init__(self, devices: list[DeviceInfo] | None = None, has_batch: bool = True) -> None:
-        self.device_list = devices or [DeviceInfo(0, parse_uuid(UUID0), "Fake H200")]
+        self.device_list = devices or [DeviceInfo(0, parse_uuid(UUID0), "Fake H200", PCI0)]
         self.has_batch = has_batch
         self.batch_abi = 2 if has_batch else 0
         self.exports: dict[bytes, Any] = {}  # handle -> ctypes buffer (the "allocation")
@@ -235,8 +315,10 @@ def register_fake_engine(
     uuid: str = UUID0,
     namespace: str = "cuda-ns",
 ) -> tuple[Any, Any, Any, NamespaceLayout, Any]:
+    """Registers a fake engine's KV memory in a session this process owns (the
+    fake GPU host's sender check needs this process to hold the device's node)."""
     handle, buf = drv.export(layers * nb * page + 4096)
-    session = st.open_session("fake-engine", 1234, "e0")
+    session = attested_session(st)
     lay = NamespaceLayout(namespace, 1, 1, ((page,) * layers,))
     tensors = [TensorView(0, i * nb * page, nb, page, page) for i in range(layers)]
     refs = [[LayerRef(i, 0, page) for i in range(layers)]]

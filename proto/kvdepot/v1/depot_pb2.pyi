@@ -116,18 +116,20 @@ class SharedMemoryHandle(_message.Message):
     def __init__(self, fd_token: _Optional[str] = ..., size: _Optional[int] = ...) -> None: ...
 
 class CudaIpcHandle(_message.Message):
-    __slots__ = ("ipc_handle", "device_uuid", "offset", "size", "event_handle")
+    __slots__ = ("ipc_handle", "device_uuid", "offset", "size", "event_handle", "gpu_token")
     IPC_HANDLE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     SIZE_FIELD_NUMBER: _ClassVar[int]
     EVENT_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    GPU_TOKEN_FIELD_NUMBER: _ClassVar[int]
     ipc_handle: bytes
     device_uuid: str
     offset: int
     size: int
     event_handle: bytes
-    def __init__(self, ipc_handle: _Optional[bytes] = ..., device_uuid: _Optional[str] = ..., offset: _Optional[int] = ..., size: _Optional[int] = ..., event_handle: _Optional[bytes] = ...) -> None: ...
+    gpu_token: str
+    def __init__(self, ipc_handle: _Optional[bytes] = ..., device_uuid: _Optional[str] = ..., offset: _Optional[int] = ..., size: _Optional[int] = ..., event_handle: _Optional[bytes] = ..., gpu_token: _Optional[str] = ...) -> None: ...
 
 class ProcessMemory(_message.Message):
     __slots__ = ("pid", "address", "size", "pid_token")
