@@ -18,6 +18,7 @@ implements it), so it reaches only what that session's own process sent.
 from __future__ import annotations
 
 import os
+from collections.abc import Hashable
 from typing import Any, Protocol, TypeVar
 
 from kvdepot.common.kinds import MemoryPath
@@ -66,8 +67,8 @@ class PassedFds(Protocol):
         DepotError (counted PERMISSION_DENIED for another session's token)."""
         ...
 
-    def deny(self, message: str) -> errors.DepotError:
-        """A counted PERMISSION_DENIED (raise it)."""
+    def deny(self, message: str, key: Hashable = "refused") -> errors.DepotError:
+        """A counted PERMISSION_DENIED (raise it), logged at most so often per `key`."""
         ...
 
 
