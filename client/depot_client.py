@@ -56,6 +56,7 @@ from kvdepot.common.kinds import (
     HELLO_CLIENT_METADATA,
     HELLO_ENGINE_METADATA,
     HELLO_PID_METADATA,
+    PUT_PART_BYTES,
     SESSION_METADATA,
     TICKET_METADATA,
 )
@@ -441,12 +442,24 @@ class DepotClient:
         data: bytes,
         timeout: float = DEFAULT_TIMEOUT,
     ) -> depot_pb2.PutResponse:
-        return self.stub.Put(
-            depot_pb2.PutRequest(
-                session_id=self.session_id, namespace_id=namespace_id, key=key, rank=rank, data=data
-            ),
-            timeout=timeout,
+        """Stores `rank`'s section of `key` inline (Put). A section larger than
+        PUT_PART_BYTES goes in parts (PutParts): the daemon takes no request larger
+        than its receive limit, a few MiB."""
+        head = depot_pb2.PutRequest(
+            session_id=self.session_id, namespace_id=namespace_id, key=key, rank=rank
         )
+        if len(data) <= PUT_PART_BYTES:
+            head.data = data
+            return self.stub.Put(head, timeout=timeout)
+        view = memoryview(data)
+
+        def parts() -> Iterator[depot_pb2.PutRequest]:
+            head.data = bytes(view[:PUT_PART_BYTES])
+            yield head
+            for at in range(PUT_PART_BYTES, len(view), PUT_PART_BYTES):
+                yield depot_pb2.PutRequest(data=bytes(view[at : at + PUT_PART_BYTES]))
+
+        return self.stub.PutParts(parts(), timeout=timeout)
 
     def get(
         self, namespace_id: str, key: bytes, rank: int, timeout: float = DEFAULT_TIMEOUT

@@ -27,6 +27,11 @@ class MemoryPath(enum.StrEnum):
     INLINE = "inline"  # no memory registered: bytes travel in Put/Get
 
 
+#: The largest part of a section sent by PutParts (kvdepot.v1.Depot): a section larger
+#: than this goes in parts, so that no request of any method needs a receive limit above
+#: the largest legal Lookup or job (the daemon's, server/service/bounds.py).
+PUT_PART_BYTES = 4 << 20
+
 #: The gRPC metadata key naming the caller's session on every Depot call but Session:
 #: the daemon reads no request before it knows there is one (server/service/gate.py).
 SESSION_METADATA = "kvdepot-session"

@@ -55,14 +55,19 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvdepot")
 
-MAX_MESSAGE_BYTES = 512 << 20  # Put/Get carry a whole section inline
+MAX_SEND_BYTES = 512 << 20  # a Get answers a whole section inline
 SHUTDOWN_GRACE_SECONDS = 5.0
 SERVICES = ("kvdepot.v1.Depot", "kvdepot.v1.Admin")  # the data socket's, the operators'
-_SERVER_OPTIONS = [
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.so_reuseport", 0),
-]
+
+
+def _server_options(cfg: ServeConfig) -> list[tuple[str, int]]:
+    return [
+        # Every method's, so the largest legal request's (bounds.receive_limit): a Put
+        # of a section larger than a part goes in parts (PutParts).
+        ("grpc.max_receive_message_length", bounds.receive_limit(cfg)),
+        ("grpc.max_send_message_length", MAX_SEND_BYTES),
+        ("grpc.so_reuseport", 0),
+    ]
 
 
 class SocketPathError(RuntimeError):
@@ -226,7 +231,7 @@ class Daemon:
         # different ports, and Admin must never be on the engines' socket (or TCP).
         # Depot calls but Session need a session before their request is read (gate.py).
         server = self.server = grpc.aio.server(
-            options=_SERVER_OPTIONS,
+            options=_server_options(cfg),
             maximum_concurrent_rpcs=bounds.max_concurrent_rpcs(cfg),
             # The gate first: the caps count only calls naming a live session.
             interceptors=[
@@ -234,7 +239,7 @@ class Daemon:
                 CallCaps(st.open_call, st.close_call),
             ],
         )
-        admin_server = self.admin_server = grpc.aio.server(options=_SERVER_OPTIONS)
+        admin_server = self.admin_server = grpc.aio.server(options=_server_options(cfg))
         # Undecodable requests get INVALID_ARGUMENT, not grpcio's UNKNOWN, and requests
         # larger than any legal one are refused unparsed (see wire.py).
         depot = self.depot = DepotServicer(st)
@@ -242,7 +247,7 @@ class Daemon:
             depot_pb2_grpc.add_DepotServicer_to_server,
             depot,
             server,
-            bounds.max_request_bytes(cfg),
+            bounds.receive_limit(cfg),
             bounds.type_bytes(cfg),
             depot.request_parsers(),
         )

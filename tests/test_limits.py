@@ -249,15 +249,20 @@ def test_refused_large_puts_leave_rss_flat(daemon_factory) -> None:
         stub = session_stub(ch)
         time.sleep(0.5)
         before = rss_mib(d.proc.pid)
-        for session_id, code in (
-            (c.session_id, Code.INVALID_ARGUMENT),
-            ("gone", Code.FAILED_PRECONDITION),
+        part = data[: 4 << 20]  # within the receive limit, not the section's size
+        for session_id, payload, code in (
+            (c.session_id, data, Code.RESOURCE_EXHAUSTED),  # over the receive limit
+            (c.session_id, part, Code.INVALID_ARGUMENT),
+            ("gone", data, Code.FAILED_PRECONDITION),
         ):
             for i in range(REFUSED_PUTS):
                 with pytest.raises(grpc.RpcError) as info:
                     stub.Put(
                         pb.PutRequest(
-                            session_id=session_id, namespace_id="rss", key=make_key(i, 0), data=data
+                            session_id=session_id,
+                            namespace_id="rss",
+                            key=make_key(i, 0),
+                            data=payload,
                         ),
                         timeout=60,
                     )
@@ -271,7 +276,7 @@ def test_refused_large_puts_leave_rss_flat(daemon_factory) -> None:
         deadline = time.monotonic() + 5
         while (grown := rss_mib(d.proc.pid) - before) >= limit and time.monotonic() < deadline:
             time.sleep(0.1)
-    assert grown < limit, f"RSS grew {grown:.0f} MiB after {2 * REFUSED_PUTS} refused puts"
+    assert grown < limit, f"RSS grew {grown:.0f} MiB after {3 * REFUSED_PUTS} refused puts"
     assert c.lookup("rss", [make_key(0, 0)]) == [False]  # still answers
     c.close()
 

@@ -4,6 +4,7 @@ built from it: one registration of 64 groups x 4096 layers held the event loop f
 
 from __future__ import annotations
 
+from kvdepot.common.kinds import PUT_PART_BYTES
 from kvdepot.server import errors
 from kvdepot.server.config import ServeConfig
 from kvdepot.server.core.layout import MAX_GROUPS, MAX_KEY_BYTES, MAX_LAYOUT_LAYERS
@@ -21,6 +22,14 @@ def max_request_bytes(cfg: ServeConfig) -> int:
     key = MAX_KEY_BYTES + 3  # tag and length
     keys = max(cfg.max_batch_keys, cfg.max_job_keys)
     return keys * key + cfg.max_job_blocks * 11 + (1 << 20)
+
+
+def receive_limit(cfg: ServeConfig) -> int:
+    """grpc's receive limit on the daemon's servers: the largest legal request, a Put
+    of one part included (a larger section goes by PutParts). grpc refuses a larger
+    message with RESOURCE_EXHAUSTED from its length, before receiving it: one limit
+    serves every method, so it must fit the largest one's."""
+    return max(max_request_bytes(cfg), PUT_PART_BYTES + (64 << 10))
 
 
 def max_job_bytes(max_job_keys: int, max_job_blocks: int) -> int:

@@ -370,6 +370,35 @@ class DepotServicer(depot_pb2_grpc.DepotServicer):
         return pb.PutResponse(outcome=outcome.value, ready=ready, drop_reason=reason)
 
     @reports_errors
+    async def PutParts(
+        self, requests: AsyncIterator[pb.PutRequest], context: grpc.aio.ServicerContext
+    ) -> pb.PutResponse:
+        """Put, the section in parts (depot.proto): a part is read only while the parts
+        before it fit the section, so a call makes the daemon hold one section at most."""
+        head: pb.PutRequest | None = None
+        data = bytearray()
+        size = 0
+        async for part in requests:
+            if head is None:
+                head = part
+                size = self.state.section_bytes(
+                    part.session_id, part.namespace_id, part.key, part.rank
+                )
+            elif part.session_id or part.namespace_id or part.key or part.rank:
+                raise errors.invalid("PutParts: only the first part names the section")
+            if len(data) + len(part.data) > size:
+                raise errors.invalid(
+                    f"PutParts: the parts carry more than the section's {size} bytes"
+                )
+            data += part.data
+        if head is None:
+            raise errors.invalid("PutParts: no part (the first names the section)")
+        outcome, ready, reason = await self.state.put(
+            head.session_id, head.namespace_id, head.key, head.rank, bytes(data)
+        )
+        return pb.PutResponse(outcome=outcome.value, ready=ready, drop_reason=reason)
+
+    @reports_errors
     async def Get(
         self, request: pb.GetRequest, context: grpc.aio.ServicerContext
     ) -> pb.GetResponse:

@@ -11,9 +11,10 @@ answer INVALID_ARGUMENT for it. For a request stream, the jobs before the bad
 message run to completion and are answered, then the stream ends with
 INVALID_ARGUMENT.
 
-With `max_request_bytes`, a request larger than that (a PutRequest aside: it
-carries a section inline) is refused the same way before it is parsed: parsing
-runs on the event loop, and no legal request of the other kinds comes near it.
+With `max_request_bytes`, a request larger than that is refused the same way
+before it is parsed: parsing runs on the event loop. (grpc's receive limit, set
+from the same bound, refuses most such requests before they are even received:
+bounds.receive_limit; a Put's section larger than a part goes by PutParts.)
 `type_bytes` gives some message types a bound of their own below it (a TransferJob:
 its largest legal job, see bounds.py), and `parsers` a parser of their own (a
 TransferJob: codec.read_job, which counts its lists before decoding them), as
@@ -37,16 +38,9 @@ class Malformed:
         self.error = error
 
 
-# Requests exempt from `max_request_bytes`: bounded by grpc's receive limit alone.
-LARGE_REQUESTS = frozenset({"kvdepot.v1.PutRequest"})
-
-
 def _tolerant(
     deserialize: Callable[[bytes], Any], type_name: str, max_bytes: int | None = None
 ) -> Callable[[bytes], Any]:
-    if type_name in LARGE_REQUESTS:
-        max_bytes = None
-
     def parse(data: bytes) -> Any:
         if max_bytes is not None and len(data) > max_bytes:
             return Malformed(
@@ -151,7 +145,22 @@ def _wrap(
             response_serializer=handler.response_serializer,
         )
 
-    return handler  # stream-unary: no such method in the kvdepot services
+    inner_su = handler.stream_unary  # a request stream, one answer (PutParts)
+
+    async def stream_unary(requests: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> Any:
+        async def parsed() -> AsyncIterator[Any]:
+            async for request in requests:
+                if isinstance(request, Malformed):  # before the servicer acts on the rest
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.error)
+                yield request
+
+        return await inner_su(parsed(), context)
+
+    return grpc.stream_unary_rpc_method_handler(
+        stream_unary,
+        request_deserializer=parse,
+        response_serializer=handler.response_serializer,
+    )
 
 
 class _Capture:

@@ -384,6 +384,12 @@ class DepotState:
         self.access.registered(session_id, namespace_id)
         return await self.inline.put(session_id, namespace_id, key, rank, data)
 
+    def section_bytes(self, session_id: str, namespace_id: str, key: bytes, rank: int) -> int:
+        """What a Put of `rank`'s section of `key` carries, in a namespace the session
+        joined (PutParts reads no more); DepotError otherwise."""
+        self.access.registered(session_id, namespace_id)
+        return self.inline.section_bytes(namespace_id, key, rank)
+
     @mutation
     async def get(self, session_id: str, namespace_id: str, key: bytes, rank: int) -> bytes:
         self.access.registered(session_id, namespace_id)

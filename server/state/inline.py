@@ -38,6 +38,11 @@ class InlinePath:
         size = layout.section_bytes(group)
         return rank * size, size
 
+    def section_bytes(self, namespace_id: str, key: bytes, rank: int) -> int:
+        """The bytes a Put of `rank`'s section of `key` carries (DepotError for a key
+        of no group of the namespace, or a rank outside its world)."""
+        return self._section(namespace_id, key, rank)[1]
+
     async def put(
         self, session_id: str, namespace_id: str, key: bytes, rank: int, data: bytes
     ) -> tuple[PutOutcome, bool, str]:

@@ -24,6 +24,7 @@ DEPOT_METHODS = {
     "Unpin": "unary",
     "Transfer": "stream_stream",
     "Put": "unary",
+    "PutParts": "stream_unary",
     "Get": "unary",
 }
 ADMIN_METHODS = ["GetStats", "ListNamespaces", "ListEngines", "ListBlocks", "Evict", "Clear"]
@@ -44,6 +45,8 @@ def _raw(channel: grpc.Channel, method: str, kind: str, payloads: list[bytes]) -
             call = channel.unary_stream(method, **ident)(payloads[0], timeout=10)
             next(call)  # a parsable request opens the stream (a session, a watch): end it
             call.cancel()
+        elif kind == "stream_unary":
+            channel.stream_unary(method, **ident)(iter(payloads), timeout=10)
         else:
             list(channel.stream_stream(method, **ident)(iter(payloads), timeout=10))
     except grpc.RpcError as exc:

@@ -20,6 +20,9 @@ status codes (or job error codes) it got back, counted. Shapes:
 - `large`, `large-fake`: 200 MiB messages, four at a time, to Put, Lookup, RegisterKV,
   Pin and Transfer, with no session (`large-fake`: naming a made-up one in the
   kvdepot-session metadata); `large-session`: to Session (no session needed);
+  `large-own`: to those five and PutParts, naming a session of its own;
+- `parts-over`: with a session of its own and an inline namespace of 64 KiB sections,
+  PutParts calls of fifty 4 MiB parts, four at a time (more than any section);
 - `churn`: opens a session and ends it, and makes a call with no session, in a loop
   (each used to log a line: 21,800 lines in 12 s).
 """
@@ -116,6 +119,7 @@ def lane(target: str, blocks: int, until: float, codes: collections.Counter) -> 
 
 
 LARGE_METHODS = ("Put", "Lookup", "RegisterKV", "Pin", "Transfer")
+PART_SECTION = 64 << 10  # parts-over: the namespace's section (one layer of 32 KiB, 2 blocks)
 
 
 def large(
@@ -128,6 +132,9 @@ def large(
             if method == "Transfer":
                 call = ch.stream_stream(path, request_serializer=None)
                 list(call(iter([payload]), timeout=60, metadata=metadata))
+            elif method == "PutParts":
+                call = ch.stream_unary(path, request_serializer=None)
+                call(iter([payload]), timeout=60, metadata=metadata)
             elif method == "Session":
                 call = ch.unary_stream(path, request_serializer=None)
                 next(iter(call(payload, timeout=60)))
@@ -138,6 +145,31 @@ def large(
             codes[f"{method} OK"] += 1
         except grpc.RpcError as exc:
             codes[f"{method} {exc.code().name}"] += 1
+
+
+def own_session(target: str, name: str) -> tuple[DepotClient, list[tuple[str, str]]]:
+    """A session of the attacker's own, and the metadata that names it."""
+    client = DepotClient(target, client_name=name).start()
+    assert client.wait_connected(10)
+    return client, [("kvdepot-session", client.session_id)]
+
+
+def parts_over(client: DepotClient, part: bytes, codes: collections.Counter) -> None:
+    """PutParts of fifty `part`s for one 64 KiB section: the daemon must stop reading."""
+    key = bytes(32) + (0).to_bytes(4, "big")
+
+    def parts() -> Iterator[pb.PutRequest]:
+        yield pb.PutRequest(
+            session_id=client.session_id, namespace_id="parts", key=key, rank=0, data=part
+        )
+        for _ in range(49):
+            yield pb.PutRequest(data=part)
+
+    try:
+        client.stub.PutParts(parts(), timeout=60)
+        codes["PutParts OK"] += 1
+    except grpc.RpcError as exc:
+        codes[f"PutParts {exc.code().name}"] += 1
 
 
 def churn(target: str, until: float, codes: collections.Counter) -> None:
@@ -172,10 +204,26 @@ def main() -> None:
         together(2, churn, target, until, codes)
         print(json.dumps({"shape": shape, "codes": dict(codes)}), flush=True)
         return
+    if shape == "parts-over":
+        client, _ = own_session(target, "parts-attacker")
+        layout = pb.NamespaceLayout(
+            id="parts",
+            world_size=1,
+            blocks_per_chunk=2,
+            groups=[pb.GroupLayout(layer_page_bytes=[PART_SECTION // 2])],
+        )
+        client.register_kv(layout, 0, None, [], [])
+        print(json.dumps({"ready": 4 << 20}), flush=True)
+        together(4, parts_over, client, b"\0" * (4 << 20), codes)
+        print(json.dumps({"shape": shape, "codes": dict(codes)}), flush=True)
+        return
     if shape.startswith("large"):
         payload = b"\0" * (200 << 20)
         fake = [("kvdepot-session", secrets.token_hex(16))] if shape == "large-fake" else []
         methods = ("Session",) if shape == "large-session" else LARGE_METHODS
+        if shape == "large-own":
+            _, fake = own_session(target, "large-attacker")
+            methods = (*LARGE_METHODS, "PutParts")
         print(json.dumps({"ready": len(payload)}), flush=True)
         for method in methods:  # four at a time, as the attack did
             together(4, large, target, method, payload, fake, codes)

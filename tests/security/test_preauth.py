@@ -178,11 +178,54 @@ def test_large_messages_without_a_session_are_refused_unread(
     victim.client.close()
 
 
+def test_large_messages_of_a_session_are_refused_by_their_length(daemon: DaemonProcess) -> None:
+    """A session of the attacker's own passes the gate. Before, its 200 MiB messages were
+    received whole (the 512 MiB receive limit was every method's, for Put's sections)
+    and only then refused. Now the receive limit is the largest legal request's (about
+    5 MiB: a Put's section larger than that goes in parts, PutParts), and grpc refuses
+    a larger message from its length."""
+    assert daemon.proc is not None
+    victim = Victim(daemon)
+    time.sleep(0.5)
+    before = rss_mib(daemon.proc.pid)
+    with RssPeak(daemon.proc.pid) as rss:
+        p = attack(daemon.target, "large-own", seconds=0)
+        during = victim.lookup_ms(n=20)
+        codes = report(p)
+    grown = rss.peak - before
+    print(f"large-own: daemon RSS {before:.0f} MiB, peak {rss.peak:.0f} MiB; attacker got {codes}")
+    assert codes and all(k.endswith("RESOURCE_EXHAUSTED") for k in codes), codes
+    assert sum(codes.values()) == 4 * (len(LARGE_METHODS) + 1), codes
+    assert grown < 100, f"RSS grew {grown:.0f} MiB"  # one message alone is 200
+    assert len(during) == 20 and victim.round_trips()
+    victim.client.close()
+
+
+def test_put_parts_past_the_section_are_not_read(daemon: DaemonProcess) -> None:
+    """PutParts reads a part only while the parts so far fit the section: four calls of
+    fifty 4 MiB parts for a 64 KiB section are refused at their first part, and the
+    daemon never holds their 800 MiB."""
+    assert daemon.proc is not None
+    victim = Victim(daemon)
+    time.sleep(0.5)
+    before = rss_mib(daemon.proc.pid)
+    with RssPeak(daemon.proc.pid) as rss:
+        p = attack(daemon.target, "parts-over", seconds=0)
+        codes = report(p)
+    grown = rss.peak - before
+    print(f"parts-over: daemon RSS {before:.0f} MiB, peak {rss.peak:.0f} MiB; got {codes}")
+    assert codes == {"PutParts INVALID_ARGUMENT": 4}, codes
+    assert grown < 100, f"RSS grew {grown:.0f} MiB"
+    assert victim.round_trips()
+    victim.client.close()
+
+
 def test_a_session_still_puts_and_gets_a_row_larger_than_any_other_request(
     daemon_factory: DaemonFactory,
 ) -> None:
-    """The legitimate large path beside the gate: a 64 MiB section inline, over the
-    5.2 MiB that bounds every other request, goes in by Put and comes back by Get."""
+    """The legitimate large path beside the limits: a 64 MiB section inline, over the
+    5.2 MiB that bounds every request, goes in by Put (in parts) and comes back by Get;
+    and a section of one part and a byte goes in by parts too, exactly."""
     d = daemon_factory("--pool-size", "256MiB")
     c = connect(d, "inline")
     geo = Geometry(groups=[[8 << 20] * 4], world_size=1, blocks_per_chunk=2, namespace="big")
@@ -191,6 +234,12 @@ def test_a_session_still_puts_and_gets_a_row_larger_than_any_other_request(
     assert len(section) == 64 << 20
     assert c.put("big", key, 0, section, timeout=60).ready
     assert c.get("big", key, 0, timeout=60) == section
+    odd = Geometry(groups=[[(4 << 20) + 1]], world_size=1, blocks_per_chunk=1, namespace="odd")
+    c.register_kv(odd.layout(), 0, None, [], [])
+    row = bytes(range(251)) * ((4 << 20) // 251 + 1)
+    row = row[: (4 << 20) + 1]
+    assert c.put("odd", key, 0, row, timeout=60).ready
+    assert c.get("odd", key, 0, timeout=60) == row
     c.close()
 
 

@@ -85,6 +85,11 @@ class DepotStub:
                 request_serializer=kvdepot_dot_v1_dot_depot__pb2.PutRequest.SerializeToString,
                 response_deserializer=kvdepot_dot_v1_dot_depot__pb2.PutResponse.FromString,
                 _registered_method=True)
+        self.PutParts = channel.stream_unary(
+                '/kvdepot.v1.Depot/PutParts',
+                request_serializer=kvdepot_dot_v1_dot_depot__pb2.PutRequest.SerializeToString,
+                response_deserializer=kvdepot_dot_v1_dot_depot__pb2.PutResponse.FromString,
+                _registered_method=True)
         self.Get = channel.unary_unary(
                 '/kvdepot.v1.Depot/Get',
                 request_serializer=kvdepot_dot_v1_dot_depot__pb2.GetRequest.SerializeToString,
@@ -194,7 +199,21 @@ class DepotServicer:
     def Put(self, request, context):
         """Inline bytes: one rank's section of one key, carried in the message.
         Slow (protobuf copies every byte); for clients without shared memory,
-        export/import and inspection.
+        export/import and inspection. No request may be larger than the daemon's
+        receive limit (the largest legal Lookup or job, about 5 MiB at the
+        defaults; grpc refuses a larger one with RESOURCE_EXHAUSTED), so a section
+        larger than PUT_PART_BYTES (4 MiB) goes by PutParts.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PutParts(self, request_iterator, context):
+        """Put with the section in parts, in order: the first PutRequest names the
+        section (session, namespace, key, rank) and may carry its first bytes; the
+        others carry only `data`, each at most PUT_PART_BYTES. The daemon reads a
+        part only while the parts so far fit the section, so it never holds more
+        than the section; the answer is Put's.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -269,6 +288,11 @@ def add_DepotServicer_to_server(servicer, server):
             ),
             'Put': grpc.unary_unary_rpc_method_handler(
                     servicer.Put,
+                    request_deserializer=kvdepot_dot_v1_dot_depot__pb2.PutRequest.FromString,
+                    response_serializer=kvdepot_dot_v1_dot_depot__pb2.PutResponse.SerializeToString,
+            ),
+            'PutParts': grpc.stream_unary_rpc_method_handler(
+                    servicer.PutParts,
                     request_deserializer=kvdepot_dot_v1_dot_depot__pb2.PutRequest.FromString,
                     response_serializer=kvdepot_dot_v1_dot_depot__pb2.PutResponse.SerializeToString,
             ),
@@ -552,6 +576,33 @@ class Depot:
             request,
             target,
             '/kvdepot.v1.Depot/Put',
+            kvdepot_dot_v1_dot_depot__pb2.PutRequest.SerializeToString,
+            kvdepot_dot_v1_dot_depot__pb2.PutResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PutParts(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/kvdepot.v1.Depot/PutParts',
             kvdepot_dot_v1_dot_depot__pb2.PutRequest.SerializeToString,
             kvdepot_dot_v1_dot_depot__pb2.PutResponse.FromString,
             options,
