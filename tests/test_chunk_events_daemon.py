@@ -271,3 +271,73 @@ def test_chunk_events_survive_a_restart(daemon_factory, tmp_path, how: str) -> N
     assert c.wait_connected(10)
     assert snapshot_events(c, ns) == want
     c.close()
+
+
+def disk_events(c: DepotClient, ns: str, want: int) -> dict[bytes, bytes]:
+    """What a new watcher asking for chunk events hears is on the disk tier (the
+    STORED event of tier DISK after its snapshot): key -> event, once `want` keys came."""
+    got: dict[bytes, bytes] = {}
+    done = threading.Event()
+
+    def on_event(e: pb.WatchEvent) -> None:
+        if e.kind == pb.WatchEvent.STORED and e.tier == pb.WatchEvent.TIER_DISK:
+            got.update(zip(e.keys, e.key_events or [b""] * len(e.keys), strict=True))
+            if len(got) >= want:
+                done.set()
+
+    w = c.watch(ns, on_event, key_events=True)
+    assert done.wait(10), f"{len(got)} of {want} disk keys announced"
+    w.stop()
+    return got
+
+
+@pytest.mark.parametrize("how", ["sigterm", "sigkill"])
+def test_disk_records_keep_chunk_events_across_a_restart(daemon_factory, tmp_path, how) -> None:
+    """Records of the disk tier hold their rows' chunk events: after a clean restart
+    (the disk's index checkpoint) or a crash (its header scan) they are announced with
+    them, counted, and a row promoted back into the pool carries its own."""
+    d = daemon_factory(
+        "--pool-size", "16MiB", "--disk", str(tmp_path / "disk"), "--disk-size", "64MiB"
+    )  # fmt: skip
+    c = DepotClient(d.target, client_name="chunk-events").start()
+    assert c.wait_connected(10)
+    geo = Geometry(world_size=1, namespace="chunk-events")
+    eng = Engine(c, geo, 0)
+    keys, blocks, idx = chunk_plan(geo, range(0, 4))
+    ns = geo.layout().id
+    events = [chunk_event([k[:-4]], tokens=16 + i) for i, k in enumerate(keys)]
+    events[2] = b""  # a row stored without one: its record has none
+    assert store(eng, keys, blocks, idx, key_events=events).success
+    want = dict(zip(keys, events, strict=True))
+    deadline = time.monotonic() + 20
+    while d.stats().disk_writes < len(keys):
+        assert time.monotonic() < deadline, "rows never reached the disk"
+        time.sleep(0.05)
+    res = c.admin.Evict(admin_pb2.EvictRequest(namespace_id=ns, keys=keys))
+    assert res.evicted_blocks == len(keys)  # on disk only from now on
+    c.close()
+    if how == "sigterm":
+        assert d.stop() == 0
+    else:
+        d.kill()
+    d.start()
+    deadline = time.monotonic() + 20
+    while not (st := d.stats()).disk_recovery_complete:
+        assert time.monotonic() < deadline, "the disk's index never came back"
+        time.sleep(0.05)
+    assert st.disk_recovery_source == ("checkpoint" if how == "sigterm" else "scan")
+    held = [e for e in events if e]
+    assert (st.chunk_event_rows, st.chunk_event_bytes) == (len(held), sum(map(len, held)))
+    c = DepotClient(d.target, client_name="after-restart").start()
+    assert c.wait_connected(10)
+    Engine(c, geo, 0)  # declares the namespace again (the pool restarted empty)
+    assert disk_events(c, ns, len(keys)) == want
+
+    # Promoted back into the pool: the rows carry the records' events.
+    assert all(s == pb.PrefetchResponse.FETCHING for s in c.prefetch(ns, keys).states)
+    deadline = time.monotonic() + 20
+    while not all(c.lookup(ns, keys)):
+        assert time.monotonic() < deadline, "rows never promoted"
+        time.sleep(0.05)
+    assert snapshot_events(c, ns) == want
+    c.close()
