@@ -172,12 +172,18 @@ def test_a_stalled_store_costs_a_recompute_and_the_tier_comes_back(
 
 @pytest.mark.parametrize("blocks_per_chunk", [1, 4])
 def test_blocks_from_the_fleet_publish_the_storing_engines_events(
-    two_nodes, make_engine, blocks_per_chunk
+    two_nodes, make_engine, monkeypatch, blocks_per_chunk
 ) -> None:
     """Engine A on node A stores; its rows reach the fleet with their chunk events.
     Engine B on node B (nothing local) fetches them; engine C beside it, which never
     saw the prompt, knows the rows only from node B's pool: C's BlockStored events
-    equal A's (hashes, parent, token ids, block size, group), never placeholders."""
+    equal A's (hashes, parent, token ids, block size, group), never placeholders.
+    B's `vllm:prompt_tokens_cached_by_source` counts the load as `external_unspecified`
+    (vLLM has no source for a shared store)."""
+    from collections import Counter
+
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
     from tests.vllm.test_chunk_events import SELF_DESCRIBING, payload, recorder, stored_cpu
 
     a, b = two_nodes
@@ -205,8 +211,20 @@ def test_blocks_from_the_fleet_publish_the_storing_engines_events(
     engine_c.wait_registered()
     seen_c = recorder(engine_c)
     assert not any(engine_b.manager.is_ready(k) for k in keys)  # nothing on node B
+    by_source: Counter = Counter()  # what vLLM's stats loggers read each step, summed
+    make_stats = engine_b.scheduler.make_stats
+
+    def recorded(*args, **kwargs):
+        stats = make_stats(*args, **kwargs)
+        if stats is not None and stats.connector_prefix_cache_stats is not None:
+            by_source.update(stats.connector_prefix_cache_stats.hits_by_source)
+        return stats
+
+    monkeypatch.setattr(engine_b.scheduler, "make_stats", recorded)
     [rec] = engine_b.generate([prompt])
-    assert rec.external_tokens == 16 * blocks_per_chunk * len(keys)
+    tokens = 16 * blocks_per_chunk * len(keys)
+    assert rec.external_tokens == tokens
+    assert dict(by_source) == {CacheHitSource.EXTERNAL_UNSPECIFIED: tokens}
     engine_c.wait_until(
         lambda: len(stored_cpu(engine_c, seen_c)) >= len(keys), what="C's events of A's chunks"
     )
