@@ -262,6 +262,12 @@ class DepotClient:
         return self._session.hello
 
     @property
+    def keepalive(self) -> depot_pb2.SessionKeepalive | None:
+        """The open session's last keepalive (the daemon's pool usage, every few
+        seconds); None while disconnected or before the first."""
+        return self._session.keepalive
+
+    @property
     def sessions_opened(self) -> int:
         return self._session.sessions_opened
 

@@ -3,7 +3,8 @@
 A `DepotClient` owns one keeper. The keeper owns the client's `grpc.aio` channel (made
 on the process's stream loop, kvdepot.client.stream_loop, on first use), the tasks this
 client runs there (the Session loop and its Watch streams, kvdepot.client.watch), and
-what the Session says: `hello`, `connected`, `sessions_opened`, and
+what the Session says: `hello`, `keepalive` (the last one: the pool's usage),
+`connected`, `sessions_opened`, and
 `DepotUnavailable`, what a call raises while there is none. Beside it, `Memberships`:
 the namespaces the client joined, joined again in every new session. It calls the session
 listeners after every (re)connect and the disconnect listeners after every loss. The
@@ -110,6 +111,9 @@ class SessionKeeper:
         self._channel_options = tuple(channel_options)
         self._backoff = (backoff_initial, backoff_max)
         self.hello: depot_pb2.SessionHello | None = None
+        # The last keepalive of the open session (None until one came): replaced whole
+        # on the loop thread, read from any.
+        self.keepalive: depot_pb2.SessionKeepalive | None = None
         self.sessions_opened = 0
         self._connected = threading.Event()
         self._closed = threading.Event()
@@ -254,6 +258,8 @@ class SessionKeeper:
                         await client.rejoin(stub, event.hello.session_id)
                         backoff.reset()
                         self._opened(event.hello)
+                    elif event.HasField("keepalive"):
+                        self.keepalive = event.keepalive
             except grpc.RpcError as exc:
                 log.debug("kvdepot session ended: %s", exc.code())
             finally:
@@ -263,6 +269,7 @@ class SessionKeeper:
                 del call
                 was_connected = self._connected.is_set()
                 self._connected.clear()
+                self.keepalive = None
                 ready.clear()
                 if was_connected and not self._closed.is_set():
                     log.warning("lost the kvdepot daemon at %s; reconnecting", client.target)

@@ -10,12 +10,15 @@ and the daemon keeps storing.
 from __future__ import annotations
 
 import threading
+import time
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from kvdepot.client import DepotClient
 from kvdepot.common.jobs import Job, JobResult
+from kvdepot.server.core import journal
 from kvdepot.server.kv_events import BlockRemoved, BlockStored, EventTranslator
 from kvdepot.server.state.jobs import MAX_CHUNK_EVENT_BYTES
 from kvdepot.v1 import admin_pb2
@@ -200,3 +203,141 @@ def test_the_daemon_keeps_counts_hands_on_and_drops_chunk_events(setup) -> None:
         w.stop()
     st = d.stats()
     assert (st.chunk_event_rows, st.chunk_event_bytes) == (0, 0)
+
+
+def snapshot_events(c: DepotClient, ns: str) -> dict[bytes, bytes]:
+    """What a new watcher asking for chunk events hears the pool holds: key -> event."""
+    snap: list[pb.WatchEvent] = []
+    done = threading.Event()
+
+    def on_event(e: pb.WatchEvent) -> None:
+        snap.append(e)
+        if e.kind == pb.WatchEvent.SNAPSHOT_END:
+            done.set()
+
+    w = c.watch(ns, on_event, key_events=True)
+    assert done.wait(10)
+    w.stop()
+    return {
+        k: e
+        for m in snap
+        if m.kind == pb.WatchEvent.SNAPSHOT
+        for k, e in zip(m.keys, m.key_events or [b""] * len(m.keys), strict=True)
+    }
+
+
+@pytest.mark.parametrize("how", ["sigterm", "sigkill"])
+def test_chunk_events_survive_a_restart(daemon_factory, tmp_path, how: str) -> None:
+    """With --pool-file, rows back after a clean restart (the index snapshot) or a
+    crash (the journal, rows verified) carry the chunk events they were stored with:
+    counted again, and handed to watchers as before."""
+    pool = tmp_path / "kvdepot.pool"
+    d = daemon_factory("--pool-size", "16MiB", "--pool-file", str(pool))
+    c = DepotClient(d.target, client_name="chunk-events").start()
+    assert c.wait_connected(10)
+    geo = Geometry(world_size=1, namespace="chunk-events")
+    eng = Engine(c, geo, 0)
+    keys, blocks, idx = chunk_plan(geo, range(0, 4))
+    ns = geo.layout().id
+    events = [chunk_event([k[:-4]], tokens=16 + i) for i, k in enumerate(keys)]
+    events[1] = b""  # a row stored without one comes back without one
+    assert store(eng, keys, blocks, idx, key_events=events).success
+    want = dict(zip(keys, events, strict=True))
+    assert snapshot_events(c, ns) == want
+    c.close()
+    if how == "sigterm":
+        assert d.stop() == 0
+    else:
+        deadline = time.monotonic() + 20
+        while True:  # every row listed with its checksum (wait_sealed's check, our NS)
+            rows = journal.replay(Path(str(pool) + journal.SUFFIX).read_bytes()).rows
+            if all((ns, k) in rows and rows[ns, k].crc is not None for k in keys):
+                break
+            assert time.monotonic() < deadline, "rows never got their checksum"
+            time.sleep(0.05)
+        d.kill()
+    d.start()
+    if how == "sigkill":
+        deadline = time.monotonic() + 20
+        while d.stats().ready_blocks < len(keys):
+            assert time.monotonic() < deadline, "rows not recovered"
+            time.sleep(0.05)
+        assert "crash recovery" in d.log()
+    st = d.stats()
+    assert st.ready_blocks == len(keys)
+    held = [e for e in events if e]
+    assert (st.chunk_event_rows, st.chunk_event_bytes) == (len(held), sum(map(len, held)))
+    c = DepotClient(d.target, client_name="after-restart").start()
+    assert c.wait_connected(10)
+    assert snapshot_events(c, ns) == want
+    c.close()
+
+
+def disk_events(c: DepotClient, ns: str, want: int) -> dict[bytes, bytes]:
+    """What a new watcher asking for chunk events hears is on the disk tier (the
+    STORED event of tier DISK after its snapshot): key -> event, once `want` keys came."""
+    got: dict[bytes, bytes] = {}
+    done = threading.Event()
+
+    def on_event(e: pb.WatchEvent) -> None:
+        if e.kind == pb.WatchEvent.STORED and e.tier == pb.WatchEvent.TIER_DISK:
+            got.update(zip(e.keys, e.key_events or [b""] * len(e.keys), strict=True))
+            if len(got) >= want:
+                done.set()
+
+    w = c.watch(ns, on_event, key_events=True)
+    assert done.wait(10), f"{len(got)} of {want} disk keys announced"
+    w.stop()
+    return got
+
+
+@pytest.mark.parametrize("how", ["sigterm", "sigkill"])
+def test_disk_records_keep_chunk_events_across_a_restart(daemon_factory, tmp_path, how) -> None:
+    """Records of the disk tier hold their rows' chunk events: after a clean restart
+    (the disk's index checkpoint) or a crash (its header scan) they are announced with
+    them, counted, and a row promoted back into the pool carries its own."""
+    d = daemon_factory(
+        "--pool-size", "16MiB", "--disk", str(tmp_path / "disk"), "--disk-size", "64MiB"
+    )  # fmt: skip
+    c = DepotClient(d.target, client_name="chunk-events").start()
+    assert c.wait_connected(10)
+    geo = Geometry(world_size=1, namespace="chunk-events")
+    eng = Engine(c, geo, 0)
+    keys, blocks, idx = chunk_plan(geo, range(0, 4))
+    ns = geo.layout().id
+    events = [chunk_event([k[:-4]], tokens=16 + i) for i, k in enumerate(keys)]
+    events[2] = b""  # a row stored without one: its record has none
+    assert store(eng, keys, blocks, idx, key_events=events).success
+    want = dict(zip(keys, events, strict=True))
+    deadline = time.monotonic() + 20
+    while d.stats().disk_writes < len(keys):
+        assert time.monotonic() < deadline, "rows never reached the disk"
+        time.sleep(0.05)
+    res = c.admin.Evict(admin_pb2.EvictRequest(namespace_id=ns, keys=keys))
+    assert res.evicted_blocks == len(keys)  # on disk only from now on
+    c.close()
+    if how == "sigterm":
+        assert d.stop() == 0
+    else:
+        d.kill()
+    d.start()
+    deadline = time.monotonic() + 20
+    while not (st := d.stats()).disk_recovery_complete:
+        assert time.monotonic() < deadline, "the disk's index never came back"
+        time.sleep(0.05)
+    assert st.disk_recovery_source == ("checkpoint" if how == "sigterm" else "scan")
+    held = [e for e in events if e]
+    assert (st.chunk_event_rows, st.chunk_event_bytes) == (len(held), sum(map(len, held)))
+    c = DepotClient(d.target, client_name="after-restart").start()
+    assert c.wait_connected(10)
+    Engine(c, geo, 0)  # declares the namespace again (the pool restarted empty)
+    assert disk_events(c, ns, len(keys)) == want
+
+    # Promoted back into the pool: the rows carry the records' events.
+    assert all(s == pb.PrefetchResponse.FETCHING for s in c.prefetch(ns, keys).states)
+    deadline = time.monotonic() + 20
+    while not all(c.lookup(ns, keys)):
+        assert time.monotonic() < deadline, "rows never promoted"
+        time.sleep(0.05)
+    assert snapshot_events(c, ns) == want
+    c.close()

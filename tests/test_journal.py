@@ -13,6 +13,7 @@ import pytest
 
 from kvdepot.server.config import ServeConfig
 from kvdepot.server.core import journal
+from kvdepot.server.core.index_types import MAX_CHUNK_EVENT_BYTES
 from kvdepot.server.core.layout import NamespaceLayout
 from kvdepot.server.memory import journal_file
 from kvdepot.server.state import DepotState
@@ -76,6 +77,35 @@ async def until(cond: object, timeout: float = 20.0) -> None:
     while not cond():  # type: ignore[operator]
         assert asyncio.get_running_loop().time() < deadline
         await asyncio.sleep(0.01)
+
+
+def test_chunk_events_are_journaled_and_format_1_journals_still_replay() -> None:
+    """An EVENT record gives the row just listed its chunk event (what routers index
+    it by); the row re-stored without one has none; a journal an older kvdepot wrote
+    (format 1) replays as before; an event past the bound ends the replay there."""
+    event = os.urandom(300)
+    row = journal.Row(0, SECTION, 111, event)
+    recs = [
+        journal.header(1 << 20, 4096, "boot"),
+        journal.layout(0, LAYOUT),
+        journal.listed(0, key(1), row),
+        journal.listed(0, key(2), journal.Row(SECTION, SECTION, 222)),
+    ]
+    st = journal.replay(b"".join(recs))
+    assert st.rows["ns", key(1)] == row
+    assert st.rows["ns", key(2)].chunk_event == b""
+    again = journal.ready(0, key(1), 2 * SECTION, SECTION)  # re-stored: a new row
+    assert journal.replay(b"".join([*recs, again])).rows["ns", key(1)].chunk_event == b""
+
+    old_head = journal._frame(
+        journal.HEADER + b'{"format":1,"pool_size":1048576,"granularity":4096}'
+    )
+    old = [old_head, recs[1], journal.ready(0, key(3), 0, SECTION, 333)]
+    assert journal.replay(b"".join(old)).rows["ns", key(3)] == journal.Row(0, SECTION, 333)
+
+    too_long = journal.chunk_event(0, key(1), b"x" * (MAX_CHUNK_EVENT_BYTES + 1))
+    cut = journal.replay(b"".join([*recs, too_long]))
+    assert cut.records == st.records and "malformed" in cut.stopped
 
 
 def test_a_layouts_group_ids_are_journaled() -> None:

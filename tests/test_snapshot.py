@@ -7,7 +7,10 @@ The end-to-end behaviour (SIGTERM, restart, SIGKILL) is in test_warm_restart.py.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
+import struct
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -109,6 +112,48 @@ def test_rows_a_fleet_key_admitted_are_not_kept() -> None:
     fleet.admitted_by = b"K" * 8
     snap = snapshot.capture(index, POOL, IDENTITY)
     assert len(snap.slots) == 24 and key(101) not in {s.key for s in snap.slots}
+
+
+def format_1(snap: IndexSnapshot) -> bytes:
+    """`snap` as a kvdepot before chunk events wrote it (format 1: no event field)."""
+    data = snapshot.encode(replace(snap, slots=[replace(s, chunk_event=b"") for s in snap.slots]))
+    body = bytearray(data[16:-32])
+    (hlen,) = struct.unpack_from("<I", body)
+    header = json.loads(bytes(body[4 : 4 + hlen]))
+    header["format"] = 1
+    head = json.dumps(header, separators=(",", ":")).encode()
+    out = bytearray(struct.pack("<I", len(head)) + head)
+    pos = 4 + hlen
+    while pos < len(body):  # each record loses its event length (0: no event follows)
+        ns_i, klen, offset, size, elen = struct.unpack_from("<HHQQH", body, pos)
+        assert elen == 0
+        out += struct.pack("<HHQQ", ns_i, klen, offset, size)
+        out += body[pos + 22 : pos + 22 + klen]
+        pos += 22 + klen
+    return snapshot.MAGIC + struct.pack("<Q", len(out)) + out + hashlib.sha256(out).digest()
+
+
+def test_chunk_events_survive_a_restart_and_format_1_snapshots_still_load() -> None:
+    """Each row's chunk event (what routers index it by) comes back with the row, and is
+    counted again; a snapshot an older kvdepot wrote (format 1) restores its rows."""
+    index = populated()
+    events = {key(i, i % 2): os.urandom(100 + i) for i in range(0, 20, 3)}
+    ns = index.namespace("ns-a")
+    index.keep_chunk_events("ns-a", [ns.slots[k] for k in events], events)
+    snap = snapshot.capture(index, POOL, IDENTITY)
+    decoded = snapshot.decode(snapshot.encode(snap))
+    assert {s.key: s.chunk_event for s in decoded.slots if s.chunk_event} == events
+    fresh = new_index()
+    snapshot.restore(fresh, decoded)
+    assert fresh.chunk_events("ns-a", list(events)) == list(events.values())
+    assert fresh.chunk_event_totals() == (len(events), sum(map(len, events.values())))
+
+    old = snapshot.decode(format_1(snap))
+    assert [(s.key, s.offset) for s in old.slots] == [(s.key, s.offset) for s in snap.slots]
+    older = new_index()
+    snapshot.restore(older, old)
+    assert ready_view(older) == ready_view(index)
+    assert older.chunk_event_totals() == (0, 0)
 
 
 def test_group_ids_survive_a_restart_and_older_snapshots_mean_0_to_n() -> None:

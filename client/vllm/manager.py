@@ -95,7 +95,7 @@ from kvdepot.client.vllm.namespace import reset_namespace_id
 from kvdepot.client.vllm.pins import StepPins
 from kvdepot.client.vllm.prefetch import RemotePrefetch
 from kvdepot.client.vllm.request_uses import OfferCounts, RequestUses
-from kvdepot.client.vllm.stats import MetricName, StepStats
+from kvdepot.client.vllm.stats import MetricName, PoolUsage, StepStats
 from kvdepot.client.vllm.transfer_specs import KVDepotLoadSpec, KVDepotStoreSpec
 from kvdepot.client.vllm.unpins import UnpinSender
 from kvdepot.common.shards import shard_namespace_id
@@ -529,7 +529,9 @@ class KVDepotOffloadingManager(OffloadingManager):
     def get_stats(self) -> OffloadingConnectorStats | None:
         """What happened since the last call, and the gauges when they changed (None on
         a quiet step); see StepStats.take."""
-        return self._stats.take(self.connected, len(self._mirror.ready))
+        return self._stats.take(
+            self.connected, len(self._mirror.ready), PoolUsage.of(self._clients)
+        )
 
     def config_info(self) -> Sequence[Mapping[str, object]]:
         # vLLM 0.33's ConfigInfoMapping is a plain mapping; 0.32 has neither the type

@@ -132,6 +132,26 @@ class KVDepotOffloadingSpec(OffloadingSpec):
             MetricName.REMOTE_GAVE_UP: OffloadingCounterMetadata(
                 documentation="Keys asked of the tiers below the pool that did not arrive in time."
             ),
+            # vLLM's CPU tier's gauges, for the daemon's pool (its keepalive's figures).
+            MetricName.CPU_CACHE_USAGE_PERC: OffloadingGaugeMetadata(
+                documentation=(
+                    "Fraction of the kvdepot pool held by transfers (rows being stored and "
+                    "rows pinned for a load: what eviction cannot free; 1.0 = saturated, "
+                    "stores are dropped). The node's pool: every engine's transfers."
+                )
+            ),
+            MetricName.CPU_CACHE_WRITE_USAGE_PERC: OffloadingGaugeMetadata(
+                documentation="Fraction of the kvdepot pool held by rows being stored."
+            ),
+            MetricName.CPU_CACHE_READ_USAGE_PERC: OffloadingGaugeMetadata(
+                documentation="Fraction of the kvdepot pool held by rows pinned for a load."
+            ),
+            MetricName.POOL_USED_PERC: OffloadingGaugeMetadata(
+                documentation=(
+                    "Fraction of the kvdepot pool that rows take (ready and being stored); "
+                    "a full pool evicts to store."
+                )
+            ),
         }
 
     @classmethod

@@ -447,11 +447,13 @@ class BlockIndex:
         """Frees a claimed extent whose row failed verification."""
         self._recovery.drop_recovering(extent)
 
-    def adopt_recovered(self, namespace_id: str, key: bytes, extent: Extent) -> Slot | None:
-        """Makes a verified row READY and announces it; None if it cannot be
-        (Recovery.adopt_recovered)."""
+    def adopt_recovered(
+        self, namespace_id: str, key: bytes, extent: Extent, chunk_event: bytes = b""
+    ) -> Slot | None:
+        """Makes a verified row READY, with its chunk event, and announces it; None
+        if it cannot be (Recovery.adopt_recovered)."""
         ns = self.namespaces.get(namespace_id)
-        return self._recovery.adopt_recovered(ns, key, extent)
+        return self._recovery.adopt_recovered(ns, key, extent, chunk_event)
 
     def adopt_ready(self, namespace_id: str, key: bytes, extent: Extent) -> Slot:
         """Inserts a READY slot over a claimed extent, silently: a warm restart

@@ -40,11 +40,13 @@ class Recovery(IndexPart):
         del self.recovering[extent.offset]
         self._allocator.free(extent)
 
-    def adopt_recovered(self, ns: Namespace | None, key: bytes, extent: Extent) -> Slot | None:
-        """Makes a verified row READY and announces it (STORED), as a store
-        would. Returns None, freeing the extent, when the key is present already
-        (an engine stored it during the verification), its namespace `ns` is gone
-        (None) or the key does not fit the layout."""
+    def adopt_recovered(
+        self, ns: Namespace | None, key: bytes, extent: Extent, chunk_event: bytes = b""
+    ) -> Slot | None:
+        """Makes a verified row READY, keeping `chunk_event` beside it, and announces
+        it (STORED), as a store would. Returns None, freeing the extent, when the key
+        is present already (an engine stored it during the verification), its
+        namespace `ns` is gone (None) or the key does not fit the layout."""
         del self.recovering[extent.offset]
         try:
             if ns is None or key in ns.slots:
@@ -53,6 +55,7 @@ class Recovery(IndexPart):
         except LayoutError:
             self._allocator.free(extent)
             return None
+        ns.set_chunk_event(slot, chunk_event)  # before the event: its listeners read it
         self._emit(IndexEvent(ns.layout.id, EventKind.STORED, (key,)))
         return slot
 

@@ -36,6 +36,12 @@ class LayoutMismatch(Exception):
     """A namespace id was declared again with other bytes (FAILED_PRECONDITION)."""
 
 
+# A row's chunk event (Slot.chunk_event) is at most this long, wherever it comes from
+# (a store's TransferJob.key_events, a fleet record): a 4-block chunk of 16-token
+# blocks is about 350 bytes; this leaves room for 1024 tokens a chunk.
+MAX_CHUNK_EVENT_BYTES = 4096
+
+
 @dataclass(eq=False, slots=True)
 class Slot:
     namespace: str

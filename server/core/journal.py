@@ -8,6 +8,9 @@ every change a restart must know about, before anyone can hear of the change:
     READY   a block row became READY: namespace, key, offset, extent size, and
             its checksum when known (compaction writes it along)
     SUM     the checksum of a READY row, computed in the background after it
+    EVENT   the chunk event of the READY row just listed (what routers index it by,
+            Slot.chunk_event: at most MAX_CHUNK_EVENT_BYTES), so a recovered row
+            publishes a complete event again
     FREED   a READY row was removed (its extent may be reused from now on)
 
 A row being written has no record, so a restart never serves one. A row whose
@@ -26,6 +29,10 @@ journal at all), so no journal can keep the daemon from starting.
 
 This module is pure (encode, decode, replay); the file and the threads are in
 kvdepot.server.memory.journal_file.
+
+Format 2 added EVENT; a format-1 journal (an older kvdepot's) is still replayed,
+its rows without events. An older kvdepot refuses a format-2 journal whole (it
+starts empty) rather than stopping at the first EVENT record.
 """
 
 from __future__ import annotations
@@ -35,16 +42,19 @@ import struct
 import zlib
 from dataclasses import dataclass, field
 
+from kvdepot.server.core.index_types import MAX_CHUNK_EVENT_BYTES
 from kvdepot.server.core.layout import NamespaceLayout
 from kvdepot.server.core.snapshot import _layout_from_json, _layout_to_json
 
 SUFFIX = ".journal"
-FORMAT = 1
+FORMAT = 2
+FORMATS = (1, 2)  # what replay reads
 _FRAME = struct.Struct("<II")
 _NS = struct.Struct("<H")
 _READY = struct.Struct("<HQQBI")
 _SUM = struct.Struct("<HI")
-HEADER, LAYOUT, READY, SUM, FREED = b"H", b"L", b"R", b"S", b"F"
+_EVENT = struct.Struct("<HH")  # namespace index, key length; then the key, the event
+HEADER, LAYOUT, READY, SUM, FREED, EVENT = b"H", b"L", b"R", b"S", b"F", b"E"
 MAX_NAMESPACES = 0xFFFF
 
 
@@ -59,6 +69,7 @@ class Row:
     offset: int
     size: int  # the extent's size
     crc: int | None = None
+    chunk_event: bytes = b""  # the row's Slot.chunk_event (b"": none)
 
 
 @dataclass
@@ -98,6 +109,16 @@ def ready(ns_index: int, key: bytes, offset: int, size: int, crc: int | None = N
     return _frame(READY + fields + key)
 
 
+def listed(ns_index: int, key: bytes, row: Row) -> bytes:
+    """A READY record of `row`, and its EVENT record when it has a chunk event."""
+    out = ready(ns_index, key, row.offset, row.size, row.crc)
+    return out + chunk_event(ns_index, key, row.chunk_event) if row.chunk_event else out
+
+
+def chunk_event(ns_index: int, key: bytes, event: bytes) -> bytes:
+    return _frame(EVENT + _EVENT.pack(ns_index, len(key)) + key + event)
+
+
 def checksum(ns_index: int, key: bytes, crc: int) -> bytes:
     return _frame(SUM + _SUM.pack(ns_index, crc) + key)
 
@@ -134,8 +155,8 @@ def _header(body: memoryview) -> tuple[int, int]:
         raise JournalError(f"not a kvdepot journal (its header is not JSON: {exc})") from None
     if not isinstance(head, dict):
         raise JournalError("not a kvdepot journal (its header is not a JSON object)")
-    if head.get("format") != FORMAT:
-        raise JournalError(f"journal format {head.get('format')!r}, expected {FORMAT}")
+    if head.get("format") not in FORMATS:
+        raise JournalError(f"journal format {head.get('format')!r}, expected one of {FORMATS}")
     pool_size, granularity = head.get("pool_size"), head.get("granularity")
     if not (_positive_int(pool_size) and _positive_int(granularity)):
         raise JournalError("the journal's header lacks a valid pool_size and granularity")
@@ -164,6 +185,15 @@ def _apply(st: JournalState, names: dict[int, str], kind: bytes, body: memoryvie
         row = st.rows.get((names.get(i, ""), bytes(body[_SUM.size :])))
         if row is not None:
             row.crc = row_crc
+    elif kind == EVENT:
+        i, klen = _EVENT.unpack_from(body)
+        key = bytes(body[_EVENT.size : _EVENT.size + klen])
+        event = bytes(body[_EVENT.size + klen :])
+        if len(key) != klen or len(event) > MAX_CHUNK_EVENT_BYTES:
+            raise _Damaged("an EVENT record is truncated or its event too large")
+        row = st.rows.get((names.get(i, ""), key))
+        if row is not None:
+            row.chunk_event = event
     elif kind == FREED:
         (i,) = _NS.unpack_from(body)
         st.rows.pop((names.get(i, ""), bytes(body[_NS.size :])), None)

@@ -31,8 +31,13 @@ File format (integers little-endian):
     body    u32 header length, header (UTF-8 JSON: format, pool size,
             granularity, pool file identity, namespace layouts, slot count),
             then per slot: u16 namespace index, u16 key length, u64 offset,
-            u64 size, key bytes
+            u64 size, u16 chunk event length, key bytes, chunk event bytes
     digest  32 bytes SHA-256 of the body
+
+Format 2 keeps each row's chunk event (Slot.chunk_event: what routers index the
+row by, at most MAX_CHUNK_EVENT_BYTES), so a warm restart's rows publish complete
+events again. Format 1 (no event length, no event) is still read: its rows come
+back without one.
 
 This module is pure (`capture`, `encode`, `decode`, `check_compatible`,
 `restore`); the file half (reading, writing, the lock, the daemon's start-up and
@@ -49,14 +54,16 @@ from dataclasses import dataclass, field
 
 from kvdepot.server.core.allocator import OutOfSpace
 from kvdepot.server.core.index import BlockIndex, LayoutMismatch
+from kvdepot.server.core.index_types import MAX_CHUNK_EVENT_BYTES
 from kvdepot.server.core.layout import LayoutError, NamespaceLayout
 
 MAGIC = b"KVDSNAP1"
-FORMAT = 1
+FORMAT = 2
 SUFFIX = ".index"
 _HEAD = struct.Struct("<8sQ")
 _U32 = struct.Struct("<I")
-_RECORD = struct.Struct("<HHQQ")
+_RECORD = struct.Struct("<HHQQH")  # format 1's lacks the final u16 (the event's length)
+_RECORDS = {1: struct.Struct("<HHQQ"), 2: _RECORD}
 _DIGEST_BYTES = 32
 MAX_NAMESPACES = 0xFFFF  # the record's namespace index is a u16
 
@@ -91,6 +98,7 @@ class SnapshotSlot:
     key: bytes
     offset: int
     size: int
+    chunk_event: bytes = b""  # the row's (Slot.chunk_event); b"": none
 
 
 @dataclass
@@ -136,7 +144,7 @@ def capture(
         pool_file=pool_file,
         layouts=[ns.layout for ns in index.namespaces.values()],
         slots=[
-            SnapshotSlot(s.namespace, s.key, s.extent.offset, s.extent.size)
+            SnapshotSlot(s.namespace, s.key, s.extent.offset, s.extent.size, s.chunk_event)
             for s in index.ready_slots_by_age()
             if not s.admitted_by
         ],
@@ -201,8 +209,10 @@ def encode(snap: IndexSnapshot) -> bytes:
     ).encode()
     parts = [_U32.pack(len(header)), header]
     for s in snap.slots:
-        parts.append(_RECORD.pack(ns_index[s.namespace], len(s.key), s.offset, s.size))
+        event = s.chunk_event if len(s.chunk_event) <= MAX_CHUNK_EVENT_BYTES else b""
+        parts.append(_RECORD.pack(ns_index[s.namespace], len(s.key), s.offset, s.size, len(event)))
         parts.append(s.key)
+        parts.append(event)
     body = b"".join(parts)
     return _HEAD.pack(MAGIC, len(body)) + body + hashlib.sha256(body).digest()
 
@@ -228,8 +238,11 @@ def decode(data: bytes) -> IndexSnapshot:
         header = json.loads(bytes(body[_U32.size : _U32.size + hlen]))
         if not isinstance(header, dict):
             raise SnapshotError("the snapshot's header is not a JSON object")
-        if header.get("format") != FORMAT:
-            raise SnapshotError(f"snapshot format {header.get('format')!r}, expected {FORMAT}")
+        record = _RECORDS.get(header.get("format"))  # type: ignore[arg-type]
+        if record is None:
+            raise SnapshotError(
+                f"snapshot format {header.get('format')!r}, expected one of {sorted(_RECORDS)}"
+            )
         pf = header["pool_file"]
         identity = PoolFileIdentity(
             int(pf["device"]),
@@ -241,17 +254,22 @@ def decode(data: bytes) -> IndexSnapshot:
         layouts = [_layout_from_json(obj) for obj in header["namespaces"]]
         count = int(header["slots"])
         pos = _U32.size + hlen
-        if not 0 <= count <= (len(body) - pos) // _RECORD.size:  # a huge count fails here
+        if not 0 <= count <= (len(body) - pos) // record.size:  # a huge count fails here
             raise SnapshotError(f"{count} slot records cannot fit in the snapshot")
         slots = []
         for _ in range(count):
-            ns_i, klen, offset, size = _RECORD.unpack_from(body, pos)
-            pos += _RECORD.size
+            ns_i, klen, offset, size, *more = record.unpack_from(body, pos)
+            elen = more[0] if more else 0
+            pos += record.size
             key = bytes(body[pos : pos + klen])
             pos += klen
-            if len(key) != klen or ns_i >= len(layouts):
+            event = bytes(body[pos : pos + elen])
+            pos += elen
+            if len(key) != klen or len(event) != elen or ns_i >= len(layouts):
                 raise SnapshotError("a slot record is truncated or names no namespace")
-            slots.append(SnapshotSlot(layouts[ns_i].id, key, offset, size))
+            if elen > MAX_CHUNK_EVENT_BYTES:
+                raise SnapshotError(f"a chunk event of {elen} bytes in a slot record")
+            slots.append(SnapshotSlot(layouts[ns_i].id, key, offset, size, event))
         if pos != len(body):
             raise SnapshotError(f"{len(body) - pos} unexpected bytes after the slot records")
         return IndexSnapshot(
@@ -317,7 +335,9 @@ def restore(index: BlockIndex, snap: IndexSnapshot) -> RestoreReport:
             extent = index.allocator.allocate_at(s.offset, s.size)
             if extent.size != s.size:
                 raise SnapshotError(f"slot at {s.offset}: size {s.size} is not granular")
-            index.adopt_ready(s.namespace, s.key, extent)
+            slot = index.adopt_ready(s.namespace, s.key, extent)
+            if s.chunk_event:
+                index.keep_chunk_events(s.namespace, (slot,), {s.key: s.chunk_event})
     except (OutOfSpace, LayoutError, LayoutMismatch, ValueError) as exc:
         if isinstance(exc, SnapshotError):
             raise

@@ -168,8 +168,8 @@ class DiskLink:
         self.announce: Callable[[IndexEvent], None] | None = None
         # The chunk events (kvdepot.v1.ChunkEvent) of the records written from rows
         # that had one, so a record's STORED event and its promotion into the pool
-        # still carry it once the pool's row is gone. In memory only: a restart's
-        # records have none. Dropped with the record.
+        # still carry it once the pool's row is gone; a record found at a restart
+        # brings its own (its header's). Dropped with the record.
         self._chunk_events: dict[tuple[str, bytes], bytes] = {}
         self.chunk_event_bytes = 0
 
@@ -297,7 +297,12 @@ class DiskLink:
         view = self._arena.view(slot.extent.offset, layout.slot_bytes(slot.group))
         on_loop = self._on_loop
         verdict = self.tier.write(
-            namespace_id, key, view, lambda ok: on_loop(written, slot), slot.admitted_by
+            namespace_id,
+            key,
+            view,
+            lambda ok: on_loop(written, slot),
+            slot.admitted_by,
+            slot.chunk_event,
         )
         if verdict is not WriteVerdict.ACCEPTED:
             index.end_keep(slot)
@@ -334,12 +339,14 @@ class DiskLink:
     def _keep_chunk_events(
         self, namespace_id: str, keys: Sequence[bytes], stored: bool
     ) -> tuple[bytes, ...]:
-        """A record written takes its row's chunk event (the row is in the pool still,
-        or the event is lost); a record dropped drops it, and the dropped events are
-        returned, in key order, for its REMOVED event (() when none was held)."""
+        """A record written takes its row's chunk event (the pool's row, else the one
+        its header holds: a record found at a restart); a record dropped drops it, and
+        the dropped events are returned, in key order, for its REMOVED event (() when
+        none was held)."""
         held = self._chunk_events
         if stored:
             for key, event in zip(keys, self._index.chunk_events(namespace_id, keys), strict=True):
+                event = event or self.tier.chunk_event_of(namespace_id, key)
                 if event and (namespace_id, key) not in held:
                     held[(namespace_id, key)] = event
                     self.chunk_event_bytes += len(event)

@@ -5,7 +5,9 @@ A record is one header page followed by the payload, both aligned to `PAGE`
 
     page 0     header: magic, format version, namespace id, key, payload length,
                the payload's tag, the fleet key id that admitted the row (none for
-               a row this node's engines stored), then the header's own tag
+               a row this node's engines stored), the row's chunk event (what a
+               router indexes it by; none when the row had none, or when it does
+               not fit in the page beside the names), then the header's own tag
     page 1..   the payload, `length` bytes, padded to a multiple of PAGE
 
 Both tags are keyed BLAKE3 (16 bytes) under the daemon's own record key
@@ -28,6 +30,7 @@ each under a subkey of its own, and both bind the record's file offset:
 The payload is hashed once on write and once on read, as before the tags were
 keyed: keyed BLAKE3 costs what unkeyed does. Version 1 (an unkeyed digest and a
 CRC-32) is not read: its records are not adopted (a cache: they are recomputed).
+Version 2 (no chunk event) is read as before: its records come back without one.
 
 BLAKE3 was measured against the alternatives on 1-4 MiB buffers, one core
 (docs/disk-tier.md): about 6.3 GB/s, CRC-32 (zlib) 3.8, BLAKE2b 0.9, so it keeps
@@ -49,7 +52,8 @@ import blake3
 
 PAGE = 4096
 MAGIC = b"KVDDISK\x00"
-VERSION = 2  # 1: an unkeyed digest and a CRC-32 (not adopted: anyone could forge one)
+VERSION = 3  # 2: no chunk event (read); 1: an unkeyed digest and a CRC-32 (not adopted)
+READ_VERSIONS = (2, 3)
 KEY_BYTES = 32
 FLEET_ID_BYTES = 8  # a fleet key's id (kvdepot.server.remote.fleet_key)
 DIGEST_BYTES = 16  # the payload's tag (the index keeps it as the record's digest)
@@ -57,13 +61,16 @@ TAG_BYTES = 16
 MAX_NAMESPACE_BYTES = 1024
 MAX_KEY_BYTES = 1024
 # magic, version, namespace length, key length, payload length, the payload's tag,
-# the admitting fleet key id's length (0 or FLEET_ID_BYTES) and the id; then the
-# namespace and key bytes; then the header's tag over everything before it.
+# the admitting fleet key id's length (0 or FLEET_ID_BYTES) and the id; (version 3)
+# the chunk event's length; then the namespace, key and chunk event bytes; then the
+# header's tag over everything before it.
 _FIXED = struct.Struct(f"<8sHHHQ{DIGEST_BYTES}sB{FLEET_ID_BYTES}s")
+_EVENT_LEN = struct.Struct("<H")  # version 3 only
+NAMESPACE_AT = _FIXED.size + _EVENT_LEN.size  # where a header's namespace id starts
 _HEAD = struct.Struct("<8sH")  # magic and version: what tells an old record apart
 _OFFSET = struct.Struct("<Q")  # the header tag's binding to the record's offset
 _FRAME = struct.Struct("<QHHQ")  # the payload tag's framing: offset, namespace, key, length
-assert _FIXED.size + MAX_NAMESPACE_BYTES + MAX_KEY_BYTES + TAG_BYTES <= PAGE
+assert _FIXED.size + _EVENT_LEN.size + MAX_NAMESPACE_BYTES + MAX_KEY_BYTES + TAG_BYTES <= PAGE
 # Subkeys of the record key, one per tag (BLAKE3's key derivation mode).
 _PAYLOAD_CONTEXT = "kvdepot disk tier record payload tag v2"
 _HEADER_CONTEXT = "kvdepot disk tier record header tag v2"
@@ -82,6 +89,7 @@ class Header:
     length: int  # payload bytes
     digest: bytes  # the payload's tag
     admitted_by: bytes = b""  # the fleet key id that admitted the row; b"": local
+    chunk_event: bytes = b""  # the row's (kvdepot.v1.ChunkEvent); b"": none
 
     @property
     def record_size(self) -> int:
@@ -149,19 +157,29 @@ def _names(namespace: str, key: bytes) -> bytes:
     return ns
 
 
+def fitting_event(namespace: str, key: bytes, chunk_event: bytes) -> bytes:
+    """`chunk_event` when it fits in a header page beside these names, else b"" (the
+    record is written without it: `encode_header` takes only one that fits)."""
+    room = PAGE - _FIXED.size - _EVENT_LEN.size - TAG_BYTES
+    return chunk_event if len(namespace.encode()) + len(key) + len(chunk_event) <= room else b""
+
+
 def encode_header(header: Header, page: memoryview, offset: int, key: RecordKey) -> None:
     """Writes `header` for a record at file `offset` into the first PAGE bytes of
-    `page` (the rest zeroed)."""
+    `page` (the rest zeroed). Its chunk event must fit (`fitting_event`)."""
     ns = _names(header.namespace, header.key)
     if header.length <= 0:
         raise RecordError("a record needs a payload")
     fleet = header.admitted_by
     if len(fleet) not in (0, FLEET_ID_BYTES):
         raise RecordError(f"a fleet key id has {FLEET_ID_BYTES} bytes, not {len(fleet)}")
+    event = header.chunk_event
+    if fitting_event(header.namespace, header.key, event) != event:
+        raise RecordError(f"a chunk event of {len(event)} bytes does not fit in the header")
     fixed = _FIXED.pack(
         MAGIC, VERSION, len(ns), len(header.key), header.length, header.digest, len(fleet), fleet
     )
-    body = fixed + ns + header.key
+    body = fixed + _EVENT_LEN.pack(len(event)) + ns + header.key + event
     tag = key.header_tag(body, offset)
     page[:PAGE] = body + tag + bytes(PAGE - len(body) - TAG_BYTES)
 
@@ -174,20 +192,27 @@ def decode_header(page: memoryview | bytes, offset: int, key: RecordKey) -> Head
     if len(page) < PAGE or bytes(page[:8]) != MAGIC:
         return None
     _magic, version, ns_len, key_len, length, dig, fleet_len, fleet = _FIXED.unpack_from(page, 0)
-    if version != VERSION or ns_len > MAX_NAMESPACE_BYTES or key_len > MAX_KEY_BYTES:
+    if version not in READ_VERSIONS or ns_len > MAX_NAMESPACE_BYTES or key_len > MAX_KEY_BYTES:
         return None
     if fleet_len not in (0, FLEET_ID_BYTES):
         return None
-    end = _FIXED.size + ns_len + key_len
+    at, event_len = _FIXED.size, 0
+    if version == 3:
+        (event_len,) = _EVENT_LEN.unpack_from(page, at)
+        at += _EVENT_LEN.size
+    end = at + ns_len + key_len + event_len
+    if end + TAG_BYTES > PAGE:
+        return None
     tag = bytes(page[end : end + TAG_BYTES])
     if not hmac.compare_digest(tag, key.header_tag(page[:end], offset)) or length <= 0:
         return None
     try:
-        namespace = bytes(page[_FIXED.size : _FIXED.size + ns_len]).decode()
+        namespace = bytes(page[at : at + ns_len]).decode()
     except UnicodeDecodeError:
         return None
-    name = bytes(page[_FIXED.size + ns_len : end])
-    return Header(namespace, name, length, dig, fleet[:fleet_len])
+    name = bytes(page[at + ns_len : at + ns_len + key_len])
+    event = bytes(page[at + ns_len + key_len : end])
+    return Header(namespace, name, length, dig, fleet[:fleet_len], event)
 
 
 def refusal(page: memoryview | bytes) -> Refusal | None:
@@ -199,4 +224,4 @@ def refusal(page: memoryview | bytes) -> Refusal | None:
     magic, version = _HEAD.unpack_from(page, 0)
     if magic != MAGIC:
         return None
-    return Refusal.UNAUTHENTIC if version == VERSION else Refusal.OLD_FORMAT
+    return Refusal.UNAUTHENTIC if version in READ_VERSIONS else Refusal.OLD_FORMAT

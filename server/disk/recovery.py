@@ -132,7 +132,8 @@ class IndexRebuild(threading.Thread):
         try:
             for offset, h in scan_headers(self.file, memoryview(window), self.progress):
                 if self._kept(h.admitted_by):
-                    batch.append((h.namespace, h.key, offset, h.length, h.digest, h.admitted_by))
+                    fleet, event = h.admitted_by, h.chunk_event
+                    batch.append((h.namespace, h.key, offset, h.length, h.digest, fleet, event))
                 if len(batch) >= BATCH:
                     self._apply(functools.partial(adopt, found=batch))
                     batch = []

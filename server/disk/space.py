@@ -65,6 +65,7 @@ class Entry:
     digest: bytes | None  # None while being written
     generation: int
     admitted_by: bytes = b""  # the fleet key id that admitted the row (b"": local)
+    chunk_event: bytes = b""  # the row's, as its header holds it (b"": none)
     readers: int = 0
     dropped: bool = False  # to be freed when its last reader finishes
 
@@ -133,18 +134,28 @@ class DiskSpace:
         entry = self._ready.get((namespace, key))
         return None if entry is None else (entry.length, entry.admitted_by)
 
-    def ready_items(self) -> list[tuple[str, bytes, int, int, bytes, bytes]]:
-        """(namespace, key, offset, length, digest, admitted_by) of the readable
-        records, least recently used first (a checkpoint's items)."""
+    def ready_items(self) -> list[tuple[str, bytes, int, int, bytes, bytes, bytes]]:
+        """(namespace, key, offset, length, digest, admitted_by, chunk_event) of the
+        readable records, least recently used first (a checkpoint's items)."""
         return [
-            (e.namespace, e.key, e.offset, e.length, e.digest or b"", e.admitted_by)
+            (e.namespace, e.key, e.offset, e.length, e.digest or b"", e.admitted_by, e.chunk_event)
             for e in self._ready.values()
         ]
+
+    def chunk_event_of(self, namespace: str, key: bytes) -> bytes:
+        """A readable record's chunk event (b"": none, or no such record)."""
+        entry = self._ready.get((namespace, key))
+        return b"" if entry is None else entry.chunk_event
 
     # -- writes --------------------------------------------------------------------------
 
     def begin_write(
-        self, namespace: str, key: bytes, length: int, admitted_by: bytes = b""
+        self,
+        namespace: str,
+        key: bytes,
+        length: int,
+        admitted_by: bytes = b"",
+        chunk_event: bytes = b"",
     ) -> tuple[WriteVerdict, Entry | None]:
         ident = (namespace, key)
         if ident in self._ready or ident in self._writing:
@@ -160,7 +171,15 @@ class DiskSpace:
             self.counters.no_space += 1
             return WriteVerdict.NO_SPACE, None
         entry = Entry(
-            namespace, key, extent.offset, extent.size, length, None, self.generation, admitted_by
+            namespace,
+            key,
+            extent.offset,
+            extent.size,
+            length,
+            None,
+            self.generation,
+            admitted_by,
+            chunk_event,
         )
         self._writing[ident] = entry
         self.inflight_bytes += extent.size
@@ -236,10 +255,11 @@ class DiskSpace:
         length: int,
         digest: bytes,
         admitted_by: bytes = b"",
+        chunk_event: bytes = b"",
     ) -> bool:
         """Re-creates a record the scan found: `claim` then `publish`."""
         return self.claim(offset, length) and self.publish(
-            namespace, key, offset, length, digest, admitted_by
+            namespace, key, offset, length, digest, admitted_by, chunk_event
         )
 
     def claim(self, offset: int, length: int) -> bool:
@@ -260,6 +280,7 @@ class DiskSpace:
         length: int,
         digest: bytes,
         admitted_by: bytes = b"",
+        chunk_event: bytes = b"",
     ) -> bool:
         """Makes a claimed record readable, as the most recently used (a change, as a
         write's is: recovered records are announced); False (and its extent freed)
@@ -268,7 +289,9 @@ class DiskSpace:
         if (namespace, key) in self._ready or (namespace, key) in self._writing:
             self.allocator.free(Extent(offset, size))
             return False
-        entry = Entry(namespace, key, offset, size, length, digest, self.generation, admitted_by)
+        entry = Entry(
+            namespace, key, offset, size, length, digest, self.generation, admitted_by, chunk_event
+        )
         self._ready[(namespace, key)] = entry
         self._changed(entry, None)
         return True

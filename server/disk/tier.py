@@ -221,6 +221,11 @@ class DiskTier(FileUpkeep):
         with self._lock:
             return self._space.record_of(namespace, key)
 
+    def chunk_event_of(self, namespace: str, key: bytes) -> bytes:
+        """The chunk event a block's record holds (b"": none, or not on disk)."""
+        with self._lock:
+            return self._space.chunk_event_of(namespace, key)
+
     def snapshot(self) -> dict[str, object]:
         """Counters, capacity and recovery progress (for GetStats and Prometheus)."""
         with self._lock:
@@ -235,9 +240,11 @@ class DiskTier(FileUpkeep):
         payload: memoryview,
         done: Done | None = None,
         admitted_by: bytes = b"",
+        chunk_event: bytes = b"",
     ) -> WriteVerdict:
         """Writes the block in the background unless it is there or dropped;
-        `admitted_by`: the fleet key id that admitted the row (b"": this node's)."""
+        `admitted_by`: the fleet key id that admitted the row (b"": this node's);
+        `chunk_event`: the row's, kept in the record when it fits (record.fitting_event)."""
         if not is_aligned(payload):
             raise ValueError("the disk tier writes from page-aligned memory only")
         with self._lock:
@@ -248,7 +255,10 @@ class DiskTier(FileUpkeep):
             if self._recovering:
                 self.stats.dropped_recovering += 1
                 return WriteVerdict.RECOVERING
-            verdict, entry = self._space.begin_write(namespace, key, len(payload), admitted_by)
+            event = record.fitting_event(namespace, key, chunk_event)
+            verdict, entry = self._space.begin_write(
+                namespace, key, len(payload), admitted_by, event
+            )
             self._space.flush()  # the records it evicted
             if entry is None:
                 return verdict
@@ -266,7 +276,14 @@ class DiskTier(FileUpkeep):
             header, tail = pages()
             key, offset = file.key, entry.offset
             value = key.payload_tag(entry.namespace, entry.key, offset, payload)
-            made = Header(entry.namespace, entry.key, entry.length, value, entry.admitted_by)
+            made = Header(
+                entry.namespace,
+                entry.key,
+                entry.length,
+                value,
+                entry.admitted_by,
+                entry.chunk_event,
+            )
             record.encode_header(made, header, offset, key)
             file.write_record(offset, header, payload, tail)
             digest = value
@@ -331,6 +348,7 @@ class DiskTier(FileUpkeep):
                     entry.length,
                     entry.digest,  # type: ignore[arg-type]  # indexed: written, so it has one
                     entry.admitted_by,
+                    entry.chunk_event,
                 ) and hmac.compare_digest(
                     key.payload_tag(entry.namespace, entry.key, offset, dest), entry.digest or b""
                 )
@@ -397,7 +415,7 @@ class DiskTier(FileUpkeep):
                 "the disk is a cache, so they cost a recompute",
                 self.directory,
                 progress.old_format,
-                record.VERSION,
+                record.READ_VERSIONS[0],
             )
         if progress.unheld:
             log.warning(

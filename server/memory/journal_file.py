@@ -148,7 +148,7 @@ class Journal:
         parts = [rec.header(self.arena.size, self.index.allocator.granularity, self.boot_id)]
         parts += self._layout_records()
         for (ns, key), row in self.live.items():
-            parts.append(rec.ready(self._ns[ns], key, row.offset, row.size, row.crc))
+            parts.append(rec.listed(self._ns[ns], key, row))
         data = b"".join(parts)
         _write_all(fd, data)
         self._bytes = len(data)
@@ -196,9 +196,10 @@ class Journal:
                 if known is not None and known.offset == slot.extent.offset:
                     continue  # a recovered row being announced: listed already
                 i = self._ns_index(event.namespace)
-                self._append(rec.ready(i, key, slot.extent.offset, slot.extent.size))
+                row = Row(slot.extent.offset, slot.extent.size, chunk_event=slot.chunk_event)
+                self._append(rec.listed(i, key, row))
                 self.live.pop(ident, None)
-                self.live[ident] = Row(slot.extent.offset, slot.extent.size)
+                self.live[ident] = row
                 self._to_seal.append(ident)
             self._schedule_seal()
         else:
@@ -319,9 +320,7 @@ class Journal:
                 for ident in idents[start : start + COMPACT_SLICE]:
                     row = self.live.get(ident)
                     if row is not None:
-                        parts.append(
-                            rec.ready(self._ns[ident[0]], ident[1], row.offset, row.size, row.crc)
-                        )
+                        parts.append(rec.listed(self._ns[ident[0]], ident[1], row))
                 data = b"".join(parts)
                 _write_all(fd, data)
                 written += len(data)
@@ -381,7 +380,7 @@ class Recovery:
         index: BlockIndex,
         arena: Arena,
         journal: Journal,
-        rows: list[tuple[str, bytes, Extent, int]],  # ns, key, claimed extent, crc
+        rows: list[tuple[str, bytes, Extent, int, bytes]],  # ns, key, extent, crc, event
         progress: RecoveryProgress,
     ) -> None:
         self.index = index
@@ -405,22 +404,25 @@ class Recovery:
             self._thread.join()
 
     def _run(self, loop: asyncio.AbstractEventLoop) -> None:
-        batch: list[tuple[str, bytes, Extent, bool]] = []
-        for ns_id, key, extent, crc in self.rows:
+        batch: list[tuple[str, bytes, Extent, bytes, bool]] = []
+        for ns_id, key, extent, crc, event in self.rows:
             if self._stop.is_set():
                 return
             ok = row_crc(self.arena, extent.offset, row_bytes(self.index, ns_id, key)) == crc
-            batch.append((ns_id, key, extent, ok))
+            batch.append((ns_id, key, extent, event, ok))
             if len(batch) >= self.BATCH:
                 loop.call_soon_threadsafe(self._settle, batch)
                 batch = []
         loop.call_soon_threadsafe(self._settle, batch, True)
 
-    def _settle(self, batch: list[tuple[str, bytes, Extent, bool]], last: bool = False) -> None:
-        """On the loop: verified rows become READY (announced), the others go."""
+    def _settle(
+        self, batch: list[tuple[str, bytes, Extent, bytes, bool]], last: bool = False
+    ) -> None:
+        """On the loop: verified rows become READY (announced, with their chunk
+        events), the others go."""
         p = self.progress
-        for ns_id, key, extent, ok in batch:
-            if ok and self.index.adopt_recovered(ns_id, key, extent) is not None:
+        for ns_id, key, extent, event, ok in batch:
+            if ok and self.index.adopt_recovered(ns_id, key, extent, event) is not None:
                 p.verified += 1
                 continue
             if ok:  # stored again by an engine while it was being verified
@@ -454,17 +456,17 @@ class Recovery:
 
 def begin_recovery(
     index: BlockIndex, old: JournalState, progress: RecoveryProgress
-) -> tuple[list[tuple[str, bytes, Extent, int]], list[tuple[str, bytes, Row]]]:
+) -> tuple[list[tuple[str, bytes, Extent, int, bytes]], list[tuple[str, bytes, Row]]]:
     """Declares the old journal's namespaces and claims the extents of its rows
-    that carry a checksum (invisible until verified). Returns (rows to verify,
-    rows for the fresh journal). Rows without a checksum, or whose extent is not
-    free, are dropped and counted."""
+    that carry a checksum (invisible until verified). Returns (rows to verify, with
+    their checksums and chunk events; rows for the fresh journal). Rows without a
+    checksum, or whose extent is not free, are dropped and counted."""
     for lay in old.layouts.values():
         try:
             index.declare_namespace(lay)
         except (LayoutError, ValueError) as exc:
             log.warning("crash recovery: namespace %s skipped: %s", lay.id, exc)
-    to_verify: list[tuple[str, bytes, Extent, int]] = []
+    to_verify: list[tuple[str, bytes, Extent, int, bytes]] = []
     listed: list[tuple[str, bytes, Row]] = []
     progress.total = len(old.rows)
     # Claimed in offset order: the allocator's free list stays short.
@@ -510,7 +512,7 @@ def begin_recovery(
                 )
             continue
         # a row that reaches here has its CRC (rows without one were dropped above)
-        to_verify.append((ns_id, key, extent, row.crc))  # type: ignore[arg-type]
+        to_verify.append((ns_id, key, extent, row.crc, row.chunk_event))  # type: ignore[arg-type]
         listed.append((ns_id, key, row))
     # Verify (and serve) the youngest rows last, as the LRU order had them.
     order = {ident: i for i, ident in enumerate(old.rows)}

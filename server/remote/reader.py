@@ -4,17 +4,19 @@ the pool, so that Watch announces them like any stored row.
 `locate(namespace, keys)` and `fetch(namespace, keys)` run on the event loop for the
 Depot/Prefetch RPC (a tier below the pool: kvdepot.server.core.prefix_fetch). They
 never wait on a row's bytes: `locate` asks the tier the size of each key's value
-(one STRLEN batch under a short deadline) and says which are the framed size the
-namespace's layout gives (a value of another size is rejected there, never
-downloaded); `fetch` queues the leading run of those the state picked. Fetch
-workers read the rows (GETRANGE batches bounded by that size, so a value
-replaced meanwhile by a huge one is not pulled in whole), check each value on a
-thread (kvdepot.server.remote.codec: format, namespace, key, length, MAC) and
-insert it: every rank's section is claimed at once with `begin_store`, the row
-is copied into the slot on a thread, and `finish_store` makes it READY. A value
-that does not verify is discarded and counted (`verify_failures`, by reason),
-never copied into the pool, and its key is not asked again for
-`REJECTED_MEMORY_S`. A key that an engine is storing meanwhile is left to it.
+(one STRLEN batch under a short deadline) and says which are a framed size the
+namespace's layout gives (a row without a chunk event up to one with the largest; a
+value of another size is rejected there, never downloaded); `fetch` queues the
+leading run of those the state picked. Fetch workers read the rows (GETRANGE
+batches bounded by that size, so a value replaced meanwhile by a huge one is not
+pulled in whole), check each value on a thread (kvdepot.server.remote.codec:
+format, namespace, key, length, MAC) and insert it with the chunk event it carries
+(what routers index it by): every rank's section is claimed at once with
+`begin_store`, the row is copied into the slot on a thread, and `finish_store`
+makes it READY. A value that does not verify is discarded and counted
+(`verify_failures`, by reason), never copied into the pool, and its key is not
+asked again for `REJECTED_MEMORY_S`. A key that an engine is storing meanwhile is
+left to it.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from typing import NamedTuple
 
 from kvdepot.server.copy_queue import CopyQueue
 from kvdepot.server.core.index import BlockIndex, Namespace, UnknownNamespace
+from kvdepot.server.core.index_types import MAX_CHUNK_EVENT_BYTES
 from kvdepot.server.core.kinds import StoreOutcome
 from kvdepot.server.core.layout import LayoutError
 from kvdepot.server.memory.arena import Arena
@@ -53,7 +56,7 @@ class _Fetch(NamedTuple):
     key: bytes
     size: int  # row bytes
     asked_at: float  # monotonic time of the prefetch that queued it
-    frame: int  # bytes of the framed value: more is never downloaded
+    frame: int  # bytes of the largest framed value (its chunk event's longest): no more read
 
 
 class Fetcher:
@@ -155,13 +158,15 @@ class Fetcher:
                 self._stats.misses += 1
                 self._absent[(namespace_id, key)] = asked_at + ABSENT_MEMORY_S
                 continue
-            frame = self._frame(namespace_id, ns, key)
-            if stored != frame:  # not a row of this layout: never downloaded
+            least = self._frame(namespace_id, ns, key)
+            if not least <= stored <= least + MAX_CHUNK_EVENT_BYTES:  # never downloaded
                 self._reject(
                     namespace_id,
                     key,
                     codec.VerifyError(
-                        "wrong_size", f"{stored} bytes stored, a row of this layout is {frame}"
+                        "wrong_size",
+                        f"{stored} bytes stored, a row of this layout is {least} "
+                        f"(and at most {MAX_CHUNK_EVENT_BYTES} more with its chunk event)",
                     ),
                 )
                 continue
@@ -169,7 +174,8 @@ class Fetcher:
         return out
 
     def _frame(self, namespace_id: str, ns: Namespace, key: bytes) -> int:
-        """Bytes of `key`'s framed value: more is never downloaded."""
+        """Bytes of `key`'s framed value without a chunk event (MAX_CHUNK_EVENT_BYTES
+        more at most with one)."""
         return self._codec.frame_bytes(
             namespace_id, key, ns.layout.slot_bytes(ns.layout.key_group(key))
         )
@@ -194,7 +200,13 @@ class Fetcher:
                 continue
             self._fetching.add((namespace_id, key))
             self._fetches.put(
-                _Fetch(namespace_id, key, size, asked_at, self._frame(namespace_id, ns, key))
+                _Fetch(
+                    namespace_id,
+                    key,
+                    size,
+                    asked_at,
+                    self._frame(namespace_id, ns, key) + MAX_CHUNK_EVENT_BYTES,
+                )
             )
             out.append(True)
         return out[::-1]
@@ -254,22 +266,19 @@ class Fetcher:
                 )
                 continue
             try:
-                payload, admitted_by = await loop.run_in_executor(
-                    None, self._codec.admit, value, ns, key, size
-                )
+                row = await loop.run_in_executor(None, self._codec.admit, value, ns, key, size)
             except codec.VerifyError as exc:
                 self._reject(ns, key, exc)
                 continue
             self._stats.read_bytes += size
-            if await self._insert(ns, key, payload, admitted_by):
+            if await self._insert(ns, key, row):
                 self._stats.hits += 1
                 self._stats.miss_to_ready_seconds.observe(time.monotonic() - asked_at)
 
-    async def _insert(
-        self, namespace_id: str, key: bytes, payload: memoryview, admitted_by: bytes
-    ) -> bool:
+    async def _insert(self, namespace_id: str, key: bytes, row: codec.Admitted) -> bool:
         """Makes a verified row READY in the pool, remembering the key id that
-        admitted it; False if it was not needed or did not fit."""
+        admitted it and keeping its chunk event; False if it was not needed or did
+        not fit."""
         try:
             ns = self._index.namespace(namespace_id)
         except UnknownNamespace:
@@ -292,14 +301,17 @@ class Fetcher:
             self._stats.fetch_drops["pool_full"] += 1
             return False
         slot = first.slot
-        slot.admitted_by = admitted_by  # before READY: the listeners read it
+        # Before READY: the listeners (Watch's STORED event among them) read both.
+        slot.admitted_by = row.key_id
+        if row.chunk_event:
+            self._index.keep_chunk_events(namespace_id, (slot,), {key: row.chunk_event})
         # A fresh slot: every other rank's section is free to claim as well.
         for rank in range(1, ns.layout.world_size):
             self._index.begin_store(namespace_id, key, rank, OWNER)
         if self._writer is not None:
             self._writer.from_tier.add((namespace_id, key))
         ok = False
-        arena, offset = self._arena, slot.extent.offset
+        payload, arena, offset = row.payload, self._arena, slot.extent.offset
         try:
             # On a copy thread: the daemon waits for those before unmapping the pool.
             await self._copy_queue.run(

@@ -14,6 +14,10 @@ event loop, synchronously, as the index announces a change.
   them (the index hands the extent to its next owner only after the event, and
   that owner's copy starts later still); its offset was noted when it became READY.
 
+Each row goes with its chunk event (Slot.chunk_event; in evict mode, the REMOVED
+event's), framed and authenticated with it, so the node that fetches it tells its
+engines what the storing engine told this one.
+
 Back-pressure: queued plus in-flight bytes never exceed `max_inflight_bytes`;
 a row that would go past it is dropped and counted ("backlog_full"), as is every
 row while the tier is down ("tier_down"). The local path never waits on the tier.
@@ -52,6 +56,7 @@ class _Item:
     key: bytes
     size: int  # row bytes (the payload)
     payload: bytes | None = None  # evict mode: copied out at eviction
+    chunk_event: bytes = b""  # evict mode: the REMOVED event's (ready mode: the slot's)
 
 
 class WriteBehind:
@@ -142,7 +147,8 @@ class WriteBehind:
                 else:
                     self._note_extent(ns, key)
         elif event.kind is EventKind.REMOVED:
-            for key in event.keys:
+            chunk_events = event.chunk_events
+            for i, key in enumerate(event.keys):
                 self.from_tier.discard((ns, key))
                 where = self._extents.pop((ns, key), None)
                 if where is None or event.reason is not EvictionReason.LRU:
@@ -151,7 +157,8 @@ class WriteBehind:
                 if self._admit(size):
                     # The freed extent still holds the row until this event returns.
                     payload = bytes(self._arena.view(offset, size))
-                    self._writes.put(_Item(ns, key, size, payload))
+                    chunk_event = chunk_events[i] if chunk_events else b""
+                    self._writes.put(_Item(ns, key, size, payload, chunk_event))
 
     def _drop(self, reason: str, rows: int = 1) -> None:
         self._stats.write_drops[reason] += rows
@@ -231,10 +238,11 @@ class WriteBehind:
             self._drop("copies_stalled", len(items))
             return [None] * len(items)
         held: list[Slot] = []
-        sources: list[tuple[_Item, int | None]] = []  # (item, pool offset or None: payload)
+        # (item, pool offset or None: its payload, chunk event)
+        sources: list[tuple[_Item, int | None, bytes]] = []
         for item in items:
             if item.payload is not None:
-                sources.append((item, None))
+                sources.append((item, None, item.chunk_event))
                 continue
             try:
                 slot = self._index.begin_keep(item.namespace, item.key)
@@ -244,14 +252,14 @@ class WriteBehind:
                 self._drop("evicted")
                 continue
             held.append(slot)
-            sources.append((item, slot.extent.offset))
+            sources.append((item, slot.extent.offset, slot.chunk_event))
         arena, encode = self._arena, self._codec.encode
 
         def frame_all() -> list[bytes]:
             return [
                 # No pool offset: the item carries its payload.
-                encode(i.namespace, i.key, i.payload if o is None else arena.view(o, i.size))  # type: ignore[arg-type]
-                for i, o in sources
+                encode(i.namespace, i.key, i.payload if o is None else arena.view(o, i.size), e)  # type: ignore[arg-type]
+                for i, o, e in sources
             ]
 
         try:
@@ -259,5 +267,5 @@ class WriteBehind:
         finally:
             for slot in held:
                 self._index.end_keep(slot)  # no use: it kept its place
-        by_item = {id(i): v for (i, _), v in zip(sources, framed, strict=True)}
+        by_item = {id(i): v for (i, _, _), v in zip(sources, framed, strict=True)}
         return [by_item.get(id(i)) for i in items]

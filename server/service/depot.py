@@ -169,7 +169,15 @@ class DepotServicer(depot_pb2_grpc.DepotServicer):
                     if session.end_reason is not None:
                         await abort_with(context, session.end_reason)
                         return
-                    yield pb.SessionEvent(keepalive=pb.SessionKeepalive(uptime_seconds=st.uptime))
+                    index = st.index
+                    yield pb.SessionEvent(
+                        keepalive=pb.SessionKeepalive(
+                            uptime_seconds=st.uptime,
+                            pool_used_bytes=index.allocator.used_bytes,
+                            pool_writing_bytes=index.writing_bytes(),
+                            pool_pinned_bytes=index.pinned_bytes,
+                        )
+                    )
             finally:
                 for w in waits:
                     w.cancel()

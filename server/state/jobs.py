@@ -42,6 +42,7 @@ from kvdepot.common.kinds import Direction
 from kvdepot.server import errors
 from kvdepot.server.copy_queue import CopyQueue, CopyQueues
 from kvdepot.server.core.index import BlockIndex, Slot
+from kvdepot.server.core.index_types import MAX_CHUNK_EVENT_BYTES
 from kvdepot.server.core.job_check import JobShape, check_job, slice_shape
 from kvdepot.server.core.layout import MAX_GROUPS, NamespaceLayout
 from kvdepot.server.core.planner import CopyPlan, plan_copy
@@ -58,9 +59,6 @@ log = logging.getLogger("kvdepot.state")
 KEY_SLICE = 256
 PAGE_SLICE = 4096
 _DIRECTIONS = {int(d): d for d in Direction}
-# A store's chunk event kept per key at most (TransferJob.key_events): a 4-block chunk
-# of 16-token blocks is about 350 bytes; this leaves room for 1024 tokens a chunk.
-MAX_CHUNK_EVENT_BYTES = 4096
 
 
 @dataclass(frozen=True)

@@ -124,7 +124,7 @@ def start_journal(
     index, arena, crashed, previous = pool.index, pool.arena, pool.crashed, pool.previous
     journal = journal_file.Journal(pool_file_path, index, arena, boot_id)
     rows: list[tuple[str, bytes, journal_file.Row]] = []
-    to_verify: list[tuple[str, bytes, Extent, int]] = []
+    to_verify: list[tuple[str, bytes, Extent, int, bytes]] = []
     if crashed is not None:
         to_verify, rows = journal_file.begin_recovery(index, crashed, progress)
         log.info(
@@ -143,7 +143,7 @@ def start_journal(
             (
                 slot.namespace,
                 slot.key,
-                journal_file.Row(slot.extent.offset, slot.extent.size, crc),
+                journal_file.Row(slot.extent.offset, slot.extent.size, crc, slot.chunk_event),
             )
         )
         if crc is None:
@@ -157,7 +157,7 @@ def start_journal(
             journal.path,
             exc,
         )
-        for _, _, extent, _ in to_verify:
+        for _, _, extent, _, _ in to_verify:
             index.drop_recovering(extent)
         progress.rejected += len(to_verify)
         progress.complete = True

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from kvdepot.server.disk.files import FILE_NAME
+from kvdepot.server.disk.record import NAMESPACE_AT
 from kvdepot.server.disk.tier import DiskTier
 from kvdepot.testing.waiting import wait_for
 from kvdepot.v1 import depot_pb2 as pb
@@ -63,7 +64,7 @@ def test_a_restarted_daemon_announces_the_records_its_disk_holds(
     path = tmp_path / "disk" / FILE_NAME
     where = records_on_disk(path)
     damaged = keys[7]
-    patch(path, where[(GEO.namespace, damaged)] + 48, b"\x00")  # its namespace id
+    patch(path, where[(GEO.namespace, damaged)] + NAMESPACE_AT + 1, b"\x00")  # its namespace id
     d.start()
     c = connect(d, "engine")
     s = wait_for(lambda: (s := stats(c)).disk_recovery_complete and s, what="index back")

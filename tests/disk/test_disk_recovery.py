@@ -58,7 +58,7 @@ def test_a_flipped_byte_is_never_served_live_or_after_a_restart(tmp_path: Path) 
     where = records_on_disk(path)
     with opened(tmp_path, SIZE) as tier:
         patch(path, where[(NS, key(1))] + PAGE + 1234, b"\xff")  # in the payload
-        patch(path, where[(NS, key(2))] + 48, b"\x00")  # in the header: the namespace id
+        patch(path, where[(NS, key(2))] + record.NAMESPACE_AT + 1, b"\x00")  # the namespace id
         assert read(tier, key(1)) is None
         assert read(tier, key(2)) is None
         assert read(tier, key(0)) == bytes(block(key(0), LENGTH))
@@ -71,7 +71,7 @@ def test_a_flipped_byte_is_never_served_live_or_after_a_restart(tmp_path: Path) 
         for i in (0, 3):
             assert read(tier, key(i)) == bytes(block(key(i), LENGTH))
     # Damage while stopped: the checkpoint no longer vouches for the file; the scan.
-    patch(path, where[(NS, key(0))] + 48, b"\x00")  # header (namespace id)
+    patch(path, where[(NS, key(0))] + record.NAMESPACE_AT + 1, b"\x00")  # header (namespace id)
     patch(path, where[(NS, key(3))] + PAGE + 99, b"\xff")  # payload
     with opened(tmp_path, SIZE) as tier:
         assert tier.snapshot()["recovery_source"] == "scan"

@@ -6,13 +6,15 @@ overwritten by the first record that reuses any of it."""
 from __future__ import annotations
 
 import os
+import struct
+import zlib
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvdepot.server.core.kinds import DiskRemoval
-from kvdepot.server.disk import record
+from kvdepot.server.disk import checkpoint, record
 from kvdepot.server.disk.record import PAGE, Header, RecordKey
 from kvdepot.server.disk.space import DiskSpace, WriteVerdict
 from tests.security.disk_forger import v1_header
@@ -114,6 +116,64 @@ def test_a_header_keeps_the_fleet_key_that_admitted_its_row() -> None:
     assert record.decode_header(page, 0, KEY) == local != header
     with pytest.raises(record.RecordError, match="fleet key id"):
         record.encode_header(Header("ns", b"key", 100, b"t" * 16, b"short"), page, 0, KEY)
+
+
+def version_2_header(header: Header, offset: int) -> bytes:
+    """`header` as kvdepot wrote it before chunk events (record format version 2)."""
+    ns = header.namespace.encode()
+    fleet = header.admitted_by
+    body = record._FIXED.pack(
+        record.MAGIC, 2, len(ns), len(header.key), header.length, header.digest, len(fleet), fleet
+    )
+    body += ns + header.key
+    body += KEY.header_tag(body, offset)
+    return body + bytes(PAGE - len(body))
+
+
+def test_a_header_keeps_its_rows_chunk_event_and_version_2_headers_still_read() -> None:
+    """The chunk event (what routers index the row by) is in the header page, under
+    its tag; one that does not fit beside the names is left out by the writer; a
+    header of the format before (version 2) is read, without one."""
+    page = memoryview(bytearray(PAGE))
+    event = os.urandom(900)
+    header = Header("ns", b"key", 100, b"t" * 16, b"", event)
+    record.encode_header(header, page, PAGE, KEY)
+    assert record.decode_header(page, PAGE, KEY) == header
+    flipped = bytearray(page)
+    flipped[record.NAMESPACE_AT + len("ns") + len(b"key") + 10] ^= 1  # in the event
+    assert record.decode_header(bytes(flipped), PAGE, KEY) is None
+
+    room = PAGE - record.NAMESPACE_AT - record.TAG_BYTES - len("ns") - len(b"key")
+    assert record.fitting_event("ns", b"key", b"e" * room) == b"e" * room
+    assert record.fitting_event("ns", b"key", b"e" * (room + 1)) == b""
+    with pytest.raises(record.RecordError, match="does not fit"):
+        record.encode_header(
+            Header("ns", b"key", 100, b"t" * 16, b"", b"e" * (room + 1)), page, 0, KEY
+        )
+    record.encode_header(Header("ns", b"key", 100, b"t" * 16, b"", b"e" * room), page, 0, KEY)
+    assert record.decode_header(page, 0, KEY).chunk_event == b"e" * room  # type: ignore[union-attr]
+
+    old = Header("ns", b"key", 100, b"t" * 16, b"fleet-id")
+    page2 = version_2_header(old, 3 * PAGE)
+    assert record.decode_header(page2, 3 * PAGE, KEY) == old
+    assert record.decode_header(page2, 4 * PAGE, KEY) is None  # still bound to its offset
+
+
+def test_a_checkpoint_keeps_chunk_events_and_version_2_ones_are_still_taken() -> None:
+    identity = (1, 2, 3, 4)
+    items = [
+        ("ns", b"a", 0, 100, b"d" * 16, b"", os.urandom(300)),
+        ("ns", b"b", 2 * PAGE, 100, b"e" * 16, b"fleet-id", b""),
+    ]
+    assert checkpoint.decode(checkpoint.encode(identity, items), identity) == items
+    # Version 2: no event length, no event.
+    body = b""
+    for ns, k, offset, length, digest, fleet, _ in items:
+        body += checkpoint._ENTRY.pack(len(ns), len(k), offset, length, digest, len(fleet), fleet)
+        body += ns.encode() + k
+    data = checkpoint._HEAD.pack(checkpoint.MAGIC, 2, *identity, len(items)) + body
+    data += struct.pack("<I", zlib.crc32(data))
+    assert checkpoint.decode(data, identity) == [(*item[:6], b"") for item in items]
 
 
 def test_the_payload_tag_binds_namespace_key_offset_and_key() -> None:

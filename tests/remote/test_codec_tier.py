@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+from kvdepot.server.core.index_types import MAX_CHUNK_EVENT_BYTES
 from kvdepot.server.remote import codec
 from kvdepot.server.remote.fleet_key import INSECURE_ID, Keyring
 from kvdepot.server.remote.redis_tier import RedisTier
@@ -73,6 +74,42 @@ def test_keyed_rows_verify_only_under_the_fleet_key_and_old_rows_never() -> None
     assert CRC_ONLY.remote_key(NS, KEY).startswith(b"kvd1:")
 
 
+@pytest.mark.parametrize("c", [KEYED, CRC_ONLY], ids=["keyed", "crc-only"])
+def test_a_row_carries_its_chunk_event_authenticated_and_bounded(c: codec.Codec) -> None:
+    """The chunk event travels in the value between the key and the payload, covered
+    by the MAC (or CRC); a row without one is framed as older kvdepot framed it; an
+    event past the bound is never written nor read."""
+    payload, event = os.urandom(5000), os.urandom(700)
+    value = c.encode(NS, KEY, payload, event)
+    assert len(value) == c.frame_bytes(NS, KEY, len(payload), len(event))
+    row = c.admit(value, NS, KEY, len(payload))
+    assert bytes(row.payload) == payload and row.chunk_event == event
+    # Without an event: the reserved field stays 0, the frame and MAC older nodes made.
+    plain = c.encode(NS, KEY, payload)
+    assert len(plain) == c.frame_bytes(NS, KEY, len(payload))
+    assert plain[10:12] == b"\0\0" and c.admit(plain, NS, KEY, len(payload)).chunk_event == b""
+    # One bit of the event flipped: refused like a flipped payload bit.
+    at = c.header_bytes + len(NS) + len(KEY)
+    flipped = bytearray(value)
+    flipped[at + 3] ^= 1
+    with pytest.raises(codec.VerifyError) as info:
+        c.admit(bytes(flipped), NS, KEY, len(payload))
+    assert info.value.reason == ("bad_mac" if c is KEYED else "bad_checksum")
+    # The event moved into the payload (the length field lowered): refused.
+    shifted = bytearray(value)
+    shifted[10:12] = (len(event) - 1).to_bytes(2, "big")
+    with pytest.raises(codec.VerifyError):
+        c.admit(bytes(shifted), NS, KEY, len(payload) + 1)
+    # Past the bound: the writer leaves it out; a value that claims one is refused.
+    too_long = os.urandom(MAX_CHUNK_EVENT_BYTES + 1)
+    assert c.encode(NS, KEY, payload, too_long) == plain
+    huge = bytearray(plain)
+    huge[10:12] = (MAX_CHUNK_EVENT_BYTES + 1).to_bytes(2, "big")
+    with pytest.raises(codec.VerifyError) as info:
+        c.admit(bytes(huge), NS, KEY, len(payload))
+    assert info.value.reason == "event_too_large"
+
+
 def test_a_row_remembers_which_key_admitted_it() -> None:
     """`admit` answers the id of the key that verified the row: what the pool and the
     disk keep so that dropping that key drops the row (docs/security.md)."""
@@ -82,11 +119,11 @@ def test_a_row_remembers_which_key_admitted_it() -> None:
     ring = rotated.keyring
     assert ring is not None and rotated.held_ids == {ring.current.id, ring.previous.id}
     by_old = codec.Codec(Keyring.from_secrets(old)).encode(NS, KEY, payload)
-    got, admitted_by = rotated.admit(by_old, NS, KEY, len(payload))
+    got, admitted_by, _ = rotated.admit(by_old, NS, KEY, len(payload))
     assert bytes(got) == payload and admitted_by == ring.previous.id  # type: ignore[union-attr]
-    _, admitted_by = rotated.admit(rotated.encode(NS, KEY, payload), NS, KEY, len(payload))
+    _, admitted_by, _ = rotated.admit(rotated.encode(NS, KEY, payload), NS, KEY, len(payload))
     assert admitted_by == ring.current.id
-    _, admitted_by = CRC_ONLY.admit(CRC_ONLY.encode(NS, KEY, payload), NS, KEY, len(payload))
+    _, admitted_by, _ = CRC_ONLY.admit(CRC_ONLY.encode(NS, KEY, payload), NS, KEY, len(payload))
     assert admitted_by == INSECURE_ID and CRC_ONLY.held_ids == {INSECURE_ID}
     assert INSECURE_ID not in rotated.held_ids  # a keyed node keeps no CRC-only row
 

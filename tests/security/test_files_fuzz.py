@@ -201,12 +201,12 @@ def test_replay_and_recovery_never_raise(data: bytes) -> None:
     to_verify, listed = begin_recovery(index, state, progress)
     assert progress.total == len(state.rows) == progress.rejected + len(to_verify)
     assert len(listed) == len(to_verify)
-    for ns_id, key, extent, crc in to_verify:
+    for ns_id, key, extent, crc, _event in to_verify:
         lay = index.namespaces[ns_id].layout
         group = int.from_bytes(key[-4:], "big")
         assert extent.size == index.allocator.round_up(lay.slot_bytes(group)), (key, extent)
         assert isinstance(crc, int)
-    _assert_claims_sound(index, [e for _, _, e, _ in to_verify])
+    _assert_claims_sound(index, [e for _, _, e, _, _ in to_verify])
 
 
 @fuzz_settings(200)

@@ -38,15 +38,10 @@ README_CONFIG = """{
 }"""
 
 
-def test_readme_config_is_the_one_tested() -> None:
-    assert README_CONFIG in (REPO / "README.md").read_text()
-
-
-def test_front_end_metrics_accept_every_kvdepot_metric() -> None:
-    registry = CollectorRegistry()
+def front_end(registry: CollectorRegistry) -> KVConnectorProm:
+    """vLLM's own front-end class, with its metrics in `registry` (one per test)."""
 
     class FrontEndProm(KVConnectorProm):
-        # vLLM's own class, with its metrics in a private registry (one per test).
         _gauge_cls = functools.partial(Gauge, registry=registry)  # type: ignore[assignment]
         _counter_cls = functools.partial(Counter, registry=registry)  # type: ignore[assignment]
         _histogram_cls = functools.partial(Histogram, registry=registry)  # type: ignore[assignment]
@@ -55,7 +50,16 @@ def test_front_end_metrics_accept_every_kvdepot_metric() -> None:
         model_config=ModelConfig(model=str(find_model_dir()), skip_tokenizer_init=True),
         kv_transfer_config=KVTransferConfig(**json.loads(README_CONFIG)),
     )
-    prom = FrontEndProm(config, ["model_name", "engine"], {0: ["m", "0"]})
+    return FrontEndProm(config, ["model_name", "engine"], {0: ["m", "0"]})
+
+
+def test_readme_config_is_the_one_tested() -> None:
+    assert README_CONFIG in (REPO / "README.md").read_text()
+
+
+def test_front_end_metrics_accept_every_kvdepot_metric() -> None:
+    registry = CollectorRegistry()
+    prom = front_end(registry)
     assert prom.prom_metrics is not None
 
     # Every metric kvdepot's scheduler side can report, as it reports them.
@@ -78,3 +82,53 @@ def test_front_end_metrics_accept_every_kvdepot_metric() -> None:
     assert (
         registry.get_sample_value("kvdepot_pin_rpcs_total", {"model_name": "m", "engine": "0"}) == 2
     )
+
+
+def test_vllms_offload_usage_gauges_say_the_pools_usage(daemon_factory, make_engine) -> None:
+    """vLLM's CPU tier gauges (kv_offload_cpu_cache_{,write_,read_}usage_perc) come from
+    the daemon's keepalive: rows pinned for a load by another client of the node count
+    as read usage, the pool's fill as kvdepot_pool_used_perc; through vLLM's own stats
+    class and front end, they equal the daemon's GetStats."""
+    from kvdepot.client import DepotClient
+    from kvdepot.testing.vllm_engine import prompt_for
+
+    d = daemon_factory("--pool-size", "64MiB")
+    engine = make_engine(socket=d.target, num_gpu_blocks=64)
+    engine.wait_registered()
+    prompt = prompt_for(51, 160)
+    keys = engine.offload_keys(prompt)
+    engine.generate([prompt])
+    engine.wait_ready(keys)
+    other = DepotClient(d.target, client_name="pinner").start()
+    assert other.wait_connected(10)
+    assert other.pin(engine.manager.namespace_id, keys[:3]) == [True] * 3
+
+    st = d.stats()
+    assert st.pinned_bytes > 0 and st.writing_blocks == 0
+    want = {
+        MetricName.CPU_CACHE_USAGE_PERC: st.pinned_bytes / st.capacity_bytes,
+        MetricName.CPU_CACHE_WRITE_USAGE_PERC: 0.0,
+        MetricName.CPU_CACHE_READ_USAGE_PERC: st.pinned_bytes / st.capacity_bytes,
+        MetricName.POOL_USED_PERC: st.used_bytes / st.capacity_bytes,
+    }
+    got: dict[str, float] = {}
+    sent: list[OffloadingConnectorStats] = []
+
+    def gauges_arrived() -> bool:  # the next keepalive (every 5 s) brings them
+        stats = engine.manager.get_stats()
+        if stats is not None:
+            sent.append(stats)
+            got.update({n: v[()] for n, v in stats.data["data"].items() if n in want})
+        return got == want
+
+    engine.wait_until(gauges_arrived, timeout=20, what="the pool's usage gauges")
+    assert 0 < want[MetricName.CPU_CACHE_USAGE_PERC] < want[MetricName.POOL_USED_PERC] < 1
+
+    registry = CollectorRegistry()
+    prom = front_end(registry)
+    for stats in sent:
+        prom.observe(stats.data, engine_idx=0)
+    labels = {"model_name": "m", "engine": "0"}
+    for name, value in want.items():
+        assert registry.get_sample_value(name, labels) == pytest.approx(value), name
+    other.close()

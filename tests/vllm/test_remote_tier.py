@@ -168,3 +168,69 @@ def test_a_stalled_store_costs_a_recompute_and_the_tier_comes_back(
     assert engine_b.kv_digest(0, 0, rec.block_ids[0][:n]) == engine_a.kv_digest(
         0, 0, first.block_ids[0][:n]
     )
+
+
+@pytest.mark.parametrize("blocks_per_chunk", [1, 4])
+def test_blocks_from_the_fleet_publish_the_storing_engines_events(
+    two_nodes, make_engine, monkeypatch, blocks_per_chunk
+) -> None:
+    """Engine A on node A stores; its rows reach the fleet with their chunk events.
+    Engine B on node B (nothing local) fetches them; engine C beside it, which never
+    saw the prompt, knows the rows only from node B's pool: C's BlockStored events
+    equal A's (hashes, parent, token ids, block size, group), never placeholders.
+    B's `vllm:prompt_tokens_cached_by_source` counts the load as `external_unspecified`
+    (vLLM has no source for a shared store)."""
+    from collections import Counter
+
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+    from tests.vllm.test_chunk_events import SELF_DESCRIBING, payload, recorder, stored_cpu
+
+    a, b = two_nodes
+    opts = dict(
+        num_gpu_blocks=64,
+        enable_kv_events=True,
+        blocks_per_chunk=blocks_per_chunk,
+        extra_config=SELF_DESCRIBING,
+    )
+    engine_a = make_engine(socket=a.target, **opts)
+    engine_a.wait_registered()
+    seen_a = recorder(engine_a)
+    prompt = prompt_for(41, 192)
+    keys = engine_a.offload_keys(prompt)
+    engine_a.generate([prompt])
+    engine_a.wait_ready(keys)
+    engine_a.wait_until(lambda: remote_writes(engine_a) >= len(keys), what="A's writes")
+    engine_a.wait_until(lambda: len(stored_cpu(engine_a, seen_a)) >= len(keys), what="A's events")
+    own = stored_cpu(engine_a, seen_a)
+    assert {len(h) for h in own} == {blocks_per_chunk}
+
+    engine_b = make_engine(socket=b.target, **opts)
+    engine_c = make_engine(socket=b.target, **opts)
+    engine_b.wait_registered()
+    engine_c.wait_registered()
+    seen_c = recorder(engine_c)
+    assert not any(engine_b.manager.is_ready(k) for k in keys)  # nothing on node B
+    by_source: Counter = Counter()  # what vLLM's stats loggers read each step, summed
+    make_stats = engine_b.scheduler.make_stats
+
+    def recorded(*args, **kwargs):
+        stats = make_stats(*args, **kwargs)
+        if stats is not None and stats.connector_prefix_cache_stats is not None:
+            by_source.update(stats.connector_prefix_cache_stats.hits_by_source)
+        return stats
+
+    monkeypatch.setattr(engine_b.scheduler, "make_stats", recorded)
+    [rec] = engine_b.generate([prompt])
+    tokens = 16 * blocks_per_chunk * len(keys)
+    assert rec.external_tokens == tokens
+    assert dict(by_source) == {CacheHitSource.EXTERNAL_UNSPECIFIED: tokens}
+    engine_c.wait_until(
+        lambda: len(stored_cpu(engine_c, seen_c)) >= len(keys), what="C's events of A's chunks"
+    )
+    assert sorted(map(payload, stored_cpu(engine_c, seen_c).values())) == sorted(
+        map(payload, own.values())
+    )
+    # Node B's daemon holds them as node A's does: one per fetched row.
+    st = b.stats()
+    assert st.chunk_event_rows >= len(keys) and st.remote_hits >= len(keys)

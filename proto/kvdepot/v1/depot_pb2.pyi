@@ -68,10 +68,16 @@ class SessionHello(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., boot_id: _Optional[str] = ..., version: _Optional[str] = ..., pool_capacity_bytes: _Optional[int] = ..., max_job_keys: _Optional[int] = ..., fd_socket: _Optional[str] = ..., remote_tier: _Optional[bool] = ..., shard: _Optional[int] = ..., shard_count: _Optional[int] = ..., eviction_policy: _Optional[str] = ...) -> None: ...
 
 class SessionKeepalive(_message.Message):
-    __slots__ = ("uptime_seconds",)
+    __slots__ = ("uptime_seconds", "pool_used_bytes", "pool_writing_bytes", "pool_pinned_bytes")
     UPTIME_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    POOL_USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    POOL_WRITING_BYTES_FIELD_NUMBER: _ClassVar[int]
+    POOL_PINNED_BYTES_FIELD_NUMBER: _ClassVar[int]
     uptime_seconds: float
-    def __init__(self, uptime_seconds: _Optional[float] = ...) -> None: ...
+    pool_used_bytes: int
+    pool_writing_bytes: int
+    pool_pinned_bytes: int
+    def __init__(self, uptime_seconds: _Optional[float] = ..., pool_used_bytes: _Optional[int] = ..., pool_writing_bytes: _Optional[int] = ..., pool_pinned_bytes: _Optional[int] = ...) -> None: ...
 
 class NamespaceLayout(_message.Message):
     __slots__ = ("id", "world_size", "blocks_per_chunk", "groups", "description", "group_ids", "digest_inputs")
