@@ -21,7 +21,9 @@ int unless VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0 (vLLM's variable and default).
 The daemon never waits for it: `on_event` runs on the event loop inside the index's
 change and only appends to a bounded queue (a full queue drops the event and counts
 it); one thread decodes, encodes and sends. A subscriber that never reads fills its
-own ZMQ queue (the PUB socket's high-water mark drops for it), never the daemon's.
+own ZMQ queue (the PUB socket's high-water mark, PUB_HWM batches of at most
+BATCH_EVENTS events, drops for it), never the daemon's; the replay buffer keeps at most
+BUFFER_BATCHES batches and BUFFER_BYTES.
 """
 
 from __future__ import annotations
@@ -44,9 +46,16 @@ from kvdepot.v1 import depot_pb2
 log = logging.getLogger("kvdepot.kv_events")
 
 QUEUE_LIMIT = 65536  # index events waiting for the thread; more are dropped, counted
-BUFFER_BATCHES = 10_000  # batches kept for replay (vLLM's buffer_steps default)
-BATCH_EVENTS = 1024  # vLLM events a batch carries at most
-PUB_HWM = 100_000  # vLLM's default high-water mark
+# A batch of complete 4-block chunk events is about 380 bytes an event encoded: 256
+# events make at most ~100 KiB, which bounds what a subscriber can hold in bytes.
+BATCH_EVENTS = 256  # vLLM events a batch carries at most
+# Batches kept for replay: vLLM's buffer_steps default, and at most 64 MiB of them.
+BUFFER_BATCHES = 10_000
+BUFFER_BYTES = 64 << 20
+# Batches ZMQ queues for one subscriber that does not read: ~100 MiB at most (vLLM's
+# default, 100,000, would let a stuck router hold tens of GiB). Past it ZMQ drops for
+# that subscriber alone; it sees the gap in the sequence numbers and replays.
+PUB_HWM = 1_000
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
 
@@ -233,7 +242,8 @@ class KvEventPublisher:
 
     def _run(self) -> None:
         encoder = msgspec.msgpack.Encoder()
-        buffer: deque[tuple[int, bytes]] = deque(maxlen=BUFFER_BATCHES)
+        buffer: deque[tuple[int, bytes]] = deque()
+        buffered = 0  # bytes in `buffer`
         seq = 0
         pending: list[BlockStored | BlockRemoved | AllBlocksCleared] = [AllBlocksCleared()]
         poller = zmq.Poller()
@@ -246,6 +256,9 @@ class KvEventPublisher:
                     payload = encoder.encode(KVEventBatch(time.time(), batch))
                     self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload))
                     buffer.append((seq, payload))
+                    buffered += len(payload)
+                    while len(buffer) > BUFFER_BATCHES or buffered > BUFFER_BYTES:
+                        buffered -= len(buffer.popleft()[1])
                     seq += 1
                     self.published += 1
                 if poller.poll(0):
