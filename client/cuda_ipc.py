@@ -250,12 +250,14 @@ def register_cuda_kv(
     export: CudaKVExport,
     groups: Sequence[depot_pb2.GroupRefs],
     timeout: float = 30.0,
+    units: int = 1,
 ) -> depot_pb2.RegisterKVResponse:
-    """Registers exported CUDA KV memory (RegisterKV with cuda_ipc regions).
+    """Registers exported CUDA KV memory (RegisterKV with cuda_ipc regions) as ranks
+    [rank, rank + units) (RegisterKVRequest.unit_count).
 
     `groups[g].layers[i].tensor_index` indexes the tensors in the order they were
     given to `export_kv_tensors`. Call again after a daemon restart (new session).
     """
     return client.register_memory(
-        layout, rank, export.regions, export.tensors, groups, timeout=timeout
+        layout, rank, export.regions, export.tensors, groups, timeout=timeout, units=units
     )

@@ -115,6 +115,9 @@ def make_vllm_config(cfg: EngineConfig) -> VllmConfig:
         enable_prefix_caching=True,
         prefix_caching_hash_algo=cfg.hash_algo,
     )
+    # What vLLM's engine core resolves before it builds the connector
+    # (resolve_kv_cache_layout), and the layout `_plan` gives the KV cache.
+    cache.kv_cache_layout = "LBHNC"
     sched = SchedulerConfig(
         max_num_batched_tokens=cfg.max_num_batched_tokens,
         max_num_seqs=cfg.max_num_seqs,
