@@ -247,7 +247,8 @@ def _model_groups(
 ) -> tuple[list[KVCacheGroupSpec], dict[str, KVCacheSpec]]:
     """The whole model's groups and each of its layers' spec, in order."""
     model = vllm_config.model_config
-    heads = model.get_total_num_kv_heads() // cfg.tp
+    # At TP larger than the KV heads, vLLM gives each rank one head (ranks share heads).
+    heads = max(1, model.get_total_num_kv_heads() // cfg.tp)
     head_size = model.get_head_size()
     groups: list[KVCacheGroupSpec] = []
     specs: dict[str, KVCacheSpec] = {}
@@ -297,4 +298,6 @@ def _plan(
     )
     if all(gd.kind == "mla" for gd in cfg.groups):
         config.kv_tp_replicas = cfg.tp  # as vLLM's planner finds for a pure-MLA model
+    else:  # GQA at TP larger than the KV heads: consecutive ranks hold one head
+        config.kv_tp_replicas = max(1, cfg.tp // vllm_config.model_config.get_total_num_kv_heads())
     return config

@@ -92,13 +92,19 @@ def test_a_tp2_engine_loads_what_a_tp4_engine_stored(daemon, make_engine) -> Non
     namespace = tp4.manager.namespace_id
     loads_the_prompt(make_engine, daemon, 2, namespace, keys)
     loads_the_prompt(make_engine, daemon, 1, namespace, keys)
+    # TP=8 over 4 KV heads: two ranks hold each head, and each loads its unit.
+    loads_the_prompt(make_engine, daemon, 8, namespace, keys)
     s = stats(daemon)
     assert (s.ready_blocks, s.used_bytes, s.pinned_blocks) == (8, 8 * ROW, 0)  # none stored twice
 
 
-def test_a_tp4_engine_loads_what_a_tp2_engine_stored(daemon, make_engine) -> None:
-    tp2, keys = stores_the_prompt(make_engine, daemon, 2)
-    loads_the_prompt(make_engine, daemon, 4, tp2.manager.namespace_id, keys)
+@pytest.mark.parametrize("stored_by", [2, 8], ids=["tp2", "tp8-heads-shared"])
+def test_a_tp4_engine_loads_what_another_tp_size_stored(daemon, make_engine, stored_by) -> None:
+    """The other way round; at TP=8 two ranks store each head: the first copies it."""
+    engine, keys = stores_the_prompt(make_engine, daemon, stored_by)
+    namespace = engine.manager.namespace_id
+    engine.shutdown()
+    loads_the_prompt(make_engine, daemon, 4, namespace, keys)
     s = stats(daemon)
     assert (s.ready_blocks, s.used_bytes, s.pinned_blocks) == (8, 8 * ROW, 0)
 
