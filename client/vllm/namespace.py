@@ -140,7 +140,9 @@ class NamespaceInputs:
         if self.replicated_ranks > 1:
             salt += f" replicated-over={self.replicated_ranks}"
         if self.canonical:
-            salt += f" canonical={self.canonical_format}/units (engine tp={self.engine_tp})"
+            salt += (
+                f" canonical={self.canonical_format} (world: KV heads; engine tp={self.engine_tp})"
+            )
         if self.pp_partition:
             salt += f" pp-layers={self.pp_partition}"
         if self.hash_seed != "default":
@@ -242,11 +244,9 @@ def canonical_units(
         return "vLLM does not certify this model's pages as independent of the TP size"
     if p.world_size != p.tp_size or p.pp_size != 1 or p.pcp_size != 1 or p.dcp_size != 1:
         return "only tensor parallelism is supported (no pipeline or context parallelism)"
-    if config.kv_cache_layout != "LBHNC":
-        return (
-            f"the KV cache layout is {config.kv_cache_layout}; kvdepot splits pages by head "
-            f"under LBHNC only"
-        )
+    layout = getattr(config, "kv_cache_layout", None)
+    if layout != "LBHNC":
+        return f"the KV cache layout is {layout}; kvdepot splits pages by head under LBHNC only"
     if kv_cache_config is None or total_kv_heads < 1:
         return "the KV cache config is not known (use KVDepotConnector)"
     for g in config.groups:
@@ -265,7 +265,7 @@ def canonical_units(
         )
     except ImportError:
         return "this vLLM has no canonical format id"
-    return total_kv_heads, canonical_format_id(config.kv_cache_layout)
+    return total_kv_heads, canonical_format_id(layout)
 
 
 def _unit_pages(kv_cache_config: KVCacheConfig, group_id: int) -> tuple[int, ...]:
@@ -289,38 +289,8 @@ def namespace_inputs(
     pipeline stage, alike); `seed`: `hash_seed(hash_algo)` unless given; `canonical`:
     what `canonical_units` found, for a canonical namespace."""
     p = config.parallel
-    if canonical is not None:
-        assert kv_cache_config is not None
-        units, canonical_format = canonical
-        return NamespaceInputs(
-            model=model_identity(config.model.name),
-            model_name=config.model.name,
-            kv_dtype=config.model.dtype,
-            kv_layout=config.kv_cache_layout or "",
-            groups=tuple(
-                GroupGeometry(
-                    group_id=g.group_id,
-                    tokens_per_block=g.tokens_per_block,
-                    kind=type(
-                        _scheduler_spec(kv_cache_config.kv_cache_groups[g.group_id].kv_cache_spec)
-                    ).__name__,
-                    layer_page_bytes=_unit_pages(kv_cache_config, g.group_id),
-                    num_layers=len(g.layer_names),
-                )
-                for g in config.groups
-            ),
-            blocks_per_chunk=config.cache.blocks_per_chunk,
-            world_size=units,
-            tp_size=1,
-            pp_size=1,
-            pcp_size=1,
-            dcp_size=1,
-            hash_algo=hash_algo,
-            salt=salt,
-            hash_seed=hash_seed(hash_algo) if seed is None else seed,
-            canonical_format=canonical_format,
-            engine_tp=p.tp_size,
-        )
+    # A canonical namespace: a section per KV head (`canonical_units`), one head's pages.
+    units, canonical_format = canonical if canonical is not None else (0, "")
     staged = p.pp_size > 1  # a stage's layers and block bytes are its own: left out
     groups = []
     for g in config.groups:
@@ -329,7 +299,7 @@ def namespace_inputs(
         if kv_cache_config is not None:
             spec = _scheduler_spec(kv_cache_config.kv_cache_groups[g.group_id].kv_cache_spec)
             kind = type(spec).__name__
-            pages = _layer_page_bytes(kv_cache_config, g.group_id)
+            pages = (_unit_pages if units else _layer_page_bytes)(kv_cache_config, g.group_id)
             if staged:
                 pages = pages[:1]
         elif (window := getattr(g, "sliding_window_size_in_chunks", None)) is not None:
@@ -348,6 +318,7 @@ def namespace_inputs(
     # a row is one section and the namespace does not depend on the TP size: engines
     # of one MLA model at TP=1, 2, 4 and 8 share every block.
     replicated = bool(getattr(config, "replicated_layout", False))
+    world, tp = (1, 1) if replicated else (units, 1) if units else (p.world_size, p.tp_size)
     return NamespaceInputs(
         model=model_identity(config.model.name),
         model_name=config.model.name,
@@ -355,17 +326,22 @@ def namespace_inputs(
         kv_layout=config.kv_cache_layout or "",
         groups=tuple(groups),
         blocks_per_chunk=config.cache.blocks_per_chunk,
-        world_size=1 if replicated else p.world_size,
-        tp_size=1 if replicated else p.tp_size,
+        world_size=world,
+        tp_size=tp,
         pp_size=p.pp_size,
         pcp_size=p.pcp_size,
         dcp_size=p.dcp_size,
         hash_algo=hash_algo,
         salt=salt,
-        worker_bytes_per_block=0 if staged else _bytes_per_block(config, kv_cache_config),
+        # A rank's block bytes depend on the TP size: not in a canonical namespace's.
+        worker_bytes_per_block=(
+            0 if staged or units else _bytes_per_block(config, kv_cache_config)
+        ),
         hash_seed=hash_seed(hash_algo) if seed is None else seed,
         replicated_ranks=p.world_size if replicated else 1,
         pp_partition=os.environ.get("VLLM_PP_LAYER_PARTITION", "") if staged else "",
+        canonical_format=canonical_format,
+        engine_tp=p.tp_size if units else 0,
     )
 
 
