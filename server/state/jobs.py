@@ -13,6 +13,10 @@
     settle  finish_store_many / end_read for every claimed slot, success or not;
             the index announces what became READY on the event bus by itself
 
+A registration of several ranks (RegisterKVRequest.unit_count: a canonical namespace's
+units, one KV head each) runs claim, plan, copy and settle once per unit, as that unit's
+rank with that unit's memory map, all at once (`_run_units`).
+
 No job holds the event loop for long, whatever its content: its sizes (keys,
 block ids, pages) are checked against `JobLimits` before anything is built from
 it, and the per-key index work (claim, settle) and the per-page planning run in

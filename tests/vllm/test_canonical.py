@@ -34,8 +34,8 @@ MODEL = Path(__file__).resolve().parents[1] / "data" / "hf-config-llama-gqa-tiny
 HEADS = 4  # the model's KV heads: the namespace's units
 FULL = (GroupDef(kind="full", num_layers=2),)
 PROMPT = prompt_for(11, 8 * 16 + 5)  # 8 full blocks of 16 tokens
-# One unit's section of one chunk: 2 layers x 16 tokens x (K + V of 16 bf16 values).
-UNIT = 2 * 16 * 2 * 16 * 2
+# One unit's section of one chunk: 2 layers x 16 tokens x (K + V of 64 bf16 values).
+UNIT = 2 * 16 * 2 * 64 * 2
 ROW = HEADS * UNIT  # one chunk of the whole model, whatever the TP size
 
 
