@@ -320,6 +320,25 @@ def test_canonical_layout_makes_one_namespace_of_every_tp_size(
     assert not [r for r in caplog.records if "canonical_layout" in r.getMessage()]
 
 
+def test_a_worker_whose_pages_vllm_did_not_certify_refuses_the_canonical_namespace(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Fail closed: a rank whose layer has no certified mapping must not write into a
+    canonical namespace; its worker refuses to start and says what to change."""
+    from vllm.v1.kv_offload.base import CanonicalKVCacheRef, CanonicalKVCaches
+
+    full = (GroupDef("full", block_size=16, num_layers=2),)
+    vllm_config, worker, _ = vllm_configs(full, tp=2)
+    vllm_config.kv_transfer_config.kv_connector_extra_config["canonical_layout"] = True
+    spec = spec_for(vllm_config, worker)
+    assert spec.namespace.canonical
+    uncertified = CanonicalKVCacheRef(tensor_idx=0, page_size_bytes=4096, mapping=None)
+    caplog.set_level(logging.ERROR, logger="kvdepot")
+    with pytest.raises(ValueError, match="remove canonical_layout"):
+        spec.get_worker(CanonicalKVCaches([], [[uncertified]]))
+    assert any("did not certify" in r.getMessage() for r in caplog.records)
+
+
 def test_canonical_layout_is_said_to_be_ignored_where_pages_are_not_head_slices(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
