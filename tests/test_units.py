@@ -107,6 +107,8 @@ def test_ranks_of_other_unit_counts_load_each_unit_where_their_pages_hold_it(cli
     wide.job(pb.STORE, keys, blocks)
     assert all(client.lookup(LAYOUT.id, keys))
     stats = client.admin.GetStats(admin_pb2.GetStatsRequest())
+    (engine,) = client.admin.ListEngines(admin_pb2.ListEnginesRequest()).engines
+    assert [(r.rank, r.unit_count) for r in engine.registrations] == [(0, UNITS)]
     row = UNITS * BPC * sum(UNIT_PAGES)  # the wide rank's pages, once
     assert (stats.ready_blocks, stats.used_bytes) == (CHUNKS, CHUNKS * row)
 
