@@ -170,8 +170,8 @@ class JobRunner:
         run once per unit, as that unit's rank with that unit's memory, all at once.
         Every unit's part has ended before this returns or raises (a failed one must
         not leave another still copying into memory the engine takes back). `out` sums
-        the bytes; a key counts as stored or dropped when any unit's part stored or
-        dropped it, as present when every unit found it present."""
+        the bytes and takes the most keys a unit's part stored or dropped and the
+        fewest it found present."""
         parts = [JobResult(job.job_id, True) for _ in range(reg.unit_count)]
         runs = [
             self._store(job, reg, rank, memory, shape, part)
