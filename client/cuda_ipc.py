@@ -272,9 +272,11 @@ def register_cuda_kv(
     export: CudaKVExport,
     groups: Sequence[depot_pb2.GroupRefs],
     timeout: float = 30.0,
+    units: int = 1,
 ) -> depot_pb2.RegisterKVResponse:
-    """Registers exported CUDA KV memory (RegisterKV with cuda_ipc regions), each
-    region with this process's proof of the GPU (`gpu_node_token`).
+    """Registers exported CUDA KV memory (RegisterKV with cuda_ipc regions) as ranks
+    [rank, rank + units) (RegisterKVRequest.unit_count), each region with this
+    process's proof of the GPU (`gpu_node_token`).
 
     `groups[g].layers[i].tensor_index` indexes the tensors in the order they were
     given to `export_kv_tensors`. Call again after a daemon restart (new session).
@@ -289,7 +291,14 @@ def register_cuda_kv(
         )
         regions.append(region)
     return client.register_memory(
-        layout, rank, regions, export.tensors, groups, timeout=timeout, session_id=session_id
+        layout,
+        rank,
+        regions,
+        export.tensors,
+        groups,
+        timeout=timeout,
+        session_id=session_id,
+        units=units,
     )
 
 

@@ -172,9 +172,11 @@ def _register_request(
     regions: Sequence[depot_pb2.MemoryRegion] = (),
     tensors: Sequence[depot_pb2.KVTensor] = (),
     groups: Sequence[depot_pb2.GroupRefs] = (),
+    units: int = 1,
 ) -> depot_pb2.RegisterKVRequest:
-    """The one RegisterKVRequest builder: a registration (memory regions of any path)
-    or, with the layout's id alone and nothing else, an observer join."""
+    """The one RegisterKVRequest builder: a registration (memory regions of any path;
+    of ranks [rank, rank + units)) or, with the layout's id alone and nothing else, an
+    observer join."""
     return depot_pb2.RegisterKVRequest(
         session_id=session_id,
         namespace=layout,
@@ -182,6 +184,7 @@ def _register_request(
         regions=regions,
         tensors=tensors,
         groups=groups,
+        unit_count=units if units > 1 else 0,
     )
 
 
@@ -362,14 +365,17 @@ class DepotClient:
         timeout: float = 30.0,
         *,
         session_id: str | None = None,
+        units: int = 1,
     ) -> depot_pb2.RegisterKVResponse:
         """Declares `layout` and registers this rank's KV memory, described by
         `regions` (memfd tokens, CUDA IPC handles or process ranges: see
         `register_kv`, kvdepot.client.cuda_ipc, kvdepot.client.pvm). `session_id`:
         the session the regions' fd tokens were made in (default: the current one).
+        `units` > 1: the memory stands for ranks [rank, rank + units), each layer's
+        pages of one unit after another's (RegisterKVRequest.unit_count).
         A registration is a join: the namespace is joined again in later sessions."""
         session_id = self.session_id if session_id is None else session_id
-        request = _register_request(session_id, layout, rank, regions, tensors, groups)
+        request = _register_request(session_id, layout, rank, regions, tensors, groups, units)
         # A registration follows a session, so the daemon is up; but right after it came
         # back this channel may still wait out its reconnect back-off (at most a second)
         # and would fail the call at once with the old error: wait for it instead, within
@@ -386,12 +392,14 @@ class DepotClient:
         tensors: Sequence[depot_pb2.KVTensor],
         groups: Sequence[depot_pb2.GroupRefs],
         timeout: float = 30.0,
+        units: int = 1,
     ) -> depot_pb2.RegisterKVResponse:
-        """Declares `layout` and registers this rank's KV memory (memfd over SCM_RIGHTS)."""
+        """Declares `layout` and registers this rank's KV memory (memfd over SCM_RIGHTS;
+        `units`: as `register_memory`'s)."""
         session_id = self.session_id
         regions = [] if shm is None else [_shm_region(self.hello, session_id, shm, timeout)]
         return self.register_memory(
-            layout, rank, regions, tensors, groups, timeout, session_id=session_id
+            layout, rank, regions, tensors, groups, timeout, session_id=session_id, units=units
         )
 
     def unregister_kv(self, registration_id: int, timeout: float = DEFAULT_TIMEOUT) -> None:

@@ -206,12 +206,13 @@ def register_process_kv(
     groups: Sequence[depot_pb2.GroupRefs],
     timeout: float = 30.0,
     huge_pages: bool = True,
+    units: int = 1,
 ) -> tuple[depot_pb2.RegisterKVResponse, str]:
-    """Registers this process's own memory ranges; returns the response and what
-    was done (ptrace access, huge pages) as a note for the log. Raises FdPassError,
-    DepotUnavailable or grpc.RpcError (PERMISSION_DENIED with the fix when the
-    daemon cannot read us). With `huge_pages` the ranges are first backed by
-    transparent huge pages (see `use_huge_pages`)."""
+    """Registers this process's own memory ranges (as ranks [rank, rank + units));
+    returns the response and what was done (ptrace access, huge pages) as a note for
+    the log. Raises FdPassError, DepotUnavailable or grpc.RpcError (PERMISSION_DENIED
+    with the fix when the daemon cannot read us). With `huge_pages` the ranges are
+    first backed by transparent huge pages (see `use_huge_pages`)."""
     session_id = client.session_id
     hello = client.hello
     if hello is None or not hello.fd_socket:
@@ -229,6 +230,13 @@ def register_process_kv(
     ]
     # In the session the identities were sent in: their tokens are that session's.
     resp = client.register_memory(
-        layout, rank, memory, tensors, groups, timeout=timeout, session_id=session_id
+        layout,
+        rank,
+        memory,
+        tensors,
+        groups,
+        timeout=timeout,
+        session_id=session_id,
+        units=units,
     )
     return resp, "; ".join(n for n in (access, pages) if n)

@@ -115,6 +115,9 @@ def make_vllm_config(cfg: EngineConfig) -> VllmConfig:
         enable_prefix_caching=True,
         prefix_caching_hash_algo=cfg.hash_algo,
     )
+    # What vLLM's engine core resolves before it builds the connector
+    # (resolve_kv_cache_layout), and the layout `_plan` gives the KV cache.
+    cache.kv_cache_layout = "LBHNC"
     sched = SchedulerConfig(
         max_num_batched_tokens=cfg.max_num_batched_tokens,
         max_num_seqs=cfg.max_num_seqs,
@@ -244,7 +247,8 @@ def _model_groups(
 ) -> tuple[list[KVCacheGroupSpec], dict[str, KVCacheSpec]]:
     """The whole model's groups and each of its layers' spec, in order."""
     model = vllm_config.model_config
-    heads = model.get_total_num_kv_heads() // cfg.tp
+    # At TP larger than the KV heads, vLLM gives each rank one head (ranks share heads).
+    heads = max(1, model.get_total_num_kv_heads() // cfg.tp)
     head_size = model.get_head_size()
     groups: list[KVCacheGroupSpec] = []
     specs: dict[str, KVCacheSpec] = {}
@@ -294,4 +298,6 @@ def _plan(
     )
     if all(gd.kind == "mla" for gd in cfg.groups):
         config.kv_tp_replicas = cfg.tp  # as vLLM's planner finds for a pure-MLA model
+    else:  # GQA at TP larger than the KV heads: consecutive ranks hold one head
+        config.kv_tp_replicas = max(1, cfg.tp // vllm_config.model_config.get_total_num_kv_heads())
     return config

@@ -31,6 +31,7 @@ def test_the_layout_its_inputs_describe_passes_under_the_id_and_ids_derived_from
         check_declaration(layout(GEO, GEO.namespace + suffix), GEO.digest_inputs)
     half = replace(GEO, world_size=2)  # a shard's rows: half the world's ranks
     check_declaration(layout(half, GEO.namespace + ".s0of2"), GEO.digest_inputs)
+    check_declaration(layout(half, GEO.namespace + ".pp1of2"), GEO.digest_inputs)  # a stage's
 
 
 def test_an_id_of_another_form_is_the_clients_own() -> None:
@@ -46,8 +47,11 @@ def test_an_id_of_another_form_is_the_clients_own() -> None:
         replace(GEO, groups=[[4096, 4096]]),
         replace(GEO, blocks_per_chunk=4),
         replace(GEO, world_size=3),
+        # A share of the ranks passes in a part's id only: under the whole id it would
+        # lock out the engines (a canonical namespace's units, a TP=4 engine's ranks).
+        replace(GEO, world_size=2),
     ],
-    ids=["several-sizes", "other-page", "fewer-groups", "blocks-per-chunk", "world-size"],
+    ids=["several-sizes", "other-page", "fewer-groups", "blocks-per-chunk", "world-size", "share"],
 )
 def test_another_layout_under_the_id_is_refused(geo: Geometry) -> None:
     with pytest.raises(LayoutError, match="digest of its inputs"):

@@ -69,17 +69,23 @@ def _span(t: torch.Tensor) -> int:
     return ((t.shape[0] - 1) * t.stride(0) + t.shape[1]) * elem
 
 
-def _group_refs(kv_caches: CanonicalKVCaches) -> list[depot_pb2.GroupRefs]:
+def _group_refs(
+    kv_caches: CanonicalKVCaches, layer_pages: list[list[int]] | None
+) -> list[depot_pb2.GroupRefs]:
+    """Where each layer's page lives; `layer_pages`: the pages the namespace has, when
+    they are not vLLM's (a canonical namespace's unit pages, the first at offset 0)."""
     return [
         depot_pb2.GroupRefs(
             layers=[
                 depot_pb2.LayerRef(
-                    tensor_index=ref.tensor_idx, page_offset=0, page_bytes=ref.page_size_bytes
+                    tensor_index=ref.tensor_idx,
+                    page_offset=0,
+                    page_bytes=ref.page_size_bytes if layer_pages is None else layer_pages[g][i],
                 )
-                for ref in refs
+                for i, ref in enumerate(refs)
             ]
         )
-        for refs in kv_caches.group_data_refs
+        for g, refs in enumerate(kv_caches.group_data_refs)
     ]
 
 
@@ -155,20 +161,25 @@ def _pvm_plan(tensors: list[torch.Tensor], groups: list) -> MemoryPlan | str:
     )
 
 
-def describe_memory(kv_caches: CanonicalKVCaches, memory_path: str) -> MemoryPlan:
-    """Finds the cheapest path the daemon can reach these tensors by.
+def describe_memory(
+    kv_caches: CanonicalKVCaches, memory_path: str, layer_pages: list[list[int]] | None = None
+) -> MemoryPlan:
+    """Finds the cheapest path the daemon can reach these tensors by (`layer_pages`: the
+    namespace's pages where they are not vLLM's, `_group_refs`).
 
     shm needs every tensor inside ONE live SharedKVBuffer (a memfd this process
     made); vLLM 0.33 gives views of a single backing allocation, so that holds
     whenever the KV allocation itself came from a SharedKVBuffer.
     """
-    plan = _choose(kv_caches, memory_path)
+    plan = _choose(kv_caches, memory_path, layer_pages)
     return replace(plan, requested=memory_path)
 
 
-def _choose(kv_caches: CanonicalKVCaches, memory_path: str) -> MemoryPlan:
+def _choose(
+    kv_caches: CanonicalKVCaches, memory_path: str, layer_pages: list[list[int]] | None
+) -> MemoryPlan:
     tensors = [t.tensor for t in kv_caches.tensors]
-    groups = _group_refs(kv_caches)
+    groups = _group_refs(kv_caches, layer_pages)
     if memory_path == MemoryPath.INLINE:
         return MemoryPlan(MemoryPath.INLINE, "kvdepot_memory_path is 'inline'")
     if not tensors:
@@ -245,19 +256,28 @@ def register(
     layout: depot_pb2.NamespaceLayout,
     rank: int,
     timeout: float,
+    units: int = 1,
 ) -> tuple[depot_pb2.RegisterKVResponse, str]:
-    """Registers `plan`'s memory in `layout`; returns the response and a note for
-    the log. Raises DepotUnavailable, FdPassError or grpc.RpcError."""
+    """Registers `plan`'s memory in `layout` as ranks [rank, rank + units) (a canonical
+    namespace's units); returns the response and a note for the log. Raises
+    DepotUnavailable, FdPassError or grpc.RpcError."""
     if plan.path is MemoryPath.CUDA_IPC:
         from kvdepot.client.cuda_ipc import register_cuda_kv
 
         resp = register_cuda_kv(
-            client, layout, rank, plan.cuda_export, plan.groups, timeout=timeout
+            client, layout, rank, plan.cuda_export, plan.groups, timeout=timeout, units=units
         )
         return resp, ""
     if plan.path is MemoryPath.PVM:
         return pvm.register_process_kv(
-            client, layout, rank, plan.pvm_regions, plan.tensors, plan.groups, timeout=timeout
+            client,
+            layout,
+            rank,
+            plan.pvm_regions,
+            plan.tensors,
+            plan.groups,
+            timeout=timeout,
+            units=units,
         )
     resp = client.register_kv(
         layout,
@@ -266,5 +286,6 @@ def register(
         tensors=plan.tensors,
         groups=plan.groups if plan.tensors else [],
         timeout=timeout,
+        units=units,
     )
     return resp, ""

@@ -21,6 +21,13 @@ block bytes, read from the KV cache tensors both configs share. The workers'
 layout (`namespace_layout`) carries their real per-layer pages, which the daemon
 compares between registrations.
 
+Canonical namespaces (`canonical_layout`, where vLLM certifies the model statically:
+`canonical_units`): a row is one section per KV head of the model (a *unit*), each
+section every layer's page of that head, so the row and the digest do not depend on
+the TP size: `world_size` is the number of units, `tp_size` 1, each group's pages one
+head's, no block bytes, and vLLM's canonical format id is in the digest. A TP=W
+rank registers as its H/W consecutive units (client/vllm/canonical.py).
+
 Pipeline stages (pp > 1): each stage's workers hold that stage's layers only, and the
 scheduler is handed stage 0's config; stages may differ in layers (61 on two: 31 and
 30). So the digest takes nothing a stage decides: per group one layer's page (every
@@ -95,12 +102,26 @@ class NamespaceInputs:
     # With pp_size > 1: how the model's layers are split over the stages
     # (VLLM_PP_LAYER_PARTITION; "" for vLLM's even split). In the digest only then.
     pp_partition: str = ""
+    # A canonical namespace: vLLM's canonical_format_id ("v1-hnd"); `world_size` is
+    # then the model's KV heads (the units) and each page one head's. In the digest
+    # only when set, so the ids of other namespaces stay what they were.
+    canonical_format: str = ""
+    # The engine's own TP size in a canonical namespace: shown, never in the digest
+    # (engines of every TP size share it).
+    engine_tp: int = 0
+
+    @property
+    def canonical(self) -> bool:
+        return bool(self.canonical_format)
 
     def digest_fields(self) -> dict[str, Any]:
         """What the digest is taken over: every field but the display ones."""
         fields: dict[str, Any] = asdict(self)
         fields.pop("model_name")
         fields.pop("replicated_ranks")
+        fields.pop("engine_tp")
+        if not self.canonical:
+            fields.pop("canonical_format")
         if self.pp_size == 1:  # the ids of engines without stages stay what they were
             fields.pop("pp_partition")
         return fields
@@ -118,6 +139,10 @@ class NamespaceInputs:
         salt = " salted" if self.salt else ""
         if self.replicated_ranks > 1:
             salt += f" replicated-over={self.replicated_ranks}"
+        if self.canonical:
+            salt += (
+                f" canonical={self.canonical_format} (world: KV heads; engine tp={self.engine_tp})"
+            )
         if self.pp_partition:
             salt += f" pp-layers={self.pp_partition}"
         if self.hash_seed != "default":
@@ -195,17 +220,77 @@ def hash_seed(hash_algo: str, environ: Mapping[str, str] | None = None) -> str:
     return "random" if seeded_randomly(hash_algo) else "default"
 
 
+def canonical_units(
+    config: OffloadingConfig, kv_cache_config: KVCacheConfig | None, total_kv_heads: int
+) -> tuple[int, str] | str:
+    """(units, vLLM's canonical format id) when this engine's offloaded bytes go into a
+    canonical namespace (docs/architecture.md §4): `canonical_layout` is set and vLLM
+    certifies the model statically (`parallel.is_parallelism_agnostic`), the KV cache
+    layout is LBHNC (each head's page of a block one contiguous run, so a rank's heads
+    are consecutive slices of its page), and every offloaded group is full or
+    sliding-window GQA attention whose page splits into one page per KV head. Else why
+    not, in words. Read alike by the scheduler and the workers; each worker checks
+    vLLM's per-layer certification besides (client/vllm/canonical.py)."""
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        MLAAttentionSpec,
+        SlidingWindowSpec,
+    )
+
+    p = config.parallel
+    if not getattr(config, "canonical_layout", False):
+        return "canonical_layout is not set"
+    if not p.is_parallelism_agnostic or getattr(config, "replicated_layout", False):
+        return "vLLM does not certify this model's pages as independent of the TP size"
+    if p.world_size != p.tp_size or p.pp_size != 1 or p.pcp_size != 1 or p.dcp_size != 1:
+        return "only tensor parallelism is supported (no pipeline or context parallelism)"
+    layout = getattr(config, "kv_cache_layout", None)
+    if layout != "LBHNC":
+        return f"the KV cache layout is {layout}; kvdepot splits pages by head under LBHNC only"
+    if kv_cache_config is None or total_kv_heads < 1:
+        return "the KV cache config is not known (use KVDepotConnector)"
+    for g in config.groups:
+        spec = _scheduler_spec(kv_cache_config.kv_cache_groups[g.group_id].kv_cache_spec)
+        if not isinstance(spec, (FullAttentionSpec, SlidingWindowSpec)) or isinstance(
+            spec, MLAAttentionSpec
+        ):
+            return f"group {g.group_id} is {type(spec).__name__}, not GQA attention"
+        if spec.num_kv_heads != max(1, total_kv_heads // p.tp_size) or (
+            spec.unpadded_page_size_bytes % spec.num_kv_heads
+        ):
+            return f"group {g.group_id}'s page does not split into one page per KV head"
+    try:
+        from vllm.distributed.kv_transfer.kv_connector.v1.offloading.canonical_mapping import (
+            canonical_format_id,
+        )
+    except ImportError:
+        return "this vLLM has no canonical format id"
+    return total_kv_heads, canonical_format_id(layout)
+
+
+def _unit_pages(kv_cache_config: KVCacheConfig, group_id: int) -> tuple[int, ...]:
+    """One KV head's page of each layer of a group (its un-padded page over its heads)."""
+    group = kv_cache_config.kv_cache_groups[group_id]
+    spec = _scheduler_spec(group.kv_cache_spec)
+    page = int(spec.unpadded_page_size_bytes) // int(spec.num_kv_heads)
+    return (page,) * len(group.layer_names)
+
+
 def namespace_inputs(
     config: OffloadingConfig,
     kv_cache_config: KVCacheConfig | None,
     hash_algo: str,
     salt: str,
     seed: str | None = None,
+    canonical: tuple[int, str] | None = None,
 ) -> NamespaceInputs:
     """Collects the digest inputs from vLLM's OffloadingConfig (and, when the
     connector passes it, the KVCacheConfig: the scheduler's, or a worker's of any
-    pipeline stage, alike); `seed`: `hash_seed(hash_algo)` unless given."""
+    pipeline stage, alike); `seed`: `hash_seed(hash_algo)` unless given; `canonical`:
+    what `canonical_units` found, for a canonical namespace."""
     p = config.parallel
+    # A canonical namespace: a section per KV head (`canonical_units`), one head's pages.
+    units, canonical_format = canonical if canonical is not None else (0, "")
     staged = p.pp_size > 1  # a stage's layers and block bytes are its own: left out
     groups = []
     for g in config.groups:
@@ -214,7 +299,7 @@ def namespace_inputs(
         if kv_cache_config is not None:
             spec = _scheduler_spec(kv_cache_config.kv_cache_groups[g.group_id].kv_cache_spec)
             kind = type(spec).__name__
-            pages = _layer_page_bytes(kv_cache_config, g.group_id)
+            pages = (_unit_pages if units else _layer_page_bytes)(kv_cache_config, g.group_id)
             if staged:
                 pages = pages[:1]
         elif (window := getattr(g, "sliding_window_size_in_chunks", None)) is not None:
@@ -233,6 +318,7 @@ def namespace_inputs(
     # a row is one section and the namespace does not depend on the TP size: engines
     # of one MLA model at TP=1, 2, 4 and 8 share every block.
     replicated = bool(getattr(config, "replicated_layout", False))
+    world, tp = (1, 1) if replicated else (units, 1) if units else (p.world_size, p.tp_size)
     return NamespaceInputs(
         model=model_identity(config.model.name),
         model_name=config.model.name,
@@ -240,17 +326,22 @@ def namespace_inputs(
         kv_layout=config.kv_cache_layout or "",
         groups=tuple(groups),
         blocks_per_chunk=config.cache.blocks_per_chunk,
-        world_size=1 if replicated else p.world_size,
-        tp_size=1 if replicated else p.tp_size,
+        world_size=world,
+        tp_size=tp,
         pp_size=p.pp_size,
         pcp_size=p.pcp_size,
         dcp_size=p.dcp_size,
         hash_algo=hash_algo,
         salt=salt,
-        worker_bytes_per_block=0 if staged else _bytes_per_block(config, kv_cache_config),
+        # A rank's block bytes depend on the TP size: not in a canonical namespace's.
+        worker_bytes_per_block=(
+            0 if staged or units else _bytes_per_block(config, kv_cache_config)
+        ),
         hash_seed=hash_seed(hash_algo) if seed is None else seed,
         replicated_ranks=p.world_size if replicated else 1,
         pp_partition=os.environ.get("VLLM_PP_LAYER_PARTITION", "") if staged else "",
+        canonical_format=canonical_format,
+        engine_tp=p.tp_size if units else 0,
     )
 
 

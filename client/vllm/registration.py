@@ -56,14 +56,18 @@ class Registrar:
         on_memory_changed: Callable[[MemoryPlan], None],
         route: RankRoute | None = None,
         node_shards: int = 1,
+        units: int = 1,
     ) -> None:
         """`rank` is the rank on the daemon (on a shard: `route.rank`); `route` and
-        `node_shards` say which shard the client must reach (unsharded: None, 1)."""
+        `node_shards` say which shard the client must reach (unsharded: None, 1);
+        `units` > 1: the registration stands for ranks [rank, rank + units) (a
+        canonical namespace's units)."""
         self._client = client
         self._route = route
         self._node_shards = node_shards
         self.memory = plan
         self._rank = rank
+        self._units = units
         self._make_layout = make_layout
         self._layer_pages = layer_pages
         self._on_registered = on_registered
@@ -188,7 +192,9 @@ class Registrar:
         try:
             session = self._client.session_id
             layout = self._make_layout(namespace_id, self._layer_pages)
-            resp, note = memory_paths.register(self._client, plan, layout, self._rank, 10.0)
+            resp, note = memory_paths.register(
+                self._client, plan, layout, self._rank, 10.0, self._units
+            )
         except DepotUnavailable as exc:
             log.debug("kvdepot registration postponed: %s", exc)
             return False

@@ -27,11 +27,13 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.config import OffloadingConfig
 
 from kvdepot.client import DepotClient
+from kvdepot.client.vllm.canonical import Uncertified, UnitSpan, unit_span
 from kvdepot.client.vllm.config import DepotSettings
 from kvdepot.client.vllm.logs import follow_vllm_logging
 from kvdepot.client.vllm.manager import KVDepotOffloadingManager
 from kvdepot.client.vllm.namespace import (
     NamespaceInputs,
+    canonical_units,
     hash_seed,
     namespace_inputs,
     namespace_layout,
@@ -178,18 +180,20 @@ class KVDepotOffloadingSpec(OffloadingSpec):
                 "restart. Set PYTHONHASHSEED to one value for every engine, or use sha256.",
                 hash_algo,
             )
-        if config.canonical_layout:
-            log.warning(
-                "kvdepot stores each rank's section as is; canonical_layout is ignored, and "
-                "engines of other TP sizes do not share this engine's blocks "
-                "(docs/architecture.md, Namespaces)"
-            )
+        kv_cache_config = ctx.kv_cache_config if ctx is not None else None
+        heads = ctx.vllm_config.model_config.get_total_num_kv_heads() if ctx is not None else 0
+        canonical = canonical_units(config, kv_cache_config, heads)
+        if isinstance(canonical, str):
+            if config.canonical_layout:
+                log.warning(
+                    "kvdepot stores each rank's section as is; canonical_layout is ignored "
+                    "(%s), and engines of other TP sizes do not share this engine's blocks "
+                    "(docs/architecture.md, Namespaces)",
+                    canonical,
+                )
+            canonical = None
         self.namespace: NamespaceInputs = namespace_inputs(
-            config,
-            ctx.kv_cache_config if ctx is not None else None,
-            hash_algo,
-            self.settings.namespace_salt,
-            seed,
+            config, kv_cache_config, hash_algo, self.settings.namespace_salt, seed, canonical
         )
         self.namespace_id = self.namespace.digest()
         self._manager: KVDepotOffloadingManager | None = None
@@ -267,7 +271,7 @@ class KVDepotOffloadingSpec(OffloadingSpec):
         the shards the engine uses, or past the last) is said and the pick is used:
         the daemon may run fewer shards than the setting was written for, and that
         must never stop the engine."""
-        world = self.namespace.world_size
+        world = self._route_world
         wanted = self.settings.first_shard
         if wanted is not None:
             used = engine_shards(node_shards, world)
@@ -291,7 +295,7 @@ class KVDepotOffloadingSpec(OffloadingSpec):
             # One client per namespace part (a shard's share of the ranks, or of a
             # pipeline stage's): the scheduler reads every part.
             parts = engine_parts(
-                self.namespace.world_size,
+                self._route_world,
                 node_shards,
                 self._first_shard(node_shards),
                 self.namespace.pp_size,
@@ -309,19 +313,50 @@ class KVDepotOffloadingSpec(OffloadingSpec):
             )
         return self._manager
 
+    @property
+    def _route_world(self) -> int:
+        """The ranks the engine's shards are dealt by: a canonical namespace's rows are
+        made by engines of every TP size, whose ranks hold different units, so every
+        engine of it uses one shard, as a TP=1 engine does (kvdepot.common.shards)."""
+        return 1 if self.namespace.canonical else self.namespace.world_size
+
+    def _units(self, kv_caches: CanonicalKVCaches) -> UnitSpan | None:
+        """The units this rank's pages hold in a canonical namespace (None in another).
+        A rank whose pages vLLM did not certify, or that are not one slice per head,
+        must not write there: it raises, as vLLM's own offloading does, naming the fix."""
+        if not self.namespace.canonical:
+            return None
+        try:
+            return unit_span(kv_caches, self.namespace.world_size)
+        except Uncertified as exc:
+            message = (
+                f"kvdepot: rank {self.config.parallel.rank} cannot store into the canonical "
+                f"namespace {self.namespace_id} ({exc}); remove canonical_layout from "
+                f"kv_connector_extra_config"
+            )
+            log.error("%s", message)
+            raise ValueError(message) from None
+
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
         if self._worker is None:
+            units = self._units(kv_caches)
             # Replicated ranks (MLA at TP > 1) share one section: each is rank 0 of the
             # namespace, the first to store a row copies it and the others' stores find
-            # it present (no copy); every rank loads the one section.
+            # it present (no copy); every rank loads the one section. In a canonical
+            # namespace a rank is its first unit, on the engine's one shard.
             replicated = self.namespace.replicated_ranks > 1
-            rank = 0 if replicated else self.config.parallel.rank
-            world = self.namespace.world_size
+            rank = 0 if replicated or units is not None else self.config.parallel.rank
             role = f"worker rank={self.config.parallel.rank}"
             node_shards = self.node_shards(role)
             route = route_rank(
-                rank, world, node_shards, self._first_shard(node_shards), self.namespace.pp_size
+                rank,
+                self._route_world,
+                node_shards,
+                self._first_shard(node_shards),
+                self.namespace.pp_size,
             )
+            if units is not None:  # the namespace's rows: a section per unit
+                route = route._replace(rank=units.first, world_size=self.namespace.world_size)
             sharded = route.shard != 0 or route.shards > 1
             if sharded or route.stages > 1:
                 log.info(
@@ -348,6 +383,7 @@ class KVDepotOffloadingSpec(OffloadingSpec):
                 job_timeout_s=self.settings.job_timeout_s,
                 route=route,
                 node_shards=node_shards,
+                units=units,
             )
             if self.settings.startup_wait_s > 0 and self._worker._client.connected:
                 # Registration runs in the background; give it a moment so the

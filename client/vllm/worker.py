@@ -41,6 +41,7 @@ from vllm.v1.kv_offload.base import (
 )
 
 from kvdepot.client import DepotClient
+from kvdepot.client.vllm.canonical import UnitSpan
 from kvdepot.client.vllm.inline import InlineTransport
 from kvdepot.client.vllm.job_ledger import JobLedger, Submitted
 from kvdepot.client.vllm.memory_paths import MemoryPath, MemoryPlan, describe_memory, log_choice
@@ -72,11 +73,13 @@ class KVDepotOffloadingWorker(OffloadingWorker):
         job_timeout_s: float = 15.0,
         route: RankRoute | None = None,
         node_shards: int = 1,
+        units: UnitSpan | None = None,
     ) -> None:
         """`rank`: the rank on the daemon; with shards or pipeline stages, `route` says
         which shard `client` reaches and which namespace part the rank is in (the rank
         is `route.rank` there), and the scheduler's namespaces are renamed for it
-        (kvdepot.common.shards)."""
+        (kvdepot.common.shards). `units`: in a canonical namespace, the KV-head units
+        this rank's pages hold (client/vllm/canonical.py); `rank` is the first."""
         self._client = client
         self._route = route
         self._namespace_id = namespace_id  # as this rank computed it, before any shard
@@ -85,10 +88,12 @@ class KVDepotOffloadingWorker(OffloadingWorker):
         self._rank = rank
         self._bpc = blocks_per_chunk
         self._job_timeout = job_timeout_s
-        self.layer_pages = [
-            [ref.page_size_bytes for ref in refs] for refs in kv_caches.group_data_refs
-        ]
-        plan = describe_memory(kv_caches, memory_path)
+        self.layer_pages = (
+            [[ref.page_size_bytes for ref in refs] for refs in kv_caches.group_data_refs]
+            if units is None
+            else units.layer_pages
+        )
+        plan = describe_memory(kv_caches, memory_path, None if units is None else units.layer_pages)
         log_choice(plan, rank)
 
         self._ledger = JobLedger(job_timeout_s)
@@ -112,6 +117,7 @@ class KVDepotOffloadingWorker(OffloadingWorker):
             on_memory_changed=self._memory_changed,
             route=route,
             node_shards=node_shards,
+            units=1 if units is None else units.count,
         )
         client.add_disconnect_listener(self._on_disconnect)
         self._registrar.start()

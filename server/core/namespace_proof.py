@@ -7,7 +7,8 @@ first with another layout, and the real engine's registration would be refused f
 good. A layout declared under an id of the digest's form must therefore come with the
 digest's inputs: the daemon recomputes the id from them and checks that the layout is
 the one they describe (blocks per chunk, group ids, layers per group, each group's
-pages, the ranks a row is made of). Ids of any other form are free text of the
+pages, the ranks a row is made of: all of them, but in a shard's or a pipeline stage's
+part a share). Ids of any other form are free text of the
 client's own choosing (docs/security.md).
 
 One thing the inputs state only in sum: vLLM's scheduler sees a group of layers with
@@ -27,6 +28,7 @@ by nothing but its salt.
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from kvdepot.common.chunks import LayoutError
@@ -34,6 +36,8 @@ from kvdepot.common.namespace_digest import digest_id, digest_of
 from kvdepot.server.core.layout import NamespaceLayout
 
 MAX_DIGEST_INPUTS = 64 << 10
+# What names a namespace part (kvdepot.common.shards): a shard's or a pipeline stage's.
+_PART = re.compile(r"\.(?:s\d+of\d+|pp\d+of\d+)(?:\.|$)")
 
 
 def _refused(layout: NamespaceLayout, why: str) -> LayoutError:
@@ -74,6 +78,10 @@ def check_declaration(layout: NamespaceLayout, digest_inputs: str) -> None:
     world = _field(fields, "world_size", int)
     if world < 1 or world % layout.world_size:  # a shard's row: a share of the world
         raise _refused(layout, f"has a world_size that does not divide {world}")
+    if world != layout.world_size and _PART.search(layout.id) is None:
+        # Only a part's rows (a shard's, a stage's) hold a share of the ranks; a
+        # smaller world under the whole id would lock out every engine of it.
+        raise _refused(layout, f"has a world_size of {layout.world_size}, not {world}")
     groups = _field(fields, "groups", list)
     if not all(isinstance(g, dict) for g in groups):
         raise LayoutError("digest_inputs: a group is not a JSON object")

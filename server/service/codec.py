@@ -250,6 +250,7 @@ def registration_info(r: Registration) -> admin_pb2.RegistrationInfo:
         rank=r.rank,
         memory_path=r.memory_path.value,
         registered_bytes=r.registered_bytes,
+        unit_count=r.unit_count,
     )
 
 

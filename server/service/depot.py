@@ -197,7 +197,13 @@ class DepotServicer(depot_pb2_grpc.DepotServicer):
         layout = layout_from_proto(request.namespace)
         regions, tensors, groups = memory_from_proto(request)
         reg = self.state.register(
-            request.session_id, layout, request.rank, regions, tensors, groups
+            request.session_id,
+            layout,
+            request.rank,
+            regions,
+            tensors,
+            groups,
+            units=max(1, request.unit_count),
         )
         return pb.RegisterKVResponse(
             registration_id=reg.id,

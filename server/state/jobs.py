@@ -13,6 +13,10 @@
     settle  finish_store_many / end_read for every claimed slot, success or not;
             the index announces what became READY on the event bus by itself
 
+A registration of several ranks (RegisterKVRequest.unit_count: a canonical namespace's
+units, one KV head each) runs claim, plan, copy and settle once per unit, as that unit's
+rank with that unit's memory map, all at once (`_run_units`).
+
 No job holds the event loop for long, whatever its content: its sizes (keys,
 block ids, pages) are checked against `JobLimits` before anything is built from
 it, and the per-key index work (claim, settle) and the per-page planning run in
@@ -45,6 +49,7 @@ from kvdepot.server.core.index import BlockIndex, Slot
 from kvdepot.server.core.index_types import MAX_CHUNK_EVENT_BYTES
 from kvdepot.server.core.job_check import JobShape, check_job, slice_shape
 from kvdepot.server.core.layout import MAX_GROUPS, NamespaceLayout
+from kvdepot.server.core.memory_map import MemoryMap
 from kvdepot.server.core.planner import CopyPlan, plan_copy
 from kvdepot.server.memory.arena import Arena
 from kvdepot.server.memory.copy_engine import PreparedCopy
@@ -109,10 +114,12 @@ class JobRunner:
         self._traffic.inflight_jobs += 1
         try:
             direction, reg, shape = self._check(job)
-            if direction is Direction.STORE:
-                await self._store(job, reg, shape, out)
+            if reg.more_units:
+                await self._run_units(job, direction, reg, shape, out)
+            elif direction is Direction.STORE:
+                await self._store(job, reg, reg.rank, reg.memory, shape, out)
             else:
-                await self._load(job, reg, shape, out)
+                await self._load(job, reg, reg.rank, reg.memory, shape, out)
         except Exception as exc:  # a bug must not take the stream down
             err = errors.as_depot_error(exc)
             if err is None:
@@ -154,8 +161,43 @@ class JobRunner:
         )
         return direction, reg, shape
 
-    async def _store(self, job: Job, reg: Registration, shape: JobShape, out: JobResult) -> None:
-        rank, index = reg.rank, self._index
+    async def _run_units(
+        self, job: Job, direction: Direction, reg: Registration, shape: JobShape, out: JobResult
+    ) -> None:
+        """A registration of several ranks (a canonical namespace's units): the job is
+        run once per unit, as that unit's rank with that unit's memory, all at once.
+        Every unit's part has ended before this returns or raises (a failed one must
+        not leave another still copying into memory the engine takes back). `out` sums
+        the bytes and takes the most keys a unit's part stored or dropped and the
+        fewest it found present."""
+        parts = [JobResult(job.job_id, True) for _ in range(reg.unit_count)]
+        runs = [
+            self._store(job, reg, rank, memory, shape, part)
+            if direction is Direction.STORE
+            else self._load(job, reg, rank, memory, shape, part)
+            for (rank, memory), part in zip(reg.units(), parts, strict=True)
+        ]
+        ended = await asyncio.gather(*runs, return_exceptions=True)
+        out.bytes = sum(p.bytes for p in parts)
+        out.copy_seconds = max(p.copy_seconds for p in parts)
+        out.stored_keys = max(p.stored_keys for p in parts)
+        out.present_keys = min(p.present_keys for p in parts)
+        out.dropped_keys = max(p.dropped_keys for p in parts)
+        out.drop_reason = next((p.drop_reason for p in parts if p.drop_reason), "")
+        for failure in ended:
+            if isinstance(failure, BaseException):
+                raise failure
+
+    async def _store(
+        self,
+        job: Job,
+        reg: Registration,
+        rank: int,
+        memory: MemoryMap | None,
+        shape: JobShape,
+        out: JobResult,
+    ) -> None:
+        index = self._index
         # One index call each way per KEY_SLICE keys: the per-key work, the
         # namespace lookup and the events are paid once a slice, and a large job
         # lets other clients' calls run between its slices.
@@ -183,7 +225,7 @@ class JobRunner:
                 out.dropped_keys += claim.dropped
                 if claim.drop_reason is not None:
                     out.drop_reason = claim.drop_reason.text
-            await self._copy(job, reg, shape, offsets, out)
+            await self._copy(job, reg, rank, memory, shape, offsets, out)
             ok = True
         finally:
             if len(claimed) <= KEY_SLICE:  # one slice: settled at once, no coroutine
@@ -192,7 +234,15 @@ class JobRunner:
                 await _in_slices(claimed, lambda part: index.finish_store_many(part, rank, ok))
         out.stored_keys = len(claimed)
 
-    async def _load(self, job: Job, reg: Registration, shape: JobShape, out: JobResult) -> None:
+    async def _load(
+        self,
+        job: Job,
+        reg: Registration,
+        rank: int,
+        memory: MemoryMap | None,
+        shape: JobShape,
+        out: JobResult,
+    ) -> None:
         ns_id, index = reg.layout.id, self._index
         slots: list[Slot] = []
         keys = job.keys
@@ -210,7 +260,8 @@ class JobRunner:
                         f"key {key.hex()[:16]}… is not ready in namespace {ns_id} (evicted, or "
                         f"never stored): pin keys before loading them"
                     )
-            await self._copy(job, reg, shape, [s.extent.offset for s in slots], out)
+            offsets = [s.extent.offset for s in slots]
+            await self._copy(job, reg, rank, memory, shape, offsets, out)
         finally:
             if len(slots) <= KEY_SLICE:  # one slice: settled at once, no coroutine
                 index.end_read_many(slots)
@@ -221,19 +272,22 @@ class JobRunner:
         self,
         job: Job,
         reg: Registration,
+        rank: int,
+        memory: MemoryMap | None,
         shape: JobShape,
         offsets: Sequence[int | None],
         out: JobResult,
     ) -> None:
-        """Plans and copies; the bytes and copy time go into `out`. Raises
+        """Plans and copies `rank`'s section from or to `memory` (the registration's,
+        or one of its units'); the bytes and copy time go into `out`. Raises
         DepotError (a copy that failed is INTERNAL, or what the engine said)."""
-        assert reg.memory is not None and reg.engine is not None
+        assert memory is not None and reg.engine is not None
         copy_queue = self._copy_queues.for_device(reg.copy_device)
         copy_queue.refuse_if_stalled()
         if shape_pages(reg.layout, shape) > PAGE_SLICE:
-            await self._copy_in_slices(job, reg, copy_queue, shape, offsets, out)
+            await self._copy_in_slices(job, reg, rank, memory, copy_queue, shape, offsets, out)
             return
-        plan = plan_copy(reg.layout, reg.rank, reg.memory, shape, offsets)
+        plan = plan_copy(reg.layout, rank, memory, shape, offsets)
         if len(plan):
             out.copy_seconds = await self._run_copy(job, reg, copy_queue, plan)
         out.bytes = plan.nbytes  # only once the bytes have landed
@@ -242,6 +296,8 @@ class JobRunner:
         self,
         job: Job,
         reg: Registration,
+        rank: int,
+        memory: MemoryMap,
         copy_queue: CopyQueue,
         shape: JobShape,
         offsets: Sequence[int | None],
@@ -252,7 +308,7 @@ class JobRunner:
         copy in parallel, as a large plan's parts do), the loop yielded between
         slices. Every slice handed over has ended before this returns or raises."""
         engine, regions, pool = reg.engine, reg.regions, self._arena.address
-        assert reg.memory is not None and engine is not None
+        assert engine is not None
         copies: list[asyncio.Future[tuple[float, float]]] = []
         nbytes = 0
         with self._sessions.in_use(reg):
@@ -260,7 +316,7 @@ class JobRunner:
                 for part in slice_shape(reg.layout, shape, PAGE_SLICE):
                     if copies:
                         await asyncio.sleep(0)
-                    plan = plan_copy(reg.layout, reg.rank, reg.memory, part, offsets)
+                    plan = plan_copy(reg.layout, rank, memory, part, offsets)
                     if not len(plan):
                         continue
                     prepared = engine.prepare(job.direction, regions, pool, plan)

@@ -158,12 +158,24 @@ class SessionRegistry:
         regions: Sequence[tuple[MemoryPath | str, object]],
         tensors: Sequence[TensorView],
         groups: Sequence[Sequence[LayerRef]],
+        units: int = 1,
     ) -> Registration:
         """Declares the namespace, maps the memory and records the registration
-        (regions: (memory path, handle))."""
+        (regions: (memory path, handle)); `units`: the ranks [rank, rank + units) it
+        stands for (a canonical namespace's units, RegisterKVRequest.unit_count)."""
         session = self.session(session_id)
         if not 0 <= rank < layout.world_size:
             raise errors.invalid(f"rank {rank} out of range [0, {layout.world_size})")
+        if not 1 <= units <= layout.world_size - rank:
+            raise errors.invalid(
+                f"unit_count {units} from rank {rank} reaches past the namespace's "
+                f"{layout.world_size} ranks"
+            )
+        if units > 1 and not regions:
+            raise errors.invalid(
+                "unit_count > 1 needs memory regions: an inline registration (Put/Get) "
+                "stands for one rank"
+            )
         self.access.check_room(session, layout.id)
         self.declare(layout)
         try:
@@ -174,6 +186,7 @@ class SessionRegistry:
                 [(MemoryPath(k), h) for k, h in regions],
                 tensors,
                 groups,
+                units,
             )
         except BaseException:
             self.forget_unused([layout.id])  # declared for nothing

@@ -43,7 +43,7 @@ import secrets
 import time
 from collections import Counter
 from collections.abc import Hashable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from kvdepot.common.kinds import MemoryPath
@@ -131,6 +131,21 @@ class Registration:
     copy_device: tuple[str, str] | None = None
     inflight: int = 0  # copies using the regions now
     closing: bool = False  # ended; unmapped when the last copy ends
+    # A registration of several ranks (RegisterKVRequest.unit_count > 1): the memory of
+    # each of ranks rank + 1, rank + 2, ... (`memory` is rank's), each unit's pages
+    # one page after the one before in every layer's tensor page. Empty: rank alone.
+    more_units: tuple[MemoryMap, ...] = ()
+
+    @property
+    def unit_count(self) -> int:
+        return 1 + len(self.more_units)
+
+    def units(self) -> list[tuple[int, MemoryMap]]:
+        """(rank, memory) of each rank this registration stands for, in rank order."""
+        assert self.memory is not None
+        return [(self.rank, self.memory)] + [
+            (self.rank + 1 + k, m) for k, m in enumerate(self.more_units)
+        ]
 
     def close_regions(self) -> None:
         for r in self.regions:
@@ -526,9 +541,11 @@ class Sessions:
         regions: Sequence[tuple[MemoryPath, object]],
         tensors: Sequence[TensorView],
         groups: Sequence[Sequence[LayerRef]],
+        units: int = 1,
     ) -> Registration:
         """Maps the memory and records the registration (regions: (kind, handle)).
-        The caller has checked the rank and declared the namespace."""
+        The caller has checked the rank (and `units`, the ranks from it the
+        registration stands for) and declared the namespace."""
         session = self.get(session_id)
         if len(session.registrations) >= self.max_registrations:
             raise errors.exhausted(
@@ -564,8 +581,16 @@ class Sessions:
                 region, engine = self._open_region(MemoryPath(kind), handle, session)
                 mapped.append(region)
             memory = None
+            more_units: list[MemoryMap] = []
             if mapped:
-                memory = MemoryMap.build(layout, [r.size for r in mapped], tensors, groups)
+                sizes = [r.size for r in mapped]
+                memory = MemoryMap.build(layout, sizes, tensors, groups)
+                for k in range(1, units):  # unit k: k pages after the first in each layer
+                    shifted = [
+                        [replace(r, page_offset=r.page_offset + k * r.page_bytes) for r in refs]
+                        for refs in groups
+                    ]
+                    more_units.append(MemoryMap.build(layout, sizes, tensors, shifted))
             elif tensors:
                 raise errors.invalid("tensors given without any memory region to hold them")
         except BaseException:
@@ -583,15 +608,16 @@ class Sessions:
             engine=engine,
             registered_bytes=sum(r.size for r in mapped),
             copy_device=engine.copy_device(mapped) if engine is not None else None,
+            more_units=tuple(more_units),
         )
         self._next_registration += 1
         self.registrations[reg.id] = reg
         session.registrations.add(reg.id)
         log.info(
-            "registration %d: session %s rank %d of namespace %s over %s (%s)",
+            "registration %d: session %s rank %s of namespace %s over %s (%s)",
             reg.id,
             session_tag(session_id),
-            rank,
+            rank if units == 1 else f"{rank}-{rank + units - 1}",
             layout.id,
             reg.memory_path.value,
             format_size(reg.registered_bytes),

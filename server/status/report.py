@@ -449,7 +449,9 @@ def _engine(e: admin_pb2.EngineInfo) -> dict[str, Any]:
         "session_id": e.session_id,
         "pid": e.pid,
         "connected_seconds": e.connected_seconds,
-        "ranks": sorted({r.rank for r in e.registrations}),
+        "ranks": sorted(
+            {u for r in e.registrations for u in range(r.rank, r.rank + max(1, r.unit_count))}
+        ),
         "memory_paths": sorted({r.memory_path for r in e.registrations}),
         "registered_bytes": sum(r.registered_bytes for r in e.registrations),
         "pinned_blocks": e.pinned_blocks,

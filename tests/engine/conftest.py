@@ -17,6 +17,7 @@ from tests.engine.models import build_model
 # may be long); the figures only order the tests, nothing checks them.
 SECONDS = {
     "test_tp2_engine_stores_one_copy_that_a_tp1_engine_loads": 262,  # alone, load 12-16
+    "test_tp2_engine_stores_heads_that_a_tp1_engine_loads": 184,  # alone, load 6-7
     "test_second_engine_loads_what_the_first_stored": 201,
     "test_weight_update_then_connector_reset_loads_nothing_old": 168,
     "test_quick_run_json": 165,
@@ -52,6 +53,11 @@ def opt_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def hybrid_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_model("gemma3-hybrid", tmp_path_factory.mktemp("gemma3"))
+
+
+@pytest.fixture(scope="session")
+def gqa_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_model("llama-gqa-tiny", tmp_path_factory.mktemp("llama-gqa"))
 
 
 @pytest.fixture(scope="session")

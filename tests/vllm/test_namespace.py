@@ -297,19 +297,61 @@ def test_the_xxhash_warning_only_when_no_engine_can_share(
     assert len(warned) == (2 if warns else 0)
 
 
-def test_canonical_layout_is_said_to_be_ignored(caplog: pytest.LogCaptureFixture) -> None:
-    """vLLM certifies a GQA model's pages as portable across TP sizes; kvdepot still stores
-    each rank's section, so a TP=2 and a TP=4 engine are two namespaces, and the
-    connector says so when `canonical_layout` asks for more (docs/architecture.md §4)."""
+def test_canonical_layout_makes_one_namespace_of_every_tp_size(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """vLLM certifies a GQA model's pages as portable across TP sizes; with
+    `canonical_layout` the scheduler and the workers of TP=1, 2 and 4 engines compute one
+    namespace, of a section per KV head (docs/architecture.md §4), and nobody warns."""
+    full = (GroupDef("full", block_size=16, num_layers=2),)
+    caplog.set_level(logging.WARNING, logger="kvdepot")
+    ids = set()
+    for tp in (1, 2, 4):
+        vllm_config, worker, scheduler = vllm_configs(full, tp=tp)
+        vllm_config.kv_transfer_config.kv_connector_extra_config["canonical_layout"] = True
+        config = build_offloading_config(vllm_config, worker)
+        assert config.canonical_layout and config.parallel.is_parallelism_agnostic
+        for kv in (worker, scheduler):
+            spec = spec_for(vllm_config, kv)
+            ids.add(spec.namespace_id)
+            heads = vllm_config.model_config.get_total_num_kv_heads()
+            assert spec.namespace.world_size == heads and spec.namespace.canonical_format
+    assert len(ids) == 1
+    assert not [r for r in caplog.records if "canonical_layout" in r.getMessage()]
+
+
+def test_a_worker_whose_pages_vllm_did_not_certify_refuses_the_canonical_namespace(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Fail closed: a rank whose layer has no certified mapping must not write into a
+    canonical namespace; its worker refuses to start and says what to change."""
+    from vllm.v1.kv_offload.base import CanonicalKVCacheRef, CanonicalKVCaches
+
+    full = (GroupDef("full", block_size=16, num_layers=2),)
+    vllm_config, worker, _ = vllm_configs(full, tp=2)
+    vllm_config.kv_transfer_config.kv_connector_extra_config["canonical_layout"] = True
+    spec = spec_for(vllm_config, worker)
+    assert spec.namespace.canonical
+    uncertified = CanonicalKVCacheRef(tensor_idx=0, page_size_bytes=4096, mapping=None)
+    caplog.set_level(logging.ERROR, logger="kvdepot")
+    with pytest.raises(ValueError, match="remove canonical_layout"):
+        spec.get_worker(CanonicalKVCaches([], [[uncertified]]))
+    assert any("did not certify" in r.getMessage() for r in caplog.records)
+
+
+def test_canonical_layout_is_said_to_be_ignored_where_pages_are_not_head_slices(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Under LBNHC (NHD) a rank's heads are strided through its page: kvdepot keeps rank
+    sections, a namespace per TP size, and says why canonical_layout is ignored."""
     full = (GroupDef("full", block_size=16, num_layers=2),)
     caplog.set_level(logging.WARNING, logger="kvdepot")
     ids = []
     for tp in (2, 4):
         vllm_config, worker, _ = vllm_configs(full, tp=tp)
         vllm_config.kv_transfer_config.kv_connector_extra_config["canonical_layout"] = True
-        config = build_offloading_config(vllm_config, worker)
-        assert config.canonical_layout and config.parallel.is_parallelism_agnostic
+        vllm_config.cache_config.kv_cache_layout = "LBNHC"
         ids.append(spec_for(vllm_config, worker).namespace_id)
     assert ids[0] != ids[1]
     warned = [r for r in caplog.records if "canonical_layout is ignored" in r.getMessage()]
-    assert len(warned) == 2
+    assert len(warned) == 2 and "LBNHC" in warned[0].getMessage()

@@ -301,18 +301,20 @@ class ListEnginesRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class RegistrationInfo(_message.Message):
-    __slots__ = ("registration_id", "namespace_id", "rank", "memory_path", "registered_bytes")
+    __slots__ = ("registration_id", "namespace_id", "rank", "memory_path", "registered_bytes", "unit_count")
     REGISTRATION_ID_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     MEMORY_PATH_FIELD_NUMBER: _ClassVar[int]
     REGISTERED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    UNIT_COUNT_FIELD_NUMBER: _ClassVar[int]
     registration_id: int
     namespace_id: str
     rank: int
     memory_path: str
     registered_bytes: int
-    def __init__(self, registration_id: _Optional[int] = ..., namespace_id: _Optional[str] = ..., rank: _Optional[int] = ..., memory_path: _Optional[str] = ..., registered_bytes: _Optional[int] = ...) -> None: ...
+    unit_count: int
+    def __init__(self, registration_id: _Optional[int] = ..., namespace_id: _Optional[str] = ..., rank: _Optional[int] = ..., memory_path: _Optional[str] = ..., registered_bytes: _Optional[int] = ..., unit_count: _Optional[int] = ...) -> None: ...
 
 class EngineInfo(_message.Message):
     __slots__ = ("session_id", "client_name", "pid", "engine_id", "connected_seconds", "registrations", "pinned_blocks", "job_lanes")

@@ -180,20 +180,22 @@ class GroupRefs(_message.Message):
     def __init__(self, layers: _Optional[_Iterable[_Union[LayerRef, _Mapping]]] = ...) -> None: ...
 
 class RegisterKVRequest(_message.Message):
-    __slots__ = ("session_id", "namespace", "rank", "regions", "tensors", "groups")
+    __slots__ = ("session_id", "namespace", "rank", "regions", "tensors", "groups", "unit_count")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     REGIONS_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     GROUPS_FIELD_NUMBER: _ClassVar[int]
+    UNIT_COUNT_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     namespace: NamespaceLayout
     rank: int
     regions: _containers.RepeatedCompositeFieldContainer[MemoryRegion]
     tensors: _containers.RepeatedCompositeFieldContainer[KVTensor]
     groups: _containers.RepeatedCompositeFieldContainer[GroupRefs]
-    def __init__(self, session_id: _Optional[str] = ..., namespace: _Optional[_Union[NamespaceLayout, _Mapping]] = ..., rank: _Optional[int] = ..., regions: _Optional[_Iterable[_Union[MemoryRegion, _Mapping]]] = ..., tensors: _Optional[_Iterable[_Union[KVTensor, _Mapping]]] = ..., groups: _Optional[_Iterable[_Union[GroupRefs, _Mapping]]] = ...) -> None: ...
+    unit_count: int
+    def __init__(self, session_id: _Optional[str] = ..., namespace: _Optional[_Union[NamespaceLayout, _Mapping]] = ..., rank: _Optional[int] = ..., regions: _Optional[_Iterable[_Union[MemoryRegion, _Mapping]]] = ..., tensors: _Optional[_Iterable[_Union[KVTensor, _Mapping]]] = ..., groups: _Optional[_Iterable[_Union[GroupRefs, _Mapping]]] = ..., unit_count: _Optional[int] = ...) -> None: ...
 
 class RegisterKVResponse(_message.Message):
     __slots__ = ("registration_id", "memory_path", "slot_bytes")
