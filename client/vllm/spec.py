@@ -182,16 +182,15 @@ class KVDepotOffloadingSpec(OffloadingSpec):
             )
         kv_cache_config = ctx.kv_cache_config if ctx is not None else None
         heads = ctx.vllm_config.model_config.get_total_num_kv_heads() if ctx is not None else 0
-        canonical = canonical_units(config, kv_cache_config, heads)
-        if isinstance(canonical, str):
-            if config.canonical_layout:
-                log.warning(
-                    "kvdepot stores each rank's section as is; canonical_layout is ignored "
-                    "(%s), and engines of other TP sizes do not share this engine's blocks "
-                    "(docs/architecture.md, Namespaces)",
-                    canonical,
-                )
-            canonical = None
+        units = canonical_units(config, kv_cache_config, heads)
+        canonical = None if isinstance(units, str) else units
+        if isinstance(units, str) and config.canonical_layout:
+            log.warning(
+                "kvdepot stores each rank's section as is; canonical_layout is ignored "
+                "(%s), and engines of other TP sizes do not share this engine's blocks "
+                "(docs/architecture.md, Namespaces)",
+                units,
+            )
         self.namespace: NamespaceInputs = namespace_inputs(
             config, kv_cache_config, hash_algo, self.settings.namespace_salt, seed, canonical
         )
