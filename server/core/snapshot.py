@@ -238,7 +238,8 @@ def decode(data: bytes) -> IndexSnapshot:
         header = json.loads(bytes(body[_U32.size : _U32.size + hlen]))
         if not isinstance(header, dict):
             raise SnapshotError("the snapshot's header is not a JSON object")
-        record = _RECORDS.get(header.get("format"))  # type: ignore[arg-type]
+        fmt = header.get("format")
+        record = _RECORDS.get(fmt) if isinstance(fmt, int) else None
         if record is None:
             raise SnapshotError(
                 f"snapshot format {header.get('format')!r}, expected one of {sorted(_RECORDS)}"

@@ -169,13 +169,13 @@ class DepotServicer(depot_pb2_grpc.DepotServicer):
                     if session.end_reason is not None:
                         await abort_with(context, session.end_reason)
                         return
-                    index = st.index
+                    used, writing, pinned = st.pool_usage()
                     yield pb.SessionEvent(
                         keepalive=pb.SessionKeepalive(
                             uptime_seconds=st.uptime,
-                            pool_used_bytes=index.allocator.used_bytes,
-                            pool_writing_bytes=index.writing_bytes(),
-                            pool_pinned_bytes=index.pinned_bytes,
+                            pool_used_bytes=used,
+                            pool_writing_bytes=writing,
+                            pool_pinned_bytes=pinned,
                         )
                     )
             finally:

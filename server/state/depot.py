@@ -227,6 +227,12 @@ class DepotState:
     def uptime(self) -> float:
         return time.monotonic() - self.started
 
+    def pool_usage(self) -> tuple[int, int, int]:
+        """The pool's bytes used, in rows being written, and pinned (a Session's
+        keepalive: vLLM's offload usage gauges)."""
+        index = self.index
+        return index.allocator.used_bytes, index.writing_bytes(), index.pinned_bytes
+
     @property
     def loop_cpu_seconds(self) -> float:
         """CPU seconds the event loop's thread has used since the state was built: the

@@ -140,7 +140,8 @@ EXPECTED = {
     "layout groups": ("INVALID_ARGUMENT", "MAX_GROUPS"),
     "layout layers": ("INVALID_ARGUMENT", "MAX_LAYOUT_LAYERS"),
     "lookup keys": ("RESOURCE_EXHAUSTED", "--max-batch-keys"),
-    "request bytes": ("INVALID_ARGUMENT", "bytes this daemon reads"),
+    # grpc refuses it from its length (the receive limit is the largest legal request).
+    "request bytes": ("RESOURCE_EXHAUSTED", "Received message larger than max"),
 }
 
 
