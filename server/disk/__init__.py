@@ -13,6 +13,7 @@
     upkeep.py      the tier's file kept in order: users, failures, probes, fdatasync
     tier.py        DiskTier: all of it, with its I/O threads
     link.py        DiskLink: the tier attached to the daemon (write-behind, promotion, figures)
+    cold_end.py    ColdEndWriter: --disk-write evict, the pool's coldest rows written first
     metrics.py     its Prometheus series (kvdepot_disk_*)
 
 The daemon (kvdepot.server.daemon) builds a DiskLink for `kvdepot serve --disk DIR`
