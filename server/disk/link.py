@@ -2,9 +2,10 @@
 
 Wired the way the remote tier is (kvdepot.server.remote.link): it plugs into the
 daemon through its explicit hooks only, the event bus listener (`on_event`) and
-the index and arena APIs. The state's tier facet (kvdepot.server.state.tiers)
-asks it first on Depot/Prefetch; Admin/GetStats and the Prometheus collector
-(kvdepot.server.disk.metrics) read its figures.
+the index and arena APIs: a `Tier` (kvdepot.server.core.tier), which the daemon
+builds from its registry (kvdepot.server.disk.factory). The state's tier facet
+(kvdepot.server.state.tiers) asks it first on Depot/Prefetch; Admin/GetStats and
+the Prometheus collector (kvdepot.server.disk.metrics) read its figures.
 
 - Write-behind, `--disk-write ready`: a row that becomes READY (its STORED event)
   is noted; right after the event (a listener must not call back into the index)
@@ -42,7 +43,7 @@ asks it first on Depot/Prefetch; Admin/GetStats and the Prometheus collector
   that did not verify: never served).
 - Events: the tier's record changes (`DiskTier.watch`: a record written; one
   evicted, not verified or lost with its file) reach `announce` (the event bus's
-  Watch streams, set by kvdepot.server.state.tiers) on the loop, in order, as
+  Watch streams, set by `attach`) on the loop, in order, as
   STORED/REMOVED events of tier DISK, so routers see where a block lives; the
   records the index rebuild brings back at start are announced the same way, in
   its batches, and a Watch stream that starts later is told what is on disk by
@@ -63,16 +64,21 @@ from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from itertools import groupby
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvdepot.server.core.eviction import tail_first
 from kvdepot.server.core.index import BlockIndex, IndexEvent, Slot, UnknownNamespace
 from kvdepot.server.core.kinds import EventKind, StoreOutcome, Tier
+from kvdepot.server.core.prefix_fetch import KeyState
+from kvdepot.server.core.tier import TierHost
 from kvdepot.server.disk.cold_end import WRITE_DROPS, ColdEndWriter
 from kvdepot.server.disk.io_threads import lower_priority
 from kvdepot.server.disk.space import Change, WriteVerdict
 from kvdepot.server.disk.tier import DiskTier
 from kvdepot.server.memory.arena import Arena
+
+if TYPE_CHECKING:  # prometheus_client: imported with the collector, when metrics are on
+    from prometheus_client.registry import Collector
 
 log = logging.getLogger("kvdepot.disk")
 
@@ -136,6 +142,12 @@ class _Promotion:
 
 
 class DiskLink:
+    """The disk tier below the pool (a `Tier`, kvdepot.server.core.tier): the module
+    docstring says what it does and on which threads."""
+
+    name = "disk"
+    fetched = KeyState.FETCHING_DISK  # vLLM's cache-hit source: the node's disk
+
     def __init__(
         self,
         tier: DiskTier,
@@ -221,9 +233,22 @@ class DiskLink:
             else "no index checkpoint: the next start scans the records",
         )
 
+    def attach(self, host: TierHost) -> None:
+        """Its records' events reach the Watch streams (not the pool's listeners), a
+        new Watch stream hears what is on disk, and its records' chunk events answer
+        where the pool's rows are gone."""
+        self.announce = host.publish_to_watchers
+        host.add_greeting(self.on_watch)
+        host.add_chunk_event_source(self)
+
     @property
     def healthy(self) -> bool:
         return self.tier.health.up
+
+    def collector(self) -> Collector:
+        from kvdepot.server.disk.metrics import DiskCollector
+
+        return DiskCollector(self)
 
     def _on_loop(self, call: Callable[..., Any], *args: Any) -> None:
         """From an I/O thread: `call(*args)` on the event loop (dropped once it closed)."""

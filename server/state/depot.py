@@ -22,8 +22,8 @@ Everything runs on the event loop except the byte copies (CopyQueue threads).
 Errors are raised as DepotError or as the core's own exceptions; the services
 map both to a status with one table (kvdepot.server.errors). Other parts plug in
 through explicit calls: `attach_fd_receiver`, `add_memory_path` (every memory
-path, kvdepot.server.memory.paths), `attach_remote_tier` and `attach_disk_tier`
-(the tiers below the pool: Prefetch and their GetStats figures go through the
+path, kvdepot.server.memory.paths), `attach_tier` (each tier below the pool, in
+order, kvdepot.server.core.tier: Prefetch and their GetStats figures go through the
 state), `add_event_listener`, `add_transfer_observer`. The services call nothing
 else: not the index, not the tiers (tests/test_service_facade.py). How the state
 starts (warm restart, crash recovery) is kvdepot.server.state.startup.
@@ -323,8 +323,7 @@ class DepotState:
     ready_after = forward("keys", KeyCalls.ready_after)
     chunk_events = forward("keys", KeyCalls.chunk_events)
     # The tiers below the pool, the disk and the fleet's (kvdepot.server.state.tiers).
-    attach_remote_tier = forward("tiers", TiersBelow.attach_remote_tier)
-    attach_disk_tier = forward("tiers", TiersBelow.attach_disk_tier)
+    attach_tier = forward("tiers", TiersBelow.attach_tier)
     has_tier_below = forward_value("tiers.has_tier_below", "a tier below the pool is on")
     tiers_healthy = forward_value("tiers.tiers_healthy", "one of the tiers below is up")
     tier_stats = forward("tiers", TiersBelow.tier_stats)
