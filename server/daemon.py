@@ -282,7 +282,7 @@ class Daemon:
             from kvdepot.server.metrics import Metrics
 
             metrics = Metrics(st, gc=self.gc.stats)
-            for tier in reversed(self.tiers):
+            for tier in reversed(self.tiers):  # farthest first: the order of /metrics
                 metrics.registry.register(tier.collector())
             metrics.serve(cfg.metrics_port, cfg.metrics_addr, metrics_token)
             log.info(
