@@ -25,6 +25,7 @@ from kvdepot.server.config import ServeConfig
 from kvdepot.server.core.index import IndexEvent
 from kvdepot.server.core.kinds import EventKind
 from kvdepot.server.core.planner import planning
+from kvdepot.server.core.tier import Tier, TierStartError
 from kvdepot.server.cuda import enable_cuda
 from kvdepot.server.fd_receiver import FdReceiver
 from kvdepot.server.gc_policy import GcPolicy
@@ -45,13 +46,11 @@ from kvdepot.server.service.gate import SessionGate
 from kvdepot.server.shards import serve_shards
 from kvdepot.server.sizes import format_size
 from kvdepot.server.state import DepotState
+from kvdepot.server.tier_registry import start_tiers
 from kvdepot.v1 import admin_pb2, admin_pb2_grpc, depot_pb2, depot_pb2_grpc
 
 if TYPE_CHECKING:
-    from kvdepot.server.disk.link import DiskLink
     from kvdepot.server.kv_events import KvEventPublisher
-    from kvdepot.server.remote.codec import Codec
-    from kvdepot.server.remote.link import RemoteLink, RemoteSettings
 
 log = logging.getLogger("kvdepot")
 
@@ -153,16 +152,6 @@ def check_pool_file_path(path: str) -> None:
             raise PoolFilePathError(f"--pool-file {path}: {exc}") from None
 
 
-class RemoteTierError(RuntimeError):
-    """--remote cannot be used (redis-py missing, password file unreadable, no usable
-    fleet key)."""
-
-
-class DiskTierError(RuntimeError):
-    """--disk cannot be used (blake3 missing, someone else's directory or file, another
-    daemon's disk tier)."""
-
-
 class Daemon:
     def __init__(self, config: ServeConfig, notify_channel: socket.socket | None = None) -> None:
         self.config = config
@@ -175,8 +164,7 @@ class Daemon:
         self.notifier = SystemdNotifier(channel=notify_channel)
         self._stop = asyncio.Event()
         self._ready = False  # READY=1 sent (read by the warm-up thread's STATUS lines)
-        self.remote: RemoteLink | None = None
-        self.disk: DiskLink | None = None
+        self.tiers: list[Tier] = []  # below the pool, nearest first (tier_registry.py)
         self.kv_events: KvEventPublisher | None = None
         self.depot: DepotServicer | None = None
         self.gc = GcPolicy()  # keeps the index out of full collections
@@ -220,10 +208,7 @@ class Daemon:
         enable_cuda(st, st.arena)  # before the warm-up: it page-locks each warm chunk
         enable_pvm(st, cfg.pvm)  # engines' plain memory (process_vm_readv/writev); --pvm
         self._start_warmup(st)
-        # The fleet key first: the disk keeps the fleet's rows only under keys held now.
-        fleet = self._fleet()
-        disk = self.disk = self._disk_tier(st, fleet[1].held_ids if fleet else frozenset())
-        remote = self.remote = self._remote_tier(st, fleet)
+        self.tiers = start_tiers(cfg, st)  # --disk, --remote
         if cfg.kv_events:  # before any server: its port taken stops the start cleanly
             self.kv_events = start_kv_events(st, cfg.kv_events, cfg.kv_events_topic)
 
@@ -302,14 +287,8 @@ class Daemon:
             from kvdepot.server.metrics import Metrics
 
             metrics = Metrics(st, gc=self.gc.stats)
-            if remote is not None:
-                from kvdepot.server.remote.metrics import RemoteCollector
-
-                metrics.registry.register(RemoteCollector(remote))
-            if disk is not None:
-                from kvdepot.server.disk.metrics import DiskCollector
-
-                metrics.registry.register(DiskCollector(disk))
+            for tier in reversed(self.tiers):  # farthest first: the order of /metrics
+                metrics.registry.register(tier.collector())
             metrics.serve(cfg.metrics_port, cfg.metrics_addr, metrics_token)
             log.info(
                 "Prometheus metrics on http://%s:%d/metrics", cfg.metrics_addr, cfg.metrics_port
@@ -348,84 +327,6 @@ class Daemon:
         if path is None:
             return None
         return read_token(path)
-
-    def _fleet(self) -> tuple[RemoteSettings, Codec] | None:
-        """`--remote`'s settings and the fleet's codec (its key file read once, here);
-        None without --remote."""
-        cfg = self.config
-        if not cfg.remote:
-            return None
-        try:
-            from kvdepot.server.remote.fleet_key import KeyFileError
-            from kvdepot.server.remote.link import RemoteSettings, fleet_codec
-        except ImportError as exc:  # redis-py and blake3 are the `remote` extra
-            raise RemoteTierError(
-                f"--remote needs redis-py and blake3 ({exc}): pip install 'kvdepot[remote]'"
-            ) from None
-        settings = RemoteSettings(
-            url=cfg.remote,
-            ttl_s=cfg.remote_ttl or None,
-            write_mode=cfg.remote_write,
-            max_inflight_bytes=cfg.remote_max_inflight_bytes,
-            password_file=cfg.remote_password_file,
-            ca_file=cfg.remote_ca_file,
-            key_file=cfg.remote_key_file,
-            insecure=cfg.remote_insecure,
-        )
-        try:
-            return settings, fleet_codec(settings)
-        except KeyFileError as exc:  # no fleet key, or one others could read
-            raise RemoteTierError(str(exc)) from None
-
-    def _remote_tier(
-        self, st: DepotState, fleet: tuple[RemoteSettings, Codec] | None
-    ) -> RemoteLink | None:
-        """The remote tier (`--remote`), attached to the state (DepotState.attach_remote_tier)."""
-        if fleet is None:
-            return None
-        from kvdepot.server.remote.link import RemoteLink
-
-        settings, codec = fleet
-        try:
-            link = RemoteLink.from_settings(settings, st.index, st.arena, st.copy_queue, codec)
-        except OSError as exc:
-            raise RemoteTierError(f"--remote-password-file: {exc}") from None
-        st.attach_remote_tier(link)  # Prefetch, GetStats, and every index event
-        link.start()
-        return link
-
-    def _disk_tier(self, st: DepotState, held_fleet_keys: frozenset[bytes]) -> DiskLink | None:
-        """The disk tier (`--disk`), opened at once (its index comes back in the
-        background) and attached to the state (DepotState.attach_disk_tier);
-        `held_fleet_keys`: the fleet key ids of this run (records of rows another
-        key admitted are dropped)."""
-        cfg = self.config
-        if not cfg.disk:
-            return None
-        try:
-            from kvdepot.server.disk.files import TierBusy
-            from kvdepot.server.disk.link import DiskLink, DiskSettings
-        except ImportError as exc:  # blake3 is the `disk` extra
-            raise DiskTierError(
-                f"--disk needs blake3 ({exc}): pip install 'kvdepot[disk]'"
-            ) from None
-        link = DiskLink.from_settings(
-            DiskSettings(
-                cfg.disk,
-                cfg.disk_size,
-                write_mode=cfg.disk_write,
-                background_writes=cfg.disk_write_priority == "low",
-                held_fleet_keys=held_fleet_keys,
-            ),
-            st.index,
-            st.arena,
-        )
-        try:
-            link.start()
-        except (private_files.UnsafeFileError, TierBusy) as exc:
-            raise DiskTierError(f"--disk {cfg.disk}: {exc}") from None
-        st.attach_disk_tier(link)  # Prefetch, GetStats, and every index event
-        return link
 
     @staticmethod
     def _warmup_percent(st: DepotState) -> int:
@@ -468,10 +369,8 @@ class Daemon:
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        if self.remote is not None:  # its copies must end before the pool is unmapped
-            await self.remote.close()
-        if self.disk is not None:  # so must its I/O; and it writes its index checkpoint
-            await self.disk.close()
+        for tier in reversed(self.tiers):  # their I/O must end before the pool is unmapped
+            await tier.close()
         if self.kv_events is not None:
             self.kv_events.close()
         st.close()
@@ -549,8 +448,7 @@ def serve_one(config: ServeConfig, notify_channel: socket.socket | None = None) 
         SocketPathError,
         PoolFileBusy,
         PoolFilePathError,
-        RemoteTierError,
-        DiskTierError,
+        TierStartError,
         ListenError,
         MetricsTokenError,
         KvEventsError,

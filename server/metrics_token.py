@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import os
-import stat
+from kvdepot.server.secret_files import SecretFileError, read_secret_file
 
 MAX_TOKEN_BYTES = 4096
 
@@ -17,23 +16,16 @@ def read_token(path: str) -> str:
     file is missing, others may read or change it, or it holds no token."""
     where = f"--metrics-token-file {path}"
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    except OSError as exc:
-        raise MetricsTokenError(f"{where}: {exc.strerror}") from None
-    try:
-        st = os.fstat(fd)  # the file opened, not a name that may change meanwhile
-        if not stat.S_ISREG(st.st_mode):
-            raise MetricsTokenError(f"{where}: not a regular file")
-        if st.st_mode & 0o007:
-            raise MetricsTokenError(
-                f"{where}: mode {stat.S_IMODE(st.st_mode):04o} lets other users read or change "
-                f"the token; chmod o-rwx {path}"
-            )
-        raw = os.read(fd, MAX_TOKEN_BYTES + 1)
-    finally:
-        os.close(fd)
-    if len(raw) > MAX_TOKEN_BYTES:
-        raise MetricsTokenError(f"{where}: larger than {MAX_TOKEN_BYTES} bytes")
+        raw = read_secret_file(
+            path,
+            where,
+            forbidden=0o007,
+            mode_advice=f"lets other users read or change the token; chmod o-rwx {path}",
+            max_bytes=MAX_TOKEN_BYTES,
+            too_large=f"larger than {MAX_TOKEN_BYTES} bytes",
+        )
+    except SecretFileError as exc:
+        raise MetricsTokenError(str(exc)) from None
     token = raw.decode(errors="replace").partition("\n")[0].strip()
     if not token or not token.isprintable() or " " in token:
         raise MetricsTokenError(f"{where}: its first line is no token (printable, no spaces)")

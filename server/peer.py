@@ -22,6 +22,7 @@ import os
 import select
 import socket
 import struct
+from collections.abc import Hashable
 from dataclasses import dataclass
 
 SO_PEERPIDFD = getattr(socket, "SO_PEERPIDFD", 77)  # Linux >= 6.5
@@ -64,6 +65,20 @@ class Peer:
         if self.pid <= 0:
             return f"a process of uid {self.uid} outside the daemon's pid namespace"
         return f"pid {self.pid} (uid {self.uid})"
+
+
+UNATTESTED = "unattested"  # the account of every session no one is known to own yet
+
+
+def peer_key(peer: Peer | None) -> Hashable:
+    """One process the kernel names (pid and start time), else its uid and gid
+    (processes the daemon cannot see apart), else everyone not attested yet: whose
+    shares and log lines are counted together."""
+    if peer is None:
+        return UNATTESTED
+    if peer.visible:
+        return ("pid", peer.pid, peer.start_time)
+    return ("uid", peer.uid, peer.gid)
 
 
 def start_time(pid: int) -> int:

@@ -1,5 +1,5 @@
 """Byte sizes as people write them ('64GiB', '512MiB', '50%' of the pool) and as the
-daemon shows them. The settings (server/config.py) read them; the state (server/state)
+daemon shows them. The settings (server/config/) read them; the state (server/state)
 resolves a session's share of the pool and names sizes in its messages, without
 depending on the settings table."""
 

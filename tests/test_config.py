@@ -88,6 +88,17 @@ def test_the_table_keeps_every_flag_variable_and_default() -> None:
     assert parsed.destructive_admin and parsed.listen is None and parsed.metrics_port is None
 
 
+def test_help_lists_the_topics_in_their_order() -> None:
+    """The table is written a topic a module (server/config/); ServeConfig joins them so
+    that --help lists the daemon's own settings first, its socket first, and the tiers'
+    below the pool last, the fleet's then the disk's."""
+    flags = [s.flag for _, s in settings()]
+    assert flags[:4] == ["--socket", "--listen", "--pool-size", "--pool-file"]
+    tiers = [f for f in flags if f.startswith(("--remote", "--disk"))]
+    assert flags[-len(tiers) :] == tiers
+    assert tiers[0] == "--remote" and tiers[-4] == "--disk" and len(tiers) == 12
+
+
 def test_help_names_every_variable_and_its_default() -> None:
     out = _serve("--help")
     assert out.returncode == 0, out.stderr

@@ -8,7 +8,8 @@ import pytest
 
 from kvdepot.server import errors
 from kvdepot.server.peer import Peer
-from kvdepot.server.state.sessions import MAX_CALLS_PER_ACCOUNT, Sessions
+from kvdepot.server.state.calls_in_flight import MAX_CALLS_PER_ACCOUNT
+from kvdepot.server.state.sessions import Sessions
 
 
 def process(pid: int, uid: int = 1000) -> Peer:

@@ -13,9 +13,11 @@
     upkeep.py      the tier's file kept in order: users, failures, probes, fdatasync
     tier.py        DiskTier: all of it, with its I/O threads
     link.py        DiskLink: the tier attached to the daemon (write-behind, promotion, figures)
+    cold_end.py    ColdEndWriter: --disk-write evict, the pool's coldest rows written first
     metrics.py     its Prometheus series (kvdepot_disk_*)
+    factory.py     `--disk` read into a started DiskLink (the daemon's tier registry)
 
-The daemon (kvdepot.server.daemon) builds a DiskLink for `kvdepot serve --disk DIR`
-and serves its metrics; the state holds the link (kvdepot.server.state.tiers, which
-names its type only); nothing else imports these modules. blake3 is the `disk` extra.
+The daemon builds a DiskLink for `kvdepot serve --disk DIR` through its tier registry
+(kvdepot.server.tier_registry names factory.py); the state holds it as a `Tier`
+(kvdepot.server.core.tier) and nothing else imports these modules. blake3 is the `disk` extra.
 """

@@ -2,9 +2,10 @@
 
 Wired the way the remote tier is (kvdepot.server.remote.link): it plugs into the
 daemon through its explicit hooks only, the event bus listener (`on_event`) and
-the index and arena APIs. The state's tier facet (kvdepot.server.state.tiers)
-asks it first on Depot/Prefetch; Admin/GetStats and the Prometheus collector
-(kvdepot.server.disk.metrics) read its figures.
+the index and arena APIs: a `Tier` (kvdepot.server.core.tier), which the daemon
+builds from its registry (kvdepot.server.disk.factory). The state's tier facet
+(kvdepot.server.state.tiers) asks it first on Depot/Prefetch; Admin/GetStats and
+the Prometheus collector (kvdepot.server.disk.metrics) read its figures.
 
 - Write-behind, `--disk-write ready`: a row that becomes READY (its STORED event)
   is noted; right after the event (a listener must not call back into the index)
@@ -42,7 +43,7 @@ asks it first on Depot/Prefetch; Admin/GetStats and the Prometheus collector
   that did not verify: never served).
 - Events: the tier's record changes (`DiskTier.watch`: a record written; one
   evicted, not verified or lost with its file) reach `announce` (the event bus's
-  Watch streams, set by kvdepot.server.state.tiers) on the loop, in order, as
+  Watch streams, set by `attach`) on the loop, in order, as
   STORED/REMOVED events of tier DISK, so routers see where a block lives; the
   records the index rebuild brings back at start are announced the same way, in
   its batches, and a Watch stream that starts later is told what is on disk by
@@ -63,15 +64,21 @@ from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from itertools import groupby
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvdepot.server.core.eviction import tail_first
 from kvdepot.server.core.index import BlockIndex, IndexEvent, Slot, UnknownNamespace
-from kvdepot.server.core.kinds import EventKind, EvictionReason, StoreOutcome, Tier
+from kvdepot.server.core.kinds import EventKind, StoreOutcome, Tier
+from kvdepot.server.core.prefix_fetch import KeyState
+from kvdepot.server.core.tier import TierHost
+from kvdepot.server.disk.cold_end import WRITE_DROPS, ColdEndWriter
 from kvdepot.server.disk.io_threads import lower_priority
 from kvdepot.server.disk.space import Change, WriteVerdict
 from kvdepot.server.disk.tier import DiskTier
 from kvdepot.server.memory.arena import Arena
+
+if TYPE_CHECKING:  # prometheus_client: imported with the collector, when metrics are on
+    from prometheus_client.registry import Collector
 
 log = logging.getLogger("kvdepot.disk")
 
@@ -81,13 +88,6 @@ WATCH_DISK_KEYS = 16384
 # Ready rows that found the bound on bytes in flight reached, waiting (as keys) for
 # writes to finish; more than this are dropped (`backlog_full`).
 WAITING_ROWS = 4096
-# The tier's write verdicts that drop a row, as GetStats and Prometheus name them.
-_DROPS = {
-    WriteVerdict.BACKLOG_FULL: "backlog_full",
-    WriteVerdict.NO_SPACE: "no_space",
-    WriteVerdict.TIER_DOWN: "tier_down",
-    WriteVerdict.RECOVERING: "recovering",
-}
 
 
 WRITE_MODES = ("ready", "evict")
@@ -142,6 +142,12 @@ class _Promotion:
 
 
 class DiskLink:
+    """The disk tier below the pool (a `Tier`, kvdepot.server.core.tier): the module
+    docstring says what it does and on which threads."""
+
+    name = "disk"
+    fetched = KeyState.FETCHING_DISK  # vLLM's cache-hit source: the node's disk
+
     def __init__(
         self,
         tier: DiskTier,
@@ -227,9 +233,22 @@ class DiskLink:
             else "no index checkpoint: the next start scans the records",
         )
 
+    def attach(self, host: TierHost) -> None:
+        """Its records' events reach the Watch streams (not the pool's listeners), a
+        new Watch stream hears what is on disk, and its records' chunk events answer
+        where the pool's rows are gone."""
+        self.announce = host.publish_to_watchers
+        host.add_greeting(self.on_watch)
+        host.add_chunk_event_source(self)
+
     @property
     def healthy(self) -> bool:
         return self.tier.health.up
+
+    def collector(self) -> Collector:
+        from kvdepot.server.disk.metrics import DiskCollector
+
+        return DiskCollector(self)
 
     def _on_loop(self, call: Callable[..., Any], *args: Any) -> None:
         """From an I/O thread: `call(*args)` on the event loop (dropped once it closed)."""
@@ -275,8 +294,8 @@ class DiskLink:
             if verdict is WriteVerdict.BACKLOG_FULL:
                 return
             waiting.popleft()
-            if verdict in _DROPS:
-                drops[_DROPS[verdict]] += 1
+            if verdict in WRITE_DROPS:
+                drops[WRITE_DROPS[verdict]] += 1
 
     def write_row(
         self, namespace_id: str, key: bytes, written: Callable[[Slot], None]
@@ -537,84 +556,3 @@ class DiskLink:
             "disk_recovery_total_bytes": snap["recovery_total_bytes"],
             "disk_recovered": snap["recovered"],
         }
-
-
-# Rows one walk goes over at most, so a large pool's walk (a lookup under the tier's
-# lock per row) never holds the loop for long; written rows are evicted first, so the
-# walks keep up as long as RAM evicts fewer rows than this between two of them.
-MAX_WALK = 4096
-
-
-class ColdEndWriter:
-    """`--disk-write evict`: writes the pool's least recently used rows not on disk
-    yet once the pool is over `high_water` full (the module docstring). On the event
-    loop, but for `_done` (an I/O thread, handing over to the loop)."""
-
-    def __init__(self, link: DiskLink, high_water: float) -> None:
-        self._link = link
-        self._index, self._arena, self.tier = link._index, link._arena, link.tier
-        self.high_water = high_water
-        self._credit = 0  # rows stored or written since the last walk
-        self._walk_rows = 0  # rows the last walk went over
-        self._walk_due = False
-        self._writing = 0  # rows being written (kept in place)
-
-    def on_event(self, event: IndexEvent) -> None:
-        """New rows count towards the next walk; a row RAM evicted before it was
-        written is counted as a dropped write (`evicted`)."""
-        if event.kind is EventKind.STORED:
-            self._credit += len(event.keys)
-            self._schedule()
-        elif event.reason is EvictionReason.LRU and self.tier.health.up:
-            contains, ns = self.tier.contains, event.namespace
-            lost = sum(1 for key in event.keys if not contains(ns, key))
-            self._link.stats.write_drops["evicted"] += lost
-
-    def _schedule(self) -> None:
-        # Amortized: a walk of N rows runs again after N/8 rows stored or written.
-        if not self._walk_due and self._credit * 8 >= self._walk_rows:
-            self._walk_due = True
-            asyncio.get_running_loop().call_soon(self._walk)
-
-    def _walk(self) -> None:
-        """Writes the coldest rows above the high-water mark not on disk yet, until
-        the bound on bytes in flight stops it (BACKLOG_FULL: not a drop, the next
-        walk takes them)."""
-        self._walk_due = False
-        self._credit = 0
-        allocator = self._index.allocator
-        # The coldest bytes over the mark (rows being written among them: kept in
-        # place, the walk sees them and passes over them).
-        ahead = allocator.used_bytes - int(self.high_water * allocator.capacity)
-        if ahead <= 0 or not self.tier.health.up:
-            self._walk_rows = 0
-            return
-        contains, todo, walked = self.tier.contains, [], 0
-        for slot in self._index.coldest():  # no index change until the loop ends
-            if ahead <= 0 or walked >= MAX_WALK:
-                break
-            ahead -= slot.extent.size
-            walked += 1
-            if not slot.kept and not contains(slot.namespace, slot.key):
-                todo.append(slot)
-        self._walk_rows = walked
-        for cold in todo:
-            verdict = self._write(cold)
-            if verdict is WriteVerdict.BACKLOG_FULL:
-                break
-            if verdict in _DROPS:
-                self._link.stats.write_drops[_DROPS[verdict]] += 1
-
-    def _write(self, cold: Slot) -> WriteVerdict | None:
-        verdict, slot = self._link.write_row(cold.namespace, cold.key, self._written)
-        if slot is not None and verdict is WriteVerdict.ACCEPTED:
-            self._writing += 1
-        return verdict
-
-    def _written(self, slot: Slot) -> None:
-        self._index.end_keep(slot)  # no use: the row is still among the coldest
-        self._writing -= 1
-        self._credit += 1
-        if self._writing == 0:  # the bound may have stopped the last walk
-            self._credit = self._walk_rows
-        self._schedule()

@@ -27,7 +27,7 @@ nodes, each pinned to its node's CPUs that the daemon may use. A GPU's own copy 
 and wait for its completions, which the driver signals from that node's PCIe root.
 
 Called once at start on the main thread (startup.open_pool); `parse_setting` also runs
-in the settings table (server/config.py) so that a bad value is one line, exit 2.
+in the settings table (server/config/) so that a bad value is one line, exit 2.
 """
 
 from __future__ import annotations

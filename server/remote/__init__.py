@@ -11,6 +11,7 @@
     stats.py       counters and histograms (GetStats, Prometheus)
     metrics.py     the Prometheus collector
     link.py        RemoteLink: all of it attached to one daemon through its hooks
+    factory.py     `--remote` and the fleet key read into a started RemoteLink (the registry)
 
 Only `kvdepot serve --remote` imports these modules; redis-py is the `remote` extra.
 """

@@ -20,11 +20,11 @@ message it raises contains a key.
 
 from __future__ import annotations
 
-import os
-import stat
 from dataclasses import dataclass
 
 from blake3 import blake3
+
+from kvdepot.server.secret_files import SecretFileError, read_secret_file
 
 MIN_KEY_CHARS = 32
 KEY_ID_BYTES = 8
@@ -84,23 +84,18 @@ class Keyring:
 def load_key_file(path: str) -> Keyring:
     """The keyring of `path`; KeyFileError (one line) if it cannot be used."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    except OSError as exc:
-        raise KeyFileError(f"--remote-key-file {path}: {exc.strerror}") from None
-    try:
-        st = os.fstat(fd)  # the file opened, not a name that may change meanwhile
-        if not stat.S_ISREG(st.st_mode):
-            raise KeyFileError(f"--remote-key-file {path}: not a regular file")
-        if st.st_mode & 0o077:
-            raise KeyFileError(
-                f"--remote-key-file {path}: mode {stat.S_IMODE(st.st_mode):04o} lets other "
-                f"users or the group read or change the fleet key; chmod 600 {path}"
-            )
-        if st.st_size > 4096:
-            raise KeyFileError(f"--remote-key-file {path}: larger than 4 KiB, not a key file")
-        raw = os.read(fd, 4097)
-    finally:
-        os.close(fd)
+        raw = read_secret_file(
+            path,
+            f"--remote-key-file {path}",
+            forbidden=0o077,
+            mode_advice=(
+                f"lets other users or the group read or change the fleet key; chmod 600 {path}"
+            ),
+            max_bytes=4096,
+            too_large="larger than 4 KiB, not a key file",
+        )
+    except SecretFileError as exc:
+        raise KeyFileError(str(exc)) from None
     lines = [ln.strip() for ln in raw.splitlines()]
     keys = [ln for ln in lines if ln and not ln.startswith(b"#")]
     if not keys:

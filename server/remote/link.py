@@ -2,9 +2,10 @@
 
 It owns the tier client, the write-behind (kvdepot.server.remote.writer), the
 fetcher (kvdepot.server.remote.reader), their health and counters, and plugs
-into the daemon through its explicit hooks only: the event bus listener
-(`EventBus.add_listener`) and the index and arena APIs. The Depot/Prefetch RPC,
-Admin/GetStats and the Prometheus collector read it.
+into the daemon as a `Tier` (kvdepot.server.core.tier), built from the daemon's
+registry (kvdepot.server.remote.factory): the event bus listener and the index and
+arena APIs. The Depot/Prefetch RPC, Admin/GetStats and the Prometheus collector
+read it.
 """
 
 from __future__ import annotations
@@ -17,9 +18,12 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kvdepot.server.copy_queue import CopyQueue
 from kvdepot.server.core.index import BlockIndex, IndexEvent
+from kvdepot.server.core.prefix_fetch import KeyState
+from kvdepot.server.core.tier import TierHost
 from kvdepot.server.memory.arena import Arena
 from kvdepot.server.remote.codec import Codec
 from kvdepot.server.remote.fleet_key import KeyFileError, load_key_file
@@ -27,6 +31,9 @@ from kvdepot.server.remote.health import remote_health
 from kvdepot.server.remote.reader import Fetcher
 from kvdepot.server.remote.stats import RemoteStats
 from kvdepot.server.remote.tier import RemoteTier, TierUnavailable
+
+if TYPE_CHECKING:  # prometheus_client: imported with the collector, when metrics are on
+    from prometheus_client.registry import Collector
 
 log = logging.getLogger("kvdepot.remote")
 
@@ -77,6 +84,12 @@ def read_password(password_file: str | None) -> str | None:
 
 
 class RemoteLink:
+    """The fleet's tier below the pool (a `Tier`, kvdepot.server.core.tier), asked
+    after the disk."""
+
+    name = "fleet"
+    fetched = KeyState.FETCHING
+
     def __init__(
         self,
         tier: RemoteTier,
@@ -189,8 +202,24 @@ class RemoteLink:
         else:
             self.health.succeeded()
 
+    def attach(self, host: TierHost) -> None:
+        """Nothing beyond the events every tier hears: the fleet's rows are announced
+        when they enter the pool."""
+
     def on_event(self, event: IndexEvent) -> None:
         self.writer.on_event(event)
+
+    def touch(self, namespace_id: str, keys: Sequence[bytes]) -> None:
+        """The store keeps no order of ours (its rows expire by TTL)."""
+
+    @property
+    def healthy(self) -> bool:
+        return self.health.up
+
+    def collector(self) -> Collector:
+        from kvdepot.server.remote.metrics import RemoteCollector
+
+        return RemoteCollector(self)
 
     async def locate(self, namespace_id: str, keys: Sequence[bytes]) -> list[bool]:
         """A tier below the pool (kvdepot.server.core.prefix_fetch): Fetcher.locate."""

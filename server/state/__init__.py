@@ -4,12 +4,14 @@ depot.py          DepotState: assembles the parts; the API the services call
 facade.py         how DepotState offers its facets' calls as its own
 startup.py        how it starts: empty pool, warm restart, crash recovery
 sessions.py       sessions, registrations, memory paths, fd claiming and sealing
+tickets.py        session tickets: a session its process owns from the open
+calls_in_flight.py  Depot calls in flight per account and per uid
 registry.py       facet: sessions and registrations as the services see them
 namespaces.py     who may name which namespace; the per-session quotas
 key_calls.py      facet: Lookup, Pin, Unpin and Watch on a joined namespace's keys
 jobs.py           the job runner: check once, reserve, plan once, copy, settle
 inline.py         inline Put/Get
-tiers.py          facet: the tiers below the pool (disk, fleet) and Prefetch
+tiers.py          facet: the tiers below the pool, in order, and Prefetch
 events.py         the event bus and the Watch streams' queues
 traffic.py        job and block counters, transfer observers
 admin_queries.py  facet: the operators' read-only queries

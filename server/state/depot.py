@@ -22,8 +22,8 @@ Everything runs on the event loop except the byte copies (CopyQueue threads).
 Errors are raised as DepotError or as the core's own exceptions; the services
 map both to a status with one table (kvdepot.server.errors). Other parts plug in
 through explicit calls: `attach_fd_receiver`, `add_memory_path` (every memory
-path, kvdepot.server.memory.paths), `attach_remote_tier` and `attach_disk_tier`
-(the tiers below the pool: Prefetch and their GetStats figures go through the
+path, kvdepot.server.memory.paths), `attach_tier` (each tier below the pool, in
+order, kvdepot.server.core.tier: Prefetch and their GetStats figures go through the
 state), `add_event_listener`, `add_transfer_observer`. The services call nothing
 else: not the index, not the tiers (tests/test_service_facade.py). How the state
 starts (warm restart, crash recovery) is kvdepot.server.state.startup.
@@ -37,7 +37,7 @@ import os
 import secrets
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
 from kvdepot.common.jobs import Job, JobResult
@@ -59,7 +59,7 @@ from kvdepot.server.state.jobs import JobCounts, JobLimits, JobRunner, check_job
 from kvdepot.server.state.key_calls import KeyCalls
 from kvdepot.server.state.namespaces import NamespaceAccess
 from kvdepot.server.state.registry import SessionRegistry
-from kvdepot.server.state.sessions import FdSource, Sessions
+from kvdepot.server.state.sessions import FdSource, Registration, Session, Sessions
 from kvdepot.server.state.settings import StateConfig
 from kvdepot.server.state.stats import stats_fields
 from kvdepot.server.state.tiers import TiersBelow
@@ -310,9 +310,11 @@ class DepotState:
     unregister = forward("registry", SessionRegistry.unregister)
     # The sessions, registrations and memory paths themselves, the fd socket's passed
     # fds and the identity refusals (kvdepot.server.state.sessions).
-    sessions = forward_value("_sessions.sessions", "session id -> Session")
-    registrations = forward_value("_sessions.registrations", "registration id -> Registration")
-    permission_denied = forward_value("_sessions.permission_denied", "identity refusals")
+    sessions: Mapping[str, Session] = forward_value("_sessions.sessions", "session id -> Session")
+    registrations: Mapping[int, Registration] = forward_value(
+        "_sessions.registrations", "registration id -> Registration"
+    )
+    permission_denied: int = forward_value("_sessions.permission_denied", "identity refusals")
     add_memory_path = forward("_sessions", Sessions.add_memory_path)
     memory_path = forward("_sessions", Sessions.memory_path)
     takes_fds = forward("_sessions", Sessions.takes_fds)
@@ -330,14 +332,13 @@ class DepotState:
     ready_after = forward("keys", KeyCalls.ready_after)
     chunk_events = forward("keys", KeyCalls.chunk_events)
     # The tiers below the pool, the disk and the fleet's (kvdepot.server.state.tiers).
-    attach_remote_tier = forward("tiers", TiersBelow.attach_remote_tier)
-    attach_disk_tier = forward("tiers", TiersBelow.attach_disk_tier)
-    has_tier_below = forward_value("tiers.has_tier_below", "a tier below the pool is on")
-    tiers_healthy = forward_value("tiers.tiers_healthy", "one of the tiers below is up")
+    attach_tier = forward("tiers", TiersBelow.attach_tier)
+    has_tier_below: bool = forward_value("tiers.has_tier_below", "a tier below the pool is on")
+    tiers_healthy: bool = forward_value("tiers.tiers_healthy", "one of the tiers below is up")
     tier_stats = forward("tiers", TiersBelow.tier_stats)
     prefetch = forward("tiers", TiersBelow.prefetch)
     # The operators' queries (kvdepot.server.state.admin_queries).
-    capacity_bytes = forward_value("queries.capacity_bytes", "the pool's bytes")
+    capacity_bytes: int = forward_value("queries.capacity_bytes", "the pool's bytes")
     namespaces = forward("queries", AdminQueries.namespaces)
     list_blocks = forward("queries", AdminQueries.list_blocks)
     pinned_blocks = forward("queries", AdminQueries.pinned_blocks)
@@ -345,9 +346,9 @@ class DepotState:
     # Admin/Evict and Admin/Clear a slice at a time (kvdepot.server.state.admin_evict).
     evict_in_slices = forward("admin", AdminEviction.evict_in_slices)
     clear_in_slices = forward("admin", AdminEviction.clear_in_slices)
-    slices_yielded = forward_value("admin.slices_yielded", "bulk-eviction slices so far")
+    slices_yielded: int = forward_value("admin.slices_yielded", "bulk-eviction slices so far")
 
-    job_limits = forward_value("jobs.limits", "the largest job taken (--max-job-*)")
+    job_limits: JobLimits = forward_value("jobs.limits", "the largest job taken (--max-job-*)")
 
     def admit_job(self, session_id: str, registration_id: int, counts: JobCounts) -> None:
         """A Transfer job (stream or lane), before anything is built from its message:

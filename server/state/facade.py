@@ -13,7 +13,9 @@ names a method the facet lacks fails at import.
 The row is a property whose getter is `operator.attrgetter` (C, no Python frame):
 reading it costs about half a hand-written wrapper's call. The calls on a job's
 path are written on `DepotState` itself. `forward_value` is the same for a facet's
-attribute or property (a value, not a call).
+attribute or property (a value, not a call); its row is annotated with the value's
+type, read-only where the value is a container (`sessions: Mapping[str, Session]`),
+so that type checkers read it and the services get no handle to change it.
 """
 
 from __future__ import annotations

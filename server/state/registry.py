@@ -26,11 +26,11 @@ from kvdepot.server.core.layout import LayoutError, NamespaceLayout, check_names
 from kvdepot.server.core.log_limit import held_note
 from kvdepot.server.core.memory_map import LayerRef, TensorView
 from kvdepot.server.memory import journal_file
-from kvdepot.server.peer import Peer
+from kvdepot.server.peer import Peer, peer_key
 from kvdepot.server.state.events import EventBus
 from kvdepot.server.state.invariants import mutation
 from kvdepot.server.state.namespaces import NamespaceAccess
-from kvdepot.server.state.sessions import Registration, Session, Sessions, peer_key
+from kvdepot.server.state.sessions import Registration, Session, Sessions
 
 log = logging.getLogger("kvdepot.state")
 

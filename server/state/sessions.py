@@ -41,7 +41,6 @@ import contextlib
 import logging
 import secrets
 import time
-from collections import Counter
 from collections.abc import Hashable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
@@ -54,9 +53,11 @@ from kvdepot.server.core.memory_map import LayerRef, MemoryMap, TensorView
 from kvdepot.server.memory.copy_engine import CopyEngine, CpuCopyEngine
 from kvdepot.server.memory.paths import MemoryPathPlugin, PassedFd, SharedMemoryPath
 from kvdepot.server.memory.regions import MappedRegion
-from kvdepot.server.peer import Peer, session_tag
+from kvdepot.server.peer import UNATTESTED, Peer, peer_key, session_tag
 from kvdepot.server.resources import Headroom, ResourceLow
 from kvdepot.server.sizes import format_size
+from kvdepot.server.state.calls_in_flight import MAX_CALLS_PER_ACCOUNT, CallsInFlight
+from kvdepot.server.state.tickets import SessionTickets
 
 log = logging.getLogger("kvdepot.state")
 
@@ -153,28 +154,6 @@ class Registration:
         self.regions = []
 
 
-UNATTESTED = "unattested"  # the account of every session no one is known to own yet
-
-# Depot calls one account may have in flight at once (streams, and unary calls from
-# their headers on), by default (--max-calls-per-pid): a worker needs a few; the
-# server's concurrent-call limit (bounds.RPCS_PER_SESSION x --max-sessions, 4,096) is
-# everyone's, so no account may come near it.
-MAX_CALLS_PER_ACCOUNT = 256
-TICKET_SECONDS = 10.0  # a ticket not used by then is forgotten
-MAX_TICKETS = 1024  # unused tickets of every process together (a memory bound)
-
-
-def peer_key(peer: Peer | None) -> Hashable:
-    """One process the kernel names (pid and start time), else its uid and gid
-    (processes the daemon cannot see apart), else everyone not attested yet: whose
-    shares and log lines are counted together."""
-    if peer is None:
-        return UNATTESTED
-    if peer.visible:
-        return ("pid", peer.pid, peer.start_time)
-    return ("uid", peer.uid, peer.gid)
-
-
 class Sessions:
     """Every session and registration, and the memory paths that map regions."""
 
@@ -203,13 +182,9 @@ class Sessions:
         self.max_per_pid = max_per_pid
         self.max_per_uid = max_per_uid
         self.max_unattested = max_unattested
-        self.max_calls_per_account = max_calls_per_account
-        self.max_calls_per_uid = max_calls_per_uid
-        # Tickets the fd socket issued (issue_ticket): token -> (process, expiry).
-        self._tickets: dict[str, tuple[Peer, float]] = {}
-        # Calls in flight per account, and per uid of owned sessions (open_call).
-        self._calls: Counter[Hashable] = Counter()
-        self._uid_calls: Counter[int] = Counter()
+        self._tickets = SessionTickets(max_per_pid)  # the fd socket's (issue_ticket)
+        # per account and uid (open_call)
+        self._calls = CallsInFlight(max_calls_per_account, max_calls_per_uid)
         self.permission_denied = 0  # identity refusals (Admin/GetStats)
         # Lines about what clients do (sessions, refusals), rate-limited per peer.
         self.log_limit = LogLimiter()
@@ -389,75 +364,30 @@ class Sessions:
 
     def issue_ticket(self, peer: Peer) -> str:
         """A one-use ticket that opens a session `peer` owns (the fd socket's "ticket"
-        message, on the loop): valid TICKET_SECONDS; a process may hold as many
-        unused ones as it may hold sessions (RESOURCE_EXHAUSTED beyond); past
-        MAX_TICKETS in all, the largest holder's oldest is forgotten."""
-        now = time.monotonic()
-        self._tickets = {t: v for t, v in self._tickets.items() if v[1] > now}
-        me = peer_key(peer)
-        held: dict[Hashable, list[str]] = {}
-        for t, (p, _) in self._tickets.items():  # oldest first
-            held.setdefault(peer_key(p), []).append(t)
-        if len(held.get(me, ())) >= self.max_per_pid:
-            raise self.refuse(
-                me,
-                errors.exhausted(
-                    f"{peer} holds {self.max_per_pid} unused session tickets: open sessions "
-                    f"with them first"
-                ),
-            )
-        if len(self._tickets) >= MAX_TICKETS:  # many processes: the largest holder's go
-            del self._tickets[max(held.values(), key=len)[0]]
-        token = secrets.token_hex(16)
-        self._tickets[token] = (peer, now + TICKET_SECONDS)
-        return token
+        message, on the loop): kvdepot.server.state.tickets; RESOURCE_EXHAUSTED
+        (logged) when `peer` holds its share."""
+        try:
+            return self._tickets.issue(peer)
+        except errors.DepotError as exc:
+            raise self.refuse(peer_key(peer), exc) from None
 
     def take_ticket(self, token: str) -> Peer | None:
         """The process a live ticket names (the ticket is used up); None if none."""
-        entry = self._tickets.pop(token, None) if token else None
-        if entry is None or entry[1] <= time.monotonic():
-            return None
-        return entry[0]
+        return self._tickets.take(token)
 
     def open_call(self, session_id: str) -> tuple[Hashable, int | None]:
         """Counts one more Depot call in flight (a stream, or a unary call from its
-        headers on) of `session_id` against its account (`max_calls_per_account`) and
-        its owner's uid (`max_calls_per_uid`): FAILED_PRECONDITION for no session,
+        headers on) of `session_id` against its account and its owner's uid
+        (kvdepot.server.state.calls_in_flight): FAILED_PRECONDITION for no session,
         RESOURCE_EXHAUSTED (logged) beyond. Give the result to `close_call`."""
         session = self.get(session_id)
-        account = session.account
-        uid = session.owner.uid if session.owner is not None else None
-        if self._calls[account] >= self.max_calls_per_account:
-            raise self.refuse(
-                account,
-                errors.exhausted(
-                    f"{session.owner or 'this client'} has {self._calls[account]} calls in "
-                    f"flight, the most one process may (--max-calls-per-pid, "
-                    f"KVDEPOT_MAX_CALLS_PER_PID): end idle streams, or wait for answers"
-                ),
-            )
-        if uid is not None and self._uid_calls[uid] >= self.max_calls_per_uid:
-            raise self.refuse(
-                account,
-                errors.exhausted(
-                    f"uid {uid} has {self._uid_calls[uid]} calls in flight, the most one user "
-                    f"may (--max-calls-per-uid, KVDEPOT_MAX_CALLS_PER_UID)"
-                ),
-            )
-        self._calls[account] += 1
-        if uid is not None:
-            self._uid_calls[uid] += 1
-        return account, uid
+        try:
+            return self._calls.open(session)
+        except errors.DepotError as exc:
+            raise self.refuse(session.account, exc) from None
 
     def close_call(self, held: tuple[Hashable, int | None]) -> None:
-        account, uid = held
-        self._calls[account] -= 1
-        if self._calls[account] <= 0:
-            del self._calls[account]
-        if uid is not None:
-            self._uid_calls[uid] -= 1
-            if self._uid_calls[uid] <= 0:
-                del self._uid_calls[uid]
+        self._calls.close(held)
 
     def account_sessions(self, session_id: str) -> list[str]:
         """The ids of the sessions charged to `session_id`'s account (its own included;

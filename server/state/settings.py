@@ -1,9 +1,9 @@
 """The settings the state reads, as a protocol: the state takes values, not the
 daemon's settings table.
 
-`kvdepot serve`'s `ServeConfig` (server/config.py) has every field below, so the
+`kvdepot serve`'s `ServeConfig` (server/config/) has every field below, so the
 daemon passes it as it is; tests and tools may pass any object with these
-attributes. server/config.py sits beside this layer, not below it: the state never
+attributes. server/config/ sits beside this layer, not below it: the state never
 imports it (docs/architecture.md §2; tests/test_layering.py).
 """
 

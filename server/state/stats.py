@@ -26,10 +26,9 @@ def stats_fields(state: DepotState) -> dict[str, object]:
     ix = state.index.stats
     store, load = state.traffic.store, state.traffic.load
     chunk_event_rows, chunk_event_bytes = state.index.chunk_event_totals()
-    disk = state.tiers.disk
-    if disk is not None:  # the disk's records' (kvdepot.server.disk.link)
-        chunk_event_rows += disk.chunk_event_rows
-        chunk_event_bytes += disk.chunk_event_bytes
+    below_rows, below_bytes = state.tiers.chunk_event_totals()  # the disk's records'
+    chunk_event_rows += below_rows
+    chunk_event_bytes += below_bytes
     return {
         "version": kvdepot.__version__,
         "boot_id": state.boot_id,

@@ -1,13 +1,13 @@
 """The tiers below the pool as the services see them: a facet of `DepotState`.
 
-`TiersBelow` holds the tiers below the pool once the daemon attaches them (the
-disk, kvdepot.server.disk.link.DiskLink; the fleet's, kvdepot.server.remote.link.
-RemoteLink; the daemon starts and closes both): each hears every index event;
-Prefetch asks them in order (the disk, then the fleet: `TierBelow`,
-kvdepot.server.core.prefix_fetch) which of a request's keys missing in RAM they
-hold and fetches the leading run, never a key behind a hole; their figures join
-GetStats. Without either, Prefetch still checks the call and fetches nothing. The
-services never hold the links (tests/test_service_facade.py).
+`TiersBelow` holds the tiers below the pool once the daemon attaches them, an
+ordered list of `Tier`s (kvdepot.server.core.tier), nearest first: the daemon builds
+them from its registry (kvdepot.server.tier_registry: the disk, then the fleet's),
+starts and closes them. Each hears every index event and every touch; Prefetch asks
+them in order which of a request's keys missing in RAM they hold and fetches the
+leading run, never a key behind a hole (`TierBelow`, kvdepot.server.core.prefix_fetch);
+their figures join GetStats. With none, Prefetch still checks the call and fetches
+nothing. The services never hold a tier (tests/test_service_facade.py).
 
 Owned by `DepotState`, which offers these calls as its own (kvdepot.server.state.facade);
 everything runs on the event loop.
@@ -15,23 +15,19 @@ everything runs on the event loop.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
 
-from kvdepot.server.core.index import BlockIndex
-from kvdepot.server.core.prefix_fetch import KeyState, TierBelow, leading_run
+from kvdepot.server.core.index import BlockIndex, IndexEvent
+from kvdepot.server.core.prefix_fetch import KeyState, leading_run
+from kvdepot.server.core.tier import ChunkEventSource, Tier
 from kvdepot.server.state.events import EventBus
 from kvdepot.server.state.key_calls import KeyCalls
 from kvdepot.server.state.namespaces import NamespaceAccess
 
-if TYPE_CHECKING:  # the tiers' extras (redis, blake3) may be missing
-    from kvdepot.server.disk.link import DiskLink
-    from kvdepot.server.remote.link import RemoteLink
-
 
 class TiersBelow:
-    """The attached tiers below the pool (disk, fleet), if any, and the calls that go
-    to them."""
+    """The attached tiers below the pool, nearest first, and the calls that go to them.
+    It is the tiers' `TierHost` (kvdepot.server.core.tier) too."""
 
     def __init__(
         self, index: BlockIndex, bus: EventBus, access: NamespaceAccess, keys: KeyCalls
@@ -40,50 +36,57 @@ class TiersBelow:
         self.bus = bus
         self.access = access
         self.keys = keys
-        self.link: RemoteLink | None = None
-        self.disk: DiskLink | None = None
+        self.below: list[Tier] = []  # nearest first: the order Prefetch asks them in
+        self.chunk_event_sources: list[ChunkEventSource] = []
 
-    def attach_remote_tier(self, link: RemoteLink) -> None:
-        """The tier below the pool (kvdepot.server.remote; the daemon starts and
-        closes it): it hears every index event, answers Prefetch, and its figures
-        join GetStats."""
-        self.link = link
-        self.bus.add_listener(link.on_event)
+    def attach_tier(self, tier: Tier) -> None:
+        """Adds `tier` below those attached before it (the daemon attaches them in the
+        registry's order, kvdepot.server.tier_registry; it starts and closes them):
+        it hears every index event and every touch, Prefetch asks it after those above
+        it, its figures join GetStats, and it wires what else it says (`Tier.attach`)."""
+        self.below.append(tier)
+        self.bus.add_listener(tier.on_event)
+        self.keys.touch_listeners.append(tier.touch)
+        tier.attach(self)
 
-    def attach_disk_tier(self, disk: DiskLink) -> None:
-        """The disk tier below the pool (kvdepot.server.disk; the daemon starts and
-        closes it): it hears every index event, its own events (tier DISK) reach the
-        Watch streams, Prefetch asks it first, and its figures join GetStats."""
-        self.disk = disk
-        self.bus.add_listener(disk.on_event)
-        self.keys.touch_listeners.append(disk.touch)  # the disk keeps the pool's order
-        self.keys.chunk_event_sources.append(disk.chunk_events)  # records' router metadata
-        disk.announce = self.bus.publish_to_watchers  # the disk's own events: Watch only
-        self.bus.add_greeting(disk.on_watch)  # a new Watch stream hears what is on disk
+    # -- TierHost (kvdepot.server.core.tier) ----------------------------------------------
+
+    def publish_to_watchers(self, event: IndexEvent) -> None:
+        self.bus.publish_to_watchers(event)
+
+    def add_greeting(self, greeting: Callable[[str], list[IndexEvent]]) -> None:
+        self.bus.add_greeting(greeting)
+
+    def add_chunk_event_source(self, source: ChunkEventSource) -> None:
+        self.chunk_event_sources.append(source)
+        self.keys.chunk_event_sources.append(source.chunk_events)
+
+    # -- the services' calls ----------------------------------------------------------------
 
     @property
     def has_tier_below(self) -> bool:
         """A tier below the pool (the disk or the fleet's): SessionHello.remote_tier,
         so that the connector asks Prefetch for what RAM misses."""
-        return self.link is not None or self.disk is not None
+        return bool(self.below)
 
     @property
     def tiers_healthy(self) -> bool:
-        return (self.link is not None and self.link.health.up) or (
-            self.disk is not None and self.disk.healthy
-        )
+        return any(tier.healthy for tier in self.below)
 
     def tier_stats(self) -> dict[str, object]:
         """The tiers' GetStats fields; none without them."""
-        out = self.link.stats_fields() if self.link is not None else {}
-        if self.disk is not None:
-            out.update(self.disk.stats_fields())
+        out: dict[str, object] = {}
+        for tier in reversed(self.below):  # the nearest's last (its fields win)
+            out.update(tier.stats_fields())
         return out
 
-    @property
-    def below(self) -> list[TierBelow]:
-        """The tiers below the pool, nearest first: the disk, then the fleet's."""
-        return [tier for tier in (self.disk, self.link) if tier is not None]
+    def chunk_event_totals(self) -> tuple[int, int]:
+        """Rows and bytes of the chunk events the tiers keep beyond the pool's rows."""
+        sources = self.chunk_event_sources
+        return (
+            sum(s.chunk_event_rows for s in sources),
+            sum(s.chunk_event_bytes for s in sources),
+        )
 
     async def prefetch(
         self, session_id: str, namespace_id: str, keys: Sequence[bytes]
@@ -104,7 +107,7 @@ class TiersBelow:
             return None
         slots = ns.slots
         states = [KeyState.LOCAL if key in slots else KeyState.ABSENT for key in keys]
-        holder: list[TierBelow | None] = [None] * len(keys)
+        holder: list[Tier | None] = [None] * len(keys)
         for tier in below:
             ask = [
                 i
@@ -129,5 +132,5 @@ class TiersBelow:
             under_way = tier.fetch(namespace_id, [keys[i] for i in mine])
             for i, ok in zip(mine, under_way, strict=True):
                 if ok:  # where from: vLLM's cache-hit source of the load that follows
-                    states[i] = KeyState.FETCHING_DISK if tier is self.disk else KeyState.FETCHING
+                    states[i] = tier.fetched
         return states

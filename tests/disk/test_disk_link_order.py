@@ -52,7 +52,7 @@ def test_a_prompt_written_behind_while_its_request_touches_it_keeps_its_leading_
     link = DiskLink.from_settings(
         DiskSettings(str(tmp_path / "disk"), 64 << 20), state.index, state.arena
     )
-    state.attach_disk_tier(link)
+    state.attach_tier(link)
     session = state.open_session("test", os.getpid(), "")
     state.register(session.id, LAYOUT, 0, [], [], [])
     p1 = [key(1, c) for c in range(40)]

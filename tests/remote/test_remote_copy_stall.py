@@ -62,7 +62,7 @@ def test_the_remote_tier_drops_rows_at_once_while_every_cpu_copy_thread_is_stall
         key_file=str(write_key_file(tmp_path / "fleet.key", new_secret())),
     )
     link = RemoteLink.from_settings(settings, state.index, state.arena, state.copy_queue)
-    state.attach_remote_tier(link)
+    state.attach_tier(link)
     session = state.open_session("test", os.getpid(), "")
     state.register(session.id, LAYOUT, 0, [], [], [])
     rows = {i: os.urandom(SECTION) for i in (1, 2, 3)}

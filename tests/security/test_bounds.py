@@ -24,7 +24,7 @@ from tests.support.engine import Engine, Geometry, chunk_plan, make_key
 
 REPO = Path(__file__).resolve().parents[2]
 
-# The defaults (server/config.py, server/core/layout.py) the attacker probes.
+# The defaults (server/config/, server/core/layout.py) the attacker probes.
 MAX_JOB_KEYS, MAX_JOB_BLOCKS, MAX_JOB_PAGES, MAX_BATCH_KEYS = 4096, 16384, 1 << 20, 16384
 MAX_GROUPS, MAX_LAYOUT_LAYERS = 16, 1024
 LAYERS = 126  # Llama-3-405B

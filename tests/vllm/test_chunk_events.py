@@ -10,13 +10,15 @@ removals must name the same block hashes.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 
 pytest.importorskip("vllm")
 
 from vllm.distributed.kv_events import BlockRemoved, BlockStored
 
-from kvdepot.testing.vllm_engine import prompt_for
+from kvdepot.testing.vllm_engine import SyntheticEngine, prompt_for
 from kvdepot.v1 import admin_pb2
 
 pytestmark = pytest.mark.vllm
@@ -38,12 +40,43 @@ def recorder(engine) -> list:
     return seen
 
 
-def stored_cpu(engine, seen: list) -> dict:
-    """The CPU BlockStored events seen so far, by their block hashes."""
+@pytest.fixture
+def engines(make_engine) -> Callable[..., Callable[[], SyntheticEngine]]:
+    """engines(daemon, blocks_per_chunk) -> new(): each call a registered engine of one
+    namespace on `daemon`, with vLLM's self-describing KV events on."""
+
+    def on(daemon, blocks_per_chunk: int) -> Callable[[], SyntheticEngine]:
+        def new() -> SyntheticEngine:
+            engine = make_engine(
+                socket=daemon.target,
+                num_gpu_blocks=64,
+                enable_kv_events=True,
+                blocks_per_chunk=blocks_per_chunk,
+                extra_config=SELF_DESCRIBING,
+            )
+            engine.wait_registered()
+            return engine
+
+        return new
+
+    return on
+
+
+def stored_on(engine, seen: list, medium: str = "CPU") -> dict:
+    """The BlockStored events of `medium` seen so far, by their block hashes."""
     engine.scheduler_connector.take_events()
     return {
-        tuple(e.block_hashes): e for e in seen if isinstance(e, BlockStored) and e.medium == "CPU"
+        tuple(e.block_hashes): e for e in seen if isinstance(e, BlockStored) and e.medium == medium
     }
+
+
+def removed_hashes(engine, seen: list) -> set:
+    """The block hashes of the CPU BlockRemoved events seen so far."""
+    engine.scheduler_connector.take_events()
+    return {
+        h for e in seen if isinstance(e, BlockRemoved) and e.medium == "CPU"
+        for h in e.block_hashes
+    }  # fmt: skip
 
 
 def payload(e: BlockStored) -> tuple:
@@ -61,20 +94,11 @@ def payload(e: BlockStored) -> tuple:
 
 @pytest.mark.parametrize("blocks_per_chunk", [1, 4])
 def test_every_engine_publishes_the_storing_engines_events(
-    daemon_factory, make_engine, blocks_per_chunk
+    daemon_factory, engines, blocks_per_chunk
 ) -> None:
     d = daemon_factory("--pool-size", "64MiB")
-    opts = dict(
-        socket=d.target,
-        num_gpu_blocks=64,
-        enable_kv_events=True,
-        blocks_per_chunk=blocks_per_chunk,
-        extra_config=SELF_DESCRIBING,
-    )
-    a = make_engine(**opts)
-    b = make_engine(**opts)
-    a.wait_registered()
-    b.wait_registered()
+    new_engine = engines(d, blocks_per_chunk)
+    a, b = new_engine(), new_engine()
     seen_a, seen_b = recorder(a), recorder(b)
     prompt = prompt_for(7, 200)
     keys = a.offload_keys(prompt)
@@ -85,22 +109,21 @@ def test_every_engine_publishes_the_storing_engines_events(
     b.wait_ready(keys)
 
     chunks = len(keys)
-    a.wait_until(lambda: len(stored_cpu(a, seen_a)) >= chunks, what="A's events")
-    b.wait_until(lambda: len(stored_cpu(b, seen_b)) >= chunks, what="B's events")
-    own = stored_cpu(a, seen_a)
+    a.wait_until(lambda: len(stored_on(a, seen_a)) >= chunks, what="A's events")
+    b.wait_until(lambda: len(stored_on(b, seen_b)) >= chunks, what="B's events")
+    own = stored_on(a, seen_a)
     # A's own events are vLLM's: complete, blocks_per_chunk hashes each.
     assert {(e.block_size, len(e.token_ids)) for e in own.values()} == {(16, 16 * blocks_per_chunk)}
     assert {len(h) for h in own} == {blocks_per_chunk}
     expected = sorted(map(payload, own.values()))
-    assert sorted(map(payload, stored_cpu(b, seen_b).values())) == expected
+    assert sorted(map(payload, stored_on(b, seen_b).values())) == expected
 
     # C starts after the store: its snapshot carries the same.
-    c = make_engine(**opts)
-    c.wait_registered()
+    c = new_engine()
     seen_c = recorder(c)
     c.wait_ready(keys)
-    c.wait_until(lambda: len(stored_cpu(c, seen_c)) >= chunks, what="C's events")
-    assert sorted(map(payload, stored_cpu(c, seen_c).values())) == expected
+    c.wait_until(lambda: len(stored_on(c, seen_c)) >= chunks, what="C's events")
+    assert sorted(map(payload, stored_on(c, seen_c).values())) == expected
 
     # Evicted: every engine's BlockRemoved names every block hash A's stores named.
     all_hashes = {h for hashes in own for h in hashes}
@@ -109,31 +132,19 @@ def test_every_engine_publishes_the_storing_engines_events(
     )
     assert res.evicted_blocks == len(keys)
 
-    def removed(engine, seen) -> set:
-        engine.scheduler_connector.take_events()
-        return {
-            h for e in seen if isinstance(e, BlockRemoved) and e.medium == "CPU"
-            for h in e.block_hashes
-        }  # fmt: skip
-
     for engine, seen in ((a, seen_a), (b, seen_b), (c, seen_c)):
-        engine.wait_until(lambda e=engine, s=seen: removed(e, s) >= all_hashes, what="removals")
+        engine.wait_until(
+            lambda e=engine, s=seen: removed_hashes(e, s) >= all_hashes, what="removals"
+        )
 
     # The daemon counted the chunk events it held, and holds none once the rows are gone.
     st = d.stats()
     assert st.chunk_event_rows == 0 and st.chunk_event_bytes == 0
 
 
-def test_chunk_event_bytes_are_counted(daemon_factory, make_engine) -> None:
+def test_chunk_event_bytes_are_counted(daemon_factory, engines) -> None:
     d = daemon_factory("--pool-size", "64MiB")
-    a = make_engine(
-        socket=d.target,
-        num_gpu_blocks=64,
-        enable_kv_events=True,
-        blocks_per_chunk=4,
-        extra_config=SELF_DESCRIBING,
-    )
-    a.wait_registered()
+    a = engines(d, 4)()
     prompt = prompt_for(9, 256)
     keys = a.offload_keys(prompt)
     a.generate([prompt])
@@ -145,30 +156,15 @@ def test_chunk_event_bytes_are_counted(daemon_factory, make_engine) -> None:
     assert 200 < per_row < 600, per_row
 
 
-def stored_on(engine, seen: list, medium: str) -> dict:
-    engine.scheduler_connector.take_events()
-    return {
-        tuple(e.block_hashes): e for e in seen if isinstance(e, BlockStored) and e.medium == medium
-    }
-
-
 def test_disk_tier_events_and_a_promotion_are_complete_too(
-    daemon_factory, make_engine, tmp_path
+    daemon_factory, engines, tmp_path
 ) -> None:
     pytest.importorskip("blake3")
     d = daemon_factory(
         "--pool-size", "64MiB", "--disk", str(tmp_path / "disk"), "--disk-size", "64MiB"
     )  # fmt: skip
-    opts = dict(
-        socket=d.target,
-        num_gpu_blocks=64,
-        enable_kv_events=True,
-        blocks_per_chunk=4,
-        extra_config=SELF_DESCRIBING,
-    )
-    a, b = make_engine(**opts), make_engine(**opts)
-    a.wait_registered()
-    b.wait_registered()
+    new_engine = engines(d, 4)
+    a, b = new_engine(), new_engine()
     seen_a, seen_b = recorder(a), recorder(b)
     prompt = prompt_for(17, 192)
     keys = a.offload_keys(prompt)
@@ -186,8 +182,7 @@ def test_disk_tier_events_and_a_promotion_are_complete_too(
     )
     assert res.evicted_blocks == len(keys)
     a.wait_until(lambda: not any(a.manager.is_ready(k) for k in keys), what="RAM evicted")
-    c = make_engine(**opts)
-    c.wait_registered()
+    c = new_engine()
     seen_c = recorder(c)
     c.wait_until(lambda: len(stored_on(c, seen_c, "STORAGE")) >= len(keys), what="C's disk events")
     assert sorted(map(payload, stored_on(c, seen_c, "STORAGE").values())) == expected
@@ -205,29 +200,20 @@ def test_disk_tier_events_and_a_promotion_are_complete_too(
             lambda e=engine, s=seen: len(stored_on(e, s, "CPU")) >= len(keys), what="promoted"
         )
         assert sorted(map(payload, stored_on(engine, seen, "CPU").values())) == expected
-    late = make_engine(**opts)
-    late.wait_registered()
+    late = new_engine()
     seen_late = recorder(late)
     late.wait_ready(keys)
     late.wait_until(lambda: len(stored_on(late, seen_late, "CPU")) >= len(keys), what="late")
     assert sorted(map(payload, stored_on(late, seen_late, "CPU").values())) == expected
 
 
-def test_other_engines_chunks_cost_one_steps_memory(daemon_factory, make_engine) -> None:
+def test_other_engines_chunks_cost_one_steps_memory(daemon_factory, engines) -> None:
     """B lends its tracker A's chunk events for the step that translates them, then
     takes them back: B holds at most one step's (not the N chunks A stored), while
     its published events, removals included, still equal A's."""
     d = daemon_factory("--pool-size", "64MiB")
-    opts = dict(
-        socket=d.target,
-        num_gpu_blocks=64,
-        enable_kv_events=True,
-        blocks_per_chunk=1,
-        extra_config=SELF_DESCRIBING,
-    )
-    a, b = make_engine(**opts), make_engine(**opts)
-    a.wait_registered()
-    b.wait_registered()
+    new_engine = engines(d, 1)
+    a, b = new_engine(), new_engine()
     seen_a = recorder(a)
     table = b.scheduler_connector._chunk_tracker._pending_event_metadata
     seen_b: list = []
@@ -251,14 +237,12 @@ def test_other_engines_chunks_cost_one_steps_memory(daemon_factory, make_engine)
         a.wait_ready(keys)
         all_keys += keys
         want = len(all_keys)
-        b.wait_until(lambda w=want: len(stored_cpu(b, seen_b)) >= w, what="B's events")
+        b.wait_until(lambda w=want: len(stored_on(b, seen_b)) >= w, what="B's events")
     n = len(all_keys)
     assert n >= 15
-    a.wait_until(lambda: len(stored_cpu(a, seen_a)) >= n, what="A's events")
-    own = stored_cpu(a, seen_a)
-    assert sorted(map(payload, stored_cpu(b, seen_b).values())) == sorted(
-        map(payload, own.values())
-    )
+    a.wait_until(lambda: len(stored_on(a, seen_a)) >= n, what="A's events")
+    own = stored_on(a, seen_a)
+    assert sorted(map(payload, stored_on(b, seen_b).values())) == sorted(map(payload, own.values()))
     # Each drain left at most what its own events named, never the N chunks; one
     # drain later, nothing (B stored and looked up nothing itself).
     assert all(held <= named for held, named in held_after_drain), held_after_drain
@@ -274,14 +258,7 @@ def test_other_engines_chunks_cost_one_steps_memory(daemon_factory, make_engine)
     assert res.evicted_blocks == n
     all_hashes = {h for hashes in own for h in hashes}
 
-    def removed() -> set:
-        b.scheduler_connector.take_events()
-        return {
-            h for e in seen_b if isinstance(e, BlockRemoved) and e.medium == "CPU"
-            for h in e.block_hashes
-        }  # fmt: skip
-
-    b.wait_until(lambda: removed() >= all_hashes, what="B's removals")
-    assert removed() == all_hashes
+    b.wait_until(lambda: removed_hashes(b, seen_b) >= all_hashes, what="B's removals")
+    assert removed_hashes(b, seen_b) == all_hashes
     b.scheduler_connector.take_events()
     assert len(table) == 0
