@@ -177,10 +177,17 @@ def test_disk_tier_events_and_a_promotion_are_complete_too(
     assert sorted(map(payload, stored_on(b, seen_b, "STORAGE").values())) == expected
 
     # Out of the pool, on disk only: C, started now, hears the records complete.
-    res = a.manager._client.admin.Evict(
-        admin_pb2.EvictRequest(namespace_id=a.manager.namespace_id, keys=keys)
-    )
-    assert res.evicted_blocks == len(keys)
+    # (A row still being written to disk is skipped by Evict: ask until all are out.)
+    evicted = [0]
+
+    def evict_rest() -> bool:
+        res = a.manager._client.admin.Evict(
+            admin_pb2.EvictRequest(namespace_id=a.manager.namespace_id, keys=keys)
+        )
+        evicted[0] += res.evicted_blocks
+        return evicted[0] == len(keys)
+
+    a.wait_until(evict_rest, what="every row evicted from RAM")
     a.wait_until(lambda: not any(a.manager.is_ready(k) for k in keys), what="RAM evicted")
     c = new_engine()
     seen_c = recorder(c)

@@ -184,7 +184,7 @@ def test_blocks_from_the_fleet_publish_the_storing_engines_events(
 
     from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-    from tests.vllm.test_chunk_events import SELF_DESCRIBING, payload, recorder, stored_cpu
+    from tests.vllm.test_chunk_events import SELF_DESCRIBING, payload, recorder, stored_on
 
     a, b = two_nodes
     opts = dict(
@@ -201,8 +201,8 @@ def test_blocks_from_the_fleet_publish_the_storing_engines_events(
     engine_a.generate([prompt])
     engine_a.wait_ready(keys)
     engine_a.wait_until(lambda: remote_writes(engine_a) >= len(keys), what="A's writes")
-    engine_a.wait_until(lambda: len(stored_cpu(engine_a, seen_a)) >= len(keys), what="A's events")
-    own = stored_cpu(engine_a, seen_a)
+    engine_a.wait_until(lambda: len(stored_on(engine_a, seen_a)) >= len(keys), what="A's events")
+    own = stored_on(engine_a, seen_a)
     assert {len(h) for h in own} == {blocks_per_chunk}
 
     engine_b = make_engine(socket=b.target, **opts)
@@ -226,9 +226,9 @@ def test_blocks_from_the_fleet_publish_the_storing_engines_events(
     assert rec.external_tokens == tokens
     assert dict(by_source) == {CacheHitSource.EXTERNAL_UNSPECIFIED: tokens}
     engine_c.wait_until(
-        lambda: len(stored_cpu(engine_c, seen_c)) >= len(keys), what="C's events of A's chunks"
+        lambda: len(stored_on(engine_c, seen_c)) >= len(keys), what="C's events of A's chunks"
     )
-    assert sorted(map(payload, stored_cpu(engine_c, seen_c).values())) == sorted(
+    assert sorted(map(payload, stored_on(engine_c, seen_c).values())) == sorted(
         map(payload, own.values())
     )
     # Node B's daemon holds them as node A's does: one per fetched row.
