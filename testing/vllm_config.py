@@ -109,6 +109,12 @@ def make_vllm_config(cfg: EngineConfig) -> VllmConfig:
         skip_tokenizer_init=True,
         max_model_len=cfg.max_model_len,
         dtype=cfg.dtype,
+        # With stages, the model's layers are the synthetic ones (one per layer of each
+        # group, numbered in group order): vLLM splits those over the stages, and the
+        # scheduler reads their count from here.
+        hf_overrides={"num_hidden_layers": sum(gd.num_layers for gd in cfg.groups)}
+        if cfg.pp > 1
+        else None,
     )
     cache = CacheConfig(
         block_size=cfg.groups[0].block_size,
@@ -232,7 +238,7 @@ def stage_kv_cache_configs(
     from vllm.v1.core.kv_cache_planning import _project_kv_cache_groups_to_worker
 
     decoder_layer = {name: int(name.split(".")[2]) for name in specs}
-    n = len(set(decoder_layer.values()))
+    n = vllm_config.model_config.get_total_num_hidden_layers()
     configs = []
     for stage in range(cfg.pp):
         start, end = get_pp_indices(n, stage, cfg.pp)
