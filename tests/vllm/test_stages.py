@@ -1,0 +1,71 @@
+"""stage_groups: which offloaded groups each pipeline stage holds a layer of, by vLLM's
+own split of the layers (client/vllm/stages.py; driven end to end by
+tests/vllm/test_pipeline.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from kvdepot.client.vllm.stages import lacked_groups, stage_groups
+
+pytestmark = pytest.mark.vllm
+
+
+def names(*layers: int) -> list[str]:
+    return [f"model.layers.{i}.self_attn.attn" for i in layers]
+
+
+# A hybrid of twelve layers: full attention at 0 and 1, linear attention at 2..11.
+GLOBAL = [names(0, 1), names(*range(2, 12))]
+
+
+@pytest.mark.parametrize(
+    ("partition", "held"),
+    [
+        (None, [(True, True), (False, True)]),  # vLLM's even split: 0-5 and 6-11
+        ("1,11", [(True, False), (True, True)]),
+        ("2,10", [(True, False), (False, True)]),
+    ],
+)
+def test_every_stage_of_a_global_config(
+    monkeypatch: pytest.MonkeyPatch, partition: str | None, held: list
+) -> None:
+    if partition is None:
+        monkeypatch.delenv("VLLM_PP_LAYER_PARTITION", raising=False)
+    else:
+        monkeypatch.setenv("VLLM_PP_LAYER_PARTITION", partition)
+    assert stage_groups(GLOBAL, 12, 2) == held
+
+
+def test_stage_zeros_names_alone_tell_only_what_stage_zero_lacks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """What vLLM 0.33 hands the scheduler: stage 0's projection. A stage none of whose
+    layers the names show holds every group, as far as the scheduler can tell."""
+    monkeypatch.setenv("VLLM_PP_LAYER_PARTITION", "2,5,5")
+    assert stage_groups([names(0, 1), []], 12, 3) == [(True, False), (True, True), (True, True)]
+    monkeypatch.delenv("VLLM_PP_LAYER_PARTITION")
+    assert stage_groups([names(0, 1), names(2, 3, 4, 5)], 12, 2) == [(True, True)] * 2
+
+
+def test_a_split_or_names_vllm_cannot_read_say_every_stage_holds_every_group(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("VLLM_PP_LAYER_PARTITION", "2,5")  # not 12 layers
+    assert stage_groups(GLOBAL, 12, 2) == [(True, True)] * 2
+    monkeypatch.delenv("VLLM_PP_LAYER_PARTITION")
+    assert stage_groups([["embed.attn"], names(7)], 12, 2) == [(True, True)] * 2
+    assert stage_groups(GLOBAL, 12, 1) == [(True, True)]
+
+
+def test_lacked_groups_by_part_names_the_vllm_group_ids() -> None:
+    held = [(True, False), (True, True)]
+    # Two parts per stage (a sharded daemon), offloaded groups 0 and 2.
+    assert lacked_groups([0, 2], held, [0, 0, 1, 1]) == [
+        frozenset({2}),
+        frozenset({2}),
+        frozenset(),
+        frozenset(),
+    ]
