@@ -104,17 +104,16 @@ def make_vllm_config(cfg: EngineConfig) -> VllmConfig:
         **({"blocks_per_chunk": cfg.blocks_per_chunk} if cfg.blocks_per_chunk > 1 else {}),
         **cfg.extra_config,
     }
+    # With stages, the model's layers are the synthetic ones (one per layer of each
+    # group, numbered in group order): vLLM splits those over the stages, and the
+    # scheduler reads their count from the model config.
+    staged = {"num_hidden_layers": sum(gd.num_layers for gd in cfg.groups)}
     model = ModelConfig(
         model=model_dir,
         skip_tokenizer_init=True,
         max_model_len=cfg.max_model_len,
         dtype=cfg.dtype,
-        # With stages, the model's layers are the synthetic ones (one per layer of each
-        # group, numbered in group order): vLLM splits those over the stages, and the
-        # scheduler reads their count from here.
-        hf_overrides={"num_hidden_layers": sum(gd.num_layers for gd in cfg.groups)}
-        if cfg.pp > 1
-        else None,
+        **({"hf_overrides": staged} if cfg.pp > 1 else {}),
     )
     cache = CacheConfig(
         block_size=cfg.groups[0].block_size,
