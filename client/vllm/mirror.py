@@ -46,6 +46,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 from vllm.v1.kv_offload.base import Locality, Medium, OffloadingEvent
 
+from kvdepot.common.chunks import key_suffixes
 from kvdepot.v1 import depot_pb2
 
 _SNAPSHOT = depot_pb2.WatchEvent.SNAPSHOT
@@ -77,9 +78,7 @@ class ReadyMirror:
         # What each shard holds, when there are several (`ready` is their intersection).
         self._held: list[set[bytes]] = [set() for _ in range(shards)] if shards > 1 else []
         # Per shard, the 4-byte key suffixes (group ids) of the groups it lacks.
-        self._lacked: list[frozenset[bytes]] = [
-            frozenset(g.to_bytes(4, "big") for g in lacked) for lacked in lacks
-        ] or [frozenset()] * len(self._held)
+        self._lacked = [key_suffixes(lacked) for lacked in lacks] or [frozenset()] * shards
         self._on_forget = on_forget
         # Held while a Watch event is checked and applied, and while the generation
         # switches (never on lookup's path).

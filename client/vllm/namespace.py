@@ -367,8 +367,11 @@ def namespace_layout(
     alone). A group of no layers here (a pipeline stage that holds none of its layers)
     is left out: the stage's part holds no key of it (the scheduler knows,
     `stage_groups`)."""
-    held = [(g.group_id, pages) for g, pages in zip(inputs.groups, layer_page_bytes, strict=True)]
-    held = [(group_id, pages) for group_id, pages in held if pages]
+    held = [
+        (g.group_id, pages)
+        for g, pages in zip(inputs.groups, layer_page_bytes, strict=True)
+        if pages
+    ]
     return depot_pb2.NamespaceLayout(
         id=namespace_id,
         world_size=inputs.world_size if world_size is None else world_size,

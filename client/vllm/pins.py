@@ -40,6 +40,7 @@ import grpc
 from kvdepot.client import DepotClient, DepotUnavailable
 from kvdepot.client.pin_lane import PinLane, PinTimeout, encode_pin_keys
 from kvdepot.client.vllm.stats import MetricName, StepStats
+from kvdepot.common.chunks import key_suffixes
 
 log = logging.getLogger("kvdepot.vllm.manager")
 
@@ -80,9 +81,7 @@ class StepPins:
         them): their keys are not pinned there, and such a shard's keys go at the
         step's end only."""
         self._clients = list(clients)
-        self._lacked = [frozenset(g.to_bytes(4, "big") for g in lacked) for lacked in lacks] or [
-            frozenset()
-        ] * len(self._clients)
+        self._lacked = [key_suffixes(lacked) for lacked in lacks] or [frozenset()] * len(clients)
         self._stats = stats
         self._timeout_s = timeout_s
         self.lanes = [PinLane(c) for c in self._clients]

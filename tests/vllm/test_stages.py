@@ -69,3 +69,31 @@ def test_lacked_groups_by_part_names_the_vllm_group_ids() -> None:
         frozenset(),
         frozenset(),
     ]
+
+
+def test_a_ranks_job_keeps_the_keys_and_blocks_of_the_groups_it_holds() -> None:
+    """Group-major, as vLLM's specs are: group 0 (3 blocks from logical block 1: two
+    chunks of 2 blocks) is left out, group 1 (4 blocks: two chunks) kept, events too."""
+    from kvdepot.client.vllm.worker import held_groups_only
+    from kvdepot.common.jobs import Job
+
+    keys = [b"k0" + bytes(4), b"k1" + bytes(4), b"k2" + (1).to_bytes(4, "big")]
+    keys.append(b"k3" + (1).to_bytes(4, "big"))
+    job = Job(
+        7,
+        1,
+        keys,
+        [10, 11, 12, 20, 21, 22, 23],
+        [3, 4],
+        [1, 0],
+        key_events=[b"a", b"b", b"c", b"d"],
+    )
+    kept = held_groups_only(job, [False, True], 2)
+    assert (kept.keys, kept.block_ids, kept.group_sizes, kept.block_indices) == (
+        keys[2:],
+        [20, 21, 22, 23],
+        [4],
+        [0],
+    )
+    assert list(kept.key_events) == [b"c", b"d"] and kept.job_id == 7
+    assert held_groups_only(job, [True, True], 2).keys == keys
