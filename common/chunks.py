@@ -22,7 +22,7 @@ Terms (vLLM's offloading spec, and the daemon's pool):
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 MAX_KEY_BYTES = 256
 MIN_KEY_BYTES = 5  # at least one hash byte plus the 4-byte group id
@@ -36,6 +36,12 @@ class LayoutError(ValueError):
 def group_of_key(key: bytes) -> int:
     """vLLM's OffloadKey ends with the group id as 4 big-endian bytes."""
     return int.from_bytes(key[-4:], "big")
+
+
+def key_suffixes(group_ids: Iterable[int]) -> frozenset[bytes]:
+    """The last 4 bytes of the keys of these groups (`group_of_key`'s inverse): what a
+    hot path compares a key's `key[-4:]` with, to tell its group without decoding it."""
+    return frozenset(g.to_bytes(4, "big") for g in group_ids)
 
 
 def check_key(key: bytes, num_groups: int) -> int:

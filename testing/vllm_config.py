@@ -104,11 +104,16 @@ def make_vllm_config(cfg: EngineConfig) -> VllmConfig:
         **({"blocks_per_chunk": cfg.blocks_per_chunk} if cfg.blocks_per_chunk > 1 else {}),
         **cfg.extra_config,
     }
+    # With stages, the model's layers are the synthetic ones (one per layer of each
+    # group, numbered in group order): vLLM splits those over the stages, and the
+    # scheduler reads their count from the model config.
+    staged = {"num_hidden_layers": sum(gd.num_layers for gd in cfg.groups)}
     model = ModelConfig(
         model=model_dir,
         skip_tokenizer_init=True,
         max_model_len=cfg.max_model_len,
         dtype=cfg.dtype,
+        **({"hf_overrides": staged} if cfg.pp > 1 else {}),
     )
     cache = CacheConfig(
         block_size=cfg.groups[0].block_size,
@@ -232,7 +237,7 @@ def stage_kv_cache_configs(
     from vllm.v1.core.kv_cache_planning import _project_kv_cache_groups_to_worker
 
     decoder_layer = {name: int(name.split(".")[2]) for name in specs}
-    n = len(set(decoder_layer.values()))
+    n = vllm_config.model_config.get_total_num_hidden_layers()
     configs = []
     for stage in range(cfg.pp):
         start, end = get_pp_indices(n, stage, cfg.pp)

@@ -85,3 +85,52 @@ def test_a_group_of_several_page_sizes_must_add_up_to_the_inputs_block_bytes() -
     for pages in [(4096, 1024, 0 + 1), (512, 4096, 512), (4096, 4096, 4096 + 1)]:
         with pytest.raises(LayoutError, match="other page sizes"):
             check_declaration(replace(real, groups=(pages,)), inputs)
+
+
+def test_a_stage_part_may_declare_the_groups_it_has_layers_of_alone() -> None:
+    """With pipeline stages the inputs count no layers (each stage's are its own), and a
+    stage may hold no layer of a group (vLLM keeps the group there with no layers): its
+    part declares the groups it holds. Under the whole id, a shard's part, in another
+    order, with other pages or of inputs that count layers, a share is still refused."""
+    fields = json.loads(GEO.digest_inputs)
+    for g, page in zip(fields["groups"], (4096, 1024), strict=True):
+        g.update(num_layers=0, layer_page_bytes=[page])
+    fields["worker_bytes_per_block"] = 0
+    inputs, staged = json.dumps(fields), digest_id(fields)
+
+    def declared(suffix: str, groups: tuple, group_ids: tuple) -> NamespaceLayout:
+        return NamespaceLayout(
+            id=staged + suffix,
+            world_size=2,
+            blocks_per_chunk=2,
+            groups=groups,
+            group_ids=group_ids,
+        )
+
+    both = declared(".pp1of2", ((4096,), (1024, 1024)), (0, 1))
+    check_declaration(both, inputs)
+    check_declaration(declared(".pp0of2", ((4096, 4096, 4096),), (0,)), inputs)
+    check_declaration(declared(".pp1of2", ((1024,),), (1,)), inputs)
+    check_declaration(declared(".s1of2.pp0of2", ((1024,),), (1,)), inputs)  # and a shard's
+    for refused in [
+        declared("", ((4096,),), (0,)),  # the whole id
+        declared(".s0of2", ((4096,),), (0,)),  # a shard's part, of no stage
+        declared(".pp0of2", ((1024,), (4096,)), (1, 0)),  # another order
+        declared(".pp0of2", ((1024,),), (2,)),  # a group the inputs do not have
+        declared(".pp0of2", ((2048,),), (1,)),  # another page
+    ]:
+        with pytest.raises(LayoutError, match="digest of its inputs"):
+            check_declaration(refused, inputs)
+    # Inputs that count each group's layers (an engine without stages): all or nothing.
+    unstaged = json.loads(GEO.digest_inputs)
+    with pytest.raises(LayoutError, match="other groups"):
+        check_declaration(
+            NamespaceLayout(
+                id=GEO.namespace + ".pp0of2",
+                world_size=2,
+                blocks_per_chunk=2,
+                groups=((4096, 4096),),
+                group_ids=(0,),
+            ),
+            json.dumps(unstaged),
+        )

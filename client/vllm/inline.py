@@ -52,7 +52,10 @@ class InlineTransport:
         self._bpc = blocks_per_chunk
         self._finish = finish
         self._on_dropped = on_dropped
-        self._pages = [[ref.page_size_bytes for ref in refs] for refs in kv_caches.group_data_refs]
+        # The groups this rank holds layers of, as its jobs and namespace number them (a
+        # pipeline stage may hold no layer of a group: left out of both).
+        self._refs = [refs for refs in kv_caches.group_data_refs if refs]
+        self._pages = [[ref.page_size_bytes for ref in refs] for refs in self._refs]
         # (priority, sequence, job, the CUDA event to wait for): None ends the thread.
         self._queue: queue.PriorityQueue[tuple[int, int, Job | None, Any]] = queue.PriorityQueue()
         self._seq = itertools.count()
@@ -97,7 +100,7 @@ class InlineTransport:
         return job_chunks(job.keys, job.block_ids, job.group_sizes, job.block_indices, self._bpc)
 
     def _page(self, g: int, layer: int, block_id: int) -> torch.Tensor:
-        ref = self._kv_caches.group_data_refs[g][layer]
+        ref = self._refs[g][layer]
         return self._kv_caches.tensors[ref.tensor_idx].tensor[block_id, : ref.page_size_bytes]
 
     def _store(self, job: Job) -> int:

@@ -98,6 +98,7 @@ from kvdepot.client.vllm.request_uses import OfferCounts, RequestUses
 from kvdepot.client.vllm.stats import MetricName, PoolUsage, StepStats
 from kvdepot.client.vllm.transfer_specs import KVDepotLoadSpec, KVDepotStoreSpec
 from kvdepot.client.vllm.unpins import UnpinSender
+from kvdepot.common.chunks import group_of_key
 from kvdepot.common.shards import shard_namespace_id
 
 log = logging.getLogger("kvdepot.vllm.manager")
@@ -143,6 +144,7 @@ class KVDepotOffloadingManager(OffloadingManager):
         node_shards: int | None = None,
         part_suffixes: Sequence[str] | None = None,
         chunk_events: bool = False,
+        part_lacks: Sequence[frozenset[int]] = (),
     ) -> None:
         """`clients`: the daemon's, or one per namespace part of the engine (a shard it
         uses, or a pipeline stage on one: kvdepot.common.shards.engine_parts), the first
@@ -150,7 +152,9 @@ class KVDepotOffloadingManager(OffloadingManager):
         one part per shard, `shard_namespace_id`); `node_shards`: the shards the engine
         was routed for (default `settings.shards`, or 1 when that is "auto").
         `chunk_events`: the Watch streams ask for the stores' chunk events (vLLM's
-        self-describing KV events are on)."""
+        self-describing KV events are on). `part_lacks`: per part, the ids of the
+        groups it holds no key of (a pipeline stage with no layer of them,
+        kvdepot.client.vllm.stages): such a key needs the other parts alone."""
         self._clients = [clients] if isinstance(clients, DepotClient) else list(clients)
         self._client = self._clients[0]
         self._settings = settings
@@ -163,8 +167,12 @@ class KVDepotOffloadingManager(OffloadingManager):
         # Lends vLLM's OffloadingEventsTracker chunk events, once the connector hands
         # it (follow_tracker).
         self._tracker_feed: TrackerFeed | None = None
+        self._part_lacks = list(part_lacks) or [frozenset()] * len(self._clients)
         self._mirror = ReadyMirror(
-            enable_events, on_forget=self._failures.clear, shards=len(self._clients)
+            enable_events,
+            on_forget=self._failures.clear,
+            shards=len(self._clients),
+            lacks=self._part_lacks,
         )
         # Keys offered for store whose job has not completed.
         self._storing: set[bytes] = set()
@@ -196,7 +204,9 @@ class KVDepotOffloadingManager(OffloadingManager):
             float(getattr(settings, "remote_wait_s", 0.2)),
             self._shard_namespace,
         )
-        self._pins = StepPins(self._clients, self._stats, settings.pin_timeout_s)
+        self._pins = StepPins(
+            self._clients, self._stats, settings.pin_timeout_s, lacks=self._part_lacks
+        )
         for shard, client in enumerate(self._clients):
             # The ignores: mypy infers no lambda with a bound default.
             client.add_session_listener(lambda _boot, s=shard: self._on_session(s))  # type: ignore[misc]
@@ -457,8 +467,12 @@ class KVDepotOffloadingManager(OffloadingManager):
             waiting[req_context.req_id] = used
 
     def _touch(self, keys: list[bytes]) -> None:
-        for unpins, namespace_id in zip(self._unpins, self._on_shards, strict=True):
-            unpins.touch(namespace_id, keys)
+        for unpins, namespace_id, lacked in zip(
+            self._unpins, self._on_shards, self._part_lacks, strict=True
+        ):
+            # A part holds no key of the groups its stage has no layer of.
+            held = [k for k in keys if group_of_key(k) not in lacked] if lacked else keys
+            unpins.touch(namespace_id, held)
 
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
         if self._pins.step_loads:

@@ -73,7 +73,9 @@ def _group_refs(
     kv_caches: CanonicalKVCaches, layer_pages: list[list[int]] | None
 ) -> list[depot_pb2.GroupRefs]:
     """Where each layer's page lives; `layer_pages`: the pages the namespace has, when
-    they are not vLLM's (a canonical namespace's unit pages, the first at offset 0)."""
+    they are not vLLM's (a canonical namespace's unit pages, the first at offset 0). A
+    group of no layers here (a pipeline stage that holds none of its) is left out, as
+    the namespace's layout leaves it out (`namespace_layout`)."""
     return [
         depot_pb2.GroupRefs(
             layers=[
@@ -86,6 +88,7 @@ def _group_refs(
             ]
         )
         for g, refs in enumerate(kv_caches.group_data_refs)
+        if refs
     ]
 
 

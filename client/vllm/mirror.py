@@ -42,10 +42,11 @@ both locks):
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 from vllm.v1.kv_offload.base import Locality, Medium, OffloadingEvent
 
+from kvdepot.common.chunks import key_suffixes
 from kvdepot.v1 import depot_pb2
 
 _SNAPSHOT = depot_pb2.WatchEvent.SNAPSHOT
@@ -59,14 +60,25 @@ WatchHandler = Callable[[depot_pb2.WatchEvent], None]
 class ReadyMirror:
     """The ready keys of the namespace the engine is in, and vLLM's KV events for them."""
 
-    def __init__(self, enable_events: bool, on_forget: Callable[[], None], shards: int = 1) -> None:
+    def __init__(
+        self,
+        enable_events: bool,
+        on_forget: Callable[[], None],
+        shards: int = 1,
+        lacks: Sequence[frozenset[int]] = (),
+    ) -> None:
         """`enable_events`: collect OffloadingEvents for `take_events` (vLLM's KV events
         are on). `on_forget` runs (on the stream loop thread) when a reset snapshot
         makes the mirror forget everything (with shards: what one shard held).
-        `shards`: the daemon shards the engine uses, one Watch stream each."""
+        `shards`: the daemon shards the engine uses, one Watch stream each; `lacks`:
+        per shard, the ids of the groups it holds no key of (a pipeline stage with no
+        layer of them, kvdepot.client.vllm.stages): a key of such a group needs the
+        other shards alone."""
         self.ready: set[bytes] = set()
         # What each shard holds, when there are several (`ready` is their intersection).
         self._held: list[set[bytes]] = [set() for _ in range(shards)] if shards > 1 else []
+        # Per shard, the 4-byte key suffixes (group ids) of the groups it lacks.
+        self._lacked = [key_suffixes(lacked) for lacked in lacks] or [frozenset()] * shards
         self._on_forget = on_forget
         # Held while a Watch event is checked and applied, and while the generation
         # switches (never on lookup's path).
@@ -172,10 +184,16 @@ class ReadyMirror:
             # key and shard, in Python.
             fresh = set(keys)
             fresh.difference_update(self.ready)
-            for other in self._held:
+            for other, lacked in zip(self._held, self._lacked, strict=True):
                 if not fresh:
                     return
-                if other is not held:
+                if other is held:
+                    continue
+                if lacked:  # its stage holds no layer of these keys' groups
+                    exempt = {k for k in fresh if k[-4:] in lacked}
+                    fresh.intersection_update(other)
+                    fresh.update(exempt)
+                else:
                     fresh.intersection_update(other)
             if fresh:
                 self.ready.update(fresh)

@@ -169,19 +169,23 @@ def _layer_page_bytes(kv_cache_config: KVCacheConfig, group_id: int) -> tuple[in
     """Un-padded page bytes of each layer of a group as the scheduler sees them (as
     vLLM's offloading worker registers them, CanonicalKVCacheRef.page_size_bytes,
     except in a UniformTypeKVCacheSpecs group, whose first layer's page stands for all)."""
+    group = kv_cache_config.kv_cache_groups[group_id]
+    return (_page_bytes(group.kv_cache_spec),) * len(group.layer_names)
+
+
+def _page_bytes(group_spec: Any) -> int:
+    """The un-padded page bytes of one layer of a group of spec `group_spec`, as the
+    scheduler sees it (a UniformTypeKVCacheSpecs group flattened to its first layer)."""
     from dataclasses import replace
 
     from vllm.v1.kv_cache_interface import AttentionSpec, MambaSpec
 
-    group = kv_cache_config.kv_cache_groups[group_id]
-    spec = _scheduler_spec(group.kv_cache_spec)
+    spec = _scheduler_spec(group_spec)
     if isinstance(spec, AttentionSpec):
-        page = int(spec.unpadded_page_size_bytes)
-    elif isinstance(spec, MambaSpec):
-        page = int(replace(spec, page_size_padded=None).page_size_bytes)
-    else:
-        page = int(spec.page_size_bytes)
-    return (page,) * len(group.layer_names)
+        return int(spec.unpadded_page_size_bytes)
+    if isinstance(spec, MambaSpec):
+        return int(replace(spec, page_size_padded=None).page_size_bytes)
+    return int(spec.page_size_bytes)
 
 
 def _bytes_per_block(config: OffloadingConfig, kv_cache_config: KVCacheConfig | None) -> int:
@@ -299,9 +303,12 @@ def namespace_inputs(
         if kv_cache_config is not None:
             spec = _scheduler_spec(kv_cache_config.kv_cache_groups[g.group_id].kv_cache_spec)
             kind = type(spec).__name__
-            pages = (_unit_pages if units else _layer_page_bytes)(kv_cache_config, g.group_id)
             if staged:
-                pages = pages[:1]
+                # One layer's page, from the spec: a stage's worker may hold no layer
+                # of the group (vLLM keeps the group there with no layers).
+                pages = (_page_bytes(kv_cache_config.kv_cache_groups[g.group_id].kv_cache_spec),)
+            else:
+                pages = (_unit_pages if units else _layer_page_bytes)(kv_cache_config, g.group_id)
         elif (window := getattr(g, "sliding_window_size_in_chunks", None)) is not None:
             # vLLM 0.33 only; 0.32 does not tell the scheduler about windows here.
             kind = f"windowed/{window}"
@@ -357,14 +364,21 @@ def namespace_layout(
     pipeline stage's share of the engine's world; default the whole world). Its group
     ids are vLLM's, which its keys end with: the offloaded groups need not be 0..n-1 (a
     group vLLM does not offload comes before one it does, or HiSparse offloads group 1
-    alone)."""
+    alone). A group of no layers here (a pipeline stage that holds none of its layers)
+    is left out: the stage's part holds no key of it (the scheduler knows,
+    `stage_groups`)."""
+    held = [
+        (g.group_id, pages)
+        for g, pages in zip(inputs.groups, layer_page_bytes, strict=True)
+        if pages
+    ]
     return depot_pb2.NamespaceLayout(
         id=namespace_id,
         world_size=inputs.world_size if world_size is None else world_size,
         blocks_per_chunk=inputs.blocks_per_chunk,
-        groups=[depot_pb2.GroupLayout(layer_page_bytes=pages) for pages in layer_page_bytes],
+        groups=[depot_pb2.GroupLayout(layer_page_bytes=pages) for _, pages in held],
         description=inputs.description(),
-        group_ids=[g.group_id for g in inputs.groups],
+        group_ids=[group_id for group_id, _ in held],
         digest_inputs=canonical(inputs.digest_fields()),
     )
 

@@ -40,6 +40,7 @@ import grpc
 from kvdepot.client import DepotClient, DepotUnavailable
 from kvdepot.client.pin_lane import PinLane, PinTimeout, encode_pin_keys
 from kvdepot.client.vllm.stats import MetricName, StepStats
+from kvdepot.common.chunks import key_suffixes
 
 log = logging.getLogger("kvdepot.vllm.manager")
 
@@ -68,9 +69,19 @@ class StepPins:
     """The pins of each scheduler step's loads on every shard, held per request and
     shard until its load completes."""
 
-    def __init__(self, clients: Sequence[DepotClient], stats: StepStats, timeout_s: float) -> None:
-        """`clients`: one per shard the engine uses, shard 0 first."""
+    def __init__(
+        self,
+        clients: Sequence[DepotClient],
+        stats: StepStats,
+        timeout_s: float,
+        lacks: Sequence[frozenset[int]] = (),
+    ) -> None:
+        """`clients`: one per shard the engine uses, shard 0 first; `lacks`: per shard,
+        the ids of the groups it holds no key of (a pipeline stage with no layer of
+        them): their keys are not pinned there, and such a shard's keys go at the
+        step's end only."""
         self._clients = list(clients)
+        self._lacked = [key_suffixes(lacked) for lacked in lacks] or [frozenset()] * len(clients)
         self._stats = stats
         self._timeout_s = timeout_s
         self.lanes = [PinLane(c) for c in self._clients]
@@ -101,6 +112,8 @@ class StepPins:
         self._keys_waiting = 0
         parts = _parts(loads, self._loads_sent)
         for shard, namespace_id in enumerate(namespace_ids):
+            if self._lacked[shard]:  # its share of the keys goes at the step's end
+                continue
             part = parts.get(self._loads_sent[shard])
             if part is None or self._send(shard, namespace_id, *part):
                 self._loads_sent[shard] = len(loads)
@@ -126,12 +139,22 @@ class StepPins:
         deadline = time.monotonic() + self._timeout_s
         # What did not go early goes now, to every shard before any answer is read.
         rest = _parts(loads, loads_sent)
+        # A shard that lacks groups pins the keys of the others alone, all sent now.
+        shares = [self._share(loads, lacked) for lacked in self._lacked]
         for shard, (n, namespace_id) in enumerate(zip(loads_sent, namespace_ids, strict=True)):
-            if n in rest:
+            share = shares[shard]
+            if share is not None:
+                if share[1]:
+                    self._send(shard, namespace_id, *_parts(share[0], [0])[0])
+            elif n in rest:
                 self._send(shard, namespace_id, *rest[n])
         missing: list[bytes] = []
         for shard, namespace_id in enumerate(namespace_ids):
-            missing += self._settle(shard, namespace_id, loads, keys, deadline)
+            share = shares[shard]
+            if share is None:
+                missing += self._settle(shard, namespace_id, loads, keys, deadline)
+            elif share[1]:
+                missing += self._settle(shard, namespace_id, *share, deadline)
         elapsed = time.perf_counter() - start
         self.calls += 1
         self.latencies.append(elapsed)
@@ -139,6 +162,17 @@ class StepPins:
             del self.latencies[:50_000]
         self._stats.count_pin(elapsed, len(set(missing)))
         return missing
+
+    @staticmethod
+    def _share(
+        loads: list[tuple[str, list[bytes]]], lacked: frozenset[bytes]
+    ) -> tuple[list[tuple[str, list[bytes]]], list[bytes]] | None:
+        """The step's loads and keys less those of the `lacked` groups (by key suffix);
+        None when a shard lacks none (it pins them all)."""
+        if not lacked:
+            return None
+        share = [(req_id, [k for k in keys if k[-4:] not in lacked]) for req_id, keys in loads]
+        return share, [k for _, keys in share for k in keys]
 
     def _settle(
         self,

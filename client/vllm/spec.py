@@ -38,6 +38,7 @@ from kvdepot.client.vllm.namespace import (
     namespace_inputs,
     namespace_layout,
 )
+from kvdepot.client.vllm.stages import lacked_groups, stage_groups
 from kvdepot.client.vllm.stats import MetricName
 from kvdepot.client.vllm.worker import KVDepotOffloadingWorker
 from kvdepot.common.shards import (
@@ -182,6 +183,10 @@ class KVDepotOffloadingSpec(OffloadingSpec):
             )
         kv_cache_config = ctx.kv_cache_config if ctx is not None else None
         heads = ctx.vllm_config.model_config.get_total_num_kv_heads() if ctx is not None else 0
+        # The decoder layers vLLM splits over the pipeline stages (get_pp_indices).
+        self._model_layers = (
+            ctx.vllm_config.model_config.get_total_num_hidden_layers() if ctx is not None else 0
+        )
         units = canonical_units(config, kv_cache_config, heads)
         canonical = None if isinstance(units, str) else units
         if isinstance(units, str) and config.canonical_layout:
@@ -300,6 +305,20 @@ class KVDepotOffloadingSpec(OffloadingSpec):
                 self.namespace.pp_size,
             )
             clients = [self._shard_client("scheduler", part.shard) for part in parts]
+            held = stage_groups(
+                [g.layer_names for g in self.config.groups],
+                self._model_layers,
+                self.namespace.pp_size,
+            )
+            lacks = lacked_groups(
+                [g.group_id for g in self.config.groups], held, [part.stage for part in parts]
+            )
+            if any(lacks):
+                log.info(
+                    "kvdepot: pipeline stages hold no layer of some offloaded groups; "
+                    "the parts that lack them (by group id): %s",
+                    {p.namespace_id(""): sorted(g) for p, g in zip(parts, lacks, strict=True) if g},
+                )
             self._drop_asking_client()
             self._manager = KVDepotOffloadingManager(
                 clients,
@@ -309,6 +328,7 @@ class KVDepotOffloadingSpec(OffloadingSpec):
                 node_shards=node_shards,
                 part_suffixes=[part.namespace_id("") for part in parts],
                 chunk_events=self.kv_events_config.self_describing_kv_events,
+                part_lacks=lacks,
             )
         return self._manager
 

@@ -29,7 +29,9 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from itertools import compress
 
 import torch
 from vllm.v1.kv_offload.base import (
@@ -47,6 +49,7 @@ from kvdepot.client.vllm.job_ledger import JobLedger, Submitted
 from kvdepot.client.vllm.memory_paths import MemoryPath, MemoryPlan, describe_memory, log_choice
 from kvdepot.client.vllm.registration import Registrar
 from kvdepot.client.vllm.transfer_specs import KVDepotLoadStoreSpec, KVDepotStoreSpec
+from kvdepot.common.chunks import chunks_per_group
 from kvdepot.common.jobs import Job, JobResult
 from kvdepot.common.kinds import Direction
 from kvdepot.common.shards import RankRoute
@@ -55,6 +58,33 @@ from kvdepot.v1 import depot_pb2
 log = logging.getLogger("kvdepot.vllm.worker")
 
 __all__ = ["KVDepotOffloadingWorker", "MemoryPath", "MemoryPlan", "describe_memory"]
+
+
+def held_groups_only(job: Job, held: Sequence[bool], blocks_per_chunk: int) -> Job:
+    """`job` without the keys and blocks of the groups not `held` (group-major, as
+    vLLM's specs are): what a rank of a pipeline stage that holds no layer of a group
+    copies, in a namespace part whose layout has the held groups alone."""
+    per_group = chunks_per_group(job.group_sizes, job.block_indices, blocks_per_chunk)
+    keys: list[bytes] = []
+    events: list[bytes] = []
+    block_ids: list[int] = []
+    key_pos = block_pos = 0
+    for n_keys, n_blocks, keep in zip(per_group, job.group_sizes, held, strict=True):
+        if keep:
+            keys += job.keys[key_pos : key_pos + n_keys]
+            block_ids += job.block_ids[block_pos : block_pos + n_blocks]
+            if job.key_events:
+                events += job.key_events[key_pos : key_pos + n_keys]
+        key_pos += n_keys
+        block_pos += n_blocks
+    return replace(
+        job,
+        keys=keys,
+        block_ids=block_ids,
+        group_sizes=list(compress(job.group_sizes, held)),
+        block_indices=list(compress(job.block_indices, held)),
+        key_events=events,
+    )
 
 
 class KVDepotOffloadingWorker(OffloadingWorker):
@@ -93,6 +123,11 @@ class KVDepotOffloadingWorker(OffloadingWorker):
             if units is None
             else units.layer_pages
         )
+        # Per offloaded group, whether this rank holds a layer of it: a pipeline stage
+        # may hold none of a group's (vLLM keeps the group there with no layers). Its
+        # keys are left out of this rank's jobs: nothing of theirs is here to copy.
+        self._held_groups = [bool(pages) for pages in self.layer_pages]
+        self._lacks_groups = not all(self._held_groups)
         plan = describe_memory(kv_caches, memory_path, None if units is None else units.layer_pages)
         log_choice(plan, rank)
 
@@ -230,6 +265,8 @@ class KVDepotOffloadingWorker(OffloadingWorker):
             if self._rank == 0 and type(depot_spec) is KVDepotStoreSpec
             else (),
         )
+        if self._lacks_groups:
+            job = held_groups_only(job, self._held_groups, self._bpc)
         if not job.keys:
             self._ledger.finish_local(job, JobResult(job_id, True))
             return

@@ -22,7 +22,10 @@ page's bytes there, so no declaration of several page sizes passes for it.
 Pipeline stages: the inputs of an engine with stages leave out what each stage decides
 (its layers, its bytes of one block) and keep one layer's page per group, so a stage's
 declaration is checked for its first page alone. Such an id's layer counts are pinned
-by nothing but its salt.
+by nothing but its salt. A stage may hold no layer of a group (vLLM's hybrid models:
+all full-attention layers on stage 0), so a stage's part (an id naming a `.pp` part)
+may declare some of the inputs' groups alone, in their order; the whole id and a
+shard's part may not.
 """
 
 from __future__ import annotations
@@ -38,6 +41,20 @@ from kvdepot.server.core.layout import NamespaceLayout
 MAX_DIGEST_INPUTS = 64 << 10
 # What names a namespace part (kvdepot.common.shards): a shard's or a pipeline stage's.
 _PART = re.compile(r"\.(?:s\d+of\d+|pp\d+of\d+)(?:\.|$)")
+_STAGE = re.compile(r"\.pp\d+of\d+(?:\.|$)")
+
+
+def _stage_share(layout: NamespaceLayout, by_id: dict[int, Any], groups: list[Any]) -> bool:
+    """Whether `layout`'s groups may be a share of the inputs' `groups`: a pipeline
+    stage's part of an engine with stages (its inputs count no layers) may hold the
+    groups it has layers of alone, some of them, in the inputs' order; no other id."""
+    if _STAGE.search(layout.id) is None or len(by_id) != len(groups):
+        return False
+    if any(_field(g, "num_layers", int) != 0 for g in groups):
+        return False
+    order = list(by_id)
+    held = [order.index(i) for i in layout.group_ids if i in by_id]
+    return bool(held) and len(held) == len(layout.group_ids) and held == sorted(held)
 
 
 def _refused(layout: NamespaceLayout, why: str) -> LayoutError:
@@ -85,8 +102,11 @@ def check_declaration(layout: NamespaceLayout, digest_inputs: str) -> None:
     groups = _field(fields, "groups", list)
     if not all(isinstance(g, dict) for g in groups):
         raise LayoutError("digest_inputs: a group is not a JSON object")
-    if tuple(_field(g, "group_id", int) for g in groups) != layout.group_ids:
-        raise _refused(layout, "has other groups")
+    by_id = {_field(g, "group_id", int): g for g in groups}
+    if tuple(by_id) != layout.group_ids:
+        if not _stage_share(layout, by_id, groups):
+            raise _refused(layout, "has other groups")
+        groups = [by_id[group_id] for group_id in layout.group_ids]
     for g, declared in zip(groups, layout.groups, strict=True):
         layers = _field(g, "num_layers", int)
         pages = tuple(_field(g, "layer_page_bytes", list))

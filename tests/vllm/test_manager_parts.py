@@ -197,6 +197,54 @@ def test_with_shards_the_ready_keys_are_those_every_shard_holds(
         assert replayed == mirror.ready
 
 
+KEYS_OF = {g: [bytes([c]) * 4 + g.to_bytes(4, "big") for c in b"abc"] for g in (0, 1)}
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.integers(0, 2),  # the shard
+            st.sampled_from(["stored", "removed", "reset"]),
+            st.lists(st.sampled_from(KEYS_OF[0] + KEYS_OF[1]), max_size=4),
+        ),
+        max_size=30,
+    )
+)
+def test_a_key_of_a_group_a_shard_lacks_needs_the_other_shards_alone(
+    script: list[tuple[int, str, list[bytes]]],
+) -> None:
+    """Shard 0 is a pipeline stage with no layer of group 1 (it never holds a key of
+    it): a key of group 1 is ready exactly while shards 1 and 2 hold it, one of group 0
+    while all three do."""
+    lacks = [frozenset({1}), frozenset(), frozenset()]
+    mirror = ReadyMirror(enable_events=True, on_forget=lambda: None, shards=3, lacks=lacks)
+    handlers = [mirror.handler(0, shard=s) for s in range(3)]
+    held: list[set[bytes]] = [set(), set(), set()]
+    replayed: set[bytes] = set()
+    for shard, kind, keys in script:
+        if shard == 0:
+            keys = [k for k in keys if k in KEYS_OF[0]]
+        if kind == "stored":
+            handlers[shard](stored(*keys))
+            held[shard].update(keys)
+        elif kind == "removed":
+            handlers[shard](removed(*keys))
+            held[shard].difference_update(keys)
+        else:
+            handlers[shard](snapshot(*keys, reset=True))
+            held[shard] = set(keys)
+        both = held[1] & held[2]
+        assert mirror.ready == (both & held[0]) | (both & set(KEYS_OF[1]))
+        for event in mirror.take_events():
+            if event.removed:
+                replayed.difference_update(event.keys)
+            else:
+                assert not replayed & set(event.keys), "a key announced ready twice"
+                replayed.update(event.keys)
+        assert replayed == mirror.ready
+
+
 # -- the back-off after failed loads ----------------------------------------------------
 
 

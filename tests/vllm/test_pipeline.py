@@ -106,3 +106,87 @@ def test_unequal_stages_store_and_reload_byte_for_byte(
         assert info.world_size == part.world_size
         assert list(info.slot_bytes) == [part.world_size * stage_layers[part.stage] * page]
         assert info.ready_blocks == 6
+
+
+# A hybrid of two groups: layers 0-2 are group 0's, 3-4 group 1's. Split "2,3", stage
+# 0 holds layers 0-1 (group 0 alone) and stage 1 layers 2-4 (both groups): vLLM keeps
+# group 1 on stage 0's workers with no layers.
+HYBRID = (
+    GroupDef("full", block_size=16, num_layers=3),
+    GroupDef("full", block_size=16, num_layers=2),
+)
+
+
+@pytest.mark.parametrize(("shards", "tp"), [(1, 2), (2, 1)], ids=["one-shard", "a-stage-a-shard"])
+def test_a_stage_with_no_layer_of_a_group_stores_and_reloads_byte_for_byte(
+    daemon_factory, make_engine, monkeypatch: pytest.MonkeyPatch, shards: int, tp: int
+) -> None:
+    """Stage 0's part holds group 0's keys alone, stage 1's both groups'; a key of group
+    1 is a hit once stage 1 wrote it, a key of group 0 once both stages did."""
+    monkeypatch.setenv("VLLM_PP_LAYER_PARTITION", "2,3")
+    d = daemon_factory("--pool-size", "64MiB", *(("--shards", str(shards)) if shards > 1 else ()))
+    wait_shards(d, shards)
+    engine = make_engine(socket=d.target, groups=HYBRID, tp=tp, pp=2, num_gpu_blocks=64)
+    engine.wait_registered()
+    world = 2 * tp
+    early = [r for r in range(world) if engine.stage(r) == 0]
+    assert [len(engine.group_layers(1, r)) for r in range(world)] == [0] * tp + [2] * tp
+    assert [len(engine.group_layers(0, r)) for r in range(world)] == [2] * tp + [1] * tp
+    ns = engine.manager.namespace_id
+    assert {r.offloading_worker._namespace_id for r in engine.ranks} == {ns}
+
+    keys = {g: engine.offload_keys(PROMPT, g) for g in (0, 1)}
+    behind_by_one_stage(engine, PROMPT)
+    # Stage 0 wrote group 0's sections; stage 1 wrote nothing yet: no key is a hit.
+    assert not any(engine.manager.is_ready(k) for g in (0, 1) for k in keys[g])
+    engine.run()
+    engine.wait_ready(keys[0] + keys[1])
+    first = engine.records["req-0"]
+    before = {
+        (r, g): pages(engine, r, g, first.block_ids[g][:6]) for r in range(world) for g in (0, 1)
+    }
+    assert not before[(early[0], 1)]  # stage 0 holds no page of group 1
+
+    engine.reset_gpu_prefix_cache()  # and scrub every block of every rank
+    [second] = engine.generate([PROMPT])
+    assert second.external_tokens == 96
+    for r in range(world):
+        for g in (0, 1):
+            after = pages(engine, r, g, second.block_ids[g][:6])
+            assert len(after) == len(before[(r, g)])
+            assert all(bool((a == b).all()) for a, b in zip(before[(r, g)], after, strict=True))
+            assert_expected(engine, PROMPT, r, g, second.block_ids[g][:6])
+    assert not engine.load_errors and not engine.invalid_block_ids
+    for counter in ("failed_stores", "failed_loads"):
+        assert sum(r.offloading_worker.stats[counter] for r in engine.ranks) == 0
+
+    # Stage 0's part declared group 0 alone and holds its 6 rows; stage 1's, both.
+    parts = engine_parts(world, shards, first_shard(ns, shards, world), 2)
+    for part in parts:
+        target = shard_admin(d, part.shard) if shards > 1 else d.admin_target
+        info = namespace_infos(target)[part.namespace_id(ns)]
+        assert tuple(info.group_ids) == ((0,) if part.stage == 0 else (0, 1))
+        assert info.ready_blocks == (6 if part.stage == 0 else 12)
+
+
+def test_a_later_stage_with_no_layer_of_a_group_misses_but_never_loads_wrong_bytes(
+    daemon, make_engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Split "4,1": stage 1 holds layer 4 alone, no layer of group 0. vLLM hands the
+    scheduler stage 0's layers only, so it cannot tell; it waits for stage 1's part to
+    hold group 0's keys, which it never does: every lookup misses, and both stages'
+    stores succeed."""
+    monkeypatch.setenv("VLLM_PP_LAYER_PARTITION", "4,1")
+    engine = make_engine(socket=daemon.target, groups=HYBRID, tp=1, pp=2, num_gpu_blocks=64)
+    engine.wait_registered()
+    assert [len(engine.group_layers(0, r)) for r in range(2)] == [3, 0]
+    engine.generate([PROMPT])
+    keys = engine.offload_keys(PROMPT, 1)
+    engine.wait_ready(keys)  # group 1's keys: both stages hold layers of it
+    engine.reset_gpu_prefix_cache()
+    [second] = engine.generate([PROMPT])
+    assert second.external_tokens == 0
+    assert not any(engine.manager.is_ready(k) for k in engine.offload_keys(PROMPT, 0))
+    assert not engine.load_errors
+    assert sum(r.offloading_worker.stats["failed_stores"] for r in engine.ranks) == 0
+    assert sum(r.offloading_worker.stats["stores"] for r in engine.ranks) >= 2
