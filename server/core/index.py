@@ -435,8 +435,9 @@ class BlockIndex:
     # -- warm restart and crash recovery (Recovery) ---------------------------------
 
     @property
-    def recovering(self) -> dict[int, Extent]:
-        """Extents claimed for a crash journal's rows, by offset, until verified."""
+    def recovering(self) -> Mapping[int, Extent]:
+        """Extents claimed for a crash journal's rows, by offset, until verified
+        (read-only: claim_recovering, drop_recovering and adopt_* change it)."""
         return self._recovery.recovering
 
     def claim_recovering(self, offset: int, size: int) -> Extent:

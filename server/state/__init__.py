@@ -1,7 +1,6 @@
 """The daemon's state, between the sans-I/O core and the gRPC services.
 
 depot.py          DepotState: assembles the parts; the API the services call
-facade.py         how DepotState offers its facets' calls as its own
 startup.py        how it starts: empty pool, warm restart, crash recovery
 sessions.py       sessions, registrations, memory paths, fd claiming and sealing
 tickets.py        session tickets: a session its process owns from the open

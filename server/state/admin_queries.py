@@ -5,7 +5,7 @@
 figures Admin/ListEngines and the metrics read beside GetStats: the pool's
 capacity, a session's pinned blocks, evictions by reason. It changes nothing.
 
-Owned by `DepotState`, which offers these calls as its own (kvdepot.server.state.facade);
+Owned by `DepotState`, which offers these calls as its own (a method per call);
 everything runs on the event loop, which owns what it reads.
 """
 

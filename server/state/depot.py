@@ -10,8 +10,8 @@ It assembles the parts and owns their life:
     AdminEviction        Admin/Evict and Admin/Clear, in slices
     Traffic              job and block counters, transfer observers (metrics)
 
-and offers the calls of its facets, one job each, as its own (`forward` rows,
-kvdepot.server.state.facade):
+and offers the calls of its facets, one job each, as its own: a plain method per
+call, with the call's signature, that hands it to the facet:
 
     SessionRegistry      open, attest and close sessions; register, observe (registry.py)
     KeyCalls             Lookup, Pin, Unpin, Watch on a joined namespace (key_calls.py)
@@ -37,26 +37,33 @@ import os
 import secrets
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
-from typing import Protocol
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from typing import Any, Protocol
 
 from kvdepot.common.jobs import Job, JobResult
+from kvdepot.common.kinds import MemoryPath
 from kvdepot.server import errors
 from kvdepot.server.copy_queue import CopyQueues
-from kvdepot.server.core.index import BlockIndex, IndexEvent
+from kvdepot.server.core.index import BlockIndex, IndexEvent, Namespace
 from kvdepot.server.core.kinds import PutOutcome
+from kvdepot.server.core.layout import NamespaceLayout
+from kvdepot.server.core.memory_map import LayerRef, TensorView
+from kvdepot.server.core.prefix_fetch import KeyState
+from kvdepot.server.core.tier import Tier
 from kvdepot.server.memory import journal_file, pool_file
 from kvdepot.server.memory.arena import Arena
+from kvdepot.server.memory.paths import MemoryPathPlugin, PassedFd
+from kvdepot.server.peer import Peer
 from kvdepot.server.resources import Headroom
 from kvdepot.server.state import startup
 from kvdepot.server.state.admin_evict import AdminEviction
 from kvdepot.server.state.admin_queries import AdminQueries
-from kvdepot.server.state.events import EventBus
-from kvdepot.server.state.facade import forward, forward_value
+from kvdepot.server.state.events import EventBus, Watcher
 from kvdepot.server.state.inline import InlinePath
 from kvdepot.server.state.invariants import check_invariants, mutation
 from kvdepot.server.state.jobs import JobCounts, JobLimits, JobRunner, check_job_counts
 from kvdepot.server.state.key_calls import KeyCalls
+from kvdepot.server.state.listing import BlockPage
 from kvdepot.server.state.namespaces import NamespaceAccess
 from kvdepot.server.state.registry import SessionRegistry
 from kvdepot.server.state.sessions import FdSource, Registration, Session, Sessions
@@ -154,7 +161,7 @@ class DepotState:
         index.internal_writers = self.internal_writers  # type: ignore[assignment]
         self.invariant_failure: str | None = None
         self.admin = AdminEviction(index, config, self.verify_invariants)
-        # The facets whose calls the state offers as its own (the forward rows below).
+        # The facets whose calls the state offers as its own (its methods below).
         self.registry = SessionRegistry(
             self._sessions,
             index,
@@ -297,58 +304,220 @@ class DepotState:
                 log.warning("closed %d fd(s) that no RegisterKV claimed", stale)
 
     # -- the facets' calls (each facet's module documents them) -------------------------
+    # Plain methods, one per call, each handing it to the facet that answers it: what
+    # help() and a type checker read is the call's own signature. A value is a read-only
+    # property; a container is handed out as a read-only Mapping.
 
     # Sessions and registrations (kvdepot.server.state.registry).
-    open_session = forward("registry", SessionRegistry.open_session)
-    attest = forward("registry", SessionRegistry.attest)
-    issue_ticket = forward("registry", SessionRegistry.issue_ticket)
-    close_session = forward("registry", SessionRegistry.close_session)
-    session = forward("registry", SessionRegistry.session)
-    declare = forward("registry", SessionRegistry.declare)
-    register = forward("registry", SessionRegistry.register)
-    observe = forward("registry", SessionRegistry.observe)
-    unregister = forward("registry", SessionRegistry.unregister)
+    def open_session(
+        self,
+        client_name: str,
+        pid: int,
+        engine_id: str,
+        *,
+        ticket: str = "",
+        opener: Hashable | None = None,
+    ) -> Session:
+        """Depot/OpenSession: see SessionRegistry.open_session."""
+        return self.registry.open_session(client_name, pid, engine_id, ticket=ticket, opener=opener)
+
+    def attest(self, session_id: str, peer: Peer) -> None:
+        """The fd socket's identity check: see SessionRegistry.attest."""
+        self.registry.attest(session_id, peer)
+
+    def issue_ticket(self, peer: Peer) -> str:
+        """The fd socket's "ticket" message: see SessionRegistry.issue_ticket."""
+        return self.registry.issue_ticket(peer)
+
+    def close_session(self, session_id: str) -> None:
+        """Releases everything the session held: see SessionRegistry.close_session."""
+        self.registry.close_session(session_id)
+
+    def session(self, session_id: str) -> Session:
+        """The open session `session_id` (FAILED_PRECONDITION if none)."""
+        return self.registry.session(session_id)
+
+    def declare(self, layout: NamespaceLayout) -> None:
+        """Declares a namespace in the index: see SessionRegistry.declare."""
+        self.registry.declare(layout)
+
+    def register(
+        self,
+        session_id: str,
+        layout: NamespaceLayout,
+        rank: int,
+        regions: Sequence[tuple[MemoryPath | str, object]],
+        tensors: Sequence[TensorView],
+        groups: Sequence[Sequence[LayerRef]],
+        units: int = 1,
+    ) -> Registration:
+        """Depot/RegisterKV: see SessionRegistry.register."""
+        return self.registry.register(session_id, layout, rank, regions, tensors, groups, units)
+
+    def observe(self, session_id: str, namespace_id: str) -> None:
+        """An observer join (RegisterKV naming a namespace id alone): see
+        SessionRegistry.observe."""
+        self.registry.observe(session_id, namespace_id)
+
+    def unregister(self, session_id: str, registration_id: int) -> None:
+        """Depot/UnregisterKV: see SessionRegistry.unregister."""
+        self.registry.unregister(session_id, registration_id)
+
     # The sessions, registrations and memory paths themselves, the fd socket's passed
     # fds and the identity refusals (kvdepot.server.state.sessions).
-    sessions: Mapping[str, Session] = forward_value("_sessions.sessions", "session id -> Session")
-    registrations: Mapping[int, Registration] = forward_value(
-        "_sessions.registrations", "registration id -> Registration"
-    )
-    permission_denied: int = forward_value("_sessions.permission_denied", "identity refusals")
-    add_memory_path = forward("_sessions", Sessions.add_memory_path)
-    memory_path = forward("_sessions", Sessions.memory_path)
-    takes_fds = forward("_sessions", Sessions.takes_fds)
-    claim_passed = forward("_sessions", Sessions.claim_passed)
-    deny = forward("_sessions", Sessions.deny)
-    open_call = forward("_sessions", Sessions.open_call)
-    close_call = forward("_sessions", Sessions.close_call)
-    # Lookup, Pin, Unpin, Watch (kvdepot.server.state.key_calls).
-    lookup = forward("keys", KeyCalls.lookup)
-    pin = forward("keys", KeyCalls.pin)
-    unpin = forward("keys", KeyCalls.unpin)
-    add_watcher = forward("keys", KeyCalls.add_watcher)
-    remove_watcher = forward("keys", KeyCalls.remove_watcher)
-    ready_keys = forward("keys", KeyCalls.ready_keys)
-    ready_after = forward("keys", KeyCalls.ready_after)
-    chunk_events = forward("keys", KeyCalls.chunk_events)
-    # The tiers below the pool, the disk and the fleet's (kvdepot.server.state.tiers).
-    attach_tier = forward("tiers", TiersBelow.attach_tier)
-    has_tier_below: bool = forward_value("tiers.has_tier_below", "a tier below the pool is on")
-    tiers_healthy: bool = forward_value("tiers.tiers_healthy", "one of the tiers below is up")
-    tier_stats = forward("tiers", TiersBelow.tier_stats)
-    prefetch = forward("tiers", TiersBelow.prefetch)
-    # The operators' queries (kvdepot.server.state.admin_queries).
-    capacity_bytes: int = forward_value("queries.capacity_bytes", "the pool's bytes")
-    namespaces = forward("queries", AdminQueries.namespaces)
-    list_blocks = forward("queries", AdminQueries.list_blocks)
-    pinned_blocks = forward("queries", AdminQueries.pinned_blocks)
-    evictions_by_reason = forward("queries", AdminQueries.evictions_by_reason)
-    # Admin/Evict and Admin/Clear a slice at a time (kvdepot.server.state.admin_evict).
-    evict_in_slices = forward("admin", AdminEviction.evict_in_slices)
-    clear_in_slices = forward("admin", AdminEviction.clear_in_slices)
-    slices_yielded: int = forward_value("admin.slices_yielded", "bulk-eviction slices so far")
+    @property
+    def sessions(self) -> Mapping[str, Session]:
+        """session id -> Session (read-only)."""
+        return self._sessions.sessions
 
-    job_limits: JobLimits = forward_value("jobs.limits", "the largest job taken (--max-job-*)")
+    @property
+    def registrations(self) -> Mapping[int, Registration]:
+        """registration id -> Registration (read-only)."""
+        return self._sessions.registrations
+
+    @property
+    def permission_denied(self) -> int:
+        """Identity refusals so far."""
+        return self._sessions.permission_denied
+
+    def add_memory_path(self, path: MemoryPathPlugin[Any]) -> None:
+        """Serves registrations of `path.kind` with `path`: see Sessions.add_memory_path."""
+        self._sessions.add_memory_path(path)
+
+    def memory_path(self, kind: MemoryPath) -> MemoryPathPlugin[Any] | None:
+        """The path serving `kind` (None: this daemon has none)."""
+        return self._sessions.memory_path(kind)
+
+    def takes_fds(self) -> bool:
+        """Whether the fd socket is attached (registrations can claim passed fds)."""
+        return self._sessions.takes_fds()
+
+    def claim_passed(self, token: str, session_id: str) -> PassedFd:
+        """The fd passed under `token`: see Sessions.claim_passed."""
+        return self._sessions.claim_passed(token, session_id)
+
+    def deny(self, message: str, key: Hashable = "refused") -> errors.DepotError:
+        """A PERMISSION_DENIED for an identity refusal, counted: see Sessions.deny."""
+        return self._sessions.deny(message, key)
+
+    def open_call(self, session_id: str) -> tuple[Hashable, int | None]:
+        """Counts one more Depot call in flight: see Sessions.open_call."""
+        return self._sessions.open_call(session_id)
+
+    def close_call(self, held: tuple[Hashable, int | None]) -> None:
+        """Ends the call `open_call` counted: see Sessions.close_call."""
+        self._sessions.close_call(held)
+
+    # Lookup, Pin, Unpin, Watch (kvdepot.server.state.key_calls).
+    def lookup(self, session_id: str, namespace_id: str, keys: Sequence[bytes]) -> list[bool]:
+        """Depot/Lookup: see KeyCalls.lookup."""
+        return self.keys.lookup(session_id, namespace_id, keys)
+
+    def pin(self, session_id: str, namespace_id: str, keys: Sequence[bytes]) -> list[bool]:
+        """Depot/Pin: see KeyCalls.pin."""
+        return self.keys.pin(session_id, namespace_id, keys)
+
+    def unpin(
+        self,
+        session_id: str,
+        namespace_id: str,
+        keys: Sequence[bytes],
+        touch: Sequence[bytes] = (),
+    ) -> int:
+        """Depot/Unpin: see KeyCalls.unpin."""
+        return self.keys.unpin(session_id, namespace_id, keys, touch)
+
+    def add_watcher(self, session_id: str, namespace_id: str) -> Watcher:
+        """Depot/Watch subscribes: see KeyCalls.add_watcher."""
+        return self.keys.add_watcher(session_id, namespace_id)
+
+    def remove_watcher(self, w: Watcher) -> None:
+        """Depot/Watch ends: see KeyCalls.remove_watcher."""
+        self.keys.remove_watcher(w)
+
+    def ready_keys(self, namespace_id: str) -> list[bytes]:
+        """The namespace's READY keys: see KeyCalls.ready_keys."""
+        return self.keys.ready_keys(namespace_id)
+
+    def ready_after(
+        self, namespace_id: str, after: bytes | None, limit: int
+    ) -> tuple[list[bytes], bytes | None]:
+        """Depot/Watch's snapshot, a batch at a time: see KeyCalls.ready_after."""
+        return self.keys.ready_after(namespace_id, after, limit)
+
+    def chunk_events(self, namespace_id: str, keys: Sequence[bytes]) -> list[bytes]:
+        """Each key's chunk event (WatchEvent.key_events): see KeyCalls.chunk_events."""
+        return self.keys.chunk_events(namespace_id, keys)
+
+    # The tiers below the pool, the disk and the fleet's (kvdepot.server.state.tiers).
+    def attach_tier(self, tier: Tier) -> None:
+        """Adds `tier` below those attached before it: see TiersBelow.attach_tier."""
+        self.tiers.attach_tier(tier)
+
+    @property
+    def has_tier_below(self) -> bool:
+        """A tier below the pool is on."""
+        return self.tiers.has_tier_below
+
+    @property
+    def tiers_healthy(self) -> bool:
+        """One of the tiers below is up."""
+        return self.tiers.tiers_healthy
+
+    def tier_stats(self) -> dict[str, object]:
+        """The tiers' GetStats fields; none without them."""
+        return self.tiers.tier_stats()
+
+    async def prefetch(
+        self, session_id: str, namespace_id: str, keys: Sequence[bytes]
+    ) -> list[KeyState] | None:
+        """Depot/Prefetch: see TiersBelow.prefetch."""
+        return await self.tiers.prefetch(session_id, namespace_id, keys)
+
+    # The operators' queries (kvdepot.server.state.admin_queries).
+    @property
+    def capacity_bytes(self) -> int:
+        """The pool's bytes."""
+        return self.queries.capacity_bytes
+
+    def namespaces(self) -> list[Namespace]:
+        """Every namespace, sorted by id (Admin/ListNamespaces)."""
+        return self.queries.namespaces()
+
+    async def list_blocks(
+        self, namespace_id: str, group: int | None, page_size: int, page_token: str
+    ) -> BlockPage:
+        """A page of Admin/ListBlocks: see AdminQueries.list_blocks."""
+        return await self.queries.list_blocks(namespace_id, group, page_size, page_token)
+
+    def pinned_blocks(self, session_id: str) -> int:
+        """Blocks the session pins now (Admin/ListEngines)."""
+        return self.queries.pinned_blocks(session_id)
+
+    def evictions_by_reason(self) -> dict[str, int]:
+        """Blocks evicted so far, by reason (GetStats)."""
+        return self.queries.evictions_by_reason()
+
+    # Admin/Evict and Admin/Clear a slice at a time (kvdepot.server.state.admin_evict).
+    async def evict_in_slices(
+        self, namespace_id: str, keys: Sequence[bytes]
+    ) -> tuple[int, int, int]:
+        """Admin/Evict: see AdminEviction.evict_in_slices."""
+        return await self.admin.evict_in_slices(namespace_id, keys)
+
+    async def clear_in_slices(self) -> tuple[int, int]:
+        """Admin/Clear: see AdminEviction.clear_in_slices."""
+        return await self.admin.clear_in_slices()
+
+    @property
+    def slices_yielded(self) -> int:
+        """Bulk-eviction slices so far."""
+        return self.admin.slices_yielded
+
+    @property
+    def job_limits(self) -> JobLimits:
+        """The largest job taken (--max-job-*)."""
+        return self.jobs.limits
 
     def admit_job(self, session_id: str, registration_id: int, counts: JobCounts) -> None:
         """A Transfer job (stream or lane), before anything is built from its message:

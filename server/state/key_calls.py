@@ -6,7 +6,7 @@ at most --max-batch-keys keys a call (`check_batch`, also the remote tier's
 Prefetch) and at most --max-pinned-per-session bytes pinned (a Pin beyond it is
 undone, all or nothing).
 
-Owned by `DepotState`, which offers these calls as its own (kvdepot.server.state.facade);
+Owned by `DepotState`, which offers these calls as its own (a method per call);
 everything runs on the event loop. Errors are DepotError or the index's own.
 """
 

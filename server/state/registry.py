@@ -9,7 +9,7 @@ The bookkeeping itself is `Sessions` (kvdepot.server.state.sessions) and the
 namespace rules `NamespaceAccess` (kvdepot.server.state.namespaces); this facet
 keeps them, the index and the event bus consistent.
 
-Owned by `DepotState`, which offers these calls as its own (kvdepot.server.state.facade);
+Owned by `DepotState`, which offers these calls as its own (a method per call);
 everything runs on the event loop. Errors are DepotError.
 """
 

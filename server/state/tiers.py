@@ -9,7 +9,7 @@ leading run, never a key behind a hole (`TierBelow`, kvdepot.server.core.prefix_
 their figures join GetStats. With none, Prefetch still checks the call and fetches
 nothing. The services never hold a tier (tests/test_service_facade.py).
 
-Owned by `DepotState`, which offers these calls as its own (kvdepot.server.state.facade);
+Owned by `DepotState`, which offers these calls as its own (a method per call);
 everything runs on the event loop.
 """
 
