@@ -153,6 +153,23 @@ class RssPeak:
         self._thread.join()
 
 
+def attack_once(
+    daemon: DaemonProcess, victim: Victim, shape: str, lookups: int = 0
+) -> tuple[dict[str, int], float, list[float]]:
+    """Runs the attacker's `shape` once, while the victim makes `lookups` Lookups and the
+    daemon's RSS is sampled: (the codes it got, the RSS growth at peak in MiB, the
+    victim's Lookup times)."""
+    assert daemon.proc is not None
+    time.sleep(0.5)
+    before = rss_mib(daemon.proc.pid)
+    with RssPeak(daemon.proc.pid) as rss:
+        p = attack(daemon.target, shape, seconds=0)
+        during = victim.lookup_ms(n=lookups) if lookups else []
+        codes = report(p)
+    print(f"{shape}: daemon RSS {before:.0f} MiB, peak {rss.peak:.0f} MiB; attacker got {codes}")
+    return codes, rss.peak - before, during
+
+
 @pytest.mark.parametrize("shape", ["large", "large-fake"])
 def test_large_messages_without_a_session_are_refused_unread(
     daemon: DaemonProcess, shape: str
@@ -161,16 +178,8 @@ def test_large_messages_without_a_session_are_refused_unread(
     126 MiB to 1.94 GiB: grpc received each whole (the 512 MiB receive limit is every
     method's) before anything was checked. Now a Depot call but Session that names no
     live session in its metadata is refused before its request is read."""
-    assert daemon.proc is not None
     victim = Victim(daemon)
-    time.sleep(0.5)
-    before = rss_mib(daemon.proc.pid)
-    with RssPeak(daemon.proc.pid) as rss:
-        p = attack(daemon.target, shape, seconds=0)
-        during = victim.lookup_ms(n=20)
-        codes = report(p)
-    grown = rss.peak - before
-    print(f"{shape}: daemon RSS {before:.0f} MiB, peak {rss.peak:.0f} MiB; attacker got {codes}")
+    codes, grown, during = attack_once(daemon, victim, shape, lookups=20)
     assert codes and all(k.endswith("FAILED_PRECONDITION") for k in codes), codes
     assert sum(codes.values()) == 4 * len(LARGE_METHODS), codes
     assert grown < 100, f"RSS grew {grown:.0f} MiB"  # one message alone is 200
@@ -184,16 +193,8 @@ def test_large_messages_of_a_session_are_refused_by_their_length(daemon: DaemonP
     and only then refused. Now the receive limit is the largest legal request's (about
     5 MiB: a Put's section larger than that goes in parts, PutParts), and grpc refuses
     a larger message from its length."""
-    assert daemon.proc is not None
     victim = Victim(daemon)
-    time.sleep(0.5)
-    before = rss_mib(daemon.proc.pid)
-    with RssPeak(daemon.proc.pid) as rss:
-        p = attack(daemon.target, "large-own", seconds=0)
-        during = victim.lookup_ms(n=20)
-        codes = report(p)
-    grown = rss.peak - before
-    print(f"large-own: daemon RSS {before:.0f} MiB, peak {rss.peak:.0f} MiB; attacker got {codes}")
+    codes, grown, during = attack_once(daemon, victim, "large-own", lookups=20)
     assert codes and all(k.endswith("RESOURCE_EXHAUSTED") for k in codes), codes
     assert sum(codes.values()) == 4 * (len(LARGE_METHODS) + 1), codes
     assert grown < 100, f"RSS grew {grown:.0f} MiB"  # one message alone is 200
@@ -205,15 +206,8 @@ def test_put_parts_past_the_section_are_not_read(daemon: DaemonProcess) -> None:
     """PutParts reads a part only while the parts so far fit the section: four calls of
     fifty 4 MiB parts for a 64 KiB section are refused at their first part, and the
     daemon never holds their 800 MiB."""
-    assert daemon.proc is not None
     victim = Victim(daemon)
-    time.sleep(0.5)
-    before = rss_mib(daemon.proc.pid)
-    with RssPeak(daemon.proc.pid) as rss:
-        p = attack(daemon.target, "parts-over", seconds=0)
-        codes = report(p)
-    grown = rss.peak - before
-    print(f"parts-over: daemon RSS {before:.0f} MiB, peak {rss.peak:.0f} MiB; got {codes}")
+    codes, grown, _ = attack_once(daemon, victim, "parts-over")
     assert codes == {"PutParts INVALID_ARGUMENT": 4}, codes
     assert grown < 100, f"RSS grew {grown:.0f} MiB"
     assert victim.round_trips()

@@ -27,6 +27,7 @@ from vllm.v1.kv_offload.base import (
 from kvdepot.client.vllm.canonical import Uncertified, unit_span
 from kvdepot.testing.vllm_engine import GroupDef, SyntheticEngine, prompt_for
 from tests.support.daemon import stats
+from tests.vllm.test_connector import assert_expected
 
 pytestmark = pytest.mark.vllm
 
@@ -53,12 +54,9 @@ def gqa_engine(make_engine, daemon, tp: int, canonical: bool = True) -> Syntheti
 
 
 def assert_every_rank_holds_the_prompt(engine: SyntheticEngine, block_ids: list[int]) -> None:
-    """Every rank's page of every layer and block: byte for byte, head for head."""
+    """Every rank's page of every layer and block: what the model computes for PROMPT."""
     for rank in range(engine.cfg.tp):
-        for i, block in enumerate(block_ids):
-            for name in engine.group_layers(0):
-                want = engine.expected_page(PROMPT, 0, i, name, rank)
-                assert bool((engine.page(rank, name, block) == want).all()), (rank, name, i)
+        assert_expected(engine, PROMPT, rank, 0, block_ids)
 
 
 def stores_the_prompt(make_engine, daemon, tp: int) -> tuple[SyntheticEngine, list[bytes]]:

@@ -16,6 +16,7 @@ pytest.importorskip("vllm")
 
 from kvdepot.testing.vllm_engine import GroupDef, SyntheticEngine, prompt_for
 from tests.support.daemon import stats
+from tests.vllm.test_connector import assert_expected
 
 pytestmark = pytest.mark.vllm
 
@@ -34,11 +35,9 @@ def mla_engine(make_engine, daemon, tp: int) -> SyntheticEngine:
 
 
 def assert_every_rank_holds_the_prompt(engine: SyntheticEngine, block_ids: list[int]) -> None:
+    """Every rank's page of every layer and block: what the model computes for PROMPT."""
     for rank in range(engine.cfg.tp):
-        for i, block in enumerate(block_ids):
-            for name in engine.group_layers(0):
-                want = engine.expected_page(PROMPT, 0, i, name, rank)
-                assert bool((engine.page(rank, name, block) == want).all()), (rank, name, i)
+        assert_expected(engine, PROMPT, rank, 0, block_ids)
 
 
 def loads_the_one_section(
