@@ -214,15 +214,9 @@ class Daemon:
 
         # Two servers on this loop: one grpc server cannot serve different services on
         # different ports, and Admin must never be on the engines' socket (or TCP).
-        # Depot calls but Session need a session before their request is read (gate.py).
         server = self.server = grpc.aio.server(
             options=_server_options(cfg),
             maximum_concurrent_rpcs=bounds.max_concurrent_rpcs(cfg),
-            # The gate first: the caps count only calls naming a live session.
-            interceptors=[
-                SessionGate(lambda sid: sid in st.sessions),
-                CallCaps(st.open_call, st.close_call),
-            ],
         )
         admin_server = self.admin_server = grpc.aio.server(options=_server_options(cfg))
         # Undecodable requests get INVALID_ARGUMENT, not grpcio's UNKNOWN, and requests
@@ -235,6 +229,11 @@ class Daemon:
             bounds.receive_limit(cfg),
             bounds.type_bytes(cfg),
             depot.request_parsers(),
+            # Depot calls but Session need a session before their request is read
+            # (gate.py); the caps count only the calls the gate lets through.
+            SessionGate(
+                lambda sid: sid in st.sessions, CallCaps(st.open_call, st.close_call).counted
+            ),
         )
         server.add_generic_rpc_handlers((admin_refusal(cfg.admin_socket_path),))
         wire.add_servicer(

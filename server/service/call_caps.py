@@ -3,8 +3,8 @@
 grpc counts every call from its headers on against the server's limit
 (`maximum_concurrent_rpcs`, 4,096 at the defaults), whoever makes it: a session holder
 that opened thousands of idle Transfer streams, or Lookups whose request never came,
-left every other client RESOURCE_EXHAUSTED. `CallCaps` (an interceptor after the
-session gate, so every call it sees names a live session) counts each Depot call but
+left every other client RESOURCE_EXHAUSTED. `CallCaps` (after the session gate, which
+hands it only calls naming a live session: kvdepot.server.service.gate) counts each Depot call but
 Session against its session's account and uid (`DepotState.open_call`: the owner
 process, or the opener; kvdepot.server.state.sessions) from the moment it starts to
 the moment it ends, and refuses one past its share with RESOURCE_EXHAUSTED before
@@ -18,26 +18,17 @@ it, reads the one request and hands it to the servicer's method.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any, Generic, TypeVar
 
 import grpc
 
-from kvdepot.common.kinds import SESSION_METADATA
 from kvdepot.server import errors
-from kvdepot.server.service.gate import DEPOT
 from kvdepot.server.service.status import abort_with
 
 __all__ = ["CallCaps"]
 
 Held = TypeVar("Held")  # what open_call returns and close_call takes back
-
-
-def _session_of(details: grpc.HandlerCallDetails) -> str:
-    for key, value in details.invocation_metadata or ():
-        if key == SESSION_METADATA:
-            return value if isinstance(value, str) else value.decode("utf-8", "replace")
-    return ""
 
 
 async def _only_request(context: grpc.aio.ServicerContext) -> Any:
@@ -50,10 +41,11 @@ async def _only_request(context: grpc.aio.ServicerContext) -> Any:
     return request
 
 
-class CallCaps(grpc.aio.ServerInterceptor, Generic[Held]):
+class CallCaps(Generic[Held]):
     """Counts every Depot call but Session while it is in flight (see the module
     docstring); `open_call(session_id)` raises DepotError to refuse one, and
-    `close_call` takes what it returned. On the event loop."""
+    `close_call` takes what it returned. `counted` is called by the session gate when
+    grpc looks up a call's handler; the handler it returns runs on the event loop."""
 
     def __init__(
         self, open_call: Callable[[str], Held], close_call: Callable[[Held], None]
@@ -61,18 +53,9 @@ class CallCaps(grpc.aio.ServerInterceptor, Generic[Held]):
         self._open = open_call
         self._close = close_call
 
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
-        details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
-        handler = await continuation(details)
-        service, _, method = details.method.lstrip("/").partition("/")
-        if handler is None or service != DEPOT or method == "Session":
-            return handler
-        return self._counted(handler, _session_of(details))
-
-    def _counted(self, handler: grpc.RpcMethodHandler, session_id: str) -> grpc.RpcMethodHandler:
+    def counted(self, handler: grpc.RpcMethodHandler, session_id: str) -> grpc.RpcMethodHandler:
+        """`handler`, served as a request stream counted against `session_id`'s shares
+        from the call's start to its end."""
         open_call, close_call = self._open, self._close
         deserialize, serialize = handler.request_deserializer, handler.response_serializer
 
