@@ -4,6 +4,8 @@ tickets, calls in flight."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from kvdepot.server import errors
@@ -84,6 +86,31 @@ def test_sessions_of_one_process_are_one_account() -> None:
     c = opened(s, owner=process(8))
     assert sorted(s.account_sessions(a)) == sorted([a, b])
     assert s.account_sessions(c) == [c]
+
+
+def test_account_sessions_follow_opens_attests_and_closes() -> None:
+    """The grouping kept as sessions change (accounts.py) against a scan of every
+    session, after each step of a seeded random run."""
+    rng = random.Random(5)
+    s = Sessions(max_sessions=64, max_per_pid=64, max_per_uid=64, max_unattested=64)
+    peers = [process(pid, uid) for pid, uid in ((1, 1000), (2, 1000), (3, 1001))]
+    openers = [None, ("tcp", "10.0.0.7", "")]
+    for _ in range(400):
+        ids = list(s.sessions)
+        step = rng.random()
+        if step < 0.45 or not ids:
+            opened(s, owner=rng.choice([None, *peers]), opener=rng.choice(openers))
+        elif step < 0.7:
+            sid = rng.choice(ids)
+            if s.sessions[sid].owner is None:
+                for old in s.attest(sid, rng.choice(peers)):
+                    s.close(old.id)
+        else:
+            s.close(rng.choice(ids))
+        for sid, session in s.sessions.items():
+            scan = [o.id for o in s.sessions.values() if o.account == session.account]
+            assert sorted(s.account_sessions(sid)) == sorted(scan)
+    assert s.account_sessions("gone") == ["gone"]
 
 
 def test_calls_in_flight_are_counted_per_account() -> None:

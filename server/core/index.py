@@ -176,8 +176,9 @@ class BlockIndex:
 
     def writing_bytes(self) -> int:
         """Bytes of the WRITING rows sessions reserved (the daemon's tiers' not counted)."""
-        internal = self.internal_writers
-        return sum(n for o, n in self._writes.owner_writing.items() if o not in internal)
+        writes = self._writes
+        mine = writes.owner_writing
+        return writes.writing_total - sum(mine.get(o, 0) for o in writes.internal_writers)
 
     def owner_pinned_bytes(self, owner: Owner) -> int:
         """Bytes of the distinct slots `owner` holds at least one pin on."""

@@ -84,4 +84,5 @@ def check_index(ix: BlockIndex, policy: EvictionPolicy, writes: Writes, pins: Pi
         if slot.reserver is not None:
             writing_by_owner[slot.reserver] += slot.extent.size
     assert writes.owner_writing == dict(writing_by_owner), "writing bytes per owner drifted"
+    assert writes.writing_total == sum(writing_by_owner.values()), "writing bytes drifted"
     assert all(s.reserver is None for s in live if s.state is SlotState.READY)

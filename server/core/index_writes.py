@@ -64,6 +64,7 @@ class Writes(IndexPart):
         self.doomed: set[Slot] = set()  # detached, waiting for copies to end
         # Per owner (session): bytes of the WRITING rows it reserved (Slot.reserver).
         self.owner_writing: dict[Owner, int] = {}
+        self.writing_total = 0  # their sum: read per store call (BlockIndex.writing_bytes)
         # Bytes of WRITING rows an owner may still reserve now (None: no limit): the
         # state's quotas, which count an owner's sessions together and the whole pool.
         self.room_for: Callable[[Owner], int] | None = None
@@ -186,6 +187,7 @@ class Writes(IndexPart):
                     # Charged at once: a failure below settles (and uncharges) it.
                     slot.reserver = owner
                     self.owner_writing[owner] = self.owner_writing.get(owner, 0) + size
+                    self.writing_total += size
                     if budget is not None:
                         budget -= size
                     ns.used_bytes += size
@@ -315,6 +317,7 @@ class Writes(IndexPart):
         """The row is settled (READY or dropped): its reserver's charge ends."""
         owner, slot.reserver = slot.reserver, None
         left = self.owner_writing[owner] - slot.extent.size
+        self.writing_total -= slot.extent.size
         if left:
             self.owner_writing[owner] = left
         else:

@@ -5,6 +5,7 @@ startup.py        how it starts: empty pool, warm restart, crash recovery
 sessions.py       sessions, registrations, memory paths, fd claiming and sealing
 tickets.py        session tickets: a session its process owns from the open
 calls_in_flight.py  Depot calls in flight per account and per uid
+accounts.py       session ids by account (whom their shares charge)
 registry.py       facet: sessions and registrations as the services see them
 namespaces.py     who may name which namespace; the per-session quotas
 key_calls.py      facet: Lookup, Pin, Unpin and Watch on a joined namespace's keys

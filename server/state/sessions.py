@@ -27,7 +27,7 @@ holder); sessions not owned yet, per opener (`max_unattested` each), whose oldes
 ended to make room for a new one of the *same* opener, never another's; calls in
 flight per account and per uid (`open_call`: --max-calls-per-pid, -per-uid).
 Refusals are logged in words, rate-limited per peer. Pins and rows being written are
-counted per account in kvdepot.server.state.namespaces.
+counted per account (kvdepot.server.state.namespaces; sessions by account: accounts.py).
 
 A registration ends (UnregisterKV, or its session ends) at once for clients,
 but its regions stay mapped while copies still use them (`in_use`), so a late
@@ -56,6 +56,7 @@ from kvdepot.server.memory.regions import MappedRegion
 from kvdepot.server.peer import UNATTESTED, Peer, peer_key, session_tag
 from kvdepot.server.resources import Headroom, ResourceLow
 from kvdepot.server.sizes import format_size
+from kvdepot.server.state.accounts import Accounts
 from kvdepot.server.state.calls_in_flight import MAX_CALLS_PER_ACCOUNT, CallsInFlight
 from kvdepot.server.state.tickets import SessionTickets
 
@@ -170,12 +171,11 @@ class Sessions:
         max_calls_per_uid: int = 1024,
     ) -> None:
         """Limits: open sessions, registrations per session (--max-sessions,
-        --max-registrations-per-session) and the process's fds and mappings
-        (`headroom`; None: unchecked). Beyond them: RESOURCE_EXHAUSTED. Attested
-        sessions per process and per uid (--max-sessions-per-pid, -per-uid), the
-        sessions not owned yet per opener (--max-unattested-sessions), and calls in
-        flight per account and per uid (--max-calls-per-pid, -per-uid). See the module
-        docstring."""
+        --max-registrations-per-session), the process's fds and mappings (`headroom`;
+        None: unchecked), beyond them RESOURCE_EXHAUSTED; attested sessions per process
+        and per uid (--max-sessions-per-pid, -per-uid), unowned ones per opener
+        (--max-unattested-sessions), calls in flight per account and per uid
+        (--max-calls-per-pid, -per-uid). See the module docstring."""
         self.max_sessions = max_sessions
         self.max_registrations = max_registrations
         self.headroom = headroom
@@ -183,12 +183,12 @@ class Sessions:
         self.max_per_uid = max_per_uid
         self.max_unattested = max_unattested
         self._tickets = SessionTickets(max_per_pid)  # the fd socket's (issue_ticket)
-        # per account and uid (open_call)
-        self._calls = CallsInFlight(max_calls_per_account, max_calls_per_uid)
+        self._calls = CallsInFlight(max_calls_per_account, max_calls_per_uid)  # open_call
         self.permission_denied = 0  # identity refusals (Admin/GetStats)
         # Lines about what clients do (sessions, refusals), rate-limited per peer.
         self.log_limit = LogLimiter()
         self.sessions: dict[str, Session] = {}
+        self._accounts = Accounts()  # their ids by account (account_sessions)
         self.registrations: dict[int, Registration] = {}
         # Registration ids start at a random point per boot: a client still holding an
         # id from before a restart must get FAILED_PRECONDITION, never another
@@ -274,7 +274,9 @@ class Sessions:
                 )
             return []
         ends = self.owner_room(peer)
-        s.owner = peer
+        self._accounts.leave(s.account, s.id)
+        s.owner = peer  # its account changes
+        self._accounts.join(s.account, s.id)
         held = self.log_limit.admit(peer_key(peer), time.monotonic())
         if held is not None:
             log.info("session %s attested by %s%s", s.tag, peer, held_note(held))
@@ -392,11 +394,8 @@ class Sessions:
     def account_sessions(self, session_id: str) -> list[str]:
         """The ids of the sessions charged to `session_id`'s account (its own included;
         just it if it is not open)."""
-        session = self.sessions.get(session_id)
-        if session is None:
-            return [session_id]
-        account = session.account
-        return [s.id for s in self.sessions.values() if s.account == account]
+        s = self.sessions.get(session_id)
+        return [session_id] if s is None else self._accounts.members(s.account)
 
     # -- sessions --------------------------------------------------------------------
 
@@ -426,6 +425,7 @@ class Sessions:
             opener=opener,
         )
         self.sessions[s.id] = s
+        self._accounts.join(s.account, s.id)
         # One key for every open: who opens is not known yet (any pid may be claimed).
         held = self.log_limit.admit("session opened", time.monotonic())
         if held is not None:
@@ -455,6 +455,7 @@ class Sessions:
         s = self.sessions.pop(session_id, None)
         if s is None:
             return None
+        self._accounts.leave(s.account, s.id)
         registrations = len(s.registrations)
         for reg_id in list(s.registrations):
             self._end(self.registrations[reg_id])
