@@ -35,7 +35,7 @@ from kvdepot.v1 import depot_pb2 as pb
 from tests.support.daemon import DaemonProcess, connect
 from tests.support.engine import Engine, Geometry, chunk_plan, make_key
 from tests.support.faults import DaemonFactory
-from tests.support.unprivileged import AS_NOBODY
+from tests.support.unprivileged import AS_NOBODY, nobody_python, nobody_script
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -44,13 +44,15 @@ OWNERS = str(REPO / "tests/security/owners.py")
 GEO = Geometry(groups=[[16384, 16384]], blocks_per_chunk=2, world_size=1, num_blocks=64)
 
 
-def start(mode: str, target: str, seconds: float, *args: str, prefix: tuple[str, ...] = ()):
-    """An owners.py process, once it says it is under way (and what it said)."""
+def start(mode: str, target: str, seconds: float, *args: str, as_nobody: bool = False):
+    """An owners.py process (as uid 65534: from copies that uid may read), once it says
+    it is under way (and what it said)."""
+    cmd = [*AS_NOBODY, nobody_python(), nobody_script(OWNERS)] if as_nobody else None
     p = subprocess.Popen(
-        [*prefix, sys.executable, OWNERS, mode, target, str(seconds), *args],
+        [*(cmd or [sys.executable, OWNERS]), mode, target, str(seconds), *args],
         stdout=subprocess.PIPE,
         text=True,
-        cwd=REPO,
+        cwd="/" if as_nobody else REPO,
     )
     assert p.stdout is not None
     line = p.stdout.readline()
@@ -108,7 +110,7 @@ def test_sessions_opened_in_a_loop_end_only_the_openers_own(
         pytest.skip("needs root and setpriv: the TCP engine runs as uid 65534")
     port = free_port()
     d = daemon_factory("--pool-size", "64MiB", "--listen", f"127.0.0.1:{port}")
-    victim, _ = start("tcp-victim", f"127.0.0.1:{port}", 12, prefix=AS_NOBODY)
+    victim, _ = start("tcp-victim", f"127.0.0.1:{port}", 12, as_nobody=True)
     time.sleep(2.5)  # its quiet figures first (owners.QUIET)
     attacker, _ = start("churn", d.target, 9)
     time.sleep(1)

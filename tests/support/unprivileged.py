@@ -7,6 +7,7 @@ checkout's interpreter, read its site-packages or its `kvdepot` script. `nobody_
 builds, once per test process, a copy it can read: a venv in a world-readable directory
 under /tmp, made from an interpreter of this Python version that every user may run,
 holding kvdepot (this checkout's code and C extensions) and the daemon's dependencies,
+and beside it the tests package's sources (`nobody_script`: a test's helper script),
 copied (hard-linked where the filesystem allows and the file is readable to all
 already) from this interpreter's environment.
 It goes when the process exits. Nothing of the checkout is on its path: an unprivileged
@@ -73,6 +74,7 @@ def nobody_python() -> str:
     for dist in dependencies():
         copy_distribution(dist, site)
     copy_kvdepot(site)
+    copy_test_sources(top / "checkout")
     # Other users cannot write the bytecode caches: kvdepot's are made here (the
     # dependencies' came with their files).
     import compileall
@@ -87,6 +89,22 @@ def nobody_python() -> str:
         if mode & extra != extra:
             os.chmod(path, stat.S_IMODE(mode) | extra)
     return str(venv / "bin" / "python")
+
+
+def nobody_script(script: Path) -> str:
+    """A copy of this checkout's `script` (a file under tests/) that uid 65534 may read,
+    beside a readable copy of the whole tests package (what it imports of it)."""
+    checkout = Path(nobody_python()).parents[2] / "checkout"
+    return str(checkout / Path(script).resolve().relative_to(ROOT))
+
+
+def copy_test_sources(checkout: Path) -> None:
+    """The tests package's Python sources, at their paths under `checkout`: scripts run
+    as uid 65534 (tests/security/owners.py) import their helpers from it."""
+    tests = ROOT / "tests"
+    for path in sorted(tests.rglob("*.py")):
+        if "__pycache__" not in path.parts:
+            link_or_copy(path, checkout / path.relative_to(ROOT))
 
 
 def readable_by_everyone(path: Path) -> bool:
