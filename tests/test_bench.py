@@ -644,3 +644,16 @@ def test_capacity_replay_runs_every_system_and_keeps_no_unreachable_rows() -> No
     targets = {t["target"] for t in result["targets"]}
     assert "RAM+disk >= RAM only" in targets and "kvdepot lru unreachable" in targets
     assert "kvdepot bench --capacity" in proc.stderr and "belady" in proc.stderr
+
+
+def test_rpc_compare_runs_each_daemon_interleaved_and_reports_ratios() -> None:
+    """`python -m kvdepot.bench.rpc_compare`: two daemons of this tree, every kind of
+    call timed on each, ratios to the first (no speed threshold)."""
+    lines = bench_module_lines("rpc_compare", "--rounds", "2", "--calls", "5", "--json")
+    result = json.loads("\n".join(lines))
+    assert list(result["daemons"]) == ["a", "b"]
+    for row in result["daemons"].values():
+        for kind in ("lookup", "pin", "unpin"):
+            assert row[kind]["p50_us"] > 0 and row[kind]["p90_us"] >= row[kind]["p50_us"]
+        assert row["daemon_cpu_us_per_call"] >= 0
+    assert result["daemons"]["a"]["pin"]["p50_ratio"] == 1.0
