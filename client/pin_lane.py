@@ -168,14 +168,9 @@ class PinLane(KeptLane):
                 raise PinTimeout(
                     f"no answer on the pin lane within {timeout * 1e3:.0f} ms"
                 ) from None
-            except ConnectionResetError:
-                # The daemon closed the lane with calls of ours unread (it refused one):
-                # Linux reports that once, ahead of the answers it sent before, which
-                # are still there to read.
-                calls.peer_closed()
-                reply = _recv_or_nothing(lane, size)
-            except OSError:
-                reply = b""
+            except OSError as exc:  # a reset: the answers before it are still there
+                reset = isinstance(exc, ConnectionResetError)
+                reply = _recv_or_nothing(lane, size) if calls.read_failed(reset) else b""
             got = calls.receive(reply)
             if got is None:  # closed, broken, or not this call's answer: the rest fall back
                 break

@@ -283,6 +283,17 @@ class PinCalls(ClientLaneProtocol):
             self.event(LaneEvent.BREAK)  # every answer read: the lane is spent
         return pinned
 
+    def read_failed(self, reset: bool) -> bool:
+        """Reading the next answer raised. `reset` (ECONNRESET): the daemon closed the
+        lane with calls of ours unread (it refused one); Linux reports that once, ahead
+        of the answers it sent before, which are still there: True, read again. Any
+        other error: False, and the oldest call owed reads as no answer (`receive`
+        of b"": it and every later one fall back)."""
+        if reset:
+            self.event(LaneEvent.PEER_CLOSED)
+            return True
+        return False
+
     def timed_out(self) -> None:
         """The answers did not come in time: a late one must never be read as a
         later call's, so the lane breaks and the calls owed fall back."""

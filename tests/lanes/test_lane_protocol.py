@@ -174,7 +174,7 @@ class PinClient:
         while calls.owed:
             if daemon.closed and daemon.reset_pending:  # ConnectionResetError, once
                 daemon.reset_pending = False
-                calls.peer_closed()
+                assert calls.read_failed(reset=True)  # read again: the answers before it
                 reply = daemon.outbox.popleft() if daemon.outbox else b""
             elif daemon.outbox:
                 reply = daemon.outbox.popleft()
@@ -261,6 +261,15 @@ def test_answers_before_a_refusal_are_read_after_the_reset() -> None:
     client.answers()
     assert client.outcome == {1: "answered", 2: "fallback", 3: "fallback"}
     client.finish()
+
+
+def test_a_read_error_other_than_a_reset_falls_back_every_call_owed() -> None:
+    calls = PinCalls(1 << 16, lambda data: [True] * len(data))
+    calls.call_sent(1)
+    calls.call_sent(1)
+    assert not calls.read_failed(reset=False)  # the adapter reads it as b""
+    assert calls.receive(b"") is None and calls.owed == 0
+    assert calls.state is LaneState.BROKEN
 
 
 def test_an_answer_that_does_not_fit_its_call_is_never_handed_out() -> None:
