@@ -7,9 +7,12 @@ the caller's thread, never blocking) and one datagram back one serialized
 TransferResults: every result the daemon had ready for the lane at one turn of its
 loop (asked for with OpenJobLaneRequest.batched_results; a daemon that does not
 say it batches sends one TransferResult a datagram, read as such). The reader
-thread files a datagram's results under one lock hold. `TransferStream` uses a
-lane when it can and the gRPC stream otherwise; see
-kvdepot.server.service.job_lane for the daemon's side.
+(`read_results`, on the lane's own thread) hands on a datagram's results at once.
+`TransferStream` uses a lane when it can and the gRPC stream otherwise; its
+lane is kept (opened, reopened, dropped) by kvdepot.client.lane_keeper's
+`LaneKeeper`, as the pin and unpin lanes are (kvdepot.client.pin_lane: the same
+`ClientLane`, opened with another LaneKind). See kvdepot.server.service.job_lane
+for the daemon's side.
 
 Set KVDEPOT_JOB_LANE=0 in the environment (or pass `job_lane=False` to
 DepotClient) to keep every job on the gRPC stream.
@@ -19,12 +22,9 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import logging
 import os
 import socket
-import threading
-import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import grpc
@@ -32,10 +32,8 @@ import grpc
 from kvdepot.client.fdpass import FdPassError, send_fd
 from kvdepot.client.job_codec import result_from_bytes, results_from_bytes
 from kvdepot.common.jobs import JobResult
-from kvdepot.common.lane_protocol import ClientLaneProtocol, JobCalls, LaneOpening
+from kvdepot.common.lane_protocol import ClientLaneProtocol, JobCalls, PinCalls
 from kvdepot.v1 import depot_pb2
-
-log = logging.getLogger("kvdepot.client")
 
 ENV = "KVDEPOT_JOB_LANE"
 # Socket buffers: a 1024-key job (~50 KiB) fits many times over. The kernel caps
@@ -45,6 +43,11 @@ OPEN_TIMEOUT = 5.0  # in the background
 # The first open runs inside transfer_stream(), maybe on an engine's hot path (a new
 # stream after the daemon stopped answering): a healthy daemon needs a few ms.
 SYNC_OPEN_TIMEOUT = 0.5
+
+
+def _pinned_flags(answer: bytes) -> Sequence[bool]:
+    """A pin lane's answer, as PinCalls reads it (raises on one that is no PinResponse)."""
+    return depot_pb2.PinResponse.FromString(answer).pinned
 
 
 def enabled_by_env() -> bool:
@@ -85,8 +88,9 @@ class LaneUnavailable(RuntimeError):
 
 class ClientLane:
     """An attached lane: the socket adapter over its `protocol` (a job lane's JobCalls,
-    an unpin lane's ClientLaneProtocol, or the pin lane's PinCalls), which says what
-    may go and what came. `send` from any thread; `recv` from one reader thread."""
+    the pin lane's PinCalls, an unpin lane's ClientLaneProtocol), which says what
+    may go and what came. `send` from any thread; `recv` from one reader thread.
+    Kept by a kvdepot.client.lane_keeper.LaneKeeper."""
 
     def __init__(
         self,
@@ -100,11 +104,13 @@ class ClientLane:
         self.lane_id = lane_id
         self.max_job_bytes = max_job_bytes
         # `batched`: the daemon sends TransferResults datagrams (it said so at the open).
-        self.protocol: ClientLaneProtocol = (
-            JobCalls(max_job_bytes, batched, result_from_bytes, results_from_bytes)
-            if kind == depot_pb2.LANE_TRANSFER_JOBS
-            else ClientLaneProtocol(max_job_bytes)
-        )
+        self.protocol: ClientLaneProtocol
+        if kind == depot_pb2.LANE_TRANSFER_JOBS:
+            self.protocol = JobCalls(max_job_bytes, batched, result_from_bytes, results_from_bytes)
+        elif kind == depot_pb2.LANE_PINS:
+            self.protocol = PinCalls(max_job_bytes, _pinned_flags)
+        else:  # unpins: no answers
+            self.protocol = ClientLaneProtocol(max_job_bytes)
 
     @classmethod
     def open(
@@ -191,134 +197,15 @@ class ClientLane:
         self.sock.close()
 
 
-def follow_opening(
-    action: float | None, open_: Callable[[], None], wait_ended: Callable[[], None], name: str
-) -> None:
-    """Does what a LaneOpening answered: 0.0, `open_` on a thread named `name`; a
-    delay, `wait_ended` on a timer thread after it; None, nothing."""
-    if action is None:
-        return
-    if action == 0.0:
-        threading.Thread(target=open_, name=name, daemon=True).start()
-        return
-    timer = threading.Timer(action, wait_ended)
-    timer.daemon = True
-    timer.start()
-
-
-class LaneKeeper:
-    """The lane of one TransferStream: opens it in the background, reads its results
-    on a thread of its own, reopens it after a break (when: its LaneOpening's rule,
-    not before `retry_s` after a failed try, and a request inside that wait is
-    deferred to its end).
-
-    Shares the stream's lock (a Condition); methods without a leading underscore
-    are called with it held. Lane generations are negative, so that they never
-    collide with the stream's (positive) gRPC stream generations.
-    """
-
-    def __init__(
-        self,
-        client: LaneOwner,
-        lock: threading.Condition,
-        wanted: bool,
-        deliver: Callable[[JobResult, int], None],
-        broken: Callable[[int, str], None],
-        retry_s: float = 5.0,
-    ) -> None:
-        self.client = client
-        self.lock = lock
-        self.deliver = deliver  # (result, generation): a result came
-        self.broken = broken  # (generation, why): fail that lane's jobs in flight
-        self.opening = LaneOpening(retry_s, wanted)
-        self.lane: ClientLane | None = None
-        self.generation = 0
-        self._fallback_logged = False
-
-    def maybe_open(self, background: bool = True) -> None:
-        """Starts opening a lane if one is wanted and none is open: in the background,
-        or (background=False, called WITHOUT the lock) now, so that every job of a
-        new stream takes the same path."""
-        with contextlib.nullcontext() if background else self.lock:
-            if self.lane is not None or not self.client.connected:
-                return
-            action = self.opening.request(time.monotonic())
-        if action == 0.0 and not background:
-            self._open(SYNC_OPEN_TIMEOUT)
-        else:
-            follow_opening(action, self._open, self._wait_ended, "kvdepot-lane-open")
-
-    def _wait_ended(self) -> None:
-        with self.lock:
-            self.opening.timer_fired()
-            self.maybe_open()
-
-    def send(self, job: depot_pb2.TransferJob) -> bool:
-        """True if the job went on the lane (its generation is `self.generation`)."""
-        lane = self.lane
-        if lane is None:
-            self.maybe_open()
-            return False
-        try:
-            return lane.send(job.SerializeToString())
-        except OSError:
-            # Broken: its reader fails the jobs in flight on it; this one goes elsewhere.
-            lane.protocol.broke()
-            self.lane = None
-            lane.cancel()
-            return False
-
-    def cancel(self) -> None:
-        """abort(): the daemon skips the lane's jobs not started; the next send reopens."""
-        lane, self.lane = self.lane, None
-        if lane is not None:
-            lane.cancel()
-
-    def finish(self) -> None:
-        """close(): the daemon answers the lane's jobs, then closes it; no new lane."""
-        self.opening.stop()
-        lane, self.lane = self.lane, None
-        if lane is not None:
-            lane.finish()
-
-    def _open(self, timeout: float = OPEN_TIMEOUT) -> None:
-        try:
-            lane = ClientLane.open(self.client, self.client.session_id, timeout)
-        except (LaneUnavailable, OSError, RuntimeError) as exc:  # RuntimeError: no session
-            permanent = isinstance(exc, LaneUnavailable) and exc.permanent
-            with self.lock:
-                action = self.opening.failed(time.monotonic(), permanent)
-                if not self._fallback_logged:
-                    self._fallback_logged = True
-                    log.info("kvdepot: no job lane (%s); jobs use the Transfer stream", exc)
-            follow_opening(action, self._open, self._wait_ended, "kvdepot-lane-open")
-            return
-        with self.lock:
-            self.opening.opened()
-            if not self.opening.wanted:  # the stream closed meanwhile
-                lane.close()
-                return
-            self.generation -= 1
-            self.lane, generation = lane, self.generation
-        threading.Thread(
-            target=self._read, args=(lane, generation), name="kvdepot-lane", daemon=True
-        ).start()
-
-    def _read(self, lane: ClientLane, generation: int) -> None:
-        error = "the job lane closed"
-        try:
-            while True:
-                results = lane.recv()
-                if results is None:  # the protocol saw the daemon's end
-                    break
-                with self.lock:
-                    for result in results:
-                        self.deliver(result, generation)
-        except Exception as exc:  # OSError, or a result that does not parse
-            lane.protocol.broke()
-            error = f"the job lane broke: {exc}"
-        with self.lock:
-            if self.lane is lane:
-                self.lane = None
-            self.broken(generation, error)
-        lane.close()
+def read_results(lane: ClientLane, deliver: Callable[[list[JobResult]], None]) -> str:
+    """A job lane's reader (its keeper runs it on the lane's own thread): hands each
+    datagram's results to `deliver` until the lane ends, and says why it ended."""
+    try:
+        while True:
+            results = lane.recv()
+            if results is None:  # the protocol saw the daemon's end
+                return "the job lane closed"
+            deliver(results)
+    except Exception as exc:  # OSError, or a result that does not parse
+        lane.protocol.broke()
+        return f"the job lane broke: {exc}"

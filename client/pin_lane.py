@@ -26,31 +26,23 @@ returns the keys the lane could not take, and the caller unpins those over gRPC.
 
 The rules of which answer belongs to which call, and when a lane is spent, are
 the pin lane's sans-I/O protocol (`PinCalls`, kvdepot.common.lane_protocol); the
-classes here are its socket adapters and keep the lanes open: when a lane opens
-is that module's `LaneOpening` (reopened after a break, not before a fixed
-`retry_s`; a request inside that wait is deferred to its end, never dropped).
+classes here are its socket adapters. Each lane is kept by the client's one
+`LaneKeeper` (kvdepot.client.lane_keeper, over kvdepot.common.lane_keeping's
+rules): opened when a session starts and when a call finds none, reopened at once
+after a break, not before a fixed `retry_s` after a failed open; a request inside
+that wait is deferred to its end, never dropped.
 """
 
 from __future__ import annotations
 
-import logging
-import threading
 import time
 from collections.abc import Iterator, Sequence
 from typing import Protocol
 
-from kvdepot.client.job_lane import (
-    ClientLane,
-    LaneOwner,
-    LaneUnavailable,
-    enabled_by_env,
-    follow_opening,
-)
-from kvdepot.common.lane_protocol import LaneOpening, PinCalls
+from kvdepot.client.job_lane import ClientLane, LaneOwner, enabled_by_env
+from kvdepot.client.lane_keeper import LaneKeeper
+from kvdepot.common.lane_protocol import PinCalls
 from kvdepot.v1 import depot_pb2
-
-log = logging.getLogger("kvdepot.client")
-
 
 # A vLLM key is 36 bytes: 1024 of them make a datagram of about 40 KB, within the
 # socket buffers the kernel allows by default (net.core.wmem_max) and the daemon's
@@ -68,97 +60,36 @@ class PinTimeout(TimeoutError):
     """The daemon did not answer a pin on the lane within the deadline."""
 
 
-class SessionLane:
-    """A lane of one kind for the client's current session: opened on a thread of its
-    own (`open_soon`), dropped when the session ends, reopened after a break. When it
-    opens is its LaneOpening's rule; the threads here do what that answers."""
+class KeptLane:
+    """A lane of one kind for the client's current session, kept by a `LaneKeeper`
+    (kvdepot.client.lane_keeper): asked for when a session starts (`open_soon`) and
+    by a call that finds none, dropped when the session ends, reopened after a
+    break, not before `retry_s` after a failed open."""
 
     kind: depot_pb2.LaneKind
     noun: str  # in log lines
 
     def __init__(self, client: PinLaneOwner, retry_s: float = 5.0) -> None:
         self._client = client
-        self._opening = LaneOpening(retry_s, wanted=enabled_by_env())
-        self._lock = threading.Lock()
-        self._lane: ClientLane | None = None
-        self._lane_session = ""
-        self._fallback_logged = False
+        self.keeper = LaneKeeper(
+            client, self.kind, self.noun, wanted=enabled_by_env(), retry_s=retry_s
+        )
 
     @property
     def open(self) -> bool:
-        return self._lane is not None
+        return self.keeper.open
 
     def open_soon(self) -> None:
-        """Opens a lane for the current session in the background, unless one is
-        open or lanes are off; under `retry_s` after a failed try, when that wait ends."""
-        with self._lock:
-            if self._lane is not None and self._lane_session == self._session_id():
-                return
-            action = self._opening.request(time.monotonic())
-        self._follow(action)
-
-    def _follow(self, action: float | None) -> None:
-        follow_opening(action, self._open, self._wait_ended, f"kvdepot-{self.noun}-lane")
-
-    def _wait_ended(self) -> None:
-        with self._lock:
-            self._opening.timer_fired()
-        self.open_soon()
+        """A lane for the current session, opened in the background (its session
+        started), unless one is open or lanes are off."""
+        self.keeper.want()
 
     def drop(self) -> None:
         """Forgets the lane (its session ended: the daemon closed its end)."""
-        with self._lock:
-            lane, self._lane = self._lane, None
-        if lane is not None:
-            lane.close()
-
-    def _lane_for(self, session_id: str) -> ClientLane | None:
-        """The open lane, if it is this session's; else None, and one opens soon."""
-        lane = self._lane
-        if lane is None or self._lane_session != session_id:
-            self.open_soon()
-            return None
-        return lane
-
-    def _session_id(self) -> str:
-        hello = self._client.hello
-        return hello.session_id if hello is not None else ""
-
-    def _broken(self, lane: ClientLane) -> None:
-        with self._lock:
-            if self._lane is lane:
-                self._lane = None
-        lane.close()
-        self.open_soon()
-
-    def _attached(self, lane: ClientLane) -> None:
-        """A new lane, before anyone uses it: a kind with answers to match sets its
-        protocol here (the pin lane's PinCalls)."""
-
-    def _open(self) -> None:
-        try:
-            session_id = self._client.session_id
-            lane = ClientLane.open(self._client, session_id, kind=self.kind)
-        except (LaneUnavailable, OSError, RuntimeError) as exc:  # RuntimeError: no session
-            permanent = isinstance(exc, LaneUnavailable) and exc.permanent
-            with self._lock:
-                action = self._opening.failed(time.monotonic(), permanent)
-                logged, self._fallback_logged = self._fallback_logged, True
-            if not logged:
-                log.info("kvdepot: no %s lane (%s); %ss use gRPC", self.noun, exc, self.noun)
-            self._follow(action)
-            return
-        self._attached(lane)
-        with self._lock:
-            asked_again = self._opening.opened()
-            old, self._lane, self._lane_session = self._lane, lane, session_id
-        if old is not None:
-            old.close()
-        if asked_again:  # perhaps by a newer session than this lane's
-            self.open_soon()
+        self.keeper.drop()
 
 
-class PinLane(SessionLane):
+class PinLane(KeptLane):
     """The pin lane of one DepotClient, used from one thread at a time (vLLM's
     scheduler thread). Pins may be pipelined: `send` several calls, then read all
     their answers with one `answers`; `pin` is one call and its answer."""
@@ -172,9 +103,6 @@ class PinLane(SessionLane):
         # The lane the calls owed an answer went on (None: none owed). Its PinCalls
         # protocol counts them; a new lane takes calls only once they are read.
         self._sent_on: ClientLane | None = None
-
-    def _attached(self, lane: ClientLane) -> None:
-        lane.protocol = PinCalls(lane.max_job_bytes, _pinned_flags)
 
     def send(
         self,
@@ -190,7 +118,7 @@ class PinLane(SessionLane):
         `encode_pin_keys(keys)`, when the caller sends the same keys to several shards."""
         if not PinCalls.goes_on_lane(len(keys)):
             return True  # nothing to pin: answered at once, nothing sent
-        lane = self._lane_for(session_id)
+        lane = self.keeper.lane_for(session_id)
         if lane is None or (self._sent_on is not None and lane is not self._sent_on):
             return False
         if not self._client.joined(namespace_id, session_id):
@@ -209,7 +137,7 @@ class PinLane(SessionLane):
             # it gave before are still to be read (PinCalls keeps the lane for them).
             calls.send_refused()
             if not calls.owed:
-                self._broken(lane)
+                self.keeper.broke(lane)
             return False
         calls.call_sent(len(keys))
         self._sent_on = lane
@@ -236,25 +164,20 @@ class PinLane(SessionLane):
                 reply = lane.sock.recv(size)
             except TimeoutError:
                 calls.timed_out()
-                self._broken(lane)
+                self.keeper.broke(lane)
                 raise PinTimeout(
                     f"no answer on the pin lane within {timeout * 1e3:.0f} ms"
                 ) from None
-            except ConnectionResetError:
-                # The daemon closed the lane with calls of ours unread (it refused one):
-                # Linux reports that once, ahead of the answers it sent before, which
-                # are still there to read.
-                calls.peer_closed()
-                reply = _recv_or_nothing(lane, size)
-            except OSError:
-                reply = b""
+            except OSError as exc:  # a reset: the answers before it are still there
+                reset = isinstance(exc, ConnectionResetError)
+                reply = _recv_or_nothing(lane, size) if calls.read_failed(reset) else b""
             got = calls.receive(reply)
             if got is None:  # closed, broken, or not this call's answer: the rest fall back
                 break
             pinned += got
             self.lane_pins += 1
         if not calls.usable:
-            self._broken(lane)
+            self.keeper.broke(lane)
         return pinned
 
     def pin(
@@ -275,13 +198,9 @@ def encode_pin_keys(keys: Sequence[bytes]) -> bytes:
     return depot_pb2.PinRequest(keys=keys).SerializeToString()
 
 
-def _pinned_flags(answer: bytes) -> Sequence[bool]:
-    return depot_pb2.PinResponse.FromString(answer).pinned
-
-
 def _calls(lane: ClientLane) -> PinCalls:
     calls = lane.protocol
-    assert isinstance(calls, PinCalls), "a pin lane's protocol is PinCalls (_attached)"
+    assert isinstance(calls, PinCalls), "a pin lane's protocol is PinCalls (ClientLane)"
     return calls
 
 
@@ -300,7 +219,7 @@ def tail_first_parts(n: int, size: int) -> Iterator[tuple[int, int]]:
         yield max(0, end - size), end
 
 
-class UnpinLane(SessionLane):
+class UnpinLane(KeptLane):
     """The unpin lane of one DepotClient. `unpin` is called from one thread at a time
     (the scheduler's unpin thread)."""
 
@@ -317,7 +236,7 @@ class UnpinLane(SessionLane):
         `UNPIN_KEYS_PER_DATAGRAM` keys (fewer if the daemon's call limit is lower).
         Returns the keys that did not go (none when all went): unpin those over
         gRPC, and only those (a key unpinned twice would drop another request's pin)."""
-        lane = self._lane_for(session_id)
+        lane = self.keeper.lane_for(session_id)
         if lane is None or not self._client.joined(namespace_id, session_id):
             return keys  # not joined: the daemon would close the lane
         per_datagram = self._keys_per_datagram()
@@ -327,7 +246,7 @@ class UnpinLane(SessionLane):
                 namespace_id=namespace_id,
                 keys=keys[start : start + per_datagram],
             ).SerializeToString()
-            if not self._send(lane, data):
+            if not self.keeper.send(lane, data):
                 return keys[start:]
             self.lane_unpins += 1
         return ()
@@ -336,14 +255,14 @@ class UnpinLane(SessionLane):
         """Sends `keys` (finished requests' chunks used again: UnpinRequest.touch_keys)
         without waiting, the last datagram's worth first, so that a request's head
         stays the youngest however its keys are cut. Returns the keys that did not go."""
-        lane = self._lane_for(session_id)
+        lane = self.keeper.lane_for(session_id)
         if lane is None or not self._client.joined(namespace_id, session_id):
             return keys
         for start, end in tail_first_parts(len(keys), self._keys_per_datagram()):
             data = depot_pb2.UnpinRequest(
                 session_id=session_id, namespace_id=namespace_id, touch_keys=keys[start:end]
             ).SerializeToString()
-            if not self._send(lane, data):
+            if not self.keeper.send(lane, data):
                 return keys[:end]
             self.lane_touches += 1
         return ()
@@ -355,11 +274,3 @@ class UnpinLane(SessionLane):
             # The daemon refuses a call of more than 16 jobs' keys.
             per_datagram = min(per_datagram, hello.max_job_keys * 16)
         return per_datagram
-
-    def _send(self, lane: ClientLane, data: bytes) -> bool:
-        try:
-            return lane.send(data)
-        except OSError:
-            lane.protocol.broke()
-            self._broken(lane)
-            return False

@@ -8,9 +8,10 @@ channel (docs/architecture.md §3, 'Job lanes').
 Threads:
 - `submit`, `poll`, `wait`, `abort`, `close`, `inflight`, `uses_lane`: any caller
   thread (a vLLM worker's model-runner thread); `submit` never blocks.
-- A reader thread per gRPC stream ("kvdepot-transfer") and per lane ("kvdepot-lane",
-  kvdepot.client.job_lane.LaneKeeper) files each result under `_lock`, a Condition
-  that `wait` sleeps on; gRPC runs the request iterator on a thread of its own.
+- A reader thread per gRPC stream ("kvdepot-transfer") and per lane ("kvdepot-job-lane",
+  run by the lane's kvdepot.client.lane_keeper.LaneKeeper) files each result under
+  `_lock`, a Condition that `wait` sleeps on (and the keeper's lock too);
+  gRPC runs the request iterator on a thread of its own.
 
 Jobs come in as kvdepot.common.jobs.Job and results go out as JobResult: each job is
 encoded once in `submit`, each result decoded once on the reader thread that got it
@@ -34,8 +35,9 @@ from typing import Protocol
 import grpc
 
 from kvdepot.client.job_codec import job_to_proto, result_from_proto
-from kvdepot.client.job_lane import LaneKeeper, LaneOwner
+from kvdepot.client.job_lane import SYNC_OPEN_TIMEOUT, ClientLane, LaneOwner, read_results
 from kvdepot.client.job_lane import enabled_by_env as job_lane_enabled_by_env
+from kvdepot.client.lane_keeper import LaneKeeper
 from kvdepot.client.session import DepotUnavailable
 from kvdepot.common.jobs import Job, JobResult
 from kvdepot.v1 import depot_pb2
@@ -72,17 +74,27 @@ class TransferStream:
     ) -> None:
         self.client = client
         self._lock = threading.Condition()
-        # job id -> generation: > 0 a gRPC stream's, < 0 a lane's (LaneKeeper)
+        # job id -> generation: > 0 a gRPC stream's, < 0 a lane's (LaneKeeper's)
         self._inflight: dict[int, int] = {}
         self._done: dict[int, JobResult] = {}
         self._requests: queue.SimpleQueue[object] | None = None
         self._call: grpc.Future | None = None
         self._generation = 0
         wanted = job_lane_enabled_by_env() if job_lane is None else job_lane
-        self._lanes = LaneKeeper(client, self._lock, wanted, self._lane_result, self._lane_broke)
+        # Every job asks for the lane (`submit`): a break waits for the next job.
+        self._lanes = LaneKeeper(
+            client,
+            depot_pb2.LANE_TRANSFER_JOBS,
+            "job",
+            wanted=wanted,
+            lock=self._lock,
+            reader=self._read_lane,
+            lost=self._lane_broke,
+            reopen_on_break=False,
+        )
         # Connected: open the lane now (a few ms, once) so that every job takes it;
         # later (re)opens happen in the background while jobs use the gRPC stream.
-        self._lanes.maybe_open(background=not open_lane_now)
+        self._lanes.want(wait_s=SYNC_OPEN_TIMEOUT if open_lane_now else None)
 
     @property
     def uses_lane(self) -> bool:
@@ -90,12 +102,20 @@ class TransferStream:
         with self._lock:
             return self._lanes.lane is not None
 
-    def _lane_result(self, result: JobResult, generation: int) -> None:
-        # A job aborted meanwhile already has its (CANCELLED) result.
-        if self._inflight.get(result.job_id) == generation:
-            del self._inflight[result.job_id]
-            self._done[result.job_id] = result
-            self._lock.notify_all()
+    def _read_lane(self, lane: ClientLane, generation: int) -> str:
+        """The lane's reader (on its thread): files each datagram's results under one
+        lock hold; returns why the lane ended."""
+
+        def deliver(results: list[JobResult]) -> None:
+            with self._lock:
+                for result in results:
+                    # A job aborted meanwhile already has its (CANCELLED) result.
+                    if self._inflight.get(result.job_id) == generation:
+                        del self._inflight[result.job_id]
+                        self._done[result.job_id] = result
+                self._lock.notify_all()
+
+        return read_results(lane, deliver)
 
     def _lane_broke(self, generation: int, error: str) -> None:
         for job_id, gen in list(self._inflight.items()):
@@ -166,7 +186,7 @@ class TransferStream:
         with self._lock:
             call, self._call = self._call, None
             requests, self._requests = self._requests, None
-            self._lanes.cancel()
+            self._lanes.drop()
             for job_id in list(self._inflight):
                 self._fail(job_id, reason, "CANCELLED")
             self._lock.notify_all()
@@ -191,7 +211,8 @@ class TransferStream:
             # The job's one encoding; one the wire cannot carry (a negative id) raises.
             msg = job_to_proto(job)
             try:
-                if self._lanes.send(msg):
+                lane = self._lanes.lane_for(job.session_id)
+                if lane is not None and self._lanes.send(lane, msg.SerializeToString()):
                     self._inflight[job.job_id] = self._lanes.generation
                     return
                 if self._requests is None:

@@ -8,7 +8,7 @@ daemon do not all come back in the same millisecond.
 
 Users (each keeps its delays of before this module): DepotClient's session
 reconnect (0.05 s doubling to 2 s, jittered), the client lanes' reopen (a fixed 5 s,
-kvdepot.common.lane_protocol.LaneOpening), the remote tier's probe (0.5 s doubling to 10 s).
+kvdepot.common.lane_keeping.LaneKeeping), the remote tier's probe (0.5 s doubling to 10 s).
 
 A plain object without a lock: its owner calls it from one thread at a time (or
 under its own lock). Standard library only.

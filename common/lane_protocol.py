@@ -36,14 +36,14 @@ The rules the protocols keep (each was once a bug, see `git log` of the lanes):
   drops what it has not sent. Each answer is sent once, in the order made; a
   batched lane packs a loop turn's answers in as few datagrams as fit. An empty
   datagram read is the peer's end, never a call; a datagram larger than the lane
-  reads is refused unparsed.
+  reads is refused unparsed. A peer that hung up (closed both ways: an abort,
+  its exit or death) is read no more: its calls still queued are never started,
+  as nobody reads their answers; an empty datagram read without a hang-up is a
+  half-close. A lane that closes still sends the answers made in that turn if
+  nothing waits before them and the socket takes them then.
 
-- `LaneOpening`: a client lane asked for is opened, never forgotten. A request
-  inside the back-off after a failed open is deferred to the back-off's end (the
-  adapter arms one timer), and one made while an open is under way is asked again
-  when that open ends: a session that comes back always gets its lanes back
-  (a lane's open failed while the daemon was down, and the session that came back
-  within the back-off once lost its unpin lane until the next unpin).
+Which lane a client keeps, and when it opens one (reopened after a break, a
+request never lost), is kvdepot.common.lane_keeping's `LaneKeeping`.
 
 Standard library only: the protobuf messages are encoded and decoded by the
 adapters (the pin answers through the `decode` they hand `PinCalls`); the
@@ -57,7 +57,6 @@ import collections
 import enum
 from collections.abc import Callable, Sequence
 
-from kvdepot.common.backoff import Backoff
 from kvdepot.common.jobs import JobResult
 
 # The largest call datagram a daemon's lane reads (a job lane: less, its largest
@@ -284,6 +283,17 @@ class PinCalls(ClientLaneProtocol):
             self.event(LaneEvent.BREAK)  # every answer read: the lane is spent
         return pinned
 
+    def read_failed(self, reset: bool) -> bool:
+        """Reading the next answer raised. `reset` (ECONNRESET): the daemon closed the
+        lane with calls of ours unread (it refused one); Linux reports that once, ahead
+        of the answers it sent before, which are still there: True, read again. Any
+        other error: False, and the oldest call owed reads as no answer (`receive`
+        of b"": it and every later one fall back)."""
+        if reset:
+            self.event(LaneEvent.PEER_CLOSED)
+            return True
+        return False
+
     def timed_out(self) -> None:
         """The answers did not come in time: a late one must never be read as a
         later call's, so the lane breaks and the calls owed fall back."""
@@ -296,79 +306,6 @@ class PinCalls(ClientLaneProtocol):
         """The calls owed get no answer here (they fall back); the lane is broken."""
         self._owed.clear()
         self.event(LaneEvent.BREAK)
-
-
-class LaneOpening:
-    """When a client's lane (a job, pin or unpin lane) opens: one open at a time, a
-    fixed back-off (`retry_s`) after a failed one, and no request lost.
-
-    The adapter calls `request(now)` whenever it wants a lane and has none for its
-    session, and does what the answer says: 0.0, open one now (then `opened` or
-    `failed`); a delay, `timer_fired()` then `request` again after it (one timer:
-    a later request inside the same back-off answers None, the timer covers it);
-    None, nothing (lanes are off, or an open or a timer is under way, and each
-    asks again itself).
-    Times are the caller's monotonic clock, in seconds. Not thread-safe: the
-    adapter calls it under its lock.
-    """
-
-    __slots__ = ("_asked_again", "_deferred", "_retry", "_retry_at", "opening", "wanted")
-
-    def __init__(self, retry_s: float, wanted: bool = True) -> None:
-        self.wanted = wanted  # False: lanes are off (by the user, or the daemon has none)
-        self.opening = False
-        self._retry = Backoff(retry_s, retry_s)  # a fixed wait between tries
-        self._retry_at = 0.0
-        self._deferred = False  # a timer is armed for the back-off's end
-        self._asked_again = False  # a request came while opening
-
-    def request(self, now: float) -> float | None:
-        """A lane is wanted now: 0.0 open it, > 0 call `due` after that many seconds,
-        None nothing to do."""
-        if not self.wanted:
-            return None
-        if self.opening:
-            self._asked_again = True
-            return None
-        if now < self._retry_at:
-            if self._deferred:
-                return None
-            self._deferred = True
-            return self._retry_at - now
-        self.opening = True
-        self._asked_again = False
-        return 0.0
-
-    def timer_fired(self) -> None:
-        """The deferred request's timer fired: the adapter requests again (if it
-        still has no lane)."""
-        self._deferred = False
-
-    def opened(self) -> bool:
-        """The open succeeded. True: a request came meanwhile (the adapter checks
-        the new lane is the one it wants, e.g. of the session now, with `request`
-        again if not)."""
-        self.opening = False
-        self._retry.reset()
-        self._retry_at = 0.0
-        return self._asked_again
-
-    def failed(self, now: float, permanent: bool = False) -> float | None:
-        """The open failed (`permanent`: the daemon has no lanes, so no more tries).
-        A request that came meanwhile is deferred: a delay, as `request` answers."""
-        self.opening = False
-        if permanent:
-            self.wanted = False
-            return None
-        self._retry_at = now + self._retry.next_delay()
-        if not self._asked_again:
-            return None
-        self._asked_again = False
-        return self.request(now)
-
-    def stop(self) -> None:
-        """No more lanes (the owner closed): requests and timers are ignored."""
-        self.wanted = False
 
 
 class Flush(enum.Enum):
@@ -384,6 +321,13 @@ class Received(enum.Enum):
     CALL = "a call: the adapter parses and runs it"
     TOO_LARGE = "larger than the lane reads: refused unparsed (`leading_job_id`)"
     END = "the empty datagram: the peer shut its end (half-closed, or hung up)"
+
+
+class PeerEnd(enum.Enum):
+    """What the peer's end means for a daemon lane (`DaemonLane.woke`, `received_end`)."""
+
+    HUNG_UP = "closed both ways (an abort, exit, death): close now, skip calls not started"
+    HALF_CLOSED = "shut for writing: the lane answers what runs, then closes"
 
 
 class DaemonLane(LaneProtocol):
@@ -478,6 +422,33 @@ class DaemonLane(LaneProtocol):
     def half_closed(self) -> None:
         """The peer will send nothing more: answer what runs, then close."""
         self.event(LaneEvent.PEER_CLOSED)
+
+    def woke(self, hung_up: bool) -> PeerEnd | None:
+        """The socket woke the reader; `hung_up`: it also reports the peer closed both
+        ways (POLLHUP). HUNG_UP: the adapter closes the lane unread, so that the calls
+        queued are never started (as a cancelled Transfer stream's: nobody would read
+        their answers). None: read."""
+        return PeerEnd.HUNG_UP if hung_up else None
+
+    def received_end(self, hung_up: bool) -> PeerEnd:
+        """`received` said END (the empty datagram); `hung_up`: as `woke`'s. HUNG_UP:
+        the adapter closes the lane, skipping the calls not started. HALF_CLOSED:
+        the peer awaits its answers: the lane is read no more and answers what runs
+        (`drained` says when to close)."""
+        if hung_up:
+            return PeerEnd.HUNG_UP
+        self.half_closed()
+        return PeerEnd.HALF_CLOSED
+
+    def closing(self) -> bool:
+        """The adapter is about to `close`. True: it sends `next_datagram` while the
+        socket takes one (errors ignored): the answers made this turn, framed now,
+        as no datagram waits before them (a lane closed for a bad datagram still
+        answers the calls before it; a backlog means the socket is full)."""
+        if not self.outbox or self.backlog or self.state is LaneState.CLOSED:
+            return False
+        self.flush()
+        return True
 
     @property
     def drained(self) -> bool:

@@ -469,3 +469,31 @@ def test_a_job_too_large_for_a_datagram_goes_on_grpc(daemon, client) -> None:
     ks, blocks, idx = chunk_plan(geo, range(0, 2))
     assert eng.job(pb.STORE, ks, blocks, idx).success
     assert stats(daemon.admin_target).lane_jobs == before + 1
+
+
+def test_a_stream_gets_its_lane_back_from_a_restarted_daemon(daemon, client) -> None:
+    """The daemon killed and started again: the stream's lane broke with the session,
+    and the stream's first job in the new session asks for a lane, which the next
+    jobs take (kvdepot.common.lane_keeping's rules, kept by client/lane_keeper.py)."""
+    geo = Geometry(world_size=1, namespace="lane-back")
+    stream = lane_engine(client, geo).stream
+    old_lane = stream._lanes.lane
+    daemon.kill()
+    wait_for(lambda: not client.connected and not stream.uses_lane, 10, "the lane to end")
+    daemon.start()
+    assert client.wait_connected(10)
+    eng = Engine(client, geo, 0)  # registered in the new daemon
+    eng.stream.close()
+    eng.stream = stream  # the stream of before the restart, with no lane now
+    keys, blocks, idx = chunk_plan(geo, range(0, 4))
+    for g, b in enumerate(blocks):
+        eng.fill(g, keys[g * 4 : (g + 1) * 4], b, idx[g])
+    assert eng.job(pb.STORE, keys, blocks, idx).success  # on gRPC: it asked for a lane
+    assert wait_for(lambda: stream.uses_lane, 10), "the lane did not come back"
+    assert stream._lanes.lane is not old_lane
+    before = stats(daemon.admin_target).lane_jobs
+    eng.mem[:] = 0
+    assert eng.job(pb.LOAD, keys, blocks, idx).success
+    for g, b in enumerate(blocks):
+        assert eng.mismatches(g, keys[g * 4 : (g + 1) * 4], b, idx[g]) == 0
+    assert stats(daemon.admin_target).lane_jobs == before + 1

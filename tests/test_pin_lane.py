@@ -23,7 +23,7 @@ import time
 import grpc
 import pytest
 
-from kvdepot.client import DepotClient, pin_lane
+from kvdepot.client import DepotClient, job_lane, pin_lane
 from kvdepot.client.fdpass import send_fd
 from kvdepot.client.pin_lane import PinLane, PinTimeout, UnpinLane
 from kvdepot.testing.waiting import wait_for
@@ -75,11 +75,11 @@ def test_pins_over_the_lane_hold_blocks_like_grpc_pins(daemon, client) -> None:
 
 def test_a_refused_pin_closes_the_lane_and_grpc_says_why(daemon, client) -> None:
     lane = open_lane(client)
-    first = lane._lane
+    first = lane.keeper.lane
     client.join("no-such-namespace")  # joined (an observer), but never declared: NOT_FOUND
     assert lane.pin(client.session_id, "no-such-namespace", [make_key(1, 0)], 1.0) is None
     # Dropped (a new lane may already be opening); gRPC answers with the status.
-    assert lane._lane is not first
+    assert lane.keeper.lane is not first
     with pytest.raises(grpc.RpcError) as err:
         client.pin("no-such-namespace", [make_key(1, 0)])
     assert err.value.code() == grpc.StatusCode.NOT_FOUND
@@ -169,7 +169,7 @@ def test_an_answer_that_does_not_fit_the_call_drops_the_lane(daemon, client) -> 
     handed to the scheduler: the caller gets None and asks over gRPC."""
     keys = stored_keys(client, 2)
     lane = open_lane(client)
-    inner = lane._lane
+    inner = lane.keeper.lane
     assert inner is not None
     # Play a daemon that answers with something else: swap in a socket pair whose
     # other end the test holds.
@@ -178,7 +178,7 @@ def test_an_answer_that_does_not_fit_the_call_drops_the_lane(daemon, client) -> 
     try:
         theirs.send(b"\x0a\x01\x01")  # a PinResponse of one key, for a call of two
         assert lane.pin(client.session_id, GEO.namespace, keys, 1.0) is None
-        assert lane._lane is not inner  # dropped (a new one may already be opening)
+        assert lane.keeper.lane is not inner  # dropped (a new one may already be opening)
     finally:
         original.close()
         theirs.close()
@@ -235,11 +235,11 @@ def test_a_bad_unpin_datagram_closes_that_lane_and_the_keys_come_back(
     assert stats(daemon.admin_target).pinned_blocks == 2
     # A client whose lane the daemon closed gets its keys back, for gRPC.
     lane = open_unpin_lane(client)
-    inner = lane._lane
+    inner = lane.keeper.lane
     assert inner is not None
     inner.sock.shutdown(socket.SHUT_RDWR)
     assert list(lane.unpin(client.session_id, GEO.namespace, keys)) == keys
-    assert lane._lane is not inner  # dropped (a new one may already be opening)
+    assert lane.keeper.lane is not inner  # dropped (a new one may already be opening)
     client.unpin(GEO.namespace, keys, wait=True)
     assert stats(daemon.admin_target).pinned_blocks == 0
 
@@ -264,7 +264,7 @@ def test_pipelined_pins_stop_at_a_refused_one_and_the_rest_go_over_grpc(
     the answers sent before are read, also once the lane is closed."""
     keys = stored_keys(client, 4)
     lane = open_lane(client)
-    first = lane._lane
+    first = lane.keeper.lane
     sid = client.session_id
     client.join("no-such-namespace")  # joined (an observer), but never declared: NOT_FOUND
     if when == "daemon paused while they are sent":
@@ -283,7 +283,7 @@ def test_pipelined_pins_stop_at_a_refused_one_and_the_rest_go_over_grpc(
     assert wait_for(lambda: "a pin was refused" in daemon.log(), 10)
     assert lane.answers(1.0) == [True, True]
     # That lane is gone (a new one may already be opening or open in the background).
-    assert lane._lane is not first
+    assert lane.keeper.lane is not first
     assert (
         stats(daemon.admin_target).pinned_blocks == 2
     )  # the call behind the refused one: not pinned
@@ -303,8 +303,8 @@ def test_a_lane_that_opens_as_its_client_closes_gives_up_quietly(daemon, client)
     try:
         assert live.wait_connected(10)
         client.close()
-        with pytest.raises(pin_lane.LaneUnavailable, match="client is closed") as exc:
-            pin_lane.ClientLane.open(client, live.session_id, kind=pb.LANE_UNPINS)
+        with pytest.raises(job_lane.LaneUnavailable, match="client is closed") as exc:
+            job_lane.ClientLane.open(client, live.session_id, kind=pb.LANE_UNPINS)
         assert exc.value.permanent
         open_unpin_lane(live)  # the daemon serves the live client's lane as before
     finally:
@@ -323,26 +323,34 @@ def test_keys_encoded_once_make_the_same_call_as_a_whole_pin_request() -> None:
 
 
 def test_a_session_back_inside_the_back_off_gets_its_lane_back(daemon, client) -> None:
-    """The daemon killed: a lane's open fails while it is away, which starts the
-    back-off; the daemon restarted, the session comes back inside it, and the lane
-    opens at the back-off's end with no call asking again (as a vLLM scheduler's
-    unpin lane, asked for only when a session starts and when an unpin finds none)."""
+    """A lane's open fails (as one does while the daemon goes away; here the session
+    has the most lanes it may open), which starts the back-off; the daemon is killed
+    and restarted, the session comes back inside the back-off, and the lane opens at
+    its end with no call asking again (as a vLLM scheduler's unpin lane, asked for
+    only when a session starts and when an unpin finds none)."""
     retry_s = 8.0
     lane = UnpinLane(client, retry_s=retry_s)
-    client.add_session_listener(lambda _session: lane.open_soon())
-    client.add_disconnect_listener(lane.drop)
-    lane.open_soon()
-    assert wait_for(lambda: lane.open, 10), "the unpin lane did not open"
-    daemon.kill()
-    wait_for(lambda: not client.connected and not lane.open, 10, "the session to end")
-    lane.open_soon()  # an unpin finds no lane while the daemon is away
-    wait_for(lambda: not lane._opening.opening, 10, "the open to fail")
+    held = []
+    with pytest.raises(grpc.RpcError) as refused:  # the session's lanes, up to the most
+        while len(held) < 9:
+            held.append(raw_lane(client, pb.LANE_UNPINS))
+    assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    lane.open_soon()  # refused: RESOURCE_EXHAUSTED, so the back-off starts
+    wait_for(lambda: not lane.keeper.keeping.opening, 10, "the open to fail")
     failed_at = time.monotonic()
+    assert not lane.open
+    client.add_session_listener(lambda _session: lane.open_soon())  # runs now: deferred
+    client.add_disconnect_listener(lane.drop)
+    daemon.kill()
+    for sock in held:
+        sock.close()
+    wait_for(lambda: not client.connected, 10, "the session to end")
     daemon.start()
     assert client.wait_connected(10)
     assert time.monotonic() - failed_at < retry_s - 1, "back after the back-off: no test"
-    assert not lane.open
+    assert not lane.open  # the new session's request waits for the back-off's end
     assert wait_for(lambda: lane.open, retry_s + 5), "the unpin lane did not come back"
+    assert time.monotonic() - failed_at >= retry_s - 0.5
     keys = stored_keys(client, 2)  # in the new daemon
     assert client.pin(GEO.namespace, keys) == [True, True]
     assert lane.unpin(client.session_id, GEO.namespace, keys) == ()

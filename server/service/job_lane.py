@@ -27,7 +27,9 @@ Contract, per lane (its state, read bound, framing and backlog are a sans-I/O
 - the peer closes its end (or dies) or the session ends: the lane closes and
   its jobs not started yet are skipped, exactly as when a Transfer stream is
   cancelled; a half-close (SHUT_WR) instead lets the running jobs finish and
-  be answered first, as a Transfer stream's half-close does.
+  be answered first, as a Transfer stream's half-close does. Which is which is
+  the protocol's rule (`DaemonLane.woke`, `received_end`): the adapter only
+  reports the empty datagram and whether poll() says the peer hung up.
 
 A pin lane (kind LANE_PINS, `PinLane`) is the same socket carrying Pin calls: a
 scheduler pins its step's loads there, because a unary gRPC call costs a few
@@ -56,6 +58,7 @@ from kvdepot.common.lane_protocol import (
     MAX_CALL_BYTES,
     DaemonLane,
     Flush,
+    PeerEnd,
     Received,
     leading_job_id,
 )
@@ -145,13 +148,11 @@ class Lane:
         return any(ev & (select.POLLHUP | select.POLLERR) for _, ev in events)
 
     def _on_readable(self) -> None:
-        # Jobs still queued in the socket when the peer hung up are never started
-        # (as a cancelled Transfer stream's): nobody would read their results.
-        if self._hung_up():
+        protocol = self.protocol
+        if protocol.woke(self._hung_up()) is PeerEnd.HUNG_UP:  # its queued calls: skipped
             self.close("the client closed it")
             return
         budget = READ_BYTES
-        protocol = self.protocol
         for _ in range(READ_BATCH):
             if budget <= 0 or not protocol.may_read():
                 break
@@ -192,13 +193,10 @@ class Lane:
 
     def _on_eof(self) -> None:
         self._pause_reading()
-        # Hung up (closed or died): nobody will read the results, so skip the jobs
-        # not started yet. Otherwise the peer only half-closed and awaits its answers.
-        if self._hung_up():
+        if self.protocol.received_end(self._hung_up()) is PeerEnd.HUNG_UP:
             self.close("the client closed it")
             return
-        self.protocol.half_closed()
-        self._after_progress()
+        self._after_progress()  # half-closed: the protocol answers what runs, then closes
 
     # -- writing -----------------------------------------------------------------------
 
@@ -266,10 +264,7 @@ class Lane:
         if self.closed:
             return
         protocol = self.protocol
-        if protocol.outbox and not self._writing:
-            # Answers made this turn, before the close, go if the socket takes them
-            # now (a lane closed for a bad datagram); a peer gone refuses them.
-            protocol.flush()
+        if protocol.closing():  # answers made this turn: a peer gone refuses them
             with contextlib.suppress(OSError):
                 while (datagram := protocol.next_datagram()) is not None:
                     self.sock.send(datagram)

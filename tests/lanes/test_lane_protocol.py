@@ -37,6 +37,7 @@ from kvdepot.common.lane_protocol import (
     LaneProtocol,
     LaneProtocolError,
     LaneState,
+    PeerEnd,
     PinCalls,
     Received,
 )
@@ -173,7 +174,7 @@ class PinClient:
         while calls.owed:
             if daemon.closed and daemon.reset_pending:  # ConnectionResetError, once
                 daemon.reset_pending = False
-                calls.peer_closed()
+                assert calls.read_failed(reset=True)  # read again: the answers before it
                 reply = daemon.outbox.popleft() if daemon.outbox else b""
             elif daemon.outbox:
                 reply = daemon.outbox.popleft()
@@ -260,6 +261,15 @@ def test_answers_before_a_refusal_are_read_after_the_reset() -> None:
     client.answers()
     assert client.outcome == {1: "answered", 2: "fallback", 3: "fallback"}
     client.finish()
+
+
+def test_a_read_error_other_than_a_reset_falls_back_every_call_owed() -> None:
+    calls = PinCalls(1 << 16, lambda data: [True] * len(data))
+    calls.call_sent(1)
+    calls.call_sent(1)
+    assert not calls.read_failed(reset=False)  # the adapter reads it as b""
+    assert calls.receive(b"") is None and calls.owed == 0
+    assert calls.state is LaneState.BROKEN
 
 
 def test_an_answer_that_does_not_fit_its_call_is_never_handed_out() -> None:
@@ -560,3 +570,64 @@ def test_daemon_lane_sends_nothing_once_closed() -> None:
     assert lane.next_datagram() is None
     with pytest.raises(LaneProtocolError):
         lane.answer(b"b")
+
+
+# -- the peer's end, on the daemon's side --------------------------------------------------
+
+
+def test_a_hung_up_peer_is_never_read_again() -> None:
+    """The socket woke the reader and the peer closed both ways (an abort, its exit or
+    death): the lane closes unread, so the calls it queued are never started; without
+    a hang-up the reader reads."""
+    lane = DaemonLane(4)
+    assert lane.woke(hung_up=False) is None and lane.state is LaneState.OPEN
+    assert lane.woke(hung_up=True) is PeerEnd.HUNG_UP
+
+
+def test_an_empty_datagram_with_the_peer_hung_up_closes_without_answering() -> None:
+    lane = DaemonLane(4)
+    lane.received(8)
+    lane.started()
+    assert lane.received(0) is Received.END
+    assert lane.received_end(hung_up=True) is PeerEnd.HUNG_UP
+    lane.close()  # what the adapter does: the running call's answer is dropped
+    lane.finished()
+    assert lane.closed and lane.next_datagram() is None
+
+
+def test_an_empty_datagram_without_a_hang_up_is_a_half_close() -> None:
+    """The client shut its end for writing (TransferStream.close): the calls running
+    are answered, then the lane closes; nothing more is read."""
+    lane = DaemonLane(4, batched=True)
+    for _ in range(2):
+        lane.received(8)
+        lane.started()
+    assert lane.received(0) is Received.END
+    assert lane.received_end(hung_up=False) is PeerEnd.HALF_CLOSED
+    assert lane.state is LaneState.CLOSED_BY_PEER and not lane.may_read()
+    assert not lane.drained  # two calls run
+    for answer in (b"1", b"2"):
+        lane.finished()
+        lane.answer(answer)
+    assert not lane.drained  # answered, not sent
+    lane.flush()
+    assert lane.next_datagram() == b"\n\x011\n\x012"
+    lane.datagram_sent()
+    assert lane.drained  # the adapter closes it now
+
+
+def test_a_closing_lane_sends_this_turns_answers_unless_the_socket_is_full() -> None:
+    """A lane closed for a bad datagram still answers the calls before it, if nothing
+    waits before those answers; behind a backlog (a full socket) they are dropped."""
+    lane = DaemonLane(4, batched=True)
+    assert not lane.closing()  # nothing to send
+    lane.answer(b"1")
+    assert lane.closing()
+    assert lane.next_datagram() == b"\n\x011" and not lane.outbox
+    full = DaemonLane(4)
+    full.answer(b"a")
+    full.flush()  # the socket refused it: it waits in the backlog
+    full.answer(b"b")
+    assert not full.closing()
+    full.close()
+    assert full.next_datagram() is None
