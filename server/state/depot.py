@@ -526,7 +526,7 @@ class DepotState:
         namespace of the registration it names (PERMISSION_DENIED; the message never
         names that namespace). An unknown registration is left to the job runner."""
         session = self._sessions.get(session_id)
-        check_job_counts(counts, self.jobs.limits)
+        check_job_counts(*counts, self.jobs.limits)
         reg = self._sessions.registrations.get(registration_id)
         if reg is not None and reg.layout.id not in session.namespaces:
             raise errors.denied(

@@ -393,25 +393,26 @@ class JobRunner:
                 raise errors.internal(f"copy failed: {exc}") from None
 
 
-def check_job_counts(counts: JobCounts, limits: JobLimits) -> None:
-    """Refuses a job whose lists are longer than any job may have: more keys or block
-    ids than `limits` (RESOURCE_EXHAUSTED, naming the limit), more group sizes or block
-    indices than a namespace has groups (INVALID_ARGUMENT). Lengths only: called on
-    the wire message's counts, before a list is made of it (a Transfer message of 4 Mi
-    block ids took 0.45 s to copy into a list before it was refused)."""
-    if counts.keys > limits.keys:
+def check_job_counts(keys: int, blocks: int, groups: int, indices: int, limits: JobLimits) -> None:
+    """Refuses a job whose lists (a JobCounts' fields, as plain ints: every job passes
+    here twice, and few are refused) are longer than any job may have: more keys or
+    block ids than `limits` (RESOURCE_EXHAUSTED, naming the limit), more group sizes
+    or block indices than a namespace has groups (INVALID_ARGUMENT). Lengths only:
+    called on the wire message's counts, before a list is made of it (a Transfer
+    message of 4 Mi block ids took 0.45 s to copy into a list before it was refused)."""
+    if keys > limits.keys:
         raise errors.exhausted(
-            f"job of {counts.keys} keys; this daemon takes at most {limits.keys} "
+            f"job of {keys} keys; this daemon takes at most {limits.keys} "
             f"(--max-job-keys): split it"
         )
-    if counts.blocks > limits.blocks:
+    if blocks > limits.blocks:
         raise errors.exhausted(
-            f"job of {counts.blocks} block ids; this daemon takes at most "
+            f"job of {blocks} block ids; this daemon takes at most "
             f"{limits.blocks} (--max-job-blocks): split it"
         )
-    if max(counts.groups, counts.indices) > MAX_GROUPS:
+    if max(groups, indices) > MAX_GROUPS:
         raise errors.invalid(
-            f"job of {counts.groups} group sizes and {counts.indices} block indices; a "
+            f"job of {groups} group sizes and {indices} block indices; a "
             f"namespace has at most {MAX_GROUPS} groups (MAX_GROUPS), one of each per group"
         )
 
@@ -420,8 +421,7 @@ def check_job_size(job: Job, layout: NamespaceLayout, limits: JobLimits) -> None
     """Refuses (RESOURCE_EXHAUSTED, naming the limit) a job larger than `limits`, from
     its lists' lengths and group_sizes alone: nothing is built from the job before."""
     check_job_counts(
-        JobCounts(len(job.keys), len(job.block_ids), len(job.group_sizes), len(job.block_indices)),
-        limits,
+        len(job.keys), len(job.block_ids), len(job.group_sizes), len(job.block_indices), limits
     )
     if len(job.group_sizes) != layout.num_groups:
         return  # check_job says what is wrong
