@@ -234,6 +234,9 @@ class DepotClient:
         self._lock = threading.Lock()
         self._session = SessionKeeper(self, _STREAM_CHANNEL_OPTIONS, backoff_initial, backoff_max)
         self._memberships = Memberships()
+        # Unpins sent without waiting, until they end: grpc cancels a call whose
+        # future is garbage-collected ("Cancelled upon garbage collection!").
+        self._unpins_in_flight: set[grpc.Future] = set()
 
     @property
     def admin_target(self) -> str:
@@ -445,8 +448,11 @@ class DepotClient:
             return  # pins are made in joined namespaces only: none of ours to drop
         if wait:
             self.stub.Unpin(req, timeout=timeout)
-        else:
-            self.stub.Unpin.future(req, timeout=timeout)
+            return
+        future = self.stub.Unpin.future(req, timeout=timeout)
+        in_flight = self._unpins_in_flight  # set.add/discard: atomic under the GIL
+        in_flight.add(future)
+        future.add_done_callback(in_flight.discard)  # on grpc's thread, or now if done
 
     def put(
         self,

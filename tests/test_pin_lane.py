@@ -15,6 +15,7 @@ that failed while the daemon was away.
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import socket
@@ -39,6 +40,19 @@ def stored_keys(client: DepotClient, n: int) -> list[bytes]:
     eng = Engine(client, GEO, 0)
     store(eng, range(n))
     return [make_key(c, 0) for c in range(n)]
+
+
+def test_unpins_sent_without_waiting_are_not_lost(daemon, client) -> None:
+    """unpin(wait=False) returns at once; its call must still reach the daemon even
+    though the caller keeps nothing of it (grpc cancels a call whose future is
+    collected: the pins stayed held until the session ended)."""
+    keys = stored_keys(client, 8)
+    for round_ in range(20):
+        assert client.pin(GEO.namespace, keys) == [True] * 8
+        for key in keys:
+            client.unpin(GEO.namespace, [key])  # wait=False: fire and forget
+        gc.collect()  # what a busy process does at any time
+        assert wait_for(lambda: stats(daemon.admin_target).pinned_blocks == 0, 10), round_
 
 
 def open_lane(client: DepotClient) -> PinLane:
