@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from kvdepot.bench.capacity_traces import Trace
+from kvdepot.testing.tiers import DiskRecords, unreachable_keys
 
 BLOCK_TOKENS = 16
 # A small KV geometry (2 layers, 1 KV head of the test model's 64): a chunk is 8 KiB,
@@ -133,25 +134,6 @@ def _parents(engine: Any, trace: Trace) -> dict[bytes, bytes | None]:
 def unreachable(held: set[bytes], parents: dict[bytes, bytes | None]) -> int:
     """Rows held whose chain to the first chunk is broken: no lookup reaches them."""
     return len(unreachable_keys(held, parents))
-
-
-def unreachable_keys(held: set[bytes], parents: dict[bytes, bytes | None]) -> set[bytes]:
-    """The keys of `unreachable`'s rows."""
-    reached: dict[bytes, bool] = {}
-
-    def reachable(key: bytes) -> bool:
-        chain = []
-        k: bytes | None = key
-        while k is not None and k not in reached:
-            chain.append(k)
-            k = parents.get(k)
-        ok = True if k is None else reached[k]
-        for c in reversed(chain):
-            ok = ok and c in held
-            reached[c] = ok
-        return reached[key]
-
-    return {key for key in held if key in parents and not reachable(key)}
 
 
 # -- vLLM's CPU tier ------------------------------------------------------------------------
@@ -360,7 +342,7 @@ def run_kvdepot(
         sentinel = engine.offload_keys(sentinel_prompt)[0]
         engine.wait_ready([sentinel])
         barrier = _Barrier(engine, daemon, sentinel)
-        records = None if disk is None else _DiskRecords(manager._client, barrier.namespace)
+        records = None if disk is None else DiskRecords(manager._client, barrier.namespace)
         parents = _parents(engine, trace)
         stored_before = daemon.stats().stored_blocks
         for prompt in trace.prompts:
@@ -415,57 +397,8 @@ def _count_across(
     return len(lost), orphans
 
 
-class _DiskRecords:
-    """The disk tier's records of one namespace, as the daemon announces them: a Watch
-    stream's TIER_DISK events (STORED: written; REMOVED: evicted, rejected, lost).
-    `settled` is true once the events received add up to GetStats' disk_writes and
-    disk_evicted + disk_rejected (the stream lags the tier by a loop turn or two)."""
-
-    def __init__(self, client: Any, namespace: str) -> None:
-        import threading
-
-        from kvdepot.v1 import depot_pb2
-
-        self._lock = threading.Lock()
-        self._keys: set[bytes] = set()
-        self._stored = self._removed = 0
-        self._subscribed = threading.Event()
-        self._pb = depot_pb2.WatchEvent
-        self._watch = client.watch(namespace, self._on_event)
-        if not self._subscribed.wait(SETTLE_TIMEOUT_S):
-            raise TimeoutError("the bench's Watch stream never got its snapshot")
-
-    def _on_event(self, event: Any) -> None:  # the client's stream loop thread
-        pb = self._pb
-        if event.kind == pb.SNAPSHOT_END:
-            self._subscribed.set()
-        if event.tier != pb.TIER_DISK:
-            return
-        with self._lock:
-            if event.kind == pb.STORED:
-                self._keys.update(event.keys)
-                self._stored += len(event.keys)
-            elif event.kind == pb.REMOVED:
-                self._keys.difference_update(event.keys)
-                self._removed += len(event.keys)
-
-    def settled(self, stats: Any) -> bool:
-        with self._lock:
-            return (
-                self._stored == stats.disk_writes + stats.disk_recovered
-                and self._removed == stats.disk_evicted + stats.disk_rejected
-            )
-
-    def keys(self) -> set[bytes]:
-        with self._lock:
-            return set(self._keys)
-
-    def close(self) -> None:
-        self._watch.stop()
-
-
 def _settle(
-    engine: Any, daemon: _Daemon, namespace: str, records: _DiskRecords | None
+    engine: Any, daemon: _Daemon, namespace: str, records: DiskRecords | None
 ) -> set[bytes]:
     """Until the disk has written what it took (and its events are in), and the
     scheduler's mirror equals the daemon's READY rows; returns those rows' keys."""
