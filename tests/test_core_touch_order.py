@@ -45,3 +45,21 @@ def test_past_the_bound_the_oldest_touch_is_due_as_it_stands() -> None:
     assert t.touched("ns", [b"x", b"3"]) == [("ns", [b"x", b"1"])]
     assert t.waiting == 2
     assert t.settled(("ns", b"x")) == [("ns", [b"x", b"2"]), ("ns", [b"x", b"3"])]
+
+
+def test_what_it_keeps_is_bounded_even_behind_a_touch_that_never_settles() -> None:
+    """Touches handed back behind one still kept are forgotten once it goes; past the
+    bound the oldest goes as it stands, so memory stays bounded whatever never settles."""
+    t = TouchesAfterWrites(max_touches=3)
+    t.noted(("ns", b"stuck"))
+    assert t.touched("ns", [b"stuck"]) == []
+    handed_back = []
+    for i in range(10):  # each handed back at once, behind the stuck one
+        row = ("ns", bytes([i]))
+        t.noted(row)
+        handed_back += t.touched("ns", [row[1]])
+        assert t.settled(row) == [("ns", [row[1]])]
+        assert len(t._kept) <= 3
+    assert handed_back == [("ns", [b"stuck"])]  # made room, as it stood
+    assert t.settled(("ns", b"stuck")) == []  # not handed back twice
+    assert t.waiting == 0 and not t._kept

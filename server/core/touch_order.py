@@ -19,8 +19,9 @@ disk's DiskLink and the test tier (tests/tiers/memory_tier.py) use it.
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import deque
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 # Touches kept at most; past it, the oldest is applied as it stands (a disk that
 # cannot keep up drops writes anyway).
@@ -30,54 +31,79 @@ Row = tuple[str, bytes]
 Touch = tuple[str, Sequence[bytes]]
 
 
+@dataclass(eq=False, slots=True)
+class _Kept:
+    touch: Touch
+    left: int  # its rows still to write
+    due: bool = False  # handed back already
+
+
 class TouchesAfterWrites:
-    """Rows not written yet, and the touches waiting for them."""
+    """Rows not written yet, and the touches waiting for them. Each call costs the
+    rows it names (and the touches waiting for the row it settles), never a walk of
+    everything kept."""
 
     def __init__(self, max_touches: int = MAX_TOUCHES) -> None:
-        self._unwritten: Counter[Row] = Counter()  # noted to write, not settled yet
-        self._touches: list[tuple[Touch, set[Row]]] = []  # each with its rows unwritten
+        self._unwritten: dict[Row, int] = {}  # noted to write, not settled yet: how often
+        self._waiting_on: dict[Row, list[_Kept]] = {}  # an unwritten row's kept touches
+        # Oldest first, at most max_touches (some handed back already, behind one not).
+        self._kept: deque[_Kept] = deque()
+        self._count = 0  # kept touches not handed back yet
         self.max_touches = max_touches
 
     def noted(self, row: Row) -> None:
         """`row` is to be written (waiting, or its write under way)."""
-        self._unwritten[row] += 1
+        self._unwritten[row] = self._unwritten.get(row, 0) + 1
 
     def settled(self, row: Row) -> list[Touch]:
         """`row`'s write ended, or was dropped: the touches now due, oldest first."""
-        n = self._unwritten[row] - 1
+        n = self._unwritten.get(row, 0) - 1
         if n > 0:
             self._unwritten[row] = n
             return []
-        self._unwritten.pop(row, None)
-        due: list[Touch] = []
-        kept: list[tuple[Touch, set[Row]]] = []
-        for touch, rows in self._touches:
-            rows.discard(row)
-            if rows:
-                kept.append((touch, rows))
-            else:
-                due.append(touch)
-        self._touches = kept
-        return due
+        if n < 0:
+            return []  # never noted
+        del self._unwritten[row]
+        due: list[_Kept] = []
+        for kept in self._waiting_on.pop(row, ()):
+            kept.left -= 1
+            if kept.left == 0 and not kept.due:
+                due.append(kept)  # in the order kept: oldest first
+        return self._hand_back(due)
 
     def touched(self, namespace_id: str, keys: Sequence[bytes]) -> list[Touch]:
-        """A touch the disk applied now: kept when a row it names is not written yet.
+        """A touch the tier applied now: kept when a row it names is not written yet.
         Returns the oldest touches past the bound, due as they stand."""
         unwritten = self._unwritten
         if not unwritten:
             return []
-        rows = {(namespace_id, key) for key in keys if (namespace_id, key) in unwritten}
+        rows = {(namespace_id, key) for key in keys} & unwritten.keys()
         if not rows:
             return []
-        self._touches.append(((namespace_id, list(keys)), rows))
-        over = len(self._touches) - self.max_touches
-        if over <= 0:
-            return []
-        due = [touch for touch, _ in self._touches[:over]]
-        del self._touches[:over]
-        return due
+        kept = _Kept((namespace_id, list(keys)), len(rows))
+        for row in rows:
+            self._waiting_on.setdefault(row, []).append(kept)
+        self._kept.append(kept)
+        self._count += 1
+        over: list[_Kept] = []
+        while len(self._kept) > self.max_touches:  # bounds the memory, handed back or not
+            oldest = self._kept.popleft()
+            if not oldest.due:
+                over.append(oldest)
+                oldest.due = True
+                self._count -= 1
+        return [k.touch for k in over]
+
+    def _hand_back(self, due: list[_Kept]) -> list[Touch]:
+        for kept in due:
+            kept.due = True
+        self._count -= len(due)
+        kept_now = self._kept
+        while kept_now and kept_now[0].due:  # drop what was handed back from the front
+            kept_now.popleft()
+        return [k.touch for k in due]
 
     @property
     def waiting(self) -> int:
         """Touches kept."""
-        return len(self._touches)
+        return self._count

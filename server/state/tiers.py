@@ -125,12 +125,21 @@ class TiersBelow:
             for state, tier in zip(states, holder, strict=True)
         ]
         run = leading_run(groups, held)
+        fetched = False
         for tier in below:
             mine = [i for i in range(len(keys)) if run[i] and holder[i] is tier]
             if not mine:
                 continue
             under_way = tier.fetch(namespace_id, [keys[i] for i in mine])
+            fetched = fetched or any(under_way)
             for i, ok in zip(mine, under_way, strict=True):
                 if ok:  # where from: vLLM's cache-hit source of the load that follows
                     states[i] = tier.fetched
+        if fetched:
+            # A read in a tier made the rows it fetched the youngest there; the keys
+            # before them (the pool's) must be younger still, or the tier, full, would
+            # evict them first and keep the rows behind them (Tier.touch).
+            lead = [key for key, in_run in zip(keys, run, strict=True) if in_run]
+            for tier in below:
+                tier.touch(namespace_id, lead)
         return states

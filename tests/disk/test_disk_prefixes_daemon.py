@@ -85,7 +85,7 @@ def request(c: DepotClient, engine: Engine, keys: list[bytes]) -> tuple[int, int
     if hit < len(keys):
         job(engine, pb.STORE, keys[hit:], hit, hit * BPC)
     # The request ends: its pins go, and every chunk it used is touched, its head youngest.
-    c.unpin(ns, pinned, touch=keys)
+    c.unpin(ns, pinned, touch=keys, wait=True)
     return in_ram, hit - in_ram
 
 
