@@ -5,9 +5,11 @@ ordered list of `Tier`s (kvdepot.server.core.tier), nearest first: the daemon bu
 them from its registry (kvdepot.server.tier_registry: the disk, then the fleet's),
 starts and closes them. Each hears every index event and every touch; Prefetch asks
 them in order which of a request's keys missing in RAM they hold and fetches the
-leading run, never a key behind a hole (`TierBelow`, kvdepot.server.core.prefix_fetch);
-their figures join GetStats. With none, Prefetch still checks the call and fetches
-nothing. The services never hold a tier (tests/test_service_facade.py).
+leading run, never a key behind a hole (`TierBelow`, kvdepot.server.core.prefix_fetch),
+and then touches them all with that run, so that a tier's order keeps the keys before
+the rows it read younger than them (`Tier.touch`); their figures join GetStats. With
+none, Prefetch still checks the call and fetches nothing. The services never hold a
+tier (tests/test_service_facade.py).
 
 Owned by `DepotState`, which offers these calls as its own (a method per call);
 everything runs on the event loop.
