@@ -111,11 +111,7 @@ class Tier(TierBelow, Protocol):
         tail before its head and never keeps a row behind one it dropped. That holds
         for rows it is still writing when the touch comes, too: it applies the touch
         again once they are written (`TouchesAfterWrites`,
-        kvdepot.server.core.touch_order). Also called after a Prefetch fetched from a
-        tier, with the request's leading run (the keys the pool holds before the rows
-        fetched included): a tier's read makes what it reads its youngest, and the
-        keys before them must be younger still (the pool's order is not changed: a
-        lookup is not a use there)."""
+        kvdepot.server.core.touch_order)."""
         ...
 
     @property

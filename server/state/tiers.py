@@ -5,11 +5,9 @@ ordered list of `Tier`s (kvdepot.server.core.tier), nearest first: the daemon bu
 them from its registry (kvdepot.server.tier_registry: the disk, then the fleet's),
 starts and closes them. Each hears every index event and every touch; Prefetch asks
 them in order which of a request's keys missing in RAM they hold and fetches the
-leading run, never a key behind a hole (`TierBelow`, kvdepot.server.core.prefix_fetch),
-and then touches them all with that run, so that a tier's order keeps the keys before
-the rows it read younger than them (`Tier.touch`); their figures join GetStats. With
-none, Prefetch still checks the call and fetches nothing. The services never hold a
-tier (tests/test_service_facade.py).
+leading run, never a key behind a hole (`TierBelow`, kvdepot.server.core.prefix_fetch);
+their figures join GetStats. With none, Prefetch still checks the call and fetches
+nothing. The services never hold a tier (tests/test_service_facade.py).
 
 Owned by `DepotState`, which offers these calls as its own (a method per call);
 everything runs on the event loop.
@@ -127,21 +125,12 @@ class TiersBelow:
             for state, tier in zip(states, holder, strict=True)
         ]
         run = leading_run(groups, held)
-        fetched = False
         for tier in below:
             mine = [i for i in range(len(keys)) if run[i] and holder[i] is tier]
             if not mine:
                 continue
             under_way = tier.fetch(namespace_id, [keys[i] for i in mine])
-            fetched = fetched or any(under_way)
             for i, ok in zip(mine, under_way, strict=True):
                 if ok:  # where from: vLLM's cache-hit source of the load that follows
                     states[i] = tier.fetched
-        if fetched:
-            # A read in a tier made the rows it fetched the youngest there; the keys
-            # before them (the pool's) must be younger still, or the tier, full, would
-            # evict them first and keep the rows behind them (Tier.touch).
-            lead = [key for key, in_run in zip(keys, run, strict=True) if in_run]
-            for tier in below:
-                tier.touch(namespace_id, lead)
         return states

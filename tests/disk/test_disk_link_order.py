@@ -16,7 +16,6 @@ from pathlib import Path
 import pytest
 
 from kvdepot.server.core.layout import NamespaceLayout
-from kvdepot.server.core.prefix_fetch import KeyState
 from kvdepot.server.state import DepotState
 from tests.support.prefixes import reach
 
@@ -26,7 +25,6 @@ from kvdepot.server.disk.link import DiskLink, DiskSettings
 
 ROW = 96 << 10  # 85 rows in the fixture's 8 MiB pool
 LAYOUT = NamespaceLayout("ns", world_size=1, blocks_per_chunk=1, groups=((ROW,),))
-L, D = KeyState.LOCAL, KeyState.FETCHING_DISK
 
 
 def key(prompt: int, chunk: int) -> bytes:
@@ -124,55 +122,6 @@ def test_the_disk_keeps_the_pools_prefix_order_when_a_touch_beats_the_writes(
             # The disk kept p1's first 20 chunks, and all of p2, head first.
             assert link.tier.keys_of("ns", 100) == p2 + p1[:20]
             state.index.check_invariants()
-        finally:
-            await link.close()
-
-    asyncio.run(run())
-
-
-def test_a_prefetch_from_disk_keeps_the_keys_before_it_younger_on_disk(
-    state: DepotState, tmp_path: Path
-) -> None:
-    """A Prefetch that finds a prompt's head in the pool and its tail on disk reads the
-    tail, which makes it the disk's youngest; the head's records on disk are made
-    younger still (the state touches the tiers with the request's leading run), so the
-    disk's next eviction takes older rows, not the head it would keep the tail behind.
-    Room on disk for 10 rows: a prompt of 4, then 6 others."""
-    record = 4096 + ROW
-    link = DiskLink.from_settings(
-        DiskSettings(str(tmp_path / "disk"), 10 * record + 4096), state.index, state.arena
-    )
-    state.attach_tier(link)
-    session = state.open_session("test", os.getpid(), "")
-    state.register(session.id, LAYOUT, 0, [], [], [])
-    p = [key(1, c) for c in range(4)]
-    others = [key(2, c) for c in range(6)]
-
-    async def written(n: int) -> None:
-        await until(lambda: link.tier.snapshot()["written_records"] == n)
-        await until(lambda: not any(slot.kept for slot in state.index.ready_slots()))
-
-    async def run() -> None:
-        link.start()
-        try:
-            await until(lambda: bool(link.tier.snapshot()["recovery_complete"]))
-            store(state, session.id, p)
-            state.unpin(session.id, "ns", [], touch=p)
-            await written(4)
-            store(state, session.id, others)
-            state.unpin(session.id, "ns", [], touch=others)
-            await written(10)  # the disk is full, the prompt its oldest rows
-            assert state.evict("ns", p[2:])[0] == 2  # RAM keeps the prompt's head
-
-            states = await state.prefetch(session.id, "ns", p)
-
-            assert states == [L, L, D, D]
-            await until(lambda: all(state.lookup(session.id, "ns", p)))
-            store(state, session.id, [key(3, 0)])  # one more row: the disk evicts one
-            await written(11)
-            assert link.tier.snapshot()["evicted"] == 1
-            assert all(link.tier.contains("ns", k) for k in p)  # an older row went
-            assert not link.tier.contains("ns", others[-1])  # the coldest: their tail
         finally:
             await link.close()
 
