@@ -17,8 +17,12 @@ agent loops; working sets 2x, 4x, 8x the pool) replayed one request at a time
 Per trace and system: the token hit rate (tokens of leading chunks found / prompt
 tokens: a hit after a miss is no hit), the bytes stored into the tier, and the rows
 held that no lookup can reach (kvdepot: read from the daemon after every request;
-must be 0). The targets: kvdepot's hit rate >= the best of vLLM's `lru` and `arc` and
->= 0.8 x Belady's on every trace; RAM+disk >= RAM only.
+must be 0). With the disk, also those across the tiers: rows of the pool or the disk
+with an earlier chunk neither holds (the disk's records read from the daemon's Watch
+stream; must be 0), and Belady's at the pool's and the disk's size together. The
+targets: kvdepot's hit rate >= the best of vLLM's `lru` and `arc` and >= 0.8 x
+Belady's on every trace; RAM+disk >= RAM only; RAM+disk unreachable across the tiers 0.
+`--capacity-disk-only` replays kvdepot with the disk alone (and Belady's).
 """
 
 from __future__ import annotations
@@ -66,6 +70,11 @@ def add_arguments(g: argparse._ActionsContainer) -> None:
     g.add_argument(
         "--capacity-no-disk", action="store_true", help="skip the kvdepot run with --disk"
     )
+    g.add_argument(
+        "--capacity-disk-only",
+        action="store_true",
+        help="only the kvdepot run with --disk (and Belady's): the tiers' figures",
+    )
 
 
 def run_capacity(
@@ -75,8 +84,10 @@ def run_capacity(
     families: list[str],
     disk: bool = True,
     on_step: Callable[[str], None] | None = None,
+    disk_only: bool = False,
 ) -> dict[str, Any]:
-    """Every trace through every system; the figures, per trace."""
+    """Every trace through every system (`disk_only`: kvdepot with the disk alone);
+    the figures, per trace."""
     from kvdepot.bench.capacity_runs import DiskTier, run_kvdepot, run_vllm
     from kvdepot.bench.capacity_traces import belady, make_trace
     from kvdepot.bench.connector_bench import cpu_environment
@@ -99,10 +110,10 @@ def run_capacity(
                 "stored_bytes": ceiling["stored_chunks"] * chunk,
             }
             unbounded = belady(trace, 1 << 40)["hit_tokens"] / trace.prompt_tokens
-            for policy in VLLM_POLICIES:
+            for policy in () if disk_only else VLLM_POLICIES:
                 step(f"{where}: vLLM {policy}")
                 systems[f"vllm-{policy}"] = run_vllm(trace, pool, policy).figures(trace, chunk)
-            for policy in KVDEPOT_POLICIES:
+            for policy in () if disk_only else KVDEPOT_POLICIES:
                 step(f"{where}: kvdepot {policy}")
                 replay = run_kvdepot(trace, pool, policy)
                 systems[f"kvdepot-{policy}"] = replay.figures(trace, chunk)
@@ -110,13 +121,11 @@ def run_capacity(
                 step(f"{where}: kvdepot lru + disk")
                 replay = run_kvdepot(trace, pool, "lru", DiskTier(CAPACITY_DISK_POOLS * pool))
                 systems["kvdepot-lru+disk"] = replay.figures(trace, chunk)
-            rows.append(
-                {
-                    "trace": trace.summary(),
-                    "unbounded_hit_rate": unbounded,
-                    "systems": systems,
-                }
-            )
+            row = {"trace": trace.summary(), "unbounded_hit_rate": unbounded, "systems": systems}
+            if disk:  # the hierarchy's ceiling: Belady's with the RAM and the disk's rows
+                both = belady(trace, (1 + CAPACITY_DISK_POOLS) * pool)["hit_tokens"]
+                row["belady_ram_disk_hit_rate"] = both / trace.prompt_tokens
+            rows.append(row)
     return {
         "config": {
             "pool_chunks": pool,
@@ -127,8 +136,8 @@ def run_capacity(
             "traces": families,
             "seed": SEED,
             "disk_chunks": CAPACITY_DISK_POOLS * pool if disk else 0,
-            "kvdepot_policies": list(KVDEPOT_POLICIES),
-            "vllm_policies": list(VLLM_POLICIES),
+            "kvdepot_policies": [] if disk_only else list(KVDEPOT_POLICIES),
+            "vllm_policies": [] if disk_only else list(VLLM_POLICIES),
         },
         "rows": rows,
     }
@@ -148,13 +157,14 @@ def _chunk_bytes() -> int:
 def check_targets(result: dict[str, Any]) -> list[dict[str, Any]]:
     """The issue's targets, per trace and kvdepot policy (RAM only), and the disk's."""
     targets = []
+    cfg = result["config"]
     for row in result["rows"]:
         t = row["trace"]
         name = _name(t)
         s = row["systems"]
-        best_vllm = max(s[f"vllm-{p}"]["hit_rate"] for p in VLLM_POLICIES)
         ceiling = s["belady"]["hit_rate"]
-        for policy in KVDEPOT_POLICIES:
+        for policy in cfg["kvdepot_policies"]:
+            best_vllm = max(s[f"vllm-{p}"]["hit_rate"] for p in cfg["vllm_policies"])
             k = s[f"kvdepot-{policy}"]
             targets += [
                 _target(name, f"kvdepot {policy} >= best vLLM", k["hit_rate"], best_vllm),
@@ -166,13 +176,21 @@ def check_targets(result: dict[str, Any]) -> list[dict[str, Any]]:
                 ),
                 _target(name, f"kvdepot {policy} unreachable", k["unreachable_max"], 0, most=True),
             ]
-        if "kvdepot-lru+disk" in s:
+        disk = s.get("kvdepot-lru+disk")
+        if disk is not None and "kvdepot-lru" in s:
+            targets.append(
+                _target(
+                    name, "RAM+disk >= RAM only", disk["hit_rate"], s["kvdepot-lru"]["hit_rate"]
+                )
+            )
+        if disk is not None:
             targets.append(
                 _target(
                     name,
-                    "RAM+disk >= RAM only",
-                    s["kvdepot-lru+disk"]["hit_rate"],
-                    s["kvdepot-lru"]["hit_rate"],
+                    "RAM+disk unreachable across the tiers",
+                    disk["xtier_unreachable_max"],
+                    0,
+                    most=True,
                 )
             )
     return targets
@@ -187,11 +205,8 @@ def _target(
 
 def format_table(result: dict[str, Any]) -> str:
     cfg = result["config"]
-    systems = [
-        "belady",
-        *(f"vllm-{p}" for p in VLLM_POLICIES),
-        *(f"kvdepot-{p}" for p in KVDEPOT_POLICIES),
-    ]
+    vllm, kvdepot = cfg["vllm_policies"], cfg["kvdepot_policies"]
+    systems = ["belady", *(f"vllm-{p}" for p in vllm), *(f"kvdepot-{p}" for p in kvdepot)]
     if cfg["disk_chunks"]:
         systems.append("kvdepot-lru+disk")
     lines = [
@@ -202,15 +217,15 @@ def format_table(result: dict[str, Any]) -> str:
         "token hit rate, % (leading chunks only); x: kvdepot over the best of vLLM's",
         f"{'trace':<10}{'ws/pool':>8}{'no limit':>9}"
         + "".join(f"{s:>18}" for s in systems)
-        + f"{'x lru':>7}{'x arc':>7}",
+        + "".join(f"{'x ' + p:>7}" for p in kvdepot),
     ]
     for row in result["rows"]:
         t, s = row["trace"], row["systems"]
-        best = max(s[f"vllm-{p}"]["hit_rate"] for p in VLLM_POLICIES)
+        best = max((s[f"vllm-{p}"]["hit_rate"] for p in vllm), default=0.0)
         cells = "".join(f"{100 * s[name]['hit_rate']:>18.1f}" for name in systems)
         ratios = "".join(
             f"{s[f'kvdepot-{p}']['hit_rate'] / best if best else float('nan'):>7.2f}"
-            for p in KVDEPOT_POLICIES
+            for p in kvdepot
         )
         lines.append(
             f"{_name(t):<10}"
@@ -230,6 +245,22 @@ def format_table(result: dict[str, Any]) -> str:
             str(s[name]["unreachable_max"]) for name in systems if name.startswith("kvdepot")
         )
         lines.append(f"{_name(t):<10}" + cells + f"{unreachable:>14}")
+    if cfg["disk_chunks"]:
+        lines += [
+            "",
+            "RAM+disk: hit rate, Belady's at the pool's and the disk's rows together, and rows",
+            "no lookup reaches across the tiers (of the pool or the disk; the disk's among",
+            "them), the most after any request / after the last",
+            f"{'trace':<10}{'hit %':>8}{'Belady %':>10}{'unreachable':>14}{'on disk':>10}",
+        ]
+        for row in result["rows"]:
+            d = row["systems"]["kvdepot-lru+disk"]
+            lines.append(
+                f"{_name(row['trace']):<10}{100 * d['hit_rate']:>8.1f}"
+                f"{100 * row['belady_ram_disk_hit_rate']:>10.1f}"
+                f"{d['xtier_unreachable_max']:>8}/{d['xtier_unreachable_end']:<5}"
+                f"{d['disk_orphans_max']:>5}/{d['disk_orphans_end']:<4}"
+            )
     targets = result.get("targets", [])
     missed = [t for t in targets if not t["met"]]
     lines += ["", f"targets: {len(targets) - len(missed)} met, {len(missed)} missed"]
@@ -279,9 +310,13 @@ def run(args: argparse.Namespace) -> int:
         return 2
     started, load_before = time.monotonic(), os.getloadavg()[0]
     runs = len(families) * len(ratios)
+    disk_only = args.capacity_disk_only
+    if disk_only and args.capacity_no_disk:
+        print("kvdepot bench: --capacity-disk-only with --capacity-no-disk", file=sys.stderr)
+        return 2
+    per_run = 0 if disk_only else len(VLLM_POLICIES) + len(KVDEPOT_POLICIES)
     progress = Progress(
-        runs * (len(VLLM_POLICIES) + len(KVDEPOT_POLICIES) + (0 if args.capacity_no_disk else 1)),
-        enabled=not args.quiet,
+        runs * (per_run + (0 if args.capacity_no_disk else 1)), enabled=not args.quiet
     )
 
     def on_step(label: str) -> None:
@@ -289,7 +324,13 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         result = run_capacity(
-            pool, requests, ratios, families, disk=not args.capacity_no_disk, on_step=on_step
+            pool,
+            requests,
+            ratios,
+            families,
+            disk=not args.capacity_no_disk,
+            on_step=on_step,
+            disk_only=disk_only,
         )
     except (KeyboardInterrupt, Exception) as exc:
         return report_stop("kvdepot bench --capacity", exc, progress)

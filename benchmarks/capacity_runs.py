@@ -16,7 +16,12 @@ leading chunks only, as vLLM's lookup stops at the first miss.
   daemon's READY rows, so that each request sees what the pool really holds and the
   figures do not depend on this machine's timing. Then it reads the pool's rows
   (Admin/ListBlocks) and counts those no lookup can reach: a row whose chunk's
-  predecessor (the chunk before it in every prompt that has it) is not held.
+  predecessor (the chunk before it in every prompt that has it) is not held. With
+  the disk tier, it also follows the disk's records on a Watch stream of its own
+  (the daemon's TIER_DISK events, counted until they match GetStats' disk_writes
+  and disk_evicted) and counts the rows across the tiers no lookup can reach: a row
+  of the pool or the disk with a chunk before it that neither holds (Prefetch
+  fetches only a leading run); among them, the disk's.
 - **vLLM**: vLLM's own OffloadingConnector with `CPUOffloadingSpec` (its
   CPUOffloadingManager and its `lru` or `arc` policy) of exactly the same chunks,
   driven by the same Scheduler; its transfers complete at once (no worker: the
@@ -34,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from kvdepot.bench.capacity_traces import Trace
+from kvdepot.testing.tiers import DiskRecords, unreachable_keys
 
 BLOCK_TOKENS = 16
 # A small KV geometry (2 layers, 1 KV head of the test model's 64): a chunk is 8 KiB,
@@ -74,6 +80,12 @@ class Replay:
     stored_chunks: int = 0
     unreachable_max: int = 0  # kvdepot: the most rows held that no lookup reaches
     unreachable_end: int = 0
+    # kvdepot with the disk: rows of the pool or the disk with an earlier chunk that
+    # neither holds (across the tiers), and the disk's records among them
+    xtier_unreachable_max: int = 0
+    xtier_unreachable_end: int = 0
+    disk_orphans_max: int = 0
+    disk_orphans_end: int = 0
     held_end: int = 0
     seconds: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)
@@ -88,6 +100,10 @@ class Replay:
             "stored_bytes": self.stored_chunks * chunk,
             "unreachable_max": self.unreachable_max,
             "unreachable_end": self.unreachable_end,
+            "xtier_unreachable_max": self.xtier_unreachable_max,
+            "xtier_unreachable_end": self.xtier_unreachable_end,
+            "disk_orphans_max": self.disk_orphans_max,
+            "disk_orphans_end": self.disk_orphans_end,
             "held_end": self.held_end,
             "seconds": self.seconds,
             **self.extra,
@@ -117,21 +133,7 @@ def _parents(engine: Any, trace: Trace) -> dict[bytes, bytes | None]:
 
 def unreachable(held: set[bytes], parents: dict[bytes, bytes | None]) -> int:
     """Rows held whose chain to the first chunk is broken: no lookup reaches them."""
-    reached: dict[bytes, bool] = {}
-
-    def reachable(key: bytes) -> bool:
-        chain = []
-        k: bytes | None = key
-        while k is not None and k not in reached:
-            chain.append(k)
-            k = parents.get(k)
-        ok = True if k is None else reached[k]
-        for c in reversed(chain):
-            ok = ok and c in held
-            reached[c] = ok
-        return reached[key]
-
-    return sum(1 for key in held if key in parents and not reachable(key))
+    return len(unreachable_keys(held, parents))
 
 
 # -- vLLM's CPU tier ------------------------------------------------------------------------
@@ -340,17 +342,25 @@ def run_kvdepot(
         sentinel = engine.offload_keys(sentinel_prompt)[0]
         engine.wait_ready([sentinel])
         barrier = _Barrier(engine, daemon, sentinel)
+        records = None if disk is None else DiskRecords(manager._client, barrier.namespace)
         parents = _parents(engine, trace)
         stored_before = daemon.stats().stored_blocks
         for prompt in trace.prompts:
             touches = barrier.lane.lane_touches
             replay.hit_tokens.append(_run_request(engine, prompt))
             barrier.wait(touches)
-            held = _settle(engine, daemon, barrier.namespace, disk is not None)
+            held = _settle(engine, daemon, barrier.namespace, records)
             held.discard(sentinel)
             replay.unreachable_max = max(replay.unreachable_max, unreachable(held, parents))
+            if records is not None:
+                _count_across(replay, held, records.keys(), parents)
         replay.held_end = len(held)
         replay.unreachable_end = unreachable(held, parents)
+        if records is not None:
+            replay.xtier_unreachable_end, replay.disk_orphans_end = _count_across(
+                replay, held, records.keys(), parents
+            )
+            records.close()
         s = daemon.stats()
         replay.stored_chunks = s.stored_blocks - stored_before
         replay.extra = {
@@ -375,15 +385,29 @@ def run_kvdepot(
     return replay
 
 
-def _settle(engine: Any, daemon: _Daemon, namespace: str, disk: bool) -> set[bytes]:
-    """Until the disk has written what it took and the scheduler's mirror equals the
-    daemon's READY rows; returns those rows' keys."""
+def _count_across(
+    replay: Replay, pool: set[bytes], disk: set[bytes], parents: dict[bytes, bytes | None]
+) -> tuple[int, int]:
+    """The rows of the pool or the disk that no lookup reaches across the tiers, and
+    the disk's among them; the replay's most of each follows."""
+    lost = unreachable_keys(pool | disk, parents)
+    orphans = len(lost & disk)
+    replay.xtier_unreachable_max = max(replay.xtier_unreachable_max, len(lost))
+    replay.disk_orphans_max = max(replay.disk_orphans_max, orphans)
+    return len(lost), orphans
+
+
+def _settle(
+    engine: Any, daemon: _Daemon, namespace: str, records: DiskRecords | None
+) -> set[bytes]:
+    """Until the disk has written what it took (and its events are in), and the
+    scheduler's mirror equals the daemon's READY rows; returns those rows' keys."""
     deadline = time.monotonic() + SETTLE_TIMEOUT_S
     mirror = engine.manager.mirror
     while True:
-        if disk:
+        if records is not None:
             s = daemon.stats()
-            if s.disk_inflight_bytes or s.disk_write_waiting:
+            if s.disk_inflight_bytes or s.disk_write_waiting or not records.settled(s):
                 _later(deadline, "the disk tier's writes")
                 continue
         ready = {b.key for b in daemon.blocks(namespace) if b.state == "ready"}

@@ -594,7 +594,8 @@ def test_node_table_says_when_engines_picked_fewer_shards_than_the_node_has() ->
 def test_capacity_replay_runs_every_system_and_keeps_no_unreachable_rows() -> None:
     """A short `kvdepot bench --capacity --quick` on the shared-documents trace: every
     system replayed the same requests, kvdepot's LRU pool never held a row no lookup
-    reaches, and the targets that hold by construction hold (figures, not a speed)."""
+    reaches, nor did the pool and the disk together, and the targets that hold by
+    construction hold (figures, not a speed)."""
     proc = subprocess.run(
         [
             sys.executable,
@@ -639,10 +640,15 @@ def test_capacity_replay_runs_every_system_and_keeps_no_unreachable_rows() -> No
     assert lru["held_end"] == result["config"]["pool_chunks"]  # full, all of it reachable
     assert lru["load_failures"] == 0 and lru["dropped_stores"] == 0
     assert lru["hit_rate"] >= systems["vllm-lru"]["hit_rate"]
-    assert systems["kvdepot-lru+disk"]["hit_rate"] >= lru["hit_rate"]
-    assert systems["kvdepot-lru+disk"]["disk_hit_chunks"] > 0
+    disk = systems["kvdepot-lru+disk"]
+    assert disk["hit_rate"] >= lru["hit_rate"]
+    assert disk["disk_hit_chunks"] > 0
+    # No row of the pool or the disk behind a chunk neither holds (read from the daemon).
+    assert disk["xtier_unreachable_max"] == 0 and disk["disk_orphans_max"] == 0
+    assert row["belady_ram_disk_hit_rate"] >= systems["belady"]["hit_rate"]
     targets = {t["target"] for t in result["targets"]}
     assert "RAM+disk >= RAM only" in targets and "kvdepot lru unreachable" in targets
+    assert "RAM+disk unreachable across the tiers" in targets
     assert "kvdepot bench --capacity" in proc.stderr and "belady" in proc.stderr
 
 

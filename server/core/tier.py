@@ -105,8 +105,13 @@ class Tier(TierBelow, Protocol):
         ...
 
     def touch(self, namespace_id: str, keys: Sequence[bytes]) -> None:
-        """Keys a finished request used again, after the pool made its rows the most
-        recent: a tier that keeps an order of its own follows the pool's."""
+        """Keys a finished request used again (group-major, chunks ascending), after
+        the pool made its rows the most recent, the head youngest: a tier that keeps
+        an order of its own follows the pool's, so that, full, it evicts a prompt's
+        tail before its head and never keeps a row behind one it dropped. That holds
+        for rows it is still writing when the touch comes, too: it applies the touch
+        again once they are written (`TouchesAfterWrites`,
+        kvdepot.server.core.touch_order)."""
         ...
 
     @property

@@ -19,6 +19,12 @@ the Prometheus collector (kvdepot.server.disk.metrics) read its figures.
   finish: a burst larger than the bound still reaches the disk. Past that list,
   and whatever the tier cannot take (the disk down or its index coming back, no
   space), is dropped and counted: a store never waits on the disk.
+- Order: the disk keeps the pool's (`touch`: a finished request's chunks made young,
+  the head youngest). A record enters the disk's order when its write ends, and the
+  request's touch may come before that; a touch naming a row still to write is
+  applied again once none is (`TouchesAfterWrites`, core/touch_order.py), so a new tail is
+  never younger on disk than its head (which the disk would then evict first, keeping
+  the tail where no lookup reaches it).
 - Write-behind, `--disk-write evict`: nothing is written while the pool is below
   its high-water fill. Above it, a walk from the cold end of the pool's LRU
   (`BlockIndex.coldest`) writes the least recently used rows not on disk yet, the
@@ -71,6 +77,7 @@ from kvdepot.server.core.index import BlockIndex, IndexEvent, Slot, UnknownNames
 from kvdepot.server.core.kinds import EventKind, StoreOutcome, Tier
 from kvdepot.server.core.prefix_fetch import KeyState
 from kvdepot.server.core.tier import TierHost
+from kvdepot.server.core.touch_order import TouchesAfterWrites
 from kvdepot.server.disk.cold_end import WRITE_DROPS, ColdEndWriter
 from kvdepot.server.disk.io_threads import lower_priority
 from kvdepot.server.disk.space import Change, WriteVerdict
@@ -167,6 +174,8 @@ class DiskLink:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stored: list[tuple[str, tuple[bytes, ...]]] = []  # STORED, not yet written
         self._waiting: deque[tuple[str, bytes]] = deque()  # found the bound reached
+        # Touches of rows still to write, applied again once they are (core/touch_order.py).
+        self._touch_order = TouchesAfterWrites()
         self._promoting: set[tuple[str, bytes]] = set()  # being read into the pool
         self._cold = ColdEndWriter(self, high_water) if write_mode == "evict" else None
         self._from_disk: set[tuple[str, bytes]] = set()  # promoted: not written back
@@ -271,18 +280,22 @@ class DiskLink:
         if not self._stored:
             self._loop.call_soon(self._write_stored)
         self._stored.append((event.namespace, event.keys))
+        for key in event.keys:  # to write from now: a touch before it is kept
+            self._touch_order.noted((event.namespace, key))
 
     def _write_stored(self) -> None:
         stored, self._stored = self._stored, []
-        waiting, drops = self._waiting, self.stats.write_drops
+        waiting, drops, order = self._waiting, self.stats.write_drops, self._touch_order
         for namespace_id, keys in stored:
             for key in keys:
                 if (namespace_id, key) in self._from_disk:  # read from there: not again
                     self._from_disk.discard((namespace_id, key))
                 elif len(waiting) < WAITING_ROWS:
                     waiting.append((namespace_id, key))
+                    continue
                 else:
                     drops["backlog_full"] += 1
+                self._retouch(order.settled((namespace_id, key)))  # not to write
         self._drain()
 
     def _drain(self) -> None:
@@ -293,7 +306,9 @@ class DiskLink:
             verdict = self._write_row(*waiting[0])
             if verdict is WriteVerdict.BACKLOG_FULL:
                 return
-            waiting.popleft()
+            row = waiting.popleft()
+            if verdict is not WriteVerdict.ACCEPTED:  # not written now: settled
+                self._retouch(self._touch_order.settled(row))
             if verdict in WRITE_DROPS:
                 drops[WRITE_DROPS[verdict]] += 1
 
@@ -335,8 +350,13 @@ class DiskLink:
 
     def _write_done(self, slot: Slot) -> None:
         self._index.end_keep(slot)
+        self._retouch(self._touch_order.settled((slot.namespace, slot.key)))
         if self._waiting:
             self._drain()
+
+    def _retouch(self, touches: list[tuple[str, Sequence[bytes]]]) -> None:
+        for namespace_id, keys in touches:
+            self.tier.touch(namespace_id, keys)
 
     # -- events ---------------------------------------------------------------------------
 
@@ -396,8 +416,10 @@ class DiskLink:
 
     def touch(self, namespace_id: str, keys: Sequence[bytes]) -> None:
         """A finished request's chunks (KeyCalls' touch): their records on disk are made
-        young as the pool's rows are, so the disk keeps the pool's prefix order."""
+        young as the pool's rows are, so the disk keeps the pool's prefix order; again
+        once the rows it names still to write are written (core/touch_order.py)."""
         self.tier.touch(namespace_id, keys)
+        self._retouch(self._touch_order.touched(namespace_id, keys))
 
     # -- promotion (a TierBelow: kvdepot.server.core.prefix_fetch) ---------------------
 

@@ -81,3 +81,48 @@ def test_a_prompt_written_behind_while_its_request_touches_it_keeps_its_leading_
             await link.close()
 
     asyncio.run(run())
+
+
+def test_the_disk_keeps_the_pools_prefix_order_when_a_touch_beats_the_writes(
+    state: DepotState, tmp_path: Path
+) -> None:
+    """A request's touch that comes before its rows are written (the connector sends it
+    once the pool's stores are in) is applied on disk again once they are: a prompt's
+    head stays the disk's youngest, so the disk, full, evicts tails and keeps a leading
+    run. Room on disk for 60 rows; two prompts of 40."""
+    record = 4096 + ROW  # its header page and the row
+    link = DiskLink.from_settings(
+        DiskSettings(str(tmp_path / "disk"), 60 * record + 4096), state.index, state.arena
+    )
+    state.attach_tier(link)
+    session = state.open_session("test", os.getpid(), "")
+    state.register(session.id, LAYOUT, 0, [], [], [])
+    p1 = [key(1, c) for c in range(40)]
+    p2 = [key(2, c) for c in range(40)]
+
+    async def run() -> None:
+        link.start()
+        try:
+            await until(lambda: bool(link.tier.snapshot()["recovery_complete"]))
+            # The touch before the disk even took the rows (its writes start after the
+            # STORED event, on the loop's next turn)...
+            store(state, session.id, p1)
+            state.unpin(session.id, "ns", [], touch=p1)
+            await until(lambda: link.tier.snapshot()["written_records"] == 40)
+            await until(lambda: not any(slot.kept for slot in state.index.ready_slots()))
+            assert link.tier.keys_of("ns", 100) == p1  # most recent first: the head
+            # ... and while its writes run.
+            store(state, session.id, p2)
+            await asyncio.sleep(0)
+            assert link.tier.snapshot()["inflight_bytes"] > 0
+            state.unpin(session.id, "ns", [], touch=p2)
+            await until(lambda: link.tier.snapshot()["written_records"] == 80)
+            await until(lambda: not any(slot.kept for slot in state.index.ready_slots()))
+            assert link.tier.snapshot()["evicted"] == 20
+            # The disk kept p1's first 20 chunks, and all of p2, head first.
+            assert link.tier.keys_of("ns", 100) == p2 + p1[:20]
+            state.index.check_invariants()
+        finally:
+            await link.close()
+
+    asyncio.run(run())

@@ -3,22 +3,30 @@
 fetched back into it. Its registry line is all the daemon needs of it
 (tests/tiers/test_tier_seam.py): ("memory", "tests.tiers.memory_tier").
 
+With a `capacity` (in rows) it keeps an order of its own and evicts from its cold
+end, following the pool's as the seam asks (`Tier.touch`): rows written together go in
+tail first, a touch makes its rows young, the head youngest, and a touch that comes
+before its rows are written is applied again once they are (TouchesAfterWrites).
+
 Everything runs on the event loop; it owns its dict and the rows it claims in the
 pool until they are READY (at once: it has no I/O of its own)."""
 
 from __future__ import annotations
 
 import asyncio
+from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from typing import Protocol
 
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from kvdepot.server.core.eviction import tail_first
 from kvdepot.server.core.index import BlockIndex, IndexEvent
 from kvdepot.server.core.kinds import EventKind, SlotState, StoreOutcome
 from kvdepot.server.core.prefix_fetch import KeyState
 from kvdepot.server.core.tier import Tier, TierHost
+from kvdepot.server.core.touch_order import TouchesAfterWrites
 from kvdepot.server.memory.arena import Arena
 
 OWNER = "memory-tier"  # the index's writer id for rows it brings into the pool
@@ -28,13 +36,17 @@ class MemoryTier:
     name = "memory"
     fetched = KeyState.FETCHING
 
-    def __init__(self, index: BlockIndex, arena: Arena) -> None:
+    def __init__(self, index: BlockIndex, arena: Arena, capacity: int | None = None) -> None:
         self._index = index
         self._arena = arena
-        self.rows: dict[tuple[str, bytes], bytes] = {}  # a whole row, every rank's section
-        self._noted: list[tuple[str, bytes]] = []
+        self.capacity = capacity  # rows; None: no bound
+        # A whole row, every rank's section; the coldest first.
+        self.rows: OrderedDict[tuple[str, bytes], bytes] = OrderedDict()
+        self._noted: list[tuple[str, tuple[bytes, ...]]] = []
+        self._touch_order = TouchesAfterWrites()
         self.touched: list[bytes] = []
         self.fetches = 0
+        self.evicted = 0
         self.closed = False
 
     def attach(self, host: TierHost) -> None:
@@ -45,19 +57,38 @@ class MemoryTier:
             return
         if not self._noted:  # a listener never calls back into the index: after it
             asyncio.get_running_loop().call_soon(self._write_behind)
-        self._noted += [(event.namespace, key) for key in event.keys]
+        self._noted.append((event.namespace, event.keys))
+        for key in event.keys:
+            self._touch_order.noted((event.namespace, key))
 
     def _write_behind(self) -> None:
         noted, self._noted = self._noted, []
-        for namespace_id, key in noted:
+        for namespace_id, keys in noted:
             ns = self._index.namespace(namespace_id)
-            slot = ns.slots.get(key)
-            if slot is not None and slot.state is SlotState.READY:
+            slots = [s for k in keys if (s := ns.slots.get(k)) is not None]
+            for slot in tail_first([s for s in slots if s.state is SlotState.READY]):
                 size = ns.layout.slot_bytes(slot.group)
-                self.rows[namespace_id, key] = bytes(self._arena.view(slot.extent.offset, size))
+                self.rows[namespace_id, slot.key] = bytes(
+                    self._arena.view(slot.extent.offset, size)
+                )
+                self.rows.move_to_end((namespace_id, slot.key))
+            while self.capacity is not None and len(self.rows) > self.capacity:
+                self.rows.popitem(last=False)
+                self.evicted += 1
+            for key in keys:
+                self._apply(self._touch_order.settled((namespace_id, key)))
 
     def touch(self, namespace_id: str, keys: Sequence[bytes]) -> None:
         self.touched += keys
+        self._apply([(namespace_id, keys)])
+        self._apply(self._touch_order.touched(namespace_id, keys))
+
+    def _apply(self, touches: list[tuple[str, Sequence[bytes]]]) -> None:
+        rows = self.rows
+        for namespace_id, keys in touches:
+            for key in reversed(keys):  # the head last: the youngest
+                if (namespace_id, key) in rows:
+                    rows.move_to_end((namespace_id, key))
 
     async def locate(self, namespace_id: str, keys: Sequence[bytes]) -> list[bool]:
         return [(namespace_id, key) in self.rows for key in keys]

@@ -136,3 +136,36 @@ def test_prefetch_asks_the_tiers_in_the_registrys_order(state: DepotState, tmp_p
                 await tier.close()
 
     asyncio.run(run())
+
+
+def test_a_tier_with_an_order_of_its_own_follows_the_pools_through_the_seam(
+    state: DepotState,
+) -> None:
+    """The seam's order rule (`Tier.touch`) for a tier written against it alone: the
+    memory tier, room for 60 rows, takes two prompts of 40, stored in jobs of 20 whose
+    touch comes before the rows are written behind. Full, it evicts the first prompt's
+    tail and keeps its leading 20 rows and the second prompt whole: no row behind one
+    it dropped."""
+    session = state.open_session("test", os.getpid(), "")
+    state.register(session.id, LAYOUT, 0, [], [], [])
+    memory = MemoryTier(state.index, state.arena, capacity=60)
+    state.attach_tier(memory)
+    p1 = [key(i) for i in range(40)]
+    p2 = [key(i) for i in range(40, 80)]
+
+    async def run() -> None:
+        for prompt in (p1, p2):
+            for start in range(0, 40, 20):  # one job a step: one STORED event each
+                claim = state.index.begin_store_many("ns", prompt[start : start + 20], 0, "t")
+                assert state.index.finish_store_many(claim.slots, 0, True) == 20
+            # The request ends before the tier wrote its rows (on the loop's next turn).
+            state.unpin(session.id, "ns", [], touch=prompt)
+            assert not any(("ns", k) in memory.rows for k in prompt)
+            await until(lambda p=prompt: ("ns", p[-1]) in memory.rows or memory.evicted > 0)
+            await asyncio.sleep(0)
+        assert memory.evicted == 20
+        # The coldest first: the second prompt's tail ... its head, then the first's.
+        assert [k for _, k in memory.rows] == p1[:20][::-1] + p2[::-1]
+        await memory.close()
+
+    asyncio.run(run())
