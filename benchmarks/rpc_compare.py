@@ -114,8 +114,10 @@ def compare(daemons: list[tuple[str, list[str]]], rounds: int, calls: int) -> di
                 "p50_ratio": p50 / base,
             }
         per_call = cpu[name] / counted[name]
+        base_cpu = cpu[first] / counted[first]
         row["daemon_cpu_us_per_call"] = per_call * 1e6
-        row["cpu_ratio"] = per_call / (cpu[first] / counted[first])
+        # None when the first daemon's CPU time read 0 (a short run: /proc counts ticks)
+        row["cpu_ratio"] = per_call / base_cpu if base_cpu else None
         out["daemons"][name] = row
     out["loadavg_1min"] = os.getloadavg()[0]
     return out
@@ -152,9 +154,9 @@ def main(argv: list[str] | None = None) -> int:
         kinds = "  ".join(
             f"{k} p50 {row[k]['p50_us']:.0f} us ({row[k]['p50_ratio']:.2f})" for k in KINDS
         )
+        ratio = "-" if row["cpu_ratio"] is None else f"{row['cpu_ratio']:.2f}"
         print(
-            f"{name:>12}: {kinds}  daemon CPU {row['daemon_cpu_us_per_call']:.0f} us/call "
-            f"({row['cpu_ratio']:.2f})"
+            f"{name:>12}: {kinds}  daemon CPU {row['daemon_cpu_us_per_call']:.0f} us/call ({ratio})"
         )
     return 0
 

@@ -383,7 +383,9 @@ def test_job_cost_reports_both_directions_and_every_step() -> None:
     assert list(steps)[-2:] == [rest, "total"]
     timed = {k: v for k, v in steps.items() if k not in (rest, "total")}
     assert len(timed) == 11 and all(v > 0 for v in timed.values()), steps
-    assert steps["total"] > max(timed.values())
+    # Not compared with the steps: the total is the loop thread's CPU, the steps wall
+    # time, and on a busy machine a step's wall time may outgrow it (a descheduled loop).
+    assert steps["total"] > 0
 
 
 @pytest.mark.parametrize(

@@ -59,6 +59,8 @@ def build(site: DiskSite) -> Tier | None:
         from kvdepot.server.disk.files import TierBusy
         from kvdepot.server.disk.link import DiskLink, DiskSettings
     except ImportError as exc:  # blake3 is the `disk` extra
+        if exc.name != "blake3":  # a broken install, not a missing extra: say so as it is
+            raise
         raise DiskTierError(f"--disk needs blake3 ({exc}): pip install 'kvdepot[disk]'") from None
     link = DiskLink.from_settings(
         DiskSettings(

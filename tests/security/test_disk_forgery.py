@@ -130,6 +130,11 @@ def test_a_forged_record_in_a_tenants_row_is_never_adopted(daemon_factory, tmp_p
     got = forge(d, target)
     assert got["put_carrier"] == got["put_own"] == "stored", got
     written(victim, 2)  # the carrier at offset 0, the forger's own row after it
+    # The carrier must be the disk's oldest record, the one evicted below: its write and
+    # the own row's run together and may end in either order, so the own row is touched.
+    owner = joined(d, FORGER, disk_forger.LAYERS, disk_forger.BLOCKS_PER_CHUNK)
+    owner.unpin(FORGER, [], wait=True, touch=[bytes.fromhex(got["own"])])
+    owner.close()
     assert victim.put(VICTIM, v1, 0, victim_row(v1)).outcome == "stored"
     written(victim, 3)
     assert victim.put(VICTIM, v2, 0, victim_row(v2)).outcome == "stored"
