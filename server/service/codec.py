@@ -151,6 +151,23 @@ def read_job(data: bytes, limits: JobLimits) -> JobMessage:
 
 
 def result_to_proto(result: JobResult) -> pb.TransferResult:
+    # Most results leave the last five fields at their defaults (nothing present,
+    # dropped or failed): a keyword costs about 0.05 µs, and every job pays for each.
+    if not (
+        result.present_keys
+        or result.dropped_keys
+        or result.error
+        or result.error_code
+        or result.drop_reason
+    ):
+        return pb.TransferResult(
+            job_id=result.job_id,
+            success=result.success,
+            bytes=result.bytes,
+            copy_seconds=result.copy_seconds,
+            total_seconds=result.total_seconds,
+            stored_keys=result.stored_keys,
+        )
     return pb.TransferResult(
         job_id=result.job_id,
         success=result.success,
