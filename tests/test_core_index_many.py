@@ -259,3 +259,58 @@ def test_a_removed_rows_chunk_event_leaves_with_its_removed_event() -> None:
     assert [e.chunk_events for e in ix.take_events()] == [(b"e2",), ()]
     assert (ns.chunk_event_rows, ns.chunk_event_bytes) == (0, 0)
     ix.check_invariants()
+
+
+def test_the_writing_floor_changes_no_decision_only_how_often_room_is_asked() -> None:
+    """`writing_room` is asked only when a row would not fit under `writing_floor` less
+    every WRITING row's bytes. The same series of store calls and settlements, by three
+    owners (two of them one account, as the state counts them), with the floor (the fast
+    path) and without it (0: asked at every call, as before) makes the same decisions:
+    the same rows written, present and dropped, for the same reasons."""
+    import random
+
+    accounts = {"a1": ("a1", "a2"), "a2": ("a1", "a2"), "b": ("b",)}
+    per_account, pool_held = 5 * SLOT, 7 * SLOT
+
+    def run(floor: int) -> tuple[list[tuple[object, ...]], int]:
+        ix = make(slots=12)
+        asked = 0
+
+        def room(owner: object) -> int:  # the state's quota (state.namespaces), by account
+            nonlocal asked
+            asked += 1
+            mine = sum(map(ix.owner_writing_bytes, accounts[str(owner)]))
+            return min(per_account - mine, pool_held - ix.writing_bytes())
+
+        ix.writing_room = room
+        ix.writing_floor = floor
+        rng = random.Random(5)
+        open_claims: list[list[object]] = []
+        seen: list[tuple[object, ...]] = []
+        for _ in range(400):
+            if open_claims and rng.random() < 0.55:
+                slots = open_claims.pop(rng.randrange(len(open_claims)))
+                ix.finish_store_many(slots, 0, rng.random() < 0.9)  # type: ignore[arg-type]
+                continue
+            owner = rng.choice(list(accounts))
+            keys = [key(k) for k in rng.sample(range(40), rng.randint(1, 4))]
+            claim = ix.begin_store_many("ns", keys, 0, owner)
+            seen.append(
+                (
+                    owner,
+                    [o is not None for o in claim.offsets],
+                    claim.present,
+                    claim.dropped,
+                    claim.drop_reason,
+                )
+            )
+            open_claims.append(list(claim.slots))
+            ix.check_invariants()
+        return seen, asked
+
+    slow, asked_always = run(0)
+    fast, asked_under_floor = run(min(per_account, pool_held))
+    assert fast == slow
+    reasons = {s[4] for s in slow}
+    assert DropReason.SESSION_QUOTA in reasons  # the quota bound, on both paths
+    assert 0 < asked_under_floor < asked_always, (asked_under_floor, asked_always)

@@ -90,7 +90,11 @@ def test_a_result_crosses_the_wire_unchanged() -> None:
     )
     failed = JobResult(job_id=10, success=True)
     failed.fail("NOT_FOUND", "key 0102… is not ready")
-    for result in (sent, failed):
+    # Most results: nothing present, dropped or failed (written with fewer fields).
+    stored = JobResult(11, True, bytes=1 << 20, copy_seconds=0.5, total_seconds=1.0)
+    stored.stored_keys = 16
+    loaded = JobResult(12, True, bytes=1 << 20, copy_seconds=0.5, total_seconds=1.0)
+    for result in (sent, failed, stored, loaded):
         data = result_to_proto(result).SerializeToString()
         assert result_from_proto(pb.TransferResult.FromString(data)) == result
     assert (failed.success, failed.error_code) == (False, "NOT_FOUND")

@@ -189,3 +189,94 @@ def test_put_and_get_fail_at_once_while_every_cpu_copy_thread_is_stalled(
         assert await state.get(session.id, "ns", key(1), 0) == data
 
     asyncio.run(run())
+
+
+class _Gated:
+    """A registration's memory as an address range nothing reads, whose copies (the
+    bench's NullCopyEngine: planned, nothing moved) wait for `gate` first: a copy
+    held in flight for as long as the test wants."""
+
+    kind = MemoryPath.PVM
+
+    def __init__(self, size: int, gate: threading.Event) -> None:
+        self.size, self.gate, self.regions = size, gate, []  # type: ignore[var-annotated]
+
+    def open(self, handle: object, session_id: str) -> Any:
+        from kvdepot.bench.ceiling import NullCopyEngine
+        from kvdepot.bench.inproc import LocalRegion
+
+        gate = self.gate
+
+        class Engine(NullCopyEngine):
+            def prepare(self, *args: Any, **kwargs: Any) -> Any:
+                copy = super().prepare(*args, **kwargs)
+                return lambda: (gate.wait(30), copy())
+
+        region = LocalRegion(1 << 40, self.size)
+        self.regions.append(region)
+        return region, Engine()
+
+
+def _gated_registration(state: DepotState, gate: threading.Event) -> tuple[str, int]:
+    from kvdepot.server.core.memory_map import LayerRef, TensorView
+
+    state.add_memory_path(_Gated(2 * 64 * PAGE, gate))
+    session = state.open_session("test", os.getpid(), "")
+    tensors = [TensorView(0, i * 64 * PAGE, 64, PAGE, PAGE) for i in range(2)]
+    groups = [[LayerRef(i, 0, PAGE) for i in range(2)]]
+    layout = NamespaceLayout("ns", 1, 1, ((PAGE, PAGE),))
+    reg = state.register(session.id, layout, 0, [("pvm", None)], tensors, groups)
+    return session.id, reg.id
+
+
+def _store_job(session_id: str, registration_id: int, keys: list[bytes]) -> Any:
+    from kvdepot.common.jobs import Job
+    from kvdepot.common.kinds import Direction
+
+    n = len(keys)
+    return Job(1, int(Direction.STORE), keys, list(range(n)), [n], [0], False,
+               registration_id, "", session_id)  # fmt: skip
+
+
+def test_a_registration_ended_mid_copy_stays_mapped_until_the_copy_ends(
+    state: DepotState,
+) -> None:
+    """A store job's copy holds its registration mapped (Sessions.begin_use/end_use):
+    the session closing meanwhile ends the registration, which stays, closing, until
+    the copy has ended, and then goes."""
+    gate = threading.Event()
+    session_id, reg_id = _gated_registration(state, gate)
+
+    async def run() -> None:
+        job = asyncio.ensure_future(state.run_job(_store_job(session_id, reg_id, [key(1)])))
+        while state.traffic.inflight_jobs == 0 or state.copy_queue.idle == 2:
+            await asyncio.sleep(0.01)  # the copy has started, held at the gate
+        state.close_session(session_id)
+        reg = state.registrations.get(reg_id)
+        assert reg is not None and reg.closing and reg.inflight == 1
+        gate.set()
+        await job
+        assert reg_id not in state.registrations and reg.inflight == 0
+
+    asyncio.run(run())
+    state.check_invariants()
+
+
+def test_the_invariants_are_checked_after_each_job_when_asked(state: DepotState) -> None:
+    """With KVDEPOT_CHECK_INVARIANTS=1 (debug_invariants) a job is a `mutation`: the
+    invariants are checked when it ends, and a broken one sticks; without, a job runs
+    as the runner's own coroutine and checks nothing."""
+    gate = threading.Event()
+    gate.set()
+    session_id, reg_id = _gated_registration(state, gate)
+    state.traffic.inflight_jobs = -1  # broken: a job in flight fewer than none
+
+    async def job(i: int) -> None:
+        result = await state.run_job(_store_job(session_id, reg_id, [key(i)]))
+        assert result.success and result.stored_keys == 1, result
+
+    asyncio.run(job(1))
+    assert state.invariant_failure is None  # not checked
+    state.debug_invariants = True
+    asyncio.run(job(2))
+    assert state.invariant_failure is not None and "invariant broken" in state.invariant_failure

@@ -150,14 +150,27 @@ class BlockIndex:
 
     @property
     def writing_room(self) -> Callable[[Owner], int] | None:
-        """Bytes of WRITING rows an owner may still reserve, asked once per store call
-        (None: no limit). The state's quotas: they count an owner's sessions together
-        and the whole pool (kvdepot.server.state.namespaces)."""
+        """Bytes of WRITING rows an owner may still reserve, its reservations so far
+        taken off (None: no limit); asked by a store call when a row would not fit
+        under `writing_floor`, then as its rows are reserved. The state's quotas: they
+        count an owner's sessions together and the whole pool
+        (kvdepot.server.state.namespaces)."""
         return self._writes.room_for
 
     @writing_room.setter
     def writing_room(self, room_for: Callable[[Owner], int] | None) -> None:
         self._writes.room_for = room_for
+
+    @property
+    def writing_floor(self) -> int:
+        """A floor under `writing_room`: writing_room(owner) >= writing_floor less the
+        bytes of every WRITING row, for every owner. A store call whose rows fit under
+        it does not ask writing_room (0, the default: it always asks)."""
+        return self._writes.room_floor
+
+    @writing_floor.setter
+    def writing_floor(self, floor: int) -> None:
+        self._writes.room_floor = floor
 
     @property
     def internal_writers(self) -> set[Owner]:
@@ -177,8 +190,10 @@ class BlockIndex:
     def writing_bytes(self) -> int:
         """Bytes of the WRITING rows sessions reserved (the daemon's tiers' not counted)."""
         writes = self._writes
-        mine = writes.owner_writing
-        return writes.writing_total - sum(mine.get(o, 0) for o in writes.internal_writers)
+        total, mine = writes.writing_total, writes.owner_writing
+        for owner in writes.internal_writers:  # a few: the tiers
+            total -= mine.get(owner, 0)
+        return total
 
     def owner_pinned_bytes(self, owner: Owner) -> int:
         """Bytes of the distinct slots `owner` holds at least one pin on."""

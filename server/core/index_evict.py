@@ -38,28 +38,30 @@ class Evictions(IndexPart):
           a namespace that holds no more than its share, when another namespace needs
           room. At most MAX_SPARED such rows are passed over in one call (then the
           store is dropped: room is made only from rows nobody's share protects)."""
-        alloc, pop_victim = self._allocator, self._policy.pop_victim
-        namespaces = self._namespaces
-        passed: list[Slot] = []
+        alloc = self._allocator
+        if alloc.largest_free_extent >= need:  # room already: nothing to evict
+            return alloc.allocate(need)
+        pop_victim, namespaces = self._policy.pop_victim, self._namespaces
+        passed: list[Slot] | None = None  # made for the first row passed over (rare)
         spared = 0
         try:
             while alloc.largest_free_extent < need:
                 victim = pop_victim()
                 if victim is None:
                     return None
-                if victim.kept:
-                    passed.append(victim)
-                    continue
                 ns = namespaces[victim.namespace]
-                if (
+                if victim.kept or (
                     ns.share_bytes
                     and ns.used_bytes <= ns.share_bytes
                     and victim.namespace != for_namespace
                 ):
+                    if passed is None:
+                        passed = []
                     passed.append(victim)
-                    spared += 1
-                    if spared >= MAX_SPARED:
-                        return None
+                    if not victim.kept:  # spared by its namespace's share
+                        spared += 1
+                        if spared >= MAX_SPARED:
+                            return None
                     continue
                 ns.detach(victim)
                 ns.evicted_blocks += 1
@@ -71,7 +73,8 @@ class Evictions(IndexPart):
                 alloc.free(victim.extent)
             return alloc.allocate(need)
         finally:
-            self._put_back(passed)
+            if passed:
+                self._put_back(passed)
 
     def _put_back(self, passed: list[Slot]) -> None:
         """Rows popped off the policy and passed over, back where they were: the

@@ -65,9 +65,14 @@ class Writes(IndexPart):
         # Per owner (session): bytes of the WRITING rows it reserved (Slot.reserver).
         self.owner_writing: dict[Owner, int] = {}
         self.writing_total = 0  # their sum: read per store call (BlockIndex.writing_bytes)
-        # Bytes of WRITING rows an owner may still reserve now (None: no limit): the
-        # state's quotas, which count an owner's sessions together and the whole pool.
+        # Bytes of WRITING rows an owner may still reserve now, its reservations so far
+        # (this call's included) taken off (None: no limit): the state's quotas, which
+        # count an owner's sessions together and the whole pool.
         self.room_for: Callable[[Owner], int] | None = None
+        # A floor under it: room_for(owner) >= room_floor - writing_total for every
+        # owner. Most store calls stay above it, and room_for (a sum over the owner's
+        # sessions) is asked only when a row would not fit under the floor.
+        self.room_floor = 0
         # The daemon's own tiers (not sessions): they claim every rank's section of a
         # row at once, so the quota does not limit them and given-up marks are not
         # theirs to heed or leave (a row they claim is whole when they settle it).
@@ -128,8 +133,11 @@ class Writes(IndexPart):
         allocator, make_room = self._allocator, self._evictions.make_room
         needs: dict[int, tuple[int, int]] = {}  # group -> (slot bytes, rounded up)
         # Bytes this owner may still reserve (--max-writing-per-session); None: no limit.
+        # Until a row would not fit, `budget` is the floor (room_floor), not room_for's
+        # figure: room_for is asked then (it counts what this call reserved so far).
         room_for = self.room_for
-        budget = None if internal or room_for is None else room_for(owner)
+        budget = None if internal or room_for is None else self.room_floor - self.writing_total
+        exact = False  # budget is room_for's own figure
         claim = StoreClaim([], [])
         offsets, writing = claim.offsets, claim.slots
         removed: list[Slot] = []
@@ -158,12 +166,16 @@ class Writes(IndexPart):
                         size = layout.slot_bytes(group)
                         sizes = needs[group] = (size, allocator.round_up(size))
                     if budget is not None and sizes[1] > budget:
-                        self._stats.dropped_stores[DropReason.SESSION_QUOTA] += 1
-                        self._give_up(ns, key, bit, now)  # (never a tier's: no quota)
-                        claim.dropped += 1
-                        claim.drop_reason = DropReason.SESSION_QUOTA
-                        offsets.append(None)
-                        continue
+                        if not exact:  # under the floor: the quota's own figure now
+                            assert room_for is not None
+                            budget, exact = room_for(owner), True
+                        if sizes[1] > budget:
+                            self._stats.dropped_stores[DropReason.SESSION_QUOTA] += 1
+                            self._give_up(ns, key, bit, now)  # (never a tier's: no quota)
+                            claim.dropped += 1
+                            claim.drop_reason = DropReason.SESSION_QUOTA
+                            offsets.append(None)
+                            continue
                     extent = make_room(sizes[1], removed, namespace_id)
                     if extent is None:
                         reason = (

@@ -356,41 +356,42 @@ class JobRunner:
         engine, regions, pool = reg.engine, reg.regions, self._arena.address
         assert engine is not None
         direction = job.direction
-        parts = [plan]
+        parts: list[CopyPlan] | None = None  # None: the plan whole (most jobs)
         if engine.parallel_min_bytes:
             # Cut only for threads that would otherwise wait: when every thread has a
             # copy already (a TP=8 engine's ranks send eight jobs at once), parts add
             # hand-offs and no speed.
             parts = plan.split(copy_queue.idle, engine.parallel_min_bytes)
-
-        with self._sessions.in_use(reg):
-            try:
-                # Planned here, on the loop: the copy threads then hardly need the GIL.
-                copies = [
-                    engine.prepare(direction, regions, pool, p, self._arena.size) for p in parts
-                ]
-                if len(copies) == 1:
-                    t0, t1 = await copy_queue.run(
-                        functools.partial(_timed, copies[0]), job.expedited
-                    )
-                    return t1 - t0
-                # Every part ends before the job does (return_exceptions): a
-                # failed part must not release slots another part still writes.
-                spans = await asyncio.gather(
-                    *(copy_queue.run(functools.partial(_timed, c), job.expedited) for c in copies),
-                    return_exceptions=True,
-                )
-                for span in spans:
-                    if isinstance(span, BaseException):
-                        raise span
-                # every span is a (start, end) pair: the exceptions raised above
-                return max(e for _, e in spans) - min(s for s, _ in spans)  # type: ignore[misc]
-            except errors.DepotError:
-                raise
-            except Exception as exc:
-                label = Direction(job.direction).label
-                log.warning("%s job %d: copy failed: %s", label, job.job_id, exc)
-                raise errors.internal(f"copy failed: {exc}") from None
+            if len(parts) == 1:
+                parts = None
+        sessions = self._sessions
+        sessions.begin_use(reg)  # Sessions.in_use, without a generator: every job
+        try:
+            # Planned here, on the loop: the copy threads then hardly need the GIL.
+            if parts is None:
+                prepared = engine.prepare(direction, regions, pool, plan, self._arena.size)
+                t0, t1 = await copy_queue.run(functools.partial(_timed, prepared), job.expedited)
+                return t1 - t0
+            copies = [engine.prepare(direction, regions, pool, p, self._arena.size) for p in parts]
+            # Every part ends before the job does (return_exceptions): a
+            # failed part must not release slots another part still writes.
+            spans = await asyncio.gather(
+                *(copy_queue.run(functools.partial(_timed, c), job.expedited) for c in copies),
+                return_exceptions=True,
+            )
+            for span in spans:
+                if isinstance(span, BaseException):
+                    raise span
+            # every span is a (start, end) pair: the exceptions raised above
+            return max(e for _, e in spans) - min(s for s, _ in spans)  # type: ignore[misc]
+        except errors.DepotError:
+            raise
+        except Exception as exc:
+            label = Direction(job.direction).label
+            log.warning("%s job %d: copy failed: %s", label, job.job_id, exc)
+            raise errors.internal(f"copy failed: {exc}") from None
+        finally:
+            sessions.end_use(reg)
 
 
 def check_job_counts(keys: int, blocks: int, groups: int, indices: int, limits: JobLimits) -> None:
@@ -420,10 +421,13 @@ def check_job_counts(keys: int, blocks: int, groups: int, indices: int, limits: 
 def check_job_size(job: Job, layout: NamespaceLayout, limits: JobLimits) -> None:
     """Refuses (RESOURCE_EXHAUSTED, naming the limit) a job larger than `limits`, from
     its lists' lengths and group_sizes alone: nothing is built from the job before."""
-    check_job_counts(
-        len(job.keys), len(job.block_ids), len(job.group_sizes), len(job.block_indices), limits
-    )
-    if len(job.group_sizes) != layout.num_groups:
+    groups = len(job.group_sizes)
+    keys, blocks, indices = len(job.keys), len(job.block_ids), len(job.block_indices)
+    # Read inline (every job passes here; few are refused), check_job_counts's words
+    # for those that are.
+    if keys > limits.keys or blocks > limits.blocks or groups > MAX_GROUPS or indices > MAX_GROUPS:
+        check_job_counts(keys, blocks, groups, indices, limits)  # raises
+    if groups != layout.num_groups:
         return  # check_job says what is wrong
     # group_sizes and layout.groups have the same length (checked just above).
     pages = sum(map(operator.mul, job.group_sizes, map(len, layout.groups)))

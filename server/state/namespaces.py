@@ -145,12 +145,20 @@ class NamespaceAccess:
             )
 
     def writing_room(self, session_id: str) -> int:
-        """Bytes of rows the session may still reserve for writing (the index asks it
-        once per store call): what its account has left of --max-writing-per-session,
-        and the pool of `pool_writing`; 0 or less: its stores are dropped."""
+        """Bytes of rows the session may still reserve for writing: what its account
+        has left of --max-writing-per-session, and the pool of `pool_writing`; 0 or
+        less: its stores are dropped. The index asks it only when a store's rows would
+        not fit under `writing_floor`."""
         index = self._index
         mine = sum(map(index.owner_writing_bytes, self._sessions.account_sessions(session_id)))
         return min(self.max_writing - mine, self.pool_writing - index.writing_bytes())
+
+    @property
+    def writing_floor(self) -> int:
+        """The index's floor under `writing_room` (BlockIndex.writing_floor): an
+        account's rows and the sessions' rows being written are each at most every
+        WRITING row, so writing_room is never below this less their bytes."""
+        return min(self.max_writing, self.pool_writing)
 
     # -- forgetting ------------------------------------------------------------------
 

@@ -575,9 +575,19 @@ class Sessions:
         try:
             yield
         finally:
-            reg.inflight -= 1
-            if reg.closing and reg.inflight == 0:
-                self._drop(reg)
+            self.end_use(reg)
+
+    @staticmethod
+    def begin_use(reg: Registration) -> None:
+        """`in_use` in two calls, without a generator (the job path, once a job): keeps
+        `reg`'s regions mapped until the matching `end_use`, which the caller makes
+        in a `finally`."""
+        reg.inflight += 1
+
+    def end_use(self, reg: Registration) -> None:
+        reg.inflight -= 1
+        if reg.closing and reg.inflight == 0:
+            self._drop(reg)
 
     def _end(self, reg: Registration) -> None:
         reg.closing = True
