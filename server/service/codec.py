@@ -33,7 +33,8 @@ from kvdepot.server.core.layout import MAX_GROUPS, LayoutError, NamespaceLayout
 from kvdepot.server.core.memory_map import LayerRef, TensorView
 from kvdepot.server.core.namespace_proof import check_declaration
 from kvdepot.server.state.jobs import JobCounts, JobLimits
-from kvdepot.server.state.sessions import Registration, Session
+from kvdepot.server.state.registration import Registration
+from kvdepot.server.state.sessions import Session
 from kvdepot.v1 import admin_pb2
 from kvdepot.v1 import depot_pb2 as pb
 

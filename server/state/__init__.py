@@ -3,6 +3,7 @@
 depot.py          DepotState: assembles the parts; the API the services call
 startup.py        how it starts: empty pool, warm restart, crash recovery
 sessions.py       sessions, registrations, memory paths, fd claiming and sealing
+registration.py   a registration: one rank's (or units') mapped KV memory
 tickets.py        session tickets: a session its process owns from the open
 calls_in_flight.py  Depot calls in flight per account and per uid
 accounts.py       session ids by account (whom their shares charge)
@@ -24,7 +25,8 @@ settings.py       the settings it reads: a protocol (ServeConfig has them), not 
 
 from kvdepot.server.state.depot import DepotState
 from kvdepot.server.state.events import Watcher
-from kvdepot.server.state.sessions import Registration, Session
+from kvdepot.server.state.registration import Registration
+from kvdepot.server.state.sessions import Session
 
 __all__ = [
     "DepotState",

@@ -46,7 +46,7 @@ from kvdepot.server import errors
 from kvdepot.server.copy_queue import CopyQueues
 from kvdepot.server.core.index import BlockIndex, IndexEvent, Namespace
 from kvdepot.server.core.kinds import PutOutcome
-from kvdepot.server.core.layout import MAX_GROUPS, NamespaceLayout
+from kvdepot.server.core.layout import NamespaceLayout
 from kvdepot.server.core.memory_map import LayerRef, TensorView
 from kvdepot.server.core.prefix_fetch import KeyState
 from kvdepot.server.core.tier import Tier
@@ -61,12 +61,13 @@ from kvdepot.server.state.admin_queries import AdminQueries
 from kvdepot.server.state.events import EventBus, Watcher
 from kvdepot.server.state.inline import InlinePath
 from kvdepot.server.state.invariants import check_invariants, mutation
-from kvdepot.server.state.jobs import JobLimits, JobRunner, check_job_counts
+from kvdepot.server.state.jobs import JobLimits, JobRunner
 from kvdepot.server.state.key_calls import KeyCalls
 from kvdepot.server.state.listing import BlockPage
 from kvdepot.server.state.namespaces import NamespaceAccess
+from kvdepot.server.state.registration import Registration
 from kvdepot.server.state.registry import SessionRegistry
-from kvdepot.server.state.sessions import FdSource, Registration, Session, Sessions
+from kvdepot.server.state.sessions import FdSource, Session, Sessions
 from kvdepot.server.state.settings import StateConfig
 from kvdepot.server.state.stats import stats_fields
 from kvdepot.server.state.tiers import TiersBelow
@@ -529,32 +530,8 @@ class DepotState:
         groups: int,
         indices: int,
     ) -> None:
-        """A Transfer job (stream or lane), before anything is built from its message:
-        its session must be open (FAILED_PRECONDITION), its lists (their lengths: a
-        JobCounts' fields, as plain ints) no longer than any job may have
-        (`check_job_counts`), and its session must have joined the namespace of the
-        registration it names (PERMISSION_DENIED; the message never names that
-        namespace). An unknown registration is left to the job runner."""
-        # Every job passes here: the common case (an open session, counts within the
-        # limits) is read inline; the calls that raise, with their words, otherwise.
-        sessions = self._sessions
-        session = sessions.sessions.get(session_id)
-        if session is None:
-            session = sessions.get(session_id)  # raises
-        limits = self.jobs.limits
-        if (
-            keys > limits.keys
-            or blocks > limits.blocks
-            or groups > MAX_GROUPS
-            or indices > MAX_GROUPS
-        ):
-            check_job_counts(keys, blocks, groups, indices, limits)  # raises
-        reg = sessions.registrations.get(registration_id)
-        if reg is not None and reg.layout.id not in session.namespaces:
-            raise errors.denied(
-                f"registration {registration_id} is of a namespace this session has not "
-                f"joined: RegisterKV into the namespace first"
-            )
+        """A Transfer job, before its message is decoded: see JobRunner.admit_job."""
+        self.jobs.admit_job(session_id, registration_id, keys, blocks, groups, indices)
 
     # -- admin: Evict and Clear (kvdepot.server.state.admin_evict) ---------------------
 
@@ -571,13 +548,9 @@ class DepotState:
     # -- transfers ---------------------------------------------------------------------
 
     def run_job(self, job: Job) -> Coroutine[Any, Any, JobResult]:
-        """One Transfer job (see kvdepot.server.state.jobs), to await. Never raises.
-        The runner's own coroutine unless the invariants are checked (a `mutation`
-        then): every job would otherwise pay for one more coroutine, at its start and
-        at each resumption."""
-        if self.debug_invariants:
-            return self._run_job_checked(job)
-        return self.jobs.run(job)
+        """One Transfer job (kvdepot.server.state.jobs), to await; never raises. The
+        runner's own coroutine (one less a job) unless the invariants are checked."""
+        return self._run_job_checked(job) if self.debug_invariants else self.jobs.run(job)
 
     @mutation
     async def _run_job_checked(self, job: Job) -> JobResult:

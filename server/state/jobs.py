@@ -53,7 +53,8 @@ from kvdepot.server.core.memory_map import MemoryMap
 from kvdepot.server.core.planner import CopyPlan, plan_copy
 from kvdepot.server.memory.arena import Arena
 from kvdepot.server.memory.copy_engine import PreparedCopy
-from kvdepot.server.state.sessions import Registration, Sessions
+from kvdepot.server.state.registration import Registration
+from kvdepot.server.state.sessions import Sessions
 from kvdepot.server.state.traffic import Traffic
 
 log = logging.getLogger("kvdepot.state")
@@ -138,6 +139,42 @@ class JobRunner:
             out.copy_seconds,
         )
         return out
+
+    def admit_job(
+        self,
+        session_id: str,
+        registration_id: int,
+        keys: int,
+        blocks: int,
+        groups: int,
+        indices: int,
+    ) -> None:
+        """A Transfer job (stream or lane), before anything is built from its message:
+        its session must be open (FAILED_PRECONDITION), its lists (their lengths: a
+        JobCounts' fields, as plain ints) no longer than any job may have
+        (`check_job_counts`), and its session must have joined the namespace of the
+        registration it names (PERMISSION_DENIED; the message never names that
+        namespace). An unknown registration is left to the job runner."""
+        # Every job passes here: the common case (an open session, counts within the
+        # limits) is read inline; the calls that raise, with their words, otherwise.
+        sessions = self._sessions
+        session = sessions.sessions.get(session_id)
+        if session is None:
+            session = sessions.get(session_id)  # raises
+        limits = self.limits
+        if (
+            keys > limits.keys
+            or blocks > limits.blocks
+            or groups > MAX_GROUPS
+            or indices > MAX_GROUPS
+        ):
+            check_job_counts(keys, blocks, groups, indices, limits)  # raises
+        reg = sessions.registrations.get(registration_id)
+        if reg is not None and reg.layout.id not in session.namespaces:
+            raise errors.denied(
+                f"registration {registration_id} is of a namespace this session has not "
+                f"joined: RegisterKV into the namespace first"
+            )
 
     def _check(self, job: Job) -> tuple[Direction, Registration, JobShape]:
         if self._refusing():

@@ -30,7 +30,8 @@ from kvdepot.server.peer import Peer, peer_key
 from kvdepot.server.state.events import EventBus
 from kvdepot.server.state.invariants import mutation
 from kvdepot.server.state.namespaces import NamespaceAccess
-from kvdepot.server.state.sessions import Registration, Session, Sessions
+from kvdepot.server.state.registration import Registration
+from kvdepot.server.state.sessions import Session, Sessions
 
 log = logging.getLogger("kvdepot.state")
 
