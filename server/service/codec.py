@@ -152,36 +152,29 @@ def read_job(data: bytes, limits: JobLimits) -> JobMessage:
 
 
 def result_to_proto(result: JobResult) -> pb.TransferResult:
-    # Most results leave the last five fields at their defaults (nothing present,
-    # dropped or failed): a keyword costs about 0.05 µs, and every job pays for each.
-    if not (
+    out = pb.TransferResult(
+        job_id=result.job_id,
+        success=result.success,
+        bytes=result.bytes,
+        copy_seconds=result.copy_seconds,
+        total_seconds=result.total_seconds,
+        stored_keys=result.stored_keys,
+    )
+    # Most results leave these at their defaults (nothing present, dropped or failed):
+    # set only then, as each field costs every job about 0.05 µs.
+    if (
         result.present_keys
         or result.dropped_keys
         or result.error
         or result.error_code
         or result.drop_reason
     ):
-        return pb.TransferResult(
-            job_id=result.job_id,
-            success=result.success,
-            bytes=result.bytes,
-            copy_seconds=result.copy_seconds,
-            total_seconds=result.total_seconds,
-            stored_keys=result.stored_keys,
-        )
-    return pb.TransferResult(
-        job_id=result.job_id,
-        success=result.success,
-        bytes=result.bytes,
-        copy_seconds=result.copy_seconds,
-        total_seconds=result.total_seconds,
-        error=result.error,
-        error_code=result.error_code,
-        stored_keys=result.stored_keys,
-        present_keys=result.present_keys,
-        dropped_keys=result.dropped_keys,
-        drop_reason=result.drop_reason,
-    )
+        out.present_keys = result.present_keys
+        out.dropped_keys = result.dropped_keys
+        out.error = result.error
+        out.error_code = result.error_code
+        out.drop_reason = result.drop_reason
+    return out
 
 
 def layout_from_proto(msg: pb.NamespaceLayout) -> NamespaceLayout:
