@@ -11,8 +11,8 @@ rises or falls hits them alike), makes `--calls` calls of each kind: Lookup, Pin
 Unpin (wait=True) of 16 keys, through DepotClient, as the scheduler's gRPC fallbacks do.
 Reports per daemon and kind the p50 and p90 latency, and per daemon the CPU time its
 process spent per call (from /proc), each with its ratio to the first daemon's: figures
-taken in the same run. The first round is a warm-up, not counted. Older daemons must
-speak this client's protocol (the session metadata: a tree from before 2026-12 does not).
+taken in the same run. The first round is a warm-up, not counted. The client is this
+tree's for every daemon (an older daemon ignores the session metadata it sends).
 """
 
 from __future__ import annotations
