@@ -16,14 +16,13 @@ of `kvdepot serve` selects it, so a production daemon always copies.
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvdepot.bench.daemon import OwnDaemon
+from kvdepot.bench.daemon import OwnDaemon, process_cpu_seconds
 from kvdepot.bench.fleet import Fleet
 from kvdepot.bench.geometry import BenchGeometry
 from kvdepot.bench.stats import GB, overlap_rate
@@ -156,16 +155,6 @@ def measure_ceiling(
     }
 
 
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of a process (all its threads), from /proc."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 class KeyCursor:
     """Where the next series' key numbers and block patterns start: every store names
     fresh keys, every load set is stored first (the key numbers sit apart from the
@@ -260,7 +249,7 @@ def timed_run(
 
 
 def cpu_total(pids: Sequence[int]) -> float:
-    return sum(cpu_seconds(pid) for pid in pids)
+    return sum(process_cpu_seconds(pid) for pid in pids)
 
 
 def daemon_counters(daemons: Sequence[OwnDaemon]) -> tuple[float, float, float, float]:

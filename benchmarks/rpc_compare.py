@@ -28,6 +28,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from kvdepot.bench.daemon import process_cpu_seconds
 from kvdepot.client.depot_client import DepotClient
 from kvdepot.testing.daemon import ServeProcess, kvdepot_command
 from kvdepot.v1 import depot_pb2 as pb
@@ -35,12 +36,6 @@ from kvdepot.v1 import depot_pb2 as pb
 KINDS = ("lookup", "pin", "unpin")
 KEYS = 16
 NAMESPACE = "rpc-compare"
-
-
-def _cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of a process (all its threads)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _calls(client: DepotClient, keys: list[bytes]) -> dict[str, Callable[[], Any]]:
@@ -87,7 +82,7 @@ def compare(daemons: list[tuple[str, list[str]]], rounds: int, calls: int) -> di
                 for i in order:
                     name, (serve, client) = names[i], started[i]
                     assert serve.proc is not None
-                    before = _cpu_seconds(serve.proc.pid)
+                    before = process_cpu_seconds(serve.proc.pid)
                     for kind, call in _calls(client, keys).items():
                         for _ in range(calls):
                             t0 = time.perf_counter()
@@ -95,7 +90,7 @@ def compare(daemons: list[tuple[str, list[str]]], rounds: int, calls: int) -> di
                             if r:
                                 samples[(name, kind)].append(time.perf_counter() - t0)
                     if r:
-                        cpu[name] += _cpu_seconds(serve.proc.pid) - before
+                        cpu[name] += process_cpu_seconds(serve.proc.pid) - before
                         counted[name] += calls * len(KINDS)
         finally:
             for serve, client in started:
@@ -116,7 +111,7 @@ def compare(daemons: list[tuple[str, list[str]]], rounds: int, calls: int) -> di
         per_call = cpu[name] / counted[name]
         base_cpu = cpu[first] / counted[first]
         row["daemon_cpu_us_per_call"] = per_call * 1e6
-        # None when the first daemon's CPU time read 0 (a short run: /proc counts ticks)
+        # None when the first daemon's CPU time read 0 (it exited)
         row["cpu_ratio"] = per_call / base_cpu if base_cpu else None
         out["daemons"][name] = row
     out["loadavg_1min"] = os.getloadavg()[0]

@@ -13,7 +13,7 @@ import urllib.request
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvdepot.bench.ceiling import cpu_seconds
+from kvdepot.bench.daemon import process_cpu_seconds as cpu_seconds
 from kvdepot.server.core.kinds import AbortReason, DropReason, EvictionReason
 from kvdepot.v1 import admin_pb2
 from kvdepot.v1 import depot_pb2 as pb
