@@ -13,10 +13,9 @@ from pathlib import Path
 
 import grpc
 
+from kvdepot.common.libc import libc
 from kvdepot.testing.daemon import ServeProcess, stats
 from kvdepot.v1 import admin_pb2
-
-_libc = ctypes.CDLL(None, use_errno=True)
 
 
 def process_cpu_seconds(pid: int) -> float:
@@ -25,7 +24,7 @@ def process_cpu_seconds(pid: int) -> float:
     counts 10 ms ticks, which a short run of a fast daemon read as 0. 0.0 when the
     process is gone."""
     clock = ctypes.c_int()
-    if _libc.clock_getcpuclockid(pid, ctypes.byref(clock)) != 0:
+    if libc.clock_getcpuclockid(pid, ctypes.byref(clock)) != 0:
         return 0.0
     try:
         return time.clock_gettime(clock.value)

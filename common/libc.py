@@ -1,6 +1,7 @@
 """The C library calls kvdepot makes through ctypes, with their prototypes declared
 once (ctypes guesses int for every argument and result otherwise, which truncates
-addresses): mmap, munmap, madvise, memcmp, fallocate, prctl, and mbind through syscall.
+addresses): mmap, munmap, madvise, memcmp, fallocate, prctl, clock_getcpuclockid, and
+mbind through syscall.
 Linux only, like the rest of kvdepot."""
 
 from __future__ import annotations
@@ -34,6 +35,10 @@ libc.memcmp.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t]  # me
 # space, glibc's posix_fallocate writes zeros over the whole range instead.
 libc.fallocate.restype = ctypes.c_int
 libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
+
+# The CPU-time clock of another process (the bench reads a daemon's CPU time with it).
+libc.clock_getcpuclockid.restype = ctypes.c_int
+libc.clock_getcpuclockid.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_int)]
 
 # prctl(2) is variadic in glibc; its options take unsigned longs.
 PR_SET_PDEATHSIG = 1
